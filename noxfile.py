@@ -1,0 +1,91 @@
+"""Every session a user or CI runs. Bare ``nox`` runs the tests of every package and
+backend, the cross-backend suite, lint and typecheck."""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+nox.options.sessions = ["tests_core", "tests_torch", "tests_jax", "conformance", "lint", "typecheck"]
+nox.options.reuse_existing_virtualenvs = True
+nox.options.error_on_missing_interpreters = True
+
+# The CPU wheel. Any other torch spec makes pip fetch a multi-GB CUDA build, so every
+# session that installs torch pins it first and constrains it afterwards.
+TORCH = "torch==2.13.0"
+TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3"]
+CORE = "packages/core"
+TORCH_DP = "packages/torch_dp"
+JAX_DP = "packages/jax_dp"
+JAX_HOST_DEVICES = "4"
+
+
+def _install_torch(session: nox.Session) -> None:
+    session.install(TORCH)
+    constraints = os.path.join(session.virtualenv.location, "torch-constraint.txt")
+    with open(constraints, "w") as f:
+        f.write(TORCH + "\n")
+    session.env["PIP_CONSTRAINT"] = constraints
+
+
+def _jax_env(session: nox.Session) -> None:
+    session.env["KERAS_BACKEND"] = "jax"
+    session.env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={JAX_HOST_DEVICES}"
+
+
+@nox.session(python=["3.10", "3.11", "3.12", "3.13"])
+def tests_core(session: nox.Session) -> None:
+    """dp-core alone, in a venv that holds nothing heavy."""
+    session.install(CORE, *TEST_TOOLS)
+    session.run("pytest", "packages/core/tests", *session.posargs)
+
+
+@nox.session(python="3.11")
+def tests_torch(session: nox.Session) -> None:
+    """torch-dp on the CPU wheel, 2-process gloo runs included."""
+    _install_torch(session)
+    session.install("-e", CORE, "-e", TORCH_DP, *TEST_TOOLS)
+    session.env["KERAS_BACKEND"] = "torch"
+    session.run("pytest", "packages/torch_dp/tests", *session.posargs)
+
+
+@nox.session(python=["3.11", "3.12"])
+def tests_jax(session: nox.Session) -> None:
+    """jax-dp on forced host devices, 2-process jax.distributed runs included."""
+    session.install("-e", CORE, "-e", JAX_DP, *TEST_TOOLS)
+    _jax_env(session)
+    session.run("pytest", "packages/jax_dp/tests", *session.posargs)
+
+
+@nox.session(python="3.11")
+def conformance(session: nox.Session) -> None:
+    """The cross-backend suite: one scenario, every backend, the same answer."""
+    _install_torch(session)
+    session.install("-e", CORE, "-e", TORCH_DP, "-e", JAX_DP, *TEST_TOOLS)
+    session.env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={JAX_HOST_DEVICES}"
+    session.run("pytest", "tests", *session.posargs)
+
+
+@nox.session(python="3.11")
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over the whole repo."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(python="3.11")
+def typecheck(session: nox.Session) -> None:
+    """pyright over the sources of every package, with their stacks installed."""
+    _install_torch(session)
+    session.install("-e", CORE, "-e", TORCH_DP, "-e", JAX_DP, "pyright>=1.1.380")
+    session.run("pyright", *session.posargs)
+
+
+@nox.session(python="3.11")
+def build(session: nox.Session) -> None:
+    """A wheel and sdist per package, into dist/."""
+    session.install("build>=1.2")
+    for package in (CORE, TORCH_DP, JAX_DP):
+        session.run("python", "-m", "build", "--outdir", "dist", package)

@@ -1,0 +1,45 @@
+"""dp-core: the backend-neutral protocols of keras-dp (numpy only)."""
+
+from importlib.metadata import version as _version
+
+from dp_core._batch import per_replica_batch_size as per_replica_batch_size
+from dp_core._layout import ReplicaLayout as ReplicaLayout
+from dp_core._lr import Constant as Constant
+from dp_core._lr import CosineDecay as CosineDecay
+from dp_core._lr import LearningRateScaling as LearningRateScaling
+from dp_core._lr import Schedule as Schedule
+from dp_core._lr import Warmup as Warmup
+from dp_core._lr import learning_rate_policy as learning_rate_policy
+from dp_core._lr import linear_scaling as linear_scaling
+from dp_core._lr import scale_learning_rate as scale_learning_rate
+from dp_core._lr import schedule_from_config as schedule_from_config
+from dp_core._lr import sqrt_scaling as sqrt_scaling
+from dp_core._split import Shard as Shard
+from dp_core._split import epoch_order as epoch_order
+from dp_core._split import num_steps as num_steps
+from dp_core._split import split_indices as split_indices
+from dp_core._trainer import ModelFactory as ModelFactory
+from dp_core._trainer import Trainer as Trainer
+
+__version__ = _version("dp-core")
+
+__all__ = [
+    "Constant",
+    "CosineDecay",
+    "LearningRateScaling",
+    "ModelFactory",
+    "ReplicaLayout",
+    "Schedule",
+    "Shard",
+    "Trainer",
+    "Warmup",
+    "epoch_order",
+    "learning_rate_policy",
+    "linear_scaling",
+    "num_steps",
+    "per_replica_batch_size",
+    "scale_learning_rate",
+    "schedule_from_config",
+    "split_indices",
+    "sqrt_scaling",
+]
