@@ -9,7 +9,7 @@ def test_divides():
 
 
 def test_indivisible_names_both_numbers_and_the_nearest_valid_sizes():
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ValueError, match="does not divide evenly") as info:
         per_replica_batch_size(33, 2)
     message = str(info.value)
     assert "global_batch_size=33" in message and "num_replicas=2" in message

@@ -28,7 +28,7 @@ def test_num_rows_mismatch_names_each_input():
 def test_num_rows_errors():
     with pytest.raises(ValueError, match="x is None"):
         num_rows(None)
-    with pytest.raises(ValueError, match="x must be an array with one row per sample .* got int"):
+    with pytest.raises(ValueError, match=r"x must be an array with one row per sample .* got int"):
         num_rows(3)
     with pytest.raises(ValueError, match="y and sample_weight must come from its items"):
         num_rows(Squares(), np.zeros(5))

@@ -30,7 +30,7 @@ def test_rule_factories():
 
 
 def test_unknown_rule_and_bad_batch():
-    with pytest.raises(ValueError, match="rule must be one of .* got 'cubic'"):
+    with pytest.raises(ValueError, match=r"rule must be one of .* got 'cubic'"):
         scale_learning_rate(0.1, base_batch_size=32, global_batch_size=64, rule="cubic")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="base_batch_size must be a positive integer, got 0"):
         scale_learning_rate(0.1, base_batch_size=0, global_batch_size=64)

@@ -23,7 +23,9 @@ class Schedule(Protocol):
     def get_config(self) -> dict[str, Any]: ...
 
 
-def scale_learning_rate(base_lr: float, *, base_batch_size: int, global_batch_size: int, rule: Rule = "linear") -> float:
+def scale_learning_rate(
+    base_lr: float, *, base_batch_size: int, global_batch_size: int, rule: Rule = "linear"
+) -> float:
     """The learning rate for ``global_batch_size``, given one tuned at ``base_batch_size``.
 
     >>> scale_learning_rate(0.1, base_batch_size=32, global_batch_size=128, rule="linear")
