@@ -61,5 +61,5 @@ def test_resolve_model():
 
 def test_require_backend_says_how_to_fix():
     require_backend(keras.backend.backend(), "this package")
-    with pytest.raises(RuntimeError, match="needs the Keras 'torch' backend.*Set KERAS_BACKEND=torch"):
+    with pytest.raises(RuntimeError, match=r"needs the Keras 'torch' backend.*Set KERAS_BACKEND=torch"):
         require_backend("torch", "torch-dp")

@@ -22,6 +22,9 @@ from dp_core._lr import (
     schedule_from_config,
 )
 
+# keras.ops is typed for every backend at once; treat it as untyped here.
+ops: Any = keras.ops
+
 
 def require_backend(expected: str, package: str) -> None:
     """Fail early, with the fix, when Keras runs on another backend."""
@@ -68,14 +71,13 @@ class KerasSchedule(keras.optimizers.schedules.LearningRateSchedule):
         self._schedule = schedule_from_config(config)
 
     def __call__(self, step: Any) -> Any:
-        return _evaluate(self._schedule, keras.ops.cast(step, "float32"))
+        return _evaluate(self._schedule, ops.cast(step, "float32"))
 
     def get_config(self) -> dict[str, Any]:
         return {"config": self.config}
 
 
 def _evaluate(schedule: Schedule, step: Any) -> Any:
-    ops = keras.ops
     if isinstance(schedule, Constant):
         return ops.convert_to_tensor(schedule.value, "float32") + 0.0 * step
     if isinstance(schedule, CosineDecay):
@@ -112,7 +114,7 @@ def apply_learning_rate_policy(
             f"{type(optimizer).__name__} has the schedule {type(optimizer._learning_rate).__name__}. "
             "Compile with a float learning rate, or drop lr_scaling and warmup_steps."
         )
-    base_lr = float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+    base_lr = float(ops.convert_to_numpy(optimizer.learning_rate))
     policy = learning_rate_policy(
         base_lr, global_batch_size=global_batch_size, lr_scaling=lr_scaling, warmup_steps=warmup_steps
     )
