@@ -29,6 +29,11 @@ def _install_torch(session: nox.Session) -> None:
     session.env["PIP_CONSTRAINT"] = constraints
 
 
+def _install_everything(session: nox.Session, *extra: str) -> None:
+    _install_torch(session)
+    session.install("-e", CORE, "-e", TORCH_DP, "-e", JAX_DP, *extra)
+
+
 def _jax_env(session: nox.Session) -> None:
     session.env["KERAS_BACKEND"] = "jax"
     session.env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={JAX_HOST_DEVICES}"
@@ -61,8 +66,7 @@ def tests_jax(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def conformance(session: nox.Session) -> None:
     """The cross-backend suite: one scenario, every backend, the same answer."""
-    _install_torch(session)
-    session.install("-e", CORE, "-e", TORCH_DP, "-e", JAX_DP, *TEST_TOOLS)
+    _install_everything(session, *TEST_TOOLS)
     session.env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={JAX_HOST_DEVICES}"
     session.run("pytest", "tests", *session.posargs)
 
@@ -78,8 +82,7 @@ def lint(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def typecheck(session: nox.Session) -> None:
     """pyright over the sources of every package, with their stacks installed."""
-    _install_torch(session)
-    session.install("-e", CORE, "-e", TORCH_DP, "-e", JAX_DP, "pyright>=1.1.380")
+    _install_everything(session, "pyright>=1.1.380")
     session.run("pyright", *session.posargs)
 
 
@@ -89,3 +92,18 @@ def build(session: nox.Session) -> None:
     session.install("build>=1.2")
     for package in (CORE, TORCH_DP, JAX_DP):
         session.run("python", "-m", "build", "--outdir", "dist", package)
+
+
+@nox.session(python="3.11")
+def demo(session: nox.Session) -> None:
+    """The main job: a convnet on scikit-learn's digits, N replicas vs 1 (``-- --backend jax --replicas 4``)."""
+    _install_everything(session, "scikit-learn>=1.3", "matplotlib>=3.8")
+    session.run("python", "examples/demo.py", *session.posargs)
+
+
+@nox.session(python="3.11")
+def bench(session: nox.Session) -> None:
+    """Side-by-side throughput, start-up and memory against what a user would otherwise write."""
+    _install_everything(session, "psutil>=5.9")
+    session.run("python", "benchmarks/bench_torch.py", "--output", "docs/benchmarks/torch.json", *session.posargs)
+    session.run("python", "benchmarks/bench_jax.py", "--output", "docs/benchmarks/jax.json", *session.posargs)
