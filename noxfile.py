@@ -1,5 +1,5 @@
 """Every session a user or CI runs. Bare ``nox`` runs the tests of every package and
-backend, the cross-backend suite, lint and typecheck."""
+backend, the cross-backend suite, lint, typecheck and a wheel build of every package."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 
 import nox
 
-nox.options.sessions = ["tests_core", "tests_torch", "tests_jax", "conformance", "lint", "typecheck"]
+nox.options.sessions = ["tests_core", "tests_torch", "tests_jax", "conformance", "lint", "typecheck", "build"]
 nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = True
 
