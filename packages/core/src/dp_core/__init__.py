@@ -3,6 +3,13 @@
 from importlib.metadata import version as _version
 
 from dp_core._batch import per_replica_batch_size as per_replica_batch_size
+from dp_core._checkpoint import Checkpoint as Checkpoint
+from dp_core._checkpoint import CheckpointError as CheckpointError
+from dp_core._checkpoint import check_compatible as check_compatible
+from dp_core._checkpoint import latest_checkpoint as latest_checkpoint
+from dp_core._checkpoint import list_checkpoints as list_checkpoints
+from dp_core._checkpoint import load_checkpoint as load_checkpoint
+from dp_core._checkpoint import save_checkpoint as save_checkpoint
 from dp_core._layout import ReplicaLayout as ReplicaLayout
 from dp_core._lr import Constant as Constant
 from dp_core._lr import CosineDecay as CosineDecay
@@ -24,6 +31,8 @@ from dp_core._trainer import Trainer as Trainer
 __version__ = _version("dp-core")
 
 __all__ = [
+    "Checkpoint",
+    "CheckpointError",
     "Constant",
     "CosineDecay",
     "LearningRateScaling",
@@ -33,11 +42,16 @@ __all__ = [
     "Shard",
     "Trainer",
     "Warmup",
+    "check_compatible",
     "epoch_order",
+    "latest_checkpoint",
     "learning_rate_policy",
     "linear_scaling",
+    "list_checkpoints",
+    "load_checkpoint",
     "num_steps",
     "per_replica_batch_size",
+    "save_checkpoint",
     "scale_learning_rate",
     "schedule_from_config",
     "split_indices",
