@@ -63,7 +63,7 @@ def save_checkpoint(directory: str | os.PathLike[str], checkpoint: Checkpoint, *
     final = root / checkpoint.name
     staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
     try:
-        arrays = {
+        arrays: dict[str, Any] = {
             f"{group}/{i}": _plain_array(group, i, value)
             for group in _GROUPS
             for i, value in enumerate(getattr(checkpoint, group))
@@ -121,7 +121,7 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     state = json.loads((path / "state.json").read_text())
     counts = state.pop("counts")
     with np.load(path / "arrays.npz", allow_pickle=False) as arrays:
-        groups = {group: [arrays[f"{group}/{i}"] for i in range(counts[group])] for group in _GROUPS}
+        groups: dict[str, Any] = {group: [arrays[f"{group}/{i}"] for i in range(counts[group])] for group in _GROUPS}
     return Checkpoint(**state, **groups)
 
 
