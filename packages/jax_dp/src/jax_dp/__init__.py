@@ -1,7 +1,13 @@
-"""jax-dp: the keras-dp Trainer on jax."""
+"""jax-dp: exact, Keras-native data-parallel training on a jax device mesh."""
 
 from importlib.metadata import version as _version
 
+from jax_dp._distributed import initialize as initialize
+from jax_dp._trainer import Trainer as Trainer
+
 __version__ = _version("jax-dp")
 
-__all__: list[str] = []
+__all__ = [
+    "Trainer",
+    "initialize",
+]

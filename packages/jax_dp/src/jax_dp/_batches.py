@@ -1,0 +1,132 @@
+"""Global batches on the mesh, prepared on the host while the devices compute.
+
+Each process gathers only the rows of its own replicas (dp_core.split_indices per
+local replica, concatenated in replica order) and hands them to
+``jax.make_array_from_process_local_data``; the result is one batch-sharded global
+array per input leaf, plus the padding mask.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import jax
+import keras
+import numpy as np
+from jax.sharding import Mesh
+
+from dp_core import ReplicaLayout, num_steps, split_indices
+from dp_core._data import is_map_dataset, map_structure, num_rows, take_rows
+from jax_dp._mesh import batch_sharded
+
+PREFETCH = 2  # batches prepared ahead: enough to hide the host's gather behind a step
+
+
+class Batch(NamedTuple):
+    """One global batch as device arrays; ``mask`` is 1.0 for real rows, 0.0 for padding."""
+
+    x: Any
+    y: Any
+    sample_weight: Any
+    mask: jax.Array
+
+
+class Samples:
+    """What ``fit``/``evaluate``/``predict`` were given, checked and indexable by row.
+
+    Nested arrays ``(x, y, sample_weight)`` or a map-style dataset whose items are
+    ``x``, ``(x, y)`` or ``(x, y, sample_weight)``.
+    """
+
+    def __init__(self, x: Any, y: Any = None, sample_weight: Any = None) -> None:
+        self.num_samples = num_rows(x, y, sample_weight)
+        self._dataset = x if is_map_dataset(x) else None
+        self._arrays = (x, y, sample_weight)
+
+    def rows(self, indices: np.ndarray) -> tuple[Any, Any, Any]:
+        """``(x, y, sample_weight)`` of these rows, floats in Keras's floatx like ``model.fit``."""
+        if self._dataset is not None:
+            x, y, sample_weight = _unpack(take_rows(self._dataset, indices))
+        else:
+            x, y, sample_weight = (take_rows(part, indices) for part in self._arrays)
+        return map_structure(_to_floatx, x), map_structure(_to_floatx, y), map_structure(_to_floatx, sample_weight)
+
+
+def _unpack(item: Any) -> tuple[Any, Any, Any]:
+    if isinstance(item, tuple) and 1 <= len(item) <= 3:
+        return (*item, *([None] * (3 - len(item))))  # type: ignore[return-value]
+    return item, None, None
+
+
+def _to_floatx(leaf: Any) -> np.ndarray:
+    array = np.asarray(leaf)
+    if np.issubdtype(array.dtype, np.floating):
+        return array.astype(keras.config.floatx(), copy=False)
+    return array
+
+
+class EpochPlan:
+    """This process's rows for every step of one epoch, in replica order."""
+
+    def __init__(
+        self,
+        samples: Samples,
+        *,
+        layout: ReplicaLayout,
+        global_batch_size: int,
+        epoch: int = 0,
+        seed: int = 0,
+        shuffle: bool = False,
+    ) -> None:
+        self.samples = samples
+        self.global_batch_size = global_batch_size
+        self.steps = num_steps(samples.num_samples, global_batch_size)
+        shards = [
+            split_indices(
+                samples.num_samples,
+                num_shards=layout.num_replicas,
+                shard_index=replica,
+                global_batch_size=global_batch_size,
+                seed=seed,
+                epoch=epoch,
+                shuffle=shuffle,
+            )
+            for replica in layout.local_replica_indices
+        ]
+        # (steps, local replicas * per-replica rows): row s is this process's part of batch s.
+        self.indices = np.concatenate([s.indices.reshape(self.steps, -1) for s in shards], axis=1)
+        self.mask = np.concatenate([s.mask.reshape(self.steps, -1) for s in shards], axis=1)
+
+
+def device_batches(plan: EpochPlan, mesh: Mesh, *, start: int = 0) -> Iterator[Batch]:
+    """The plan's batches on the mesh, ``PREFETCH`` ahead of the consumer.
+
+    jax dispatch is asynchronous, so gathering and transferring batch ``s+1`` here
+    overlaps with the step the caller just dispatched on batch ``s``.
+    """
+    ahead: collections.deque[Batch] = collections.deque()
+    step = start
+    while step < plan.steps or ahead:
+        while step < plan.steps and len(ahead) < PREFETCH:
+            ahead.append(_put(plan, step, mesh))
+            step += 1
+        yield ahead.popleft()
+
+
+def _put(plan: EpochPlan, step: int, mesh: Mesh) -> Batch:
+    sharding = batch_sharded(mesh)
+    x, y, sample_weight = plan.samples.rows(plan.indices[step])
+    local_mask = plan.mask[step].astype(np.float32)
+
+    def put(local: np.ndarray) -> jax.Array:
+        global_shape = (plan.global_batch_size, *local.shape[1:])
+        return jax.make_array_from_process_local_data(sharding, local, global_shape)
+
+    return Batch(
+        x=map_structure(put, x),
+        y=map_structure(put, y),
+        sample_weight=map_structure(put, sample_weight),
+        mask=put(local_mask),
+    )

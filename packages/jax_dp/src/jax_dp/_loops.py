@@ -1,0 +1,149 @@
+"""Host-side loops: moving model state to the mesh and back, epochs, evaluation, prediction."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import keras
+import numpy as np
+from jax.sharding import Mesh
+from keras.src.utils.python_utils import is_default
+
+from jax_dp._batches import EpochPlan, Samples, device_batches
+from jax_dp._distributed import agree, replicated_to_host, rows_to_host, same_on_all_processes
+from jax_dp._mesh import put_replicated
+from jax_dp._steps import Logs, TrainState
+
+PROGRESS_SECONDS = 0.2  # progress-bar refresh: often enough to watch, rarely enough not to stall the devices
+STOP_CHECK_STEPS = 16  # with several processes, how often a mid-epoch stop decision is exchanged
+
+
+def build(model: keras.Model, samples: Samples, global_batch_size: int) -> None:
+    """Create the model's, loss's, metrics' and optimizer's variables from one batch's shapes."""
+    x, y, sample_weight = samples.rows(np.arange(min(samples.num_samples, global_batch_size)))
+    model._symbolic_build(data_batch=(x, y, sample_weight))
+
+
+def weights_on_mesh(model: keras.Model, mesh: Mesh) -> tuple[list[jax.Array], list[jax.Array]]:
+    """The model's trainable and non-trainable values, process 0's, replicated on the mesh."""
+    return (
+        _variables_on_mesh(model.trainable_variables, mesh),
+        _variables_on_mesh(model.non_trainable_variables, mesh),
+    )
+
+
+def fresh_metrics(model: keras.Model, mesh: Mesh) -> list[jax.Array]:
+    """Metric variables at their reset values, replicated on the mesh."""
+    model.reset_metrics()
+    return _variables_on_mesh(model.metrics_variables, mesh)
+
+
+def _variables_on_mesh(variables: list[Any], mesh: Mesh) -> list[jax.Array]:
+    values = same_on_all_processes([keras.ops.convert_to_numpy(v.value) for v in variables])
+    return [put_replicated(value, mesh) for value in values]
+
+
+def write_back(model: keras.Model, trainable: list[jax.Array], non_trainable: list[jax.Array]) -> None:
+    """Trained values into the caller's model, as host copies (usable outside the mesh)."""
+    for variables, values in ((model.trainable_variables, trainable), (model.non_trainable_variables, non_trainable)):
+        for variable, value in zip(variables, replicated_to_host(values), strict=True):
+            variable.assign(value)
+
+
+def host_logs(logs: Logs | None) -> dict[str, Any]:
+    """Device logs as Python floats (scalars) or numpy arrays."""
+    if not logs:
+        return {}
+    return {name: value.item() if value.size == 1 else value for name, value in replicated_to_host(logs).items()}
+
+
+class BatchEndReporter:
+    """Calls batch-end callbacks every step only if a callback needs every step.
+
+    Otherwise (progress bar only) at most every ``PROGRESS_SECONDS`` and at the last
+    step, because each report pulls the logs to the host and waits for the devices.
+    """
+
+    def __init__(self, callbacks: keras.callbacks.CallbackList, hooks: tuple[str, ...], steps: int) -> None:
+        self.callbacks = callbacks
+        self.steps = steps
+        reporting = [c for c in callbacks.callbacks if any(not is_default(getattr(c, hook)) for hook in hooks)]
+        self.every_step = any(not isinstance(c, keras.callbacks.ProgbarLogger) for c in reporting)
+        self.enabled = bool(reporting)
+        self.last = 0.0
+
+    def due(self, step: int) -> bool:
+        if not self.enabled:
+            return False
+        if self.every_step or step == self.steps - 1 or time.monotonic() - self.last >= PROGRESS_SECONDS:
+            self.last = time.monotonic()
+            return True
+        return False
+
+
+def train_epoch(
+    train_step: Callable[[TrainState, Any], tuple[Logs, TrainState]],
+    state: TrainState,
+    plan: EpochPlan,
+    mesh: Mesh,
+    model: keras.Model,
+    callbacks: keras.callbacks.CallbackList,
+) -> tuple[TrainState, Logs | None]:
+    """One epoch of steps; returns the state and the last step's (running-mean) logs."""
+    reporter = BatchEndReporter(callbacks, ("on_train_batch_end", "on_batch_end"), plan.steps)
+    several_processes = jax.process_count() > 1
+    logs = None
+    for step, batch in enumerate(device_batches(plan, mesh)):
+        callbacks.on_train_batch_begin(step)
+        logs, state = train_step(state, batch)
+        if reporter.due(step):
+            callbacks.on_train_batch_end(step, logs)
+        if several_processes:
+            # Every process must stop at the same step, so the decision is exchanged at fixed steps.
+            if (step + 1) % STOP_CHECK_STEPS == 0 and step + 1 < plan.steps and agree(bool(model.stop_training)):
+                model.stop_training = True
+                break
+        elif model.stop_training:
+            break
+    return state, logs
+
+
+def evaluate_samples(
+    test_step: Callable[..., tuple[Logs, list[Any]]],
+    weights: tuple[list[jax.Array], list[jax.Array]],
+    metrics: list[jax.Array],
+    plan: EpochPlan,
+    mesh: Mesh,
+    callbacks: keras.callbacks.CallbackList | None = None,
+) -> dict[str, Any]:
+    """Loss and metrics over every sample of the plan (running means over real rows)."""
+    reporter = None if callbacks is None else BatchEndReporter(callbacks, ("on_test_batch_end",), plan.steps)
+    logs = None
+    for step, batch in enumerate(device_batches(plan, mesh)):
+        logs, metrics = test_step(weights, metrics, batch)
+        if reporter is not None and callbacks is not None and reporter.due(step):
+            callbacks.on_test_batch_end(step, logs)
+    return host_logs(logs)
+
+
+def predict_samples(
+    predict_step: Callable[..., Any],
+    weights: tuple[list[jax.Array], list[jax.Array]],
+    plan: EpochPlan,
+    mesh: Mesh,
+    callbacks: keras.callbacks.CallbackList,
+) -> Any:
+    """Outputs for every sample, in the plan's (input) order, padding dropped."""
+    reporter = BatchEndReporter(callbacks, ("on_predict_batch_end",), plan.steps)
+    outputs = []
+    for step, batch in enumerate(device_batches(plan, mesh)):
+        outputs.append(predict_step(weights, batch.x))
+        if reporter.due(step):
+            callbacks.on_predict_batch_end(step, {"outputs": outputs[-1]})
+    # Pulled at the end, not per batch, so the devices never wait for the host.
+    host = [jax.tree.map(rows_to_host, output) for output in outputs]
+    num_samples = plan.samples.num_samples
+    return jax.tree.map(lambda *parts: np.concatenate(parts)[:num_samples], *host)

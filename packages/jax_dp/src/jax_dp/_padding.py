@@ -1,0 +1,172 @@
+"""Padded rows weigh nothing: the parts of Keras that would otherwise count them.
+
+The last global batch is padded to its full size so its shape (and the compiled step)
+stays fixed. While a step is *traced*, ``padding_aware`` swaps, on the model's own
+objects and only for the duration of the trace:
+
+- each BatchNormalization layer's moments for masked ones (global batch by default,
+  or per replica group with ``batch_norm="replica"``);
+- the compiled metrics' update, so unweighted metrics get the mask as weight;
+- the per-output loss trackers' weight, from the padded batch size to the real rows.
+
+The loss itself is made exact through sample weights (see ``_steps``), not here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+import jax.numpy as jnp
+import keras
+
+BatchNorm = Literal["global", "replica"]
+BATCH_NORM_MODES = ("global", "replica")
+
+
+@contextlib.contextmanager
+def padding_aware(
+    model: keras.Model, mask: jnp.ndarray, *, batch_norm: BatchNorm = "global", num_replicas: int = 1
+) -> Iterator[None]:
+    """Within the block, ``model``'s BN statistics, metrics and loss trackers ignore padded rows."""
+    real_rows = jnp.sum(mask)
+    restores: list[Callable[[], None]] = []
+    try:
+        for layer in model._flatten_layers():
+            if isinstance(layer, keras.layers.BatchNormalization):
+                if batch_norm == "replica":
+                    restores.append(_override(layer, "call", _replica_batch_norm_call(layer, mask, num_replicas)))
+                else:
+                    restores.append(_override(layer, "_moments", _masked_moments(layer, mask)))
+        compile_metrics = getattr(model, "_compile_metrics", None)
+        if compile_metrics is not None:
+            restores.append(_override(compile_metrics, "update_state", _masked_metrics_update(compile_metrics, mask)))
+        compile_loss = getattr(model, "_compile_loss", None)
+        for tracker in [] if compile_loss is None else compile_loss.metrics:
+            restores.append(_override(tracker, "update_state", _per_real_row(tracker.update_state, real_rows)))
+        yield
+    finally:
+        for restore in reversed(restores):
+            restore()
+
+
+def _override(obj: Any, name: str, replacement: Callable[..., Any]) -> Callable[[], None]:
+    # object.__setattr__: an instance attribute shadows the method without Keras tracking it.
+    had_own = name in vars(obj)
+    previous = vars(obj).get(name)
+    object.__setattr__(obj, name, replacement)
+
+    def restore() -> None:
+        if had_own:
+            object.__setattr__(obj, name, previous)
+        else:
+            object.__delattr__(obj, name)
+
+    return restore
+
+
+def _batch_weights(inputs: jnp.ndarray, mask: jnp.ndarray, keras_mask: Any) -> jnp.ndarray:
+    weights = jnp.reshape(mask.astype(inputs.dtype), (inputs.shape[0],) + (1,) * (inputs.ndim - 1))
+    if keras_mask is not None:
+        weights = weights * jnp.expand_dims(jnp.asarray(keras_mask, inputs.dtype), -1)
+    return jnp.broadcast_to(weights, inputs.shape)
+
+
+def _weighted_moments(inputs: jnp.ndarray, weights: jnp.ndarray, axes: tuple[int, ...]) -> tuple[Any, Any]:
+    # Biased variance, two passes, like jnp.var in Keras's own moments.
+    count = jnp.maximum(jnp.sum(weights, axes, keepdims=True), 1.0)
+    mean = jnp.sum(inputs * weights, axes, keepdims=True) / count
+    variance = jnp.sum(jnp.square(inputs - mean) * weights, axes, keepdims=True) / count
+    return mean, variance
+
+
+def _masked_moments(layer: keras.layers.BatchNormalization, mask: jnp.ndarray) -> Callable[..., Any]:
+    original = layer._moments
+
+    def moments(inputs: Any, keras_mask: Any) -> tuple[Any, Any]:
+        axes = tuple(layer._reduction_axes)
+        if 0 not in axes or inputs.shape[0] != mask.shape[0]:
+            return original(inputs, keras_mask)  # batch rows not pooled here: padding cannot leak
+        inputs = jnp.asarray(inputs)
+        mean, variance = _weighted_moments(inputs, _batch_weights(inputs, mask, keras_mask), axes)
+        return jnp.squeeze(mean, axes), jnp.squeeze(variance, axes)
+
+    return moments
+
+
+def _replica_batch_norm_call(
+    layer: keras.layers.BatchNormalization, batch_mask: jnp.ndarray, num_replicas: int
+) -> Callable[..., Any]:
+    """BN that normalizes each replica's rows with that replica's own moments.
+
+    The moving statistics move towards the mean of the replicas' moments (replicas
+    holding only padding excluded), so the replicated state stays one value.
+    """
+    if layer.renorm:
+        raise ValueError(f"batch_norm='replica' does not support BatchNormalization(renorm=True) ({layer.name}).")
+    original = layer.call
+
+    def call(inputs: Any, training: Any = None, mask: Any = None) -> Any:
+        keras_mask = mask
+        if not (training and layer.trainable) or inputs.shape[0] != batch_mask.shape[0]:
+            return original(inputs, training=training, mask=keras_mask)
+        x = jnp.asarray(inputs).astype(jnp.result_type(inputs.dtype, jnp.float32))
+        groups = (num_replicas, x.shape[0] // num_replicas, *x.shape[1:])
+        axes = tuple(a + 1 for a in layer._reduction_axes)
+        weights = jnp.reshape(_batch_weights(x, batch_mask, keras_mask), groups)
+        mean, variance = _weighted_moments(jnp.reshape(x, groups), weights, axes)
+        inv = jnp.reciprocal(jnp.sqrt(variance + layer.epsilon))
+        if layer.scale:
+            inv = inv * _channel_shaped(layer.gamma, layer.axis % x.ndim, x.ndim)
+        offset = _channel_shaped(layer.beta, layer.axis % x.ndim, x.ndim) if layer.center else 0.0
+        outputs = jnp.reshape(jnp.reshape(x, groups) * inv + (offset - mean * inv), x.shape)
+        has_rows = (jnp.sum(weights, axes, keepdims=True) > 0).astype(x.dtype)
+        num_with_rows = jnp.maximum(jnp.sum(has_rows), 1.0)
+        for moving, batch_value in ((layer.moving_mean, mean), (layer.moving_variance, variance)):
+            replica_mean = jnp.reshape(jnp.sum(batch_value * has_rows, axis=0) / num_with_rows, moving.shape)
+            moving.assign(moving.value * layer.momentum + replica_mean * (1.0 - layer.momentum))
+        return outputs.astype(layer.compute_dtype)
+
+    return call
+
+
+def _channel_shaped(variable: Any, axis: int, ndim: int) -> jnp.ndarray:
+    shape = [1] * (ndim + 1)  # +1: the leading replica-group axis
+    shape[axis + 1] = -1
+    return jnp.reshape(keras.ops.convert_to_tensor(variable), shape)
+
+
+def _masked_metrics_update(compile_metrics: Any, mask: jnp.ndarray) -> Callable[..., None]:
+    """CompileMetrics.update_state with the mask as weight of the unweighted metrics.
+
+    Keras gives ``metrics=`` no sample weight and ``weighted_metrics=`` the sample
+    weight; the step passes ``sample_weight * mask`` here, so both skip padding.
+    """
+
+    def update_state(y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
+        if not compile_metrics.built:
+            compile_metrics.build(y_true, y_pred)
+        y_true = compile_metrics._flatten_y(y_true)
+        y_pred = compile_metrics._flatten_y(y_pred)
+        for metric, y_t, y_p in zip(compile_metrics._flat_metrics, y_true, y_pred, strict=False):
+            if metric:
+                metric.update_state(y_t, y_p, sample_weight=mask)
+        weights = [mask] * len(y_true) if sample_weight is None else compile_metrics._flatten_y(sample_weight)
+        if len(weights) < len(y_true):  # one weight for every output, as in Keras
+            weights = [weights[0]] * len(y_true)
+        for metric, y_t, y_p, weight in zip(
+            compile_metrics._flat_weighted_metrics, y_true, y_pred, weights, strict=False
+        ):
+            if metric:
+                metric.update_state(y_t, y_p, sample_weight=weight)
+
+    return update_state
+
+
+def _per_real_row(update_state: Callable[..., Any], real_rows: jnp.ndarray) -> Callable[..., Any]:
+    # Keras weighs a batch's loss by its padded size; a smaller real batch weighs less.
+    def update(values: Any, sample_weight: Any = None) -> Any:
+        return update_state(values, sample_weight=real_rows)
+
+    return update

@@ -1,0 +1,50 @@
+"""Helpers shared by the jax_dp tests (imported by name: conftest puts this folder on sys.path)."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+
+NUM_SAMPLES = 99  # 3 full batches of 32 and a last batch of 3 real rows (padded to 32)
+GLOBAL_BATCH = 32
+
+
+def make_data() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(NUM_SAMPLES, 5)).astype("float32")
+    y = (x @ rng.normal(size=(5, 1)) + 0.1 * rng.normal(size=(NUM_SAMPLES, 1))).astype("float32")
+    x_val = rng.normal(size=(37, 5)).astype("float32")
+    y_val = rng.normal(size=(37, 1)).astype("float32")
+    return x, y, x_val, y_val
+
+
+def dense_bn_model(optimizer: str = "sgd", seed: int = 1) -> keras.Model:
+    """Dense + BatchNormalization regressor.
+
+    The Dense before BN has no bias: BN cancels it, so its true gradient is 0 and
+    Adam would amplify float noise in it into visible (but meaningless) differences.
+    """
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.Dense(8, use_bias=False),
+            keras.layers.BatchNormalization(),
+            keras.layers.Activation("relu"),
+            keras.layers.Dense(1),
+        ]
+    )
+    opt = keras.optimizers.SGD(0.1) if optimizer == "sgd" else keras.optimizers.Adam(0.01)
+    model.compile(optimizer=opt, loss="mse", metrics=["mae"])
+    return model
+
+
+def assert_weights_close(expected: keras.Model, actual: keras.Model, atol: float = 1e-5) -> None:
+    for variable, want, got in zip(expected.weights, expected.get_weights(), actual.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, atol=atol, rtol=1e-5, err_msg=variable.path)
+
+
+def assert_history_close(expected: dict, actual: dict, atol: float = 1e-5) -> None:
+    assert set(actual) == set(expected)
+    for name in expected:
+        np.testing.assert_allclose(actual[name], expected[name], atol=atol, rtol=1e-5, err_msg=name)
