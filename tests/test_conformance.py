@@ -1,0 +1,104 @@
+"""One scenario, every backend, the same answer.
+
+Each backend runs every scenario of ``conformance/scenarios.py`` in a subprocess (its own
+KERAS_BACKEND): single-device Keras, then its Trainer on each replica count. The tests assert
+(a) N replicas equal 1 replica, (c) the Trainer equals single-device Keras, and (b) torch-dp
+equals jax-dp from the same initial weights and data order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "conformance"))
+from scenarios import SCENARIOS
+
+RUNNER = Path(__file__).parent / "conformance" / "run_scenarios.py"
+REPLICAS = {"torch": [1, 2], "jax": [1, 2, 4]}
+# fp32 sums taken in another order (replicas, devices, backends' kernels) differ in the last
+# bits; these bound what that noise reaches over two epochs of these small models.
+SAME_BACKEND = {"rtol": 1e-5, "atol": 2e-5}
+CROSS_BACKEND = {"rtol": 1e-4, "atol": 1e-4}
+
+
+def _run_backend(backend: str, directory: Path) -> tuple[dict, dict]:
+    output = directory / f"{backend}.npz"
+    env = dict(os.environ, KERAS_BACKEND=backend, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    result = subprocess.run(
+        [sys.executable, str(RUNNER), "--replicas", *map(str, REPLICAS[backend]), "--output", str(output)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    assert result.returncode == 0, f"{backend} scenarios failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    with np.load(output, allow_pickle=False) as arrays:
+        loaded = dict(arrays)
+    return loaded, json.loads(output.with_suffix(".json").read_text())
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("conformance")
+    return {backend: _run_backend(backend, directory) for backend in REPLICAS}
+
+
+def _arrays(results, backend, scenario, runner, kind):
+    arrays = results[backend][0]
+    prefix = f"{scenario}/{runner}/{kind}/"
+    return [
+        arrays[key] for key in sorted((k for k in arrays if k.startswith(prefix)), key=lambda k: int(k[len(prefix) :]))
+    ]
+
+
+def _logs(results, backend, scenario, runner):
+    return results[backend][1][f"{scenario}/{runner}"]
+
+
+def assert_same(results, scenario, left, right, tolerance):
+    """Weights, predictions, History and evaluate of two runs agree; the message names the worst."""
+    (left_backend, left_runner), (right_backend, right_runner) = left, right
+    where = f"scenario {scenario}: {left_backend}/{left_runner} vs {right_backend}/{right_runner}"
+    for kind in ("weights", "predictions"):
+        a = _arrays(results, left_backend, scenario, left_runner, kind)
+        b = _arrays(results, right_backend, scenario, right_runner, kind)
+        assert len(a) == len(b) > 0, f"{where}: {kind} counts {len(a)} vs {len(b)}"
+        worst = max(float(np.max(np.abs(x - y))) for x, y in zip(a, b, strict=True))
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            np.testing.assert_allclose(x, y, **tolerance, err_msg=f"{where}: {kind}[{i}] (largest diff {worst:.3g})")
+    a_logs, b_logs = (
+        _logs(results, left_backend, scenario, left_runner),
+        _logs(results, right_backend, scenario, right_runner),
+    )
+    for section in ("history", "evaluate"):
+        assert sorted(a_logs[section]) == sorted(b_logs[section]), f"{where}: {section} keys differ"
+        for key in a_logs[section]:
+            np.testing.assert_allclose(
+                a_logs[section][key], b_logs[section][key], **tolerance, err_msg=f"{where}: {section}[{key!r}]"
+            )
+
+
+@pytest.mark.parametrize("scenario", [s.name for s in SCENARIOS])
+@pytest.mark.parametrize(
+    ("backend", "replicas"), [(b, r) for b, counts in REPLICAS.items() for r in counts], ids=lambda v: str(v)
+)
+def test_trainer_equals_single_device_keras(results, scenario, backend, replicas):
+    assert_same(results, scenario, (backend, "keras"), (backend, f"{backend}_dp-{replicas}"), SAME_BACKEND)
+
+
+@pytest.mark.parametrize("scenario", [s.name for s in SCENARIOS])
+@pytest.mark.parametrize(("backend", "replicas"), [(b, r) for b, counts in REPLICAS.items() for r in counts[1:]])
+def test_n_replicas_equal_one(results, scenario, backend, replicas):
+    assert_same(results, scenario, (backend, f"{backend}_dp-1"), (backend, f"{backend}_dp-{replicas}"), SAME_BACKEND)
+
+
+@pytest.mark.parametrize("scenario", [s.name for s in SCENARIOS])
+def test_torch_dp_equals_jax_dp(results, scenario):
+    assert_same(results, scenario, ("torch", "torch_dp-2"), ("jax", "jax_dp-2"), CROSS_BACKEND)
