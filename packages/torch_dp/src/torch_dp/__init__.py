@@ -1,7 +1,21 @@
-"""torch-dp: the keras-dp Trainer on torch."""
+"""torch-dp: exact, Keras-native data-parallel training on torch.
+
+trainer = torch_dp.Trainer(num_replicas=2)
+history = trainer.fit(model, x, y, global_batch_size=64, epochs=3)
+"""
 
 from importlib.metadata import version as _version
 
+from torch_dp._batchnorm import BatchNormMode as BatchNormMode
+from torch_dp._launch import WorkerError as WorkerError
+from torch_dp._sampler import Sampler as Sampler
+from torch_dp._trainer import Trainer as Trainer
+
 __version__ = _version("torch-dp")
 
-__all__: list[str] = []
+__all__ = [
+    "BatchNormMode",
+    "Sampler",
+    "Trainer",
+    "WorkerError",
+]

@@ -1,0 +1,112 @@
+"""BatchNormalization statistics over the real rows of the whole global batch.
+
+Keras computes BN moments per process, and its moving statistics are Keras variables
+that DDP would never broadcast. Here each BN layer's ``_moments`` is replaced, on the
+layer instance, by one that drops padded rows and (by default) sums the statistics
+over replicas with the autograd-aware all-reduce, so the gradient through the batch
+mean and variance is the single-device one too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import keras
+import torch
+import torch.distributed as dist
+
+BatchNormMode = Literal["global", "per_replica"]
+BATCH_NORM_MODES = ("global", "per_replica")
+
+_current = threading.local()
+
+
+@contextlib.contextmanager
+def real_rows(mask: torch.Tensor | None) -> Iterator[None]:
+    """Within the block, BN layers count only rows where ``mask`` (shape ``(rows,)``) is 1."""
+    previous = getattr(_current, "mask", None)
+    _current.mask = mask
+    try:
+        yield
+    finally:
+        _current.mask = previous
+
+
+class _SumOverReplicas(torch.autograd.Function):
+    """All-reduce whose gradient is the all-reduced gradient: every replica's loss depends
+    on every replica's rows through the shared statistics. (What the deprecated
+    ``torch.distributed.nn.functional.all_reduce`` does.)"""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
+        summed = tensor.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(summed)
+        return summed
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> torch.Tensor:
+        summed = grad_outputs[0].clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(summed)
+        return summed
+
+
+def _moments(layer: Any, inputs: torch.Tensor, mask: Any, *, synchronized: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    axes = list(layer._reduction_axes)
+    weights = _row_weights(inputs, mask)
+    if weights is None:
+        total = inputs.sum(axes)
+        squares = (inputs * inputs).sum(axes)
+        count = torch.full_like(total, inputs.numel() / total.numel())
+    else:
+        weighted = inputs * weights
+        total = weighted.sum(axes)
+        squares = (weighted * inputs).sum(axes)
+        count = weights.expand_as(inputs).sum(axes)
+    stats = torch.stack([total, squares, count])
+    if synchronized and dist.is_initialized() and dist.get_world_size() > 1:
+        stats = _SumOverReplicas.apply(stats)
+    total, squares, count = stats.unbind(0)
+    count = count.clamp_min(1.0)  # a replica, or a whole batch, may hold no real row
+    mean = total / count
+    # E[x^2] - E[x]^2, biased, as keras.ops.moments computes it on torch.
+    return mean, squares / count - mean * mean
+
+
+def _row_weights(inputs: torch.Tensor, keras_mask: Any) -> torch.Tensor | None:
+    """1 for rows (and Keras-masked positions) that count, 0 for padding; None if all count."""
+    rows = getattr(_current, "mask", None)
+    weights = None
+    if rows is not None and rows.shape[0] == inputs.shape[0]:
+        weights = rows.to(inputs.dtype).reshape((-1,) + (1,) * (inputs.ndim - 1))
+    if keras_mask is not None:
+        positions = keras.ops.convert_to_tensor(keras_mask).to(inputs.dtype).unsqueeze(-1)
+        weights = positions if weights is None else weights * positions
+    return weights
+
+
+def batch_norm_layers(model: keras.Model) -> list[keras.layers.BatchNormalization]:
+    return [
+        layer
+        for layer in model._flatten_layers(include_self=False, recursive=True)
+        if isinstance(layer, keras.layers.BatchNormalization)
+    ]
+
+
+@contextlib.contextmanager
+def masked_batch_norm(model: keras.Model, mode: BatchNormMode) -> Iterator[None]:
+    """Within the block, every BN layer of ``model`` uses masked (and, if global, synced) moments."""
+    if mode not in BATCH_NORM_MODES:
+        raise ValueError(f"batch_norm must be one of {BATCH_NORM_MODES}, got {mode!r}.")
+    layers = batch_norm_layers(model)
+    for layer in layers:
+        # An instance attribute shadows the class method; deleting it restores Keras's.
+        object.__setattr__(layer, "_moments", functools.partial(_moments, layer, synchronized=mode == "global"))
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.__dict__.pop("_moments", None)

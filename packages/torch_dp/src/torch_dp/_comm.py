@@ -1,0 +1,99 @@
+"""Where this process sits among the replicas, and the few collectives a step needs.
+
+Every collective is coalesced: the tensors of one kind travel as one flat buffer per
+dtype, the way DDP buckets gradients, so a step costs one round trip, not one per
+variable. With a single replica every function here is the identity.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Replica:
+    """This process's replica: its index, how many there are, and its device."""
+
+    rank: int
+    num_replicas: int
+    device: str = "cpu"
+
+    @property
+    def is_primary(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.num_replicas > 1
+
+
+def started_by_torchrun() -> bool:
+    """Whether torchrun (or another env:// launcher) started this process."""
+    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def _groups_by_dtype(tensors: Sequence[torch.Tensor]) -> dict[torch.dtype, list[int]]:
+    groups: dict[torch.dtype, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        groups.setdefault(tensor.dtype, []).append(index)
+    return groups
+
+
+def _coalesced(tensors: Sequence[torch.Tensor], collective) -> list[torch.Tensor]:
+    """Run ``collective`` on one flat buffer per dtype; returns tensors shaped like the inputs."""
+    results: list[torch.Tensor] = list(tensors)
+    for indices in _groups_by_dtype(tensors).values():
+        flat = torch.cat([tensors[i].detach().reshape(-1) for i in indices])
+        collective(flat)
+        for i, piece in zip(indices, torch.split(flat, [tensors[i].numel() for i in indices]), strict=True):
+            results[i] = piece.view(tensors[i].shape)
+    return results
+
+
+def all_reduce_sum(tensors: Sequence[torch.Tensor], replica: Replica) -> list[torch.Tensor]:
+    """Element-wise sums over replicas, as new tensors (inputs are left alone)."""
+    if not replica.distributed:
+        return list(tensors)
+    return _coalesced(tensors, lambda flat: dist.all_reduce(flat, op=dist.ReduceOp.SUM))
+
+
+def average_gradients(gradients: Sequence[torch.Tensor], replica: Replica) -> list[torch.Tensor]:
+    """The mean of each gradient over replicas, in one all-reduce per dtype."""
+    if not replica.distributed:
+        return list(gradients)
+
+    def mean(flat: torch.Tensor) -> None:
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        flat.div_(replica.num_replicas)
+
+    return _coalesced(gradients, mean)
+
+
+def broadcast_from_primary(tensors: Sequence[torch.Tensor], replica: Replica) -> list[torch.Tensor]:
+    """Rank 0's values of ``tensors`` on every replica."""
+    if not replica.distributed:
+        return list(tensors)
+    return _coalesced(tensors, lambda flat: dist.broadcast(flat, src=0))
+
+
+def broadcast_floats(values: Sequence[float], replica: Replica) -> list[float]:
+    """Rank 0's Python floats on every replica (control decisions: stop, learning rate)."""
+    if not replica.distributed:
+        return list(values)
+    buffer = torch.tensor(list(values), dtype=torch.float64, device=replica.device)
+    dist.broadcast(buffer, src=0)
+    return buffer.cpu().tolist()
+
+
+def all_gather_rows(tensor: torch.Tensor, replica: Replica) -> list[torch.Tensor]:
+    """Every replica's ``tensor`` (same shape on all), in rank order."""
+    if not replica.distributed:
+        return [tensor]
+    parts = [torch.empty_like(tensor) for _ in range(replica.num_replicas)]
+    dist.all_gather(parts, tensor.contiguous())
+    return parts

@@ -1,0 +1,160 @@
+"""How replica processes start and stop: spawned on this host, or already started by torchrun.
+
+Kept apart from what a step does (``_steps``/``_loop``): this module knows processes,
+ports, threads and failures, nothing about Keras.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing.connection
+import os
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+class WorkerError(RuntimeError):
+    """A replica process failed; ``rank`` names it and the message carries its traceback."""
+
+    def __init__(self, message: str, *, rank: int, worker_traceback: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.worker_traceback = worker_traceback
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (picked in the parent, so every worker agrees)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def threads_per_replica(num_replicas: int) -> int:
+    """Cores divided between replicas, so they do not oversubscribe the CPU."""
+    return max(1, available_cores() // num_replicas)
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """Set variables while children start (spawned children copy the parent's environment)."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def exit_with_parent() -> None:
+    """End this worker if the process that spawned it dies (no orphans after a SIGKILL)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="torch_dp-parent-watch", daemon=True).start()
+
+
+def report_failure(directory: str, rank: int) -> None:
+    """Called in a worker's ``except``: record the traceback for the parent, then exit now.
+
+    ``os._exit`` skips interpreter teardown, which can block on a half-closed process group.
+    """
+    text = traceback.format_exc()
+    with open(os.path.join(directory, f"error_{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "time": time.time(), "traceback": text}, f)
+    print(f"torch_dp replica {rank} failed:\n{text}", flush=True)
+    os._exit(1)
+
+
+def spawn(
+    target: Callable[..., Any],
+    args: tuple[Any, ...],
+    *,
+    num_replicas: int,
+    directory: str,
+    environment: dict[str, str],
+    grace_period: float = 10.0,
+) -> None:
+    """Run ``target(rank, *args)`` in ``num_replicas`` spawned processes and wait for all.
+
+    If one fails, the others get ``grace_period`` seconds to notice (their collectives
+    fail when a peer disappears), then are terminated, then killed; the error raised
+    names the first rank that failed, with its traceback.
+    """
+    context = mp.get_context("spawn")
+    processes = []
+    try:
+        with _environment(environment):
+            for rank in range(num_replicas):
+                process = context.Process(target=target, args=(rank, *args), name=f"torch_dp-replica-{rank}")
+                process.start()
+                processes.append(process)
+        pending = {process.sentinel: rank for rank, process in enumerate(processes)}
+        while pending:
+            for sentinel in multiprocessing.connection.wait(list(pending), timeout=1.0):
+                rank = pending.pop(sentinel)  # type: ignore[arg-type]
+                processes[rank].join()
+                if processes[rank].exitcode != 0:
+                    _stop_all(processes, grace_period)
+                    raise _first_failure(processes, directory, rank)
+    finally:
+        _stop_all(processes, grace_period=0.0)
+
+
+def _stop_all(processes: list[Any], grace_period: float) -> None:
+    deadline = time.monotonic() + grace_period
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(5.0)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def _first_failure(processes: list[Any], directory: str, failed_rank: int) -> WorkerError:
+    reports = []
+    for rank in range(len(processes)):
+        path = os.path.join(directory, f"error_{rank}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                reports.append(json.load(f))
+    if reports:
+        first = min(reports, key=lambda report: report["time"])
+        others = sorted(report["rank"] for report in reports if report is not first)
+        also = f" (replicas {others} failed after it)" if others else ""
+        return WorkerError(
+            f"torch_dp replica {first['rank']} of {len(processes)} failed{also}:\n{first['traceback']}",
+            rank=first["rank"],
+            worker_traceback=first["traceback"],
+        )
+    return WorkerError(
+        f"torch_dp replica {failed_rank} of {len(processes)} exited with code {processes[failed_rank].exitcode} "
+        "without a Python error (killed by a signal, or out of memory?).",
+        rank=failed_rank,
+    )

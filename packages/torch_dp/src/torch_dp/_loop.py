@@ -1,0 +1,152 @@
+"""The epoch loops every replica runs: Keras's ``fit``/``evaluate``/``predict`` loops,
+with callbacks and the progress bar on rank 0 only and every decision rank 0 makes
+(stop, learning rate) sent to all replicas at the point Keras would act on it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import keras
+import numpy as np
+
+from dp_core import num_steps
+from dp_core._keras import callback_list
+from torch_dp._batches import Data, replica_batches
+from torch_dp._comm import Replica, broadcast_floats
+from torch_dp._steps import global_logs, predict_step, test_step, train_step
+
+_BATCH_HOOKS = ("on_batch_begin", "on_batch_end", "on_train_batch_begin", "on_train_batch_end")
+
+
+@dataclass(frozen=True)
+class FitOptions:
+    global_batch_size: int
+    epochs: int = 1
+    shuffle: bool = True
+    seed: int = 0
+    verbose: Any = "auto"
+    log_every_steps: int = 10
+
+
+def _wants_batch_logs(callbacks: Sequence[keras.callbacks.Callback] | None) -> bool:
+    base = keras.callbacks.Callback
+    return any(getattr(type(cb), hook) is not getattr(base, hook) for cb in callbacks or [] for hook in _BATCH_HOOKS)
+
+
+def _share_decisions(model: keras.Model, replica: Replica) -> bool:
+    """Rank 0's ``stop_training`` and learning rate (callbacks may change both) on every replica."""
+    rate = model.optimizer._learning_rate
+    rate = rate if isinstance(rate, keras.Variable) else None
+    mine = [float(bool(model.stop_training)), 0.0 if rate is None else float(keras.ops.convert_to_numpy(rate))]
+    stop, learning_rate = broadcast_floats(mine, replica)
+    if rate is not None and not replica.is_primary:
+        rate.assign(learning_rate)
+    model.stop_training = bool(stop)
+    return model.stop_training
+
+
+def _log_now(step: int, steps: int, every: int) -> bool:
+    return every > 0 and ((step + 1) % every == 0 or step + 1 == steps)
+
+
+def fit_loop(
+    model: keras.Model,
+    train: Data,
+    validation: Data | None,
+    callbacks: Sequence[keras.callbacks.Callback] | None,
+    options: FitOptions,
+    replica: Replica,
+) -> keras.callbacks.History:
+    """Train on this replica's shard of every epoch; returns this replica's History."""
+    steps = num_steps(train.num_samples, options.global_batch_size)
+    callback_group = callback_list(
+        callbacks, model, is_primary=replica.is_primary, verbose=options.verbose, epochs=options.epochs, steps=steps
+    )
+    # Every replica must agree on when metrics are synced, so rank 0's needs are shared.
+    batch_logs, progress = broadcast_floats(
+        [float(_wants_batch_logs(callbacks)), float(options.verbose in ("auto", 1))], replica
+    )
+    every = 1 if batch_logs else (options.log_every_steps if progress else 0)
+    model.stop_training = False
+    callback_group.on_train_begin()
+    epoch_logs: dict[str, Any] = {}
+    for epoch in range(options.epochs):
+        model.reset_metrics()
+        callback_group.on_epoch_begin(epoch)
+        if _share_decisions(model, replica):
+            break
+        model.train()
+        logs: dict[str, Any] = {}
+        batches = replica_batches(
+            train,
+            replica,
+            global_batch_size=options.global_batch_size,
+            epoch=epoch,
+            seed=options.seed,
+            shuffle=options.shuffle,
+        )
+        for step, batch in enumerate(batches):
+            callback_group.on_train_batch_begin(step)
+            train_step(model, batch, replica)
+            if _log_now(step, steps, every):
+                logs = global_logs(model, replica)
+            callback_group.on_train_batch_end(step, logs)
+            if batch_logs and _share_decisions(model, replica):
+                break
+        epoch_logs = global_logs(model, replica)
+        model.eval()
+        if validation is not None:
+            val_logs = evaluate_loop(model, validation, options.global_batch_size, replica)
+            epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
+        callback_group.on_epoch_end(epoch, epoch_logs)
+        if _share_decisions(model, replica):
+            break
+    if options.epochs > 0:
+        model.optimizer.finalize_variable_values(model.trainable_weights)
+    callback_group.on_train_end(logs=epoch_logs)
+    return model.history
+
+
+def evaluate_loop(
+    model: keras.Model,
+    data: Data,
+    global_batch_size: int,
+    replica: Replica,
+    *,
+    verbose: Any = 0,
+    log_every_steps: int = 10,
+) -> dict[str, Any]:
+    """Loss and metrics over every sample, accumulated per replica and summed once."""
+    steps = num_steps(data.num_samples, global_batch_size)
+    callbacks = callback_list(None, model, is_primary=replica.is_primary, verbose=verbose, epochs=1, steps=steps)
+    every = log_every_steps if verbose in ("auto", 1) else 0
+    model.eval()
+    model.reset_metrics()
+    callbacks.on_test_begin()
+    logs: dict[str, Any] = {}
+    for step, batch in enumerate(replica_batches(data, replica, global_batch_size=global_batch_size)):
+        callbacks.on_test_batch_begin(step)
+        test_step(model, batch, replica)
+        if _log_now(step, steps, every):
+            logs = global_logs(model, replica)
+        callbacks.on_test_batch_end(step, logs)
+    logs = global_logs(model, replica)
+    callbacks.on_test_end(logs)
+    return logs
+
+
+def predict_loop(model: keras.Model, data: Data, global_batch_size: int, replica: Replica, *, verbose: Any = 0) -> Any:
+    """This replica's predictions for its shard (padding rows included), leaves concatenated."""
+    steps = num_steps(data.num_samples, global_batch_size)
+    callbacks = callback_list(None, model, is_primary=replica.is_primary, verbose=verbose, epochs=1, steps=steps)
+    model.eval()
+    callbacks.on_predict_begin()
+    outputs: list[Any] = []
+    for step, batch in enumerate(replica_batches(data, replica, global_batch_size=global_batch_size)):
+        callbacks.on_predict_batch_begin(step)
+        outputs.append(predict_step(model, batch))
+        callbacks.on_predict_batch_end(step, {"outputs": outputs[-1]})
+    callbacks.on_predict_end()
+    return keras.tree.map_structure(lambda *parts: np.concatenate(parts), *outputs)

@@ -1,0 +1,148 @@
+"""One training, evaluation or prediction step of one replica, and the logs of all.
+
+A step mirrors Keras's ``TorchTrainer.train_step`` (compiled loss, loss tracker,
+``optimizer.apply``, ``compute_metrics``) with three changes that make N replicas
+equal one: the loss is weighted over the real rows of the global batch, gradients
+are averaged between ``backward`` and ``apply``, and metrics see only real rows.
+
+Gradients are reduced with one coalesced all-reduce after ``backward`` rather than by
+wrapping the model in DDP: Keras variables are not registered the way DDP's reducer
+expects on every model (nested Keras layers, unused branches), DDP would also
+broadcast buffers Keras does not use, and on the small per-step gradient volumes of
+CPU training one flat all-reduce costs the same as DDP's buckets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import keras
+import numpy as np
+import torch
+
+from dp_core._data import map_structure
+from torch_dp._batches import Batch
+from torch_dp._batchnorm import real_rows
+from torch_dp._comm import Replica, all_reduce_sum, average_gradients
+
+
+def _forward(model: keras.Model, x: Any, training: bool) -> Any:
+    return model(x, training=training) if model._call_has_training_arg else model(x)
+
+
+def _loss_trackers(model: keras.Model) -> list[keras.metrics.Metric]:
+    trackers = [model._loss_tracker] if model._loss_tracker is not None else []
+    if model._compile_loss is not None:
+        trackers.extend(model._compile_loss.metrics)
+    return trackers
+
+
+@contextlib.contextmanager
+def _weigh_losses_by_real_rows(model: keras.Model, batch: Batch, replica: Replica) -> Iterator[None]:
+    """Keras weighs each batch's loss by its row count; on a padded batch use its real rows.
+
+    Single-device Keras gives its short last batch the weight of its real rows; here
+    every replica's batch is padded to full size, so the update its loss trackers
+    just made is rescaled to ``global_real_rows / num_replicas``.
+    """
+    if not batch.partial:
+        yield
+        return
+    trackers = _loss_trackers(model)
+    before = [[v.value.detach().clone() for v in m.variables] for m in trackers]
+    yield
+    factor = batch.global_real_rows / (replica.num_replicas * batch.rows)
+    for metric, old_values in zip(trackers, before, strict=True):
+        for variable, old in zip(metric.variables, old_values, strict=True):
+            variable.assign(old + (variable.value.detach() - old) * factor)
+
+
+def _update_metrics(model: keras.Model, batch: Batch, y_pred: Any) -> None:
+    """Metrics over this replica's real rows only (plain ``metrics=`` ignore sample weights)."""
+    if not batch.partial:
+        model.compute_metrics(batch.x, batch.y, y_pred, sample_weight=batch.sample_weight)
+        return
+    if batch.real_rows == 0:
+        return
+    x, y, y_pred, weight = (
+        map_structure(lambda t: t[: batch.real_rows], part) for part in (batch.x, batch.y, y_pred, batch.sample_weight)
+    )
+    model.compute_metrics(x, y, y_pred, sample_weight=weight)
+
+
+def train_step(model: keras.Model, batch: Batch, replica: Replica) -> None:
+    """Forward, exact global-batch gradient, Keras optimizer update, metric update."""
+    with real_rows(batch.mask):
+        y_pred = _forward(model, batch.x, training=True)
+    model.zero_grad()
+    with _weigh_losses_by_real_rows(model, batch, replica):
+        loss = model._compute_loss(x=batch.x, y=batch.y, y_pred=y_pred, sample_weight=batch.loss_weight, training=True)
+        model._loss_tracker.update_state(loss, sample_weight=batch.rows)
+    trainable = model.trainable_weights[:]
+    if trainable:
+        model.optimizer.scale_loss(loss).backward()
+        local = [v.value.grad for v in trainable]
+        # Zeros keep the buffer the same size on every replica; a variable with no
+        # gradient here is still skipped by the optimizer, as in Keras.
+        averaged = average_gradients(
+            [torch.zeros_like(v.value) if g is None else g for v, g in zip(trainable, local, strict=True)], replica
+        )
+        gradients = [None if g is None else a for g, a in zip(local, averaged, strict=True)]
+        with torch.no_grad():
+            model.optimizer.apply(gradients, trainable)
+    with torch.no_grad():
+        _update_metrics(model, batch, y_pred.detach() if isinstance(y_pred, torch.Tensor) else y_pred)
+
+
+def test_step(model: keras.Model, batch: Batch, replica: Replica) -> None:
+    """Loss and metrics of one batch, accumulated locally (synced by ``global_logs``)."""
+    with torch.no_grad():
+        y_pred = _forward(model, batch.x, training=False)
+        with _weigh_losses_by_real_rows(model, batch, replica):
+            loss = model._compute_loss(
+                x=batch.x, y=batch.y, y_pred=y_pred, sample_weight=batch.loss_weight, training=False
+            )
+            model._loss_tracker.update_state(loss, sample_weight=batch.rows)
+        _update_metrics(model, batch, y_pred)
+
+
+def predict_step(model: keras.Model, batch: Batch) -> Any:
+    """This replica's predictions, as numpy, padding rows included (dropped by the gatherer)."""
+    with torch.no_grad():
+        y_pred = _forward(model, batch.x, training=False)
+    return keras.tree.map_structure(keras.ops.convert_to_numpy, y_pred)
+
+
+def global_logs(model: keras.Model, replica: Replica) -> dict[str, float]:
+    """Metric results over every replica's rows, in one coalesced all-reduce.
+
+    Keras metric states are sums (totals, counts, confusion matrices), so summing them
+    over replicas gives the states of one model that saw every row. Local states are
+    restored afterwards so accumulation continues per replica.
+    """
+    variables = model.metrics_variables
+    if not replica.distributed or not variables:
+        return python_logs(model.get_metrics_result())
+    local = [v.value.detach().clone() for v in variables]
+    # float64 so that summed counts stay exact past 2**24 rows
+    summed = all_reduce_sum([t.to(torch.float64) for t in local], replica)
+    for variable, value in zip(variables, summed, strict=True):
+        variable.assign(value.to(variable.value.dtype))
+    logs = python_logs(model.get_metrics_result())
+    for variable, value in zip(variables, local, strict=True):
+        variable.assign(value)
+    return logs
+
+
+def python_logs(logs: dict[str, Any]) -> dict[str, Any]:
+    """Metric results as Python floats (lists for vector results), nested dicts flattened."""
+    result: dict[str, Any] = {}
+    for name, value in logs.items():
+        if isinstance(value, dict):
+            result.update(python_logs(value))
+            continue
+        array = np.asarray(keras.ops.convert_to_numpy(value))
+        result[name] = float(array) if array.size == 1 else array.tolist()
+    return result

@@ -1,0 +1,127 @@
+"""What one replica process runs: join the group, rebuild the model, run a loop, report.
+
+The same ``run_in_process`` serves a spawned worker, a torchrun process and the
+single-replica case in the caller's own process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Literal
+
+import keras
+import torch
+import torch.distributed as dist
+
+from dp_core import LearningRateScaling
+from dp_core._keras import apply_learning_rate_policy
+from torch_dp._batches import Data, first_rows, open_shared
+from torch_dp._batchnorm import BatchNormMode, masked_batch_norm
+from torch_dp._comm import Replica, broadcast_from_primary
+from torch_dp._launch import exit_with_parent, report_failure
+from torch_dp._loop import FitOptions, evaluate_loop, fit_loop, predict_loop
+from torch_dp._transfer import ModelSource, receive_model, save_logs, save_predictions, save_trained
+
+Kind = Literal["fit", "evaluate", "predict"]
+
+
+@dataclass(frozen=True)
+class Job:
+    """Everything a replica needs, picklable (arrays travel as memory-mapped files)."""
+
+    kind: Kind
+    data: Data
+    global_batch_size: int
+    batch_norm: BatchNormMode = "global"
+    verbose: Any = "auto"
+    fit: FitOptions | None = None
+    validation: Data | None = None
+    callbacks: Sequence[keras.callbacks.Callback] | None = None
+    lr_scaling: LearningRateScaling | None = None
+    warmup_steps: int = 0
+    log_every_steps: int = 10
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def build(model: keras.Model, job: Job) -> None:
+    """Create every variable (model, metrics, optimizer) from a couple of rows, as Keras's fit does."""
+    x, y, sample_weight = first_rows(job.data)
+    if job.kind == "predict":
+        if not model.built:
+            model(x)
+        return
+    model._symbolic_build(data_batch=(x, y, sample_weight))
+
+
+def run_in_process(model: keras.Model, job: Job, replica: Replica) -> Any:
+    """Run ``job`` on ``model`` as replica ``replica``: a History, a logs dict or shard predictions."""
+    build(model, job)
+    if replica.distributed:  # the same start on every replica, whatever built the model
+        variables = list(model.variables) + list(model.optimizer.variables if job.kind == "fit" else [])
+        for variable, value in zip(
+            variables, broadcast_from_primary([v.value for v in variables], replica), strict=True
+        ):
+            variable.assign(value)
+    with masked_batch_norm(model, job.batch_norm):
+        if job.kind == "evaluate":
+            return evaluate_loop(
+                model,
+                job.data,
+                job.global_batch_size,
+                replica,
+                verbose=job.verbose,
+                log_every_steps=job.log_every_steps,
+            )
+        if job.kind == "predict":
+            return predict_loop(model, job.data, job.global_batch_size, replica, verbose=job.verbose)
+        assert job.fit is not None
+        apply_learning_rate_policy(
+            model, global_batch_size=job.global_batch_size, lr_scaling=job.lr_scaling, warmup_steps=job.warmup_steps
+        )
+        return fit_loop(model, job.data, job.validation, job.callbacks, job.fit, replica)
+
+
+def device_for(local_rank: int) -> str:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return f"cuda:{local_rank}"
+    return "cpu"
+
+
+def join_group(rank: int, num_replicas: int, *, init_method: str, timeout: float) -> Replica:
+    device = device_for(rank)
+    dist.init_process_group(
+        "nccl" if device.startswith("cuda") else "gloo",
+        init_method=init_method,
+        rank=rank,
+        world_size=num_replicas,
+        timeout=timedelta(seconds=timeout),
+    )
+    return Replica(rank, num_replicas, device)
+
+
+def spawned_worker(
+    rank: int, source: ModelSource, job: Job, num_replicas: int, port: int, directory: str, timeout: float
+) -> None:
+    """Entry point of a spawned replica; results and failures go to files in ``directory``."""
+    exit_with_parent()
+    try:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        replica = join_group(rank, num_replicas, init_method=f"tcp://127.0.0.1:{port}", timeout=timeout)
+        data = open_shared(job.data)
+        validation = None if job.validation is None else open_shared(job.validation)
+        job = Job(**{**job.__dict__, "data": data, "validation": validation})
+        model = receive_model(source, lambda m: build(m, job))
+        result = run_in_process(model, job, replica)
+        if job.kind == "predict":
+            save_predictions(directory, rank, result)
+        elif replica.is_primary and job.kind == "evaluate":
+            save_logs(directory, result)
+        elif replica.is_primary:
+            save_trained(directory, model, {"history": result.history, "epoch": result.epoch, "params": result.params})
+        dist.destroy_process_group()
+    except BaseException:
+        report_failure(directory, rank)
