@@ -122,7 +122,7 @@ def _replica_batch_norm_call(
         offset = _channel_shaped(layer.beta, layer.axis % x.ndim, x.ndim) if layer.center else 0.0
         outputs = jnp.reshape(jnp.reshape(x, groups) * inv + (offset - mean * inv), x.shape)
         has_rows = (jnp.sum(weights, axes, keepdims=True) > 0).astype(x.dtype)
-        num_with_rows = jnp.maximum(jnp.sum(has_rows), 1.0)
+        num_with_rows = jnp.maximum(jnp.sum(has_rows, axis=0), 1.0)  # per channel
         for moving, batch_value in ((layer.moving_mean, mean), (layer.moving_variance, variance)):
             replica_mean = jnp.reshape(jnp.sum(batch_value * has_rows, axis=0) / num_with_rows, moving.shape)
             moving.assign(moving.value * layer.momentum + replica_mean * (1.0 - layer.momentum))
