@@ -67,7 +67,7 @@ def test_malformed_validation_data(data):
 
 
 def test_checks_run_before_any_compile(data, monkeypatch):
-    x, y, _, _ = data
+    x, _, _, _ = data
     import jax_dp._trainer as trainer_module
 
     def no_compile(*args, **kwargs):
