@@ -16,11 +16,13 @@ def initialize(
     *,
     local_device_ids: list[int] | None = None,
     initialization_timeout: int = 300,
+    **options: Any,
 ) -> None:
     """Join a multi-process run; call once per process, before anything touches jax devices.
 
     A thin wrapper over ``jax.distributed.initialize`` that also selects gloo for
-    collectives between CPU processes (harmless on accelerators).
+    collectives between CPU processes (harmless on accelerators). ``options`` go to
+    ``jax.distributed.initialize`` unchanged (e.g. ``shutdown_timeout_seconds``).
 
     >>> jax_dp.initialize("10.0.0.1:1234", num_processes=2, process_id=0)  # doctest: +SKIP
     """
@@ -32,6 +34,7 @@ def initialize(
         process_id=process_id,
         local_device_ids=local_device_ids,
         initialization_timeout=initialization_timeout,
+        **options,
     )
 
 

@@ -1,0 +1,55 @@
+"""One process of the 2-process test (not collected by pytest).
+
+    python jax_dp_mp_worker.py PORT PROCESS_ID OUTPUT.npz
+
+Started with XLA_FLAGS=--xla_force_host_platform_device_count=2, so two processes
+give four replicas, compared against one process with four devices.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+
+def scenario(trainer) -> dict[str, np.ndarray]:
+    """Shuffled fit with validation, then evaluate and predict: everything comparable."""
+    from jax_dp_helpers import GLOBAL_BATCH, dense_bn_model, make_data
+
+    x, y, x_val, y_val = make_data()
+    model = dense_bn_model("adam")
+    history = trainer.fit(
+        model, x, y, global_batch_size=GLOBAL_BATCH, epochs=2, seed=3, validation_data=(x_val, y_val), verbose=0
+    )
+    evaluation = trainer.evaluate(model, x_val, y_val, global_batch_size=GLOBAL_BATCH, return_dict=True, verbose=0)
+    return {
+        **{f"weight_{i}": w for i, w in enumerate(model.get_weights())},
+        **{f"history_{name}": np.asarray(values) for name, values in history.history.items()},
+        "evaluate_loss": np.asarray(evaluation["loss"]),
+        "predictions": trainer.predict(model, x_val, global_batch_size=GLOBAL_BATCH, verbose=0),
+    }
+
+
+def main() -> None:
+    port, process_id, output = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    import jax
+
+    import jax_dp
+
+    jax_dp.initialize(
+        f"127.0.0.1:{port}",
+        num_processes=2,
+        process_id=process_id,
+        initialization_timeout=60,
+        shutdown_timeout_seconds=30,
+    )
+    trainer = jax_dp.Trainer()
+    assert trainer.num_replicas == 4 and jax.local_device_count() == 2, (trainer.num_replicas, jax.devices())
+    results = scenario(trainer)
+    if process_id == 0:  # files only on process 0
+        np.savez(output, **results)
+
+
+if __name__ == "__main__":
+    main()
