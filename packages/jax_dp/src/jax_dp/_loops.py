@@ -42,7 +42,7 @@ def fresh_metrics(model: keras.Model, mesh: Mesh) -> list[jax.Array]:
 
 
 def _variables_on_mesh(variables: list[Any], mesh: Mesh) -> list[jax.Array]:
-    values = same_on_all_processes([keras.ops.convert_to_numpy(v.value) for v in variables])
+    values = same_on_all_processes([np.asarray(keras.ops.convert_to_numpy(v.value)) for v in variables])
     return [put_replicated(value, mesh) for value in values]
 
 

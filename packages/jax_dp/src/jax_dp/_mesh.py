@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import os
+from typing import Any
 
 import jax
 import numpy as np
@@ -31,7 +32,7 @@ def make_mesh(num_replicas: int | None) -> Mesh:
     return Mesh(mesh_utils.create_device_mesh((len(devices),), devices), (BATCH_AXIS,))
 
 
-def _choose_devices(num_replicas: int | None) -> list[jax.Device]:
+def _choose_devices(num_replicas: int | None) -> list[Any]:
     available = jax.devices()
     if num_replicas is None:
         return available
@@ -44,7 +45,7 @@ def _choose_devices(num_replicas: int | None) -> list[jax.Device]:
             f"XLA_FLAGS=--xla_force_host_platform_device_count={num_replicas} (currently "
             f"XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}) to split the CPU into that many devices."
         )
-    by_process: dict[int, list[jax.Device]] = collections.defaultdict(list)
+    by_process: dict[int, list[Any]] = collections.defaultdict(list)
     for device in available:
         by_process[device.process_index].append(device)
     if num_replicas % len(by_process):

@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 import keras
+import numpy as np
 import optax
 from jax.sharding import Mesh
 
@@ -34,7 +35,9 @@ class KerasOptimizer:
         )
 
     def initial_state(self, trainable: list[jax.Array], mesh: Mesh) -> list[jax.Array]:
-        values = same_on_all_processes([keras.ops.convert_to_numpy(v.value) for v in self.optimizer.variables])
+        values = same_on_all_processes(
+            [np.asarray(keras.ops.convert_to_numpy(v.value)) for v in self.optimizer.variables]
+        )
         return [put_replicated(v, mesh) for v in values]
 
     def scale_loss(self, loss: Any, state: list[Any]) -> Any:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import jax.numpy as jnp
 import keras
@@ -81,7 +81,7 @@ def _weighted_moments(inputs: jnp.ndarray, weights: jnp.ndarray, axes: tuple[int
     return mean, variance
 
 
-def _masked_moments(layer: keras.layers.BatchNormalization, mask: jnp.ndarray) -> Callable[..., Any]:
+def _masked_moments(layer: Any, mask: jnp.ndarray) -> Callable[..., Any]:
     original = layer._moments
 
     def moments(inputs: Any, keras_mask: Any) -> tuple[Any, Any]:
@@ -95,9 +95,7 @@ def _masked_moments(layer: keras.layers.BatchNormalization, mask: jnp.ndarray) -
     return moments
 
 
-def _replica_batch_norm_call(
-    layer: keras.layers.BatchNormalization, batch_mask: jnp.ndarray, num_replicas: int
-) -> Callable[..., Any]:
+def _replica_batch_norm_call(layer: Any, batch_mask: jnp.ndarray, num_replicas: int) -> Callable[..., Any]:
     """BN that normalizes each replica's rows with that replica's own moments.
 
     The moving statistics move towards the mean of the replicas' moments (replicas
@@ -134,7 +132,7 @@ def _replica_batch_norm_call(
 def _channel_shaped(variable: Any, axis: int, ndim: int) -> jnp.ndarray:
     shape = [1] * (ndim + 1)  # +1: the leading replica-group axis
     shape[axis + 1] = -1
-    return jnp.reshape(keras.ops.convert_to_tensor(variable), shape)
+    return jnp.reshape(jnp.asarray(cast(Any, keras.ops.convert_to_tensor(variable))), shape)
 
 
 def _masked_metrics_update(compile_metrics: Any, mask: jnp.ndarray) -> Callable[..., None]:

@@ -14,7 +14,7 @@ what single-device Keras computes on its smaller last batch. Metrics get
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -78,7 +78,7 @@ def make_predict_step(model: keras.Model, mesh: Mesh) -> Callable[[tuple[list[An
 
     def predict_step(weights: tuple[list[Any], list[Any]], x: Any) -> Any:
         trainable, non_trainable = weights
-        outputs, _ = model.stateless_call(trainable, non_trainable, x, **_training_kwarg(model, False))
+        outputs, _ = cast(Any, model.stateless_call)(trainable, non_trainable, x, **_training_kwarg(model, False))
         return outputs
 
     return jax.jit(predict_step, out_shardings=batch_sharded(mesh))
@@ -98,7 +98,7 @@ def _loss_and_updates(
     training: bool,
 ) -> tuple[Any, tuple[Any, list[Any], list[Any]]]:
     """Keras's ``compute_loss_and_updates`` with the exact per-row loss weights."""
-    y_pred, non_trainable, losses = model.stateless_call(
+    y_pred, non_trainable, losses = cast(Any, model.stateless_call)(
         trainable, non_trainable, batch.x, return_losses=True, **_training_kwarg(model, training)
     )
     if losses:  # forward-pass losses (add_loss) reach compute_loss through this override, as in Keras
