@@ -40,14 +40,14 @@ class Data:
         return num_rows(self.x, self.y, self.sample_weight)
 
 
-def share(data: Data, directory: str) -> Data:
+def share(data: Data, directory: str, name: str) -> Data:
     """``data`` with every array leaf saved under ``directory`` and replaced by a ``SharedArray``."""
     counter = iter(range(1 << 30))
 
     def save(leaf: Any) -> Any:
         if not is_array_like(leaf):
             return leaf
-        path = os.path.join(directory, f"array_{next(counter)}.npy")
+        path = os.path.join(directory, f"{name}_{next(counter)}.npy")
         array = leaf.detach().cpu().numpy() if isinstance(leaf, torch.Tensor) else np.asarray(leaf)
         np.save(path, array, allow_pickle=False)
         return SharedArray(path)

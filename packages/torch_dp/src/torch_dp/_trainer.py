@@ -192,8 +192,8 @@ class Trainer:
     def _spawn(self, model_argument: Any, keras_model: keras.Model, job: Job, directory: str) -> None:
         build(keras_model, job)
         source = ship_model(model_argument, keras_model, directory)
-        validation = None if job.validation is None else share(job.validation, directory)
-        job = dataclasses.replace(job, data=share(job.data, directory), validation=validation)
+        validation = None if job.validation is None else share(job.validation, directory, "validation")
+        job = dataclasses.replace(job, data=share(job.data, directory, "data"), validation=validation)
         threads = self.threads_per_replica or threads_per_replica(self.num_replicas)
         environment = {
             "OMP_NUM_THREADS": str(threads),

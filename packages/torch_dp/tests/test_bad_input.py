@@ -1,0 +1,69 @@
+"""Errors raised in the caller, before any worker process starts."""
+
+import keras
+import numpy as np
+import pytest
+import torch
+import torch_dp_testing as testing
+
+import torch_dp
+import torch_dp._trainer
+
+
+@pytest.fixture(autouse=True)
+def no_spawning(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a worker process was started before the input was checked")
+
+    monkeypatch.setattr(torch_dp._trainer, "spawn", refuse)
+
+
+def test_global_batch_not_divisible():
+    x, y = testing.data()
+    with pytest.raises(ValueError, match=r"global_batch_size=33.*num_replicas=2.*32 or 34"):
+        torch_dp.Trainer(num_replicas=2).fit(testing.dense_batchnorm_model(), x, y, global_batch_size=33)
+
+
+def test_x_y_length_mismatch():
+    x, y = testing.data()
+    with pytest.raises(ValueError, match="x has 99, y has 98"):
+        torch_dp.Trainer(num_replicas=2).fit(testing.dense_batchnorm_model(), x, y[:98], global_batch_size=32)
+    with pytest.raises(ValueError, match="validation_data"):
+        torch_dp.Trainer(num_replicas=2).fit(
+            testing.dense_batchnorm_model(), x, y, global_batch_size=32, validation_data=(x[:5], y[:4])
+        )
+
+
+def test_uncompiled_model():
+    x, y = testing.data()
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match=r"not compiled.*model.compile"):
+        torch_dp.Trainer(num_replicas=2).fit(model, x, y, global_batch_size=32)
+
+
+def test_not_a_model():
+    with pytest.raises(TypeError, match="got int"):
+        torch_dp.Trainer(num_replicas=2).fit(3, np.zeros((4, 5)), np.zeros(4), global_batch_size=2)
+
+
+def test_keras_backend_not_torch(monkeypatch):
+    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
+    x, y = testing.data()
+    with pytest.raises(RuntimeError, match="KERAS_BACKEND=torch"):
+        torch_dp.Trainer(num_replicas=2).fit(testing.dense_batchnorm_model(), x, y, global_batch_size=32)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="num_replicas=None means every GPU")
+def test_num_replicas_required_on_cpu_and_positive():
+    with pytest.raises(ValueError, match=r"num_replicas=2"):
+        torch_dp.Trainer()
+    with pytest.raises(ValueError, match="positive integer"):
+        torch_dp.Trainer(num_replicas=0)
+
+
+def test_checkpoint_dir_is_not_silently_ignored(tmp_path):
+    x, y = testing.data()
+    with pytest.raises(NotImplementedError, match="checkpoint_dir"):
+        torch_dp.Trainer(num_replicas=2).fit(
+            testing.dense_batchnorm_model(), x, y, global_batch_size=32, checkpoint_dir=str(tmp_path)
+        )

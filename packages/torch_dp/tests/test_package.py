@@ -1,0 +1,17 @@
+import importlib
+
+import torch_dp
+
+
+def test_every_public_name_imports():
+    assert set(torch_dp.__all__) == {"BatchNormMode", "Sampler", "Trainer", "WorkerError"}
+    for name in torch_dp.__all__:
+        assert getattr(importlib.import_module("torch_dp"), name) is not None
+
+
+def test_trainer_implements_the_dp_core_protocol():
+    import dp_core
+
+    trainer = torch_dp.Trainer(num_replicas=2)
+    assert isinstance(trainer, dp_core.Trainer)
+    assert trainer.num_replicas == 2

@@ -1,0 +1,170 @@
+"""Two real gloo replicas on 127.0.0.1, against single-device Keras."""
+
+import csv
+import glob
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import keras
+import numpy as np
+import pytest
+import torch_dp_testing as testing
+
+import torch_dp
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+HERE = os.path.dirname(__file__)
+
+
+def _keras_reference(optimizer, epochs, validation=None):
+    x, y = testing.data()
+    reference = testing.dense_batchnorm_model(optimizer)
+    start = reference.get_weights()
+    history = reference.fit(x, y, batch_size=32, epochs=epochs, shuffle=False, validation_data=validation, verbose=0)
+    return reference, start, history
+
+
+def _assert_weights_equal(model, reference, atol=1e-5):
+    for mine, theirs in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(mine, theirs, atol=atol)
+
+
+def test_sgd_fit_evaluate_predict_equal_keras_and_callbacks_run_once(tmp_path):
+    x, y = testing.data()
+    xv, yv = testing.data(37, seed=1)
+    reference, start, expected = _keras_reference("sgd", epochs=2, validation=(xv, yv))
+    model = testing.dense_batchnorm_model("sgd", seed=1)
+    model.set_weights(start)
+    lines, table = tmp_path / "epochs.txt", tmp_path / "log.csv"
+    trainer = torch_dp.Trainer(num_replicas=2, timeout=60)
+    history = trainer.fit(
+        model,
+        x,
+        y,
+        global_batch_size=32,
+        epochs=2,
+        shuffle=False,
+        validation_data=(xv, yv),
+        callbacks=[testing.EpochLines(str(lines)), keras.callbacks.CSVLogger(str(table))],
+        verbose=0,
+    )
+    assert history.model is model
+    assert history.epoch == [0, 1]
+    assert set(history.history) == {"loss", "accuracy", "val_loss", "val_accuracy"}
+    for name, values in expected.history.items():
+        np.testing.assert_allclose(history.history[name], values, rtol=1e-5, atol=1e-6, err_msg=name)
+    _assert_weights_equal(model, reference)  # BatchNorm moving statistics included
+
+    written = lines.read_text().splitlines()
+    assert len(written) == 2  # once per epoch, not once per replica
+    assert len({line.split()[1] for line in written}) == 1
+    assert int(written[0].split()[1]) != os.getpid()  # ran in rank 0's process
+    with open(table) as f:
+        rows = list(csv.DictReader(f))
+    np.testing.assert_allclose([float(r["loss"]) for r in rows], history.history["loss"], rtol=1e-6)
+
+    np.testing.assert_allclose(
+        trainer.evaluate(model, xv, yv, global_batch_size=32, verbose=0),
+        reference.evaluate(xv, yv, batch_size=32, verbose=0),
+        rtol=1e-5,
+    )
+    np.testing.assert_allclose(
+        trainer.predict(model, x, global_batch_size=32, verbose=0),
+        reference.predict(x, batch_size=32, verbose=0),
+        atol=1e-5,
+    )
+
+
+def test_adam_weights_and_history_equal_keras():
+    reference, start, expected = _keras_reference("adam", epochs=2)
+    x, y = testing.data()
+    model = testing.dense_batchnorm_model("adam", seed=1)
+    model.set_weights(start)
+    history = torch_dp.Trainer(num_replicas=2, timeout=60).fit(
+        model, x, y, global_batch_size=32, epochs=2, shuffle=False, verbose=0
+    )
+    for name, values in expected.history.items():
+        np.testing.assert_allclose(history.history[name], values, rtol=1e-5, atol=1e-6, err_msg=name)
+    _assert_weights_equal(model, reference)
+    # the caller's optimizer continues from the trained state
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 8
+
+
+def test_stop_decisions_reach_every_replica():
+    x, y = testing.data()
+    model = testing.dense_batchnorm_model()
+    start = model.get_weights()
+    stop_early = keras.callbacks.EarlyStopping(monitor="loss", min_delta=10.0, patience=0)
+    history = torch_dp.Trainer(num_replicas=2, timeout=60).fit(
+        model,
+        x,
+        y,
+        global_batch_size=32,
+        epochs=20,
+        shuffle=False,
+        callbacks=[stop_early, testing.StopAtBatch(batch=99)],
+        verbose=0,
+    )
+    assert history.epoch == [0, 1]  # no improvement of 10 after epoch 1: stopped; no replica hung
+
+    # a decision taken at a batch end: stop after batch 1 of epoch 0 (two steps applied)
+    model.set_weights(start)
+    history = torch_dp.Trainer(num_replicas=2, timeout=60).fit(
+        model, x, y, global_batch_size=32, epochs=3, shuffle=False, callbacks=[testing.StopAtBatch(1)], verbose=0
+    )
+    assert history.epoch == [0]
+    reference = testing.dense_batchnorm_model()
+    reference.set_weights(start)
+    reference.fit(x[:64], y[:64], batch_size=32, shuffle=False, verbose=0)
+    _assert_weights_equal(model, reference)
+
+
+def test_a_failing_replica_stops_all_promptly_and_names_its_rank(tmp_path):
+    leftovers_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "torch_dp_*")))
+    x, y = testing.data()
+    started = time.monotonic()
+    with pytest.raises(torch_dp.WorkerError, match=r"replica 1 of 2 failed") as raised:
+        torch_dp.Trainer(num_replicas=2, timeout=30).fit(
+            testing.FailingFactory(str(tmp_path)), x, y, global_batch_size=32, verbose=0
+        )
+    assert time.monotonic() - started < 90
+    assert raised.value.rank == 1
+    assert "boom on purpose in the model factory" in str(raised.value)
+    assert "Traceback" in raised.value.worker_traceback
+    pid_files = sorted(tmp_path.glob("pid_*"))
+    assert len(pid_files) == 2
+    for path in pid_files:
+        pid = int(path.read_text())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # no orphan left running
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "torch_dp_*"))) == leftovers_before
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_torchrun_two_processes_equal_keras(tmp_path):
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    output = tmp_path / "result.json"
+    environment = {**os.environ, "KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    environment["PYTHONPATH"] = os.pathsep.join([HERE, environment.get("PYTHONPATH", "")])
+    command = [torchrun, "--nproc-per-node", "2", "--master-port", str(_free_port())]
+    command += [os.path.join(HERE, "torchrun_script.py"), str(output)]
+    finished = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=180)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    result = json.loads(output.read_text())
+    reference, _, expected = _keras_reference("sgd", epochs=2)
+    assert result["num_replicas"] == 2
+    np.testing.assert_allclose(result["loss"], expected.history["loss"], rtol=1e-5)
+    for mine, theirs in zip(result["weights"], reference.get_weights(), strict=True):
+        np.testing.assert_allclose(np.array(mine), theirs, atol=1e-5)
+    # every replica holds the same trained weights and the same aggregated History
+    assert result["same_on_every_rank"]
