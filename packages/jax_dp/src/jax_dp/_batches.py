@@ -19,18 +19,23 @@ from jax.sharding import Mesh
 
 from dp_core import ReplicaLayout, num_steps, split_indices
 from dp_core._data import is_map_dataset, map_structure, num_rows, take_rows
-from jax_dp._mesh import batch_sharded
+from jax_dp._mesh import batch_sharded, put_replicated
 
 PREFETCH = 2  # batches prepared ahead: enough to hide the host's gather behind a step
 
 
 class Batch(NamedTuple):
-    """One global batch as device arrays; ``mask`` is 1.0 for real rows, 0.0 for padding."""
+    """One global batch as device arrays; ``mask`` is 1.0 for real rows, 0.0 for padding.
+
+    ``real_rows`` (replicated scalar) counts the real rows of the whole global batch. The
+    host knows it, so the step needs no cross-device sum of the mask to weigh the loss.
+    """
 
     x: Any
     y: Any
     sample_weight: Any
     mask: jax.Array
+    real_rows: jax.Array
 
 
 class Samples:
@@ -99,6 +104,10 @@ class EpochPlan:
         self.indices = np.concatenate([s.indices.reshape(self.steps, -1) for s in shards], axis=1)
         self.mask = np.concatenate([s.mask.reshape(self.steps, -1) for s in shards], axis=1)
 
+    def real_rows(self, step: int) -> int:
+        """Real rows of global batch ``step``: all but in the padded last one."""
+        return min(self.global_batch_size, self.samples.num_samples - step * self.global_batch_size)
+
 
 def device_batches(plan: EpochPlan, mesh: Mesh, *, start: int = 0) -> Iterator[Batch]:
     """The plan's batches on the mesh, ``PREFETCH`` ahead of the consumer.
@@ -107,15 +116,19 @@ def device_batches(plan: EpochPlan, mesh: Mesh, *, start: int = 0) -> Iterator[B
     overlaps with the step the caller just dispatched on batch ``s``.
     """
     ahead: collections.deque[Batch] = collections.deque()
+    real_rows: dict[int, jax.Array] = {}  # two distinct values per epoch: placed once each
     step = start
     while step < plan.steps or ahead:
         while step < plan.steps and len(ahead) < PREFETCH:
-            ahead.append(_put(plan, step, mesh))
+            count = plan.real_rows(step)
+            if count not in real_rows:
+                real_rows[count] = put_replicated(np.float32(count), mesh)
+            ahead.append(_put(plan, step, mesh, real_rows[count]))
             step += 1
         yield ahead.popleft()
 
 
-def _put(plan: EpochPlan, step: int, mesh: Mesh) -> Batch:
+def _put(plan: EpochPlan, step: int, mesh: Mesh, real_rows: jax.Array) -> Batch:
     sharding = batch_sharded(mesh)
     x, y, sample_weight = plan.samples.rows(plan.indices[step])
     local_mask = plan.mask[step].astype(np.float32)
@@ -129,4 +142,5 @@ def _put(plan: EpochPlan, step: int, mesh: Mesh) -> Batch:
         y=map_structure(put, y),
         sample_weight=map_structure(put, sample_weight),
         mask=put(local_mask),
+        real_rows=real_rows,
     )

@@ -27,10 +27,18 @@ BATCH_NORM_MODES = ("global", "replica")
 
 @contextlib.contextmanager
 def padding_aware(
-    model: keras.Model, mask: jnp.ndarray, *, batch_norm: BatchNorm = "global", num_replicas: int = 1
+    model: keras.Model,
+    mask: jnp.ndarray,
+    *,
+    real_rows: Any = None,
+    batch_norm: BatchNorm = "global",
+    num_replicas: int = 1,
 ) -> Iterator[None]:
-    """Within the block, ``model``'s BN statistics, metrics and loss trackers ignore padded rows."""
-    real_rows = jnp.sum(mask)
+    """Within the block, ``model``'s BN statistics, metrics and loss trackers ignore padded rows.
+
+    ``real_rows`` (default: the mask's sum) is the number of real rows in the batch.
+    """
+    real_rows = jnp.sum(mask) if real_rows is None else real_rows
     restores: list[Callable[[], None]] = []
     try:
         for layer in model._flatten_layers():

@@ -39,7 +39,9 @@ def make_train_step(
 
     def train_step(state: TrainState, batch: Batch) -> tuple[Logs, TrainState]:
         trainable, non_trainable, optimizer_state, metrics = state
-        with padding_aware(model, batch.mask, batch_norm=batch_norm, num_replicas=num_replicas):
+        with padding_aware(
+            model, batch.mask, real_rows=batch.real_rows, batch_norm=batch_norm, num_replicas=num_replicas
+        ):
 
             def loss_fn(trainable: list[Any]) -> tuple[Any, Any]:
                 loss, aux = _loss_and_updates(model, trainable, non_trainable, metrics, batch, training=True)
@@ -63,7 +65,7 @@ def make_test_step(
 
     def test_step(weights: tuple[list[Any], list[Any]], metrics: list[Any], batch: Batch) -> tuple[Logs, list[Any]]:
         trainable, non_trainable = weights
-        with padding_aware(model, batch.mask):
+        with padding_aware(model, batch.mask, real_rows=batch.real_rows):
             loss, (y_pred, _, metrics) = _loss_and_updates(
                 model, trainable, non_trainable, metrics, batch, training=False
             )
@@ -122,7 +124,7 @@ def _loss_and_updates(
 def _row_weights(batch: Batch, *, scale_to_real_rows: bool) -> Any:
     weights = batch.mask
     if scale_to_real_rows:
-        weights = weights * (batch.mask.shape[0] / jnp.maximum(jnp.sum(batch.mask), 1.0))
+        weights = weights * (batch.mask.shape[0] / batch.real_rows)
     if batch.sample_weight is None:
         return weights
 
@@ -138,7 +140,7 @@ def _update_metrics(
     """Keras's metric update, with the loss weighed by real rows and padding unweighted."""
     mapping = list(zip(model.metrics_variables, metrics, strict=True))
     with keras.StatelessScope(state_mapping=mapping) as scope:
-        model._loss_tracker.update_state(loss, sample_weight=jnp.sum(batch.mask))
+        model._loss_tracker.update_state(loss, sample_weight=batch.real_rows)
         logs = model.compute_metrics(batch.x, batch.y, y_pred, _row_weights(batch, scale_to_real_rows=False))
     updated = [scope.get_current_value(variable) for variable in model.metrics_variables]
     return logs, [old if new is None else new for old, new in zip(metrics, updated, strict=True)]
