@@ -1,7 +1,6 @@
 """Two real gloo replicas on 127.0.0.1, against single-device Keras."""
 
 import csv
-import glob
 import json
 import os
 import socket
@@ -80,52 +79,54 @@ def test_sgd_fit_evaluate_predict_equal_keras_and_callbacks_run_once(tmp_path):
     )
 
 
-def test_adam_weights_and_history_equal_keras():
-    reference, start, expected = _keras_reference("adam", epochs=2)
+def test_adam_with_a_stop_decided_mid_epoch_equals_keras():
+    """Adam state and a batch-level stop (epoch 1, after batch 1) against Keras doing the same."""
     x, y = testing.data()
+    reference = testing.dense_batchnorm_model("adam")
+    start = reference.get_weights()
+    expected = reference.fit(
+        x, y, batch_size=32, epochs=3, shuffle=False, callbacks=[testing.StopAtBatch(1, epoch=1)], verbose=0
+    )
     model = testing.dense_batchnorm_model("adam", seed=1)
     model.set_weights(start)
-    history = torch_dp.Trainer(num_replicas=2, timeout=60).fit(
-        model, x, y, global_batch_size=32, epochs=2, shuffle=False, verbose=0
-    )
-    for name, values in expected.history.items():
-        np.testing.assert_allclose(history.history[name], values, rtol=1e-5, atol=1e-6, err_msg=name)
-    _assert_weights_equal(model, reference)
-    # the caller's optimizer continues from the trained state
-    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 8
-
-
-def test_stop_decisions_reach_every_replica():
-    x, y = testing.data()
-    model = testing.dense_batchnorm_model()
-    start = model.get_weights()
-    stop_early = keras.callbacks.EarlyStopping(monitor="loss", min_delta=10.0, patience=0)
     history = torch_dp.Trainer(num_replicas=2, timeout=60).fit(
         model,
         x,
         y,
         global_batch_size=32,
-        epochs=20,
+        epochs=3,
         shuffle=False,
-        callbacks=[stop_early, testing.StopAtBatch(batch=99)],
+        callbacks=[testing.StopAtBatch(1, epoch=1)],
         verbose=0,
     )
-    assert history.epoch == [0, 1]  # no improvement of 10 after epoch 1: stopped; no replica hung
-
-    # a decision taken at a batch end: stop after batch 1 of epoch 0 (two steps applied)
-    model.set_weights(start)
-    history = torch_dp.Trainer(num_replicas=2, timeout=60).fit(
-        model, x, y, global_batch_size=32, epochs=3, shuffle=False, callbacks=[testing.StopAtBatch(1)], verbose=0
-    )
-    assert history.epoch == [0]
-    reference = testing.dense_batchnorm_model()
-    reference.set_weights(start)
-    reference.fit(x[:64], y[:64], batch_size=32, shuffle=False, verbose=0)
+    assert history.epoch == expected.epoch == [0, 1]
+    for name, values in expected.history.items():
+        np.testing.assert_allclose(history.history[name], values, rtol=1e-5, atol=1e-6, err_msg=name)
     _assert_weights_equal(model, reference)
+    # the caller's optimizer continues from the trained state: 4 + 2 steps
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 6
 
 
-def test_a_failing_replica_stops_all_promptly_and_names_its_rank(tmp_path):
-    leftovers_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "torch_dp_*")))
+def test_early_stopping_stops_every_replica():
+    x, y = testing.data()
+    stop_early = keras.callbacks.EarlyStopping(monitor="loss", min_delta=10.0, patience=0)
+    history = torch_dp.Trainer(num_replicas=2, timeout=60).fit(
+        testing.dense_batchnorm_model(),
+        x,
+        y,
+        global_batch_size=32,
+        epochs=20,
+        shuffle=False,
+        callbacks=[stop_early],
+        verbose=0,
+    )
+    assert history.epoch == [0, 1]  # no improvement of 10 after epoch 1: stopped, and no replica hung
+
+
+def test_a_failing_replica_stops_all_promptly_and_names_its_rank(tmp_path, monkeypatch):
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where the trainer's temporary files go
     x, y = testing.data()
     started = time.monotonic()
     with pytest.raises(torch_dp.WorkerError, match=r"replica 1 of 2 failed") as raised:
@@ -142,7 +143,7 @@ def test_a_failing_replica_stops_all_promptly_and_names_its_rank(tmp_path):
         pid = int(path.read_text())
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)  # no orphan left running
-    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "torch_dp_*"))) == leftovers_before
+    assert list(scratch.iterdir()) == []  # temporary files removed
 
 
 def _free_port():

@@ -49,14 +49,17 @@ class EpochLines(keras.callbacks.Callback):
 
 
 class StopAtBatch(keras.callbacks.Callback):
-    """Asks to stop at the end of batch ``batch`` of the first epoch (a batch-level decision)."""
+    """Asks to stop at the end of batch ``batch`` of epoch ``epoch`` (a batch-level decision)."""
 
-    def __init__(self, batch: int) -> None:
+    def __init__(self, batch: int, epoch: int = 0) -> None:
         super().__init__()
-        self.batch = batch
+        self.batch, self.epoch, self.current_epoch = batch, epoch, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current_epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
-        if batch == self.batch:
+        if (self.current_epoch, batch) == (self.epoch, self.batch):
             self.model.stop_training = True
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import keras
 import numpy as np
@@ -122,7 +122,7 @@ def _batch(data: Data, indices: np.ndarray, mask: np.ndarray, global_real_rows: 
     loss_weight = sample_weight
     mask_tensor = None
     if global_real_rows < global_batch_size:
-        mask_tensor = keras.ops.convert_to_tensor(mask.astype(keras.backend.floatx()))
+        mask_tensor = cast(torch.Tensor, keras.ops.convert_to_tensor(mask.astype(keras.backend.floatx())))
         scaled = mask_tensor * (global_batch_size / global_real_rows)
         loss_weight = (
             scaled if sample_weight is None else map_structure(lambda w: _times_rows(w, scaled), sample_weight)

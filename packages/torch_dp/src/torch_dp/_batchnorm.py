@@ -13,7 +13,7 @@ import contextlib
 import functools
 import threading
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import keras
 import torch
@@ -83,7 +83,7 @@ def _row_weights(inputs: torch.Tensor, keras_mask: Any) -> torch.Tensor | None:
     if rows is not None and rows.shape[0] == inputs.shape[0]:
         weights = rows.to(inputs.dtype).reshape((-1,) + (1,) * (inputs.ndim - 1))
     if keras_mask is not None:
-        positions = keras.ops.convert_to_tensor(keras_mask).to(inputs.dtype).unsqueeze(-1)
+        positions = cast(torch.Tensor, keras.ops.convert_to_tensor(keras_mask)).to(inputs.dtype).unsqueeze(-1)
         weights = positions if weights is None else weights * positions
     return weights
 

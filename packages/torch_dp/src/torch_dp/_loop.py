@@ -39,7 +39,10 @@ def _share_decisions(model: keras.Model, replica: Replica) -> bool:
     """Rank 0's ``stop_training`` and learning rate (callbacks may change both) on every replica."""
     rate = model.optimizer._learning_rate
     rate = rate if isinstance(rate, keras.Variable) else None
-    mine = [float(bool(model.stop_training)), 0.0 if rate is None else float(keras.ops.convert_to_numpy(rate))]
+    mine = [
+        float(bool(model.stop_training)),
+        0.0 if rate is None else np.asarray(keras.ops.convert_to_numpy(rate)).item(),
+    ]
     stop, learning_rate = broadcast_floats(mine, replica)
     if rate is not None and not replica.is_primary:
         rate.assign(learning_rate)

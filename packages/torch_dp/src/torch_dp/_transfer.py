@@ -8,7 +8,7 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import keras
 import numpy as np
@@ -26,21 +26,21 @@ class ModelSource:
 
 
 def _variables_to_npz(path: str, model: keras.Model) -> None:
-    arrays = {f"model_{i}": keras.ops.convert_to_numpy(v.value) for i, v in enumerate(model.variables)}
+    """Model variables then optimizer variables as ``arr_<i>``; the JSON beside it names the latter."""
     optimizer = model.optimizer.variables if model.optimizer is not None else []
-    arrays.update({f"optimizer_{i}": keras.ops.convert_to_numpy(v.value) for i, v in enumerate(optimizer)})
-    names = {"optimizer_paths": [v.path for v in optimizer]}
-    np.savez(path, **arrays)
+    arrays = [np.asarray(keras.ops.convert_to_numpy(v.value)) for v in [*model.variables, *optimizer]]
+    np.savez(path, *arrays)
     with open(path + ".json", "w") as f:
-        json.dump(names, f)
+        json.dump({"model_variables": len(model.variables), "optimizer_paths": [v.path for v in optimizer]}, f)
 
 
 def _npz_to_variables(path: str, model: keras.Model, *, skip_learning_rate: bool = False) -> None:
+    with open(path + ".json") as f:
+        names = json.load(f)
+    first_optimizer, paths = names["model_variables"], names["optimizer_paths"]
     with np.load(path, allow_pickle=False) as arrays:
         for i, variable in enumerate(model.variables):
-            variable.assign(arrays[f"model_{i}"])
-        with open(path + ".json") as f:
-            paths = json.load(f)["optimizer_paths"]
+            variable.assign(arrays[f"arr_{i}"])
         # Optimizer variables are matched by path: a warmup schedule in the worker drops
         # the learning-rate variable, so positions can differ.
         mine = {v.path: v for v in (model.optimizer.variables if model.optimizer is not None else [])}
@@ -48,7 +48,7 @@ def _npz_to_variables(path: str, model: keras.Model, *, skip_learning_rate: bool
             target = mine.get(path_name)
             if target is None or (skip_learning_rate and path_name.endswith("learning_rate")):
                 continue
-            value = arrays[f"optimizer_{i}"]
+            value = arrays[f"arr_{first_optimizer + i}"]
             if tuple(target.shape) == value.shape:
                 target.assign(value)
 
@@ -75,7 +75,7 @@ def ship_model(model_argument: Any, model: keras.Model, directory: str) -> Model
 def receive_model(source: ModelSource, build: Callable[[keras.Model], None]) -> keras.Model:
     """The worker's copy of the caller's model, built, with the caller's weights."""
     if source.keras_file is not None:
-        model = keras.saving.load_model(source.keras_file)
+        model = cast(keras.Model, keras.saving.load_model(source.keras_file))
         build(model)
         return model
     assert source.factory is not None and source.weights_file is not None

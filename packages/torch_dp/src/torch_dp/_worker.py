@@ -65,6 +65,7 @@ def run_in_process(model: keras.Model, job: Job, replica: Replica) -> Any:
             variables, broadcast_from_primary([v.value for v in variables], replica), strict=True
         ):
             variable.assign(value)
+        decorrelate_randomness(model, replica)
     with masked_batch_norm(model, job.batch_norm):
         if job.kind == "evaluate":
             return evaluate_loop(
@@ -82,6 +83,21 @@ def run_in_process(model: keras.Model, job: Job, replica: Replica) -> Any:
             model, global_batch_size=job.global_batch_size, lr_scaling=job.lr_scaling, warmup_steps=job.warmup_steps
         )
         return fit_loop(model, job.data, job.validation, job.callbacks, job.fit, replica)
+
+
+def decorrelate_randomness(model: keras.Model, replica: Replica) -> None:
+    """Give each replica its own dropout (and other random layer) streams.
+
+    Identical seed states would draw the same dropout mask on every replica. Offsetting
+    the seed by the rank makes the masks depend on (seed, step, replica); rank 0 keeps
+    the caller's stream, so one replica draws exactly what ``model.fit`` would.
+    """
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        for generator in layer._seed_generators:
+            state = generator.state.value
+            offset = torch.zeros_like(state)
+            offset[0] = 7919 * replica.rank
+            generator.state.assign(state + offset)
 
 
 def device_for(local_rank: int) -> str:
