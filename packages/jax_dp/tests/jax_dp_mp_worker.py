@@ -14,7 +14,12 @@ import numpy as np
 
 
 def scenario(trainer) -> dict[str, np.ndarray]:
-    """Shuffled fit with validation, then evaluate and predict: everything comparable."""
+    """Shuffled fit with validation, then evaluate and predict: everything comparable.
+
+    Then a fit that a callback stops after its first step: callbacks run on process 0
+    only, so process 1 finishes (instead of hanging) only if the decision reached it.
+    """
+    import keras
     from jax_dp_helpers import GLOBAL_BATCH, dense_bn_model, make_data
 
     x, y, x_val, y_val = make_data()
@@ -23,12 +28,17 @@ def scenario(trainer) -> dict[str, np.ndarray]:
         model, x, y, global_batch_size=GLOBAL_BATCH, epochs=2, seed=3, validation_data=(x_val, y_val), verbose=0
     )
     evaluation = trainer.evaluate(model, x_val, y_val, global_batch_size=GLOBAL_BATCH, return_dict=True, verbose=0)
-    return {
+    results = {
         **{f"weight_{i}": w for i, w in enumerate(model.get_weights())},
         **{f"history_{name}": np.asarray(values) for name, values in history.history.items()},
         "evaluate_loss": np.asarray(evaluation["loss"]),
         "predictions": trainer.predict(model, x_val, global_batch_size=GLOBAL_BATCH, verbose=0),
     }
+    # Single-process stops right after the batch; several processes at the next exchange (epoch end here).
+    stop = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: setattr(model, "stop_training", True))
+    stopped = trainer.fit(model, x, y, global_batch_size=GLOBAL_BATCH, epochs=5, callbacks=[stop], verbose=0)
+    results["epochs_run_when_stopped"] = np.asarray(len(stopped.epoch))
+    return results
 
 
 def main() -> None:

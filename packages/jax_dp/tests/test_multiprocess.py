@@ -77,3 +77,4 @@ def test_two_processes_of_two_devices_match_one_process_of_four(tmp_path):
         for name, want in expected.items():
             np.testing.assert_allclose(got[name], want, atol=1e-5, rtol=1e-5, err_msg=name)
     assert expected["predictions"].shape == (37, 1)
+    assert expected["epochs_run_when_stopped"] == 1
