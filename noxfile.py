@@ -107,3 +107,13 @@ def bench(session: nox.Session) -> None:
     _install_everything(session, "psutil>=5.9")
     session.run("python", "benchmarks/bench_torch.py", "--output", "docs/benchmarks/torch.json", *session.posargs)
     session.run("python", "benchmarks/bench_jax.py", "--output", "docs/benchmarks/jax.json", *session.posargs)
+
+
+@nox.session(python="3.11")
+def docs(session: nox.Session) -> None:
+    """The user guide and API reference, built with warnings as errors (``-- serve`` to preview)."""
+    _install_everything(session, "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26")
+    if session.posargs[:1] == ["serve"]:
+        session.run("mkdocs", "serve")
+    else:
+        session.run("mkdocs", "build", "--strict", "--site-dir", "site")
