@@ -20,11 +20,13 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 HERE = os.path.dirname(__file__)
 
 
-def _keras_reference(optimizer, epochs, validation=None):
+def _keras_reference(optimizer, epochs, validation=None, callbacks=None):
     x, y = testing.data()
     reference = testing.dense_batchnorm_model(optimizer)
     start = reference.get_weights()
-    history = reference.fit(x, y, batch_size=32, epochs=epochs, shuffle=False, validation_data=validation, verbose=0)
+    history = reference.fit(
+        x, y, batch_size=32, epochs=epochs, shuffle=False, validation_data=validation, callbacks=callbacks, verbose=0
+    )
     return reference, start, history
 
 
@@ -36,7 +38,9 @@ def _assert_weights_equal(model, reference, atol=1e-5):
 def test_sgd_fit_evaluate_predict_equal_keras_and_callbacks_run_once(tmp_path):
     x, y = testing.data()
     xv, yv = testing.data(37, seed=1)
-    reference, start, expected = _keras_reference("sgd", epochs=2, validation=(xv, yv))
+    # rank 0's LearningRateScheduler sets the rate; rank 1 must use it too for the weights to match
+    schedule = [keras.callbacks.LearningRateScheduler(testing.halving)]
+    reference, start, expected = _keras_reference("sgd", epochs=2, validation=(xv, yv), callbacks=schedule)
     model = testing.dense_batchnorm_model("sgd", seed=1)
     model.set_weights(start)
     lines, table = tmp_path / "epochs.txt", tmp_path / "log.csv"
@@ -49,12 +53,16 @@ def test_sgd_fit_evaluate_predict_equal_keras_and_callbacks_run_once(tmp_path):
         epochs=2,
         shuffle=False,
         validation_data=(xv, yv),
-        callbacks=[testing.EpochLines(str(lines)), keras.callbacks.CSVLogger(str(table))],
+        callbacks=[
+            testing.EpochLines(str(lines)),
+            keras.callbacks.CSVLogger(str(table)),
+            keras.callbacks.LearningRateScheduler(testing.halving),
+        ],
         verbose=0,
     )
     assert history.model is model
     assert history.epoch == [0, 1]
-    assert set(history.history) == {"loss", "accuracy", "val_loss", "val_accuracy"}
+    assert set(history.history) == {"loss", "accuracy", "val_loss", "val_accuracy", "learning_rate"}
     for name, values in expected.history.items():
         np.testing.assert_allclose(history.history[name], values, rtol=1e-5, atol=1e-6, err_msg=name)
     _assert_weights_equal(model, reference)  # BatchNorm moving statistics included

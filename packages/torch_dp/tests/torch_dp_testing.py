@@ -36,6 +36,11 @@ def dense_batchnorm_model(optimizer: str = "sgd", seed: int = 0) -> keras.Model:
     return model
 
 
+def halving(epoch: int, learning_rate: float) -> float:
+    """A LearningRateScheduler schedule: 0.1, 0.05, 0.025, ..."""
+    return 0.1 * 0.5**epoch
+
+
 class EpochLines(keras.callbacks.Callback):
     """Writes one line per epoch end ('epoch pid loss') to ``path``."""
 

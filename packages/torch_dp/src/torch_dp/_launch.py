@@ -155,6 +155,8 @@ def _first_failure(processes: list[Any], directory: str, failed_rank: int) -> Wo
         )
     return WorkerError(
         f"torch_dp replica {failed_rank} of {len(processes)} exited with code {processes[failed_rank].exitcode} "
-        "without a Python error (killed by a signal, or out of memory?).",
+        "before it could report an error: killed (a signal, out of memory), or it could not unpickle its job. "
+        "Its stderr is above; callbacks and model factories must be importable by the worker (defined in a "
+        "module, not in a notebook or an unguarded __main__).",
         rank=failed_rank,
     )

@@ -153,7 +153,10 @@ class Trainer:
         if started_by_torchrun() or self.num_replicas == 1:
             replica = self._this_process()
             local = keras.tree.flatten(run_in_process(keras_model, job, replica))
-            parts = [[p.cpu().numpy() for p in all_gather_rows(torch.as_tensor(leaf), replica)] for leaf in local]
+            parts = [
+                [p.cpu().numpy() for p in all_gather_rows(torch.as_tensor(leaf, device=replica.device), replica)]
+                for leaf in local
+            ]
             by_rank = [[parts[leaf][rank] for leaf in range(len(local))] for rank in range(replica.num_replicas)]
         else:
             with tempfile.TemporaryDirectory(prefix="torch_dp_") as directory:
@@ -200,8 +203,9 @@ class Trainer:
             "MKL_NUM_THREADS": str(threads),
             "KERAS_BACKEND": "torch",
         }
-        if not torch.cuda.is_available():
-            environment["GLOO_SOCKET_IFNAME"] = "lo"
+        if not (torch.cuda.is_available() and torch.cuda.device_count() >= self.num_replicas):
+            # CPU replicas: gloo over loopback, and no GPU for Keras to pick up by default
+            environment.update({"GLOO_SOCKET_IFNAME": "lo", "CUDA_VISIBLE_DEVICES": ""})
         port = free_port()
         spawn(
             spawned_worker,

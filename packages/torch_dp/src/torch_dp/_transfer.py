@@ -88,8 +88,7 @@ def receive_model(source: ModelSource, build: Callable[[keras.Model], None]) -> 
 def save_trained(directory: str, model: keras.Model, logs: dict[str, Any]) -> None:
     """Rank 0's trained variables and its logs, for the caller."""
     _variables_to_npz(os.path.join(directory, "trained.npz"), model)
-    with open(os.path.join(directory, "logs.json"), "w") as f:
-        json.dump(logs, f)
+    save_logs(directory, logs)
 
 
 def load_trained(directory: str, model: keras.Model, *, skip_learning_rate: bool) -> dict[str, Any]:

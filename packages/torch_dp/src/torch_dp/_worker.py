@@ -6,9 +6,10 @@ single-replica case in the caller's own process.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -43,7 +44,6 @@ class Job:
     lr_scaling: LearningRateScaling | None = None
     warmup_steps: int = 0
     log_every_steps: int = 10
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def build(model: keras.Model, job: Job) -> None:
@@ -129,7 +129,7 @@ def spawned_worker(
         replica = join_group(rank, num_replicas, init_method=f"tcp://127.0.0.1:{port}", timeout=timeout)
         data = open_shared(job.data)
         validation = None if job.validation is None else open_shared(job.validation)
-        job = Job(**{**job.__dict__, "data": data, "validation": validation})
+        job = dataclasses.replace(job, data=data, validation=validation)
         model = receive_model(source, lambda m: build(m, job))
         result = run_in_process(model, job, replica)
         if job.kind == "predict":
