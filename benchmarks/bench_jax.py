@@ -200,7 +200,7 @@ def main() -> None:
     if args.quick:
         results = benchmark(num_samples=GLOBAL_BATCH * 8, rounds=2, epochs=2)
     else:
-        results = benchmark(num_samples=GLOBAL_BATCH * 40, rounds=3, epochs=3)
+        results = benchmark(num_samples=GLOBAL_BATCH * 32, rounds=5, epochs=2)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as f:
         json.dump(results, f, indent=2)

@@ -115,11 +115,6 @@ class Trainer:
         callback_set.on_train_begin()
         for epoch in range(epochs):
             callback_set.on_epoch_begin(epoch)
-            # State is read from the model each epoch: callbacks may have changed weights or the LR.
-            trainable, non_trainable = weights_on_mesh(model, self.mesh)
-            if optimizer_state is None or isinstance(optimizer, KerasOptimizer):
-                optimizer_state = optimizer.initial_state(trainable, self.mesh)
-            state = (trainable, non_trainable, optimizer_state, fresh_metrics(model, self.mesh))
             plan = EpochPlan(
                 samples,
                 layout=self.layout,
@@ -128,11 +123,7 @@ class Trainer:
                 seed=seed,
                 shuffle=shuffle,
             )
-            state, step_logs = train_epoch(train_step, state, plan, self.mesh, model, callback_set)
-            trainable, non_trainable, optimizer_state, _ = state
-            write_back(model, trainable, non_trainable)
-            optimizer.write_back(optimizer_state)
-            logs = host_logs(step_logs)
+            logs, optimizer_state = self._train_epoch(model, optimizer, optimizer_state, train_step, plan, callback_set)
             if validation is not None:
                 callback_set.on_test_begin()
                 val_logs = self._evaluate(model, test_step, validation, global_batch_size)
@@ -189,6 +180,27 @@ class Trainer:
         model = resolve_model(model)
         per_replica_batch_size(global_batch_size, self.num_replicas)
         return model, Samples(x, y, sample_weight)
+
+    def _train_epoch(
+        self,
+        model: keras.Model,
+        optimizer: KerasOptimizer | OptaxOptimizer,
+        optimizer_state: Any,
+        train_step: Any,
+        plan: EpochPlan,
+        callback_set: keras.callbacks.CallbackList,
+    ) -> tuple[dict[str, Any], Any]:
+        """One epoch on the mesh; the model holds its weights afterwards, for the callbacks."""
+        # State is read from the model each epoch: callbacks may have changed weights or the LR.
+        trainable, non_trainable = weights_on_mesh(model, self.mesh)
+        if optimizer_state is None or isinstance(optimizer, KerasOptimizer):
+            optimizer_state = optimizer.initial_state(trainable, self.mesh)
+        state = (trainable, non_trainable, optimizer_state, fresh_metrics(model, self.mesh))
+        state, step_logs = train_epoch(train_step, state, plan, self.mesh, model, callback_set)
+        trainable, non_trainable, optimizer_state, _ = state
+        write_back(model, trainable, non_trainable)
+        optimizer.write_back(optimizer_state)
+        return host_logs(step_logs), optimizer_state
 
     def _evaluate(
         self,
