@@ -33,8 +33,10 @@ from torch_bench_parts import (
     EpochClock,
     compiled_convnet,
     ddp_worker,
+    linear_classifier,
     peak_memory_of_children,
     synthetic_mnist,
+    wide_rows,
 )
 
 import torch_dp
@@ -96,15 +98,15 @@ def run_keras_fit(num_samples: int, epochs: int) -> dict[str, float]:
     return {"samples_per_s": _steady_throughput(times, num_samples), "first_step_s": times["train_begin"][0] - called}
 
 
-def worker_memory(num_samples: int) -> dict[str, float]:
-    """Peak RSS and PSS of each torch_dp worker, one epoch over ``num_samples`` MNIST-shaped rows."""
-    x, y = synthetic_mnist(num_samples)
+def _peak_worker_memory(num_rows: int) -> dict[str, float]:
+    """Peak RSS and PSS (MiB) of the two torch_dp workers training one epoch on ``num_rows`` rows."""
+    x, y = wide_rows(num_rows)
     stop, peaks = threading.Event(), {}
     watcher = threading.Thread(target=peak_memory_of_children, args=(stop, peaks), daemon=True)
     watcher.start()
     try:
         torch_dp.Trainer(num_replicas=2, threads_per_replica=1).fit(
-            compiled_convnet(), x, y, global_batch_size=GLOBAL_BATCH_SIZE, epochs=1, verbose=0
+            linear_classifier(), x, y, global_batch_size=1024, epochs=1, verbose=0
         )
     finally:
         stop.set()
@@ -112,9 +114,21 @@ def worker_memory(num_samples: int) -> dict[str, float]:
     workers = sorted(peaks.values(), key=lambda p: -p["rss"])[:2]
     mib = 2**20
     return {
-        "dataset_mib": x.nbytes / mib,
-        "peak_rss_mib_per_worker": [p["rss"] / mib for p in workers],
-        "peak_pss_mib_per_worker": [p["pss"] / mib for p in workers],
+        "dataset_mib": (x.nbytes + y.nbytes) / mib,
+        "peak_rss_mib": max(p["rss"] for p in workers) / mib,
+        "peak_pss_mib": max(p["pss"] for p in workers) / mib,
+    }
+
+
+def worker_memory(num_rows: int) -> dict[str, object]:
+    """How much of a large array dataset each worker holds: PSS grows by half the dataset per
+    worker when the two share one memory-mapped copy, by all of it when each has its own."""
+    small, large = _peak_worker_memory(1024), _peak_worker_memory(num_rows)
+    extra = large["dataset_mib"] - small["dataset_mib"]
+    return {
+        "small": small,
+        "large": large,
+        "pss_growth_per_worker_as_fraction_of_dataset": (large["peak_pss_mib"] - small["peak_pss_mib"]) / extra,
     }
 
 
@@ -123,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="one short round (a smoke run, not a measurement)")
     parser.add_argument("--output", default=None, help="where to write the JSON results")
     args = parser.parse_args(argv)
-    rounds, num_samples, epochs, memory_samples = (1, 1024, 2, 4096) if args.quick else (3, 3072, 3, 20000)
+    rounds, num_samples, epochs, memory_samples = (1, 1024, 2, 16384) if args.quick else (3, 3072, 3, 65536)
     runs: dict[str, list[dict[str, float]]] = {"torch_dp": [], "ddp_loop": [], "keras_fit": []}
     for round_index in range(rounds):
         for name, run in (("torch_dp", run_torch_dp), ("ddp_loop", run_ddp_loop), ("keras_fit", run_keras_fit)):

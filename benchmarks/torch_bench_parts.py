@@ -43,6 +43,19 @@ def synthetic_mnist(num_samples: int, seed: int = 0) -> tuple[np.ndarray, np.nda
     return x, y
 
 
+def wide_rows(num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """A large array dataset: ``num_rows`` flattened MNIST-sized rows (3 KiB each)."""
+    rng = np.random.default_rng(1)
+    return rng.random((num_rows, 784), dtype=np.float32), rng.integers(0, NUM_CLASSES, num_rows).astype("int64")
+
+
+def linear_classifier() -> keras.Model:
+    """A model cheap enough that a memory run is about the data, not the compute."""
+    model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(NUM_CLASSES, activation="softmax")])
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
 class EpochClock(keras.callbacks.Callback):
     """Timestamps of train begin and each epoch's begin and end, written to a JSON file."""
 

@@ -124,3 +124,31 @@ def test_replicas_draw_different_dropout_masks_and_rank_0_keeps_the_callers():
     untouched = keras.ops.convert_to_numpy(dropout_model()(ones, training=True))
     np.testing.assert_array_equal(masks[0], untouched)
     assert not np.array_equal(masks[0], masks[1])
+
+
+def test_model_checkpoint_and_terminate_on_nan_work_from_the_trainer(tmp_path):
+    x, y = testing.data()
+    model = testing.dense_batchnorm_model()
+    path = str(tmp_path / "best.keras")
+    torch_dp.Trainer(num_replicas=1).fit(
+        model, x, y, global_batch_size=32, callbacks=[keras.callbacks.ModelCheckpoint(path)], verbose=0
+    )
+    saved = keras.saving.load_model(path)
+    for mine, theirs in zip(model.get_weights(), saved.get_weights(), strict=True):
+        np.testing.assert_array_equal(mine, theirs)
+    assert "_moments" not in saved.layers[1].__dict__
+
+    broken = x.copy()
+    broken[40] = np.nan  # the second batch gives a NaN loss
+    history = torch_dp.Trainer(num_replicas=1).fit(
+        model,
+        broken,
+        y,
+        global_batch_size=32,
+        epochs=3,
+        shuffle=False,
+        callbacks=[keras.callbacks.TerminateOnNaN()],
+        verbose=0,
+    )
+    assert history.epoch == [0]
+    assert np.isnan(history.history["loss"][0])
