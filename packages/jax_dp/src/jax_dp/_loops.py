@@ -91,12 +91,14 @@ def train_epoch(
     mesh: Mesh,
     model: keras.Model,
     callbacks: keras.callbacks.CallbackList,
+    *,
+    start: int = 0,
 ) -> tuple[TrainState, Logs | None]:
-    """One epoch of steps; returns the state and the last step's (running-mean) logs."""
+    """Steps ``start..`` of one epoch; returns the state and the last step's (running-mean) logs."""
     reporter = BatchEndReporter(callbacks, ("on_train_batch_end", "on_batch_end"), plan.steps)
     several_processes = jax.process_count() > 1
     logs = None
-    for step, batch in enumerate(device_batches(plan, mesh)):
+    for step, batch in enumerate(device_batches(plan, mesh, start=start), start=start):
         callbacks.on_train_batch_begin(step)
         logs, state = train_step(state, batch)
         if reporter.due(step):

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from dp_core import LearningRateScaling, Schedule, learning_rate_policy
+from dp_core import CheckpointError, LearningRateScaling, Schedule, learning_rate_policy
 from dp_core._keras import KerasSchedule, apply_learning_rate_policy
 from jax_dp._distributed import same_on_all_processes
 from jax_dp._mesh import put_replicated, replicated
@@ -40,6 +40,12 @@ class KerasOptimizer:
         )
         return [put_replicated(v, mesh) for v in values]
 
+    def restore(self, saved: list[np.ndarray]) -> None:
+        """Optimizer variables from a checkpoint, into the Keras optimizer."""
+        _check_count(len(saved), len(self.optimizer.variables))
+        for variable, value in zip(self.optimizer.variables, saved, strict=True):
+            variable.assign(value)
+
     def scale_loss(self, loss: Any, state: list[Any]) -> Any:
         # Mixed precision: a LossScaleOptimizer scales the loss with its own (stateless) scale.
         with keras.StatelessScope(state_mapping=list(zip(self.optimizer.variables, state, strict=True))):
@@ -51,6 +57,9 @@ class KerasOptimizer:
     def write_back(self, state: list[Any]) -> None:
         for variable, value in zip(self.optimizer.variables, state, strict=True):
             variable.assign(value)
+
+    def finish(self) -> None:
+        """End of fit, as in ``model.fit``: e.g. EMA weights replace the trained ones."""
         self.optimizer.finalize_variable_values(self.model.trainable_weights)
 
 
@@ -70,6 +79,7 @@ class OptaxOptimizer:
                 f"model's compiled Keras optimizer; got {type(transformation).__name__}."
             )
         self.transformation = transformation
+        self._saved: list[np.ndarray] | None = None
 
     def set_learning_rate_policy(
         self, *, global_batch_size: int, lr_scaling: LearningRateScaling | None, warmup_steps: int
@@ -85,7 +95,16 @@ class OptaxOptimizer:
         return multiplier
 
     def initial_state(self, trainable: list[jax.Array], mesh: Mesh) -> Any:
-        return jax.jit(self.transformation.init, out_shardings=replicated(mesh))(trainable)
+        state = jax.jit(self.transformation.init, out_shardings=replicated(mesh))(trainable)
+        if self._saved is None:
+            return state
+        leaves, structure = jax.tree.flatten(state)
+        _check_count(len(self._saved), len(leaves))
+        return jax.tree.unflatten(structure, [put_replicated(value, mesh) for value in self._saved])
+
+    def restore(self, saved: list[np.ndarray]) -> None:
+        """The optax state's leaves from a checkpoint, used by the next ``initial_state``."""
+        self._saved = saved
 
     def scale_loss(self, loss: Any, state: Any) -> Any:
         return loss
@@ -95,7 +114,18 @@ class OptaxOptimizer:
         return optax.apply_updates(trainable, updates), state  # type: ignore[return-value]
 
     def write_back(self, state: Any) -> None:
-        del state  # optax state lives only for one fit; the model keeps its compiled optimizer
+        del state  # optax state lives on the mesh during fit (and in checkpoints), not in the model
+
+    def finish(self) -> None:
+        pass
+
+
+def _check_count(saved: int, expected: int) -> None:
+    if saved != expected:
+        raise CheckpointError(
+            f"The checkpoint holds {saved} optimizer arrays but this optimizer has {expected}: it was written with "
+            "another optimizer. Use the same optimizer, or an empty checkpoint_dir to start over."
+        )
 
 
 Optimizer = KerasOptimizer | OptaxOptimizer

@@ -14,6 +14,7 @@ from dp_core._data import is_map_dataset
 from dp_core._keras import callback_list, require_backend, resolve_model
 from dp_core._trainer import Verbose
 from jax_dp._batches import EpochPlan, Samples
+from jax_dp._checkpoints import resume, save
 from jax_dp._distributed import agree, is_primary
 from jax_dp._loops import (
     build,
@@ -93,16 +94,16 @@ class Trainer:
         """Train like ``model.fit``; returns the History, whose ``.model`` holds the trained weights."""
         model, samples = self._check(model, x, y, sample_weight, global_batch_size)
         validation = None if validation_data is None else _validation_samples(validation_data)
-        if checkpoint_dir is not None:
-            raise NotImplementedError(
-                f"checkpoint_dir={checkpoint_dir!r}: jax_dp does not write checkpoints yet. Pass checkpoint_dir=None "
-                "and use keras.callbacks.ModelCheckpoint (it runs on process 0) meanwhile."
-            )
         optimizer = KerasOptimizer(model) if self._optax is None else OptaxOptimizer(self._optax)
-        optimizer.set_learning_rate_policy(
+        policy = optimizer.set_learning_rate_policy(
             global_batch_size=global_batch_size, lr_scaling=lr_scaling, warmup_steps=warmup_steps
         )
         build(model, samples, global_batch_size)
+        resumed = None
+        if checkpoint_dir is not None:
+            resumed = resume(checkpoint_dir, model, seed=seed, global_batch_size=global_batch_size, shuffle=shuffle)
+            if resumed is not None:
+                optimizer.restore(resumed.optimizer_variables)
         train_step = make_train_step(model, optimizer, self.mesh, batch_norm=self.batch_norm)
         test_step = make_test_step(model, self.mesh)
         steps = EpochPlan(samples, layout=self.layout, global_batch_size=global_batch_size).steps
@@ -113,7 +114,10 @@ class Trainer:
         optimizer_state = None
         logs: dict[str, Any] = {}
         callback_set.on_train_begin()
-        for epoch in range(epochs):
+        first_epoch, first_step = (0, 0) if resumed is None else (resumed.epoch, resumed.step)
+        if resumed is not None:  # History continues from the checkpoint
+            model.history.epoch, model.history.history = list(range(first_epoch)), resumed.history
+        for epoch in range(first_epoch, epochs):
             callback_set.on_epoch_begin(epoch)
             plan = EpochPlan(
                 samples,
@@ -123,16 +127,32 @@ class Trainer:
                 seed=seed,
                 shuffle=shuffle,
             )
-            logs, optimizer_state = self._train_epoch(model, optimizer, optimizer_state, train_step, plan, callback_set)
+            start = first_step if epoch == first_epoch else 0
+            logs, optimizer_state = self._train_epoch(
+                model, optimizer, optimizer_state, train_step, plan, callback_set, start
+            )
             if validation is not None:
                 callback_set.on_test_begin()
                 val_logs = self._evaluate(model, test_step, validation, global_batch_size)
                 callback_set.on_test_end(val_logs)
                 logs.update({f"val_{name}": value for name, value in val_logs.items()})
             callback_set.on_epoch_end(epoch, logs)
+            if checkpoint_dir is not None:
+                save(
+                    checkpoint_dir,
+                    model,
+                    optimizer_state,
+                    epoch=epoch + 1,
+                    seed=seed,
+                    global_batch_size=global_batch_size,
+                    num_replicas=self.num_replicas,
+                    policy=policy,
+                )
             if agree(bool(model.stop_training)):
                 model.stop_training = True
                 break
+        if epochs > first_epoch:
+            optimizer.finish()
         callback_set.on_train_end(logs)
         return model.history
 
@@ -189,6 +209,7 @@ class Trainer:
         train_step: Any,
         plan: EpochPlan,
         callback_set: keras.callbacks.CallbackList,
+        start: int,
     ) -> tuple[dict[str, Any], Any]:
         """One epoch on the mesh; the model holds its weights afterwards, for the callbacks."""
         # State is read from the model each epoch: callbacks may have changed weights or the LR.
@@ -196,7 +217,7 @@ class Trainer:
         if optimizer_state is None or isinstance(optimizer, KerasOptimizer):
             optimizer_state = optimizer.initial_state(trainable, self.mesh)
         state = (trainable, non_trainable, optimizer_state, fresh_metrics(model, self.mesh))
-        state, step_logs = train_epoch(train_step, state, plan, self.mesh, model, callback_set)
+        state, step_logs = train_epoch(train_step, state, plan, self.mesh, model, callback_set, start=start)
         trainable, non_trainable, optimizer_state, _ = state
         write_back(model, trainable, non_trainable)
         optimizer.write_back(optimizer_state)
