@@ -87,13 +87,21 @@ def test_sgd_fit_evaluate_predict_equal_keras_and_callbacks_run_once(tmp_path):
     )
 
 
-def test_adam_with_a_stop_decided_mid_epoch_equals_keras():
-    """Adam state and a batch-level stop (epoch 1, after batch 1) against Keras doing the same."""
+def test_adam_sample_weights_and_a_stop_mid_epoch_equal_keras():
+    """Adam state, sample weights and a batch-level stop (epoch 1, after batch 1) against Keras doing the same."""
     x, y = testing.data()
+    weights = np.random.default_rng(2).uniform(0.5, 2.0, size=len(x)).astype("float32")
     reference = testing.dense_batchnorm_model("adam")
     start = reference.get_weights()
     expected = reference.fit(
-        x, y, batch_size=32, epochs=3, shuffle=False, callbacks=[testing.StopAtBatch(1, epoch=1)], verbose=0
+        x,
+        y,
+        sample_weight=weights,
+        batch_size=32,
+        epochs=3,
+        shuffle=False,
+        callbacks=[testing.StopAtBatch(1, epoch=1)],
+        verbose=0,
     )
     model = testing.dense_batchnorm_model("adam", seed=1)
     model.set_weights(start)
@@ -101,6 +109,7 @@ def test_adam_with_a_stop_decided_mid_epoch_equals_keras():
         model,
         x,
         y,
+        sample_weight=weights,
         global_batch_size=32,
         epochs=3,
         shuffle=False,
