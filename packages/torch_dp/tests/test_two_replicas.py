@@ -35,12 +35,17 @@ def _assert_weights_equal(model, reference, atol=1e-5):
         np.testing.assert_allclose(mine, theirs, atol=atol)
 
 
+def _stop_early():
+    return keras.callbacks.EarlyStopping(monitor="loss", min_delta=10.0, patience=0)
+
+
 def test_sgd_fit_evaluate_predict_equal_keras_and_callbacks_run_once(tmp_path):
     x, y = testing.data()
     xv, yv = testing.data(37, seed=1)
     # rank 0's LearningRateScheduler sets the rate; rank 1 must use it too for the weights to match
-    schedule = [keras.callbacks.LearningRateScheduler(testing.halving)]
-    reference, start, expected = _keras_reference("sgd", epochs=2, validation=(xv, yv), callbacks=schedule)
+    # and EarlyStopping (no improvement of 10 after epoch 1) must stop every replica, hanging none
+    schedule = [keras.callbacks.LearningRateScheduler(testing.halving), _stop_early()]
+    reference, start, expected = _keras_reference("sgd", epochs=20, validation=(xv, yv), callbacks=schedule)
     model = testing.dense_batchnorm_model("sgd", seed=1)
     model.set_weights(start)
     lines, table = tmp_path / "epochs.txt", tmp_path / "log.csv"
@@ -50,18 +55,19 @@ def test_sgd_fit_evaluate_predict_equal_keras_and_callbacks_run_once(tmp_path):
         x,
         y,
         global_batch_size=32,
-        epochs=2,
+        epochs=20,
         shuffle=False,
         validation_data=(xv, yv),
         callbacks=[
             testing.EpochLines(str(lines)),
             keras.callbacks.CSVLogger(str(table)),
             keras.callbacks.LearningRateScheduler(testing.halving),
+            _stop_early(),
         ],
         verbose=0,
     )
     assert history.model is model
-    assert history.epoch == [0, 1]
+    assert history.epoch == expected.epoch == [0, 1]  # stopped by EarlyStopping on every replica
     assert set(history.history) == {"loss", "accuracy", "val_loss", "val_accuracy", "learning_rate"}
     for name, values in expected.history.items():
         np.testing.assert_allclose(history.history[name], values, rtol=1e-5, atol=1e-6, err_msg=name)
@@ -122,22 +128,6 @@ def test_adam_sample_weights_and_a_stop_mid_epoch_equal_keras():
     _assert_weights_equal(model, reference)
     # the caller's optimizer continues from the trained state: 4 + 2 steps
     assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 6
-
-
-def test_early_stopping_stops_every_replica():
-    x, y = testing.data()
-    stop_early = keras.callbacks.EarlyStopping(monitor="loss", min_delta=10.0, patience=0)
-    history = torch_dp.Trainer(num_replicas=2, timeout=60).fit(
-        testing.dense_batchnorm_model(),
-        x,
-        y,
-        global_batch_size=32,
-        epochs=20,
-        shuffle=False,
-        callbacks=[stop_early],
-        verbose=0,
-    )
-    assert history.epoch == [0, 1]  # no improvement of 10 after epoch 1: stopped, and no replica hung
 
 
 def test_a_failing_replica_stops_all_promptly_and_names_its_rank(tmp_path, monkeypatch):

@@ -84,8 +84,8 @@ def broadcast_from_primary(tensors: Sequence[torch.Tensor], replica: Replica) ->
 def broadcast_floats(values: Sequence[float], replica: Replica) -> list[float]:
     """Rank 0's Python floats on every replica (control decisions: stop, learning rate)."""
     if not replica.distributed:
-        return list(values)
-    buffer = torch.tensor(list(values), dtype=torch.float64, device=replica.device)
+        return [float(value) for value in values]
+    buffer = torch.tensor([float(value) for value in values], dtype=torch.float64, device=replica.device)
     dist.broadcast(buffer, src=0)
     return buffer.cpu().tolist()
 

@@ -68,8 +68,8 @@ def fit_loop(
         callbacks, model, is_primary=replica.is_primary, verbose=options.verbose, epochs=options.epochs, steps=steps
     )
     # Every replica must agree on when metrics are synced, so rank 0's needs are shared.
-    batch_logs, progress = broadcast_floats(
-        [float(_wants_batch_logs(callbacks)), float(options.verbose in ("auto", 1))], replica
+    batch_logs, progress = (
+        bool(flag) for flag in broadcast_floats([_wants_batch_logs(callbacks), options.verbose in ("auto", 1)], replica)
     )
     every = 1 if batch_logs else (options.log_every_steps if progress else 0)
     model.stop_training = False
@@ -80,24 +80,9 @@ def fit_loop(
         callback_group.on_epoch_begin(epoch)
         if _share_decisions(model, replica):
             break
-        model.train()
-        logs: dict[str, Any] = {}
-        batches = replica_batches(
-            train,
-            replica,
-            global_batch_size=options.global_batch_size,
-            epoch=epoch,
-            seed=options.seed,
-            shuffle=options.shuffle,
+        _train_epoch(
+            model, train, epoch, options, replica, callback_group, log_every=every, decide_each_step=batch_logs
         )
-        for step, batch in enumerate(batches):
-            callback_group.on_train_batch_begin(step)
-            train_step(model, batch, replica)
-            if _log_now(step, steps, every):
-                logs = global_logs(model, replica)
-            callback_group.on_train_batch_end(step, logs)
-            if batch_logs and _share_decisions(model, replica):
-                break
         epoch_logs = global_logs(model, replica)
         model.eval()
         if validation is not None:
@@ -110,6 +95,39 @@ def fit_loop(
         model.optimizer.finalize_variable_values(model.trainable_weights)
     callback_group.on_train_end(logs=epoch_logs)
     return model.history
+
+
+def _train_epoch(
+    model: keras.Model,
+    train: Data,
+    epoch: int,
+    options: FitOptions,
+    replica: Replica,
+    callback_group: keras.callbacks.CallbackList,
+    *,
+    log_every: int,
+    decide_each_step: bool,
+) -> None:
+    """One epoch of steps; logs synced every ``log_every`` steps (0: never), rank 0's stop shared if asked."""
+    model.train()
+    steps = num_steps(train.num_samples, options.global_batch_size)
+    batches = replica_batches(
+        train,
+        replica,
+        global_batch_size=options.global_batch_size,
+        epoch=epoch,
+        seed=options.seed,
+        shuffle=options.shuffle,
+    )
+    logs: dict[str, Any] = {}
+    for step, batch in enumerate(batches):
+        callback_group.on_train_batch_begin(step)
+        train_step(model, batch, replica)
+        if _log_now(step, steps, log_every):
+            logs = global_logs(model, replica)
+        callback_group.on_train_batch_end(step, logs)
+        if decide_each_step and _share_decisions(model, replica):
+            return
 
 
 def evaluate_loop(
