@@ -37,6 +37,7 @@ class Trainer(Protocol):
         lr_scaling: LearningRateScaling | None = None,
         warmup_steps: int = 0,
         checkpoint_dir: str | None = None,
+        checkpoint_every_steps: int | None = None,
         verbose: Verbose = "auto",
     ) -> Any:
         """Train; returns a ``keras.callbacks.History`` whose ``.model`` is the trained model."""
