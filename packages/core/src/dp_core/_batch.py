@@ -6,8 +6,9 @@ from __future__ import annotations
 def per_replica_batch_size(global_batch_size: int, num_replicas: int) -> int:
     """Rows each replica sees per step: ``global_batch_size // num_replicas``.
 
-    >>> per_replica_batch_size(64, 4)
-    16
+    Examples:
+        >>> per_replica_batch_size(64, 4)
+        16
 
     A global batch that does not divide evenly is an error rather than a silent
     rounding, because rounding would change the optimisation (and break the

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 class ReplicaLayout:
     """``num_replicas`` replicas over ``num_processes`` processes, ``local_replicas`` each.
 
-    >>> layout = ReplicaLayout(num_processes=2, process_index=1, num_replicas=8)
-    >>> layout.local_replicas, list(layout.local_replica_indices)
-    (4, [4, 5, 6, 7])
+    Examples:
+        >>> layout = ReplicaLayout(num_processes=2, process_index=1, num_replicas=8)
+        >>> layout.local_replicas, list(layout.local_replica_indices)
+        (4, [4, 5, 6, 7])
     """
 
     num_processes: int

@@ -28,10 +28,11 @@ def scale_learning_rate(
 ) -> float:
     """The learning rate for ``global_batch_size``, given one tuned at ``base_batch_size``.
 
-    >>> scale_learning_rate(0.1, base_batch_size=32, global_batch_size=128, rule="linear")
-    0.4
-    >>> scale_learning_rate(0.1, base_batch_size=32, global_batch_size=128, rule="sqrt")
-    0.2
+    Examples:
+        >>> scale_learning_rate(0.1, base_batch_size=32, global_batch_size=128, rule="linear")
+        0.4
+        >>> scale_learning_rate(0.1, base_batch_size=32, global_batch_size=128, rule="sqrt")
+        0.2
     """
     if rule not in _RULES:
         raise ValueError(f"rule must be one of {_RULES}, got {rule!r}.")
@@ -106,9 +107,10 @@ class Warmup:
     Step ``warmup_steps`` is the first at ``target``; ``after`` (default: constant
     ``target``) is called with the step counted from the end of the warmup.
 
-    >>> w = Warmup(target=1.0, warmup_steps=4)
-    >>> [w(s) for s in range(6)]
-    [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    Examples:
+        >>> w = Warmup(target=1.0, warmup_steps=4)
+        >>> [w(s) for s in range(6)]
+        [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
     """
 
     target: float
@@ -161,9 +163,10 @@ def learning_rate_policy(
 ) -> Schedule:
     """What a trainer applies: the scaled learning rate, ramped up over ``warmup_steps``.
 
-    >>> policy = learning_rate_policy(0.1, global_batch_size=64, lr_scaling=linear_scaling(32), warmup_steps=2)
-    >>> [round(policy(s), 6) for s in range(3)]
-    [0.0, 0.1, 0.2]
+    Examples:
+        >>> policy = learning_rate_policy(0.1, global_batch_size=64, lr_scaling=linear_scaling(32), warmup_steps=2)
+        >>> [round(policy(s), 6) for s in range(3)]
+        [0.0, 0.1, 0.2]
     """
     target = base_lr if lr_scaling is None else lr_scaling(base_lr, global_batch_size)
     if warmup_steps:

@@ -36,8 +36,9 @@ class Shard(NamedTuple):
 def epoch_order(num_samples: int, *, seed: int = 0, epoch: int = 0, shuffle: bool = True) -> np.ndarray:
     """The global sample order of one epoch, the same for every replica count.
 
-    >>> epoch_order(5, shuffle=False)
-    array([0, 1, 2, 3, 4])
+    Examples:
+        >>> epoch_order(5, shuffle=False)
+        array([0, 1, 2, 3, 4])
     """
     _check_positive_int("num_samples", num_samples)
     if not shuffle:
