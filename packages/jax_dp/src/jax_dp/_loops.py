@@ -10,7 +10,6 @@ import jax
 import keras
 import numpy as np
 from jax.sharding import Mesh
-from keras.src.utils.python_utils import is_default
 
 from jax_dp._batches import EpochPlan, Samples, device_batches
 from jax_dp._distributed import agree, replicated_to_host, rows_to_host, same_on_all_processes
@@ -70,7 +69,7 @@ class BatchEndReporter:
     def __init__(self, callbacks: keras.callbacks.CallbackList, hooks: tuple[str, ...], steps: int) -> None:
         self.callbacks = callbacks
         self.steps = steps
-        reporting = [c for c in callbacks.callbacks if any(not is_default(getattr(c, hook)) for hook in hooks)]
+        reporting = [c for c in callbacks.callbacks if any(_overrides(c, hook) for hook in hooks)]
         self.every_step = any(not isinstance(c, keras.callbacks.ProgbarLogger) for c in reporting)
         self.enabled = bool(reporting)
         self.last = 0.0
@@ -82,6 +81,11 @@ class BatchEndReporter:
             self.last = time.monotonic()
             return True
         return False
+
+
+def _overrides(callback: keras.callbacks.Callback, hook: str) -> bool:
+    # keras.callbacks.Callback marks its no-op hooks with `_is_default` (utils.default).
+    return not getattr(getattr(callback, hook), "_is_default", False)
 
 
 def train_epoch(
