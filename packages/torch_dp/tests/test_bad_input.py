@@ -61,9 +61,25 @@ def test_num_replicas_required_on_cpu_and_positive():
         torch_dp.Trainer(num_replicas=0)
 
 
-def test_checkpoint_dir_is_not_silently_ignored(tmp_path):
+def test_checkpoint_every_steps_needs_a_directory_and_a_positive_count(tmp_path):
     x, y = testing.data()
-    with pytest.raises(NotImplementedError, match="checkpoint_dir"):
-        torch_dp.Trainer(num_replicas=2).fit(
-            testing.dense_batchnorm_model(), x, y, global_batch_size=32, checkpoint_dir=str(tmp_path)
+    trainer = torch_dp.Trainer(num_replicas=2)
+    with pytest.raises(ValueError, match="checkpoint_every_steps=5 needs a checkpoint_dir"):
+        trainer.fit(testing.dense_batchnorm_model(), x, y, global_batch_size=32, checkpoint_every_steps=5)
+    with pytest.raises(ValueError, match="positive integer or None, got 0"):
+        trainer.fit(
+            testing.dense_batchnorm_model(),
+            x,
+            y,
+            global_batch_size=32,
+            checkpoint_dir=str(tmp_path),
+            checkpoint_every_steps=0,
         )
+
+
+def test_fault_options_are_checked_and_the_default_timeout_is_60_seconds():
+    assert torch_dp.Trainer(num_replicas=2).timeout == 60.0
+    with pytest.raises(ValueError, match=r"on_nonfinite_loss must be one of \('stop', 'skip'\), got 'ignore'"):
+        torch_dp.Trainer(num_replicas=2, on_nonfinite_loss="ignore")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds, got 0"):
+        torch_dp.Trainer(num_replicas=2, timeout=0)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import signal
+import socket
+import time
 
 import keras
 import numpy as np
@@ -82,3 +87,122 @@ class FailingFactory:
             if dist.get_rank() == self.failing_rank:
                 raise RuntimeError("boom on purpose in the model factory")
         return dense_batchnorm_model()
+
+
+class SlowSteps(keras.callbacks.Callback):
+    """Sleeps after every step on rank 0 (the others wait for it), so a test can act mid-run."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def on_train_batch_end(self, batch, logs=None):
+        time.sleep(self.seconds)
+
+
+class KillOnceAt(keras.callbacks.Callback):
+    """SIGKILLs its own process after step ``step`` of epoch ``epoch``, unless ``marker`` exists
+    (it creates it first): the first run dies there, a restarted one trains through."""
+
+    def __init__(self, epoch: int, step: int, marker: str) -> None:
+        super().__init__()
+        self.epoch, self.step, self.marker, self.current_epoch = epoch, step, marker, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current_epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.current_epoch, batch) == (self.epoch, self.step) and not os.path.exists(self.marker):
+            with open(self.marker, "w") as f:
+                f.write(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class FailInStep(keras.layers.Layer):
+    """Identity, except that on replica ``rank`` its ``call_index``-th training call raises or
+    SIGKILLs the process: a fault in the middle of a step (inside the forward pass)."""
+
+    def __init__(self, rank: int, call_index: int, how: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.rank, self.call_index, self.how, self.calls = rank, call_index, how, 0
+
+    def call(self, x, training=False):
+        if training and dist.is_initialized() and dist.get_rank() == self.rank:
+            self.calls += 1
+            if self.calls == self.call_index:
+                if self.how == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise RuntimeError(f"boom on purpose in training call {self.calls}")
+        return x
+
+
+class FailingInStepFactory:
+    """A dense model whose replica ``rank`` fails (``how``: "raise" or "kill") in its ``call_index``-th step."""
+
+    def __init__(self, rank: int, call_index: int, how: str) -> None:
+        self.rank, self.call_index, self.how = rank, call_index, how
+
+    def __call__(self) -> keras.Model:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [
+                keras.Input((5,)),
+                keras.layers.Dense(8, activation="relu"),
+                FailInStep(self.rank, self.call_index, self.how),
+                keras.layers.Dense(3, activation="softmax"),
+            ]
+        )
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        return model
+
+
+class ListeningAddresses(keras.callbacks.Callback):
+    """After the first step, writes to ``path`` the addresses that the caller's process (the
+    parent, which serves the rendezvous) and this replica listen on, from /proc."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 0:
+            with open(self.path, "w") as f:
+                json.dump(listening_addresses([os.getppid(), os.getpid()]), f)
+
+
+def listening_addresses(pids: list[int]) -> list[str]:
+    """``ip:port`` of every TCP socket in LISTEN state owned by ``pids`` (Linux /proc)."""
+    inodes = set()
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+    found = []
+    for table, size in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                    address, port = fields[1].split(":")
+                    raw = bytes.fromhex(address)
+                    # /proc prints each 32-bit word in host (little-endian) order
+                    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                    ip = socket.inet_ntop(socket.AF_INET if size == 4 else socket.AF_INET6, words)
+                    found.append(f"{ip}:{int(port, 16)}")
+    return found
+
+
+def processes_tagged(tag: str) -> list[int]:
+    """Pids of live processes (not this one) whose environment holds TORCH_DP_TEST_TAG=tag."""
+    pids = []
+    needle = f"TORCH_DP_TEST_TAG={tag}".encode()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    with open(f"/proc/{entry}/stat") as stat:
+                        if stat.read().split(")")[-1].split()[0] != "Z":  # zombies hold nothing
+                            pids.append(int(entry))
+    return pids

@@ -8,6 +8,7 @@ from importlib.metadata import version as _version
 
 from torch_dp._batchnorm import BatchNormMode as BatchNormMode
 from torch_dp._launch import WorkerError as WorkerError
+from torch_dp._loop import NonFiniteLossError as NonFiniteLossError
 from torch_dp._sampler import Sampler as Sampler
 from torch_dp._trainer import Trainer as Trainer
 
@@ -15,6 +16,7 @@ __version__ = _version("torch-dp")
 
 __all__ = [
     "BatchNormMode",
+    "NonFiniteLossError",
     "Sampler",
     "Trainer",
     "WorkerError",

@@ -92,9 +92,16 @@ class Batch:
 
 
 def replica_batches(
-    data: Data, replica: Replica, *, global_batch_size: int, epoch: int = 0, seed: int = 0, shuffle: bool = False
+    data: Data,
+    replica: Replica,
+    *,
+    global_batch_size: int,
+    epoch: int = 0,
+    seed: int = 0,
+    shuffle: bool = False,
+    first_step: int = 0,
 ) -> Iterator[Batch]:
-    """This replica's batches of one epoch; every replica gets the same number."""
+    """This replica's batches of one epoch from ``first_step`` on; every replica gets the same number."""
     num_samples = data.num_samples
     shard = split_indices(
         num_samples,
@@ -106,7 +113,7 @@ def replica_batches(
         shuffle=shuffle,
     )
     rows = global_batch_size // replica.num_replicas
-    for step in range(num_steps(num_samples, global_batch_size)):
+    for step in range(first_step, num_steps(num_samples, global_batch_size)):
         part = slice(step * rows, (step + 1) * rows)
         global_real_rows = min(global_batch_size, num_samples - step * global_batch_size)
         yield _batch(data, shard.indices[part], shard.mask[part], global_real_rows, global_batch_size)

@@ -7,6 +7,7 @@ ports, threads and failures, nothing about Keras.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import multiprocessing.connection
 import os
@@ -14,10 +15,13 @@ import socket
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import torch.multiprocessing as mp
+from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
 
 class WorkerError(RuntimeError):
@@ -29,11 +33,56 @@ class WorkerError(RuntimeError):
         self.worker_traceback = worker_traceback
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (picked in the parent, so every worker agrees)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+def bind_loopback(first_choice: int = 0) -> socket.socket:
+    """A listening socket on 127.0.0.1, on ``first_choice`` if free, else on a port the OS picks.
+
+    Binding (rather than probing a port and letting a worker bind it later) leaves no
+    moment in which another program can take the port.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", first_choice))
+    except OSError as error:
+        if error.errno != errno.EADDRINUSE or first_choice == 0:
+            sock.close()
+            raise
+        warnings.warn(
+            f"Rendezvous port {first_choice} on 127.0.0.1 is in use (MASTER_PORT); torch_dp uses a free one instead.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    sock.listen(128)
+    return sock
+
+
+@contextlib.contextmanager
+def loopback_rendezvous(*, timeout: float) -> Iterator[int]:
+    """Serve the workers' rendezvous store from this process on 127.0.0.1; yields its port.
+
+    ``MASTER_PORT``, if set, is tried first. Only loopback is bound: a single-host run
+    opens nothing to the network.
+    """
+    sock = bind_loopback(int(os.environ.get("MASTER_PORT") or 0))
+    port = sock.getsockname()[1]
+    descriptor = sock.detach()  # the store owns and closes it from here on
+    try:
+        store = TCPStore(
+            "127.0.0.1",
+            port,
+            None,
+            True,
+            timeout=timedelta(seconds=timeout),
+            wait_for_workers=False,
+            master_listen_fd=descriptor,
+        )
+    except BaseException:
+        os.close(descriptor)
+        raise
+    try:
+        yield port
+    finally:
+        del store
 
 
 def available_cores() -> int:
@@ -99,9 +148,10 @@ def spawn(
 ) -> None:
     """Run ``target(rank, *args)`` in ``num_replicas`` spawned processes and wait for all.
 
-    If one fails, the others get ``grace_period`` seconds to notice (their collectives
-    fail when a peer disappears), then are terminated, then killed; the error raised
-    names the first rank that failed, with its traceback.
+    The parent watches every process (not only the collectives' timeout): when one exits
+    with an error or is killed, the others get ``grace_period`` seconds to notice (their
+    collectives fail when a peer disappears), then are terminated, then killed; the error
+    raised names the first rank that failed, with its traceback.
     """
     context = mp.get_context("spawn")
     processes = []
@@ -113,12 +163,15 @@ def spawn(
                 processes.append(process)
         pending = {process.sentinel: rank for rank, process in enumerate(processes)}
         while pending:
-            for sentinel in multiprocessing.connection.wait(list(pending), timeout=1.0):
-                rank = pending.pop(sentinel)  # type: ignore[arg-type]
+            ended = [pending.pop(s) for s in multiprocessing.connection.wait(list(pending), timeout=1.0)]  # type: ignore[arg-type]
+            for rank in ended:
                 processes[rank].join()
-                if processes[rank].exitcode != 0:
-                    _stop_all(processes, grace_period)
-                    raise _first_failure(processes, directory, rank)
+            failed = [rank for rank in ended if processes[rank].exitcode != 0]
+            if failed:
+                # a killed process (negative exit code) is the cause; the others saw it vanish
+                first = min(failed, key=lambda rank: (processes[rank].exitcode >= 0, rank))
+                _stop_all(processes, grace_period)
+                raise _first_failure(processes, directory, first)
     finally:
         _stop_all(processes, grace_period=0.0)
 
@@ -138,24 +191,31 @@ def _stop_all(processes: list[Any], grace_period: float) -> None:
 
 
 def _first_failure(processes: list[Any], directory: str, failed_rank: int) -> WorkerError:
-    reports = []
+    reports = {}
     for rank in range(len(processes)):
         path = os.path.join(directory, f"error_{rank}.json")
         if os.path.exists(path):
             with open(path) as f:
-                reports.append(json.load(f))
-    if reports:
-        first = min(reports, key=lambda report: report["time"])
-        others = sorted(report["rank"] for report in reports if report is not first)
+                reports[rank] = json.load(f)
+    exitcode = processes[failed_rank].exitcode
+    if reports and failed_rank in reports:
+        first = min(reports.values(), key=lambda report: report["time"])
+        others = sorted(rank for rank in reports if rank != first["rank"])
         also = f" (replicas {others} failed after it)" if others else ""
         return WorkerError(
             f"torch_dp replica {first['rank']} of {len(processes)} failed{also}:\n{first['traceback']}",
             rank=first["rank"],
             worker_traceback=first["traceback"],
         )
+    # The first process to exit left no report: it was killed, and the reports of the
+    # others only say that their peer disappeared.
+    how = (
+        f"was killed by signal {-exitcode}" if exitcode is not None and exitcode < 0 else f"exited with code {exitcode}"
+    )
+    also = f" (replicas {sorted(reports)} failed after it)" if reports else ""
     return WorkerError(
-        f"torch_dp replica {failed_rank} of {len(processes)} exited with code {processes[failed_rank].exitcode} "
-        "before it could report an error: killed (a signal, out of memory), or it could not unpickle its job. "
+        f"torch_dp replica {failed_rank} of {len(processes)} {how} before it could report an error{also}: "
+        "a signal (SIGKILL, the out-of-memory killer), or it could not unpickle its job. "
         "Its stderr is above; callbacks and model factories must be importable by the worker (defined in a "
         "module, not in a notebook or an unguarded __main__).",
         rank=failed_rank,

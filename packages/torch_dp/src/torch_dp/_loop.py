@@ -4,9 +4,10 @@ with callbacks and the progress bar on rank 0 only and every decision rank 0 mak
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import keras
 import numpy as np
@@ -14,8 +15,12 @@ import numpy as np
 from dp_core import num_steps
 from dp_core._keras import callback_list
 from torch_dp._batches import Data, replica_batches
+from torch_dp._checkpoints import CheckpointWriter, Start, restore_metrics
 from torch_dp._comm import Replica, broadcast_floats
 from torch_dp._steps import global_logs, predict_step, test_step, train_step
+
+NonFiniteLoss = Literal["stop", "skip"]
+NONFINITE_LOSS_CHOICES: tuple[NonFiniteLoss, ...] = ("stop", "skip")
 
 _BATCH_HOOKS = ("on_batch_begin", "on_batch_end", "on_train_batch_begin", "on_train_batch_end")
 
@@ -28,6 +33,16 @@ class FitOptions:
     seed: int = 0
     verbose: Any = "auto"
     log_every_steps: int = 10
+    on_nonfinite_loss: NonFiniteLoss = "stop"
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss of some replica was NaN or infinite; ``epoch`` and ``step`` count from 0."""
+
+    def __init__(self, message: str, *, epoch: int, step: int) -> None:
+        super().__init__(message)
+        self.epoch = epoch
+        self.step = step
 
 
 def _wants_batch_logs(callbacks: Sequence[keras.callbacks.Callback] | None) -> bool:
@@ -61,8 +76,12 @@ def fit_loop(
     callbacks: Sequence[keras.callbacks.Callback] | None,
     options: FitOptions,
     replica: Replica,
+    *,
+    start: Start | None = None,
+    checkpoints: CheckpointWriter | None = None,
 ) -> keras.callbacks.History:
-    """Train on this replica's shard of every epoch; returns this replica's History."""
+    """Train on this replica's shard of every epoch from ``start``; returns this replica's History."""
+    start = start or Start()
     steps = num_steps(train.num_samples, options.global_batch_size)
     callback_group = callback_list(
         callbacks, model, is_primary=replica.is_primary, verbose=options.verbose, epochs=options.epochs, steps=steps
@@ -74,14 +93,28 @@ def fit_loop(
     every = 1 if batch_logs else (options.log_every_steps if progress else 0)
     model.stop_training = False
     callback_group.on_train_begin()
+    if start.epoch or start.step:  # History continues from the checkpoint
+        model.history.epoch, model.history.history = list(range(start.epoch)), dict(start.history)
     epoch_logs: dict[str, Any] = {}
-    for epoch in range(options.epochs):
+    for epoch in range(start.epoch, options.epochs):
         model.reset_metrics()
+        first_step = start.step if epoch == start.epoch else 0
+        if first_step:
+            restore_metrics(model, start, replica)
         callback_group.on_epoch_begin(epoch)
         if _share_decisions(model, replica):
             break
         _train_epoch(
-            model, train, epoch, options, replica, callback_group, log_every=every, decide_each_step=batch_logs
+            model,
+            train,
+            epoch,
+            options,
+            replica,
+            callback_group,
+            log_every=every,
+            decide_each_step=batch_logs,
+            first_step=first_step,
+            checkpoints=checkpoints,
         )
         epoch_logs = global_logs(model, replica)
         model.eval()
@@ -89,9 +122,11 @@ def fit_loop(
             val_logs = evaluate_loop(model, validation, options.global_batch_size, replica)
             epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
         callback_group.on_epoch_end(epoch, epoch_logs)
+        if checkpoints is not None:
+            checkpoints.at_epoch_end(model, replica, epoch=epoch)
         if _share_decisions(model, replica):
             break
-    if options.epochs > 0:
+    if options.epochs > start.epoch:
         model.optimizer.finalize_variable_values(model.trainable_weights)
     callback_group.on_train_end(logs=epoch_logs)
     return model.history
@@ -107,8 +142,11 @@ def _train_epoch(
     *,
     log_every: int,
     decide_each_step: bool,
+    first_step: int = 0,
+    checkpoints: CheckpointWriter | None = None,
 ) -> None:
-    """One epoch of steps; logs synced every ``log_every`` steps (0: never), rank 0's stop shared if asked."""
+    """One epoch of steps from ``first_step``; logs synced every ``log_every`` steps (0: never),
+    rank 0's stop shared if asked, checkpoints written as asked."""
     model.train()
     steps = num_steps(train.num_samples, options.global_batch_size)
     batches = replica_batches(
@@ -118,16 +156,40 @@ def _train_epoch(
         epoch=epoch,
         seed=options.seed,
         shuffle=options.shuffle,
+        first_step=first_step,
     )
     logs: dict[str, Any] = {}
-    for step, batch in enumerate(batches):
+    for step, batch in enumerate(batches, start=first_step):
         callback_group.on_train_batch_begin(step)
-        train_step(model, batch, replica)
+        if not train_step(model, batch, replica):
+            _nonfinite_loss(options.on_nonfinite_loss, epoch, step, replica)
         if _log_now(step, steps, log_every):
             logs = global_logs(model, replica)
         callback_group.on_train_batch_end(step, logs)
+        if checkpoints is not None:
+            checkpoints.after_step(model, replica, epoch=epoch, steps_done=step + 1, steps=steps)
         if decide_each_step and _share_decisions(model, replica):
             return
+
+
+def _nonfinite_loss(mode: NonFiniteLoss, epoch: int, step: int, replica: Replica) -> None:
+    """Every replica gets here at the same step (the check is global): stop all, or skip."""
+    where = f"epoch {epoch}, step {step} (both counted from 0)"
+    if mode == "stop":
+        raise NonFiniteLossError(
+            f"Non-finite loss (NaN or inf) in {where}: training stopped before applying that step's update. "
+            "The last checkpoint is intact. Look for NaN/inf in the inputs or a too-large learning rate, or "
+            "pass torch_dp.Trainer(on_nonfinite_loss='skip') to skip such steps and continue.",
+            epoch=epoch,
+            step=step,
+        )
+    if replica.is_primary:
+        warnings.warn(
+            f"Non-finite loss (NaN or inf) in {where}: skipped that step's update on every replica "
+            "(on_nonfinite_loss='skip').",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 def evaluate_loop(

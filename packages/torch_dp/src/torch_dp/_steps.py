@@ -72,8 +72,14 @@ def _update_metrics(model: keras.Model, batch: Batch, y_pred: Any) -> None:
     model.compute_metrics(x, y, y_pred, sample_weight=weight)
 
 
-def train_step(model: keras.Model, batch: Batch, replica: Replica) -> None:
-    """Forward, exact global-batch gradient, Keras optimizer update, metric update."""
+def train_step(model: keras.Model, batch: Batch, replica: Replica) -> bool:
+    """Forward, exact global-batch gradient, Keras optimizer update, metric update.
+
+    Returns False, having changed nothing (weights, optimizer, BatchNorm statistics,
+    metrics), when the loss of any replica is not finite: every replica learns it from
+    the same all-reduce as the gradients, so all of them skip the update together.
+    """
+    before = _state_to_undo(model)
     with real_rows(batch.mask):
         y_pred = _forward(model, batch.x, training=True)
     model.zero_grad()
@@ -81,19 +87,43 @@ def train_step(model: keras.Model, batch: Batch, replica: Replica) -> None:
         loss = model._compute_loss(x=batch.x, y=batch.y, y_pred=y_pred, sample_weight=batch.loss_weight, training=True)
         model._loss_tracker.update_state(loss, sample_weight=batch.rows)
     trainable = model.trainable_weights[:]
+    local_loss = torch.as_tensor(loss).detach().reshape(1).to(torch.float32)
     if trainable:
         model.optimizer.scale_loss(loss).backward()
         local = [v.value.grad for v in trainable]
         # Zeros keep the buffer the same size on every replica; a variable with no
         # gradient here is still skipped by the optimizer, as in Keras.
-        averaged = average_gradients(
-            [torch.zeros_like(v.value) if g is None else g for v, g in zip(trainable, local, strict=True)], replica
+        *averaged, summed_loss = average_gradients(
+            [
+                *(torch.zeros_like(v.value) if g is None else g for v, g in zip(trainable, local, strict=True)),
+                local_loss,
+            ],
+            replica,
         )
+        if not bool(torch.isfinite(summed_loss).all()):
+            _undo(model, before)
+            return False
         gradients = [None if g is None else a for g, a in zip(local, averaged, strict=True)]
         with torch.no_grad():
             model.optimizer.apply(gradients, trainable)
+    elif not bool(torch.isfinite(all_reduce_sum([local_loss], replica)[0]).all()):
+        _undo(model, before)
+        return False
     with torch.no_grad():
         _update_metrics(model, batch, y_pred.detach() if isinstance(y_pred, torch.Tensor) else y_pred)
+    return True
+
+
+def _state_to_undo(model: keras.Model) -> list[tuple[keras.Variable, torch.Tensor]]:
+    """What a forward pass changes besides weights: BatchNorm statistics and metric states."""
+    variables = [*model.non_trainable_variables, *model.metrics_variables]
+    return [(v, v.value.detach().clone()) for v in variables]
+
+
+def _undo(model: keras.Model, before: list[tuple[keras.Variable, torch.Tensor]]) -> None:
+    model.zero_grad()
+    for variable, value in before:
+        variable.assign(value)
 
 
 def test_step(model: keras.Model, batch: Batch, replica: Replica) -> None:

@@ -8,6 +8,7 @@ import dataclasses
 import os
 import tempfile
 from collections.abc import Iterator, Sequence
+from datetime import timedelta
 from typing import Any, final
 
 import keras
@@ -16,12 +17,13 @@ import torch.distributed as dist
 
 from dp_core import LearningRateScaling, per_replica_batch_size
 from dp_core._keras import require_backend, resolve_model
+from dp_core._resume import resumable_checkpoint
 from dp_core._trainer import Verbose
 from torch_dp._batches import Data, first_rows, share
 from torch_dp._batchnorm import BATCH_NORM_MODES, BatchNormMode
 from torch_dp._comm import Replica, all_gather_rows, started_by_torchrun
-from torch_dp._launch import free_port, spawn, threads_per_replica
-from torch_dp._loop import FitOptions
+from torch_dp._launch import loopback_rendezvous, spawn, threads_per_replica
+from torch_dp._loop import NONFINITE_LOSS_CHOICES, FitOptions, NonFiniteLoss
 from torch_dp._transfer import in_input_order, load_logs, load_predictions, load_trained, ship_model
 from torch_dp._worker import Job, build, device_for, run_in_process, spawned_worker
 
@@ -37,7 +39,10 @@ class Trainer:
     this process; on a CPU-only host give a number. ``batch_norm="global"`` computes
     BatchNormalization statistics over the whole global batch, ``"per_replica"`` over
     each replica's rows. ``timeout`` (seconds) bounds every collective, so a replica
-    stuck or gone stops the others.
+    stuck or gone stops the others (a replica that dies is noticed sooner: the caller
+    watches its processes). ``on_nonfinite_loss="stop"`` raises at the first step whose
+    loss is NaN or infinite on any replica, naming its epoch and step; ``"skip"`` leaves
+    that step's update out on every replica and continues.
     """
 
     def __init__(
@@ -46,16 +51,22 @@ class Trainer:
         *,
         batch_norm: BatchNormMode = "global",
         threads_per_replica: int | None = None,
-        timeout: float = 300.0,
+        timeout: float = 60.0,
         log_every_steps: int = 10,
+        on_nonfinite_loss: NonFiniteLoss = "stop",
     ) -> None:
         if batch_norm not in BATCH_NORM_MODES:
             raise ValueError(f"batch_norm must be one of {BATCH_NORM_MODES}, got {batch_norm!r}.")
+        if on_nonfinite_loss not in NONFINITE_LOSS_CHOICES:
+            raise ValueError(f"on_nonfinite_loss must be one of {NONFINITE_LOSS_CHOICES}, got {on_nonfinite_loss!r}.")
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}.")
         self._num_replicas = _resolve_num_replicas(num_replicas)
         self.batch_norm: BatchNormMode = batch_norm
         self.threads_per_replica = threads_per_replica
         self.timeout = timeout
         self.log_every_steps = log_every_steps
+        self.on_nonfinite_loss: NonFiniteLoss = on_nonfinite_loss
 
     @property
     def num_replicas(self) -> int:
@@ -77,22 +88,34 @@ class Trainer:
         lr_scaling: LearningRateScaling | None = None,
         warmup_steps: int = 0,
         checkpoint_dir: str | None = None,
+        checkpoint_every_steps: int | None = None,
         verbose: Verbose = "auto",
     ) -> keras.callbacks.History:
-        """Train ``model`` like ``model.fit``; returns a History whose ``.model`` is the trained model."""
-        if checkpoint_dir is not None:
-            raise NotImplementedError(
-                f"checkpoint_dir={checkpoint_dir!r}: checkpoints need dp-core's checkpoint format, which this "
-                "release does not have yet. Use keras.callbacks.ModelCheckpoint in callbacks= meanwhile."
-            )
+        """Train ``model`` like ``model.fit``; returns a History whose ``.model`` is the trained model.
+
+        With ``checkpoint_dir``, rank 0 writes a dp-core checkpoint there at every epoch end
+        and every ``checkpoint_every_steps`` steps, and a directory that already holds one
+        resumes from the newest valid checkpoint, continuing the same data order.
+        """
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
             raise ValueError(f"epochs must be an integer >= 0, got {epochs!r}.")
+        _check_checkpoint_arguments(checkpoint_dir, checkpoint_every_steps)
         keras_model, data = self._check(model, x, y, sample_weight, global_batch_size)
         validation = None
         if validation_data is not None:
             validation = Data(*keras.utils.unpack_x_y_sample_weight(tuple(validation_data)))
             _count_rows(validation, "validation_data")
-        options = FitOptions(global_batch_size, epochs, shuffle, seed, verbose, self.log_every_steps)
+        options = FitOptions(
+            global_batch_size, epochs, shuffle, seed, verbose, self.log_every_steps, self.on_nonfinite_loss
+        )
+        resume = None
+        if checkpoint_dir is not None:  # chosen and checked here, so a bad one fails before any worker starts
+            checkpoint_dir = os.fspath(checkpoint_dir)
+            build(keras_model, Job("fit", data, global_batch_size))
+            found = resumable_checkpoint(
+                checkpoint_dir, keras_model, seed=seed, global_batch_size=global_batch_size, shuffle=shuffle
+            )
+            resume = None if found is None else os.path.join(checkpoint_dir, found.name)
         job = Job(
             "fit",
             data,
@@ -105,6 +128,9 @@ class Trainer:
             lr_scaling=lr_scaling,
             warmup_steps=warmup_steps,
             log_every_steps=self.log_every_steps,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every_steps=checkpoint_every_steps,
+            resume_from=resume,
         )
         policy = lr_scaling is not None or bool(warmup_steps)
         if started_by_torchrun() or self.num_replicas == 1:
@@ -189,7 +215,7 @@ class Trainer:
         local_rank = int(os.environ["LOCAL_RANK"])
         if not dist.is_initialized():
             device = device_for(local_rank)
-            dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", init_method="env://")
+            _join_torchrun_group("nccl" if device.startswith("cuda") else "gloo", self.timeout)
         return Replica(dist.get_rank(), world_size, device_for(local_rank))
 
     def _spawn(self, model_argument: Any, keras_model: keras.Model, job: Job, directory: str) -> None:
@@ -206,13 +232,41 @@ class Trainer:
         if not (torch.cuda.is_available() and torch.cuda.device_count() >= self.num_replicas):
             # CPU replicas: gloo over loopback, and no GPU for Keras to pick up by default
             environment.update({"GLOO_SOCKET_IFNAME": "lo", "CUDA_VISIBLE_DEVICES": ""})
-        port = free_port()
-        spawn(
-            spawned_worker,
-            (source, job, self.num_replicas, port, directory, self.timeout),
-            num_replicas=self.num_replicas,
-            directory=directory,
-            environment=environment,
+        with loopback_rendezvous(timeout=self.timeout) as port:
+            spawn(
+                spawned_worker,
+                (source, job, self.num_replicas, port, directory, self.timeout),
+                num_replicas=self.num_replicas,
+                directory=directory,
+                environment=environment,
+            )
+
+
+def _join_torchrun_group(backend: str, timeout: float) -> None:
+    try:
+        dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout))
+    except dist.DistNetworkError as error:
+        if "EADDRINUSE" not in str(error) and "address already in use" not in str(error).lower():
+            raise
+        address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        raise RuntimeError(
+            f"torch_dp could not start the rendezvous on MASTER_ADDR:MASTER_PORT={address}: the port is already "
+            "in use (another job, or a previous run still ending). Pass a free port, e.g. "
+            "`torchrun --master-port <free port> ...` (or `--standalone` on one host, which picks one)."
+        ) from error
+
+
+def _check_checkpoint_arguments(checkpoint_dir: Any, checkpoint_every_steps: Any) -> None:
+    if checkpoint_every_steps is None:
+        return
+    if isinstance(checkpoint_every_steps, bool) or not isinstance(checkpoint_every_steps, int):
+        raise ValueError(f"checkpoint_every_steps must be a positive integer or None, got {checkpoint_every_steps!r}.")
+    if checkpoint_every_steps < 1:
+        raise ValueError(f"checkpoint_every_steps must be a positive integer or None, got {checkpoint_every_steps!r}.")
+    if checkpoint_dir is None:
+        raise ValueError(
+            f"checkpoint_every_steps={checkpoint_every_steps} needs a checkpoint_dir to write to; pass "
+            "checkpoint_dir='path/to/dir' as well."
         )
 
 

@@ -16,11 +16,13 @@ from typing import Any, Literal
 import keras
 import torch
 import torch.distributed as dist
+from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
 from dp_core import LearningRateScaling
 from dp_core._keras import apply_learning_rate_policy
 from torch_dp._batches import Data, first_rows, open_shared
 from torch_dp._batchnorm import BatchNormMode, masked_batch_norm
+from torch_dp._checkpoints import CheckpointWriter, resume_from
 from torch_dp._comm import Replica, broadcast_from_primary
 from torch_dp._launch import exit_with_parent, report_failure
 from torch_dp._loop import FitOptions, evaluate_loop, fit_loop, predict_loop
@@ -44,6 +46,9 @@ class Job:
     lr_scaling: LearningRateScaling | None = None
     warmup_steps: int = 0
     log_every_steps: int = 10
+    checkpoint_dir: str | None = None
+    checkpoint_every_steps: int | None = None
+    resume_from: str | None = None  # the checkpoint the caller chose and checked
 
 
 def build(model: keras.Model, job: Job) -> None:
@@ -79,10 +84,22 @@ def run_in_process(model: keras.Model, job: Job, replica: Replica) -> Any:
         if job.kind == "predict":
             return predict_loop(model, job.data, job.global_batch_size, replica, verbose=job.verbose)
         assert job.fit is not None
-        apply_learning_rate_policy(
+        policy = apply_learning_rate_policy(
             model, global_batch_size=job.global_batch_size, lr_scaling=job.lr_scaling, warmup_steps=job.warmup_steps
         )
-        return fit_loop(model, job.data, job.validation, job.callbacks, job.fit, replica)
+        start = resume_from(job.resume_from, model)  # after the policy: the checkpoint's rate wins
+        writer = None
+        if job.checkpoint_dir is not None:
+            writer = CheckpointWriter(
+                job.checkpoint_dir,
+                job.checkpoint_every_steps,
+                seed=job.fit.seed,
+                global_batch_size=job.global_batch_size,
+                lr_policy=None if policy is None else policy.get_config(),
+            )
+        return fit_loop(
+            model, job.data, job.validation, job.callbacks, job.fit, replica, start=start, checkpoints=writer
+        )
 
 
 def decorrelate_randomness(model: keras.Model, replica: Replica) -> None:
@@ -107,11 +124,13 @@ def device_for(local_rank: int) -> str:
     return "cpu"
 
 
-def join_group(rank: int, num_replicas: int, *, init_method: str, timeout: float) -> Replica:
+def join_group(rank: int, num_replicas: int, *, port: int, timeout: float) -> Replica:
+    """Join the group through the store the parent serves on 127.0.0.1:``port``."""
     device = device_for(rank)
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout))
     dist.init_process_group(
         "nccl" if device.startswith("cuda") else "gloo",
-        init_method=init_method,
+        store=store,
         rank=rank,
         world_size=num_replicas,
         timeout=timedelta(seconds=timeout),
@@ -126,7 +145,7 @@ def spawned_worker(
     exit_with_parent()
     try:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        replica = join_group(rank, num_replicas, init_method=f"tcp://127.0.0.1:{port}", timeout=timeout)
+        replica = join_group(rank, num_replicas, port=port, timeout=timeout)
         data = open_shared(job.data)
         validation = None if job.validation is None else open_shared(job.validation)
         job = dataclasses.replace(job, data=data, validation=validation)

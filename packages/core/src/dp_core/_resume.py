@@ -1,0 +1,148 @@
+"""Keras glue for ``fit(checkpoint_dir=...)`` shared by the backends: which checkpoint a fit
+resumes from, a ``Checkpoint`` made of a Keras model's state, and that state put back.
+
+Not part of dp-core's user API and never imported by ``import dp_core``: it imports keras.
+Weights are stored in ``model.get_weights()`` order, optimizer state as the Keras
+optimizer's variables in their order (their paths kept in ``extra``),
+metric variables as the states of one model that saw every replica's rows (Keras metric
+states are sums), so a run resumes with the same data order on any replica count.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import keras
+import numpy as np
+
+from dp_core._checkpoint import Checkpoint, CheckpointError, check_compatible, latest_checkpoint
+
+# keras.ops is typed for every backend at once; treat it as untyped here.
+ops: Any = keras.ops
+
+
+def resumable_checkpoint(
+    checkpoint_dir: str | os.PathLike[str],
+    model: keras.Model,
+    *,
+    seed: int,
+    global_batch_size: int,
+    shuffle: bool,
+) -> Checkpoint | None:
+    """The newest valid checkpoint in ``checkpoint_dir`` that ``model`` and fit's arguments
+    can continue (None: start fresh); a ``CheckpointError`` says why one cannot.
+
+    ``model`` must be built, so its weights can be compared with the checkpoint's.
+    """
+    checkpoint = latest_checkpoint(checkpoint_dir)
+    if checkpoint is None:
+        return None
+    check_compatible(checkpoint, model.get_weights(), model_name=model.name)
+    agreed = [("global_batch_size", checkpoint.global_batch_size, global_batch_size)]
+    if shuffle:  # without shuffling the order does not depend on the seed
+        agreed.append(("seed", checkpoint.seed, seed))
+    for name, saved, passed in agreed:
+        if saved != passed:
+            raise CheckpointError(
+                f"The checkpoint in {str(checkpoint_dir)!r} was written with {name}={saved}, but fit got "
+                f"{name}={passed}; the data order would not continue. Pass {name}={saved}, or an empty "
+                "checkpoint_dir to start over."
+            )
+    return checkpoint
+
+
+def model_checkpoint(
+    model: keras.Model,
+    *,
+    epoch: int,
+    step: int,
+    seed: int,
+    global_batch_size: int,
+    num_replicas: int,
+    lr_policy: dict[str, Any] | None,
+    metric_variables: list[Any] | None = None,
+) -> Checkpoint:
+    """``model``'s weights, optimizer and metric state, and its History so far, as a Checkpoint.
+
+    ``metric_variables`` overrides the model's own (a backend passes the sums over replicas).
+    """
+    optimizer = list(model.optimizer.variables) if model.optimizer is not None else []
+    metrics = model.metrics_variables if metric_variables is None else metric_variables
+    history = model.history.history if model.history is not None else {}
+    return Checkpoint(
+        epoch=epoch,
+        step=step,
+        seed=seed,
+        global_batch_size=global_batch_size,
+        num_replicas=num_replicas,
+        weights=model.get_weights(),
+        optimizer_variables=[_numpy(v) for v in optimizer],
+        metric_variables=[_numpy(v) for v in metrics],
+        lr_policy=lr_policy,
+        extra={
+            "history": {name: [_plain(v) for v in values] for name, values in history.items()},
+            "optimizer_paths": [v.path for v in optimizer],
+        },
+    )
+
+
+def restore_model(checkpoint: Checkpoint, model: keras.Model, *, metrics: bool = True) -> None:
+    """Put ``checkpoint``'s weights, optimizer variables and (if ``metrics``) metric variables
+    into the built ``model``, after checking they fit."""
+    check_compatible(checkpoint, model.get_weights(), model_name=model.name)
+    optimizer = list(model.optimizer.variables) if model.optimizer is not None else []
+    pairs = _optimizer_pairs(optimizer, checkpoint)
+    metric_pairs = list(zip(model.metrics_variables, checkpoint.metric_variables, strict=False)) if metrics else []
+    for variable, value in [*pairs, *metric_pairs]:
+        _check_shape(variable, value)
+    model.set_weights(checkpoint.weights)
+    for variable, value in [*pairs, *metric_pairs]:
+        variable.assign(value)
+
+
+def _optimizer_pairs(optimizer: list[keras.Variable], checkpoint: Checkpoint) -> list[tuple[keras.Variable, Any]]:
+    """Optimizer variables matched by position. Paths carry per-process unique names
+    (``adam_3/...``), so they cannot match between runs; but a warmup schedule drops the
+    learning-rate variable, so when exactly one side has it, it is left out of the match."""
+    saved = checkpoint.optimizer_variables
+    if len(saved) == len(optimizer):
+        return list(zip(optimizer, saved, strict=True))
+    paths = checkpoint.extra.get("optimizer_paths") or [""] * len(saved)
+    kept_saved = [value for path, value in zip(paths, saved, strict=True) if not path.endswith("/learning_rate")]
+    kept_mine = [v for v in optimizer if not v.path.endswith("/learning_rate")]
+    if len(kept_saved) != len(kept_mine):
+        raise CheckpointError(
+            f"The checkpoint at epoch {checkpoint.epoch}, step {checkpoint.step} holds {len(saved)} optimizer "
+            f"variables, {_optimizer_name(optimizer)} has {len(optimizer)}: it was written with another "
+            "optimizer. Compile the model as for the checkpointed run, or point checkpoint_dir at an empty directory."
+        )
+    return list(zip(kept_mine, kept_saved, strict=True))
+
+
+def _optimizer_name(optimizer: list[keras.Variable]) -> str:
+    return f"the optimizer '{optimizer[0].path.split('/')[0]}'" if optimizer else "the model's optimizer"
+
+
+def resumed_history(checkpoint: Checkpoint) -> dict[str, list[Any]]:
+    """The History logs of the epochs the checkpoint had finished."""
+    return {name: list(values) for name, values in checkpoint.extra.get("history", {}).items()}
+
+
+def _check_shape(variable: keras.Variable, value: np.ndarray) -> None:
+    if tuple(variable.shape) != tuple(value.shape):
+        raise CheckpointError(
+            f"The checkpoint's value for {variable.path} has shape {tuple(value.shape)}, the model's has "
+            f"{tuple(variable.shape)}: it was written with another optimizer or metrics. Compile the model as "
+            "for the checkpointed run, or point checkpoint_dir at an empty directory."
+        )
+
+
+def _numpy(variable: Any) -> np.ndarray:
+    value = variable.value if isinstance(variable, keras.Variable) else variable
+    return np.asarray(ops.convert_to_numpy(value))
+
+
+def _plain(value: Any) -> Any:
+    array = np.asarray(value)
+    return float(array) if array.size == 1 else array.tolist()

@@ -1,0 +1,162 @@
+"""fit(checkpoint_dir=...): dp-core checkpoints every N steps and at epoch ends, and exact resume
+after a SIGKILL, on the same or another replica count, past a damaged checkpoint."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import keras
+import numpy as np
+import pytest
+import torch_dp_testing as testing
+
+import dp_core
+import torch_dp
+
+pytestmark = pytest.mark.timeout(180)
+HERE = os.path.dirname(__file__)
+SCRIPT = os.path.join(HERE, "checkpointed_fit.py")
+FIT = {"global_batch_size": 32, "epochs": 3, "seed": 3, "verbose": 0}  # as in checkpointed_fit.py
+
+
+def _weights(path):
+    with np.load(path) as arrays:
+        return [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
+
+
+def _environment(tag=""):
+    environment = {**os.environ, "KERAS_BACKEND": "torch", "TORCH_DP_TEST_TAG": tag}
+    environment["PYTHONPATH"] = os.pathsep.join([HERE, environment.get("PYTHONPATH", "")])
+    return environment
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    """Weights and History of checkpointed_fit.py's run on 2 replicas, never interrupted."""
+    x, y = testing.data()
+    model = testing.dense_batchnorm_model("adam")
+    history = torch_dp.Trainer(num_replicas=2).fit(model, x, y, **FIT)
+    return model.get_weights(), history.history
+
+
+@pytest.fixture(scope="module")
+def killed_mid_epoch(tmp_path_factory):
+    """checkpointed_fit.py SIGKILLed once a checkpoint of epoch 1, step 2 exists; returns its
+    checkpoint_dir, a copy of it as the kill left it, and the pids of the processes it started."""
+    directory = tmp_path_factory.mktemp("killed")
+    checkpoints, output, tag = directory / "checkpoints", directory / "weights.npz", uuid.uuid4().hex
+    command = [sys.executable, SCRIPT, str(checkpoints), str(output), "--slow", "0.4"]
+    process = subprocess.Popen(command, env=_environment(tag), stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (checkpoints / "step-000001-000000002").exists():
+            assert process.poll() is None, f"the run ended before it was killed: {process.stderr.read()[-3000:]}"
+            assert time.monotonic() < deadline, "no checkpoint of epoch 1, step 2 within 120 s"
+            time.sleep(0.05)
+        assert testing.processes_tagged(tag), "the replicas should be running"
+        process.send_signal(signal.SIGKILL)
+        process.wait(10)
+    finally:
+        process.kill()
+        process.stderr.close()
+    deadline = time.monotonic() + 10  # replicas notice their parent is gone within a second
+    while testing.processes_tagged(tag) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert testing.processes_tagged(tag) == [], "replicas outlived the killed run"
+    assert not output.exists()
+    copy = directory / "as_killed"
+    shutil.copytree(checkpoints, copy)
+    return checkpoints, copy
+
+
+def test_a_run_killed_mid_epoch_resumes_to_bitwise_equal_weights(uninterrupted, killed_mid_epoch):
+    checkpoints, _ = killed_mid_epoch
+    newest = dp_core.latest_checkpoint(checkpoints)  # the kill left every finished checkpoint intact
+    assert (newest.epoch, newest.step) >= (1, 2) and newest.num_replicas == 2
+    assert (newest.epoch, newest.step) < (3, 0)
+    output = checkpoints.parent / "weights.npz"
+    finished = subprocess.run(
+        [sys.executable, SCRIPT, str(checkpoints), str(output)],
+        env=_environment(),
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    expected, _ = uninterrupted
+    for mine, theirs in zip(_weights(output), expected, strict=True):
+        np.testing.assert_array_equal(mine, theirs)  # bitwise
+    final = dp_core.latest_checkpoint(checkpoints)
+    assert (final.epoch, final.step) == (3, 0)
+
+
+def test_resuming_on_one_replica_continues_the_same_data_order(uninterrupted, killed_mid_epoch):
+    _, as_killed = killed_mid_epoch
+    start = dp_core.latest_checkpoint(as_killed)
+    assert start.step > 0  # a mid-epoch checkpoint
+    x, y = testing.data()
+    model = testing.dense_batchnorm_model("adam", seed=9)  # other initial weights, replaced on resume
+    history = torch_dp.Trainer(num_replicas=1).fit(model, x, y, checkpoint_dir=str(as_killed), **FIT)
+    expected_weights, expected_history = uninterrupted
+    for mine, theirs in zip(model.get_weights(), expected_weights, strict=True):
+        np.testing.assert_allclose(mine, theirs, atol=1e-5)
+    assert history.epoch == [0, 1, 2]
+    for name, values in expected_history.items():  # the resumed epoch's metrics include the steps before the kill
+        np.testing.assert_allclose(history.history[name], values, rtol=1e-5, err_msg=name)
+    # the caller's optimizer continues from the trained state: 3 epochs x 4 steps
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 12
+
+
+def _fit_one_replica(model, directory, epochs, **options):
+    x, y = testing.data()
+    arguments = {**FIT, "epochs": epochs, "lr_scaling": dp_core.linear_scaling(16), "warmup_steps": 3, **options}
+    return torch_dp.Trainer(num_replicas=1).fit(model, x, y, checkpoint_dir=str(directory), **arguments)
+
+
+def test_checkpoint_contents_and_a_damaged_newest_falls_back_to_the_previous(tmp_path):
+    straight = testing.dense_batchnorm_model("sgd")
+    _fit_one_replica(straight, tmp_path / "straight", epochs=3)
+
+    model = testing.dense_batchnorm_model("sgd")
+    first = _fit_one_replica(model, tmp_path / "run", epochs=2, checkpoint_every_steps=2)
+    names = [path.name for path in dp_core.list_checkpoints(tmp_path / "run")]
+    assert names == ["step-000001-000000000", "step-000001-000000002", "step-000002-000000000"]  # keeps 3
+    newest = dp_core.latest_checkpoint(tmp_path / "run")
+    assert (newest.seed, newest.global_batch_size, newest.num_replicas) == (3, 32, 1)
+    assert newest.lr_policy is not None and newest.lr_policy["warmup_steps"] == 3
+    assert newest.extra["history"]["loss"] == pytest.approx(first.history["loss"])
+    assert len(newest.metric_variables) == len(model.metrics_variables)
+
+    damaged = tmp_path / "run" / "step-000002-000000000" / "arrays.npz"
+    damaged.write_bytes(damaged.read_bytes()[:100])  # truncated
+    resumed = testing.dense_batchnorm_model("sgd", seed=9)
+    with pytest.warns(UserWarning, match=r"step-000002-000000000: arrays.npz is damaged.*previous one"):
+        history = _fit_one_replica(resumed, tmp_path / "run", epochs=3)
+    assert history.epoch == [0, 1, 2]
+    for mine, theirs in zip(resumed.get_weights(), straight.get_weights(), strict=True):
+        np.testing.assert_array_equal(mine, theirs)  # resumed from epoch 1, step 2: same steps, same bits
+
+
+def test_another_architecture_seed_or_global_batch_is_a_clear_checkpoint_error(tmp_path):
+    x, y = testing.data()
+    trainer = torch_dp.Trainer(num_replicas=2, timeout=60)
+    torch_dp.Trainer(num_replicas=1).fit(
+        testing.dense_batchnorm_model(), x, y, checkpoint_dir=str(tmp_path), **{**FIT, "epochs": 1}
+    )
+    wider = keras.Sequential([keras.Input((5,)), keras.layers.Dense(9), keras.layers.Dense(3, activation="softmax")])
+    wider.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    # raised in the caller, before any replica starts
+    with pytest.raises(dp_core.CheckpointError, match=r"another architecture: it holds 7 weight arrays, \w+ has 4"):
+        trainer.fit(wider, x, y, checkpoint_dir=str(tmp_path), **FIT)
+    with pytest.raises(dp_core.CheckpointError, match=r"seed=3, but fit got seed=4.*Pass seed=3"):
+        trainer.fit(testing.dense_batchnorm_model(), x, y, checkpoint_dir=str(tmp_path), **{**FIT, "seed": 4})
+    with pytest.raises(dp_core.CheckpointError, match=r"global_batch_size=32, but fit got global_batch_size=64"):
+        trainer.fit(
+            testing.dense_batchnorm_model(), x, y, checkpoint_dir=str(tmp_path), **{**FIT, "global_batch_size": 64}
+        )
+    assert json.loads((dp_core.list_checkpoints(tmp_path)[-1] / "state.json").read_text())["epoch"] == 1
