@@ -1,6 +1,7 @@
 """fit(checkpoint_dir=...): dp-core checkpoints every N steps and at epoch ends, and exact resume
 after a SIGKILL, on the same or another replica count, past a damaged checkpoint."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -160,3 +161,24 @@ def test_another_architecture_seed_or_global_batch_is_a_clear_checkpoint_error(t
             testing.dense_batchnorm_model(), x, y, checkpoint_dir=str(tmp_path), **{**FIT, "global_batch_size": 64}
         )
     assert json.loads((dp_core.list_checkpoints(tmp_path)[-1] / "state.json").read_text())["epoch"] == 1
+
+
+def test_torchrun_restarts_a_killed_replica_and_resumes_to_the_same_weights(uninterrupted, tmp_path):
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    marker, output = tmp_path / "killed_once", tmp_path / "weights.npz"
+    environment = {**_environment(), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    command = [torchrun, "--nproc-per-node", "2", "--max-restarts", "1", "--master-addr", "127.0.0.1"]
+    command += ["--master-port", str(testing.free_port()), SCRIPT, str(tmp_path / "checkpoints"), str(output)]
+    command += ["--kill-once", "1", "2", str(marker)]  # rank 0 SIGKILLs itself after epoch 1, step 2, once
+    # its own session, so that a timeout ends torchrun's workers too, not only torchrun
+    process = subprocess.Popen(command, env=environment, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, stderr = process.communicate(timeout=150)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 0, stderr[-3000:]
+    assert marker.exists()  # the first attempt was killed
+    expected, _ = uninterrupted
+    for mine, theirs in zip(_weights(output), expected, strict=True):
+        np.testing.assert_array_equal(mine, theirs)

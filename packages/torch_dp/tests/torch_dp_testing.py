@@ -201,8 +201,20 @@ def processes_tagged(tag: str) -> list[int]:
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) != os.getpid():
             with contextlib.suppress(OSError), open(f"/proc/{entry}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
+                # multiprocessing's resource tracker is the caller's helper, shared by every spawn
+                if needle in f.read().split(b"\0") and not _is_resource_tracker(entry):
                     with open(f"/proc/{entry}/stat") as stat:
                         if stat.read().split(")")[-1].split()[0] != "Z":  # zombies hold nothing
                             pids.append(int(entry))
     return pids
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _is_resource_tracker(pid: str) -> bool:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return b"resource_tracker" in f.read()
