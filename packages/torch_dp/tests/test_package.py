@@ -4,7 +4,7 @@ import torch_dp
 
 
 def test_every_public_name_imports():
-    assert set(torch_dp.__all__) == {"BatchNormMode", "Sampler", "Trainer", "WorkerError"}
+    assert set(torch_dp.__all__) == {"BatchNormMode", "NonFiniteLossError", "Sampler", "Trainer", "WorkerError"}
     for name in torch_dp.__all__:
         assert getattr(importlib.import_module("torch_dp"), name) is not None
 

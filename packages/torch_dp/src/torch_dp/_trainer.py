@@ -14,6 +14,7 @@ from typing import Any, final
 import keras
 import torch
 import torch.distributed as dist
+from torch.distributed import PrefixStore, TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
 from dp_core import LearningRateScaling, per_replica_batch_size
 from dp_core._keras import require_backend, resolve_model
@@ -243,17 +244,41 @@ class Trainer:
 
 
 def _join_torchrun_group(backend: str, timeout: float) -> None:
+    """Join torchrun's group through its store, under a prefix per restart attempt.
+
+    After a restart (``--max-restarts``) the store on MASTER_PORT can still hold the
+    previous attempt's keys, among them the addresses of dead processes; a prefix with
+    torchrun's restart count keeps each attempt to its own keys.
+    """
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # torchrun's agent serves the store; a launcher without one leaves that to rank 0
+    agent_serves = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     try:
-        dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout))
+        store = TCPStore(
+            address,
+            port,
+            world_size,
+            is_master=rank == 0 and not agent_serves,
+            timeout=timedelta(seconds=timeout),
+            multi_tenant=True,
+        )
     except dist.DistNetworkError as error:
         if "EADDRINUSE" not in str(error) and "address already in use" not in str(error).lower():
             raise
-        address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
         raise RuntimeError(
-            f"torch_dp could not start the rendezvous on MASTER_ADDR:MASTER_PORT={address}: the port is already "
-            "in use (another job, or a previous run still ending). Pass a free port, e.g. "
+            f"torch_dp could not start the rendezvous on MASTER_ADDR:MASTER_PORT={address}:{port}: the port is "
+            "already in use (another job, or a previous run still ending). Pass a free port, e.g. "
             "`torchrun --master-port <free port> ...` (or `--standalone` on one host, which picks one)."
         ) from error
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(
+        backend,
+        store=PrefixStore(f"torch_dp/attempt_{attempt}", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout),
+    )
 
 
 def _check_checkpoint_arguments(checkpoint_dir: Any, checkpoint_every_steps: Any) -> None:
