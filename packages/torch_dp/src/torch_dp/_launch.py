@@ -20,8 +20,9 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]
+from torch.distributed import PrefixStore, TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
 
 class WorkerError(RuntimeError):
@@ -83,6 +84,44 @@ def loopback_rendezvous(*, timeout: float) -> Iterator[int]:
         yield port
     finally:
         del store
+
+
+def join_torchrun_group(backend: str, timeout: float) -> None:
+    """Join torchrun's group through its store, under a prefix per restart attempt.
+
+    After a restart (``--max-restarts``) the store on MASTER_PORT can still hold the
+    previous attempt's keys, among them the addresses of dead processes; a prefix with
+    torchrun's restart count keeps each attempt to its own keys.
+    """
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # torchrun's agent serves the store; a launcher without one leaves that to rank 0
+    agent_serves = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    try:
+        store = TCPStore(
+            address,
+            port,
+            world_size,
+            is_master=rank == 0 and not agent_serves,
+            timeout=timedelta(seconds=timeout),
+            multi_tenant=True,
+        )
+    except dist.DistNetworkError as error:
+        if "EADDRINUSE" not in str(error) and "address already in use" not in str(error).lower():
+            raise
+        raise RuntimeError(
+            f"torch_dp could not start the rendezvous on MASTER_ADDR:MASTER_PORT={address}:{port}: the port is "
+            "already in use (another job, or a previous run still ending). Pass a free port, e.g. "
+            "`torchrun --master-port <free port> ...` (or `--standalone` on one host, which picks one)."
+        ) from error
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(
+        backend,
+        store=PrefixStore(f"torch_dp/attempt_{attempt}", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout),
+    )
 
 
 def available_cores() -> int:

@@ -8,13 +8,11 @@ import dataclasses
 import os
 import tempfile
 from collections.abc import Iterator, Sequence
-from datetime import timedelta
 from typing import Any, final
 
 import keras
 import torch
 import torch.distributed as dist
-from torch.distributed import PrefixStore, TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
 from dp_core import LearningRateScaling, per_replica_batch_size
 from dp_core._keras import require_backend, resolve_model
@@ -23,7 +21,7 @@ from dp_core._trainer import Verbose
 from torch_dp._batches import Data, first_rows, share
 from torch_dp._batchnorm import BATCH_NORM_MODES, BatchNormMode
 from torch_dp._comm import Replica, all_gather_rows, started_by_torchrun
-from torch_dp._launch import loopback_rendezvous, spawn, threads_per_replica
+from torch_dp._launch import join_torchrun_group, loopback_rendezvous, spawn, threads_per_replica
 from torch_dp._loop import NONFINITE_LOSS_CHOICES, FitOptions, NonFiniteLoss
 from torch_dp._transfer import in_input_order, load_logs, load_predictions, load_trained, ship_model
 from torch_dp._worker import Job, build, device_for, run_in_process, spawned_worker
@@ -216,7 +214,7 @@ class Trainer:
         local_rank = int(os.environ["LOCAL_RANK"])
         if not dist.is_initialized():
             device = device_for(local_rank)
-            _join_torchrun_group("nccl" if device.startswith("cuda") else "gloo", self.timeout)
+            join_torchrun_group("nccl" if device.startswith("cuda") else "gloo", self.timeout)
         return Replica(dist.get_rank(), world_size, device_for(local_rank))
 
     def _spawn(self, model_argument: Any, keras_model: keras.Model, job: Job, directory: str) -> None:
@@ -241,44 +239,6 @@ class Trainer:
                 directory=directory,
                 environment=environment,
             )
-
-
-def _join_torchrun_group(backend: str, timeout: float) -> None:
-    """Join torchrun's group through its store, under a prefix per restart attempt.
-
-    After a restart (``--max-restarts``) the store on MASTER_PORT can still hold the
-    previous attempt's keys, among them the addresses of dead processes; a prefix with
-    torchrun's restart count keeps each attempt to its own keys.
-    """
-    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    # torchrun's agent serves the store; a launcher without one leaves that to rank 0
-    agent_serves = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    try:
-        store = TCPStore(
-            address,
-            port,
-            world_size,
-            is_master=rank == 0 and not agent_serves,
-            timeout=timedelta(seconds=timeout),
-            multi_tenant=True,
-        )
-    except dist.DistNetworkError as error:
-        if "EADDRINUSE" not in str(error) and "address already in use" not in str(error).lower():
-            raise
-        raise RuntimeError(
-            f"torch_dp could not start the rendezvous on MASTER_ADDR:MASTER_PORT={address}:{port}: the port is "
-            "already in use (another job, or a previous run still ending). Pass a free port, e.g. "
-            "`torchrun --master-port <free port> ...` (or `--standalone` on one host, which picks one)."
-        ) from error
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(
-        backend,
-        store=PrefixStore(f"torch_dp/attempt_{attempt}", store),
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout),
-    )
 
 
 def _check_checkpoint_arguments(checkpoint_dir: Any, checkpoint_every_steps: Any) -> None:
