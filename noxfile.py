@@ -108,9 +108,10 @@ def demo(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def bench(session: nox.Session) -> None:
     """Side-by-side throughput, start-up and memory against what a user would otherwise write."""
-    _install_everything(session, "psutil>=5.9")
+    _install_everything(session, "psutil>=5.9", "matplotlib>=3.8")
     session.run("python", "benchmarks/bench_torch.py", "--output", "docs/benchmarks/torch.json", *session.posargs)
     session.run("python", "benchmarks/bench_jax.py", "--output", "docs/benchmarks/jax.json", *session.posargs)
+    session.run("python", "benchmarks/report.py")
 
 
 @nox.session(python="3.11")
