@@ -69,6 +69,7 @@ def main() -> None:
     jax_medians, jax_ratios = jax_rows(jax_results)
     plot({"torch": torch_medians, "jax": jax_medians}, args.results / "throughput.png")
     memory = torch_results["memory"]
+    host, versions = jax_results["host"], jax_results["versions"]
     lines = [
         "# Benchmarks",
         "",
@@ -95,8 +96,8 @@ def main() -> None:
         "",
         "## Machine and versions",
         "",
-        f"- {jax_results['host']['cpu_count']} CPU cores ({jax_results['host']['machine']}), Python"
-        f" {jax_results['host']['python']}; jax {jax_results['versions']['jax']}, Keras {jax_results['versions']['keras']}.",
+        f"- {host['cpu_count']} CPU cores ({host['machine']}), Python {host['python']};"
+        f" jax {versions['jax']}, Keras {versions['keras']}.",
         "- The machine was shared with other jobs while these ran, and per-round ratios swing by about",
         "  ±15%; rerun `nox -s bench` on a quiet machine for firmer numbers.",
         "",
