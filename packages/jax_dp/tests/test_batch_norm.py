@@ -43,7 +43,7 @@ def test_replica_moments_normalize_each_replica_on_its_own():
     mask = jnp.asarray([1, 1, 1, 1, 1, 1, 1, 0], jnp.float32)
     model, layer = batch_norm_model()
 
-    with padding_aware(model, mask, batch_norm="replica", num_replicas=2):
+    with padding_aware(model, mask, batch_norm="per_replica", num_replicas=2):
         outputs = np.asarray(layer(rows, training=True))
 
     np.testing.assert_allclose(outputs[:4], normalized(rows[:4]), atol=1e-5)

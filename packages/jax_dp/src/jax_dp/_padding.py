@@ -5,7 +5,7 @@ stays fixed. While a step is *traced*, ``padding_aware`` swaps, on the model's o
 objects and only for the duration of the trace:
 
 - each BatchNormalization layer's moments for masked ones (global batch by default,
-  or per replica group with ``batch_norm="replica"``);
+  or per replica group with ``batch_norm="per_replica"``);
 - the compiled metrics' update, so unweighted metrics get the mask as weight;
 - the per-output loss trackers' weight, from the padded batch size to the real rows.
 
@@ -21,8 +21,8 @@ from typing import Any, Literal, cast
 import jax.numpy as jnp
 import keras
 
-BatchNorm = Literal["global", "replica"]
-BATCH_NORM_MODES = ("global", "replica")
+BatchNorm = Literal["global", "per_replica"]
+BATCH_NORM_MODES = ("global", "per_replica")
 
 
 @contextlib.contextmanager
@@ -43,7 +43,7 @@ def padding_aware(
     try:
         for layer in model._flatten_layers():
             if isinstance(layer, keras.layers.BatchNormalization):
-                if batch_norm == "replica":
+                if batch_norm == "per_replica":
                     restores.append(_override(layer, "call", _replica_batch_norm_call(layer, mask, num_replicas)))
                 else:
                     restores.append(_override(layer, "_moments", _masked_moments(layer, mask)))
@@ -110,7 +110,7 @@ def _replica_batch_norm_call(layer: Any, batch_mask: jnp.ndarray, num_replicas: 
     holding only padding excluded), so the replicated state stays one value.
     """
     if layer.renorm:
-        raise ValueError(f"batch_norm='replica' does not support BatchNormalization(renorm=True) ({layer.name}).")
+        raise ValueError(f"batch_norm='per_replica' does not support BatchNormalization(renorm=True) ({layer.name}).")
     original = layer.call
 
     def call(inputs: Any, training: Any = None, mask: Any = None) -> Any:

@@ -42,7 +42,7 @@ class Trainer:
     ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` made); ``mesh=`` takes an
     explicit 1-D ``("batch",)`` mesh instead. ``optimizer=`` an optax
     ``GradientTransformation`` replaces the model's compiled optimizer.
-    ``batch_norm="replica"`` normalizes each replica's rows on their own.
+    ``batch_norm="per_replica"`` normalizes each replica's rows on their own.
 
     >>> trainer = jax_dp.Trainer(num_replicas=2)  # doctest: +SKIP
     >>> history = trainer.fit(model, x, y, global_batch_size=64, epochs=3)  # doctest: +SKIP
