@@ -46,3 +46,17 @@ def test_resume_with_another_seed_is_refused(data, tmp_path):
     two.fit(dense_bn_model(), x, y, global_batch_size=GLOBAL_BATCH, seed=1, checkpoint_dir=str(tmp_path), verbose=0)
     with pytest.raises(dp_core.CheckpointError, match=r"seed=1, but fit got seed=2.*Pass seed=1"):
         two.fit(dense_bn_model(), x, y, global_batch_size=GLOBAL_BATCH, seed=2, checkpoint_dir=str(tmp_path))
+
+
+def test_checkpoints_within_an_epoch_are_refused_not_ignored(data, tmp_path):
+    x, y, _, _ = data
+    with pytest.raises(ValueError, match=r"checkpoint_every_steps=5: jax_dp writes checkpoints at epoch ends only"):
+        jax_dp.Trainer(2).fit(
+            dense_bn_model(),
+            x,
+            y,
+            global_batch_size=GLOBAL_BATCH,
+            checkpoint_dir=str(tmp_path),
+            checkpoint_every_steps=5,
+        )
+    assert dp_core.latest_checkpoint(tmp_path) is None

@@ -13,7 +13,8 @@ import jax
 import keras
 import numpy as np
 
-from dp_core import Checkpoint, CheckpointError, Schedule, check_compatible, latest_checkpoint, save_checkpoint
+from dp_core import Checkpoint, Schedule, save_checkpoint
+from dp_core._resume import resumable_checkpoint, resumed_history
 from jax_dp._distributed import is_primary, replicated_to_host
 
 
@@ -31,26 +32,18 @@ def resume(
     checkpoint_dir: str, model: keras.Model, *, seed: int, global_batch_size: int, shuffle: bool
 ) -> Resume | None:
     """The newest valid checkpoint's place, with the model's weights already restored."""
-    checkpoint = latest_checkpoint(checkpoint_dir)
+    checkpoint = resumable_checkpoint(
+        checkpoint_dir, model, seed=seed, global_batch_size=global_batch_size, shuffle=shuffle
+    )
     if checkpoint is None:
         return None
-    check_compatible(checkpoint, model.get_weights(), model_name=model.name)
-    agreed = [("global_batch_size", checkpoint.global_batch_size, global_batch_size)]
-    if shuffle:  # without shuffling the order does not depend on the seed
-        agreed.append(("seed", checkpoint.seed, seed))
-    for name, saved, passed in agreed:
-        if saved != passed:
-            raise CheckpointError(
-                f"The checkpoint in {checkpoint_dir!r} was written with {name}={saved}, but fit got {name}={passed}; "
-                f"the data order would not continue. Pass {name}={saved}, or an empty checkpoint_dir to start over."
-            )
     model.set_weights(checkpoint.weights)
     return Resume(
         epoch=checkpoint.epoch,
         step=checkpoint.step,
         optimizer_variables=checkpoint.optimizer_variables,
         metric_variables=checkpoint.metric_variables,
-        history=dict(checkpoint.extra.get("history", {})),
+        history=resumed_history(checkpoint),
     )
 
 

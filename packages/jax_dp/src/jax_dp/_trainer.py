@@ -89,9 +89,18 @@ class Trainer:
         lr_scaling: LearningRateScaling | None = None,
         warmup_steps: int = 0,
         checkpoint_dir: str | None = None,
+        checkpoint_every_steps: int | None = None,
         verbose: Verbose = "auto",
     ) -> keras.callbacks.History:
-        """Train like ``model.fit``; returns the History, whose ``.model`` holds the trained weights."""
+        """Train like ``model.fit``; returns the History, whose ``.model`` holds the trained weights.
+
+        ``checkpoint_dir`` gets a checkpoint at every epoch end, and a fit pointed at one resumes.
+        """
+        if checkpoint_every_steps is not None:
+            raise ValueError(
+                f"checkpoint_every_steps={checkpoint_every_steps!r}: jax_dp writes checkpoints at epoch ends only. "
+                "Pass checkpoint_every_steps=None (torch_dp also checkpoints within an epoch)."
+            )
         model, samples = self._check(model, x, y, sample_weight, global_batch_size)
         validation = None if validation_data is None else _validation_samples(validation_data)
         optimizer = KerasOptimizer(model) if self._optax is None else OptaxOptimizer(self._optax)
