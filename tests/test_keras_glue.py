@@ -57,6 +57,10 @@ def test_resolve_model():
         resolve_model(small_model(compiled=False))
     with pytest.raises(TypeError, match="got int"):
         resolve_model(3)
+    uncompiled = small_model(compiled=False)
+    assert resolve_model(uncompiled, compiled=False) is uncompiled  # predict needs no compile
+    with pytest.raises(TypeError, match="must be a keras.Model or a zero-argument callable"):
+        resolve_model("model", compiled=False)
 
 
 def test_require_backend_says_how_to_fix():

@@ -38,16 +38,16 @@ def require_backend(expected: str, package: str) -> None:
         )
 
 
-def resolve_model(model: Any) -> keras.Model:
-    """The compiled model itself, or the one a zero-argument factory builds."""
+def resolve_model(model: Any, *, compiled: bool = True) -> keras.Model:
+    """The model itself, or the one a zero-argument factory builds; ``compiled=False`` for
+    ``predict``, which (like Keras's) needs no loss or optimizer."""
     if not isinstance(model, keras.Model) and callable(model):
         model = model()
     if not isinstance(model, keras.Model):
-        raise TypeError(
-            f"model must be a compiled keras.Model or a zero-argument callable returning one, "
-            f"got {type(model).__name__}."
-        )
-    require_compiled(model)
+        kind = "a compiled keras.Model" if compiled else "a keras.Model"
+        raise TypeError(f"model must be {kind} or a zero-argument callable returning one, got {type(model).__name__}.")
+    if compiled:
+        require_compiled(model)
     return model
 
 

@@ -189,7 +189,7 @@ class Trainer:
     def predict(self, model: Any, x: Any, *, global_batch_size: int, verbose: Verbose = "auto") -> Any:
         """The model's outputs for every row of ``x``, in input order, as numpy."""
         require_backend("jax", PACKAGE)
-        model = _resolve_for_predict(model)
+        model = resolve_model(model, compiled=False)
         per_replica_batch_size(global_batch_size, self.num_replicas)
         samples = Samples(x)
         build(model, samples, global_batch_size)
@@ -256,17 +256,6 @@ def _validation_samples(validation_data: Any) -> Samples:
         + (f" of length {len(validation_data)}" if isinstance(validation_data, (tuple, list)) else "")
         + "."
     )
-
-
-def _resolve_for_predict(model: Any) -> keras.Model:
-    # predict, like model.predict, needs no compiled loss or optimizer.
-    if not isinstance(model, keras.Model) and callable(model):
-        model = model()
-    if not isinstance(model, keras.Model):
-        raise TypeError(
-            f"model must be a keras.Model or a zero-argument callable returning one, got {type(model).__name__}."
-        )
-    return model
 
 
 def _progress_only(model: keras.Model, verbose: Verbose, steps: int) -> keras.callbacks.CallbackList:

@@ -170,7 +170,7 @@ class Trainer:
     def predict(self, model: Any, x: Any, *, global_batch_size: int, verbose: Verbose = "auto") -> Any:
         """Predictions for every row of ``x``, in input order, like ``model.predict``."""
         require_backend("torch", "torch_dp")
-        keras_model = _as_model(model)
+        keras_model = resolve_model(model, compiled=False)
         per_replica_batch_size(global_batch_size, self.num_replicas)
         data = Data(x)
         num_samples = _count_rows(data, "x")
@@ -268,17 +268,6 @@ def _resolve_num_replicas(num_replicas: int | None) -> int:
     if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
         raise ValueError(f"num_replicas must be a positive integer or None, got {num_replicas!r}.")
     return num_replicas
-
-
-def _as_model(model: Any) -> keras.Model:
-    """A model for predict, which (like Keras's) needs no compile."""
-    if not isinstance(model, keras.Model) and callable(model):
-        model = model()
-    if not isinstance(model, keras.Model):
-        raise TypeError(
-            f"model must be a keras.Model or a zero-argument callable returning one, got {type(model).__name__}."
-        )
-    return model
 
 
 def _count_rows(data: Data, name: str) -> int:
