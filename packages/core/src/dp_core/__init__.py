@@ -21,6 +21,7 @@ from dp_core._lr import linear_scaling as linear_scaling
 from dp_core._lr import scale_learning_rate as scale_learning_rate
 from dp_core._lr import schedule_from_config as schedule_from_config
 from dp_core._lr import sqrt_scaling as sqrt_scaling
+from dp_core._nonfinite import NonFiniteLossError as NonFiniteLossError
 from dp_core._split import Shard as Shard
 from dp_core._split import epoch_order as epoch_order
 from dp_core._split import num_steps as num_steps
@@ -37,6 +38,7 @@ __all__ = [
     "CosineDecay",
     "LearningRateScaling",
     "ModelFactory",
+    "NonFiniteLossError",
     "ReplicaLayout",
     "Schedule",
     "Shard",

@@ -181,3 +181,18 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def check_checkpoint_arguments(checkpoint_dir: Any, checkpoint_every_steps: Any) -> None:
+    """``fit``'s checkpoint arguments, checked before anything starts."""
+    if checkpoint_every_steps is None:
+        return
+    if isinstance(checkpoint_every_steps, bool) or not isinstance(checkpoint_every_steps, int):
+        raise ValueError(f"checkpoint_every_steps must be a positive integer or None, got {checkpoint_every_steps!r}.")
+    if checkpoint_every_steps < 1:
+        raise ValueError(f"checkpoint_every_steps must be a positive integer or None, got {checkpoint_every_steps!r}.")
+    if checkpoint_dir is None:
+        raise ValueError(
+            f"checkpoint_every_steps={checkpoint_every_steps} needs a checkpoint_dir to write to; pass "
+            "checkpoint_dir='path/to/dir' as well."
+        )

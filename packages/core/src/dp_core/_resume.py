@@ -62,12 +62,16 @@ def model_checkpoint(
     num_replicas: int,
     lr_policy: dict[str, Any] | None,
     metric_variables: list[Any] | None = None,
+    optimizer_variables: list[Any] | None = None,
 ) -> Checkpoint:
     """``model``'s weights, optimizer and metric state, and its History so far, as a Checkpoint.
 
-    ``metric_variables`` overrides the model's own (a backend passes the sums over replicas).
+    ``metric_variables`` overrides the model's own (a backend passes the sums over replicas);
+    ``optimizer_variables`` the compiled optimizer's (e.g. an optax state's leaves).
     """
     optimizer = list(model.optimizer.variables) if model.optimizer is not None else []
+    if optimizer_variables is not None:
+        optimizer = optimizer_variables
     metrics = model.metrics_variables if metric_variables is None else metric_variables
     history = model.history.history if model.history is not None else {}
     return Checkpoint(
@@ -82,7 +86,7 @@ def model_checkpoint(
         lr_policy=lr_policy,
         extra={
             "history": {name: [_plain(v) for v in values] for name, values in history.items()},
-            "optimizer_paths": [v.path for v in optimizer],
+            "optimizer_paths": [getattr(v, "path", "") for v in optimizer],
         },
     )
 

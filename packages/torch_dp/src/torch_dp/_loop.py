@@ -7,20 +7,18 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import keras
 import numpy as np
 
 from dp_core import num_steps
 from dp_core._keras import callback_list
+from dp_core._nonfinite import NonFiniteLoss, skipped_message, stopped
 from torch_dp._batches import Data, replica_batches
 from torch_dp._checkpoints import CheckpointWriter, Start, restore_metrics
 from torch_dp._comm import Replica, broadcast_floats
 from torch_dp._steps import global_logs, predict_step, test_step, train_step
-
-NonFiniteLoss = Literal["stop", "skip"]
-NONFINITE_LOSS_CHOICES: tuple[NonFiniteLoss, ...] = ("stop", "skip")
 
 _BATCH_HOOKS = ("on_batch_begin", "on_batch_end", "on_train_batch_begin", "on_train_batch_end")
 
@@ -34,15 +32,6 @@ class FitOptions:
     verbose: Any = "auto"
     log_every_steps: int = 10
     on_nonfinite_loss: NonFiniteLoss = "stop"
-
-
-class NonFiniteLossError(FloatingPointError):
-    """The loss of some replica was NaN or infinite; ``epoch`` and ``step`` count from 0."""
-
-    def __init__(self, message: str, *, epoch: int, step: int) -> None:
-        super().__init__(message)
-        self.epoch = epoch
-        self.step = step
 
 
 def _wants_batch_logs(callbacks: Sequence[keras.callbacks.Callback] | None) -> bool:
@@ -174,22 +163,10 @@ def _train_epoch(
 
 def _nonfinite_loss(mode: NonFiniteLoss, epoch: int, step: int, replica: Replica) -> None:
     """Every replica gets here at the same step (the check is global): stop all, or skip."""
-    where = f"epoch {epoch}, step {step} (both counted from 0)"
     if mode == "stop":
-        raise NonFiniteLossError(
-            f"Non-finite loss (NaN or inf) in {where}: training stopped before applying that step's update. "
-            "The last checkpoint is intact. Look for NaN/inf in the inputs or a too-large learning rate, or "
-            "pass torch_dp.Trainer(on_nonfinite_loss='skip') to skip such steps and continue.",
-            epoch=epoch,
-            step=step,
-        )
+        raise stopped(epoch, step, "torch_dp")
     if replica.is_primary:
-        warnings.warn(
-            f"Non-finite loss (NaN or inf) in {where}: skipped that step's update on every replica "
-            "(on_nonfinite_loss='skip').",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+        warnings.warn(skipped_message(epoch, step), RuntimeWarning, stacklevel=2)
 
 
 def evaluate_loop(

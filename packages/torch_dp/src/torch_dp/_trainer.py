@@ -15,14 +15,16 @@ import torch
 import torch.distributed as dist
 
 from dp_core import LearningRateScaling, per_replica_batch_size
+from dp_core._checkpoint import check_checkpoint_arguments
 from dp_core._keras import require_backend, resolve_model
+from dp_core._nonfinite import NonFiniteLoss, check_nonfinite_mode
 from dp_core._resume import resumable_checkpoint
 from dp_core._trainer import Verbose
 from torch_dp._batches import Data, first_rows, share
 from torch_dp._batchnorm import BATCH_NORM_MODES, BatchNormMode
 from torch_dp._comm import Replica, all_gather_rows, started_by_torchrun
 from torch_dp._launch import join_torchrun_group, loopback_rendezvous, spawn, threads_per_replica
-from torch_dp._loop import NONFINITE_LOSS_CHOICES, FitOptions, NonFiniteLoss
+from torch_dp._loop import FitOptions
 from torch_dp._transfer import in_input_order, load_logs, load_predictions, load_trained, ship_model
 from torch_dp._worker import Job, build, device_for, run_in_process, spawned_worker
 
@@ -56,8 +58,7 @@ class Trainer:
     ) -> None:
         if batch_norm not in BATCH_NORM_MODES:
             raise ValueError(f"batch_norm must be one of {BATCH_NORM_MODES}, got {batch_norm!r}.")
-        if on_nonfinite_loss not in NONFINITE_LOSS_CHOICES:
-            raise ValueError(f"on_nonfinite_loss must be one of {NONFINITE_LOSS_CHOICES}, got {on_nonfinite_loss!r}.")
+        check_nonfinite_mode(on_nonfinite_loss)
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}.")
         self._num_replicas = _resolve_num_replicas(num_replicas)
@@ -98,7 +99,7 @@ class Trainer:
         """
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
             raise ValueError(f"epochs must be an integer >= 0, got {epochs!r}.")
-        _check_checkpoint_arguments(checkpoint_dir, checkpoint_every_steps)
+        check_checkpoint_arguments(checkpoint_dir, checkpoint_every_steps)
         keras_model, data = self._check(model, x, y, sample_weight, global_batch_size)
         validation = None
         if validation_data is not None:
@@ -239,20 +240,6 @@ class Trainer:
                 directory=directory,
                 environment=environment,
             )
-
-
-def _check_checkpoint_arguments(checkpoint_dir: Any, checkpoint_every_steps: Any) -> None:
-    if checkpoint_every_steps is None:
-        return
-    if isinstance(checkpoint_every_steps, bool) or not isinstance(checkpoint_every_steps, int):
-        raise ValueError(f"checkpoint_every_steps must be a positive integer or None, got {checkpoint_every_steps!r}.")
-    if checkpoint_every_steps < 1:
-        raise ValueError(f"checkpoint_every_steps must be a positive integer or None, got {checkpoint_every_steps!r}.")
-    if checkpoint_dir is None:
-        raise ValueError(
-            f"checkpoint_every_steps={checkpoint_every_steps} needs a checkpoint_dir to write to; pass "
-            "checkpoint_dir='path/to/dir' as well."
-        )
 
 
 def _resolve_num_replicas(num_replicas: int | None) -> int:
