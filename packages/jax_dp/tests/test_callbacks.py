@@ -1,11 +1,14 @@
-"""Keras callbacks: called once per event, with aggregated logs; stop decisions honoured."""
+"""Keras callbacks: called once per event, with aggregated logs; stop decisions honoured; a
+non-finite loss stops training (or its step is skipped)."""
 
 from __future__ import annotations
 
 import keras
+import numpy as np
 import pytest
-from jax_dp_helpers import GLOBAL_BATCH, dense_bn_model
+from jax_dp_helpers import GLOBAL_BATCH, dense_bn_model, make_data
 
+import dp_core
 import jax_dp
 
 pytestmark = pytest.mark.timeout(240)
@@ -78,19 +81,61 @@ def test_early_stopping_stops_every_replica_and_restores_best_weights(data):
         assert (restored == best).all()
 
 
-def test_terminate_on_nan_stops_mid_epoch(data):
+def test_a_nonfinite_loss_stops_training_naming_epoch_and_step(data, tmp_path):
     x, y, _, _ = data
-    model = dense_bn_model("sgd")
-    model.compile(optimizer=keras.optimizers.SGD(1e30), loss="mse")  # diverges to inf/nan at once
+    x = x.copy()
+    x[70] = np.nan  # global batch 2 of every epoch (shuffle=False)
+    model = dense_bn_model("adam")
+    with pytest.raises(jax_dp.NonFiniteLossError, match=r"epoch 0, step 2 \(both counted from 0\).*'skip'") as raised:
+        jax_dp.Trainer(2).fit(
+            model,
+            x,
+            y,
+            global_batch_size=GLOBAL_BATCH,
+            epochs=2,
+            shuffle=False,
+            checkpoint_dir=str(tmp_path),
+            checkpoint_every_steps=1,
+            callbacks=[keras.callbacks.TerminateOnNaN()],  # never sees the NaN: the step is not applied
+            verbose=0,
+        )
+    assert (raised.value.epoch, raised.value.step) == (0, 2)
+    # the step was not applied: weights, BatchNorm statistics and optimizer are those of the last checkpoint
+    newest = dp_core.latest_checkpoint(tmp_path)
+    assert (newest.epoch, newest.step) == (0, 2)
+    for mine, saved in zip(model.get_weights(), newest.weights, strict=True):
+        np.testing.assert_array_equal(mine, saved)
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 2
 
-    history = jax_dp.Trainer(2).fit(
-        model,
-        x * 1e10,
-        y,
-        global_batch_size=GLOBAL_BATCH,
-        epochs=3,
-        callbacks=[keras.callbacks.TerminateOnNaN()],
-        verbose=0,
+
+def _skip_nan_rows(num_replicas):
+    x, y, _, _ = make_data()
+    x[60] = np.nan  # in global batch 1, in replica 1's half of it when there are 2
+    model = dense_bn_model("adam")
+    trainer = jax_dp.Trainer(num_replicas, on_nonfinite_loss="skip")
+    callbacks = [keras.callbacks.TerminateOnNaN()]
+    history = trainer.fit(
+        model, x, y, global_batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, callbacks=callbacks, verbose=0
     )
+    return model, history
 
-    assert len(history.epoch) == 1
+
+def test_skip_leaves_the_step_out_on_every_replica():
+    with pytest.warns(RuntimeWarning, match=r"epoch 1, step 1 .*skipped that step's update on every replica"):
+        expected, expected_history = _skip_nan_rows(1)
+    assert expected_history.epoch == [0, 1]  # TerminateOnNaN never saw a NaN
+    assert np.isfinite(expected_history.history["loss"]).all()
+    assert int(keras.ops.convert_to_numpy(expected.optimizer.iterations)) == 2 * 4 - 2  # one step skipped per epoch
+
+    with pytest.warns(RuntimeWarning, match=r"epoch 0, step 1 "):
+        model, history = _skip_nan_rows(2)
+    # replica 1 alone saw the NaN; had replica 0 applied its half, the weights would differ
+    for mine, theirs in zip(model.get_weights(), expected.get_weights(), strict=True):
+        np.testing.assert_allclose(mine, theirs, atol=1e-5)
+    np.testing.assert_allclose(history.history["loss"], expected_history.history["loss"], rtol=1e-5)
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 6
+
+
+def test_unknown_nonfinite_loss_mode():
+    with pytest.raises(ValueError, match=r"on_nonfinite_loss must be one of \('stop', 'skip'\), got 'ignore'"):
+        jax_dp.Trainer(2, on_nonfinite_loss="ignore")  # type: ignore[arg-type]

@@ -1,7 +1,17 @@
-"""fit(checkpoint_dir=...): dp-core checkpoints at each epoch end; resuming continues the run exactly."""
+"""fit(checkpoint_dir=...): dp-core checkpoints at each epoch end and every N steps; resuming
+continues the run exactly, after a SIGKILL too, on the same or another replica count."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
 import optax
 import pytest
 from jax_dp_helpers import GLOBAL_BATCH, assert_history_close, assert_weights_close, dense_bn_model
@@ -9,7 +19,9 @@ from jax_dp_helpers import GLOBAL_BATCH, assert_history_close, assert_weights_cl
 import dp_core
 import jax_dp
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(300)
+HERE = os.path.dirname(__file__)
+SCRIPT = os.path.join(HERE, "checkpointed_fit.py")
 
 
 def trainer(num_replicas: int, optimizer: str) -> jax_dp.Trainer:
@@ -48,15 +60,107 @@ def test_resume_with_another_seed_is_refused(data, tmp_path):
         two.fit(dense_bn_model(), x, y, global_batch_size=GLOBAL_BATCH, seed=2, checkpoint_dir=str(tmp_path))
 
 
-def test_checkpoints_within_an_epoch_are_refused_not_ignored(data, tmp_path):
+def test_checkpoint_every_steps_needs_a_positive_count_and_a_directory(data, tmp_path):
     x, y, _, _ = data
-    with pytest.raises(ValueError, match=r"checkpoint_every_steps=5: jax_dp writes checkpoints at epoch ends only"):
-        jax_dp.Trainer(2).fit(
-            dense_bn_model(),
-            x,
-            y,
-            global_batch_size=GLOBAL_BATCH,
-            checkpoint_dir=str(tmp_path),
-            checkpoint_every_steps=5,
-        )
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match=rf"checkpoint_every_steps must be a positive integer or None, got {bad}"):
+            jax_dp.Trainer(2).fit(
+                dense_bn_model(),
+                x,
+                y,
+                global_batch_size=GLOBAL_BATCH,
+                checkpoint_dir=str(tmp_path),
+                checkpoint_every_steps=bad,
+            )
+    with pytest.raises(ValueError, match=r"checkpoint_every_steps=5 needs a checkpoint_dir"):
+        jax_dp.Trainer(2).fit(dense_bn_model(), x, y, global_batch_size=GLOBAL_BATCH, checkpoint_every_steps=5)
     assert dp_core.latest_checkpoint(tmp_path) is None
+
+
+def _run(*arguments: str, timeout: float = 150) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, SCRIPT, *arguments], env=_environment(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _environment() -> dict[str, str]:
+    environment = {**os.environ, "KERAS_BACKEND": "jax", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    environment["PYTHONPATH"] = os.pathsep.join([HERE, environment.get("PYTHONPATH", "")])
+    return environment
+
+
+def _saved(path) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
+    with np.load(path) as arrays:
+        weights = [arrays[name] for name in arrays.files if name.startswith("arr_")]
+        history = {name[len("history_") :]: arrays[name] for name in arrays.files if name.startswith("history_")}
+    return weights, history
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Weights and History of checkpointed_fit.py's run, never interrupted (its own process)."""
+    directory = tmp_path_factory.mktemp("uninterrupted")
+    finished = _run(str(directory / "checkpoints"), str(directory / "out.npz"))
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    return _saved(directory / "out.npz")
+
+
+@pytest.fixture(scope="module")
+def killed_mid_epoch(tmp_path_factory):
+    """checkpointed_fit.py SIGKILLed once epoch 1, step 2 is checkpointed; its checkpoint_dir and a copy."""
+    directory = tmp_path_factory.mktemp("killed")
+    checkpoints = directory / "checkpoints"
+    command = [sys.executable, SCRIPT, str(checkpoints), str(directory / "out.npz"), "--slow", "0.3"]
+    process = subprocess.Popen(command, env=_environment(), stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (checkpoints / "step-000001-000000002").exists():
+            assert process.poll() is None, f"the run ended before it was killed: {process.stderr.read()[-3000:]}"
+            assert time.monotonic() < deadline, "no checkpoint of epoch 1, step 2 within 120 s"
+            time.sleep(0.05)
+        process.send_signal(signal.SIGKILL)
+        assert process.wait(10) == -signal.SIGKILL
+    finally:
+        process.kill()
+        process.stderr.close()
+    assert not (directory / "out.npz").exists()
+    copy = directory / "as_killed"
+    shutil.copytree(checkpoints, copy)
+    return checkpoints, copy
+
+
+def test_a_run_killed_mid_epoch_resumes_to_bitwise_equal_weights(uninterrupted, killed_mid_epoch):
+    checkpoints, _ = killed_mid_epoch
+    newest = dp_core.latest_checkpoint(checkpoints)  # the kill left every finished checkpoint intact
+    assert (1, 2) <= (newest.epoch, newest.step) < (3, 0) and newest.num_replicas == 2
+    output = checkpoints.parent / "resumed.npz"
+    finished = _run(str(checkpoints), str(output))
+    assert finished.returncode == 0, finished.stderr[-3000:]
+
+    weights, history = _saved(output)
+    expected_weights, expected_history = uninterrupted
+    assert len(weights) == len(expected_weights)
+    for mine, theirs in zip(weights, expected_weights, strict=True):
+        np.testing.assert_array_equal(mine, theirs)  # bitwise
+    for name, values in expected_history.items():  # the resumed epoch's logs include the steps before the kill
+        np.testing.assert_allclose(history[name], values, rtol=1e-6, err_msg=name)
+    final = dp_core.latest_checkpoint(checkpoints)
+    assert (final.epoch, final.step) == (3, 0)
+
+
+def test_resuming_on_four_replicas_continues_the_same_data_order(data, uninterrupted, killed_mid_epoch):
+    _, as_killed = killed_mid_epoch
+    start = dp_core.latest_checkpoint(as_killed)
+    assert start.step > 0 and len(start.metric_variables) == 4  # mid-epoch: loss and mae sums
+    x, y, _, _ = data
+    model = dense_bn_model("adam", seed=9)  # other initial weights, replaced on resume
+    history = jax_dp.Trainer(4).fit(
+        model, x, y, global_batch_size=GLOBAL_BATCH, epochs=3, seed=3, checkpoint_dir=str(as_killed), verbose=0
+    )
+    expected_weights, expected_history = uninterrupted
+    for mine, theirs in zip(model.get_weights(), expected_weights, strict=True):
+        np.testing.assert_allclose(mine, theirs, atol=1e-5)
+    assert history.epoch == [0, 1, 2]
+    for name, values in expected_history.items():
+        np.testing.assert_allclose(history.history[name], values, rtol=1e-5, err_msg=name)
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 12  # 3 epochs x 4 steps

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_every_public_name_imports():
-    assert sorted(jax_dp.__all__) == ["Trainer", "initialize"]
+    assert sorted(jax_dp.__all__) == ["NonFiniteLossError", "Trainer", "initialize"]
     for name in jax_dp.__all__:
         assert getattr(jax_dp, name) is not None
     assert jax_dp.__version__ == "0.1.0"

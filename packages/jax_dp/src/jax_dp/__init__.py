@@ -2,12 +2,14 @@
 
 from importlib.metadata import version as _version
 
+from dp_core import NonFiniteLossError as NonFiniteLossError
 from jax_dp._distributed import initialize as initialize
 from jax_dp._trainer import Trainer as Trainer
 
 __version__ = _version("jax-dp")
 
 __all__ = [
+    "NonFiniteLossError",
     "Trainer",
     "initialize",
 ]

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import keras
 import numpy as np
 from jax.sharding import Mesh
@@ -36,6 +37,20 @@ class Batch(NamedTuple):
     sample_weight: Any
     mask: jax.Array
     real_rows: jax.Array
+
+
+def row_weights(batch: Batch, *, scale_to_real_rows: bool) -> Any:
+    """``sample_weight * mask``, times ``B / real_rows`` for the loss (see ``_steps``)."""
+    weights = batch.mask
+    if scale_to_real_rows:
+        weights = weights * (batch.mask.shape[0] / batch.real_rows)
+    if batch.sample_weight is None:
+        return weights
+
+    def weigh(sample_weight: Any) -> Any:
+        return sample_weight * jnp.reshape(weights, (-1,) + (1,) * (sample_weight.ndim - 1))
+
+    return map_structure(weigh, batch.sample_weight)
 
 
 class Samples:

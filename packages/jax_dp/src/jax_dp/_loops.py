@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import keras
 import numpy as np
 from jax.sharding import Mesh
 
-from jax_dp._batches import EpochPlan, Samples, device_batches
+from jax_dp._batches import Batch, EpochPlan, Samples, device_batches
 from jax_dp._distributed import agree, replicated_to_host, rows_to_host, same_on_all_processes
 from jax_dp._mesh import put_replicated
-from jax_dp._steps import Logs, TrainState
+from jax_dp._metrics import Logs, host_logs
+from jax_dp._steps import TrainState
 
 PROGRESS_SECONDS = 0.2  # progress-bar refresh: often enough to watch, rarely enough not to stall the devices
 STOP_CHECK_STEPS = 16  # with several processes, how often a mid-epoch stop decision is exchanged
@@ -34,12 +35,6 @@ def weights_on_mesh(model: keras.Model, mesh: Mesh) -> tuple[list[jax.Array], li
     )
 
 
-def fresh_metrics(model: keras.Model, mesh: Mesh) -> list[jax.Array]:
-    """Metric variables at their reset values, replicated on the mesh."""
-    model.reset_metrics()
-    return _variables_on_mesh(model.metrics_variables, mesh)
-
-
 def _variables_on_mesh(variables: list[Any], mesh: Mesh) -> list[jax.Array]:
     values = same_on_all_processes([np.asarray(keras.ops.convert_to_numpy(v.value)) for v in variables])
     return [put_replicated(value, mesh) for value in values]
@@ -52,18 +47,13 @@ def write_back(model: keras.Model, trainable: list[jax.Array], non_trainable: li
             variable.assign(value)
 
 
-def host_logs(logs: Logs | None) -> dict[str, Any]:
-    """Device logs as Python floats (scalars) or numpy arrays."""
-    if not logs:
-        return {}
-    return {name: value.item() if value.size == 1 else value for name, value in replicated_to_host(logs).items()}
-
-
 class BatchEndReporter:
     """Calls batch-end callbacks every step only if a callback needs every step.
 
     Otherwise (progress bar only) at most every ``PROGRESS_SECONDS`` and at the last
-    step, because each report pulls the logs to the host and waits for the devices.
+    step, because each report sums the metric states and waits for the devices. With
+    several processes that sum is a collective, so every process reports at the same
+    steps: every step if process 0 needs it, else every ``STOP_CHECK_STEPS``.
     """
 
     def __init__(self, callbacks: keras.callbacks.CallbackList, hooks: tuple[str, ...], steps: int) -> None:
@@ -71,13 +61,20 @@ class BatchEndReporter:
         self.steps = steps
         reporting = [c for c in callbacks.callbacks if any(_overrides(c, hook) for hook in hooks)]
         self.every_step = any(not isinstance(c, keras.callbacks.ProgbarLogger) for c in reporting)
-        self.enabled = bool(reporting)
+        self.several_processes = jax.process_count() > 1
+        if self.several_processes:
+            self.every_step = agree(self.every_step)
+        self.enabled = bool(reporting) or self.several_processes
         self.last = 0.0
 
     def due(self, step: int) -> bool:
         if not self.enabled:
             return False
-        if self.every_step or step == self.steps - 1 or time.monotonic() - self.last >= PROGRESS_SECONDS:
+        if self.every_step or step == self.steps - 1:
+            return True
+        if self.several_processes:
+            return (step + 1) % STOP_CHECK_STEPS == 0
+        if time.monotonic() - self.last >= PROGRESS_SECONDS:
             self.last = time.monotonic()
             return True
         return False
@@ -88,8 +85,22 @@ def _overrides(callback: keras.callbacks.Callback, hook: str) -> bool:
     return not getattr(getattr(callback, hook), "_is_default", False)
 
 
+class Steps(NamedTuple):
+    """The compiled pieces of a fit (``train`` is None for evaluate alone)."""
+
+    train: Callable[[TrainState, Batch], TrainState] | None
+    test: Callable[..., list[Any]]
+    results: Callable[[list[jax.Array]], Logs]
+
+
+def skipped_steps(state: TrainState) -> tuple[int, int]:
+    """Steps of the epoch so far whose loss was not finite, and the first of them (-1: none)."""
+    counts = replicated_to_host(state[4])
+    return int(counts[1]), int(counts[2])
+
+
 def train_epoch(
-    train_step: Callable[[TrainState, Any], tuple[Logs, TrainState]],
+    steps: Steps,
     state: TrainState,
     plan: EpochPlan,
     mesh: Mesh,
@@ -97,28 +108,45 @@ def train_epoch(
     callbacks: keras.callbacks.CallbackList,
     *,
     start: int = 0,
-) -> tuple[TrainState, Logs | None]:
-    """Steps ``start..`` of one epoch; returns the state and the last step's (running-mean) logs."""
+    stop_on_nonfinite: bool = True,
+    checkpoint: Callable[[TrainState, int], None] | None = None,
+    checkpoint_every_steps: int | None = None,
+) -> TrainState:
+    """Steps ``start..`` of one epoch; returns the state.
+
+    With ``stop_on_nonfinite`` the loop ends at the first report or checkpoint after a
+    step with a non-finite loss (the steps after it changed nothing); the caller then
+    raises. ``checkpoint(state, steps_done)`` runs every ``checkpoint_every_steps``.
+    """
+    assert steps.train is not None
     reporter = BatchEndReporter(callbacks, ("on_train_batch_end", "on_batch_end"), plan.steps)
     several_processes = jax.process_count() > 1
-    logs = None
     for step, batch in enumerate(device_batches(plan, mesh, start=start), start=start):
         callbacks.on_train_batch_begin(step)
-        logs, state = train_step(state, batch)
-        if reporter.due(step):
-            callbacks.on_train_batch_end(step, logs)
+        state = steps.train(state, batch)
+        done = step + 1
+        # The epoch's last step is saved by the caller, after validation and callbacks.
+        saving = checkpoint is not None and bool(checkpoint_every_steps) and done < plan.steps
+        saving = saving and done % (checkpoint_every_steps or 1) == 0
+        reporting = reporter.due(step)
+        if (reporting or saving) and stop_on_nonfinite and skipped_steps(state)[0]:
+            break
+        if reporting:
+            callbacks.on_train_batch_end(step, host_logs(steps.results(state[3])))
+        if saving and checkpoint is not None:
+            checkpoint(state, done)
         if several_processes:
             # Every process must stop at the same step, so the decision is exchanged at fixed steps.
-            if (step + 1) % STOP_CHECK_STEPS == 0 and step + 1 < plan.steps and agree(bool(model.stop_training)):
+            if done % STOP_CHECK_STEPS == 0 and done < plan.steps and agree(bool(model.stop_training)):
                 model.stop_training = True
                 break
         elif model.stop_training:
             break
-    return state, logs
+    return state
 
 
 def evaluate_samples(
-    test_step: Callable[..., tuple[Logs, list[Any]]],
+    steps: Steps,
     weights: tuple[list[jax.Array], list[jax.Array]],
     metrics: list[jax.Array],
     plan: EpochPlan,
@@ -127,12 +155,11 @@ def evaluate_samples(
 ) -> dict[str, Any]:
     """Loss and metrics over every sample of the plan (running means over real rows)."""
     reporter = None if callbacks is None else BatchEndReporter(callbacks, ("on_test_batch_end",), plan.steps)
-    logs = None
     for step, batch in enumerate(device_batches(plan, mesh)):
-        logs, metrics = test_step(weights, metrics, batch)
+        metrics = steps.test(weights, metrics, batch)
         if reporter is not None and callbacks is not None and reporter.due(step):
-            callbacks.on_test_batch_end(step, logs)
-    return host_logs(logs)
+            callbacks.on_test_batch_end(step, host_logs(steps.results(metrics)))
+    return host_logs(steps.results(metrics))
 
 
 def predict_samples(

@@ -40,12 +40,6 @@ class KerasOptimizer:
         )
         return [put_replicated(v, mesh) for v in values]
 
-    def restore(self, saved: list[np.ndarray]) -> None:
-        """Optimizer variables from a checkpoint, into the Keras optimizer."""
-        _check_count(len(saved), len(self.optimizer.variables))
-        for variable, value in zip(self.optimizer.variables, saved, strict=True):
-            variable.assign(value)
-
     def scale_loss(self, loss: Any, state: list[Any]) -> Any:
         # Mixed precision: a LossScaleOptimizer scales the loss with its own (stateless) scale.
         with keras.StatelessScope(state_mapping=list(zip(self.optimizer.variables, state, strict=True))):

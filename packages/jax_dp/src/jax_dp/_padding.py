@@ -6,8 +6,10 @@ objects and only for the duration of the trace:
 
 - each BatchNormalization layer's moments for masked ones (global batch by default,
   or per replica group with ``batch_norm="per_replica"``);
-- the compiled metrics' update, so unweighted metrics get the mask as weight;
 - the per-output loss trackers' weight, from the padded batch size to the real rows.
+
+``masked_metrics`` does the same for the compiled metrics' update, so unweighted
+metrics get the mask as weight.
 
 The loss itself is made exact through sample weights (see ``_steps``), not here.
 """
@@ -34,7 +36,7 @@ def padding_aware(
     batch_norm: BatchNorm = "global",
     num_replicas: int = 1,
 ) -> Iterator[None]:
-    """Within the block, ``model``'s BN statistics, metrics and loss trackers ignore padded rows.
+    """Within the block, ``model``'s BN statistics and loss trackers ignore padded rows.
 
     ``real_rows`` (default: the mask's sum) is the number of real rows in the batch.
     """
@@ -47,9 +49,6 @@ def padding_aware(
                     restores.append(_override(layer, "call", _replica_batch_norm_call(layer, mask, num_replicas)))
                 else:
                     restores.append(_override(layer, "_moments", _masked_moments(layer, mask)))
-        compile_metrics = getattr(model, "_compile_metrics", None)
-        if compile_metrics is not None:
-            restores.append(_override(compile_metrics, "update_state", _masked_metrics_update(compile_metrics, mask)))
         compile_loss = getattr(model, "_compile_loss", None)
         for tracker in [] if compile_loss is None else compile_loss.metrics:
             restores.append(_override(tracker, "update_state", _per_real_row(tracker.update_state, real_rows)))
@@ -57,6 +56,20 @@ def padding_aware(
     finally:
         for restore in reversed(restores):
             restore()
+
+
+@contextlib.contextmanager
+def masked_metrics(model: keras.Model, mask: jnp.ndarray) -> Iterator[None]:
+    """Within the block, ``model``'s compiled metrics weigh padded rows zero."""
+    compile_metrics = getattr(model, "_compile_metrics", None)
+    if compile_metrics is None:
+        yield
+        return
+    restore = _override(compile_metrics, "update_state", _masked_metrics_update(compile_metrics, mask))
+    try:
+        yield
+    finally:
+        restore()
 
 
 def _override(obj: Any, name: str, replacement: Callable[..., Any]) -> Callable[[], None]:

@@ -1,8 +1,9 @@
-"""The jitted stateless steps: ``(state, batch) -> (logs, state)``.
+"""The jitted stateless steps: ``(state, batch) -> state``.
 
-State is replicated on every device and the batch is sharded over ``"batch"``, so
-XLA's SPMD partitioner turns the single-device program into a data-parallel one: it
-all-reduces gradients and BatchNormalization moments over the global batch.
+Model and optimizer state are replicated on every device and the batch is sharded over
+``"batch"``, so XLA's SPMD partitioner turns the single-device program into a
+data-parallel one: it all-reduces gradients and BatchNormalization moments over the
+global batch. Metric states stay per replica (``_metrics``); logs are read apart.
 
 Exact loss without touching Keras's loss: every row gets the sample weight
 ``sample_weight * mask * B / real_rows``. Keras's ``sum_over_batch_size`` reduction
@@ -19,60 +20,83 @@ from typing import Any, cast
 import jax
 import jax.numpy as jnp
 import keras
+import numpy as np
 from jax.sharding import Mesh
 
-from dp_core._data import map_structure
-from jax_dp._batches import Batch
-from jax_dp._mesh import batch_sharded, replicated
+from jax_dp._batches import Batch, row_weights
+from jax_dp._mesh import batch_sharded, put_replicated, replicated
+from jax_dp._metrics import make_metric_update, zero_states
 from jax_dp._optimizers import Optimizer
 from jax_dp._padding import BatchNorm, padding_aware
 
-TrainState = tuple[list[Any], list[Any], Any, list[Any]]  # trainable, non-trainable, optimizer, metrics
-Logs = dict[str, Any]
+TrainState = tuple[list[Any], list[Any], Any, list[Any], Any]
+"""Trainable, non-trainable, optimizer state, per-replica metric stacks, and the step counts
+``[steps, skipped, first_skipped]`` (``first_skipped`` is -1 until a step is skipped)."""
+
+
+def initial_counts(mesh: Mesh) -> jax.Array:
+    return put_replicated(np.array([0, 0, -1], np.int32), mesh)
 
 
 def make_train_step(
-    model: keras.Model, optimizer: Optimizer, mesh: Mesh, *, batch_norm: BatchNorm
-) -> Callable[[TrainState, Batch], tuple[Logs, TrainState]]:
-    """One optimizer step on one global batch; the state argument is donated."""
-    num_replicas = mesh.size
+    model: keras.Model, optimizer: Optimizer, mesh: Mesh, *, batch_norm: BatchNorm, skip_nonfinite: bool
+) -> Callable[[TrainState, Batch], TrainState]:
+    """One optimizer step on one global batch; the state argument is donated.
 
-    def train_step(state: TrainState, batch: Batch) -> tuple[Logs, TrainState]:
-        trainable, non_trainable, optimizer_state, metrics = state
+    A step whose loss is not finite changes nothing but the counts. Unless
+    ``skip_nonfinite``, every later step does the same, so the state stays that of the
+    last good step until the host sees the count and stops.
+    """
+    num_replicas = mesh.size
+    update_metrics = make_metric_update(model, mesh)
+
+    def train_step(state: TrainState, batch: Batch) -> TrainState:
+        trainable, non_trainable, optimizer_state, metrics, counts = state
         with padding_aware(
             model, batch.mask, real_rows=batch.real_rows, batch_norm=batch_norm, num_replicas=num_replicas
         ):
 
             def loss_fn(trainable: list[Any]) -> tuple[Any, Any]:
-                loss, aux = _loss_and_updates(model, trainable, non_trainable, metrics, batch, training=True)
+                loss, aux = _loss_and_updates(model, trainable, non_trainable, batch, training=True)
                 return optimizer.scale_loss(loss, optimizer_state), (loss, *aux)
 
-            (_, (loss, y_pred, new_non_trainable, new_metrics)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            (_, (loss, y_pred, new_non_trainable, increments)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
                 trainable
             )
-            trainable, optimizer_state = optimizer.apply(optimizer_state, grads, trainable)
-            logs, new_metrics = _update_metrics(model, new_metrics, loss, batch, y_pred)
-        return logs, (trainable, new_non_trainable, optimizer_state, new_metrics)
+            new_trainable, new_optimizer_state = optimizer.apply(optimizer_state, grads, trainable)
+        new_metrics = update_metrics(metrics, increments, loss, batch, y_pred)
+        steps, skipped, first_skipped = counts[0], counts[1], counts[2]
+        good = jnp.isfinite(loss) if skip_nonfinite else jnp.isfinite(loss) & (skipped == 0)
+        kept = jax.tree.map(
+            lambda new, old: jnp.where(good, new, old),
+            (new_trainable, new_non_trainable, new_optimizer_state, new_metrics),
+            (trainable, non_trainable, optimizer_state, metrics),
+        )
+        first_skipped = jnp.where(good | (first_skipped >= 0), first_skipped, steps)
+        counts = jnp.stack([steps + 1, skipped + (~good).astype(jnp.int32), first_skipped])
+        return (*kept, counts)
 
-    everywhere = replicated(mesh)
-    return jax.jit(train_step, donate_argnums=0, out_shardings=(everywhere, everywhere))
+    everywhere, per_replica = replicated(mesh), batch_sharded(mesh)
+    return jax.jit(
+        train_step,
+        donate_argnums=0,
+        out_shardings=(everywhere, everywhere, everywhere, per_replica, everywhere),
+    )
 
 
 def make_test_step(
     model: keras.Model, mesh: Mesh
-) -> Callable[[tuple[list[Any], list[Any]], list[Any], Batch], tuple[Logs, list[Any]]]:
-    """Loss and metrics on one global batch: ``(weights, metrics, batch) -> (logs, metrics)``."""
+) -> Callable[[tuple[list[Any], list[Any]], list[Any], Batch], list[Any]]:
+    """Loss and metrics on one global batch: ``(weights, metric stacks, batch) -> metric stacks``."""
+    update_metrics = make_metric_update(model, mesh)
 
-    def test_step(weights: tuple[list[Any], list[Any]], metrics: list[Any], batch: Batch) -> tuple[Logs, list[Any]]:
+    def test_step(weights: tuple[list[Any], list[Any]], metrics: list[Any], batch: Batch) -> list[Any]:
         trainable, non_trainable = weights
         with padding_aware(model, batch.mask, real_rows=batch.real_rows):
-            loss, (y_pred, _, metrics) = _loss_and_updates(
-                model, trainable, non_trainable, metrics, batch, training=False
-            )
-            return _update_metrics(model, metrics, loss, batch, y_pred)
+            loss, (y_pred, _, increments) = _loss_and_updates(model, trainable, non_trainable, batch, training=False)
+        return update_metrics(metrics, increments, loss, batch, y_pred)
 
-    everywhere = replicated(mesh)
-    return jax.jit(test_step, donate_argnums=1, out_shardings=(everywhere, everywhere))
+    return jax.jit(test_step, donate_argnums=1, out_shardings=batch_sharded(mesh))
 
 
 def make_predict_step(model: keras.Model, mesh: Mesh) -> Callable[[tuple[list[Any], list[Any]], Any], Any]:
@@ -94,12 +118,14 @@ def _loss_and_updates(
     model: keras.Model,
     trainable: list[Any],
     non_trainable: list[Any],
-    metrics: list[Any],
     batch: Batch,
     *,
     training: bool,
 ) -> tuple[Any, tuple[Any, list[Any], list[Any]]]:
-    """Keras's ``compute_loss_and_updates`` with the exact per-row loss weights."""
+    """Keras's ``compute_loss_and_updates`` with the exact per-row loss weights.
+
+    The metric states returned are this batch's increments (per-output loss trackers).
+    """
     y_pred, non_trainable, losses = cast(Any, model.stateless_call)(
         trainable, non_trainable, batch.x, return_losses=True, **_training_kwarg(model, training)
     )
@@ -109,38 +135,13 @@ def _loss_and_updates(
         loss, (_, non_trainable, metrics) = model.stateless_compute_loss(
             trainable,
             non_trainable,
-            metrics,
+            zero_states(model),
             x=batch.x,
             y=batch.y,
             y_pred=y_pred,
-            sample_weight=_row_weights(batch, scale_to_real_rows=True),
+            sample_weight=row_weights(batch, scale_to_real_rows=True),
             training=training,
         )
     finally:
         model._losses_override = []
     return loss, (y_pred, non_trainable, metrics)
-
-
-def _row_weights(batch: Batch, *, scale_to_real_rows: bool) -> Any:
-    weights = batch.mask
-    if scale_to_real_rows:
-        weights = weights * (batch.mask.shape[0] / batch.real_rows)
-    if batch.sample_weight is None:
-        return weights
-
-    def weigh(sample_weight: Any) -> Any:
-        return sample_weight * jnp.reshape(weights, (-1,) + (1,) * (sample_weight.ndim - 1))
-
-    return map_structure(weigh, batch.sample_weight)
-
-
-def _update_metrics(
-    model: keras.Model, metrics: list[Any], loss: Any, batch: Batch, y_pred: Any
-) -> tuple[Logs, list[Any]]:
-    """Keras's metric update, with the loss weighed by real rows and padding unweighted."""
-    mapping = list(zip(model.metrics_variables, metrics, strict=True))
-    with keras.StatelessScope(state_mapping=mapping) as scope:
-        model._loss_tracker.update_state(loss, sample_weight=batch.real_rows)
-        logs = model.compute_metrics(batch.x, batch.y, y_pred, _row_weights(batch, scale_to_real_rows=False))
-    updated = [scope.get_current_value(variable) for variable in model.metrics_variables]
-    return logs, [old if new is None else new for old, new in zip(metrics, updated, strict=True)]
