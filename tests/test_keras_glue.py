@@ -27,6 +27,7 @@ def test_keras_schedule_survives_keras_serialization():
     rebuilt = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(adapted))
     assert isinstance(rebuilt, KerasSchedule)
     assert float(rebuilt(1)) == pytest.approx(0.2 / 3)
+    assert rebuilt.base_learning_rate is None
 
 
 def test_scaling_alone_assigns_the_scaled_float():
@@ -41,6 +42,31 @@ def test_warmup_installs_a_schedule():
     apply_learning_rate_policy(model, global_batch_size=64, lr_scaling=linear_scaling(32), warmup_steps=4)
     assert isinstance(model.optimizer._learning_rate, KerasSchedule)
     assert float(model.optimizer.learning_rate) == pytest.approx(0.0)  # step 0 of the ramp
+
+
+def test_another_fit_scales_the_compiled_rate_again_not_the_scaled_one():
+    model = small_model(learning_rate=0.1)
+    for _ in range(2):
+        apply_learning_rate_policy(model, global_batch_size=128, lr_scaling=linear_scaling(32), warmup_steps=0)
+        assert float(model.optimizer.learning_rate) == pytest.approx(0.4)
+    model.optimizer.learning_rate = 0.05  # set by the user between fits: the new base
+    apply_learning_rate_policy(model, global_batch_size=64, lr_scaling=linear_scaling(32), warmup_steps=0)
+    assert float(model.optimizer.learning_rate) == pytest.approx(0.1)
+
+    for _ in range(2):  # warmup twice: a new schedule on the same base, no error
+        apply_learning_rate_policy(model, global_batch_size=64, lr_scaling=linear_scaling(32), warmup_steps=4)
+        schedule = model.optimizer._learning_rate
+        assert isinstance(schedule, KerasSchedule) and schedule.base_learning_rate == pytest.approx(0.05)
+        assert float(schedule(4)) == pytest.approx(0.1)
+    apply_learning_rate_policy(model, global_batch_size=128, lr_scaling=linear_scaling(32), warmup_steps=0)
+    assert float(model.optimizer._learning_rate(0)) == pytest.approx(0.2)  # no warmup now, the same base
+
+
+def test_a_schedule_of_the_users_own_is_refused():
+    model = small_model()
+    model.optimizer.learning_rate = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)
+    with pytest.raises(ValueError, match=r"need an optimizer compiled with a float learning_rate.*ExponentialDecay"):
+        apply_learning_rate_policy(model, global_batch_size=64, lr_scaling=linear_scaling(32), warmup_steps=0)
 
 
 def test_no_policy_leaves_the_optimizer_alone():

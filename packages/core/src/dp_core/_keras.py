@@ -66,15 +66,16 @@ class KerasSchedule(keras.optimizers.schedules.LearningRateSchedule):
     """A dp-core schedule as a Keras ``LearningRateSchedule``, written in ``keras.ops``
     so it traces under ``jax.jit`` and runs eagerly on torch."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], base_learning_rate: float | None = None) -> None:
         self.config = config
+        self.base_learning_rate = base_learning_rate  # the compiled rate the policy was built on
         self._schedule = schedule_from_config(config)
 
     def __call__(self, step: Any) -> Any:
         return _evaluate(self._schedule, ops.cast(step, "float32"))
 
     def get_config(self) -> dict[str, Any]:
-        return {"config": self.config}
+        return {"config": self.config, "base_learning_rate": self.base_learning_rate}
 
 
 def _evaluate(schedule: Schedule, step: Any) -> Any:
@@ -93,6 +94,9 @@ def _evaluate(schedule: Schedule, step: Any) -> Any:
     raise TypeError(f"No Keras form for schedule {schedule!r}.")
 
 
+_APPLIED = "_dp_core_learning_rate"  # optimizer attribute: (base rate, scaled rate assigned)
+
+
 def apply_learning_rate_policy(
     model: keras.Model,
     *,
@@ -103,26 +107,40 @@ def apply_learning_rate_policy(
     """Put dp-core's LR policy on the compiled optimizer; returns it (None: untouched).
 
     Scaling alone assigns the scaled value, so Keras LR callbacks (ReduceLROnPlateau,
-    LearningRateScheduler) keep working. Warmup installs a ``KerasSchedule``.
+    LearningRateScheduler) keep working. Warmup installs a ``KerasSchedule``. Another
+    ``fit`` on the same model builds the policy on the same base rate again, not on the
+    rate the last one set (warmup counts optimizer steps, so it does not repeat).
     """
     if lr_scaling is None and not warmup_steps:
         return None
     optimizer = model.optimizer
-    if isinstance(optimizer._learning_rate, keras.optimizers.schedules.LearningRateSchedule):
-        raise ValueError(
-            "lr_scaling/warmup_steps need an optimizer compiled with a float learning_rate, but "
-            f"{type(optimizer).__name__} has the schedule {type(optimizer._learning_rate).__name__}. "
-            "Compile with a float learning rate, or drop lr_scaling and warmup_steps."
-        )
-    base_lr = float(ops.convert_to_numpy(optimizer.learning_rate))
+    base_lr = _base_learning_rate(optimizer)
     policy = learning_rate_policy(
         base_lr, global_batch_size=global_batch_size, lr_scaling=lr_scaling, warmup_steps=warmup_steps
     )
-    if warmup_steps:
-        optimizer.learning_rate = KerasSchedule(policy.get_config())
+    if warmup_steps or isinstance(optimizer._learning_rate, KerasSchedule):
+        # Keras cannot turn a schedule back into a float: a later fit keeps a (constant) schedule.
+        optimizer.learning_rate = KerasSchedule(policy.get_config(), base_learning_rate=base_lr)
     else:
         optimizer.learning_rate = policy(0)
+        setattr(optimizer, _APPLIED, (base_lr, float(ops.convert_to_numpy(optimizer.learning_rate))))
     return policy
+
+
+def _base_learning_rate(optimizer: keras.optimizers.Optimizer) -> float:
+    """The compiled rate: the one a previous fit's policy was built on, unless changed since."""
+    learning_rate = optimizer._learning_rate
+    if isinstance(learning_rate, KerasSchedule) and learning_rate.base_learning_rate is not None:
+        return learning_rate.base_learning_rate
+    if isinstance(learning_rate, keras.optimizers.schedules.LearningRateSchedule):
+        raise ValueError(
+            "lr_scaling/warmup_steps need an optimizer compiled with a float learning_rate, but "
+            f"{type(optimizer).__name__} has the schedule {type(learning_rate).__name__}. "
+            "Compile with a float learning rate, or drop lr_scaling and warmup_steps."
+        )
+    current = float(ops.convert_to_numpy(optimizer.learning_rate))
+    base, assigned = getattr(optimizer, _APPLIED, (None, None))
+    return base if assigned == current else current  # a rate set since (by the user) is the new base
 
 
 def callback_list(
