@@ -1,12 +1,23 @@
-"""Several processes (hosts): joining them, and the few values they must agree on."""
+"""Several processes (hosts): joining them, ending them together, and the few values they must agree on."""
 
 from __future__ import annotations
 
+import math
+import os
+import sys
+import threading
+import time
+from types import TracebackType
 from typing import Any
 
 import jax
 import numpy as np
+from jax._src import distributed as jax_distributed  # the client jax.distributed keeps; no public accessor
 from jax.experimental import multihost_utils
+
+# A process that fails records why under this key prefix of jax's key-value store.
+_FAILED = "jax_dp/failed/"
+_POLL_S = 0.5  # how often each process looks for another's failure
 
 
 def initialize(
@@ -16,6 +27,7 @@ def initialize(
     *,
     local_device_ids: list[int] | None = None,
     initialization_timeout: int = 300,
+    timeout: float = 60.0,
     **options: Any,
 ) -> None:
     """Join a multi-process run; call once per process, before anything touches jax devices.
@@ -24,8 +36,26 @@ def initialize(
     collectives between CPU processes (harmless on accelerators). ``options`` go to
     ``jax.distributed.initialize`` unchanged (e.g. ``shutdown_timeout_seconds``).
 
+    When one process dies the others exit non-zero too, instead of waiting for it
+    forever inside a collective:
+
+    - an uncaught exception prints its traceback, tells the other processes and exits
+      (status 1); they print ``jax_dp: process 1 of 2 failed: ...`` within about a
+      second and exit with status 1;
+    - a process killed outright (SIGKILL, out of memory, a lost host) is noticed by jax's
+      coordination service after ``timeout`` seconds without its heartbeat, and jax
+      aborts the others with ``tasks are unhealthy (stopped sending heartbeats): 1``
+      (at once when it was process 0, which runs that service).
+
+    ``timeout`` is jax's ``heartbeat_timeout_seconds`` (rounded up; an explicit
+    ``heartbeat_timeout_seconds`` in ``options`` wins). Heartbeats come from a background
+    thread, so long compilations or steps do not count against it.
+
     >>> jax_dp.initialize("10.0.0.1:1234", num_processes=2, process_id=0)  # doctest: +SKIP
     """
+    if not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}.")
+    options.setdefault("heartbeat_timeout_seconds", math.ceil(timeout))
     # CPU processes talk through gloo; without it cross-process CPU collectives fail.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
@@ -36,6 +66,53 @@ def initialize(
         initialization_timeout=initialization_timeout,
         **options,
     )
+    if num_processes > 1:
+        _end_together(jax_distributed.global_state.client, process_id, num_processes)
+
+
+def _end_together(client: Any, process_id: int, num_processes: int) -> None:
+    """Make a failure in any process end every process, naming the one that failed.
+
+    The others may be blocked in a collective that waits for the failed process (gloo
+    never gives up), so a thread of theirs watches for the failure and exits the process.
+    """
+    previous_hook = sys.excepthook
+
+    def report_and_exit(kind: type[BaseException], error: BaseException, trace: TracebackType | None) -> None:
+        previous_hook(kind, error, trace)
+        try:
+            client.key_value_set(f"{_FAILED}{process_id}", f"{kind.__name__}: {error}"[:2000])
+            if process_id == 0:  # the coordination service lives here: let the others read the key
+                time.sleep(3 * _POLL_S)
+        finally:
+            _exit_now()
+
+    def watch() -> None:
+        while True:
+            time.sleep(_POLL_S)
+            try:
+                failures = client.key_value_dir_get(_FAILED)
+            except Exception:  # the client was shut down: this process is ending anyway
+                return
+            for key, message in sorted(failures):
+                failed = key.rsplit("/", 1)[-1]
+                if failed != str(process_id):
+                    print(
+                        f"jax_dp: process {failed} of {num_processes} failed: {message}\n"
+                        f"jax_dp: process {process_id} exits too rather than wait for it.",
+                        file=sys.stderr,
+                    )
+                    _exit_now()
+
+    sys.excepthook = report_and_exit
+    threading.Thread(target=watch, name="jax_dp-end-together", daemon=True).start()
+
+
+def _exit_now() -> None:
+    # os._exit skips jax's exit-time shutdown, whose barrier would wait for the failed process.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def is_primary() -> bool:

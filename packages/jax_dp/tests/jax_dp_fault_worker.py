@@ -1,0 +1,80 @@
+"""One process of the fault tests (not collected by pytest).
+
+    python jax_dp_fault_worker.py PORT PROCESS_ID CHECKPOINT_DIR FAILING_PROCESS MODE FAIL_AFTER_STEP TIMEOUT
+
+Both processes fit with a checkpoint every step (process 0 writes them), each reading
+its rows from a map-style dataset. Once the checkpoint after step FAIL_AFTER_STEP exists,
+the next row that process FAILING_PROCESS reads fails: MODE "raise" raises, "kill"
+SIGKILLs the process, "none" never fails. TIMEOUT ("default" or seconds) goes to
+``jax_dp.initialize``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+NUM_SAMPLES = 64 * 32  # 64 steps of 32 rows: the failure lands mid-epoch
+GLOBAL_BATCH = 32
+
+
+class FailingRows:
+    """``(x, y)`` rows that fail once the checkpoint after ``fail_after_step`` exists."""
+
+    def __init__(self, x, y, checkpoint_dir: str, mode: str, fail_after_step: int, rows_per_step: int) -> None:
+        self.x, self.y = x, y
+        self.trigger = os.path.join(checkpoint_dir, f"step-000000-{fail_after_step:09d}")
+        self.mode, self.rows_per_step, self.rows_read = mode, rows_per_step, 0
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int):
+        if self.mode != "none" and os.path.isdir(self.trigger):
+            step = self.rows_read // self.rows_per_step
+            print(f"FAILING {self.mode} at step {step} at {time.time():.3f}", flush=True)
+            if self.mode == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"injected failure reading rows of step {step}")
+        self.rows_read += 1
+        return self.x[index], self.y[index]
+
+
+def main() -> None:
+    port, process_id, checkpoint_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    failing_process, mode, fail_after_step, timeout = int(sys.argv[4]), sys.argv[5], int(sys.argv[6]), sys.argv[7]
+    import keras
+
+    import jax_dp
+
+    options = {} if timeout == "default" else {"timeout": float(timeout)}
+    jax_dp.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id, initialization_timeout=60, **options)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(NUM_SAMPLES, 5)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    trainer = jax_dp.Trainer()
+    own_mode = mode if process_id == failing_process else "none"
+    data = FailingRows(x, y, checkpoint_dir, own_mode, fail_after_step, rows_per_step=GLOBAL_BATCH // 2)  # 2 processes
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    print(f"process {process_id} starts fit at {time.time():.3f}", flush=True)
+    trainer.fit(
+        model,
+        data,
+        global_batch_size=GLOBAL_BATCH,
+        epochs=1,
+        shuffle=False,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every_steps=1,
+        verbose=0,
+    )
+    print(f"process {process_id} finished fit at {time.time():.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""A process of a 2-process jax_dp run fails mid-fit: every process ends, soon, and says which one.
+
+Each test starts two workers (jax.distributed on 127.0.0.1, 2 host devices each) fitting
+with a checkpoint every step; once the checkpoint after ``FAIL_AFTER_STEP`` exists, one
+worker raises or SIGKILLs itself while reading rows. The other must exit non-zero within
+the bound, naming the failed process, with no process left and the newest checkpoint
+intact and from before the failure.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dp_core import latest_checkpoint, list_checkpoints, load_checkpoint
+
+WORKER = os.path.join(os.path.dirname(__file__), "jax_dp_fault_worker.py")
+FAIL_AFTER_STEP = 5
+STEPS_PER_EPOCH = 64  # the worker's 2048 rows in global batches of 32
+STARTUP_S = 120  # imports, rendezvous and compilation of two processes on two busy cores
+KILL_TIMEOUT_S = 10  # jax_dp.initialize(timeout=...) for the SIGKILL tests
+SLACK_S = 5  # scheduling noise on a loaded machine
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(STARTUP_S + 120)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Live processes whose command line contains ``text`` (here: the test's own tmp path)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(entry.name))
+        except OSError:  # ended while we looked
+            continue
+    return found
+
+
+class Run:
+    """Two workers; one fails as told. ``failed_at`` and ``ended_at`` are ``time.time()`` values."""
+
+    def __init__(self, tmp_path: Path, *, failing_process: int, mode: str, timeout: str) -> None:
+        self.checkpoint_dir = tmp_path / "checkpoints"
+        self.failing_process = failing_process
+        port = free_port()
+        env = {
+            **os.environ,
+            "KERAS_BACKEND": "jax",
+            "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+            "OMP_NUM_THREADS": "1",  # two processes share the cores
+            "PYTHONUNBUFFERED": "1",
+        }
+        self.log_paths = [tmp_path / f"worker{process_id}.log" for process_id in range(2)]
+        self.workers: list[subprocess.Popen[bytes]] = []
+        self.ended_at: list[float | None] = [None, None]
+        for process_id, log_path in enumerate(self.log_paths):
+            with open(log_path, "wb") as log:
+                arguments = [str(port), str(process_id), str(self.checkpoint_dir), str(failing_process)]
+                arguments += [mode, str(FAIL_AFTER_STEP), timeout]
+                self.workers.append(
+                    subprocess.Popen([sys.executable, WORKER, *arguments], env=env, stdout=log, stderr=log)
+                )
+
+    def wait_for_both(self, deadline_s: float) -> None:
+        """Poll both workers until they ended (recording when) or the deadline passed."""
+        deadline = time.monotonic() + deadline_s
+        while time.monotonic() < deadline and None in self.ended_at:
+            for process_id, worker in enumerate(self.workers):
+                if self.ended_at[process_id] is None and worker.poll() is not None:
+                    self.ended_at[process_id] = time.time()
+            time.sleep(0.05)
+
+    def kill_leftovers(self) -> None:
+        for worker in self.workers:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait(timeout=10)
+
+    def log(self, process_id: int) -> str:
+        return self.log_paths[process_id].read_text(errors="replace")
+
+    def failure(self) -> tuple[float, int]:
+        """When the failing worker failed, and the step whose rows it was reading."""
+        match = re.search(r"FAILING \w+ at step (\d+) at ([\d.]+)", self.log(self.failing_process))
+        assert match, f"process {self.failing_process} never failed:\n{self.log(self.failing_process)[-3000:]}"
+        return float(match.group(2)), int(match.group(1))
+
+
+@pytest.mark.parametrize(
+    ("failing_process", "mode"),
+    [(1, "raise"), (1, "kill"), (0, "raise"), (0, "kill")],
+)
+def test_a_failed_process_ends_the_run_within_the_bound(tmp_path, failing_process, mode):
+    # A raise is reported through jax's key-value store (about a second); a SIGKILL is
+    # noticed by missed heartbeats, so the bound is the timeout given to jax_dp.initialize.
+    timeout = "default" if mode == "raise" else str(KILL_TIMEOUT_S)
+    bound_s = SLACK_S if mode == "raise" else KILL_TIMEOUT_S + SLACK_S
+    survivor = 1 - failing_process
+    run = Run(tmp_path, failing_process=failing_process, mode=mode, timeout=timeout)
+    try:
+        run.wait_for_both(STARTUP_S + bound_s + 30)
+    finally:
+        run.kill_leftovers()
+    failed_at, failed_step = run.failure()
+    failing_log, survivor_log = run.log(failing_process), run.log(survivor)
+
+    # Every process ended by itself (none was left for kill_leftovers), none is left now.
+    assert None not in run.ended_at, f"a worker hung; survivor log:\n{survivor_log[-3000:]}"
+    assert processes_mentioning(str(tmp_path)) == []
+    survivor_ended_at = run.ended_at[survivor]
+    assert survivor_ended_at is not None
+    print(f"process {survivor} ended {survivor_ended_at - failed_at:.1f} s after process {failing_process} failed")
+    assert survivor_ended_at - failed_at <= bound_s, (survivor_ended_at - failed_at, survivor_log[-3000:])
+
+    # Both exit non-zero; the failed one shows its error, the survivor names the failed process.
+    failing_code, survivor_code = (run.workers[i].returncode for i in (failing_process, survivor))
+    if mode == "raise":
+        assert failing_code == 1, failing_log[-3000:]
+        assert "RuntimeError: injected failure reading rows of step" in failing_log
+        assert survivor_code == 1, survivor_log[-3000:]
+        assert f"jax_dp: process {failing_process} of 2 failed: RuntimeError: injected failure" in survivor_log
+    else:
+        assert failing_code == -9
+        assert survivor_code != 0, survivor_log[-3000:]
+        assert "the JAX distributed service detected fatal errors" in survivor_log, survivor_log[-3000:]
+        if failing_process == 1:  # jax's coordination service (in process 0) names whose heartbeats stopped
+            assert re.search(r"stopped sending heartbeats\):\s*1\b", survivor_log), survivor_log[-3000:]
+        else:  # the service itself is gone: process 1 loses it at once
+            assert "coordination_service" in survivor_log and "Socket closed" in survivor_log, survivor_log[-3000:]
+
+    # The newest checkpoint verifies (so do all the others) and predates the failure.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # latest_checkpoint warns when it skips a damaged one
+        newest = latest_checkpoint(run.checkpoint_dir)
+    assert newest is not None
+    for path in list_checkpoints(run.checkpoint_dir):
+        load_checkpoint(path)
+    assert newest.epoch == 0
+    assert FAIL_AFTER_STEP <= newest.step <= failed_step < STEPS_PER_EPOCH
+    assert all(np.isfinite(w).all() for w in newest.weights)
