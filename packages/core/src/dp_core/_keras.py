@@ -139,8 +139,8 @@ def _base_learning_rate(optimizer: keras.optimizers.Optimizer) -> float:
             "Compile with a float learning rate, or drop lr_scaling and warmup_steps."
         )
     current = float(ops.convert_to_numpy(optimizer.learning_rate))
-    base, assigned = getattr(optimizer, _APPLIED, (None, None))
-    return base if assigned == current else current  # a rate set since (by the user) is the new base
+    base, assigned = getattr(optimizer, _APPLIED, (current, current))
+    return float(base) if assigned == current else current  # a rate set since (by the user) is the new base
 
 
 def callback_list(
