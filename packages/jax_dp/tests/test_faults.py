@@ -154,3 +154,26 @@ def test_a_failed_process_ends_the_run_within_the_bound(tmp_path, failing_proces
     assert newest.epoch == 0
     assert FAIL_AFTER_STEP <= newest.step <= failed_step < STEPS_PER_EPOCH
     assert all(np.isfinite(w).all() for w in newest.weights)
+
+
+def test_a_busy_coordinator_port_is_a_clear_error():
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code = (
+            "import jax_dp; "
+            f"jax_dp.initialize('127.0.0.1:{port}', num_processes=2, process_id=0, initialization_timeout=20)"
+        )
+        started = time.monotonic()
+        finished = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "KERAS_BACKEND": "jax", "OMP_NUM_THREADS": "1"},
+            capture_output=True,
+            text=True,
+            timeout=STARTUP_S,
+        )
+    assert finished.returncode == 1
+    assert f"could not start the coordinator at '127.0.0.1:{port}'" in finished.stderr, finished.stderr[-2000:]
+    assert "Pass a free port" in finished.stderr
+    assert time.monotonic() - started < 60  # at once, not after initialization_timeout of waiting for peers

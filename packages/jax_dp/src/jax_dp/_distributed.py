@@ -58,14 +58,24 @@ def initialize(
     options.setdefault("heartbeat_timeout_seconds", math.ceil(timeout))
     # CPU processes talk through gloo; without it cross-process CPU collectives fail.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=coordinator_address,
-        num_processes=num_processes,
-        process_id=process_id,
-        local_device_ids=local_device_ids,
-        initialization_timeout=initialization_timeout,
-        **options,
-    )
+    try:
+        jax.distributed.initialize(
+            coordinator_address=coordinator_address,
+            num_processes=num_processes,
+            process_id=process_id,
+            local_device_ids=local_device_ids,
+            initialization_timeout=initialization_timeout,
+            **options,
+        )
+    except Exception as error:
+        if process_id == 0 and "Failed to start RPC server" in str(error):  # jax says no more than that
+            raise RuntimeError(
+                f"jax_dp could not start the coordinator at {coordinator_address!r}: process 0 listens on that "
+                "port (on every interface of this host) and it is in use or not allowed. Pass a free port to "
+                'every process, e.g. python -c \'import socket; s=socket.socket(); s.bind(("", 0)); '
+                "print(s.getsockname()[1])' on process 0's host."
+            ) from error
+        raise
     if num_processes > 1:
         _end_together(jax_distributed.global_state.client, process_id, num_processes)
 
