@@ -14,7 +14,13 @@ The Keras guides' MNIST convnet on synthetic (N, 28, 28, 1) data, data-parallel 
 
 Runs are interleaved (one of each per round) and each round's first epoch, which
 compiles, is not timed. Reported: samples/s per run, their medians, and the median
-over rounds of the per-round ratios jax_dp / other.
+over rounds of the per-round ratios jax_dp / other; jax_dp's time from the ``fit``
+call to its first step (compiled and dispatched).
+
+Then, each in a fresh process (``jax_bench_parts.py``): weak scaling of jax_dp from 1 to
+2 devices (64 rows and the same sample count per device, one core and one XLA thread per
+device, interleaved rounds), and the peak RSS growth of one jax_dp process fitting a
+linear model on a 1 GiB array over 2 devices.
 
     python benchmarks/bench_jax.py [--quick] --output docs/benchmarks/jax.json
 """
@@ -31,76 +37,48 @@ import argparse
 import json
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
 import keras
 import numpy as np
+from guide_convnet import compiled_convnet, synthetic_mnist
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax_bench_parts import EpochTimer, FirstStepClock
 
 import jax_dp
 
 NUM_DEVICES = 2
 GLOBAL_BATCH = 128  # the guide's batch_size
-NUM_CLASSES = 10
+HERE = Path(__file__).resolve().parent
+# Each weak-scaling process: N devices on N cores, XLA's CPU ops single-threaded.
+SCALING_XLA_FLAGS = "--xla_force_host_platform_device_count={devices} --xla_cpu_multi_thread_eigen=false"
 
 
-def convnet(metrics: tuple[str, ...] = ("accuracy",)) -> keras.Model:
-    """keras.io/examples/vision/mnist_convnet, compiled as in the guide."""
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [
-            keras.Input(shape=(28, 28, 1)),
-            keras.layers.Conv2D(32, kernel_size=(3, 3), activation="relu"),
-            keras.layers.MaxPooling2D(pool_size=(2, 2)),
-            keras.layers.Conv2D(64, kernel_size=(3, 3), activation="relu"),
-            keras.layers.MaxPooling2D(pool_size=(2, 2)),
-            keras.layers.Flatten(),
-            keras.layers.Dropout(0.5),
-            keras.layers.Dense(NUM_CLASSES, activation="softmax"),
-        ]
-    )
-    model.compile(loss="categorical_crossentropy", optimizer="adam", metrics=list(metrics))
-    return model
-
-
-def synthetic_mnist(num_samples: int) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(0)
-    x = rng.random((num_samples, 28, 28, 1), dtype=np.float32)
-    y = np.eye(NUM_CLASSES, dtype=np.float32)[rng.integers(0, NUM_CLASSES, num_samples)]
-    return x, y
-
-
-class EpochTimer(keras.callbacks.Callback):
-    """Wall time of each epoch; on_epoch_end comes after the epoch's logs reached the host."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seconds: list[float] = []
-        self._start = 0.0
-
-    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-        self._start = time.perf_counter()
-
-    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        self.seconds.append(time.perf_counter() - self._start)
+FIRST_STEP_S: list[float] = []  # jax_dp's time from the fit call to its first step, per run
 
 
 def run_jax_dp(x: np.ndarray, y: np.ndarray, epochs: int, metrics: tuple[str, ...] = ("accuracy",)) -> list[float]:
-    model, timer = convnet(metrics), EpochTimer()
+    model, timer, clock = compiled_convnet(one_hot=True, metrics=metrics), EpochTimer(), FirstStepClock()
+    called = time.perf_counter()
     jax_dp.Trainer(NUM_DEVICES).fit(
-        model, x, y, global_batch_size=GLOBAL_BATCH, epochs=epochs, callbacks=[timer], verbose=0
+        model, x, y, global_batch_size=GLOBAL_BATCH, epochs=epochs, callbacks=[timer, clock], verbose=0
     )
+    if metrics and clock.first_step_at is not None:
+        FIRST_STEP_S.append(clock.first_step_at - called)
     return timer.seconds
 
 
 def run_keras_data_parallel(x: np.ndarray, y: np.ndarray, epochs: int) -> list[float]:
     keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()[:NUM_DEVICES]))
     try:
-        model, timer = convnet(), EpochTimer()
+        model, timer = compiled_convnet(one_hot=True), EpochTimer()
         model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=epochs, callbacks=[timer], verbose=0)
     finally:
         keras.distribution.set_distribution(None)
@@ -109,7 +87,7 @@ def run_keras_data_parallel(x: np.ndarray, y: np.ndarray, epochs: int) -> list[f
 
 def run_guide_loop(x: np.ndarray, y: np.ndarray, epochs: int) -> list[float]:
     """The guide's loop, nearly verbatim: jit(train_step), replicated state, sharded batches."""
-    model = convnet()
+    model = compiled_convnet(one_hot=True)
     model.build((None, 28, 28, 1))
     optimizer = keras.optimizers.Adam()
     optimizer.build(model.trainable_variables)
@@ -166,8 +144,58 @@ CONTENDERS: dict[str, Callable[[np.ndarray, np.ndarray, int], list[float]]] = {
 }
 
 
+def _in_fresh_process(run: str, devices: int, xla_flags: str, *options: str) -> dict[str, float]:
+    """One run of jax_bench_parts.py in a new process on ``devices`` cores; its JSON result."""
+    cores = sorted(os.sched_getaffinity(0))[:devices] if hasattr(os, "sched_getaffinity") else []
+    env = {
+        **os.environ,
+        "KERAS_BACKEND": "jax",
+        "XLA_FLAGS": xla_flags,
+        "BENCH_CPU_CORES": ",".join(map(str, cores)),
+    }
+    command = [sys.executable, str(HERE / "jax_bench_parts.py"), run, "--devices", str(devices), *options]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def weak_scaling(samples_per_device: int, epochs: int, rounds: int) -> dict[str, Any]:
+    """jax_dp on 1 and 2 devices, same per-device batch and sample count, interleaved rounds.
+
+    Each run is its own process (jax fixes the device count at start-up), pinned to as many
+    cores as it has devices, with XLA's CPU ops single-threaded: 1 thread per device.
+    """
+    per_devices: dict[int, list[float]] = {1: [], 2: []}
+    for round_index in range(rounds):
+        for devices, samples_per_s in per_devices.items():
+            flags = SCALING_XLA_FLAGS.format(devices=devices)
+            options = ("--samples-per-device", str(samples_per_device), "--epochs", str(epochs))
+            samples_per_s.append(_in_fresh_process("scaling", devices, flags, *options)["samples_per_s"])
+            print(f"round {round_index}: jax_dp on {devices} device(s) {samples_per_s[-1]:10.0f} samples/s", flush=True)
+    efficiency = [two / (2 * one) for one, two in zip(per_devices[1], per_devices[2], strict=True)]
+    return {
+        "per_replica_batch_size": GLOBAL_BATCH // NUM_DEVICES,
+        "samples_per_replica": samples_per_device,
+        "epochs_per_run": epochs,
+        "xla_flags": SCALING_XLA_FLAGS.format(devices="N"),
+        "cpu_affinity": "N cores for N devices (os.sched_setaffinity before jax starts)",
+        "samples_per_second": {str(devices): values for devices, values in per_devices.items()},
+        "median_samples_per_s": {str(devices): statistics.median(v) for devices, v in per_devices.items()},
+        "efficiency_per_round": efficiency,
+        "median_efficiency": statistics.median(efficiency),
+    }
+
+
+def peak_memory(rows: int) -> dict[str, float]:
+    """jax_dp's peak RSS growth fitting on ``rows`` x 4096 float32 (65,536 rows: 1 GiB), 2 devices."""
+    flags = f"--xla_force_host_platform_device_count={NUM_DEVICES}"
+    return _in_fresh_process("memory", NUM_DEVICES, flags, "--rows", str(rows))
+
+
 def benchmark(num_samples: int, rounds: int, epochs: int) -> dict[str, Any]:
-    x, y = synthetic_mnist(num_samples)
+    FIRST_STEP_S.clear()
+    x, y = synthetic_mnist(num_samples, one_hot=True)
     samples_per_second: dict[str, list[float]] = {name: [] for name in CONTENDERS}
     for round_index in range(rounds):
         for name, run in CONTENDERS.items():  # interleaved: drift hits every contender alike
@@ -192,6 +220,7 @@ def benchmark(num_samples: int, rounds: int, epochs: int) -> dict[str, Any]:
         "median_samples_per_second": {name: statistics.median(v) for name, v in samples_per_second.items()},
         "median_ratio_jax_dp_over": ratios,
         "median_ratio_jax_dp_loss_only_over_guide_loop": median_ratio("jax_dp_loss_only", "guide_loop"),
+        "median_first_step_s": {"jax_dp": statistics.median(FIRST_STEP_S)},
         "versions": {"jax": jax.__version__, "keras": keras.__version__, "jax_dp": jax_dp.__version__},
         "host": {"machine": platform.machine(), "cpu_count": os.cpu_count(), "python": platform.python_version()},
     }
@@ -203,9 +232,14 @@ def main() -> None:
     parser.add_argument("--output", default="docs/benchmarks/jax.json", help="where the JSON results go")
     args = parser.parse_args()
     if args.quick:
-        results = benchmark(num_samples=GLOBAL_BATCH * 8, rounds=2, epochs=2)
+        results = benchmark(num_samples=GLOBAL_BATCH * 8, rounds=1, epochs=2)
+        results["weak_scaling"] = weak_scaling(samples_per_device=256, epochs=2, rounds=1)
+        results["memory"] = peak_memory(rows=16384)
     else:
-        results = benchmark(num_samples=GLOBAL_BATCH * 24, rounds=5, epochs=2)
+        results = benchmark(num_samples=GLOBAL_BATCH * 12, rounds=5, epochs=2)
+        results["weak_scaling"] = weak_scaling(samples_per_device=512, epochs=3, rounds=5)
+        results["memory"] = peak_memory(rows=65536)
+    results["quick"] = args.quick
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as f:
         json.dump(results, f, indent=2)
@@ -213,6 +247,10 @@ def main() -> None:
         print(f"jax_dp / {other}: {ratio:.2f}x (median over {results['rounds']} interleaved rounds)")
     loss_only = results["median_ratio_jax_dp_loss_only_over_guide_loop"]
     print(f"jax_dp_loss_only / guide_loop: {loss_only:.2f}x (same work as the guide: no accuracy metric)")
+    print(f"first step after {results['median_first_step_s']['jax_dp']:.1f} s (median)")
+    efficiency = results["weak_scaling"]["median_efficiency"]
+    print(f"weak-scaling efficiency 1 -> 2 devices: {efficiency:.3f} (target >= 0.9)")
+    print(f"memory: {results['memory']}")
     print(f"wrote {args.output}")
 
 

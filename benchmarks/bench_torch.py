@@ -6,11 +6,16 @@ Same model (the Keras guides' MNIST convnet) and synthetic data of MNIST's shape
   optimizer, loss, metrics, callbacks),
 - ``ddp_loop``: the Keras guide's hand-written DDP loop, 2 processes x 1 thread (torch
   optimizer and loss, no metrics),
-- ``keras_fit``: single-process ``model.fit`` using every core.
+- ``keras_fit``: single-process ``model.fit`` using every core,
+- ``torch_dp_1_replica``: ``torch_dp.Trainer(num_replicas=1)`` (in the calling process, held
+  to 1 thread) on half the samples at half the global batch: the 1-replica point of the
+  weak-scaling efficiency ``throughput(2 replicas) / (2 * throughput(1 replica))``, same
+  per-replica batch (64) and per-replica sample count.
 
 Runs are interleaved; throughput is measured after the first epoch (warm-up) from epoch
-timestamps; the ratio reported is the median over rounds. Also: time from the call to
-the first step, and peak RSS/PSS per worker training on a large array dataset.
+timestamps; each ratio reported is the median over rounds of the per-round ratios. Also:
+time from the call to the first step, and peak RSS/PSS per worker and over all processes
+(caller + workers) training on a 1 GiB array dataset.
 
     python benchmarks/bench_torch.py [--quick] --output docs/benchmarks/torch.json
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import sys
 import tempfile
@@ -28,21 +34,17 @@ import time
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
+import keras
+import torch
 import torch.multiprocessing as mp
-from torch_bench_parts import (
-    EpochClock,
-    compiled_convnet,
-    ddp_worker,
-    linear_classifier,
-    peak_memory_of_children,
-    synthetic_mnist,
-    wide_rows,
-)
+from guide_convnet import compiled_convnet, linear_classifier, synthetic_mnist, wide_rows
+from torch_bench_parts import EpochClock, ddp_worker, free_port, watch_memory
 
 import torch_dp
-from torch_dp._launch import free_port
 
 GLOBAL_BATCH_SIZE = 128
+MEMORY_ROWS = 65536  # x 4096 float32 columns: a 1 GiB array
+MEMORY_BATCH_SIZE = 2048
 
 
 def _steady_throughput(times: dict[str, list[float]], num_samples: int) -> float:
@@ -51,16 +53,24 @@ def _steady_throughput(times: dict[str, list[float]], num_samples: int) -> float
     return num_samples * len(end) / sum(e - b for b, e in zip(begin, end, strict=True))
 
 
-def run_torch_dp(num_samples: int, epochs: int) -> dict[str, float]:
+def run_torch_dp(num_samples: int, epochs: int, num_replicas: int = 2) -> dict[str, float]:
+    """``num_replicas`` x 1 thread at 64 rows per replica; 1 replica runs in this process."""
     x, y = synthetic_mnist(num_samples)
+    global_batch_size = GLOBAL_BATCH_SIZE // 2 * num_replicas
+    threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as directory:
         path = os.path.join(directory, "times.json")
         model = compiled_convnet()
-        called = time.time()
-        trainer = torch_dp.Trainer(num_replicas=2, threads_per_replica=1)
-        trainer.fit(
-            model, x, y, global_batch_size=GLOBAL_BATCH_SIZE, epochs=epochs, callbacks=[EpochClock(path)], verbose=0
-        )
+        if num_replicas == 1:
+            torch.set_num_threads(1)  # what threads_per_replica=1 does in a spawned worker
+        try:
+            called = time.time()
+            trainer = torch_dp.Trainer(num_replicas=num_replicas, threads_per_replica=1)
+            trainer.fit(
+                model, x, y, global_batch_size=global_batch_size, epochs=epochs, callbacks=[EpochClock(path)], verbose=0
+            )
+        finally:
+            torch.set_num_threads(threads)
         with open(path) as f:
             times = json.load(f)
     return {"samples_per_s": _steady_throughput(times, num_samples), "first_step_s": times["train_begin"][0] - called}
@@ -98,38 +108,61 @@ def run_keras_fit(num_samples: int, epochs: int) -> dict[str, float]:
     return {"samples_per_s": _steady_throughput(times, num_samples), "first_step_s": times["train_begin"][0] - called}
 
 
-def _peak_worker_memory(num_rows: int) -> dict[str, float]:
-    """Peak RSS and PSS (MiB) of the two torch_dp workers training one epoch on ``num_rows`` rows."""
+def _peak_memory(num_rows: int) -> dict[str, float]:
+    """Peak memory (MiB) while 2 torch_dp workers train one epoch on ``num_rows`` wide rows:
+    RSS and PSS of each worker, and the PSS of the caller and of all processes together."""
     x, y = wide_rows(num_rows)
     stop, peaks = threading.Event(), {}
-    watcher = threading.Thread(target=peak_memory_of_children, args=(stop, peaks), daemon=True)
+    watcher = threading.Thread(target=watch_memory, args=(stop, peaks), daemon=True)
     watcher.start()
     try:
         torch_dp.Trainer(num_replicas=2, threads_per_replica=1).fit(
-            linear_classifier(), x, y, global_batch_size=1024, epochs=1, verbose=0
+            linear_classifier(), x, y, global_batch_size=min(MEMORY_BATCH_SIZE, num_rows), epochs=1, verbose=0
         )
     finally:
         stop.set()
         watcher.join()
-    workers = sorted(peaks.values(), key=lambda p: -p["rss"])[:2]
+    children = [peak for pid, peak in peaks["processes"].items() if pid != "parent"]
+    workers = sorted(children, key=lambda p: -p["rss"])[:2]  # not the multiprocessing helpers
     mib = 2**20
     return {
         "dataset_mib": (x.nbytes + y.nbytes) / mib,
-        "peak_rss_mib": max(p["rss"] for p in workers) / mib,
-        "peak_pss_mib": max(p["pss"] for p in workers) / mib,
+        "peak_rss_per_worker_mib": [p["rss"] / mib for p in workers],
+        "peak_pss_per_worker_mib": [p["pss"] / mib for p in workers],
+        "peak_parent_pss_mib": peaks["processes"]["parent"]["pss"] / mib,
+        "peak_total_pss_mib": peaks["total"]["pss"] / mib,
     }
 
 
 def worker_memory(num_rows: int) -> dict[str, object]:
-    """How much of a large array dataset each worker holds: PSS grows by half the dataset per
-    worker when the two share one memory-mapped copy, by all of it when each has its own."""
-    small, large = _peak_worker_memory(1024), _peak_worker_memory(num_rows)
+    """How many copies of a large array dataset the processes hold, from the growth of their
+    peak PSS between a tiny dataset and ``num_rows`` rows: per worker, over the workers, and
+    over every process (the caller's own array included)."""
+    small, large = _peak_memory(MEMORY_BATCH_SIZE), _peak_memory(num_rows)  # same batches, no data to speak of
     extra = large["dataset_mib"] - small["dataset_mib"]
+    baseline = statistics.mean(small["peak_pss_per_worker_mib"])  # a worker with next to no data
+    per_worker = [(pss - baseline) / extra for pss in large["peak_pss_per_worker_mib"]]
+    rss_baseline = statistics.mean(small["peak_rss_per_worker_mib"])
+    rss_per_worker = [(rss - rss_baseline) / extra for rss in large["peak_rss_per_worker_mib"]]
     return {
+        "num_workers": 2,
+        "global_batch_size": MEMORY_BATCH_SIZE,
         "small": small,
         "large": large,
-        "pss_growth_per_worker_as_fraction_of_dataset": (large["peak_pss_mib"] - small["peak_pss_mib"]) / extra,
+        "pss_growth_per_worker_as_fraction_of_dataset": max(per_worker),
+        "rss_growth_per_worker_as_fraction_of_dataset": max(rss_per_worker),
+        "pss_growth_of_workers_as_fraction_of_dataset": sum(per_worker),
+        "pss_growth_of_parent_as_fraction_of_dataset": (large["peak_parent_pss_mib"] - small["peak_parent_pss_mib"])
+        / extra,
+        "pss_growth_in_total_as_fraction_of_dataset": (large["peak_total_pss_mib"] - small["peak_total_pss_mib"])
+        / extra,
     }
+
+
+def _per_round(runs: dict[str, list[dict[str, float]]], mine: str, theirs: str, scale: float = 1.0) -> list[float]:
+    """The ratio ``mine / (scale * theirs)`` of samples/s in each round."""
+    pairs = zip(runs[mine], runs[theirs], strict=True)
+    return [a["samples_per_s"] / (scale * b["samples_per_s"]) for a, b in pairs]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -137,16 +170,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="one short round (a smoke run, not a measurement)")
     parser.add_argument("--output", default=None, help="where to write the JSON results")
     args = parser.parse_args(argv)
-    rounds, num_samples, epochs, memory_samples = (1, 1024, 2, 16384) if args.quick else (3, 3072, 3, 65536)
-    runs: dict[str, list[dict[str, float]]] = {"torch_dp": [], "ddp_loop": [], "keras_fit": []}
+    rounds, num_samples, epochs, memory_rows = (1, 1024, 2, 16384) if args.quick else (5, 1536, 2, MEMORY_ROWS)
+    contenders = {
+        "torch_dp": lambda: run_torch_dp(num_samples, epochs),
+        "ddp_loop": lambda: run_ddp_loop(num_samples, epochs),
+        "keras_fit": lambda: run_keras_fit(num_samples, epochs),
+        "torch_dp_1_replica": lambda: run_torch_dp(num_samples // 2, epochs, num_replicas=1),
+    }
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in contenders}
     for round_index in range(rounds):
-        for name, run in (("torch_dp", run_torch_dp), ("ddp_loop", run_ddp_loop), ("keras_fit", run_keras_fit)):
-            runs[name].append(run(num_samples, epochs))
+        for name, run in contenders.items():  # interleaved: drift hits every contender alike
+            runs[name].append(run())
             print(f"round {round_index} {name}: {runs[name][-1]}", flush=True)
-    ratio = lambda other: [  # noqa: E731
-        mine["samples_per_s"] / theirs["samples_per_s"]
-        for mine, theirs in zip(runs["torch_dp"], runs[other], strict=True)
-    ]
+    efficiency = _per_round(runs, "torch_dp", "torch_dp_1_replica", scale=2)
     results = {
         "setup": {
             "model": "Keras guides' MNIST convnet",
@@ -158,14 +194,30 @@ def main(argv: list[str] | None = None) -> dict:
             "cores": os.cpu_count(),
             "quick": args.quick,
         },
+        "versions": {"torch": torch.__version__, "keras": keras.__version__, "torch_dp": torch_dp.__version__},
+        "host": {"machine": platform.machine(), "cpu_count": os.cpu_count(), "python": platform.python_version()},
         "runs": runs,
-        "median_ratio_vs_ddp_loop": statistics.median(ratio("ddp_loop")),
-        "median_ratio_vs_keras_fit": statistics.median(ratio("keras_fit")),
+        "median_ratio_vs_ddp_loop": statistics.median(_per_round(runs, "torch_dp", "ddp_loop")),
+        "median_ratio_vs_keras_fit": statistics.median(_per_round(runs, "torch_dp", "keras_fit")),
         "median_first_step_s": {name: statistics.median(r["first_step_s"] for r in rs) for name, rs in runs.items()},
-        "memory": worker_memory(memory_samples),
+        "weak_scaling": {
+            "per_replica_batch_size": GLOBAL_BATCH_SIZE // 2,
+            "samples_per_replica": num_samples // 2,
+            "threads_per_replica": 1,
+            "median_samples_per_s": {
+                str(replicas): statistics.median(r["samples_per_s"] for r in runs[name])
+                for replicas, name in ((1, "torch_dp_1_replica"), (2, "torch_dp"))
+            },
+            "efficiency_per_round": efficiency,
+            "median_efficiency": statistics.median(efficiency),
+        },
+        "memory": worker_memory(memory_rows),
     }
     print(f"torch_dp / hand-written DDP loop: {results['median_ratio_vs_ddp_loop']:.3f}x (target >= 0.95x)")
     print(f"torch_dp / single-process model.fit: {results['median_ratio_vs_keras_fit']:.3f}x")
+    print(
+        f"weak-scaling efficiency 1 -> 2 replicas: {results['weak_scaling']['median_efficiency']:.3f} (target >= 0.9)"
+    )
     print(f"time to first step (s): {results['median_first_step_s']}")
     print(f"memory: {results['memory']}")
     if args.output:

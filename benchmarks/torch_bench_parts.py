@@ -1,59 +1,22 @@
-"""Pieces of bench_torch.py that spawned processes import: the model, the data, the
-guide-style hand-written DDP loop, and a callback that timestamps epochs."""
+"""Pieces of bench_torch.py that spawned processes import: the guide-style hand-written
+DDP loop, a callback that timestamps epochs, and a memory watcher."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 
 import keras
-import numpy as np
-
-NUM_CLASSES = 10
+from guide_convnet import mnist_convnet, synthetic_mnist
 
 
-def mnist_convnet(logits: bool = False) -> keras.Model:
-    """The Keras guides' MNIST convnet (``keras.io/examples/vision/mnist_convnet``)."""
-    keras.utils.set_random_seed(0)
-    return keras.Sequential(
-        [
-            keras.Input((28, 28, 1)),
-            keras.layers.Conv2D(32, kernel_size=(3, 3), activation="relu"),
-            keras.layers.MaxPooling2D(pool_size=(2, 2)),
-            keras.layers.Conv2D(64, kernel_size=(3, 3), activation="relu"),
-            keras.layers.MaxPooling2D(pool_size=(2, 2)),
-            keras.layers.Flatten(),
-            keras.layers.Dropout(0.5),
-            keras.layers.Dense(NUM_CLASSES, activation=None if logits else "softmax"),
-        ]
-    )
-
-
-def compiled_convnet() -> keras.Model:
-    model = mnist_convnet()
-    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-    return model
-
-
-def synthetic_mnist(num_samples: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    x = rng.random((num_samples, 28, 28, 1), dtype=np.float32)
-    y = rng.integers(0, NUM_CLASSES, num_samples).astype("int64")
-    return x, y
-
-
-def wide_rows(num_rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """A large array dataset: ``num_rows`` flattened MNIST-sized rows (3 KiB each)."""
-    rng = np.random.default_rng(1)
-    return rng.random((num_rows, 784), dtype=np.float32), rng.integers(0, NUM_CLASSES, num_rows).astype("int64")
-
-
-def linear_classifier() -> keras.Model:
-    """A model cheap enough that a memory run is about the data, not the compute."""
-    model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(NUM_CLASSES, activation="softmax")])
-    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-    return model
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now, for the DDP loop's rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 class EpochClock(keras.callbacks.Callback):
@@ -110,18 +73,26 @@ def ddp_worker(rank: int, port: int, num_samples: int, global_batch_size: int, e
     dist.destroy_process_group()
 
 
-def peak_memory_of_children(stop, peaks: dict[int, dict[str, int]]) -> None:
-    """Poll the RSS and PSS of this process's children until ``stop`` is set."""
+def watch_memory(stop, peaks: dict[str, dict]) -> None:
+    """Poll the RSS and PSS of this process and its children until ``stop`` is set.
+
+    ``peaks["processes"]`` gets each process's peak (by pid, this one as ``"parent"``);
+    ``peaks["total"]`` the peak of the sum over all of them at one poll.
+    """
     import psutil
 
     me = psutil.Process(os.getpid())
+    processes, total = peaks.setdefault("processes", {}), peaks.setdefault("total", {"rss": 0, "pss": 0})
     while not stop.is_set():
-        for child in me.children(recursive=True):
+        now = {"rss": 0, "pss": 0}
+        for process in [me, *me.children(recursive=True)]:
             try:
-                info = child.memory_full_info()
+                info = process.memory_full_info()
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
-            peak = peaks.setdefault(child.pid, {"rss": 0, "pss": 0})
-            peak["rss"] = max(peak["rss"], info.rss)
-            peak["pss"] = max(peak["pss"], getattr(info, "pss", info.rss))
-        time.sleep(0.2)
+            pss = getattr(info, "pss", info.rss)
+            peak = processes.setdefault("parent" if process.pid == me.pid else process.pid, {"rss": 0, "pss": 0})
+            peak["rss"], peak["pss"] = max(peak["rss"], info.rss), max(peak["pss"], pss)
+            now["rss"], now["pss"] = now["rss"] + info.rss, now["pss"] + pss
+        total["rss"], total["pss"] = max(total["rss"], now["rss"]), max(total["pss"], now["pss"])
+        time.sleep(0.1)
