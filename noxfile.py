@@ -107,11 +107,16 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def bench(session: nox.Session) -> None:
-    """Side-by-side throughput, start-up and memory against what a user would otherwise write."""
+    """Throughput, weak scaling, start-up and memory against what a user would otherwise write
+    (about 15 minutes on 2 cores); ``-- --quick`` is a smoke run that writes under .nox, not docs/."""
     _install_everything(session, "psutil>=5.9", "matplotlib>=3.8")
-    session.run("python", "benchmarks/bench_torch.py", "--output", "docs/benchmarks/torch.json", *session.posargs)
-    session.run("python", "benchmarks/bench_jax.py", "--output", "docs/benchmarks/jax.json", *session.posargs)
-    session.run("python", "benchmarks/report.py")
+    results, page = "docs/benchmarks", "docs/benchmarks.md"
+    if "--quick" in session.posargs:
+        results = session.create_tmp()
+        page = os.path.join(results, "benchmarks.md")
+    session.run("python", "benchmarks/bench_torch.py", "--output", f"{results}/torch.json", *session.posargs)
+    session.run("python", "benchmarks/bench_jax.py", "--output", f"{results}/jax.json", *session.posargs)
+    session.run("python", "benchmarks/report.py", "--results", results, "--output", page)
 
 
 @nox.session(python="3.11")
