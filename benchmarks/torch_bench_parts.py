@@ -7,6 +7,7 @@ import json
 import os
 import socket
 import time
+from datetime import timedelta
 
 import keras
 from guide_convnet import mnist_convnet, synthetic_mnist
@@ -47,7 +48,10 @@ def ddp_worker(rank: int, port: int, num_samples: int, global_batch_size: int, e
     from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    # A rendezvous that fails ends the benchmark in 2 minutes rather than gloo's 30.
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=120)
+    )
     x, y = synthetic_mnist(num_samples)
     dataset = torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
     sampler = torch.utils.data.distributed.DistributedSampler(dataset, num_replicas=2, rank=rank, shuffle=True)
