@@ -51,6 +51,7 @@ from guide_convnet import compiled_convnet, synthetic_mnist
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax_bench_parts import EpochTimer, FirstStepClock
+from machine import usable_cores
 
 import jax_dp
 
@@ -167,7 +168,9 @@ def weak_scaling(samples_per_device: int, epochs: int, rounds: int) -> dict[str,
     cores as it has devices, with XLA's CPU ops single-threaded: 1 thread per device.
     """
     per_devices: dict[int, list[float]] = {1: [], 2: []}
+    cores: list[float] = []
     for round_index in range(rounds):
+        cores.append(usable_cores())
         for devices, samples_per_s in per_devices.items():
             flags = SCALING_XLA_FLAGS.format(devices=devices)
             options = ("--samples-per-device", str(samples_per_device), "--epochs", str(epochs))
@@ -180,6 +183,7 @@ def weak_scaling(samples_per_device: int, epochs: int, rounds: int) -> dict[str,
         "epochs_per_run": epochs,
         "xla_flags": SCALING_XLA_FLAGS.format(devices="N"),
         "cpu_affinity": "N cores for N devices (os.sched_setaffinity before jax starts)",
+        "usable_cores": cores,
         "samples_per_second": {str(devices): values for devices, values in per_devices.items()},
         "median_samples_per_s": {str(devices): statistics.median(v) for devices, v in per_devices.items()},
         "efficiency_per_round": efficiency,
@@ -197,7 +201,9 @@ def benchmark(num_samples: int, rounds: int, epochs: int) -> dict[str, Any]:
     FIRST_STEP_S.clear()
     x, y = synthetic_mnist(num_samples, one_hot=True)
     samples_per_second: dict[str, list[float]] = {name: [] for name in CONTENDERS}
+    cores: list[float] = []
     for round_index in range(rounds):
+        cores.append(usable_cores())  # other jobs on the machine show here
         for name, run in CONTENDERS.items():  # interleaved: drift hits every contender alike
             timed = run(x, y, epochs)[1:]  # epoch 0 compiles
             samples_per_second[name].append(num_samples / statistics.median(timed))
@@ -216,6 +222,7 @@ def benchmark(num_samples: int, rounds: int, epochs: int) -> dict[str, Any]:
         "rounds": rounds,
         "epochs_per_run": epochs,
         "timed": "median epoch time of each run, first (compiling) epoch excluded",
+        "usable_cores": cores,
         "samples_per_second": samples_per_second,
         "median_samples_per_second": {name: statistics.median(v) for name, v in samples_per_second.items()},
         "median_ratio_jax_dp_over": ratios,

@@ -38,6 +38,7 @@ import keras
 import torch
 import torch.multiprocessing as mp
 from guide_convnet import compiled_convnet, linear_classifier, synthetic_mnist, wide_rows
+from machine import usable_cores
 from torch_bench_parts import EpochClock, ddp_worker, free_port, watch_memory
 
 import torch_dp
@@ -178,7 +179,9 @@ def main(argv: list[str] | None = None) -> dict:
         "torch_dp_1_replica": lambda: run_torch_dp(num_samples // 2, epochs, num_replicas=1),
     }
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in contenders}
+    cores: list[float] = []
     for round_index in range(rounds):
+        cores.append(usable_cores())  # other jobs on the machine show here
         for name, run in contenders.items():  # interleaved: drift hits every contender alike
             runs[name].append(run())
             print(f"round {round_index} {name}: {runs[name][-1]}", flush=True)
@@ -196,6 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "versions": {"torch": torch.__version__, "keras": keras.__version__, "torch_dp": torch_dp.__version__},
         "host": {"machine": platform.machine(), "cpu_count": os.cpu_count(), "python": platform.python_version()},
+        "usable_cores": cores,
         "runs": runs,
         "median_ratio_vs_ddp_loop": statistics.median(_per_round(runs, "torch_dp", "ddp_loop")),
         "median_ratio_vs_keras_fit": statistics.median(_per_round(runs, "torch_dp", "keras_fit")),

@@ -268,6 +268,7 @@ def main() -> None:
         "",
         "## Machine, versions, command",
         "",
+        *machine_lines(torch_results, jax_results),
         f"- {host['cpu_count']} CPU cores ({host['machine']}), Python {host['python']}; torch {versions['torch']},"
         f" jax {versions['jax']}, Keras {versions['keras']},",
         f"  torch-dp {versions['torch_dp']}, jax-dp {versions['jax_dp']}.",
@@ -287,8 +288,32 @@ def main() -> None:
     print(f"wrote {args.output}, {args.results / 'throughput.png'} and {args.results / 'scaling.png'}")
 
 
+def _usable_cores(torch_results: dict[str, Any], jax_results: dict[str, Any]) -> list[float]:
+    return [
+        *torch_results["usable_cores"],
+        *jax_results["usable_cores"],
+        *jax_results["weak_scaling"]["usable_cores"],
+    ]
+
+
+def machine_lines(torch_results: dict[str, Any], jax_results: dict[str, Any]) -> list[str]:
+    """How much CPU the runs had, from a 1-second check of one busy thread per core each round."""
+    cores, total = _usable_cores(torch_results, jax_results), jax_results["host"]["cpu_count"]
+    lines = [
+        f"- CPU the benchmark had, checked before each round (one busy thread per core for 1 s):"
+        f" median {statistics.median(cores):.2f} of {total} cores, lowest {min(cores):.2f}.",
+    ]
+    if statistics.median(cores) < 0.9 * total:
+        lines.append(
+            "  **Other jobs held part of the machine during these runs: the scaling efficiencies and"
+            " ratios below full use of the cores are not representative; rerun on a quiet machine.**"
+        )
+    return lines
+
+
 def shortfalls(torch_results: dict[str, Any], jax_results: dict[str, Any]) -> list[str]:
     """A line for each target not met, with what is known of its cause."""
+    cores, total = _usable_cores(torch_results, jax_results), jax_results["host"]["cpu_count"]
     lines = []
     for backend, results in (("torch", torch_results), ("jax", jax_results)):
         efficiency = results["weak_scaling"]["median_efficiency"]
@@ -302,6 +327,8 @@ def shortfalls(torch_results: dict[str, Any], jax_results: dict[str, Any]) -> li
                 " Python thread that gathers and places each batch on the same 2 cores, while the 1-device"
                 " process gives its 1 core to 1 device; which of these dominates is not isolated"
             )
+            if statistics.median(cores) < 0.9 * total:
+                cause += f"; and these runs had a median of only {statistics.median(cores):.2f} of {total} cores"
             lines.append(f"- {backend}-dp weak-scaling efficiency {efficiency:.2f} < {SCALING_TARGET}: {cause}.")
     dataset = torch_results["memory"]["large"]["dataset_mib"]
     for label, value, source in (

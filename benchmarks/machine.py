@@ -1,0 +1,33 @@
+"""How much of the machine a benchmark had: a check that runs between measurements."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import resource
+import threading
+import time
+
+
+def usable_cores(threads: int | None = None, seconds: float = 1.0) -> float:
+    """CPU seconds per wall second that ``threads`` busy threads get (default: one per core).
+
+    Each thread hashes a buffer (hashlib releases the GIL), so on an idle machine this is
+    close to ``threads``; other jobs on the machine bring it down.
+    """
+    threads = threads or os.cpu_count() or 1
+    block = bytes(1 << 20)
+    deadline = time.perf_counter() + seconds
+
+    def spin() -> None:
+        while time.perf_counter() < deadline:
+            hashlib.sha256(block).digest()
+
+    before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    workers = [threading.Thread(target=spin) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    after, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - start
+    return (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime) / wall
