@@ -39,13 +39,14 @@ import torch
 import torch.multiprocessing as mp
 from guide_convnet import compiled_convnet, linear_classifier, synthetic_mnist, wide_rows
 from machine import usable_cores
-from torch_bench_parts import EpochClock, ddp_worker, free_port, watch_memory
+from torch_bench_parts import EpochClock, ddp_worker, free_port, lone_fit_worker, watch_memory
 
 import torch_dp
 
 GLOBAL_BATCH_SIZE = 128
 MEMORY_ROWS = 65536  # x 4096 float32 columns: a 1 GiB array
 MEMORY_BATCH_SIZE = 2048
+DDP_LOOP_TIMEOUT_S = 180
 
 
 def _steady_throughput(times: dict[str, list[float]], num_samples: int) -> float:
@@ -80,12 +81,23 @@ def run_torch_dp(num_samples: int, epochs: int, num_replicas: int = 2) -> dict[s
 def run_ddp_loop(num_samples: int, epochs: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as directory:
         path = os.path.join(directory, "times.json")
-        called = time.time()
+        called = time.time()  # reset by a retry below
         saved = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME")}
         os.environ.update({"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"})
         try:
-            args = (free_port(), num_samples, GLOBAL_BATCH_SIZE, epochs, path)
-            mp.start_processes(ddp_worker, args=args, nprocs=2, start_method="spawn")
+            for attempt in range(2):  # a rare start-up hang is retried once, not waited on forever
+                args, called = (free_port(), num_samples, GLOBAL_BATCH_SIZE, epochs, path), time.time()
+                context = mp.start_processes(ddp_worker, args=args, nprocs=2, start_method="spawn", join=False)
+                deadline = time.time() + DDP_LOOP_TIMEOUT_S
+                while not context.join(timeout=5) and time.time() < deadline:
+                    pass
+                if all(not process.is_alive() for process in context.processes):
+                    break
+                for process in context.processes:
+                    process.kill()
+                print(f"ddp_loop: no result after {DDP_LOOP_TIMEOUT_S} s (attempt {attempt + 1})", flush=True)
+            else:
+                raise TimeoutError(f"the hand-written DDP loop hung twice ({DDP_LOOP_TIMEOUT_S} s each)")
         finally:
             for name, value in saved.items():
                 if value is None:
@@ -95,6 +107,27 @@ def run_ddp_loop(num_samples: int, epochs: int) -> dict[str, float]:
         with open(path) as f:
             times = json.load(f)
     return {"samples_per_s": _steady_throughput(times, num_samples), "first_step_s": times["train_begin"][0] - called}
+
+
+def run_lone_pair(num_samples: int, epochs: int) -> dict[str, float]:
+    """Two spawned single-thread ``model.fit`` processes at once, ``num_samples`` each, at the
+    per-replica batch: the machine's own ceiling for 2 replicas, with no communication."""
+    with tempfile.TemporaryDirectory() as directory:
+        saved = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"
+        try:
+            args = (num_samples, GLOBAL_BATCH_SIZE // 2, epochs, directory)
+            mp.start_processes(lone_fit_worker, args=args, nprocs=2, start_method="spawn")
+        finally:
+            if saved is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
+        throughputs = []
+        for rank in range(2):
+            with open(os.path.join(directory, f"times_{rank}.json")) as f:
+                throughputs.append(_steady_throughput(json.load(f), num_samples))
+    return {"samples_per_s": sum(throughputs)}
 
 
 def run_keras_fit(num_samples: int, epochs: int) -> dict[str, float]:
@@ -186,6 +219,9 @@ def main(argv: list[str] | None = None) -> dict:
             runs[name].append(run())
             print(f"round {round_index} {name}: {runs[name][-1]}", flush=True)
     efficiency = _per_round(runs, "torch_dp", "torch_dp_1_replica", scale=2)
+    one_replica = statistics.median(r["samples_per_s"] for r in runs["torch_dp_1_replica"])
+    lone_pair = run_lone_pair(num_samples // 2, epochs + 1)  # once: one more epoch absorbs uneven starts
+    print(f"2 lone single-thread model.fit processes: {lone_pair}", flush=True)
     results = {
         "setup": {
             "model": "Keras guides' MNIST convnet",
@@ -214,6 +250,8 @@ def main(argv: list[str] | None = None) -> dict:
             },
             "efficiency_per_round": efficiency,
             "median_efficiency": statistics.median(efficiency),
+            "lone_pair_samples_per_s": lone_pair["samples_per_s"],
+            "lone_pair_efficiency": lone_pair["samples_per_s"] / (2 * one_replica),
         },
         "memory": worker_memory(memory_rows),
     }

@@ -10,7 +10,7 @@ import time
 from datetime import timedelta
 
 import keras
-from guide_convnet import mnist_convnet, synthetic_mnist
+from guide_convnet import compiled_convnet, mnist_convnet, synthetic_mnist
 
 
 def free_port() -> int:
@@ -75,6 +75,17 @@ def ddp_worker(rank: int, port: int, num_samples: int, global_batch_size: int, e
         with open(path, "w") as f:
             json.dump(times, f)
     dist.destroy_process_group()
+
+
+def lone_fit_worker(rank: int, num_samples: int, per_replica_batch_size: int, epochs: int, directory: str) -> None:
+    """Single-thread ``model.fit`` that talks to no other process: run 2 at once, they show
+    what 2 replicas could reach on this machine without any communication."""
+    import torch
+
+    torch.set_num_threads(1)
+    x, y = synthetic_mnist(num_samples)
+    clock = EpochClock(os.path.join(directory, f"times_{rank}.json"))
+    compiled_convnet().fit(x, y, batch_size=per_replica_batch_size, epochs=epochs, callbacks=[clock], verbose=0)
 
 
 def watch_memory(stop, peaks: dict[str, dict]) -> None:
