@@ -115,6 +115,15 @@ def bench(session: nox.Session) -> None:
         results = session.create_tmp()
         page = os.path.join(results, "benchmarks.md")
     session.run("python", "benchmarks/bench_torch.py", "--output", f"{results}/torch.json", *session.posargs)
+    breakdown = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+    session.run(
+        "python",
+        *breakdown,
+        "benchmarks/torch_step_breakdown.py",
+        "--output",
+        f"{results}/torch_steps.json",
+        env={"OMP_NUM_THREADS": "1"},
+    )
     session.run("python", "benchmarks/bench_jax.py", "--output", f"{results}/jax.json", *session.posargs)
     session.run("python", "benchmarks/report.py", "--results", results, "--output", page)
 

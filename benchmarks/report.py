@@ -163,7 +163,7 @@ def scaling_section(torch_results: dict[str, Any], jax_results: dict[str, Any]) 
         "- The machine's own ceiling: 2 single-thread `model.fit` processes that share nothing, run at",
         "  once at the per-replica batch, reach"
         f" {torch_scaling['lone_pair_efficiency']:.2f} of twice the 1-replica samples/s (one measurement, after",
-        "  the rounds). What torch_dp loses below that is its own (all-reduce, coordination).",
+        "  the rounds): what a trainer reaches above it is all this machine allows.",
         "- torch_dp: `Trainer(num_replicas=2, threads_per_replica=1)` (2 spawned processes x 1 thread,",
         "  gloo all-reduce) against `Trainer(num_replicas=1)`, which trains in the calling process,",
         "  here held to 1 thread with `torch.set_num_threads(1)`. These are the runs of the throughput",
@@ -225,6 +225,7 @@ def main() -> None:
     args = parser.parse_args()
     torch_results = json.loads((args.results / "torch.json").read_text())
     jax_results = json.loads((args.results / "jax.json").read_text())
+    steps = json.loads((args.results / "torch_steps.json").read_text())
     plot_throughput(
         {"torch": torch_medians(torch_results), "jax": jax_results["median_samples_per_second"]},
         args.results / "throughput.png",
@@ -282,9 +283,7 @@ def main() -> None:
         "",
         "## Shortfalls, stated",
         "",
-        "- jax-dp vs the guide's loop: the guide's loop computes no metric; jax-dp computes the compiled",
-        "  accuracy, whose cross-device sums cost a few percent on CPU. jax-dp with the loss only measured"
-        f" {jax_results['median_ratio_jax_dp_loss_only_over_guide_loop']:.2f}x the guide's loop.",
+        *throughput_shortfalls(torch_results, jax_results, steps),
         *shortfalls(torch_results, jax_results),
     ]
     text = "\n".join(lines) + "\n"
@@ -315,6 +314,41 @@ def machine_lines(torch_results: dict[str, Any], jax_results: dict[str, Any]) ->
     return lines
 
 
+def _spread(ours: list[float], theirs: list[float]) -> str:
+    ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
+    return f"{min(ratios):.2f}x to {max(ratios):.2f}x"
+
+
+def throughput_shortfalls(
+    torch_results: dict[str, Any], jax_results: dict[str, Any], steps: dict[str, Any]
+) -> list[str]:
+    """A line for each throughput target not met, with the measurement that explains it."""
+    lines = []
+    torch_ratio = torch_results["median_ratio_vs_ddp_loop"]
+    torch_target = THROUGHPUT_TARGETS[("torch", "ddp_loop")]
+    if torch_ratio < torch_target:
+        shares = steps["all_reduce_share_of_step"]
+        lines.append(
+            f"- torch-dp vs the guide's DDP loop, {torch_ratio:.2f}x < {torch_target}x: torch-dp all-reduces the"
+            " gradients in one call after the backward pass, and on this machine that call, waiting for the other"
+            f" replica included, takes {min(shares):.0%} to {max(shares):.0%} of a step"
+            " (`benchmarks/torch_step_breakdown.py`, 2 replicas under torchrun). DDP starts its bucketed"
+            " all-reduces during the backward pass, so that time can overlap its compute; this is the likely"
+            " cause of most of the gap (the model is the same Keras model; loss and optimizer are Keras's rather"
+            " than torch's). Overlapping the all-reduce with the backward pass is torch-dp's next step here."
+        )
+    per_round = jax_results["samples_per_second"]
+    for other, label in (("guide_loop", "the guide's loop"), ("keras_data_parallel", "`keras.distribution`")):
+        ratio, target = jax_results["median_ratio_jax_dp_over"][other], THROUGHPUT_TARGETS[("jax", other)]
+        if ratio < target:
+            lines.append(
+                f"- jax-dp vs {label}, {ratio:.2f}x < {target}x: within the spread of the rounds (per-round"
+                f" ratios {_spread(per_round['jax_dp'], per_round[other])}); both run one jitted XLA step per batch"
+                " with the same model, loss, metric and optimizer, and no cause beyond that noise was found."
+            )
+    return lines
+
+
 def shortfalls(torch_results: dict[str, Any], jax_results: dict[str, Any]) -> list[str]:
     """A line for each target not met, with what is known of its cause."""
     cores, total = _usable_cores(torch_results, jax_results), jax_results["host"]["cpu_count"]
@@ -323,10 +357,16 @@ def shortfalls(torch_results: dict[str, Any], jax_results: dict[str, Any]) -> li
         efficiency = results["weak_scaling"]["median_efficiency"]
         if efficiency < SCALING_TARGET:
             lone = torch_results["weak_scaling"]["lone_pair_efficiency"]
-            cause = (
+            machine = (
                 f"2 processes that share nothing reach {lone:.2f} on this machine (they share its memory"
-                " system and the cores with the calling process and the system); the rest is torch_dp's per-step"
-                " gloo all-reduce and coordination between the 2 workers, not broken down further"
+                " system and the cores with the calling process and the system)"
+            )
+            cause = (
+                (
+                    f"{machine}; torch-dp is at that ceiling, so the target is beyond this machine, not torch-dp"
+                    if efficiency >= lone - 0.02
+                    else f"{machine}; the rest is torch-dp's gradient all-reduce after the backward pass (see above)"
+                )
                 if backend == "torch"
                 else "the 2-device process runs both devices' steps, the cross-device reductions and the"
                 " Python thread that gathers and places each batch on the same 2 cores, while the 1-device"

@@ -1,0 +1,76 @@
+"""Where a torch-dp step's time goes on 2 replicas: the gradient all-reduce (with the wait for
+the other replica) against the whole step. Run under torchrun, which leaves the replicas in
+this script's own processes, so the step functions can be timed from outside:
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 \\
+        benchmarks/torch_step_breakdown.py --output docs/benchmarks/torch_steps.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+import torch
+import torch.distributed as dist
+from guide_convnet import compiled_convnet, synthetic_mnist
+
+import torch_dp
+from torch_dp import _loop, _steps
+
+NUM_SAMPLES, GLOBAL_BATCH_SIZE = 3072, 128
+
+
+def timed(module: object, name: str, totals: dict[str, float]) -> None:
+    """Replace ``module.name`` by a wrapper that adds its time to ``totals[name]``."""
+    original = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            totals[name] += time.perf_counter() - start
+
+    setattr(module, name, wrapper)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    totals = {"average_gradients": 0.0, "train_step": 0.0}
+    timed(_steps, "average_gradients", totals)
+    timed(_loop, "train_step", totals)
+    x, y = synthetic_mnist(NUM_SAMPLES)
+    model, trainer = compiled_convnet(), torch_dp.Trainer()
+    trainer.fit(model, x[:512], y[:512], global_batch_size=GLOBAL_BATCH_SIZE, verbose=0)  # warm-up
+    totals.update(average_gradients=0.0, train_step=0.0)
+    start = time.perf_counter()
+    trainer.fit(model, x, y, global_batch_size=GLOBAL_BATCH_SIZE, verbose=0)
+    wall = time.perf_counter() - start
+    mine = torch.tensor([totals["average_gradients"], totals["train_step"], wall], dtype=torch.float64)
+    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())] if dist.is_initialized() else [mine]
+    if dist.is_initialized():
+        dist.all_gather(gathered, mine)
+    if int(os.environ.get("RANK", "0")) == 0:
+        replicas = [{"all_reduce_s": float(a), "train_step_s": float(s), "epoch_s": float(w)} for a, s, w in gathered]
+        shares = [r["all_reduce_s"] / r["train_step_s"] for r in replicas]
+        result = {
+            "num_samples": NUM_SAMPLES,
+            "global_batch_size": GLOBAL_BATCH_SIZE,
+            "replicas": replicas,
+            "all_reduce_share_of_step": shares,
+        }
+        with open(args.output, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"all-reduce (incl. waiting for the other replica) / train step: {[round(s, 3) for s in shares]}")
+
+
+if __name__ == "__main__":
+    main()
