@@ -173,7 +173,7 @@ def test_a_busy_coordinator_port_is_a_clear_error():
             text=True,
             timeout=STARTUP_S,
         )
-    assert finished.returncode == 1
     assert f"could not start the coordinator at '127.0.0.1:{port}'" in finished.stderr, finished.stderr[-2000:]
     assert "Pass a free port" in finished.stderr
+    assert finished.returncode == 1, finished.stderr[-2000:]  # an exception, not a crash in jax's teardown
     assert time.monotonic() - started < 60  # at once, not after initialization_timeout of waiting for peers

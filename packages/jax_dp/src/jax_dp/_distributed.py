@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import sys
 import threading
 import time
@@ -58,6 +59,8 @@ def initialize(
     options.setdefault("heartbeat_timeout_seconds", math.ceil(timeout))
     # CPU processes talk through gloo; without it cross-process CPU collectives fail.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if process_id == 0 and not _port_free(coordinator_address):
+        raise _busy_port(coordinator_address)
     try:
         jax.distributed.initialize(
             coordinator_address=coordinator_address,
@@ -68,16 +71,38 @@ def initialize(
             **options,
         )
     except Exception as error:
-        if process_id == 0 and "Failed to start RPC server" in str(error):  # jax says no more than that
-            raise RuntimeError(
-                f"jax_dp could not start the coordinator at {coordinator_address!r}: process 0 listens on that "
-                "port (on every interface of this host) and it is in use or not allowed. Pass a free port to "
-                'every process, e.g. python -c \'import socket; s=socket.socket(); s.bind(("", 0)); '
-                "print(s.getsockname()[1])' on process 0's host."
-            ) from error
+        if process_id == 0 and "Failed to start RPC server" in str(error):  # taken since the check above
+            raise _busy_port(coordinator_address) from error
         raise
     if num_processes > 1:
         _end_together(jax_distributed.global_state.client, process_id, num_processes)
+
+
+def _port_free(coordinator_address: str) -> bool:
+    """Whether process 0 can listen on the address's port, as jax's coordinator will (every interface).
+
+    Checked before jax starts: jax only says "Failed to start RPC server", and a process
+    that got that far can crash on exit.
+    """
+    port = coordinator_address.rsplit(":", 1)[-1]
+    if not port.isdigit():
+        return True  # jax reports a malformed address itself
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a just-closed run's port is free
+        try:
+            probe.bind(("", int(port)))
+        except OSError:
+            return False
+    return True
+
+
+def _busy_port(coordinator_address: str) -> RuntimeError:
+    return RuntimeError(
+        f"jax_dp could not start the coordinator at {coordinator_address!r}: process 0 listens on that port (on "
+        "every interface of this host) and it is in use or not allowed. Pass a free port to every process, e.g. "
+        "python -c 'import socket; s=socket.socket(); s.bind((\"\", 0)); print(s.getsockname()[1])' on process "
+        "0's host."
+    )
 
 
 def _end_together(client: Any, process_id: int, num_processes: int) -> None:
