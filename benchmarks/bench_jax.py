@@ -243,7 +243,7 @@ def main() -> None:
         results["weak_scaling"] = weak_scaling(samples_per_device=256, epochs=2, rounds=1)
         results["memory"] = peak_memory(rows=16384)
     else:
-        results = benchmark(num_samples=GLOBAL_BATCH * 10, rounds=5, epochs=2)
+        results = benchmark(num_samples=GLOBAL_BATCH * 30, rounds=5, epochs=3)  # 2 timed epochs of 30 steps
         results["weak_scaling"] = weak_scaling(samples_per_device=512, epochs=3, rounds=5)
         results["memory"] = peak_memory(rows=65536)
     results["quick"] = args.quick
