@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import keras
 import numpy as np
 
@@ -48,3 +50,10 @@ def assert_history_close(expected: dict, actual: dict, atol: float = 1e-5) -> No
     assert set(actual) == set(expected)
     for name in expected:
         np.testing.assert_allclose(actual[name], expected[name], atol=atol, rtol=1e-5, err_msg=name)
+
+
+def free_port() -> int:
+    """A loopback port free right now, chosen by the parent for a multi-process test."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

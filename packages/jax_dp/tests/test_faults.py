@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from jax_dp_helpers import free_port
 
 from dp_core import latest_checkpoint, list_checkpoints, load_checkpoint
 
@@ -31,12 +32,6 @@ KILL_TIMEOUT_S = 10  # jax_dp.initialize(timeout=...) for the SIGKILL tests
 SLACK_S = 5  # scheduling noise on a loaded machine
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(STARTUP_S + 120)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def processes_mentioning(text: str) -> list[int]:

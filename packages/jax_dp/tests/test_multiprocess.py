@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from jax_dp_helpers import free_port
 
 import jax_dp
 
@@ -16,12 +16,6 @@ WORKER = os.path.join(os.path.dirname(__file__), "jax_dp_mp_worker.py")
 WORKER_TIMEOUT_S = 180
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(WORKER_TIMEOUT_S + 60)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_two_processes(output: str, log_dir: str) -> None:
