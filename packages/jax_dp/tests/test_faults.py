@@ -136,8 +136,8 @@ def test_a_failed_process_ends_the_run_within_the_bound(tmp_path, failing_proces
         assert "the JAX distributed service detected fatal errors" in survivor_log, survivor_log[-3000:]
         if failing_process == 1:  # jax's coordination service (in process 0) names whose heartbeats stopped
             assert re.search(r"stopped sending heartbeats\):\s*1\b", survivor_log), survivor_log[-3000:]
-        else:  # the service itself is gone: process 1 loses it at once
-            assert "coordination_service" in survivor_log and "Socket closed" in survivor_log, survivor_log[-3000:]
+        else:  # the service itself is gone: process 1 loses it at once (how the socket fails varies)
+            assert "the leader task was preempted/died" in survivor_log, survivor_log[-3000:]
 
     # The newest checkpoint verifies (so do all the others) and predates the failure.
     with warnings.catch_warnings():
