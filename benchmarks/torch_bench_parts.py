@@ -40,9 +40,16 @@ class EpochClock(keras.callbacks.Callback):
             json.dump(self.times, f)
 
 
-def ddp_worker(rank: int, port: int, num_samples: int, global_batch_size: int, epochs: int, path: str) -> None:
+def ddp_worker(
+    rank: int, port: int, num_samples: int, global_batch_size: int, epochs: int, path: str, keras_work: bool = False
+) -> None:
     """The Keras guide's loop ("Multi-GPU distributed training with PyTorch"): a Keras model in
-    DDP, a torch optimizer and loss, a DistributedSampler; no Keras metrics or callbacks."""
+    DDP, a torch optimizer and loss, a DistributedSampler; no Keras metrics or callbacks.
+
+    With ``keras_work`` the same loop does what torch_dp's step does instead: a training-mode
+    forward pass (Dropout on), the compiled model's Keras loss, Keras optimizer, loss tracker
+    and accuracy metric, so the two differ only in how they distribute.
+    """
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -56,20 +63,35 @@ def ddp_worker(rank: int, port: int, num_samples: int, global_batch_size: int, e
     dataset = torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
     sampler = torch.utils.data.distributed.DistributedSampler(dataset, num_replicas=2, rank=rank, shuffle=True)
     loader = torch.utils.data.DataLoader(dataset, batch_size=global_batch_size // 2, sampler=sampler)
-    model = mnist_convnet(logits=True)
+    model = compiled_convnet() if keras_work else mnist_convnet(logits=True)
     ddp_model = DistributedDataParallel(model)
-    optimizer = torch.optim.Adam(ddp_model.parameters(), lr=1e-3)
-    loss_fn = torch.nn.CrossEntropyLoss()
+    if keras_work:
+        model.optimizer.build(model.trainable_variables)
+        loss_fn = lambda outputs, targets: model.compute_loss(y=targets, y_pred=outputs)  # noqa: E731
+    else:
+        optimizer = torch.optim.Adam(ddp_model.parameters(), lr=1e-3)
+        loss_fn = torch.nn.CrossEntropyLoss()
     times: dict[str, list[float]] = {"train_begin": [time.time()], "epoch_begin": [], "epoch_end": []}
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
         times["epoch_begin"].append(time.time())
         for inputs, targets in loader:
-            logits = ddp_model(inputs)
-            loss = loss_fn(logits, targets)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+            # The guide calls model(inputs), which runs Keras layers in inference mode (Dropout
+            # off); training=True is what fit and torch_dp do.
+            outputs = ddp_model(inputs, training=True) if keras_work else ddp_model(inputs)
+            loss = loss_fn(outputs, targets)
+            if keras_work:
+                model.zero_grad()
+                loss.backward()
+                variables = model.trainable_variables
+                with torch.no_grad():
+                    model.optimizer.apply([v.value.grad for v in variables], variables)
+                    model._loss_tracker.update_state(loss.detach(), sample_weight=len(inputs))
+                    model.compute_metrics(inputs, targets, outputs.detach())
+            else:
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
         times["epoch_end"].append(time.time())
     if rank == 0:
         with open(path, "w") as f:

@@ -1,6 +1,7 @@
 """Where a torch-dp step's time goes on 2 replicas: the gradient all-reduce (with the wait for
-the other replica) against the whole step. Run under torchrun, which leaves the replicas in
-this script's own processes, so the step functions can be timed from outside:
+the other replica) and Keras's per-step work (loss, optimizer, metrics) against the whole
+step. Run under torchrun, which leaves the replicas in this script's own processes, so the
+step functions can be timed from outside:
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 \\
         benchmarks/torch_step_breakdown.py --output docs/benchmarks/torch_steps.json
@@ -39,37 +40,53 @@ def timed(module: object, name: str, totals: dict[str, float]) -> None:
     setattr(module, name, wrapper)
 
 
+PARTS = {  # the function or method timed -> its total in the results
+    "average_gradients": "all_reduce_s",
+    "_compute_loss": "keras_loss_s",
+    "apply": "keras_optimizer_s",
+    "_update_metrics": "keras_metrics_s",
+    "train_step": "train_step_s",
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    totals = {"average_gradients": 0.0, "train_step": 0.0}
-    timed(_steps, "average_gradients", totals)
-    timed(_loop, "train_step", totals)
+    totals = dict.fromkeys(PARTS, 0.0)
     x, y = synthetic_mnist(NUM_SAMPLES)
     model, trainer = compiled_convnet(), torch_dp.Trainer()
+    for owner, name in ((_steps, "average_gradients"), (_steps, "_update_metrics"), (_loop, "train_step")):
+        timed(owner, name, totals)
+    timed(model, "_compute_loss", totals)  # the compiled loss forward (its backward is in backward())
+    timed(model.optimizer, "apply", totals)
     trainer.fit(model, x[:512], y[:512], global_batch_size=GLOBAL_BATCH_SIZE, verbose=0)  # warm-up
-    totals.update(average_gradients=0.0, train_step=0.0)
+    totals.update(dict.fromkeys(PARTS, 0.0))
     start = time.perf_counter()
     trainer.fit(model, x, y, global_batch_size=GLOBAL_BATCH_SIZE, verbose=0)
     wall = time.perf_counter() - start
-    mine = torch.tensor([totals["average_gradients"], totals["train_step"], wall], dtype=torch.float64)
+    mine = torch.tensor([*totals.values(), wall], dtype=torch.float64)
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())] if dist.is_initialized() else [mine]
     if dist.is_initialized():
         dist.all_gather(gathered, mine)
     if int(os.environ.get("RANK", "0")) == 0:
-        replicas = [{"all_reduce_s": float(a), "train_step_s": float(s), "epoch_s": float(w)} for a, s, w in gathered]
-        shares = [r["all_reduce_s"] / r["train_step_s"] for r in replicas]
+        replicas = []
+        for values in gathered:
+            replica = {PARTS[name]: float(value) for name, value in zip(totals, values[:-1], strict=True)}
+            replicas.append({**replica, "epoch_s": float(values[-1])})
+        shares = {
+            key: [r[key] / r["train_step_s"] for r in replicas] for key in PARTS.values() if key != "train_step_s"
+        }
         result = {
             "num_samples": NUM_SAMPLES,
             "global_batch_size": GLOBAL_BATCH_SIZE,
             "replicas": replicas,
-            "all_reduce_share_of_step": shares,
+            "share_of_step": shares,
         }
         with open(args.output, "w") as f:
             json.dump(result, f, indent=1)
-        print(f"all-reduce (incl. waiting for the other replica) / train step: {[round(s, 3) for s in shares]}")
+        print(f"share of a train step per replica: { {k: [round(v, 3) for v in vs] for k, vs in shares.items()} }")
 
 
 if __name__ == "__main__":
