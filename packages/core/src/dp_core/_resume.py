@@ -11,12 +11,13 @@ states are sums), so a run resumes with the same data order on any replica count
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import keras
 import numpy as np
 
-from dp_core._checkpoint import Checkpoint, CheckpointError, check_compatible, latest_checkpoint
+from dp_core._checkpoint import Checkpoint, CheckpointError, check_compatible, latest_checkpoint, save_checkpoint
 
 # keras.ops is typed for every backend at once; treat it as untyped here.
 ops: Any = keras.ops
@@ -89,6 +90,52 @@ def model_checkpoint(
             "optimizer_paths": [getattr(v, "path", "") for v in optimizer],
         },
     )
+
+
+@dataclass(frozen=True)
+class CheckpointWriter:
+    """What every checkpoint of one ``fit(checkpoint_dir=...)`` shares, and where they go.
+
+    Each backend extends it with when to save and how to sum its metric states; only the
+    primary process calls ``write``.
+    """
+
+    directory: str
+    every_steps: int | None
+    seed: int
+    global_batch_size: int
+    num_replicas: int
+    lr_policy: dict[str, Any] | None
+
+    def due(self, steps_done: int, steps: int) -> bool:
+        """Whether a checkpoint is due after ``steps_done`` of the epoch's ``steps`` (the last
+        step's is saved at the epoch's end, after validation and callbacks)."""
+        return bool(self.every_steps) and steps_done % (self.every_steps or 1) == 0 and steps_done < steps
+
+    def write(
+        self,
+        model: keras.Model,
+        *,
+        epoch: int,
+        step: int,
+        metric_variables: list[Any],
+        optimizer_variables: list[Any] | None = None,
+    ) -> None:
+        """``model`` (holding the trained weights) at ``step`` steps into ``epoch``, atomically."""
+        save_checkpoint(
+            self.directory,
+            model_checkpoint(
+                model,
+                epoch=epoch,
+                step=step,
+                seed=self.seed,
+                global_batch_size=self.global_batch_size,
+                num_replicas=self.num_replicas,
+                lr_policy=self.lr_policy,
+                metric_variables=metric_variables,
+                optimizer_variables=optimizer_variables,
+            ),
+        )
 
 
 def restore_model(checkpoint: Checkpoint, model: keras.Model, *, metrics: bool = True) -> None:

@@ -9,15 +9,14 @@ Only process 0 writes; every process reads.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
 import keras
 import numpy as np
 
-from dp_core import save_checkpoint
-from dp_core._resume import model_checkpoint, restore_model, resumable_checkpoint, resumed_history
+from dp_core import _resume
+from dp_core._resume import restore_model, resumable_checkpoint, resumed_history
 from jax_dp._distributed import is_primary, replicated_to_host
 from jax_dp._optimizers import KerasOptimizer, Optimizer
 
@@ -54,16 +53,8 @@ def resume(
     return Resume(checkpoint.epoch, checkpoint.step, checkpoint.metric_variables, resumed_history(checkpoint))
 
 
-@dataclass(frozen=True)
-class CheckpointWriter:
+class CheckpointWriter(_resume.CheckpointWriter):
     """Writes ``directory`` from process 0; every process calls it at the same steps."""
-
-    directory: str
-    every_steps: int | None
-    seed: int
-    global_batch_size: int
-    num_replicas: int
-    lr_policy: dict[str, Any] | None
 
     def save(
         self,
@@ -81,17 +72,6 @@ class CheckpointWriter:
         optax_leaves = None
         if not isinstance(optimizer, KerasOptimizer):  # the Keras optimizer's variables are in the model
             optax_leaves = list(jax.tree.leaves(replicated_to_host(optimizer_state)))
-        save_checkpoint(
-            self.directory,
-            model_checkpoint(
-                model,
-                epoch=epoch,
-                step=step,
-                seed=self.seed,
-                global_batch_size=self.global_batch_size,
-                num_replicas=self.num_replicas,
-                lr_policy=self.lr_policy,
-                metric_variables=metric_variables or [],
-                optimizer_variables=optax_leaves,
-            ),
+        self.write(
+            model, epoch=epoch, step=step, metric_variables=metric_variables or [], optimizer_variables=optax_leaves
         )

@@ -15,8 +15,8 @@ import keras
 import numpy as np
 import torch
 
-from dp_core import load_checkpoint, save_checkpoint
-from dp_core._resume import model_checkpoint, restore_model, resumed_history
+from dp_core import _resume, load_checkpoint
+from dp_core._resume import restore_model, resumed_history
 from torch_dp._comm import Replica, all_reduce_sum
 
 
@@ -48,19 +48,11 @@ def restore_metrics(model: keras.Model, start: Start, replica: Replica) -> None:
         variable.assign(value)
 
 
-@dataclass(frozen=True)
-class CheckpointWriter:
+class CheckpointWriter(_resume.CheckpointWriter):
     """Writes ``checkpoint_dir`` from rank 0; every replica calls it at the same steps."""
 
-    directory: str
-    every_steps: int | None
-    seed: int
-    global_batch_size: int
-    lr_policy: dict[str, Any] | None
-
     def after_step(self, model: keras.Model, replica: Replica, *, epoch: int, steps_done: int, steps: int) -> None:
-        # the epoch's last step is saved by at_epoch_end, after validation and callbacks
-        if self.every_steps and steps_done % self.every_steps == 0 and steps_done < steps:
+        if self.due(steps_done, steps):
             self._save(model, replica, epoch=epoch, step=steps_done)
 
     def at_epoch_end(self, model: keras.Model, replica: Replica, *, epoch: int) -> None:
@@ -68,21 +60,8 @@ class CheckpointWriter:
 
     def _save(self, model: keras.Model, replica: Replica, *, epoch: int, step: int) -> None:
         metric_variables = summed_metric_states(model, replica)  # a collective: every replica
-        if not replica.is_primary:
-            return
-        save_checkpoint(
-            self.directory,
-            model_checkpoint(
-                model,
-                epoch=epoch,
-                step=step,
-                seed=self.seed,
-                global_batch_size=self.global_batch_size,
-                num_replicas=replica.num_replicas,
-                lr_policy=self.lr_policy,
-                metric_variables=metric_variables,
-            ),
-        )
+        if replica.is_primary:
+            self.write(model, epoch=epoch, step=step, metric_variables=metric_variables)
 
 
 def summed_metric_states(model: keras.Model, replica: Replica) -> list[np.ndarray]:

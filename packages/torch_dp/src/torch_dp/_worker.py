@@ -95,6 +95,7 @@ def run_in_process(model: keras.Model, job: Job, replica: Replica) -> Any:
                 job.checkpoint_every_steps,
                 seed=job.fit.seed,
                 global_batch_size=job.global_batch_size,
+                num_replicas=replica.num_replicas,
                 lr_policy=None if policy is None else policy.get_config(),
             )
         return fit_loop(
