@@ -12,8 +12,8 @@ The Keras guides' MNIST convnet on synthetic (N, 28, 28, 1) data, data-parallel 
   state, ``device_put`` of each batch with a ``"batch"`` sharding);
 - ``keras_data_parallel``: ``keras.distribution.DataParallel`` + ``model.fit``.
 
-Runs are interleaved (one of each per round) and each round's first epoch, which
-compiles, is not timed. Reported: samples/s per run, their medians, and the median
+Runs are interleaved (one of each per round, the order reversed every other round) and
+each run's first epoch, which compiles, is not timed. Reported: samples/s per run, their medians, and the median
 over rounds of the per-round ratios jax_dp / other; jax_dp's time from the ``fit``
 call to its first step (compiled and dispatched).
 
@@ -204,7 +204,10 @@ def benchmark(num_samples: int, rounds: int, epochs: int) -> dict[str, Any]:
     cores: list[float] = []
     for round_index in range(rounds):
         cores.append(usable_cores())  # other jobs on the machine show here
-        for name, run in CONTENDERS.items():  # interleaved: drift hits every contender alike
+        # Interleaved, so drift hits every contender alike; in reverse order every other round,
+        # so that no contender always runs first (or right after the same one).
+        order = list(CONTENDERS.items())[:: -1 if round_index % 2 else 1]
+        for name, run in order:
             timed = run(x, y, epochs)[1:]  # epoch 0 compiles
             samples_per_second[name].append(num_samples / statistics.median(timed))
             print(f"round {round_index}: {name:>20} {samples_per_second[name][-1]:10.0f} samples/s", flush=True)
@@ -243,7 +246,7 @@ def main() -> None:
         results["weak_scaling"] = weak_scaling(samples_per_device=256, epochs=2, rounds=1)
         results["memory"] = peak_memory(rows=16384)
     else:
-        results = benchmark(num_samples=GLOBAL_BATCH * 30, rounds=5, epochs=3)  # 2 timed epochs of 30 steps
+        results = benchmark(num_samples=GLOBAL_BATCH * 30, rounds=6, epochs=3)  # 2 timed epochs of 30 steps
         results["weak_scaling"] = weak_scaling(samples_per_device=512, epochs=3, rounds=5)
         results["memory"] = peak_memory(rows=65536)
     results["quick"] = args.quick

@@ -16,8 +16,9 @@ Same model (the Keras guides' MNIST convnet) and synthetic data of MNIST's shape
   weak-scaling efficiency ``throughput(2 replicas) / (2 * throughput(1 replica))``, same
   per-replica batch (64) and per-replica sample count.
 
-Runs are interleaved; throughput is measured after the first epoch (warm-up) from epoch
-timestamps; each ratio reported is the median over rounds of the per-round ratios. Also:
+Runs are interleaved, the order reversed every other round; throughput is measured after
+the first epoch (warm-up) from epoch timestamps; each ratio reported is the median over
+rounds of the per-round ratios. Also:
 time from the call to the first step, and peak RSS/PSS per worker and over all processes
 (caller + workers) training on a 1 GiB array dataset.
 
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="one short round (a smoke run, not a measurement)")
     parser.add_argument("--output", default=None, help="where to write the JSON results")
     args = parser.parse_args(argv)
-    rounds, num_samples, epochs, memory_rows = (1, 1024, 2, 16384) if args.quick else (5, 1536, 2, MEMORY_ROWS)
+    rounds, num_samples, epochs, memory_rows = (1, 1024, 2, 16384) if args.quick else (6, 1536, 2, MEMORY_ROWS)
     contenders = {
         "torch_dp": lambda: run_torch_dp(num_samples, epochs),
         "ddp_loop": lambda: run_ddp_loop(num_samples, epochs),
@@ -220,7 +221,9 @@ def main(argv: list[str] | None = None) -> dict:
     cores: list[float] = []
     for round_index in range(rounds):
         cores.append(usable_cores())  # other jobs on the machine show here
-        for name, run in contenders.items():  # interleaved: drift hits every contender alike
+        # Interleaved, so drift hits every contender alike; in reverse order every other round,
+        # so that no contender always runs first (or right after the same one).
+        for name, run in list(contenders.items())[:: -1 if round_index % 2 else 1]:
             runs[name].append(run())
             print(f"round {round_index} {name}: {runs[name][-1]}", flush=True)
     efficiency = _per_round(runs, "torch_dp", "torch_dp_1_replica", scale=2)
