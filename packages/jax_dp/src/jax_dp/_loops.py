@@ -110,13 +110,13 @@ def train_epoch(
     start: int = 0,
     stop_on_nonfinite: bool = True,
     checkpoint: Callable[[TrainState, int], None] | None = None,
-    checkpoint_every_steps: int | None = None,
+    checkpoint_due: Callable[[int], bool] | None = None,
 ) -> TrainState:
     """Steps ``start..`` of one epoch; returns the state.
 
     With ``stop_on_nonfinite`` the loop ends at the first report or checkpoint after a
     step with a non-finite loss (the steps after it changed nothing); the caller then
-    raises. ``checkpoint(state, steps_done)`` runs every ``checkpoint_every_steps``.
+    raises. ``checkpoint(state, steps_done)`` runs after the steps ``checkpoint_due`` asks for.
     """
     assert steps.train is not None
     reporter = BatchEndReporter(callbacks, ("on_train_batch_end", "on_batch_end"), plan.steps)
@@ -125,9 +125,7 @@ def train_epoch(
         callbacks.on_train_batch_begin(step)
         state = steps.train(state, batch)
         done = step + 1
-        # The epoch's last step is saved by the caller, after validation and callbacks.
-        saving = checkpoint is not None and bool(checkpoint_every_steps) and done < plan.steps
-        saving = saving and done % (checkpoint_every_steps or 1) == 0
+        saving = checkpoint is not None and checkpoint_due is not None and checkpoint_due(done)
         reporting = reporter.due(step)
         if (reporting or saving) and stop_on_nonfinite and skipped_steps(state)[0]:
             break

@@ -267,7 +267,7 @@ class Trainer:
             start=start,
             stop_on_nonfinite=self.on_nonfinite_loss == "stop",
             checkpoint=None if writer is None else checkpoint,
-            checkpoint_every_steps=None if writer is None else writer.every_steps,
+            checkpoint_due=None if writer is None else lambda done: writer.due(done, plan.steps),
         )
         trainable, non_trainable, optimizer_state, metrics, _ = state
         write_back(model, trainable, non_trainable)
