@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -57,3 +61,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def start_workers(
+    script: str, arguments: list[list[str]], log_dir: Path
+) -> tuple[list[subprocess.Popen[bytes]], list[Path]]:
+    """``script`` in one process per argument list, each with 2 host devices and 1 thread (the
+    processes share the cores), its output in ``log_dir/worker{i}.log``; returns both lists."""
+    env = {
+        **os.environ,
+        "KERAS_BACKEND": "jax",
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    workers, log_paths = [], []
+    for process_id, process_arguments in enumerate(arguments):
+        log_paths.append(log_dir / f"worker{process_id}.log")
+        with open(log_paths[-1], "wb") as log:
+            command = [sys.executable, script, *process_arguments]
+            workers.append(subprocess.Popen(command, env=env, stdout=log, stderr=log))
+    return workers, log_paths

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from jax_dp_helpers import free_port
+from jax_dp_helpers import free_port, start_workers
 
 from dp_core import latest_checkpoint, list_checkpoints, load_checkpoint
 
@@ -52,25 +52,13 @@ class Run:
     def __init__(self, tmp_path: Path, *, failing_process: int, mode: str, timeout: str) -> None:
         self.checkpoint_dir = tmp_path / "checkpoints"
         self.failing_process = failing_process
-        port = free_port()
-        env = {
-            **os.environ,
-            "KERAS_BACKEND": "jax",
-            "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-            "OMP_NUM_THREADS": "1",  # two processes share the cores
-            "PYTHONUNBUFFERED": "1",
-        }
-        self.log_paths = [tmp_path / f"worker{process_id}.log" for process_id in range(2)]
-        self.workers: list[subprocess.Popen[bytes]] = []
+        port = str(free_port())
+        arguments = [
+            [port, str(process_id), str(self.checkpoint_dir), str(failing_process), mode, str(FAIL_AFTER_STEP), timeout]
+            for process_id in range(2)
+        ]
+        self.workers, self.log_paths = start_workers(WORKER, arguments, tmp_path)
         self.ended_at: list[float | None] = [None, None]
-        for process_id, log_path in enumerate(self.log_paths):
-            with open(log_path, "wb") as log:
-                arguments = [str(port), str(process_id), str(self.checkpoint_dir), str(failing_process)]
-                arguments += [mode, str(FAIL_AFTER_STEP), timeout]
-                self.workers.append(
-                    subprocess.Popen([sys.executable, WORKER, *arguments], env=env, stdout=log, stderr=log)
-                )
 
     def wait_for_both(self, deadline_s: float) -> None:
         """Poll both workers until they ended (recording when) or the deadline passed."""

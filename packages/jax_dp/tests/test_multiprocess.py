@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
-from jax_dp_helpers import free_port
+from jax_dp_helpers import free_port, start_workers
 
 import jax_dp
 
@@ -19,24 +18,10 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(WORKER_TIMEOUT_S + 6
 
 
 def run_two_processes(output: str, log_dir: str) -> None:
-    port = free_port()
-    env = {
-        **os.environ,
-        "KERAS_BACKEND": "jax",
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-        "OMP_NUM_THREADS": "1",  # two processes share the cores
-    }
-    workers, logs = [], []
+    port = str(free_port())
+    arguments = [[port, str(process_id), output] for process_id in range(2)]
+    workers, log_paths = start_workers(WORKER, arguments, Path(log_dir))
     try:
-        for process_id in range(2):
-            log = open(os.path.join(log_dir, f"worker{process_id}.log"), "w+")  # noqa: SIM115
-            logs.append(log)
-            workers.append(
-                subprocess.Popen(
-                    [sys.executable, WORKER, str(port), str(process_id), output], env=env, stdout=log, stderr=log
-                )
-            )
         for worker in workers:
             worker.wait(timeout=WORKER_TIMEOUT_S)
     finally:
@@ -44,10 +29,8 @@ def run_two_processes(output: str, log_dir: str) -> None:
             if worker.poll() is None:
                 worker.kill()
                 worker.wait(timeout=10)
-    for process_id, (worker, log) in enumerate(zip(workers, logs, strict=True)):
-        log.seek(0)
-        tail = log.read()[-3000:]
-        log.close()
+    for process_id, (worker, log_path) in enumerate(zip(workers, log_paths, strict=True)):
+        tail = log_path.read_text(errors="replace")[-3000:]
         assert worker.returncode == 0, f"worker {process_id} exited with {worker.returncode}:\n{tail}"
 
 
