@@ -13,9 +13,9 @@ The Keras guides' MNIST convnet on synthetic (N, 28, 28, 1) data, data-parallel 
 - ``keras_data_parallel``: ``keras.distribution.DataParallel`` + ``model.fit``.
 
 Runs are interleaved (one of each per round, the order reversed every other round) and
-each run's first epoch, which compiles, is not timed. Reported: samples/s per run, their medians, and the median
-over rounds of the per-round ratios jax_dp / other; jax_dp's time from the ``fit``
-call to its first step (compiled and dispatched).
+each run's first epoch, which compiles, is not timed. Reported: samples/s per run, their
+medians, and the median over rounds of the per-round ratios jax_dp / other; jax_dp's time
+from the ``fit`` call to its first step (compiled and dispatched).
 
 Then, each in a fresh process (``jax_bench_parts.py``): weak scaling of jax_dp from 1 to
 2 devices (64 rows and the same sample count per device, one core and one XLA thread per
@@ -51,7 +51,7 @@ from guide_convnet import compiled_convnet, synthetic_mnist
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax_bench_parts import EpochTimer, FirstStepClock
-from machine import usable_cores
+from machine import round_order, usable_cores
 
 import jax_dp
 
@@ -204,10 +204,7 @@ def benchmark(num_samples: int, rounds: int, epochs: int) -> dict[str, Any]:
     cores: list[float] = []
     for round_index in range(rounds):
         cores.append(usable_cores())  # other jobs on the machine show here
-        # Interleaved, so drift hits every contender alike; in reverse order every other round,
-        # so that no contender always runs first (or right after the same one).
-        order = list(CONTENDERS.items())[:: -1 if round_index % 2 else 1]
-        for name, run in order:
+        for name, run in round_order(CONTENDERS, round_index):
             timed = run(x, y, epochs)[1:]  # epoch 0 compiles
             samples_per_second[name].append(num_samples / statistics.median(timed))
             print(f"round {round_index}: {name:>20} {samples_per_second[name][-1]:10.0f} samples/s", flush=True)

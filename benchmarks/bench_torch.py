@@ -28,6 +28,7 @@ time from the call to the first step, and peak RSS/PSS per worker and over all p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -36,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
@@ -43,7 +45,7 @@ import keras
 import torch
 import torch.multiprocessing as mp
 from guide_convnet import compiled_convnet, linear_classifier, synthetic_mnist, wide_rows
-from machine import usable_cores
+from machine import round_order, usable_cores
 from torch_bench_parts import EpochClock, ddp_worker, free_port, lone_fit_worker, watch_memory
 
 import torch_dp
@@ -52,6 +54,21 @@ GLOBAL_BATCH_SIZE = 128
 MEMORY_ROWS = 65536  # x 4096 float32 columns: a 1 GiB array
 MEMORY_BATCH_SIZE = 2048
 DDP_LOOP_TIMEOUT_S = 180
+
+
+@contextlib.contextmanager
+def environment(**values: str) -> Iterator[None]:
+    """``os.environ`` with ``values`` set (spawned workers inherit it), restored afterwards."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _steady_throughput(times: dict[str, list[float]], num_samples: int) -> float:
@@ -86,10 +103,8 @@ def run_torch_dp(num_samples: int, epochs: int, num_replicas: int = 2) -> dict[s
 def run_ddp_loop(num_samples: int, epochs: int, keras_work: bool = False) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as directory:
         path = os.path.join(directory, "times.json")
-        called = time.time()  # reset by a retry below
-        saved = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME")}
-        os.environ.update({"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"})
-        try:
+        called = time.time()  # each attempt below sets it again
+        with environment(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo"):
             for attempt in range(2):  # a rare start-up hang is retried once, not waited on forever
                 args, called = (free_port(), num_samples, GLOBAL_BATCH_SIZE, epochs, path, keras_work), time.time()
                 context = mp.start_processes(ddp_worker, args=args, nprocs=2, start_method="spawn", join=False)
@@ -103,12 +118,6 @@ def run_ddp_loop(num_samples: int, epochs: int, keras_work: bool = False) -> dic
                 print(f"ddp_loop: no result after {DDP_LOOP_TIMEOUT_S} s (attempt {attempt + 1})", flush=True)
             else:
                 raise TimeoutError(f"the hand-written DDP loop hung twice ({DDP_LOOP_TIMEOUT_S} s each)")
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
         with open(path) as f:
             times = json.load(f)
     return {"samples_per_s": _steady_throughput(times, num_samples), "first_step_s": times["train_begin"][0] - called}
@@ -118,16 +127,9 @@ def run_lone_pair(num_samples: int, epochs: int) -> dict[str, float]:
     """Two spawned single-thread ``model.fit`` processes at once, ``num_samples`` each, at the
     per-replica batch: the machine's own ceiling for 2 replicas, with no communication."""
     with tempfile.TemporaryDirectory() as directory:
-        saved = os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = "1"
-        try:
+        with environment(OMP_NUM_THREADS="1"):
             args = (num_samples, GLOBAL_BATCH_SIZE // 2, epochs, directory)
             mp.start_processes(lone_fit_worker, args=args, nprocs=2, start_method="spawn")
-        finally:
-            if saved is None:
-                os.environ.pop("OMP_NUM_THREADS", None)
-            else:
-                os.environ["OMP_NUM_THREADS"] = saved
         throughputs = []
         for rank in range(2):
             with open(os.path.join(directory, f"times_{rank}.json")) as f:
@@ -221,9 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
     cores: list[float] = []
     for round_index in range(rounds):
         cores.append(usable_cores())  # other jobs on the machine show here
-        # Interleaved, so drift hits every contender alike; in reverse order every other round,
-        # so that no contender always runs first (or right after the same one).
-        for name, run in list(contenders.items())[:: -1 if round_index % 2 else 1]:
+        for name, run in round_order(contenders, round_index):
             runs[name].append(run())
             print(f"round {round_index} {name}: {runs[name][-1]}", flush=True)
     efficiency = _per_round(runs, "torch_dp", "torch_dp_1_replica", scale=2)

@@ -1,4 +1,5 @@
-"""How much of the machine a benchmark had: a check that runs between measurements."""
+"""Sharing the machine fairly between contenders: how much of it a round had, and the order
+the contenders run in."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import os
 import resource
 import threading
 import time
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def usable_cores(threads: int | None = None, seconds: float = 1.0) -> float:
@@ -31,3 +35,9 @@ def usable_cores(threads: int | None = None, seconds: float = 1.0) -> float:
         worker.join()
     after, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - start
     return (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime) / wall
+
+
+def round_order(contenders: dict[str, T], round_index: int) -> list[tuple[str, T]]:
+    """Every contender once per round (interleaved, so drift hits all alike), in reverse order
+    every other round, so that none always runs first or right after the same one."""
+    return list(contenders.items())[:: -1 if round_index % 2 else 1]
