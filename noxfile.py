@@ -1,15 +1,93 @@
 """Every session a user or CI runs. Bare ``nox`` runs the tests of every package and
-backend, the cross-backend suite, lint, typecheck and a wheel build of every package."""
+backend, the cross-backend suite under the oldest and newest Keras allowed, lint, typecheck
+and a wheel build of every package."""
 
 from __future__ import annotations
 
+import glob
 import os
+import shutil
+import subprocess
+import sys
 
 import nox
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
-nox.options.sessions = ["tests_core", "tests_torch", "tests_jax", "conformance", "lint", "typecheck", "build"]
+nox.options.sessions = [
+    "tests_core",
+    "tests_core_keras",
+    "tests_torch",
+    "tests_jax",
+    "conformance",
+    "lint",
+    "typecheck",
+    "build",
+]
 nox.options.reuse_existing_virtualenvs = True
-nox.options.error_on_missing_interpreters = True
+
+PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in {"", "0", "false", "no"}
+
+
+def _pyenv_root() -> str:
+    if root := os.environ.get("PYENV_ROOT"):
+        return root
+    if shutil.which("pyenv"):
+        try:
+            return subprocess.run(["pyenv", "root"], capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            pass
+    return os.path.expanduser("~/.pyenv")
+
+
+def _pyenv_bin(pyenv_root: str, version: str) -> str | None:
+    """The bin folder of pyenv's newest 3.X.Y install; -dev, free-threaded and virtualenv names don't count."""
+    installs = {}
+    for python in glob.glob(os.path.join(pyenv_root, "versions", f"{version}.*", "bin", f"python{version}")):
+        bin_dir = os.path.dirname(python)
+        patch = os.path.basename(os.path.dirname(bin_dir)).removeprefix(f"{version}.")
+        if patch.isdigit():
+            installs[int(patch)] = bin_dir
+    return installs[max(installs)] if installs else None
+
+
+def _runs(python: str) -> bool:
+    try:
+        return subprocess.run([python, "-c", ""], capture_output=True).returncode == 0
+    except OSError:
+        return False
+
+
+def _find_interpreters() -> None:
+    """Put every matrix interpreter on PATH, pyenv's included, so that bare ``nox`` runs them all.
+
+    A pyenv shim answers only for the versions pyenv has active (usually one), so a shim counts
+    as found only when pyenv has no install of that version and the shim runs.
+    """
+    pyenv_root = _pyenv_root()
+    for version in PYTHONS:
+        on_path = shutil.which(f"python{version}")
+        if on_path and os.path.basename(os.path.dirname(on_path)) != "shims":
+            continue
+        if pyenv_bin := _pyenv_bin(pyenv_root, version):
+            os.environ["PATH"] = pyenv_bin + os.pathsep + os.environ.get("PATH", "")
+        elif not (on_path and _runs(on_path)):
+            outcome = "fail (CI is set)" if _in_ci() else "are skipped"
+            print(
+                f"nox: Python {version} not found (no python{version} on PATH or under pyenv); its sessions"
+                f" {outcome}. Install it (pyenv install {version}) to run them.",
+                file=sys.stderr,
+            )
+
+
+_find_interpreters()
+# On a laptop a missing interpreter skips its sessions; CI must run the whole matrix.
+nox.options.error_on_missing_interpreters = _in_ci()
 
 # The CPU wheel. Any other torch spec makes pip fetch a multi-GB CUDA build, so every
 # session that installs torch pins it first and constrains it afterwards.
@@ -39,15 +117,28 @@ def _jax_env(session: nox.Session) -> None:
     session.env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={JAX_HOST_DEVICES}"
 
 
-@nox.session(python=["3.10", "3.11", "3.12", "3.13"])
+@nox.session(python=PYTHONS)
 def tests_core(session: nox.Session) -> None:
     """dp-core alone, in a venv that holds nothing heavy."""
     session.install(CORE, *TEST_TOOLS)
-    # The docstring examples run too; the Keras glue modules need keras, which this venv lacks.
-    keras_glue = ["--ignore-glob=*/dp_core/_keras.py", "--ignore-glob=*/dp_core/_resume.py"]
+    # The docstring examples run too. The Keras layer needs keras: it runs in tests_core_keras.
     session.run(
-        "pytest", "packages/core/tests", "--doctest-modules", "packages/core/src/dp_core", *keras_glue, *session.posargs
+        "pytest",
+        f"{CORE}/tests",
+        f"--ignore={CORE}/tests/keras",
+        "--doctest-modules",
+        f"{CORE}/src/dp_core",
+        f"--ignore={CORE}/src/dp_core/keras",
+        *session.posargs,
     )
+
+
+@nox.session(python="3.11")
+def tests_core_keras(session: nox.Session) -> None:
+    """dp_core.keras, the Keras layer both backends share, with jax as Keras's backend."""
+    session.install("-e", f"{CORE}[keras]", "jax", *TEST_TOOLS)
+    session.env["KERAS_BACKEND"] = "jax"
+    session.run("pytest", f"{CORE}/tests/keras", "--doctest-modules", f"{CORE}/src/dp_core/keras", *session.posargs)
 
 
 @nox.session(python="3.11")
@@ -67,12 +158,46 @@ def tests_jax(session: nox.Session) -> None:
     session.run("pytest", "packages/jax_dp/tests", *session.posargs)
 
 
+def _keras_range() -> SpecifierSet:
+    """The Keras versions every package allows, read from their pyproject files."""
+    allowed = SpecifierSet()
+    for package in (CORE, TORCH_DP, JAX_DP):
+        project = nox.project.load_toml(os.path.join(package, "pyproject.toml"))["project"]
+        optional = project.get("optional-dependencies", {}).values()
+        for spec in [*project.get("dependencies", []), *(spec for extra in optional for spec in extra)]:
+            requirement = Requirement(spec)
+            if requirement.name == "keras":
+                allowed &= requirement.specifier
+    return allowed
+
+
+def _oldest_keras(allowed: SpecifierSet) -> str:
+    floors = [Version(spec.version) for spec in allowed if spec.operator in {">=", "~=", "=="}]
+    if not floors:
+        raise ValueError(
+            f"the packages allow keras{allowed}, with no lower bound: add one (keras>=3.x) to their pyproject.toml"
+        )
+    return str(max(floors))
+
+
 @nox.session(python="3.11")
-def conformance(session: nox.Session) -> None:
-    """The cross-backend suite: one scenario, every backend, the same answer."""
-    _install_everything(session, *TEST_TOOLS)
+@nox.parametrize("keras", ["oldest", "newest"])
+def conformance(session: nox.Session, keras: str) -> None:
+    """The cross-backend suite (one scenario, every backend, the same answer) and dp_core.keras, under
+    the oldest and the newest Keras the packages allow, so a Keras release that moves a private
+    attribute fails here first (``-s "conformance(keras='oldest')"`` for one)."""
+    allowed = _keras_range()
+    pinned = f"keras=={_oldest_keras(allowed)}" if keras == "oldest" else f"keras{allowed}"
+    _install_everything(session, pinned, *TEST_TOOLS)
+    if keras == "newest":
+        # A reused venv keeps the Keras it was made with until told to upgrade.
+        session.install("--upgrade", pinned)
+    # Keras imports only with a backend chosen (its default, tensorflow, is not installed).
+    version = "import jax, keras; print('keras', keras.__version__, 'on jax', jax.__version__)"
+    session.run("python", "-c", version, env={"KERAS_BACKEND": "jax"})
     session.env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={JAX_HOST_DEVICES}"
     session.run("pytest", "tests", *session.posargs)
+    session.run("pytest", f"{CORE}/tests/keras", *session.posargs, env={"KERAS_BACKEND": "jax"})
 
 
 @nox.session(python="3.11")
