@@ -83,6 +83,10 @@ def assert_same(results, scenario, left, right, tolerance):
             np.testing.assert_allclose(
                 a_logs[section][key], b_logs[section][key], **tolerance, err_msg=f"{where}: {section}[{key!r}]"
             )
+    # History holds what model.fit's does: floats, numpy arrays for vector metrics
+    assert a_logs["history_types"] == b_logs["history_types"], f"{where}: History value types differ"
+    # the caller's optimizer holds its compiled learning rate afterwards, as after model.fit
+    np.testing.assert_allclose(a_logs["learning_rate"], b_logs["learning_rate"], rtol=1e-6, err_msg=f"{where}: rate")
 
 
 @pytest.mark.parametrize("scenario", [s.name for s in SCENARIOS])

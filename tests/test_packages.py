@@ -1,9 +1,11 @@
 """Every package imports, exports what it says, and keeps its import boundaries."""
 
+import ast
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -39,3 +41,43 @@ def test_importing_dp_core_loads_no_backend_even_when_all_are_installed():
         "import sys, dp_core; print(sorted(m for m in ('torch', 'jax', 'keras', 'flax', 'optax') if m in sys.modules))"
     )
     assert out == "[]"
+
+
+SOURCES = {name: Path(__file__).parents[1] / "packages" / name / "src" / name for name in ("torch_dp", "jax_dp")}
+
+
+def _imported_modules(path: Path) -> list[str]:
+    modules = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            modules += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            modules += [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+    return modules
+
+
+@pytest.mark.parametrize("package", SOURCES)
+def test_backends_import_only_public_dp_core_names(package):
+    private = [
+        f"{path.name}: {module}"
+        for path in sorted(SOURCES[package].rglob("*.py"))
+        for module in _imported_modules(path)
+        if module.split(".")[0] == "dp_core" and any(part.startswith("_") for part in module.split(".")[1:])
+    ]
+    assert private == [], f"{package} imports private dp_core modules or names; make them public in dp_core(.keras)"
+
+
+def test_no_private_keras_attribute_outside_the_internals_module():
+    sources = [*SOURCES.values(), Path(__file__).parents[1] / "packages" / "core" / "src" / "dp_core"]
+    found = [
+        f"{path.relative_to(path.parents[3])}:{node.lineno}: .{node.attr}"
+        for root in sources
+        for path in sorted(root.rglob("*.py"))
+        if path.name != "_internals.py"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute)
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+        and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls", "os"))  # own state; os._exit
+    ]
+    assert found == [], "read private Keras attributes through dp_core.keras.internals"

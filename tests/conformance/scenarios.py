@@ -27,6 +27,21 @@ class Scenario:
     build: Callable[[], keras.Model]
     data: Callable[[], dict[str, Any]]
     fit_kwargs: dict[str, Any] = field(default_factory=dict)
+    validation: Callable[[], tuple[Any, Any]] | None = None  # (x_val, y_val)
+    validation_as_dataset: bool = False  # the trainers get it as a map-style dataset of rows
+
+
+class RowDataset:
+    """A map-style dataset of ``(x, y)`` rows, as a user's own dataset class would be."""
+
+    def __init__(self, x: Any, y: Any) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[Any, Any]:
+        return self.x[index], self.y[index]
 
 
 def _rng(name: str) -> np.random.Generator:
@@ -46,7 +61,11 @@ def deterministic_weights(model: keras.Model, name: str) -> list[np.ndarray]:
     return weights
 
 
-def _mlp(optimizer: Callable[[], keras.optimizers.Optimizer]) -> Callable[[], keras.Model]:
+def _mlp(
+    optimizer: Callable[[], keras.optimizers.Optimizer],
+    loss: str = "sparse_categorical_crossentropy",
+    metrics: Callable[[], list[Any]] = lambda: ["accuracy"],
+) -> Callable[[], keras.Model]:
     def build() -> keras.Model:
         model = keras.Sequential(
             [
@@ -55,7 +74,7 @@ def _mlp(optimizer: Callable[[], keras.optimizers.Optimizer]) -> Callable[[], ke
                 keras.layers.Dense(3, activation="softmax"),
             ]
         )
-        model.compile(optimizer=optimizer(), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        model.compile(optimizer=optimizer(), loss=loss, metrics=metrics())
         return model
 
     return build
@@ -111,6 +130,20 @@ def _two_inputs(name: str) -> dict[str, Any]:
     return {"x": x, "y": y}
 
 
+def _one_hot(name: str) -> dict[str, Any]:
+    data = _tabular(name)
+    data["y"] = np.eye(3, dtype="float32")[data["y"]]
+    return data
+
+
+def _validation_rows(name: str) -> Callable[[], tuple[Any, Any]]:
+    def rows() -> tuple[Any, Any]:
+        data = _tabular(name + "val")
+        return data["x"][:45], data["y"][:45]  # 45 rows: a padded last batch too
+
+    return rows
+
+
 def _weighted(name: str) -> dict[str, Any]:
     data = _tabular(name)
     data["sample_weight"] = _rng(name + "w").uniform(0.0, 2.0, size=NUM_SAMPLES).astype("float32")
@@ -128,6 +161,28 @@ SCENARIOS = [
         _mlp(lambda: keras.optimizers.SGD(0.05, momentum=0.9)),
         lambda: _tabular("lr_scaling_warmup"),
         {"lr_scaling": dp_core.linear_scaling(base_batch_size=16), "warmup_steps": 3},
+    ),
+    Scenario(
+        "lr_scaling",
+        _mlp(lambda: keras.optimizers.Adam(1e-2)),
+        lambda: _tabular("lr_scaling"),
+        {"lr_scaling": dp_core.sqrt_scaling(base_batch_size=8)},
+    ),
+    Scenario(
+        "validation_dataset",
+        _mlp(lambda: keras.optimizers.SGD(0.1)),
+        lambda: _tabular("validation_dataset"),
+        validation=_validation_rows("validation_dataset"),
+        validation_as_dataset=True,
+    ),
+    Scenario(
+        "vector_metric",
+        _mlp(
+            lambda: keras.optimizers.Adam(1e-2),
+            loss="categorical_crossentropy",
+            metrics=lambda: [keras.metrics.F1Score(average=None, threshold=0.4)],  # one value per class
+        ),
+        lambda: _one_hot("vector_metric"),
     ),
 ]
 BY_NAME = {scenario.name: scenario for scenario in SCENARIOS}

@@ -1,4 +1,8 @@
-"""dp-core: the backend-neutral protocols of keras-dp (numpy only)."""
+"""dp-core: the backend-neutral protocols of keras-dp (numpy only).
+
+The Keras layer the backends share is ``dp_core.keras`` (``pip install dp-core[keras]``),
+never imported from here.
+"""
 
 from importlib.metadata import version as _version
 
@@ -21,28 +25,34 @@ from dp_core._lr import linear_scaling as linear_scaling
 from dp_core._lr import scale_learning_rate as scale_learning_rate
 from dp_core._lr import schedule_from_config as schedule_from_config
 from dp_core._lr import sqrt_scaling as sqrt_scaling
+from dp_core._nonfinite import NonFiniteLoss as NonFiniteLoss
 from dp_core._nonfinite import NonFiniteLossError as NonFiniteLossError
+from dp_core._options import BatchNormMode as BatchNormMode
 from dp_core._split import Shard as Shard
 from dp_core._split import epoch_order as epoch_order
 from dp_core._split import num_steps as num_steps
 from dp_core._split import split_indices as split_indices
 from dp_core._trainer import ModelFactory as ModelFactory
 from dp_core._trainer import Trainer as Trainer
+from dp_core._trainer import Verbose as Verbose
 
 __version__ = _version("dp-core")
 
 __all__ = [
+    "BatchNormMode",
     "Checkpoint",
     "CheckpointError",
     "Constant",
     "CosineDecay",
     "LearningRateScaling",
     "ModelFactory",
+    "NonFiniteLoss",
     "NonFiniteLossError",
     "ReplicaLayout",
     "Schedule",
     "Shard",
     "Trainer",
+    "Verbose",
     "Warmup",
     "check_compatible",
     "epoch_order",

@@ -14,12 +14,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import keras
 import numpy as np
 from jax.sharding import Mesh
 
 from dp_core import ReplicaLayout, num_steps, split_indices
-from dp_core._data import is_map_dataset, map_structure, num_rows, take_rows
+from dp_core.keras import Inputs, map_structure
 from jax_dp._mesh import batch_sharded, put_replicated
 
 PREFETCH = 2  # batches prepared ahead: enough to hide the host's gather behind a step
@@ -53,46 +52,12 @@ def row_weights(batch: Batch, *, scale_to_real_rows: bool) -> Any:
     return map_structure(weigh, batch.sample_weight)
 
 
-class Samples:
-    """What ``fit``/``evaluate``/``predict`` were given, checked and indexable by row.
-
-    Nested arrays ``(x, y, sample_weight)`` or a map-style dataset whose items are
-    ``x``, ``(x, y)`` or ``(x, y, sample_weight)``.
-    """
-
-    def __init__(self, x: Any, y: Any = None, sample_weight: Any = None) -> None:
-        self.num_samples = num_rows(x, y, sample_weight)
-        self._dataset = x if is_map_dataset(x) else None
-        self._arrays = (x, y, sample_weight)
-
-    def rows(self, indices: np.ndarray) -> tuple[Any, Any, Any]:
-        """``(x, y, sample_weight)`` of these rows, floats in Keras's floatx like ``model.fit``."""
-        if self._dataset is not None:
-            x, y, sample_weight = _unpack(take_rows(self._dataset, indices))
-        else:
-            x, y, sample_weight = (take_rows(part, indices) for part in self._arrays)
-        return map_structure(_to_floatx, x), map_structure(_to_floatx, y), map_structure(_to_floatx, sample_weight)
-
-
-def _unpack(item: Any) -> tuple[Any, Any, Any]:
-    if isinstance(item, tuple) and 1 <= len(item) <= 3:
-        return (*item, *([None] * (3 - len(item))))  # type: ignore[return-value]
-    return item, None, None
-
-
-def _to_floatx(leaf: Any) -> np.ndarray:
-    array = np.asarray(leaf)
-    if np.issubdtype(array.dtype, np.floating):
-        return array.astype(keras.config.floatx(), copy=False)
-    return array
-
-
 class EpochPlan:
     """This process's rows for every step of one epoch, in replica order."""
 
     def __init__(
         self,
-        samples: Samples,
+        inputs: Inputs,
         *,
         layout: ReplicaLayout,
         global_batch_size: int,
@@ -100,12 +65,12 @@ class EpochPlan:
         seed: int = 0,
         shuffle: bool = False,
     ) -> None:
-        self.samples = samples
+        self.inputs = inputs
         self.global_batch_size = global_batch_size
-        self.steps = num_steps(samples.num_samples, global_batch_size)
+        self.steps = num_steps(inputs.num_samples, global_batch_size)
         shards = [
             split_indices(
-                samples.num_samples,
+                inputs.num_samples,
                 num_shards=layout.num_replicas,
                 shard_index=replica,
                 global_batch_size=global_batch_size,
@@ -121,7 +86,7 @@ class EpochPlan:
 
     def real_rows(self, step: int) -> int:
         """Real rows of global batch ``step``: all but in the padded last one."""
-        return min(self.global_batch_size, self.samples.num_samples - step * self.global_batch_size)
+        return min(self.global_batch_size, self.inputs.num_samples - step * self.global_batch_size)
 
 
 def device_batches(plan: EpochPlan, mesh: Mesh, *, start: int = 0) -> Iterator[Batch]:
@@ -145,7 +110,7 @@ def device_batches(plan: EpochPlan, mesh: Mesh, *, start: int = 0) -> Iterator[B
 
 def _put(plan: EpochPlan, step: int, mesh: Mesh, real_rows: jax.Array) -> Batch:
     sharding = batch_sharded(mesh)
-    x, y, sample_weight = plan.samples.rows(plan.indices[step])
+    x, y, sample_weight = plan.inputs.rows(plan.indices[step])
     local_mask = plan.mask[step].astype(np.float32)
 
     def put(local: np.ndarray) -> jax.Array:

@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from dp_core.keras import internals
 from jax_dp._batches import Batch, row_weights
 from jax_dp._distributed import replicated_to_host, same_on_all_processes
 from jax_dp._mesh import BATCH_AXIS, batch_sharded, replicated
@@ -60,7 +61,9 @@ def make_metric_update(model: keras.Model, mesh: Mesh) -> Callable[..., list[Any
         rows = jnp.sum(batch.mask)
         mapping = list(zip(model.metrics_variables, states, strict=True))
         with keras.StatelessScope(state_mapping=mapping) as scope, masked_metrics(model, batch.mask):
-            model._loss_tracker.update_state(loss, sample_weight=rows)
+            tracker = internals.loss_tracker(model)
+            assert tracker is not None  # a compiled model has one
+            tracker.update_state(loss, sample_weight=rows)
             model.compute_metrics(batch.x, batch.y, y_pred, row_weights(batch, scale_to_real_rows=False))
         updated = [scope.get_current_value(variable) for variable in model.metrics_variables]
         return [(old if new is None else new)[None] for old, new in zip(states, updated, strict=True)]
@@ -95,10 +98,3 @@ def summed(stacks: list[Any]) -> list[Any]:
 def summed_to_host(stacks: list[jax.Array], mesh: Mesh) -> list[np.ndarray]:
     """The summed states as host arrays, on every process (for checkpoints)."""
     return replicated_to_host(jax.jit(summed, out_shardings=replicated(mesh))(stacks))
-
-
-def host_logs(logs: Logs | None) -> dict[str, Any]:
-    """Device logs as Python floats (scalars) or numpy arrays."""
-    if not logs:
-        return {}
-    return {name: value.item() if value.size == 1 else value for name, value in replicated_to_host(logs).items()}

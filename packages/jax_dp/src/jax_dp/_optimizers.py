@@ -1,12 +1,18 @@
 """The two optimizers a trainer can step with: the model's compiled Keras one, or optax.
 
-Both expose the same three pure pieces the jitted step needs (``scale_loss``,
-``apply``) plus host-side ``initial_state``/``write_back``, so the step is written once.
+``Optimizer`` is the interface the trainer, the step and checkpoints use: the pure pieces
+the jitted step calls (``scale_loss``, ``apply``) and the host-side rest (its learning-rate
+policy, the state an epoch starts from, writing back, checkpoints). ``KerasOptimizer`` and
+``OptaxOptimizer`` are final implementations of it, so the step is written once and nothing
+asks which optimizer it has.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import abc
+import contextlib
+from collections.abc import Iterator
+from typing import Any, final
 
 import jax
 import keras
@@ -14,27 +20,72 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from dp_core import CheckpointError, LearningRateScaling, Schedule, learning_rate_policy
-from dp_core._keras import KerasSchedule, apply_learning_rate_policy
-from jax_dp._distributed import same_on_all_processes
+from dp_core import Checkpoint, CheckpointError, LearningRateScaling, learning_rate_policy
+from dp_core.keras import KerasSchedule, learning_rate_policy_installed, plan_learning_rate, restore_model
+from jax_dp._distributed import replicated_to_host, same_on_all_processes
 from jax_dp._mesh import put_replicated, replicated
 
 
-class KerasOptimizer:
+class Optimizer(abc.ABC):
+    """What a fit needs from an optimizer; its state is a pytree replicated on the mesh."""
+
+    @abc.abstractmethod
+    def learning_rate_policy(
+        self, *, global_batch_size: int, lr_scaling: LearningRateScaling | None, warmup_steps: int
+    ) -> contextlib.AbstractContextManager[dict[str, Any] | None]:
+        """Within the block the optimizer follows dp-core's policy; yields its config (None: no policy)."""
+
+    @abc.abstractmethod
+    def initial_state(self, trainable: list[jax.Array], mesh: Mesh, *, previous: Any | None) -> Any:
+        """The state an epoch starts from, replicated on ``mesh``; ``previous`` is the last epoch's (None: first)."""
+
+    @abc.abstractmethod
+    def scale_loss(self, loss: Any, state: Any) -> Any:
+        """The loss to differentiate (inside the jitted step)."""
+
+    @abc.abstractmethod
+    def apply(self, state: Any, grads: list[Any], trainable: list[Any]) -> tuple[list[Any], Any]:
+        """New trainable values and state from the global gradients (inside the jitted step)."""
+
+    @abc.abstractmethod
+    def write_back(self, state: Any) -> None:
+        """The state into the caller's objects, where it lives there."""
+
+    @abc.abstractmethod
+    def finish(self) -> None:
+        """End of fit, as in ``model.fit``."""
+
+    @abc.abstractmethod
+    def restore(self, checkpoint: Checkpoint, model: keras.Model) -> None:
+        """Weights and optimizer state from ``checkpoint``, for the fit that resumes from it."""
+
+    @abc.abstractmethod
+    def checkpoint_variables(self, state: Any) -> list[np.ndarray] | None:
+        """The optimizer variables a checkpoint stores (None: the model's compiled optimizer's)."""
+
+
+@final
+class KerasOptimizer(Optimizer):
     """``model.optimizer`` through ``stateless_apply``; its variables are the state."""
 
     def __init__(self, model: keras.Model) -> None:
         self.model = model
         self.optimizer = model.optimizer
 
-    def set_learning_rate_policy(
+    @contextlib.contextmanager
+    def learning_rate_policy(
         self, *, global_batch_size: int, lr_scaling: LearningRateScaling | None, warmup_steps: int
-    ) -> Schedule | None:
-        return apply_learning_rate_policy(
-            self.model, global_batch_size=global_batch_size, lr_scaling=lr_scaling, warmup_steps=warmup_steps
+    ) -> Iterator[dict[str, Any] | None]:
+        """Within the block the optimizer follows the policy (yields its config, None: no policy);
+        afterwards the compiled rate is back, as on every backend."""
+        policy = plan_learning_rate(
+            self.optimizer, global_batch_size=global_batch_size, lr_scaling=lr_scaling, warmup_steps=warmup_steps
         )
+        with learning_rate_policy_installed(self.optimizer, policy):
+            yield None if policy is None else policy.config()
 
-    def initial_state(self, trainable: list[jax.Array], mesh: Mesh) -> list[jax.Array]:
+    def initial_state(self, trainable: list[jax.Array], mesh: Mesh, *, previous: Any | None) -> list[jax.Array]:
+        del trainable, previous  # read from the variables every epoch: callbacks may change them (the rate)
         values = same_on_all_processes(
             [np.asarray(keras.ops.convert_to_numpy(v.value)) for v in self.optimizer.variables]
         )
@@ -56,8 +107,15 @@ class KerasOptimizer:
         """End of fit, as in ``model.fit``: e.g. EMA weights replace the trained ones."""
         self.optimizer.finalize_variable_values(self.model.trainable_weights)
 
+    def restore(self, checkpoint: Checkpoint, model: keras.Model) -> None:
+        restore_model(checkpoint, model, metrics=False)  # metric sums go back when the epoch starts
 
-class OptaxOptimizer:
+    def checkpoint_variables(self, state: list[Any]) -> None:
+        del state  # written back into the model's optimizer, which the checkpoint reads
+
+
+@final
+class OptaxOptimizer(Optimizer):
     """An ``optax.GradientTransformation`` over the model's trainable variables.
 
     ``lr_scaling``/``warmup_steps`` multiply the transformation's updates by the
@@ -75,30 +133,33 @@ class OptaxOptimizer:
         self.transformation = transformation
         self._saved: list[np.ndarray] | None = None
 
-    def set_learning_rate_policy(
+    @contextlib.contextmanager
+    def learning_rate_policy(
         self, *, global_batch_size: int, lr_scaling: LearningRateScaling | None, warmup_steps: int
-    ) -> Schedule | None:
+    ) -> Iterator[dict[str, Any] | None]:
+        """Within the block the updates follow the policy (yields its config, None: no policy)."""
         if lr_scaling is None and not warmup_steps:
-            return None
+            yield None
+            return
         multiplier = learning_rate_policy(
             1.0, global_batch_size=global_batch_size, lr_scaling=lr_scaling, warmup_steps=warmup_steps
         )
-        self.transformation = optax.chain(
-            self.transformation, optax.scale_by_schedule(KerasSchedule(multiplier.get_config()))
-        )
-        return multiplier
+        plain = self.transformation
+        self.transformation = optax.chain(plain, optax.scale_by_schedule(KerasSchedule(multiplier.get_config())))
+        try:
+            yield multiplier.get_config()
+        finally:
+            self.transformation = plain
 
-    def initial_state(self, trainable: list[jax.Array], mesh: Mesh) -> Any:
+    def initial_state(self, trainable: list[jax.Array], mesh: Mesh, *, previous: Any | None) -> Any:
+        if previous is not None:  # optax state lives on the mesh for the whole fit
+            return previous
         state = jax.jit(self.transformation.init, out_shardings=replicated(mesh))(trainable)
         if self._saved is None:
             return state
         leaves, structure = jax.tree.flatten(state)
         _check_count(len(self._saved), len(leaves))
         return jax.tree.unflatten(structure, [put_replicated(value, mesh) for value in self._saved])
-
-    def restore(self, saved: list[np.ndarray]) -> None:
-        """The optax state's leaves from a checkpoint, used by the next ``initial_state``."""
-        self._saved = saved
 
     def scale_loss(self, loss: Any, state: Any) -> Any:
         return loss
@@ -113,6 +174,14 @@ class OptaxOptimizer:
     def finish(self) -> None:
         pass
 
+    def restore(self, checkpoint: Checkpoint, model: keras.Model) -> None:
+        """The weights now; the optax state's leaves at the first ``initial_state``."""
+        model.set_weights(checkpoint.weights)
+        self._saved = checkpoint.optimizer_variables
+
+    def checkpoint_variables(self, state: Any) -> list[np.ndarray]:
+        return list(jax.tree.leaves(replicated_to_host(state)))
+
 
 def _check_count(saved: int, expected: int) -> None:
     if saved != expected:
@@ -120,6 +189,3 @@ def _check_count(saved: int, expected: int) -> None:
             f"The checkpoint holds {saved} optimizer arrays but this optimizer has {expected}: it was written with "
             "another optimizer. Use the same optimizer, or an empty checkpoint_dir to start over."
         )
-
-
-Optimizer = KerasOptimizer | OptaxOptimizer

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import jax.numpy as jnp
 import keras
 
-BatchNorm = Literal["global", "per_replica"]
-BATCH_NORM_MODES = ("global", "per_replica")
+from dp_core import BatchNormMode
+from dp_core.keras import internals
 
 
 @contextlib.contextmanager
@@ -33,7 +33,7 @@ def padding_aware(
     mask: jnp.ndarray,
     *,
     real_rows: Any = None,
-    batch_norm: BatchNorm = "global",
+    batch_norm: BatchNormMode = "global",
     num_replicas: int = 1,
 ) -> Iterator[None]:
     """Within the block, ``model``'s BN statistics and loss trackers ignore padded rows.
@@ -43,15 +43,17 @@ def padding_aware(
     real_rows = jnp.sum(mask) if real_rows is None else real_rows
     restores: list[Callable[[], None]] = []
     try:
-        for layer in model._flatten_layers():
+        for layer in internals.flatten_layers(model, include_self=True):
             if isinstance(layer, keras.layers.BatchNormalization):
                 if batch_norm == "per_replica":
-                    restores.append(_override(layer, "call", _replica_batch_norm_call(layer, mask, num_replicas)))
+                    call = _replica_batch_norm_call(layer, mask, num_replicas)
+                    restores.append(internals.override(layer, "call", call))
                 else:
-                    restores.append(_override(layer, "_moments", _masked_moments(layer, mask)))
-        compile_loss = getattr(model, "_compile_loss", None)
+                    restores.append(internals.override_batch_norm_moments(layer, _masked_moments(layer, mask)))
+        compile_loss = internals.compile_loss(model)
         for tracker in [] if compile_loss is None else compile_loss.metrics:
-            restores.append(_override(tracker, "update_state", _per_real_row(tracker.update_state, real_rows)))
+            update = _per_real_row(tracker.update_state, real_rows)
+            restores.append(internals.override(tracker, "update_state", update))
         yield
     finally:
         for restore in reversed(restores):
@@ -61,30 +63,15 @@ def padding_aware(
 @contextlib.contextmanager
 def masked_metrics(model: keras.Model, mask: jnp.ndarray) -> Iterator[None]:
     """Within the block, ``model``'s compiled metrics weigh padded rows zero."""
-    compile_metrics = getattr(model, "_compile_metrics", None)
+    compile_metrics = internals.compile_metrics(model)
     if compile_metrics is None:
         yield
         return
-    restore = _override(compile_metrics, "update_state", _masked_metrics_update(compile_metrics, mask))
+    restore = internals.override(compile_metrics, "update_state", _masked_metrics_update(compile_metrics, mask))
     try:
         yield
     finally:
         restore()
-
-
-def _override(obj: Any, name: str, replacement: Callable[..., Any]) -> Callable[[], None]:
-    # object.__setattr__: an instance attribute shadows the method without Keras tracking it.
-    had_own = name in vars(obj)
-    previous = vars(obj).get(name)
-    object.__setattr__(obj, name, replacement)
-
-    def restore() -> None:
-        if had_own:
-            object.__setattr__(obj, name, previous)
-        else:
-            object.__delattr__(obj, name)
-
-    return restore
 
 
 def _batch_weights(inputs: jnp.ndarray, mask: jnp.ndarray, keras_mask: Any) -> jnp.ndarray:
@@ -103,10 +90,10 @@ def _weighted_moments(inputs: jnp.ndarray, weights: jnp.ndarray, axes: tuple[int
 
 
 def _masked_moments(layer: Any, mask: jnp.ndarray) -> Callable[..., Any]:
-    original = layer._moments
+    original = internals.batch_norm_moments(layer)
 
     def moments(inputs: Any, keras_mask: Any) -> tuple[Any, Any]:
-        axes = tuple(layer._reduction_axes)
+        axes = internals.batch_norm_reduction_axes(layer)
         if 0 not in axes or inputs.shape[0] != mask.shape[0]:
             return original(inputs, keras_mask)  # batch rows not pooled here: padding cannot leak
         inputs = jnp.asarray(inputs)
@@ -132,7 +119,7 @@ def _replica_batch_norm_call(layer: Any, batch_mask: jnp.ndarray, num_replicas: 
             return original(inputs, training=training, mask=keras_mask)
         x = jnp.asarray(inputs).astype(jnp.result_type(inputs.dtype, jnp.float32))
         groups = (num_replicas, x.shape[0] // num_replicas, *x.shape[1:])
-        axes = tuple(a + 1 for a in layer._reduction_axes)
+        axes = tuple(a + 1 for a in internals.batch_norm_reduction_axes(layer))
         weights = jnp.reshape(_batch_weights(x, batch_mask, keras_mask), groups)
         mean, variance = _weighted_moments(jnp.reshape(x, groups), weights, axes)
         inv = jnp.reciprocal(jnp.sqrt(variance + layer.epsilon))
@@ -166,17 +153,16 @@ def _masked_metrics_update(compile_metrics: Any, mask: jnp.ndarray) -> Callable[
     def update_state(y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
         if not compile_metrics.built:
             compile_metrics.build(y_true, y_pred)
-        y_true = compile_metrics._flatten_y(y_true)
-        y_pred = compile_metrics._flatten_y(y_pred)
-        for metric, y_t, y_p in zip(compile_metrics._flat_metrics, y_true, y_pred, strict=False):
+        metrics, weighted_metrics, flatten_y = internals.compiled_metric_parts(compile_metrics)
+        y_true = flatten_y(y_true)
+        y_pred = flatten_y(y_pred)
+        for metric, y_t, y_p in zip(metrics, y_true, y_pred, strict=False):
             if metric:
                 metric.update_state(y_t, y_p, sample_weight=mask)
-        weights = [mask] * len(y_true) if sample_weight is None else compile_metrics._flatten_y(sample_weight)
+        weights = [mask] * len(y_true) if sample_weight is None else flatten_y(sample_weight)
         if len(weights) < len(y_true):  # one weight for every output, as in Keras
             weights = [weights[0]] * len(y_true)
-        for metric, y_t, y_p, weight in zip(
-            compile_metrics._flat_weighted_metrics, y_true, y_pred, weights, strict=False
-        ):
+        for metric, y_t, y_p, weight in zip(weighted_metrics, y_true, y_pred, weights, strict=False):
             if metric:
                 metric.update_state(y_t, y_p, sample_weight=weight)
 

@@ -1,4 +1,4 @@
-"""The jitted stateless steps: ``(state, batch) -> state``.
+"""The jitted stateless steps: ``(state, batch) -> state``, and ``Steps``, those of one fit.
 
 Model and optimizer state are replicated on every device and the batch is sharded over
 ``"batch"``, so XLA's SPMD partitioner turns the single-device program into a
@@ -15,31 +15,33 @@ what single-device Keras computes on its smaller last batch. Metrics get
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
 import keras
-import numpy as np
 from jax.sharding import Mesh
 
+from dp_core import BatchNormMode
+from dp_core.keras import internals
 from jax_dp._batches import Batch, row_weights
-from jax_dp._mesh import batch_sharded, put_replicated, replicated
-from jax_dp._metrics import make_metric_update, zero_states
+from jax_dp._mesh import batch_sharded, replicated
+from jax_dp._metrics import Logs, make_metric_update, zero_states
 from jax_dp._optimizers import Optimizer
-from jax_dp._padding import BatchNorm, padding_aware
-
-TrainState = tuple[list[Any], list[Any], Any, list[Any], Any]
-"""Trainable, non-trainable, optimizer state, per-replica metric stacks, and the step counts
-``[steps, skipped, first_skipped]`` (``first_skipped`` is -1 until a step is skipped)."""
+from jax_dp._padding import padding_aware
+from jax_dp._state import StepCounts, TrainState, Weights
 
 
-def initial_counts(mesh: Mesh) -> jax.Array:
-    return put_replicated(np.array([0, 0, -1], np.int32), mesh)
+class Steps(NamedTuple):
+    """The compiled pieces of a fit (``train`` is None for evaluate alone)."""
+
+    train: Callable[[TrainState, Batch], TrainState] | None
+    test: Callable[[Weights, list[Any], Batch], list[Any]]
+    results: Callable[[list[jax.Array]], Logs]
 
 
 def make_train_step(
-    model: keras.Model, optimizer: Optimizer, mesh: Mesh, *, batch_norm: BatchNorm, skip_nonfinite: bool
+    model: keras.Model, optimizer: Optimizer, mesh: Mesh, *, batch_norm: BatchNormMode, skip_nonfinite: bool
 ) -> Callable[[TrainState, Batch], TrainState]:
     """One optimizer step on one global batch; the state argument is donated.
 
@@ -51,67 +53,66 @@ def make_train_step(
     update_metrics = make_metric_update(model, mesh)
 
     def train_step(state: TrainState, batch: Batch) -> TrainState:
-        trainable, non_trainable, optimizer_state, metrics, counts = state
         with padding_aware(
             model, batch.mask, real_rows=batch.real_rows, batch_norm=batch_norm, num_replicas=num_replicas
         ):
 
             def loss_fn(trainable: list[Any]) -> tuple[Any, Any]:
-                loss, aux = _loss_and_updates(model, trainable, non_trainable, batch, training=True)
-                return optimizer.scale_loss(loss, optimizer_state), (loss, *aux)
+                loss, aux = _loss_and_updates(model, trainable, state.non_trainable, batch, training=True)
+                return optimizer.scale_loss(loss, state.optimizer), (loss, *aux)
 
-            (_, (loss, y_pred, new_non_trainable, increments)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-                trainable
+            (_, (loss, y_pred, non_trainable, increments)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                state.trainable
             )
-            new_trainable, new_optimizer_state = optimizer.apply(optimizer_state, grads, trainable)
-        new_metrics = update_metrics(metrics, increments, loss, batch, y_pred)
-        steps, skipped, first_skipped = counts[0], counts[1], counts[2]
-        good = jnp.isfinite(loss) if skip_nonfinite else jnp.isfinite(loss) & (skipped == 0)
-        kept = jax.tree.map(
+            trainable, optimizer_state = optimizer.apply(state.optimizer, grads, state.trainable)
+        metrics = update_metrics(state.metrics, increments, loss, batch, y_pred)
+        counts = state.counts
+        good = jnp.isfinite(loss) if skip_nonfinite else jnp.isfinite(loss) & (counts.skipped == 0)
+        trainable, non_trainable, optimizer_state, metrics = jax.tree.map(
             lambda new, old: jnp.where(good, new, old),
-            (new_trainable, new_non_trainable, new_optimizer_state, new_metrics),
             (trainable, non_trainable, optimizer_state, metrics),
+            (state.trainable, state.non_trainable, state.optimizer, state.metrics),
         )
-        first_skipped = jnp.where(good | (first_skipped >= 0), first_skipped, steps)
-        counts = jnp.stack([steps + 1, skipped + (~good).astype(jnp.int32), first_skipped])
-        return (*kept, counts)
+        counts = StepCounts(
+            steps=counts.steps + 1,
+            skipped=counts.skipped + (~good).astype(jnp.int32),
+            first_skipped=jnp.where(good | (counts.first_skipped >= 0), counts.first_skipped, counts.steps),
+        )
+        return TrainState(trainable, non_trainable, optimizer_state, metrics, counts)
 
-    everywhere, per_replica = replicated(mesh), batch_sharded(mesh)
-    return jax.jit(
-        train_step,
-        donate_argnums=0,
-        out_shardings=(everywhere, everywhere, everywhere, per_replica, everywhere),
+    # A sharding in place of a field (a pytree prefix) applies to every array in it.
+    everywhere: Any = replicated(mesh)
+    per_replica: Any = batch_sharded(mesh)
+    shardings = TrainState(
+        trainable=everywhere, non_trainable=everywhere, optimizer=everywhere, metrics=per_replica, counts=everywhere
     )
+    return jax.jit(train_step, donate_argnums=0, out_shardings=shardings)
 
 
-def make_test_step(
-    model: keras.Model, mesh: Mesh
-) -> Callable[[tuple[list[Any], list[Any]], list[Any], Batch], list[Any]]:
+def make_test_step(model: keras.Model, mesh: Mesh) -> Callable[[Weights, list[Any], Batch], list[Any]]:
     """Loss and metrics on one global batch: ``(weights, metric stacks, batch) -> metric stacks``."""
     update_metrics = make_metric_update(model, mesh)
 
-    def test_step(weights: tuple[list[Any], list[Any]], metrics: list[Any], batch: Batch) -> list[Any]:
-        trainable, non_trainable = weights
+    def test_step(weights: Weights, metrics: list[Any], batch: Batch) -> list[Any]:
         with padding_aware(model, batch.mask, real_rows=batch.real_rows):
-            loss, (y_pred, _, increments) = _loss_and_updates(model, trainable, non_trainable, batch, training=False)
+            loss, (y_pred, _, increments) = _loss_and_updates(
+                model, weights.trainable, weights.non_trainable, batch, training=False
+            )
         return update_metrics(metrics, increments, loss, batch, y_pred)
 
     return jax.jit(test_step, donate_argnums=1, out_shardings=batch_sharded(mesh))
 
 
-def make_predict_step(model: keras.Model, mesh: Mesh) -> Callable[[tuple[list[Any], list[Any]], Any], Any]:
+def make_predict_step(model: keras.Model, mesh: Mesh) -> Callable[[Weights, Any], Any]:
     """The model's outputs on one global batch of inputs, sharded like the batch."""
 
-    def predict_step(weights: tuple[list[Any], list[Any]], x: Any) -> Any:
-        trainable, non_trainable = weights
-        outputs, _ = cast(Any, model.stateless_call)(trainable, non_trainable, x, **_training_kwarg(model, False))
+    def predict_step(weights: Weights, x: Any) -> Any:
+        outputs, _ = cast(Any, model.stateless_call)(
+            weights.trainable, weights.non_trainable, x, **internals.training_kwargs(model, False)
+        )
         return outputs
 
     return jax.jit(predict_step, out_shardings=batch_sharded(mesh))
-
-
-def _training_kwarg(model: keras.Model, training: bool) -> dict[str, bool]:
-    return {"training": training} if model._call_has_training_arg else {}
 
 
 def _loss_and_updates(
@@ -127,11 +128,9 @@ def _loss_and_updates(
     The metric states returned are this batch's increments (per-output loss trackers).
     """
     y_pred, non_trainable, losses = cast(Any, model.stateless_call)(
-        trainable, non_trainable, batch.x, return_losses=True, **_training_kwarg(model, training)
+        trainable, non_trainable, batch.x, return_losses=True, **internals.training_kwargs(model, training)
     )
-    if losses:  # forward-pass losses (add_loss) reach compute_loss through this override, as in Keras
-        model._losses_override = losses
-    try:
+    with internals.forward_losses(model, losses):
         loss, (_, non_trainable, metrics) = model.stateless_compute_loss(
             trainable,
             non_trainable,
@@ -142,6 +141,4 @@ def _loss_and_updates(
             sample_weight=row_weights(batch, scale_to_real_rows=True),
             training=training,
         )
-    finally:
-        model._losses_override = []
     return loss, (y_pred, non_trainable, metrics)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import Any, final
 
@@ -10,30 +9,28 @@ import keras
 import optax
 from jax.sharding import Mesh
 
-from dp_core import LearningRateScaling, per_replica_batch_size
-from dp_core._checkpoint import check_checkpoint_arguments
-from dp_core._data import is_map_dataset
-from dp_core._keras import callback_list, require_backend, resolve_model
-from dp_core._nonfinite import NonFiniteLoss, check_nonfinite_mode, skipped_message, stopped
-from dp_core._trainer import Verbose
-from jax_dp._batches import EpochPlan, Samples
-from jax_dp._checkpoints import CheckpointWriter, Resume, resume
-from jax_dp._distributed import agree, is_primary
-from jax_dp._loops import (
-    Steps,
-    build,
-    evaluate_samples,
-    predict_samples,
-    skipped_steps,
-    train_epoch,
-    weights_on_mesh,
-    write_back,
+from dp_core import BatchNormMode, LearningRateScaling, NonFiniteLoss, Verbose
+from dp_core.keras import (
+    CheckpointWriter,
+    Inputs,
+    Start,
+    build_model,
+    check_batch_norm_mode,
+    check_nonfinite_mode,
+    checked_model_and_inputs,
+    fit_arguments,
+    internals,
+    progress_bar,
+    require_backend,
 )
+from jax_dp._batches import EpochPlan
+from jax_dp._checkpoints import resume
+from jax_dp._distributed import is_primary
+from jax_dp._loop import evaluate_loop, fit_loop, predict_loop
 from jax_dp._mesh import check_mesh, make_mesh, replica_layout
-from jax_dp._metrics import host_logs, make_results, metrics_on_mesh, summed_to_host
+from jax_dp._metrics import make_results
 from jax_dp._optimizers import KerasOptimizer, OptaxOptimizer, Optimizer
-from jax_dp._padding import BATCH_NORM_MODES, BatchNorm
-from jax_dp._steps import TrainState, initial_counts, make_predict_step, make_test_step, make_train_step
+from jax_dp._steps import Steps, make_predict_step, make_test_step, make_train_step
 
 PACKAGE = "jax_dp"
 
@@ -61,18 +58,17 @@ class Trainer:
         *,
         mesh: Mesh | None = None,
         optimizer: optax.GradientTransformation | None = None,
-        batch_norm: BatchNorm = "global",
+        batch_norm: BatchNormMode = "global",
         on_nonfinite_loss: NonFiniteLoss = "stop",
     ) -> None:
         require_backend("jax", PACKAGE)
-        self.on_nonfinite_loss = check_nonfinite_mode(on_nonfinite_loss)
-        if batch_norm not in BATCH_NORM_MODES:
-            raise ValueError(f"batch_norm must be one of {BATCH_NORM_MODES}, got {batch_norm!r}.")
+        self.on_nonfinite_loss: NonFiniteLoss = check_nonfinite_mode(on_nonfinite_loss)
+        check_batch_norm_mode(batch_norm)
         if mesh is not None and num_replicas is not None and num_replicas != mesh.size:
             raise ValueError(f"num_replicas={num_replicas} disagrees with the mesh's {mesh.size} devices; pass one.")
         self.mesh = make_mesh(num_replicas) if mesh is None else check_mesh(mesh)
         self.layout = replica_layout(self.mesh)
-        self.batch_norm: BatchNorm = batch_norm
+        self.batch_norm: BatchNormMode = batch_norm
         self._optax = optimizer
         if optimizer is not None:
             OptaxOptimizer(optimizer)  # type check now, not at the first fit
@@ -106,81 +102,55 @@ class Trainer:
         ``checkpoint_dir`` gets a checkpoint at every epoch end and, with
         ``checkpoint_every_steps``, every that many steps; a fit pointed at one resumes.
         """
-        model, samples = self._check(model, x, y, sample_weight, global_batch_size)
-        check_checkpoint_arguments(checkpoint_dir, checkpoint_every_steps)
-        validation = None if validation_data is None else _validation_samples(validation_data)
+        model, inputs = self._check(model, x, y, sample_weight, global_batch_size)
+        arguments = fit_arguments(
+            inputs,
+            global_batch_size=global_batch_size,
+            epochs=epochs,
+            validation_data=validation_data,
+            callbacks=callbacks,
+            shuffle=shuffle,
+            seed=seed,
+            lr_scaling=lr_scaling,
+            warmup_steps=warmup_steps,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every_steps=checkpoint_every_steps,
+            verbose=verbose,
+        )
         optimizer = KerasOptimizer(model) if self._optax is None else OptaxOptimizer(self._optax)
-        policy = optimizer.set_learning_rate_policy(
+        build_model(model, inputs)
+        with optimizer.learning_rate_policy(
             global_batch_size=global_batch_size, lr_scaling=lr_scaling, warmup_steps=warmup_steps
-        )
-        build(model, samples, global_batch_size)
-        resumed, writer = None, None
-        if checkpoint_dir is not None:
-            resumed = resume(
-                checkpoint_dir, model, optimizer, seed=seed, global_batch_size=global_batch_size, shuffle=shuffle
-            )
-            writer = CheckpointWriter(
-                checkpoint_dir,
-                checkpoint_every_steps,
-                seed=seed,
-                global_batch_size=global_batch_size,
-                num_replicas=self.num_replicas,
-                lr_policy=None if policy is None else policy.get_config(),
-            )
-        steps = Steps(
-            train=make_train_step(
-                model, optimizer, self.mesh, batch_norm=self.batch_norm, skip_nonfinite=self.on_nonfinite_loss == "skip"
-            ),
-            test=make_test_step(model, self.mesh),
-            results=make_results(model, self.mesh),
-        )
-        num_train_steps = EpochPlan(samples, layout=self.layout, global_batch_size=global_batch_size).steps
-        callback_set = callback_list(
-            callbacks, model, is_primary=is_primary(), verbose=verbose, epochs=epochs, steps=num_train_steps
-        )
-        model.stop_training = False
-        optimizer_state = None
-        logs: dict[str, Any] = {}
-        callback_set.on_train_begin()
-        first_epoch = 0 if resumed is None else resumed.epoch
-        if resumed is not None:  # History continues from the checkpoint
-            model.history.epoch, model.history.history = list(range(first_epoch)), resumed.history
-        for epoch in range(first_epoch, epochs):
-            callback_set.on_epoch_begin(epoch)
-            plan = EpochPlan(
-                samples,
-                layout=self.layout,
-                global_batch_size=global_batch_size,
-                epoch=epoch,
-                seed=seed,
-                shuffle=shuffle,
-            )
-            logs, optimizer_state = self._train_epoch(
+        ) as policy:
+            start, checkpoints = Start(), None
+            if arguments.checkpoint_dir is not None:
+                start = resume(
+                    arguments.checkpoint_dir,
+                    model,
+                    optimizer,
+                    seed=seed,
+                    global_batch_size=global_batch_size,
+                    shuffle=shuffle,
+                )
+                checkpoints = CheckpointWriter(
+                    arguments.checkpoint_dir,
+                    checkpoint_every_steps,
+                    seed=seed,
+                    global_batch_size=global_batch_size,
+                    num_replicas=self.num_replicas,
+                    lr_policy=policy,
+                )
+            return fit_loop(
                 model,
-                optimizer,
-                optimizer_state,
-                steps,
-                plan,
-                callback_set,
-                epoch=epoch,
-                resumed=resumed if epoch == first_epoch else None,
-                writer=writer,
+                arguments,
+                optimizer=optimizer,
+                steps=self._make_steps(model, optimizer),
+                mesh=self.mesh,
+                layout=self.layout,
+                start=start,
+                checkpoints=checkpoints,
+                stop_on_nonfinite=self.on_nonfinite_loss == "stop",
             )
-            if validation is not None:
-                callback_set.on_test_begin()
-                val_logs = self._evaluate(model, steps, validation, global_batch_size)
-                callback_set.on_test_end(val_logs)
-                logs.update({f"val_{name}": value for name, value in val_logs.items()})
-            callback_set.on_epoch_end(epoch, logs)
-            if writer is not None:
-                writer.save(model, optimizer, optimizer_state, epoch=epoch + 1, step=0)
-            if agree(bool(model.stop_training)):
-                model.stop_training = True
-                break
-        if epochs > first_epoch:
-            optimizer.finish()
-        callback_set.on_train_end(logs)
-        return model.history
 
     def evaluate(
         self,
@@ -194,120 +164,48 @@ class Trainer:
         verbose: Verbose = "auto",
     ) -> Any:
         """Loss and metrics over every sample, as single-device ``model.evaluate`` computes them."""
-        model, samples = self._check(model, x, y, sample_weight, global_batch_size)
-        build(model, samples, global_batch_size)
-        plan = EpochPlan(samples, layout=self.layout, global_batch_size=global_batch_size)
-        callback_set = _progress_only(model, verbose, plan.steps)
-        callback_set.on_test_begin()
-        steps = Steps(train=None, test=make_test_step(model, self.mesh), results=make_results(model, self.mesh))
-        logs = self._evaluate(model, steps, samples, global_batch_size, callback_set)
-        callback_set.on_test_end(logs)
-        return logs if return_dict else model._flatten_metrics_in_order(logs)
+        model, inputs = self._check(model, x, y, sample_weight, global_batch_size)
+        build_model(model, inputs)
+        plan = EpochPlan(inputs, layout=self.layout, global_batch_size=global_batch_size)
+        callbacks = progress_bar(model, is_primary=is_primary(), verbose=verbose, steps=plan.steps)
+        callbacks.on_test_begin()
+        logs = evaluate_loop(model, self._make_steps(model), plan, self.mesh, callbacks)
+        callbacks.on_test_end(logs)
+        return logs if return_dict else internals.metrics_in_order(model, logs)
 
     def predict(self, model: Any, x: Any, *, global_batch_size: int, verbose: Verbose = "auto") -> Any:
         """The model's outputs for every row of ``x``, in input order, as numpy."""
-        require_backend("jax", PACKAGE)
-        model = resolve_model(model, compiled=False)
-        per_replica_batch_size(global_batch_size, self.num_replicas)
-        samples = Samples(x)
-        build(model, samples, global_batch_size)
-        plan = EpochPlan(samples, layout=self.layout, global_batch_size=global_batch_size)
-        callback_set = _progress_only(model, verbose, plan.steps)
-        callback_set.on_predict_begin()
-        weights = weights_on_mesh(model, self.mesh)
-        outputs = predict_samples(make_predict_step(model, self.mesh), weights, plan, self.mesh, callback_set)
-        callback_set.on_predict_end()
+        model, inputs = self._check(model, x, None, None, global_batch_size, compiled=False)
+        build_model(model, inputs, for_predict=True)
+        plan = EpochPlan(inputs, layout=self.layout, global_batch_size=global_batch_size)
+        callbacks = progress_bar(model, is_primary=is_primary(), verbose=verbose, steps=plan.steps)
+        callbacks.on_predict_begin()
+        outputs = predict_loop(make_predict_step(model, self.mesh), model, plan, self.mesh, callbacks)
+        callbacks.on_predict_end()
         return outputs
 
     def _check(
-        self, model: Any, x: Any, y: Any, sample_weight: Any, global_batch_size: int
-    ) -> tuple[keras.Model, Samples]:
+        self, model: Any, x: Any, y: Any, sample_weight: Any, global_batch_size: int, *, compiled: bool = True
+    ) -> tuple[keras.Model, Inputs]:
         # Every check that can fail on user input runs here, before anything compiles.
-        require_backend("jax", PACKAGE)
-        model = resolve_model(model)
-        per_replica_batch_size(global_batch_size, self.num_replicas)
-        return model, Samples(x, y, sample_weight)
-
-    def _train_epoch(
-        self,
-        model: keras.Model,
-        optimizer: Optimizer,
-        optimizer_state: Any,
-        steps: Steps,
-        plan: EpochPlan,
-        callback_set: keras.callbacks.CallbackList,
-        *,
-        epoch: int,
-        resumed: Resume | None,
-        writer: CheckpointWriter | None,
-    ) -> tuple[dict[str, Any], Any]:
-        """One epoch on the mesh; the model holds its weights afterwards, for the callbacks."""
-        # State is read from the model each epoch: callbacks may have changed weights or the LR.
-        trainable, non_trainable = weights_on_mesh(model, self.mesh)
-        if optimizer_state is None or isinstance(optimizer, KerasOptimizer):
-            optimizer_state = optimizer.initial_state(trainable, self.mesh)
-        start, sums = (0, None) if resumed is None else (resumed.step, resumed.metric_variables)
-        metrics = metrics_on_mesh(model, self.mesh, sums if start else None)
-        state: TrainState = (trainable, non_trainable, optimizer_state, metrics, initial_counts(self.mesh))
-
-        def checkpoint(state: TrainState, steps_done: int) -> None:
-            assert writer is not None
-            sums = summed_to_host(state[3], self.mesh)  # a collective: every process
-            write_back(model, state[0], state[1])
-            optimizer.write_back(state[2])
-            writer.save(model, optimizer, state[2], epoch=epoch, step=steps_done, metric_variables=sums)
-
-        state = train_epoch(
-            steps,
-            state,
-            plan,
-            self.mesh,
+        return checked_model_and_inputs(
             model,
-            callback_set,
-            start=start,
-            stop_on_nonfinite=self.on_nonfinite_loss == "stop",
-            checkpoint=None if writer is None else checkpoint,
-            checkpoint_due=None if writer is None else lambda done: writer.due(done, plan.steps),
+            x,
+            y,
+            sample_weight,
+            backend="jax",
+            package=PACKAGE,
+            global_batch_size=global_batch_size,
+            num_replicas=self.num_replicas,
+            compiled=compiled,
         )
-        trainable, non_trainable, optimizer_state, metrics, _ = state
-        write_back(model, trainable, non_trainable)
-        optimizer.write_back(optimizer_state)
-        skipped, first_skipped = skipped_steps(state)
-        if skipped and self.on_nonfinite_loss == "stop":
-            raise stopped(epoch, start + first_skipped, PACKAGE)
-        if skipped and is_primary():
-            warnings.warn(skipped_message(epoch, start + first_skipped, skipped), RuntimeWarning, stacklevel=3)
-        return host_logs(steps.results(metrics)), optimizer_state
 
-    def _evaluate(
-        self,
-        model: keras.Model,
-        steps: Steps,
-        samples: Samples,
-        global_batch_size: int,
-        callback_set: keras.callbacks.CallbackList | None = None,
-    ) -> dict[str, Any]:
-        plan = EpochPlan(samples, layout=self.layout, global_batch_size=global_batch_size)
-        weights = weights_on_mesh(model, self.mesh)
-        return evaluate_samples(steps, weights, metrics_on_mesh(model, self.mesh), plan, self.mesh, callback_set)
-
-
-def _validation_samples(validation_data: Any) -> Samples:
-    if is_map_dataset(validation_data):
-        return Samples(validation_data)
-    if isinstance(validation_data, (tuple, list)) and len(validation_data) in (2, 3):
-        return Samples(*validation_data)
-    raise ValueError(
-        "validation_data must be (x_val, y_val), (x_val, y_val, sample_weight_val) or a map-style dataset, "
-        f"got {type(validation_data).__name__}"
-        + (f" of length {len(validation_data)}" if isinstance(validation_data, (tuple, list)) else "")
-        + "."
-    )
-
-
-def _progress_only(model: keras.Model, verbose: Verbose, steps: int) -> keras.callbacks.CallbackList:
-    verbose_level = 1 if verbose == "auto" else verbose
-    show = is_primary() and verbose_level != 0
-    return keras.callbacks.CallbackList(
-        [], add_progbar=show, model=model, verbose=verbose_level if show else 0, epochs=1, steps=steps
-    )
+    def _make_steps(self, model: keras.Model, optimizer: Optimizer | None = None) -> Steps:
+        """The jitted steps of one fit (without ``optimizer``: of evaluate alone)."""
+        train = None
+        if optimizer is not None:
+            skip_nonfinite = self.on_nonfinite_loss == "skip"
+            train = make_train_step(
+                model, optimizer, self.mesh, batch_norm=self.batch_norm, skip_nonfinite=skip_nonfinite
+            )
+        return Steps(train=train, test=make_test_step(model, self.mesh), results=make_results(model, self.mesh))

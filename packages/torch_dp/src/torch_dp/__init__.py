@@ -6,9 +6,9 @@ history = trainer.fit(model, x, y, global_batch_size=64, epochs=3)
 
 from importlib.metadata import version as _version
 
+from dp_core import BatchNormMode as BatchNormMode
 from dp_core import NonFiniteLossError as NonFiniteLossError
-from torch_dp._batchnorm import BatchNormMode as BatchNormMode
-from torch_dp._launch import WorkerError as WorkerError
+from torch_dp._processes import WorkerError as WorkerError
 from torch_dp._sampler import Sampler as Sampler
 from torch_dp._trainer import Trainer as Trainer
 

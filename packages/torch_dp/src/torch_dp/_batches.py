@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from dp_core import num_steps, split_indices
-from dp_core._data import flatten, is_array_like, is_map_dataset, map_structure, num_rows, take_rows
+from dp_core.keras import Inputs, map_structure
 from torch_dp._comm import Replica
 
 
@@ -27,43 +27,27 @@ class SharedArray:
     path: str
 
 
-@dataclass(frozen=True)
-class Data:
-    """``x``, ``y`` and ``sample_weight`` as ``fit`` got them (or a map-style dataset as ``x``)."""
-
-    x: Any
-    y: Any = None
-    sample_weight: Any = None
-
-    @property
-    def num_samples(self) -> int:
-        return num_rows(self.x, self.y, self.sample_weight)
-
-
-def share(data: Data, directory: str, name: str) -> Data:
-    """``data`` with every array leaf saved under ``directory`` and replaced by a ``SharedArray``."""
+def share(inputs: Inputs, directory: str, name: str) -> Inputs:
+    """``inputs`` with every array saved under ``directory`` and replaced by a ``SharedArray``
+    (a dataset travels by pickling; torch tensors inside it go to shared memory)."""
     counter = iter(range(1 << 30))
 
-    def save(leaf: Any) -> Any:
-        if not is_array_like(leaf):
-            return leaf
+    def save(leaf: Any) -> SharedArray:
         path = os.path.join(directory, f"{name}_{next(counter)}.npy")
         array = leaf.detach().cpu().numpy() if isinstance(leaf, torch.Tensor) else np.asarray(leaf)
         np.save(path, array, allow_pickle=False)
         return SharedArray(path)
 
-    if is_map_dataset(data.x):
-        return data  # datasets travel by pickling; torch tensors inside go to shared memory
-    return Data(*(map_structure(save, part) for part in (data.x, data.y, data.sample_weight)))
+    return inputs.map_arrays(save)
 
 
-def open_shared(data: Data) -> Data:
-    """``data`` with each ``SharedArray`` memory-mapped (no copy until rows are read)."""
+def open_shared(inputs: Inputs) -> Inputs:
+    """``inputs`` with each ``SharedArray`` memory-mapped (no copy until rows are read)."""
 
     def load(leaf: Any) -> Any:
         return np.load(leaf.path, mmap_mode="r", allow_pickle=False) if isinstance(leaf, SharedArray) else leaf
 
-    return Data(*(map_structure(load, part) for part in (data.x, data.y, data.sample_weight)))
+    return inputs.map_arrays(load)
 
 
 @dataclass
@@ -92,7 +76,7 @@ class Batch:
 
 
 def replica_batches(
-    data: Data,
+    inputs: Inputs,
     replica: Replica,
     *,
     global_batch_size: int,
@@ -102,7 +86,7 @@ def replica_batches(
     first_step: int = 0,
 ) -> Iterator[Batch]:
     """This replica's batches of one epoch from ``first_step`` on; every replica gets the same number."""
-    num_samples = data.num_samples
+    num_samples = inputs.num_samples
     shard = split_indices(
         num_samples,
         num_shards=replica.num_replicas,
@@ -116,15 +100,13 @@ def replica_batches(
     for step in range(first_step, num_steps(num_samples, global_batch_size)):
         part = slice(step * rows, (step + 1) * rows)
         global_real_rows = min(global_batch_size, num_samples - step * global_batch_size)
-        yield _batch(data, shard.indices[part], shard.mask[part], global_real_rows, global_batch_size)
+        yield _batch(inputs, shard.indices[part], shard.mask[part], global_real_rows, global_batch_size)
 
 
-def _batch(data: Data, indices: np.ndarray, mask: np.ndarray, global_real_rows: int, global_batch_size: int) -> Batch:
-    if is_map_dataset(data.x):
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(take_rows(data.x, indices))
-    else:
-        x, y, sample_weight = (take_rows(part, indices) for part in (data.x, data.y, data.sample_weight))
-    x, y, sample_weight = (map_structure(_to_tensor, part) for part in (x, y, sample_weight))
+def _batch(
+    inputs: Inputs, indices: np.ndarray, mask: np.ndarray, global_real_rows: int, global_batch_size: int
+) -> Batch:
+    x, y, sample_weight = (map_structure(keras.ops.convert_to_tensor, part) for part in inputs.rows(indices))
     real_rows = int(mask.sum())
     loss_weight = sample_weight
     mask_tensor = None
@@ -141,24 +123,3 @@ def _batch(data: Data, indices: np.ndarray, mask: np.ndarray, global_real_rows: 
 
 def _times_rows(weight: torch.Tensor, row_factor: torch.Tensor) -> torch.Tensor:
     return weight * row_factor.reshape((-1,) + (1,) * (weight.ndim - 1)).to(weight.dtype)
-
-
-def _to_tensor(leaf: Any) -> Any:
-    array = np.asarray(leaf)
-    if np.issubdtype(array.dtype, np.floating) and array.dtype != np.dtype(keras.backend.floatx()):
-        array = array.astype(keras.backend.floatx())  # as Keras's array adapter does
-    return keras.ops.convert_to_tensor(array)
-
-
-def first_rows(data: Data, count: int = 2) -> tuple[Any, Any, Any]:
-    """A few rows as tensors, to build a model and its metrics before training."""
-    indices = np.arange(min(count, data.num_samples))
-    if is_map_dataset(data.x):
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(take_rows(data.x, indices))
-    else:
-        x, y, sample_weight = (take_rows(part, indices) for part in (data.x, data.y, data.sample_weight))
-    return tuple(map_structure(_to_tensor, part) for part in (x, y, sample_weight))  # type: ignore[return-value]
-
-
-def leaves(data: Data) -> list[Any]:
-    return flatten((data.x, data.y, data.sample_weight))

@@ -13,14 +13,14 @@ import contextlib
 import functools
 import threading
 from collections.abc import Iterator
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import keras
 import torch
 import torch.distributed as dist
 
-BatchNormMode = Literal["global", "per_replica"]
-BATCH_NORM_MODES = ("global", "per_replica")
+from dp_core import BatchNormMode
+from dp_core.keras import check_batch_norm_mode, internals
 
 _current = threading.local()
 
@@ -55,7 +55,7 @@ class _SumOverReplicas(torch.autograd.Function):
 
 
 def _moments(layer: Any, inputs: torch.Tensor, mask: Any, *, synchronized: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    axes = list(layer._reduction_axes)
+    axes = list(internals.batch_norm_reduction_axes(layer))
     weights = _row_weights(inputs, mask)
     if weights is None:
         total = inputs.sum(axes)
@@ -89,24 +89,19 @@ def _row_weights(inputs: torch.Tensor, keras_mask: Any) -> torch.Tensor | None:
 
 
 def batch_norm_layers(model: keras.Model) -> list[keras.layers.BatchNormalization]:
-    return [
-        layer
-        for layer in model._flatten_layers(include_self=False, recursive=True)
-        if isinstance(layer, keras.layers.BatchNormalization)
-    ]
+    return [layer for layer in internals.flatten_layers(model) if isinstance(layer, keras.layers.BatchNormalization)]
 
 
 @contextlib.contextmanager
 def masked_batch_norm(model: keras.Model, mode: BatchNormMode) -> Iterator[None]:
     """Within the block, every BN layer of ``model`` uses masked (and, if global, synced) moments."""
-    if mode not in BATCH_NORM_MODES:
-        raise ValueError(f"batch_norm must be one of {BATCH_NORM_MODES}, got {mode!r}.")
-    layers = batch_norm_layers(model)
-    for layer in layers:
-        # An instance attribute shadows the class method; deleting it restores Keras's.
-        object.__setattr__(layer, "_moments", functools.partial(_moments, layer, synchronized=mode == "global"))
+    check_batch_norm_mode(mode)
+    restores = [
+        internals.override_batch_norm_moments(layer, functools.partial(_moments, layer, synchronized=mode == "global"))
+        for layer in batch_norm_layers(model)
+    ]
     try:
         yield
     finally:
-        for layer in layers:
-            layer.__dict__.pop("_moments", None)
+        for restore in reversed(restores):
+            restore()

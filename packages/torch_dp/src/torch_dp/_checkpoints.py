@@ -8,26 +8,13 @@ epoch's logs come out the same on any replica count.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
 import keras
 import numpy as np
 import torch
 
-from dp_core import _resume, load_checkpoint
-from dp_core._resume import restore_model, resumed_history
+from dp_core import load_checkpoint
+from dp_core.keras import CheckpointWriter, Start, restore_model, start_of
 from torch_dp._comm import Replica, all_reduce_sum
-
-
-@dataclass(frozen=True)
-class Start:
-    """Where a fit starts: epoch, steps of it already applied, and what to put back then."""
-
-    epoch: int = 0
-    step: int = 0
-    metric_variables: list[np.ndarray] = field(default_factory=list)
-    history: dict[str, list[Any]] = field(default_factory=dict)
 
 
 def resume_from(path: str | None, model: keras.Model) -> Start:
@@ -37,7 +24,7 @@ def resume_from(path: str | None, model: keras.Model) -> Start:
         return Start()
     checkpoint = load_checkpoint(path)
     restore_model(checkpoint, model, metrics=False)
-    return Start(checkpoint.epoch, checkpoint.step, checkpoint.metric_variables, resumed_history(checkpoint))
+    return start_of(checkpoint)
 
 
 def restore_metrics(model: keras.Model, start: Start, replica: Replica) -> None:
@@ -48,20 +35,11 @@ def restore_metrics(model: keras.Model, start: Start, replica: Replica) -> None:
         variable.assign(value)
 
 
-class CheckpointWriter(_resume.CheckpointWriter):
-    """Writes ``checkpoint_dir`` from rank 0; every replica calls it at the same steps."""
-
-    def after_step(self, model: keras.Model, replica: Replica, *, epoch: int, steps_done: int, steps: int) -> None:
-        if self.due(steps_done, steps):
-            self._save(model, replica, epoch=epoch, step=steps_done)
-
-    def at_epoch_end(self, model: keras.Model, replica: Replica, *, epoch: int) -> None:
-        self._save(model, replica, epoch=epoch + 1, step=0)
-
-    def _save(self, model: keras.Model, replica: Replica, *, epoch: int, step: int) -> None:
-        metric_variables = summed_metric_states(model, replica)  # a collective: every replica
-        if replica.is_primary:
-            self.write(model, epoch=epoch, step=step, metric_variables=metric_variables)
+def save(writer: CheckpointWriter, model: keras.Model, replica: Replica, *, epoch: int, step: int) -> None:
+    """A checkpoint at ``step`` steps into ``epoch``; every replica calls it (the metric sum is a collective)."""
+    metric_variables = summed_metric_states(model, replica)
+    if replica.is_primary:
+        writer.write(model, epoch=epoch, step=step, metric_variables=metric_variables)
 
 
 def summed_metric_states(model: keras.Model, replica: Replica) -> list[np.ndarray]:

@@ -1,261 +1,125 @@
-"""How replica processes start and stop: spawned on this host, or already started by torchrun.
+"""How a call's replicas run, decided once per ``Trainer``: a ``Launcher``.
 
-Kept apart from what a step does (``_steps``/``_loop``): this module knows processes,
-ports, threads and failures, nothing about Keras.
+- ``ThisProcess``: one replica, the caller's own process and model.
+- ``TorchrunProcess``: this process is one of torchrun's (or another ``env://`` launcher's);
+  it joins their group on first use and trains the caller's model as its replica.
+- ``SpawnedReplicas``: N processes spawned on this host for the call; the model and arrays
+  travel through files, rank 0's result comes back into the caller's model.
+
+Each answers "run this job" (``run``); the in-process ones also "which replica am I".
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import json
-import multiprocessing.connection
 import os
-import socket
-import threading
-import time
-import traceback
-import warnings
-from collections.abc import Callable, Iterator
-from datetime import timedelta
-from typing import Any
+import tempfile
+from typing import Any, Protocol, final
 
+import keras
+import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch.distributed import PrefixStore, TCPStore  # pyright: ignore[reportPrivateImportUsage]
+
+from torch_dp._comm import Replica, started_by_torchrun
+from torch_dp._jobs import Job, shared
+from torch_dp._processes import join_torchrun_group, loopback_rendezvous, spawn, threads_per_replica
+from torch_dp._transfer import ship_model
+from torch_dp._worker import build, device_for, run_job, spawned_worker
 
 
-class WorkerError(RuntimeError):
-    """A replica process failed; ``rank`` names it and the message carries its traceback."""
+class Launcher(Protocol):
+    @property
+    def num_replicas(self) -> int: ...
 
-    def __init__(self, message: str, *, rank: int, worker_traceback: str = "") -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.worker_traceback = worker_traceback
-
-
-def bind_loopback(first_choice: int = 0) -> socket.socket:
-    """A listening socket on 127.0.0.1, on ``first_choice`` if free, else on a port the OS picks.
-
-    Binding (rather than probing a port and letting a worker bind it later) leaves no
-    moment in which another program can take the port.
-    """
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind(("127.0.0.1", first_choice))
-    except OSError as error:
-        if error.errno != errno.EADDRINUSE or first_choice == 0:
-            sock.close()
-            raise
-        warnings.warn(
-            f"Rendezvous port {first_choice} on 127.0.0.1 is in use (MASTER_PORT); torch_dp uses a free one instead.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
-    return sock
+    def run(self, job: Job, model: keras.Model, model_argument: Any) -> Any:
+        """Run ``job`` on every replica; returns rank 0's result, with ``model`` holding rank 0's
+        trained state after a fit. ``model_argument`` is what the user passed (a factory or the model)."""
+        ...
 
 
-@contextlib.contextmanager
-def loopback_rendezvous(*, timeout: float) -> Iterator[int]:
-    """Serve the workers' rendezvous store from this process on 127.0.0.1; yields its port.
+@final
+class ThisProcess:
+    """One replica: the caller's process trains the caller's model."""
 
-    ``MASTER_PORT``, if set, is tried first. Only loopback is bound: a single-host run
-    opens nothing to the network.
-    """
-    sock = bind_loopback(int(os.environ.get("MASTER_PORT") or 0))
-    port = sock.getsockname()[1]
-    descriptor = sock.detach()  # the store owns and closes it from here on
-    try:
-        store = TCPStore(
-            "127.0.0.1",
-            port,
-            None,
-            True,
-            timeout=timedelta(seconds=timeout),
-            wait_for_workers=False,
-            master_listen_fd=descriptor,
-        )
-    except BaseException:
-        os.close(descriptor)
-        raise
-    try:
-        yield port
-    finally:
-        del store
+    num_replicas = 1
+    replica = Replica(0, 1)
+
+    def run(self, job: Job, model: keras.Model, model_argument: Any) -> Any:
+        return run_job(model, job, self.replica)
 
 
-def join_torchrun_group(backend: str, timeout: float) -> None:
-    """Join torchrun's group through its store, under a prefix per restart attempt.
+@final
+class TorchrunProcess:
+    """One of the processes torchrun started; the group is joined at the first call."""
 
-    After a restart (``--max-restarts``) the store on MASTER_PORT can still hold the
-    previous attempt's keys, among them the addresses of dead processes; a prefix with
-    torchrun's restart count keeps each attempt to its own keys.
-    """
-    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    # torchrun's agent serves the store; a launcher without one leaves that to rank 0
-    agent_serves = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    try:
-        store = TCPStore(
-            address,
-            port,
-            world_size,
-            is_master=rank == 0 and not agent_serves,
-            timeout=timedelta(seconds=timeout),
-            multi_tenant=True,
-        )
-    except dist.DistNetworkError as error:
-        if "EADDRINUSE" not in str(error) and "address already in use" not in str(error).lower():
-            raise
-        raise RuntimeError(
-            f"torch_dp could not start the rendezvous on MASTER_ADDR:MASTER_PORT={address}:{port}: the port is "
-            "already in use (another job, or a previous run still ending). Pass a free port, e.g. "
-            "`torchrun --master-port <free port> ...` (or `--standalone` on one host, which picks one)."
-        ) from error
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(
-        backend,
-        store=PrefixStore(f"torch_dp/attempt_{attempt}", store),
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout),
-    )
+    def __init__(self, num_replicas: int | None, *, timeout: float) -> None:
+        world_size = int(os.environ["WORLD_SIZE"])
+        if num_replicas is not None and num_replicas != world_size:
+            raise ValueError(
+                f"Trainer(num_replicas={num_replicas}) but torchrun started {world_size} processes; "
+                "pass num_replicas=None (or the same number as --nproc-per-node x nodes)."
+            )
+        self.num_replicas = world_size
+        self.timeout = timeout
+
+    @property
+    def replica(self) -> Replica:
+        device = device_for(int(os.environ["LOCAL_RANK"]))
+        if not dist.is_initialized():
+            join_torchrun_group("nccl" if device.startswith("cuda") else "gloo", self.timeout)
+        return Replica(dist.get_rank(), self.num_replicas, device)
+
+    def run(self, job: Job, model: keras.Model, model_argument: Any) -> Any:
+        return run_job(model, job, self.replica)
 
 
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+@final
+class SpawnedReplicas:
+    """``num_replicas`` processes spawned for each call, talking gloo (CPU) or NCCL over loopback."""
+
+    def __init__(self, num_replicas: int, *, threads: int | None, timeout: float) -> None:
+        self.num_replicas = num_replicas
+        self.threads = threads or threads_per_replica(num_replicas)
+        self.timeout = timeout
+
+    def run(self, job: Job, model: keras.Model, model_argument: Any) -> Any:
+        build(model, job)
+        with tempfile.TemporaryDirectory(prefix="torch_dp_") as directory:
+            source = ship_model(model_argument, model, directory)
+            with loopback_rendezvous(timeout=self.timeout) as port:
+                spawn(
+                    spawned_worker,
+                    (source, shared(job, directory), self.num_replicas, port, directory, self.timeout),
+                    num_replicas=self.num_replicas,
+                    directory=directory,
+                    environment=self._environment(),
+                )
+            return job.load_result(directory, model)
+
+    def _environment(self) -> dict[str, str]:
+        environment = {
+            "OMP_NUM_THREADS": str(self.threads),
+            "MKL_NUM_THREADS": str(self.threads),
+            "KERAS_BACKEND": "torch",
+        }
+        if not (torch.cuda.is_available() and torch.cuda.device_count() >= self.num_replicas):
+            # CPU replicas: gloo over loopback, and no GPU for Keras to pick up by default
+            environment.update({"GLOO_SOCKET_IFNAME": "lo", "CUDA_VISIBLE_DEVICES": ""})
+        return environment
 
 
-def threads_per_replica(num_replicas: int) -> int:
-    """Cores divided between replicas, so they do not oversubscribe the CPU."""
-    return max(1, available_cores() // num_replicas)
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    """Set variables while children start (spawned children copy the parent's environment)."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-def exit_with_parent() -> None:
-    """End this worker if the process that spawned it dies (no orphans after a SIGKILL)."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while True:
-            time.sleep(0.5)
-            if os.getppid() != parent:
-                os._exit(1)
-
-    threading.Thread(target=watch, name="torch_dp-parent-watch", daemon=True).start()
-
-
-def report_failure(directory: str, rank: int) -> None:
-    """Called in a worker's ``except``: record the traceback for the parent, then exit now.
-
-    ``os._exit`` skips interpreter teardown, which can block on a half-closed process group.
-    """
-    text = traceback.format_exc()
-    with open(os.path.join(directory, f"error_{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "time": time.time(), "traceback": text}, f)
-    print(f"torch_dp replica {rank} failed:\n{text}", flush=True)
-    os._exit(1)
-
-
-def spawn(
-    target: Callable[..., Any],
-    args: tuple[Any, ...],
-    *,
-    num_replicas: int,
-    directory: str,
-    environment: dict[str, str],
-    grace_period: float = 10.0,
-) -> None:
-    """Run ``target(rank, *args)`` in ``num_replicas`` spawned processes and wait for all.
-
-    The parent watches every process (not only the collectives' timeout): when one exits
-    with an error or is killed, the others get ``grace_period`` seconds to notice (their
-    collectives fail when a peer disappears), then are terminated, then killed; the error
-    raised names the first rank that failed, with its traceback.
-    """
-    context = mp.get_context("spawn")
-    processes = []
-    try:
-        with _environment(environment):
-            for rank in range(num_replicas):
-                process = context.Process(target=target, args=(rank, *args), name=f"torch_dp-replica-{rank}")
-                process.start()
-                processes.append(process)
-        pending = {process.sentinel: rank for rank, process in enumerate(processes)}
-        while pending:
-            ended = [pending.pop(s) for s in multiprocessing.connection.wait(list(pending), timeout=1.0)]  # type: ignore[arg-type]
-            for rank in ended:
-                processes[rank].join()
-            failed = [rank for rank in ended if processes[rank].exitcode != 0]
-            if failed:
-                # a killed process (negative exit code) is the cause; the others saw it vanish
-                first = min(failed, key=lambda rank: (processes[rank].exitcode >= 0, rank))
-                _stop_all(processes, grace_period)
-                raise _first_failure(processes, directory, first)
-    finally:
-        _stop_all(processes, grace_period=0.0)
-
-
-def _stop_all(processes: list[Any], grace_period: float) -> None:
-    deadline = time.monotonic() + grace_period
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-    for process in processes:
-        if process.is_alive():
-            process.terminate()
-    for process in processes:
-        process.join(5.0)
-        if process.is_alive():
-            process.kill()
-            process.join()
-
-
-def _first_failure(processes: list[Any], directory: str, failed_rank: int) -> WorkerError:
-    reports = {}
-    for rank in range(len(processes)):
-        path = os.path.join(directory, f"error_{rank}.json")
-        if os.path.exists(path):
-            with open(path) as f:
-                reports[rank] = json.load(f)
-    exitcode = processes[failed_rank].exitcode
-    if reports and failed_rank in reports:
-        first = min(reports.values(), key=lambda report: report["time"])
-        others = sorted(rank for rank in reports if rank != first["rank"])
-        also = f" (replicas {others} failed after it)" if others else ""
-        return WorkerError(
-            f"torch_dp replica {first['rank']} of {len(processes)} failed{also}:\n{first['traceback']}",
-            rank=first["rank"],
-            worker_traceback=first["traceback"],
-        )
-    # The first process to exit left no report: it was killed, and the reports of the
-    # others only say that their peer disappeared.
-    how = (
-        f"was killed by signal {-exitcode}" if exitcode is not None and exitcode < 0 else f"exited with code {exitcode}"
-    )
-    also = f" (replicas {sorted(reports)} failed after it)" if reports else ""
-    return WorkerError(
-        f"torch_dp replica {failed_rank} of {len(processes)} {how} before it could report an error{also}: "
-        "a signal (SIGKILL, the out-of-memory killer), or it could not unpickle its job. "
-        "Its stderr is above; callbacks and model factories must be importable by the worker (defined in a "
-        "module, not in a notebook or an unguarded __main__).",
-        rank=failed_rank,
-    )
+def choose_launcher(num_replicas: int | None, *, threads: int | None, timeout: float) -> Launcher:
+    """torchrun's processes, this process alone, or spawned replicas: decided here, once."""
+    if started_by_torchrun():
+        return TorchrunProcess(num_replicas, timeout=timeout)
+    if num_replicas is None:
+        if not torch.cuda.is_available():
+            raise ValueError(
+                "num_replicas=None means one replica per GPU, but torch sees no GPU. On a CPU-only host pass "
+                "the number of processes to run, e.g. torch_dp.Trainer(num_replicas=2)."
+            )
+        num_replicas = torch.cuda.device_count()
+    if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+        raise ValueError(f"num_replicas must be a positive integer or None, got {num_replicas!r}.")
+    if num_replicas == 1:
+        return ThisProcess()
+    return SpawnedReplicas(num_replicas, threads=threads, timeout=timeout)

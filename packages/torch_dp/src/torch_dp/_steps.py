@@ -19,24 +19,28 @@ from collections.abc import Iterator
 from typing import Any
 
 import keras
-import numpy as np
 import torch
 
-from dp_core._data import map_structure
+from dp_core.keras import internals, map_structure, python_logs
 from torch_dp._batches import Batch
 from torch_dp._batchnorm import real_rows
 from torch_dp._comm import Replica, all_reduce_sum, average_gradients
 
 
 def _forward(model: keras.Model, x: Any, training: bool) -> Any:
-    return model(x, training=training) if model._call_has_training_arg else model(x)
+    return model(x, **internals.training_kwargs(model, training))
 
 
-def _loss_trackers(model: keras.Model) -> list[keras.metrics.Metric]:
-    trackers = [model._loss_tracker] if model._loss_tracker is not None else []
-    if model._compile_loss is not None:
-        trackers.extend(model._compile_loss.metrics)
-    return trackers
+def _compute_loss(model: keras.Model, batch: Batch, y_pred: Any, *, training: bool) -> Any:
+    """Keras's loss on this replica's rows, weighted as ``Batch.loss_weight`` says; the ``loss``
+    tracker counts the batch's rows, as Keras's ``train_step`` does."""
+    loss = internals.compute_loss(
+        model, x=batch.x, y=batch.y, y_pred=y_pred, sample_weight=batch.loss_weight, training=training
+    )
+    tracker = internals.loss_tracker(model)
+    assert tracker is not None  # every compiled model has one
+    tracker.update_state(loss, sample_weight=batch.rows)
+    return loss
 
 
 @contextlib.contextmanager
@@ -50,7 +54,7 @@ def _weigh_losses_by_real_rows(model: keras.Model, batch: Batch, replica: Replic
     if not batch.partial:
         yield
         return
-    trackers = _loss_trackers(model)
+    trackers = internals.loss_trackers(model)
     before = [[v.value.detach().clone() for v in m.variables] for m in trackers]
     yield
     factor = batch.global_real_rows / (replica.num_replicas * batch.rows)
@@ -84,8 +88,7 @@ def train_step(model: keras.Model, batch: Batch, replica: Replica) -> bool:
         y_pred = _forward(model, batch.x, training=True)
     model.zero_grad()
     with _weigh_losses_by_real_rows(model, batch, replica):
-        loss = model._compute_loss(x=batch.x, y=batch.y, y_pred=y_pred, sample_weight=batch.loss_weight, training=True)
-        model._loss_tracker.update_state(loss, sample_weight=batch.rows)
+        loss = _compute_loss(model, batch, y_pred, training=True)
     trainable = model.trainable_weights[:]
     local_loss = torch.as_tensor(loss).detach().reshape(1).to(torch.float32)
     if trainable:
@@ -131,10 +134,7 @@ def test_step(model: keras.Model, batch: Batch, replica: Replica) -> None:
     with torch.no_grad():
         y_pred = _forward(model, batch.x, training=False)
         with _weigh_losses_by_real_rows(model, batch, replica):
-            loss = model._compute_loss(
-                x=batch.x, y=batch.y, y_pred=y_pred, sample_weight=batch.loss_weight, training=False
-            )
-            model._loss_tracker.update_state(loss, sample_weight=batch.rows)
+            _compute_loss(model, batch, y_pred, training=False)
         _update_metrics(model, batch, y_pred)
 
 
@@ -145,7 +145,7 @@ def predict_step(model: keras.Model, batch: Batch) -> Any:
     return keras.tree.map_structure(keras.ops.convert_to_numpy, y_pred)
 
 
-def global_logs(model: keras.Model, replica: Replica) -> dict[str, float]:
+def global_logs(model: keras.Model, replica: Replica) -> dict[str, Any]:
     """Metric results over every replica's rows, in one coalesced all-reduce.
 
     Keras metric states are sums (totals, counts, confusion matrices), so summing them
@@ -164,15 +164,3 @@ def global_logs(model: keras.Model, replica: Replica) -> dict[str, float]:
     for variable, value in zip(variables, local, strict=True):
         variable.assign(value)
     return logs
-
-
-def python_logs(logs: dict[str, Any]) -> dict[str, Any]:
-    """Metric results as Python floats (lists for vector results), nested dicts flattened."""
-    result: dict[str, Any] = {}
-    for name, value in logs.items():
-        if isinstance(value, dict):
-            result.update(python_logs(value))
-            continue
-        array = np.asarray(keras.ops.convert_to_numpy(value))
-        result[name] = float(array) if array.size == 1 else array.tolist()
-    return result

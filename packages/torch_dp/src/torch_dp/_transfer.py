@@ -14,6 +14,7 @@ import keras
 import numpy as np
 
 from dp_core import split_indices
+from dp_core.keras import python_logs
 
 
 @dataclass(frozen=True)
@@ -25,32 +26,30 @@ class ModelSource:
     weights_file: str | None = None
 
 
+def _all_variables(model: keras.Model) -> list[keras.Variable]:
+    return [*model.variables, *(model.optimizer.variables if model.optimizer is not None else [])]
+
+
 def _variables_to_npz(path: str, model: keras.Model) -> None:
-    """Model variables then optimizer variables as ``arr_<i>``; the JSON beside it names the latter."""
-    optimizer = model.optimizer.variables if model.optimizer is not None else []
-    arrays = [np.asarray(keras.ops.convert_to_numpy(v.value)) for v in [*model.variables, *optimizer]]
-    np.savez(path, *arrays)
-    with open(path + ".json", "w") as f:
-        json.dump({"model_variables": len(model.variables), "optimizer_paths": [v.path for v in optimizer]}, f)
+    """Model variables then optimizer variables, as ``arr_<i>`` in that order."""
+    np.savez(path, *[np.asarray(keras.ops.convert_to_numpy(v.value)) for v in _all_variables(model)])
 
 
-def _npz_to_variables(path: str, model: keras.Model, *, skip_learning_rate: bool = False) -> None:
-    with open(path + ".json") as f:
-        names = json.load(f)
-    first_optimizer, paths = names["model_variables"], names["optimizer_paths"]
+def _npz_to_variables(path: str, model: keras.Model) -> None:
+    """Put the arrays back by position. Paths cannot be matched: they carry per-process names
+    (``adam/dense_kernel_momentum`` here, ``adam/sequential_dense_kernel_momentum`` in a worker
+    that loaded the model), while the order is the model's and its optimizer's own."""
+    variables = _all_variables(model)
     with np.load(path, allow_pickle=False) as arrays:
-        for i, variable in enumerate(model.variables):
-            variable.assign(arrays[f"arr_{i}"])
-        # Optimizer variables are matched by path: a warmup schedule in the worker drops
-        # the learning-rate variable, so positions can differ.
-        mine = {v.path: v for v in (model.optimizer.variables if model.optimizer is not None else [])}
-        for i, path_name in enumerate(paths):
-            target = mine.get(path_name)
-            if target is None or (skip_learning_rate and path_name.endswith("learning_rate")):
-                continue
-            value = arrays[f"arr_{first_optimizer + i}"]
-            if tuple(target.shape) == value.shape:
-                target.assign(value)
+        values = [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
+    shapes = [tuple(v.shape) for v in variables]
+    if shapes != [value.shape for value in values]:
+        raise RuntimeError(
+            f"torch_dp: the worker's model has {len(values)} variables, the caller's {len(variables)} (or their shapes "
+            "differ): the model a factory builds must be the same each time it is called."
+        )
+    for variable, value in zip(variables, values, strict=True):
+        variable.assign(value)
 
 
 def ship_model(model_argument: Any, model: keras.Model, directory: str) -> ModelSource:
@@ -85,39 +84,64 @@ def receive_model(source: ModelSource, build: Callable[[keras.Model], None]) -> 
     return model
 
 
-def save_trained(directory: str, model: keras.Model, logs: dict[str, Any]) -> None:
-    """Rank 0's trained variables and its logs, for the caller."""
+def save_trained(directory: str, model: keras.Model) -> None:
+    """Rank 0's trained model and optimizer variables, for the caller."""
     _variables_to_npz(os.path.join(directory, "trained.npz"), model)
-    save_logs(directory, logs)
 
 
-def load_trained(directory: str, model: keras.Model, *, skip_learning_rate: bool) -> dict[str, Any]:
-    """Put rank 0's trained variables into the caller's ``model``; returns rank 0's logs."""
-    _npz_to_variables(os.path.join(directory, "trained.npz"), model, skip_learning_rate=skip_learning_rate)
-    return load_logs(directory)
+def load_trained(directory: str, model: keras.Model) -> None:
+    """Put rank 0's trained variables into the caller's ``model``."""
+    _npz_to_variables(os.path.join(directory, "trained.npz"), model)
+
+
+def save_history(directory: str, history: keras.callbacks.History) -> None:
+    _write_json(
+        directory, "history.json", {"history": history.history, "epoch": history.epoch, "params": history.params}
+    )
+
+
+def load_history(directory: str, model: keras.Model) -> keras.callbacks.History:
+    """Rank 0's History, as the caller's ``model.history`` (as after ``model.fit``)."""
+    logs = _read_json(directory, "history.json")
+    history = keras.callbacks.History()
+    history.set_model(model)
+    history.history = {name: [_value(v) for v in values] for name, values in logs["history"].items()}
+    history.epoch = logs["epoch"]
+    history.set_params(logs["params"])
+    model.history = history
+    return history
 
 
 def save_logs(directory: str, logs: dict[str, Any]) -> None:
-    with open(os.path.join(directory, "logs.json"), "w") as f:
-        json.dump(logs, f)
+    _write_json(directory, "logs.json", logs)
 
 
 def load_logs(directory: str) -> dict[str, Any]:
-    with open(os.path.join(directory, "logs.json")) as f:
+    return python_logs(_read_json(directory, "logs.json"))
+
+
+def save_predictions(directory: str, leaves: list[np.ndarray]) -> None:
+    np.savez(os.path.join(directory, "predictions.npz"), *leaves)
+
+
+def load_predictions(directory: str) -> list[np.ndarray]:
+    with np.load(os.path.join(directory, "predictions.npz"), allow_pickle=False) as arrays:
+        return [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
+
+
+def _value(logged: Any) -> Any:
+    # vector metrics crossed as JSON lists; History holds them as arrays, as model.fit's does
+    return np.asarray(logged) if isinstance(logged, list) else logged
+
+
+def _write_json(directory: str, name: str, value: Any) -> None:
+    with open(os.path.join(directory, name), "w") as f:
+        json.dump(value, f, default=lambda array: np.asarray(array).tolist())
+
+
+def _read_json(directory: str, name: str) -> Any:
+    with open(os.path.join(directory, name)) as f:
         return json.load(f)
-
-
-def save_predictions(directory: str, rank: int, outputs: Any) -> None:
-    leaves = keras.tree.flatten(outputs)
-    np.savez(os.path.join(directory, f"predictions_{rank}.npz"), *leaves)
-
-
-def load_predictions(directory: str, num_replicas: int) -> list[list[np.ndarray]]:
-    parts = []
-    for rank in range(num_replicas):
-        with np.load(os.path.join(directory, f"predictions_{rank}.npz"), allow_pickle=False) as arrays:
-            parts.append([arrays[f"arr_{i}"] for i in range(len(arrays.files))])
-    return parts
 
 
 def in_input_order(parts: list[list[np.ndarray]], num_samples: int, global_batch_size: int) -> list[np.ndarray]:

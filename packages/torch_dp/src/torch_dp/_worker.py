@@ -1,106 +1,43 @@
-"""What one replica process runs: join the group, rebuild the model, run a loop, report.
+"""What one replica runs: the caller's model made ready on every replica, then the job.
 
-The same ``run_in_process`` serves a spawned worker, a torchrun process and the
-single-replica case in the caller's own process.
+``run_job`` serves the caller's own process (one replica, or one of torchrun's) and every
+spawned worker; ``spawned_worker`` is a spawned process's entry point.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import keras
 import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
-from dp_core import LearningRateScaling
-from dp_core._keras import apply_learning_rate_policy
-from torch_dp._batches import Data, first_rows, open_shared
-from torch_dp._batchnorm import BatchNormMode, masked_batch_norm
-from torch_dp._checkpoints import CheckpointWriter, resume_from
+from dp_core.keras import build_model, internals
 from torch_dp._comm import Replica, broadcast_from_primary
-from torch_dp._launch import exit_with_parent, report_failure
-from torch_dp._loop import FitOptions, evaluate_loop, fit_loop, predict_loop
-from torch_dp._transfer import ModelSource, receive_model, save_logs, save_predictions, save_trained
-
-Kind = Literal["fit", "evaluate", "predict"]
-
-
-@dataclass(frozen=True)
-class Job:
-    """Everything a replica needs, picklable (arrays travel as memory-mapped files)."""
-
-    kind: Kind
-    data: Data
-    global_batch_size: int
-    batch_norm: BatchNormMode = "global"
-    verbose: Any = "auto"
-    fit: FitOptions | None = None
-    validation: Data | None = None
-    callbacks: Sequence[keras.callbacks.Callback] | None = None
-    lr_scaling: LearningRateScaling | None = None
-    warmup_steps: int = 0
-    log_every_steps: int = 10
-    checkpoint_dir: str | None = None
-    checkpoint_every_steps: int | None = None
-    resume_from: str | None = None  # the checkpoint the caller chose and checked
+from torch_dp._jobs import FitJob, Job, PredictJob, opened
+from torch_dp._processes import exit_with_parent, report_failure
+from torch_dp._transfer import ModelSource, receive_model
 
 
 def build(model: keras.Model, job: Job) -> None:
-    """Create every variable (model, metrics, optimizer) from a couple of rows, as Keras's fit does."""
-    x, y, sample_weight = first_rows(job.data)
-    if job.kind == "predict":
-        if not model.built:
-            model(x)
-        return
-    model._symbolic_build(data_batch=(x, y, sample_weight))
+    """Create every variable the job needs (model, metrics, optimizer) from a couple of rows."""
+    build_model(model, job.inputs, for_predict=isinstance(job, PredictJob))
 
 
-def run_in_process(model: keras.Model, job: Job, replica: Replica) -> Any:
-    """Run ``job`` on ``model`` as replica ``replica``: a History, a logs dict or shard predictions."""
+def run_job(model: keras.Model, job: Job, replica: Replica) -> Any:
+    """Run ``job`` on ``model`` as ``replica``: every replica starts from rank 0's state."""
     build(model, job)
     if replica.distributed:  # the same start on every replica, whatever built the model
-        variables = list(model.variables) + list(model.optimizer.variables if job.kind == "fit" else [])
+        variables = list(model.variables) + list(model.optimizer.variables if isinstance(job, FitJob) else [])
         for variable, value in zip(
             variables, broadcast_from_primary([v.value for v in variables], replica), strict=True
         ):
             variable.assign(value)
         decorrelate_randomness(model, replica)
-    with masked_batch_norm(model, job.batch_norm):
-        if job.kind == "evaluate":
-            return evaluate_loop(
-                model,
-                job.data,
-                job.global_batch_size,
-                replica,
-                verbose=job.verbose,
-                log_every_steps=job.log_every_steps,
-            )
-        if job.kind == "predict":
-            return predict_loop(model, job.data, job.global_batch_size, replica, verbose=job.verbose)
-        assert job.fit is not None
-        policy = apply_learning_rate_policy(
-            model, global_batch_size=job.global_batch_size, lr_scaling=job.lr_scaling, warmup_steps=job.warmup_steps
-        )
-        start = resume_from(job.resume_from, model)  # after the policy: the checkpoint's rate wins
-        writer = None
-        if job.checkpoint_dir is not None:
-            writer = CheckpointWriter(
-                job.checkpoint_dir,
-                job.checkpoint_every_steps,
-                seed=job.fit.seed,
-                global_batch_size=job.global_batch_size,
-                num_replicas=replica.num_replicas,
-                lr_policy=None if policy is None else policy.get_config(),
-            )
-        return fit_loop(
-            model, job.data, job.validation, job.callbacks, job.fit, replica, start=start, checkpoints=writer
-        )
+    return job.run(model, replica)
 
 
 def decorrelate_randomness(model: keras.Model, replica: Replica) -> None:
@@ -110,8 +47,8 @@ def decorrelate_randomness(model: keras.Model, replica: Replica) -> None:
     the seed by the rank makes the masks depend on (seed, step, replica); rank 0 keeps
     the caller's stream, so one replica draws exactly what ``model.fit`` would.
     """
-    for layer in model._flatten_layers(include_self=True, recursive=True):
-        for generator in layer._seed_generators:
+    for layer in internals.flatten_layers(model, include_self=True):
+        for generator in internals.seed_generators(layer):
             state = generator.state.value
             offset = torch.zeros_like(state)
             offset[0] = 7919 * replica.rank
@@ -142,22 +79,16 @@ def join_group(rank: int, num_replicas: int, *, port: int, timeout: float) -> Re
 def spawned_worker(
     rank: int, source: ModelSource, job: Job, num_replicas: int, port: int, directory: str, timeout: float
 ) -> None:
-    """Entry point of a spawned replica; results and failures go to files in ``directory``."""
+    """Entry point of a spawned replica; rank 0's result and any failure go to files in ``directory``."""
     exit_with_parent()
     try:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         replica = join_group(rank, num_replicas, port=port, timeout=timeout)
-        data = open_shared(job.data)
-        validation = None if job.validation is None else open_shared(job.validation)
-        job = dataclasses.replace(job, data=data, validation=validation)
+        job = opened(job)
         model = receive_model(source, lambda m: build(m, job))
-        result = run_in_process(model, job, replica)
-        if job.kind == "predict":
-            save_predictions(directory, rank, result)
-        elif replica.is_primary and job.kind == "evaluate":
-            save_logs(directory, result)
-        elif replica.is_primary:
-            save_trained(directory, model, {"history": result.history, "epoch": result.epoch, "params": result.params})
+        result = run_job(model, job, replica)
+        if replica.is_primary:
+            job.save_result(directory, model, result)
         dist.destroy_process_group()
     except BaseException:
         report_failure(directory, rank)

@@ -1,7 +1,7 @@
-"""Keras glue for ``fit(checkpoint_dir=...)`` shared by the backends: which checkpoint a fit
-resumes from, a ``Checkpoint`` made of a Keras model's state, and that state put back.
+"""``fit(checkpoint_dir=...)`` on a Keras model, for every backend: which checkpoint a fit
+resumes from and where it starts, a ``Checkpoint`` made of a Keras model's state, that state
+put back, and the writer a fit holds.
 
-Not part of dp-core's user API and never imported by ``import dp_core``: it imports keras.
 Weights are stored in ``model.get_weights()`` order, optimizer state as the Keras
 optimizer's variables in their order (their paths kept in ``extra``),
 metric variables as the states of one model that saw every replica's rows (Keras metric
@@ -11,7 +11,7 @@ states are sums), so a run resumes with the same data order on any replica count
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import keras
@@ -21,6 +21,23 @@ from dp_core._checkpoint import Checkpoint, CheckpointError, check_compatible, l
 
 # keras.ops is typed for every backend at once; treat it as untyped here.
 ops: Any = keras.ops
+
+
+@dataclass(frozen=True)
+class Start:
+    """Where a fit starts: the epoch, the steps of it already applied, the summed metric
+    states to put back when that epoch begins, and the History of the finished epochs."""
+
+    epoch: int = 0
+    step: int = 0
+    metric_variables: list[np.ndarray] = field(default_factory=list)
+    history: dict[str, list[Any]] = field(default_factory=dict)
+
+
+def start_of(checkpoint: Checkpoint) -> Start:
+    """Where a fit resumed from ``checkpoint`` starts."""
+    history = {name: list(values) for name, values in checkpoint.extra.get("history", {}).items()}
+    return Start(checkpoint.epoch, checkpoint.step, checkpoint.metric_variables, history)
 
 
 def resumable_checkpoint(
@@ -96,8 +113,8 @@ def model_checkpoint(
 class CheckpointWriter:
     """What every checkpoint of one ``fit(checkpoint_dir=...)`` shares, and where they go.
 
-    Each backend extends it with when to save and how to sum its metric states; only the
-    primary process calls ``write``.
+    Every process asks ``due`` at the same steps (summing metric states is a collective);
+    only the primary process calls ``write``.
     """
 
     directory: str
@@ -154,8 +171,8 @@ def restore_model(checkpoint: Checkpoint, model: keras.Model, *, metrics: bool =
 
 def _optimizer_pairs(optimizer: list[keras.Variable], checkpoint: Checkpoint) -> list[tuple[keras.Variable, Any]]:
     """Optimizer variables matched by position. Paths carry per-process unique names
-    (``adam_3/...``), so they cannot match between runs; but a warmup schedule drops the
-    learning-rate variable, so when exactly one side has it, it is left out of the match."""
+    (``adam_3/...``), so they cannot match between runs. Checkpoints of dp-core 0.1 lack the
+    learning-rate variable after a warmup; when exactly one side has it, it is left out of the match."""
     saved = checkpoint.optimizer_variables
     if len(saved) == len(optimizer):
         return list(zip(optimizer, saved, strict=True))
@@ -173,11 +190,6 @@ def _optimizer_pairs(optimizer: list[keras.Variable], checkpoint: Checkpoint) ->
 
 def _optimizer_name(optimizer: list[keras.Variable]) -> str:
     return f"the optimizer '{optimizer[0].path.split('/')[0]}'" if optimizer else "the model's optimizer"
-
-
-def resumed_history(checkpoint: Checkpoint) -> dict[str, list[Any]]:
-    """The History logs of the epochs the checkpoint had finished."""
-    return {name: list(values) for name, values in checkpoint.extra.get("history", {}).items()}
 
 
 def _check_shape(variable: keras.Variable, value: np.ndarray) -> None:

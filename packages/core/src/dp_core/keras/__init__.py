@@ -1,0 +1,75 @@
+"""dp_core.keras: the Keras layer every keras-dp backend is written on (``pip install dp-core[keras]``).
+
+What makes a trainer Keras-native, written once: the input adapter, model resolution and
+building, the learning-rate policy, callbacks and logs, checkpoints and resume, and (in
+``internals``) every private Keras attribute keras-dp relies on. A backend package imports
+these names and implements ``dp_core.Trainer`` on its own collectives and loop; see
+docs/architecture.md. ``import dp_core`` alone never imports this module, nor keras.
+"""
+
+from dp_core._data import flatten as flatten
+from dp_core._data import map_structure as map_structure
+from dp_core._nonfinite import check_nonfinite_mode as check_nonfinite_mode
+from dp_core._nonfinite import skipped_message as skipped_message
+from dp_core._nonfinite import stopped as nonfinite_loss_stopped
+from dp_core._options import BATCH_NORM_MODES as BATCH_NORM_MODES
+from dp_core._options import check_batch_norm_mode as check_batch_norm_mode
+from dp_core.keras import _internals as internals
+from dp_core.keras._arguments import FitArguments as FitArguments
+from dp_core.keras._arguments import checked_model_and_inputs as checked_model_and_inputs
+from dp_core.keras._arguments import fit_arguments as fit_arguments
+from dp_core.keras._callbacks import callback_list as callback_list
+from dp_core.keras._callbacks import needs_every_batch as needs_every_batch
+from dp_core.keras._callbacks import progress_bar as progress_bar
+from dp_core.keras._callbacks import verbosity as verbosity
+from dp_core.keras._checkpoints import CheckpointWriter as CheckpointWriter
+from dp_core.keras._checkpoints import Start as Start
+from dp_core.keras._checkpoints import model_checkpoint as model_checkpoint
+from dp_core.keras._checkpoints import restore_model as restore_model
+from dp_core.keras._checkpoints import resumable_checkpoint as resumable_checkpoint
+from dp_core.keras._checkpoints import start_of as start_of
+from dp_core.keras._inputs import Inputs as Inputs
+from dp_core.keras._inputs import validation_inputs as validation_inputs
+from dp_core.keras._learning_rate import KerasSchedule as KerasSchedule
+from dp_core.keras._learning_rate import LearningRatePolicy as LearningRatePolicy
+from dp_core.keras._learning_rate import learning_rate_policy_installed as learning_rate_policy_installed
+from dp_core.keras._learning_rate import plan_learning_rate as plan_learning_rate
+from dp_core.keras._logs import python_logs as python_logs
+from dp_core.keras._model import build_model as build_model
+from dp_core.keras._model import require_backend as require_backend
+from dp_core.keras._model import require_compiled as require_compiled
+from dp_core.keras._model import resolve_model as resolve_model
+
+__all__ = [
+    "BATCH_NORM_MODES",
+    "CheckpointWriter",
+    "FitArguments",
+    "Inputs",
+    "KerasSchedule",
+    "LearningRatePolicy",
+    "Start",
+    "build_model",
+    "callback_list",
+    "check_batch_norm_mode",
+    "check_nonfinite_mode",
+    "checked_model_and_inputs",
+    "fit_arguments",
+    "flatten",
+    "internals",
+    "learning_rate_policy_installed",
+    "map_structure",
+    "model_checkpoint",
+    "needs_every_batch",
+    "nonfinite_loss_stopped",
+    "plan_learning_rate",
+    "progress_bar",
+    "python_logs",
+    "require_backend",
+    "require_compiled",
+    "resolve_model",
+    "restore_model",
+    "resumable_checkpoint",
+    "skipped_message",
+    "start_of",
+    "verbosity",
+]

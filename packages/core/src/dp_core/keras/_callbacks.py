@@ -1,0 +1,69 @@
+"""Keras callbacks, History and the progress bar, run by the primary process only."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import keras
+
+from dp_core.keras import _internals
+
+Mode = Literal["train", "test", "predict"]
+_BATCH_HOOKS: dict[str, tuple[str, ...]] = {
+    "train": ("on_batch_begin", "on_batch_end", "on_train_batch_begin", "on_train_batch_end"),
+    "test": ("on_test_batch_begin", "on_test_batch_end"),
+    "predict": ("on_predict_batch_begin", "on_predict_batch_end"),
+}
+
+
+def verbosity(verbose: Any) -> int:
+    """Keras's ``verbose``: ``"auto"`` is 1 (the progress bar), as in ``model.fit``."""
+    return 1 if verbose == "auto" else int(verbose)
+
+
+def callback_list(
+    callbacks: Sequence[keras.callbacks.Callback] | None,
+    model: keras.Model,
+    *,
+    is_primary: bool,
+    verbose: Any,
+    epochs: int,
+    steps: int,
+) -> keras.callbacks.CallbackList:
+    """``fit``'s callbacks with History and the progress bar, on the primary process only.
+
+    Other processes get an empty list with a History, so their loop code is the same
+    and nothing is printed or written twice.
+    """
+    level = verbosity(verbose)
+    return keras.callbacks.CallbackList(
+        list(callbacks or []) if is_primary else [],
+        add_history=True,
+        add_progbar=is_primary and level != 0,
+        model=model,
+        verbose=level if is_primary else 0,
+        epochs=epochs,
+        steps=steps,
+    )
+
+
+def progress_bar(model: keras.Model, *, is_primary: bool, verbose: Any, steps: int) -> keras.callbacks.CallbackList:
+    """The progress bar alone (``evaluate``/``predict``), on the primary process only."""
+    level = verbosity(verbose)
+    show = is_primary and level != 0
+    return keras.callbacks.CallbackList(
+        [], add_progbar=show, model=model, verbose=level if show else 0, epochs=1, steps=steps
+    )
+
+
+def needs_every_batch(callbacks: Sequence[keras.callbacks.Callback] | None, mode: Mode = "train") -> bool:
+    """Whether a callback acts at every batch of ``mode`` (so logs and decisions are needed each
+    step). The progress bar and History do not count: they are served at a few steps."""
+    passive = (keras.callbacks.ProgbarLogger, keras.callbacks.History)
+    return any(
+        _internals.overrides_hook(callback, hook)
+        for callback in callbacks or []
+        if not isinstance(callback, passive)
+        for hook in _BATCH_HOOKS[mode]
+    )

@@ -1,0 +1,95 @@
+"""The input adapter: what ``fit``/``evaluate``/``predict`` accept, checked once, read by row.
+
+``x``, ``y`` and ``sample_weight`` may each be an array (numpy, torch, jax), a tuple, list or
+dict of arrays (multi-input or multi-output models), or ``None``; or ``x`` is a map-style
+dataset (``__len__`` + ``__getitem__``) whose items are ``x``, ``(x, y)`` or
+``(x, y, sample_weight)``. Every backend reads its rows through ``Inputs.rows``, so both
+see the same numbers: floats in Keras's ``floatx`` (as Keras's array adapter casts them),
+other dtypes as given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import numpy as np
+
+from dp_core._data import flatten, is_map_dataset, map_structure, num_rows, take_rows
+
+
+class Inputs:
+    """``x``, ``y`` and ``sample_weight`` as a trainer got them, with their row count.
+
+    >>> inputs = Inputs(np.zeros((5, 3)), np.arange(5))
+    >>> inputs.num_samples
+    5
+    >>> x, y, sample_weight = inputs.rows(np.array([4, 0]))
+    >>> x.dtype, y.tolist(), sample_weight
+    (dtype('float32'), [4, 0], None)
+    """
+
+    def __init__(self, x: Any, y: Any = None, sample_weight: Any = None, *, name: str = "x") -> None:
+        try:
+            self.num_samples = num_rows(x, y, sample_weight)
+        except ValueError as error:
+            if name == "x":
+                raise
+            raise ValueError(f"{name}: {error}") from None
+        self.x, self.y, self.sample_weight = x, y, sample_weight
+
+    @property
+    def is_dataset(self) -> bool:
+        """Whether ``x`` is a map-style dataset (its items hold ``y`` and ``sample_weight``)."""
+        return is_map_dataset(self.x)
+
+    def rows(self, indices: np.ndarray) -> tuple[Any, Any, Any]:
+        """``(x, y, sample_weight)`` of these rows as numpy, floats in ``floatx``."""
+        if self.is_dataset:
+            parts = keras.utils.unpack_x_y_sample_weight(take_rows(self.x, indices))
+        else:
+            parts = tuple(take_rows(part, indices) for part in (self.x, self.y, self.sample_weight))
+        x, y, sample_weight = (map_structure(_to_floatx, part) for part in parts)
+        return x, y, sample_weight
+
+    def first_rows(self, count: int = 2) -> tuple[Any, Any, Any]:
+        """The first ``count`` rows (fewer if there are fewer), to build a model from their shapes."""
+        return self.rows(np.arange(min(count, self.num_samples)))
+
+    def array_leaves(self) -> list[Any]:
+        """Every array of ``x``, ``y`` and ``sample_weight`` (none for a dataset)."""
+        return [] if self.is_dataset else flatten((self.x, self.y, self.sample_weight))
+
+    def map_arrays(self, fn: Callable[[Any], Any]) -> Inputs:
+        """The same inputs with ``fn`` applied to every leaf of ``x``, ``y`` and ``sample_weight``
+        (a dataset is kept as is), e.g. to swap arrays for handles that cross to another process
+        and back. The row count is kept, not recounted."""
+        if self.is_dataset:
+            return self
+        mapped = object.__new__(Inputs)
+        mapped.num_samples = self.num_samples
+        mapped.x, mapped.y, mapped.sample_weight = (
+            map_structure(fn, part) for part in (self.x, self.y, self.sample_weight)
+        )
+        return mapped
+
+
+def validation_inputs(validation_data: Any) -> Inputs:
+    """``fit``'s ``validation_data``: ``(x, y)``, ``(x, y, sample_weight)`` or a map-style dataset."""
+    if is_map_dataset(validation_data):
+        return Inputs(validation_data, name="validation_data")
+    if isinstance(validation_data, (tuple, list)) and len(validation_data) in (2, 3):
+        return Inputs(*validation_data, name="validation_data")
+    length = f" of length {len(validation_data)}" if isinstance(validation_data, (tuple, list)) else ""
+    raise ValueError(
+        "validation_data must be (x_val, y_val), (x_val, y_val, sample_weight_val) or a map-style dataset, "
+        f"got {type(validation_data).__name__}{length}."
+    )
+
+
+def _to_floatx(leaf: Any) -> np.ndarray:
+    array = np.asarray(leaf)
+    if np.issubdtype(array.dtype, np.floating):
+        return array.astype(keras.config.floatx(), copy=False)
+    return array

@@ -1,0 +1,155 @@
+"""Every private Keras attribute keras-dp touches, each with the reason, in one place.
+
+Keras has no public API for these. When a Keras release moves one, this module (and the
+``keras_versions`` nox sessions, which run the cross-backend suite on the oldest and the
+newest Keras allowed) is where it shows; nothing else in keras-dp reads a ``_`` attribute
+of a Keras object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import keras
+
+
+def symbolic_build(model: keras.Model, data_batch: tuple[Any, Any, Any]) -> None:
+    """Create the model's, loss's, metrics' and optimizer's variables from one batch, as
+    ``model.fit`` does before its first step (a trainer must have them before it copies state)."""
+    model._symbolic_build(data_batch=data_batch)
+
+
+def call_has_training_arg(model: keras.Model) -> bool:
+    """Whether ``model.call`` takes ``training``; Keras's own trainers check the same flag."""
+    return bool(model._call_has_training_arg)
+
+
+def training_kwargs(model: keras.Model, training: bool) -> dict[str, bool]:
+    """``{"training": training}`` for a model whose ``call`` takes it, else nothing."""
+    return {"training": training} if call_has_training_arg(model) else {}
+
+
+def compile_loss(model: keras.Model) -> Any:
+    """The ``CompileLoss`` that ``model.compile`` made (None without a loss): its per-output
+    trackers weigh a batch by its row count, which padding would change."""
+    return getattr(model, "_compile_loss", None)
+
+
+def compile_metrics(model: keras.Model) -> Any:
+    """The ``CompileMetrics`` of ``metrics=``/``weighted_metrics=`` (None without metrics):
+    unweighted metrics must still skip padded rows."""
+    return getattr(model, "_compile_metrics", None)
+
+
+def loss_tracker(model: keras.Model) -> keras.metrics.Metric | None:
+    """The ``loss`` mean that ``fit`` logs; a distributed step updates it itself."""
+    return model._loss_tracker
+
+
+def loss_trackers(model: keras.Model) -> list[keras.metrics.Metric]:
+    """The ``loss`` tracker and every per-output loss tracker."""
+    trackers = [tracker] if (tracker := loss_tracker(model)) is not None else []
+    compiled = compile_loss(model)
+    return trackers + (list(compiled.metrics) if compiled is not None else [])
+
+
+def compute_loss(model: keras.Model, **kwargs: Any) -> Any:
+    """``Trainer._compute_loss``: ``compute_loss`` plus the override hook that subclasses
+    which redefine ``compute_loss`` rely on, exactly as Keras's ``train_step`` calls it."""
+    return model._compute_loss(**kwargs)
+
+
+@contextlib.contextmanager
+def forward_losses(model: keras.Model, losses: list[Any]) -> Iterator[None]:
+    """Within the block, ``model.losses`` are ``losses`` (collected by ``stateless_call``), so
+    ``add_loss``/regularizer terms reach ``compute_loss`` as in Keras's jax trainer."""
+    if losses:
+        model._losses_override = losses
+    try:
+        yield
+    finally:
+        model._losses_override = []
+
+
+def flatten_layers(model: keras.Model, *, include_self: bool = False) -> list[keras.layers.Layer]:
+    """Every layer nested in ``model`` (``model.layers`` lists only the top level)."""
+    return list(model._flatten_layers(include_self=include_self, recursive=True))
+
+
+def seed_generators(layer: keras.layers.Layer) -> list[Any]:
+    """The layer's own ``SeedGenerator``s (Dropout and friends), to give each replica its stream."""
+    return list(layer._seed_generators)
+
+
+def metrics_in_order(model: keras.Model, logs: dict[str, Any]) -> Any:
+    """``evaluate(return_dict=False)``'s list, in the order ``model.evaluate`` returns it."""
+    return model._flatten_metrics_in_order(logs)
+
+
+def learning_rate_owner(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
+    """The optimizer that holds the learning rate: a ``LossScaleOptimizer``'s inner one."""
+    return getattr(optimizer, "inner_optimizer", None) or optimizer
+
+
+def learning_rate_object(optimizer: keras.optimizers.Optimizer) -> Any:
+    """The learning rate as stored: a ``keras.Variable``, a schedule or a callable (the public
+    ``learning_rate`` evaluates a schedule, which loses what it is)."""
+    return learning_rate_owner(optimizer)._learning_rate
+
+
+def set_learning_rate_object(optimizer: keras.optimizers.Optimizer, value: Any) -> None:
+    """Put a learning rate object back as it was; the public setter refuses a float once a
+    schedule is installed."""
+    learning_rate_owner(optimizer)._learning_rate = value
+
+
+def batch_norm_reduction_axes(layer: keras.layers.BatchNormalization) -> tuple[int, ...]:
+    """The axes a BatchNormalization layer takes its moments over (all but the channel axis)."""
+    axes: Any = layer._reduction_axes
+    return tuple(axes)
+
+
+def override_batch_norm_moments(
+    layer: keras.layers.BatchNormalization, moments: Callable[[Any, Any], tuple[Any, Any]]
+) -> Callable[[], None]:
+    """Replace ``layer._moments(inputs, mask)``, the one place a BN layer computes its batch
+    statistics, so padded rows can be left out; returns the undo."""
+    return override(layer, "_moments", moments)
+
+
+def batch_norm_moments(layer: keras.layers.BatchNormalization) -> Callable[[Any, Any], tuple[Any, Any]]:
+    """The layer's current ``_moments`` (Keras's, unless overridden)."""
+    moments: Any = layer._moments
+    return moments
+
+
+def compiled_metric_parts(compile_metrics: Any) -> tuple[list[Any], list[Any], Callable[[Any], list[Any]]]:
+    """The unweighted and weighted metric lists of a ``CompileMetrics`` and its per-output
+    flattening: the padding mask must reach the unweighted metrics, which Keras gives no weight."""
+    return compile_metrics._flat_metrics, compile_metrics._flat_weighted_metrics, compile_metrics._flatten_y
+
+
+def overrides_hook(callback: keras.callbacks.Callback, hook: str) -> bool:
+    """Whether ``callback`` does something in ``hook``: Keras marks its no-op hooks ``_is_default``
+    (also sees hooks set on the instance, as ``LambdaCallback`` does)."""
+    return not getattr(getattr(callback, hook), "_is_default", False)
+
+
+def override(obj: Any, name: str, replacement: Callable[..., Any]) -> Callable[[], None]:
+    """Shadow the method ``name`` on this one object (not its class); returns the undo.
+
+    ``object.__setattr__`` keeps Keras's attribute tracking out of it.
+    """
+    had_own = name in vars(obj)
+    previous = vars(obj).get(name)
+    object.__setattr__(obj, name, replacement)
+
+    def restore() -> None:
+        if had_own:
+            object.__setattr__(obj, name, previous)
+        else:
+            object.__delattr__(obj, name)
+
+    return restore

@@ -1,0 +1,59 @@
+"""The model a trainer works on: the right backend, a compiled model or a factory's, built."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import keras
+
+from dp_core.keras import _internals
+from dp_core.keras._inputs import Inputs
+
+
+def require_backend(expected: str, package: str) -> None:
+    """Fail early, with the fix, when Keras runs on another backend."""
+    actual = keras.backend.backend()
+    if actual != expected:
+        raise RuntimeError(
+            f"{package} needs the Keras '{expected}' backend, but Keras is running on '{actual}' "
+            f"(KERAS_BACKEND={os.environ.get('KERAS_BACKEND')!r}). Set KERAS_BACKEND={expected} in the "
+            f"environment before Python starts, or `os.environ['KERAS_BACKEND'] = '{expected}'` before "
+            "the first `import keras`."
+        )
+
+
+def resolve_model(model: Any, *, compiled: bool = True) -> keras.Model:
+    """The model itself, or the one a zero-argument factory builds; ``compiled=False`` for
+    ``predict``, which (like Keras's) needs no loss or optimizer."""
+    if not isinstance(model, keras.Model) and callable(model):
+        model = model()
+    if not isinstance(model, keras.Model):
+        kind = "a compiled keras.Model" if compiled else "a keras.Model"
+        raise TypeError(f"model must be {kind} or a zero-argument callable returning one, got {type(model).__name__}.")
+    if compiled:
+        require_compiled(model)
+    return model
+
+
+def require_compiled(model: keras.Model) -> None:
+    """A clear error, naming the fix, for a model ``fit``/``evaluate`` cannot train or score."""
+    if not getattr(model, "compiled", False) or model.optimizer is None:
+        raise ValueError(
+            f"Model '{model.name}' is not compiled: the trainer uses the optimizer, loss and metrics "
+            "from `model.compile(...)`. Call `model.compile(optimizer=..., loss=..., metrics=[...])` first."
+        )
+    if getattr(model, "loss", None) is None:
+        raise ValueError(f"Model '{model.name}' was compiled without a loss; pass `loss=` to `model.compile`.")
+
+
+def build_model(model: keras.Model, inputs: Inputs, *, rows: int = 2, for_predict: bool = False) -> None:
+    """Create every variable ``fit`` or ``evaluate`` needs (model, loss trackers, metrics,
+    optimizer) from the first ``rows`` rows, as Keras does before its first step; for
+    ``predict`` only the model's own."""
+    x, y, sample_weight = inputs.first_rows(rows)
+    if for_predict:
+        if not model.built:
+            model(x)
+        return
+    _internals.symbolic_build(model, (x, y, sample_weight))

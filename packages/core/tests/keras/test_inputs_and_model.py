@@ -1,0 +1,124 @@
+"""dp_core.keras's input adapter, model resolution, logs and callback checks."""
+
+import keras
+import numpy as np
+import pytest
+
+from dp_core.keras import (
+    Inputs,
+    build_model,
+    needs_every_batch,
+    python_logs,
+    require_backend,
+    resolve_model,
+    validation_inputs,
+)
+
+
+class Rows:
+    """A map-style dataset of (x, y) rows."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def small_model(compiled=True):
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    if compiled:
+        model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    return model
+
+
+def test_arrays_and_a_dataset_of_the_same_rows_read_the_same():
+    x, y = np.arange(15, dtype="float64").reshape(5, 3), np.arange(5)
+    indices = np.array([4, 1, 1])
+    for inputs in (Inputs(x, y), Inputs(Rows(x, y))):
+        assert inputs.num_samples == 5
+        rx, ry, rw = inputs.rows(indices)
+        assert rx.dtype == np.float32 and ry.dtype == y.dtype and rw is None  # floats in floatx, as model.fit
+        np.testing.assert_array_equal(rx, x[indices])
+        np.testing.assert_array_equal(ry, y[indices])
+
+
+def test_nested_inputs_keep_their_structure_and_count_rows_once():
+    x = {"a": np.zeros((4, 2)), "b": (np.ones((4, 1)), np.ones((4,)))}
+    inputs = Inputs(x, np.zeros(4), np.ones(4))
+    assert inputs.num_samples == 4
+    rx, _, weights = inputs.rows(np.array([0, 3]))
+    assert rx["a"].shape == (2, 2) and rx["b"][0].shape == (2, 1) and weights.shape == (2,)
+    assert len(inputs.array_leaves()) == 5
+    mapped = inputs.map_arrays(lambda leaf: leaf.shape)
+    assert mapped.num_samples == 4 and mapped.x["b"][1] == (4,)
+
+
+def test_row_count_errors_name_the_argument():
+    with pytest.raises(ValueError, match="x has 3, y has 2"):
+        Inputs(np.zeros((3, 1)), np.zeros(2))
+    with pytest.raises(ValueError, match=r"validation_data: All inputs.*x has 3, y has 2"):
+        validation_inputs((np.zeros((3, 1)), np.zeros(2)))
+    with pytest.raises(ValueError, match=r"validation_data must be \(x_val, y_val\).*got tuple of length 1"):
+        validation_inputs((np.zeros((3, 1)),))
+
+
+def test_validation_data_may_be_arrays_or_a_map_style_dataset():
+    x, y = np.zeros((6, 3)), np.zeros(6)
+    assert validation_inputs((x, y)).num_samples == 6
+    assert validation_inputs((x, y, np.ones(6))).sample_weight is not None
+    dataset = validation_inputs(Rows(x, y))
+    assert dataset.is_dataset and dataset.num_samples == 6
+
+
+def test_logs_are_pythonified_as_keras_does():
+    logs = python_logs({"loss": np.float32(0.5), "f1": keras.ops.convert_to_tensor([0.25, 0.75]), "one": [2.0]})
+    assert logs["loss"] == 0.5 and isinstance(logs["loss"], float)
+    assert isinstance(logs["f1"], np.ndarray) and logs["f1"].tolist() == [0.25, 0.75]
+    assert logs["one"] == 2.0  # a one-element result is a float in Keras's History too
+
+
+def test_build_model_creates_every_variable_fit_needs():
+    model = small_model()
+    build_model(model, Inputs(np.zeros((5, 3)), np.zeros((5, 1))))
+    assert model.built and model.optimizer.built and model.metrics_variables
+    predict_only = small_model(compiled=False)
+    build_model(predict_only, Inputs(np.zeros((5, 3))), for_predict=True)
+    assert predict_only.built
+
+
+def test_resolve_model():
+    model = small_model()
+    assert resolve_model(model) is model
+    assert isinstance(resolve_model(small_model), keras.Model)
+    with pytest.raises(ValueError, match=r"Model 'sequential.*' is not compiled.*model.compile\("):
+        resolve_model(small_model(compiled=False))
+    with pytest.raises(TypeError, match="got int"):
+        resolve_model(3)
+    uncompiled = small_model(compiled=False)
+    assert resolve_model(uncompiled, compiled=False) is uncompiled  # predict needs no compile
+    with pytest.raises(TypeError, match="must be a keras.Model or a zero-argument callable"):
+        resolve_model("model", compiled=False)
+
+
+def test_require_backend_says_how_to_fix():
+    require_backend(keras.backend.backend(), "this package")
+    other = "torch" if keras.backend.backend() != "torch" else "jax"
+    with pytest.raises(RuntimeError, match=rf"needs the Keras '{other}' backend.*Set KERAS_BACKEND={other}"):
+        require_backend(other, "a package")
+
+
+class EveryBatch(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        pass
+
+
+def test_batch_hooks_are_seen_on_subclasses_and_on_lambda_callbacks():
+    assert needs_every_batch([EveryBatch()])
+    assert needs_every_batch([keras.callbacks.LambdaCallback(on_batch_end=lambda batch, logs: None)])
+    assert not needs_every_batch([keras.callbacks.EarlyStopping(), keras.callbacks.ProgbarLogger()])
+    assert not needs_every_batch([EveryBatch()], "test")
+    assert not needs_every_batch(None)

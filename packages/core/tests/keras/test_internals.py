@@ -1,0 +1,110 @@
+"""Every private Keras attribute keras-dp reads, read on a real model: the first test to fail
+when a Keras release moves one (the keras_versions sessions run this on the oldest and newest)."""
+
+import inspect
+
+import keras
+import numpy as np
+import pytest
+
+from dp_core.keras import internals
+
+
+@pytest.fixture
+def model():
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dropout(0.5)(keras.layers.BatchNormalization()(keras.layers.Dense(6)(inputs)))
+    model = keras.Model(
+        inputs, {"a": keras.layers.Dense(2, name="a")(hidden), "b": keras.layers.Dense(1, name="b")(hidden)}
+    )
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss={"a": "sparse_categorical_crossentropy", "b": "mse"},
+        metrics={"a": ["accuracy"]},
+        weighted_metrics={"b": ["mae"]},
+    )
+    x, y = np.zeros((3, 4), "float32"), {"a": np.zeros(3), "b": np.zeros((3, 1), "float32")}
+    internals.symbolic_build(model, (x, y, None))
+    return model
+
+
+def test_every_accessor_reads_a_compiled_model(model):
+    assert model.built and model.optimizer.built
+    assert internals.call_has_training_arg(model) is True
+    assert internals.training_kwargs(model, False) == {"training": False}
+    assert internals.loss_tracker(model) is not None
+    assert len(internals.loss_trackers(model)) == 3  # loss, a_loss, b_loss
+    assert internals.compile_loss(model) is not None and internals.compile_metrics(model) is not None
+    layers = internals.flatten_layers(model)
+    assert {type(layer).__name__ for layer in layers} >= {"Dense", "BatchNormalization", "Dropout"}
+    assert any(internals.seed_generators(layer) for layer in layers)
+    norm = next(layer for layer in layers if isinstance(layer, keras.layers.BatchNormalization))
+    assert internals.batch_norm_reduction_axes(norm) == (0,)
+    metrics, weighted, flatten_y = internals.compiled_metric_parts(internals.compile_metrics(model))
+    assert len(flatten_y({"a": 1, "b": 2})) == 2 and any(metrics) and any(weighted)
+    logs = {m.name: 0.0 for m in model.metrics}
+    assert len(internals.metrics_in_order(model, logs)) == len(model.metrics)
+
+
+def test_loss_and_forward_losses(model):
+    x, y = np.ones((3, 4), "float32"), {"a": np.zeros(3), "b": np.zeros((3, 1), "float32")}
+    y_pred = model(x)
+    plain = float(internals.compute_loss(model, x=x, y=y, y_pred=y_pred, sample_weight=None, training=False))
+    with internals.forward_losses(model, [keras.ops.convert_to_tensor(2.0)]):
+        extra = float(internals.compute_loss(model, x=x, y=y, y_pred=y_pred, sample_weight=None, training=False))
+    assert extra == pytest.approx(plain + 2.0)
+    after = float(internals.compute_loss(model, x=x, y=y, y_pred=y_pred, sample_weight=None, training=False))
+    assert after == pytest.approx(plain)
+
+
+def test_learning_rate_object_can_be_swapped_and_put_back(model):
+    variable = internals.learning_rate_object(model.optimizer)
+    assert isinstance(variable, keras.Variable)
+    internals.set_learning_rate_object(model.optimizer, keras.optimizers.schedules.ExponentialDecay(0.5, 10, 0.5))
+    assert float(model.optimizer.learning_rate) == pytest.approx(0.5)
+    internals.set_learning_rate_object(model.optimizer, variable)
+    assert float(model.optimizer.learning_rate) == pytest.approx(0.01)
+    wrapped = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.3))
+    assert internals.learning_rate_owner(wrapped) is wrapped.inner_optimizer
+
+
+def test_batch_norm_moments_override_is_used_and_undone(model):
+    norm = next(
+        layer for layer in internals.flatten_layers(model) if isinstance(layer, keras.layers.BatchNormalization)
+    )
+    calls = []
+    original = internals.batch_norm_moments(norm)
+
+    def moments(inputs, mask):
+        calls.append(inputs.shape)
+        return original(inputs, mask)
+
+    undo = internals.override_batch_norm_moments(norm, moments)
+    norm(np.ones((3, 6), "float32"), training=True)
+    undo()
+    norm(np.ones((3, 6), "float32"), training=True)
+    assert calls == [(3, 6)]
+
+
+def test_override_shadows_one_object_and_is_undone(model):
+    tracker, other = internals.loss_trackers(model)[:2]
+    undo = internals.override(tracker, "update_state", lambda *args, **kwargs: "shadowed")
+    assert tracker.update_state(1.0) == "shadowed" and other.update_state is not tracker.update_state
+    undo()
+    tracker.update_state(1.0)
+    assert "update_state" not in vars(tracker) and float(tracker.result()) == 1.0
+
+
+def test_hook_marker():
+    assert not internals.overrides_hook(keras.callbacks.Callback(), "on_train_batch_end")
+    assert internals.overrides_hook(keras.callbacks.LambdaCallback(on_train_batch_end=print), "on_train_batch_end")
+
+
+def test_every_accessor_is_tested_here():
+    source = inspect.getsource(inspect.getmodule(test_hook_marker))
+    names = [
+        name
+        for name, value in vars(internals).items()
+        if inspect.isfunction(value) and value.__module__ == internals.__name__
+    ]
+    assert [name for name in names if f"internals.{name}(" not in source] == []

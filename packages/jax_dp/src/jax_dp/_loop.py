@@ -1,0 +1,283 @@
+"""The host-side loops: Keras's ``fit``/``evaluate``/``predict`` loops over the jitted steps.
+
+Callbacks and the progress bar run on process 0 only; every decision process 0 makes
+(stop) reaches every process at a step all of them agree on. The state lives on the mesh
+during an epoch and in the caller's model around the callbacks that end it (``_state``).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import keras
+import numpy as np
+from jax.sharding import Mesh
+
+from dp_core import ReplicaLayout, num_steps
+from dp_core.keras import (
+    CheckpointWriter,
+    FitArguments,
+    Start,
+    callback_list,
+    needs_every_batch,
+    nonfinite_loss_stopped,
+    python_logs,
+    skipped_message,
+)
+from jax_dp._batches import EpochPlan, device_batches
+from jax_dp._checkpoints import save
+from jax_dp._distributed import agree, is_primary, replicated_to_host, rows_to_host
+from jax_dp._metrics import Logs, metrics_on_mesh, summed_to_host
+from jax_dp._optimizers import Optimizer
+from jax_dp._state import TrainState, Weights, counts_on_host, train_state_on_mesh, weights_on_mesh, write_back
+from jax_dp._steps import Steps
+
+PROGRESS_SECONDS = 0.2  # progress-bar refresh: often enough to watch, rarely enough not to stall the devices
+STOP_CHECK_STEPS = 16  # with several processes, how often a mid-epoch stop decision is exchanged
+
+
+class BatchEndReporter:
+    """Calls batch-end callbacks every step only if a callback needs every step.
+
+    Otherwise (progress bar only) at most every ``PROGRESS_SECONDS`` and at the last
+    step, because each report sums the metric states and waits for the devices. With
+    several processes that sum is a collective, so every process reports at the same
+    steps: every step if process 0 needs it, else every ``STOP_CHECK_STEPS``.
+    """
+
+    def __init__(self, callbacks: keras.callbacks.CallbackList, mode: str, steps: int) -> None:
+        self.callbacks = callbacks
+        self.steps = steps
+        self.every_step = needs_every_batch(callbacks.callbacks, mode)  # type: ignore[arg-type]
+        progress = any(isinstance(c, keras.callbacks.ProgbarLogger) for c in callbacks.callbacks)
+        self.several_processes = jax.process_count() > 1
+        if self.several_processes:
+            self.every_step = agree(self.every_step)
+        self.enabled = self.every_step or progress or self.several_processes
+        self.last = 0.0
+
+    def due(self, step: int) -> bool:
+        if not self.enabled:
+            return False
+        if self.every_step or step == self.steps - 1:
+            return True
+        if self.several_processes:
+            return (step + 1) % STOP_CHECK_STEPS == 0
+        if time.monotonic() - self.last >= PROGRESS_SECONDS:
+            self.last = time.monotonic()
+            return True
+        return False
+
+
+def host_logs(logs: Logs | None) -> dict[str, Any]:
+    """Device logs as ``model.fit`` gives them: Python floats, numpy arrays for vector metrics."""
+    return python_logs(replicated_to_host(logs)) if logs else {}
+
+
+def fit_loop(
+    model: keras.Model,
+    arguments: FitArguments,
+    *,
+    optimizer: Optimizer,
+    steps: Steps,
+    mesh: Mesh,
+    layout: ReplicaLayout,
+    start: Start,
+    checkpoints: CheckpointWriter | None,
+    stop_on_nonfinite: bool,
+) -> keras.callbacks.History:
+    """Every epoch from ``start``: train, validate, call back, checkpoint; returns the model's History."""
+    callbacks = callback_list(
+        arguments.callbacks,
+        model,
+        is_primary=is_primary(),
+        verbose=arguments.verbose,
+        epochs=arguments.epochs,
+        steps=num_steps(arguments.inputs.num_samples, arguments.global_batch_size),
+    )
+    model.stop_training = False
+    optimizer_state = None  # kept on the mesh between epochs where the optimizer keeps it there (optax)
+    logs: dict[str, Any] = {}
+    callbacks.on_train_begin()
+    if start.epoch or start.step:  # History continues from the checkpoint
+        model.history.epoch, model.history.history = list(range(start.epoch)), start.history
+    for epoch in range(start.epoch, arguments.epochs):
+        callbacks.on_epoch_begin(epoch)
+        plan = EpochPlan(
+            arguments.inputs,
+            layout=layout,
+            global_batch_size=arguments.global_batch_size,
+            epoch=epoch,
+            seed=arguments.seed,
+            shuffle=arguments.shuffle,
+        )
+        logs, optimizer_state = _train_epoch(
+            model,
+            plan,
+            callbacks,
+            start=start if epoch == start.epoch else Start(epoch=epoch),  # a checkpoint's place is in its epoch
+            optimizer=optimizer,
+            optimizer_state=optimizer_state,
+            steps=steps,
+            mesh=mesh,
+            checkpoints=checkpoints,
+            stop_on_nonfinite=stop_on_nonfinite,
+        )
+        if arguments.validation is not None:
+            callbacks.on_test_begin()
+            validation = EpochPlan(arguments.validation, layout=layout, global_batch_size=arguments.global_batch_size)
+            val_logs = evaluate_loop(model, steps, validation, mesh)
+            callbacks.on_test_end(val_logs)
+            logs.update({f"val_{name}": value for name, value in val_logs.items()})
+        callbacks.on_epoch_end(epoch, logs)
+        if checkpoints is not None:
+            save(checkpoints, model, optimizer, optimizer_state, epoch=epoch + 1, step=0)
+        if agree(bool(model.stop_training)):
+            model.stop_training = True
+            break
+    if arguments.epochs > start.epoch:
+        optimizer.finish()
+    callbacks.on_train_end(logs)
+    return model.history
+
+
+def _train_epoch(
+    model: keras.Model,
+    plan: EpochPlan,
+    callbacks: keras.callbacks.CallbackList,
+    *,
+    start: Start,
+    optimizer: Optimizer,
+    optimizer_state: Any | None,
+    steps: Steps,
+    mesh: Mesh,
+    checkpoints: CheckpointWriter | None,
+    stop_on_nonfinite: bool,
+) -> tuple[dict[str, Any], Any]:
+    """One epoch on the mesh from ``start.step``: its logs and the optimizer state it ends with.
+
+    The model holds the trained weights afterwards, for the callbacks; the rest of the
+    state is let go, so validation does not hold a second copy of the weights on the devices.
+    """
+    state = train_state_on_mesh(
+        model,
+        optimizer,
+        mesh,
+        previous_optimizer_state=optimizer_state,
+        metric_sums=start.metric_variables if start.step else None,
+    )
+
+    def checkpoint(state: TrainState, steps_done: int) -> None:
+        assert checkpoints is not None
+        sums = summed_to_host(state.metrics, mesh)  # a collective: every process
+        write_back(model, optimizer, state)
+        save(checkpoints, model, optimizer, state.optimizer, epoch=start.epoch, step=steps_done, metric_variables=sums)
+
+    state = _train_steps(
+        steps,
+        state,
+        plan,
+        mesh,
+        model,
+        callbacks,
+        start=start.step,
+        stop_on_nonfinite=stop_on_nonfinite,
+        checkpoint=None if checkpoints is None else checkpoint,
+        checkpoint_due=None if checkpoints is None else lambda done: checkpoints.due(done, plan.steps),
+    )
+    write_back(model, optimizer, state)
+    counts = counts_on_host(state)
+    if counts.skipped and stop_on_nonfinite:
+        raise nonfinite_loss_stopped(start.epoch, start.step + counts.first_skipped, "jax_dp")
+    if counts.skipped and is_primary():
+        message = skipped_message(start.epoch, start.step + counts.first_skipped, counts.skipped)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    return host_logs(steps.results(state.metrics)), state.optimizer
+
+
+def _train_steps(
+    steps: Steps,
+    state: TrainState,
+    plan: EpochPlan,
+    mesh: Mesh,
+    model: keras.Model,
+    callbacks: keras.callbacks.CallbackList,
+    *,
+    start: int,
+    stop_on_nonfinite: bool,
+    checkpoint: Callable[[TrainState, int], None] | None,
+    checkpoint_due: Callable[[int], bool] | None,
+) -> TrainState:
+    """Steps ``start..`` of one epoch; returns the state.
+
+    With ``stop_on_nonfinite`` the loop ends at the first report or checkpoint after a
+    step with a non-finite loss (the steps after it changed nothing); the caller then
+    raises. ``checkpoint(state, steps_done)`` runs after the steps ``checkpoint_due`` asks for.
+    """
+    assert steps.train is not None
+    reporter = BatchEndReporter(callbacks, "train", plan.steps)
+    several_processes = jax.process_count() > 1
+    for step, batch in enumerate(device_batches(plan, mesh, start=start), start=start):
+        callbacks.on_train_batch_begin(step)
+        state = steps.train(state, batch)
+        done = step + 1
+        saving = checkpoint is not None and checkpoint_due is not None and checkpoint_due(done)
+        reporting = reporter.due(step)
+        if (reporting or saving) and stop_on_nonfinite and counts_on_host(state).skipped:
+            break
+        if reporting:
+            callbacks.on_train_batch_end(step, host_logs(steps.results(state.metrics)))
+        if saving and checkpoint is not None:
+            checkpoint(state, done)
+        if several_processes:
+            # Every process must stop at the same step, so the decision is exchanged at fixed steps.
+            if done % STOP_CHECK_STEPS == 0 and done < plan.steps and agree(bool(model.stop_training)):
+                model.stop_training = True
+                break
+        elif model.stop_training:
+            break
+    return state
+
+
+def evaluate_loop(
+    model: keras.Model,
+    steps: Steps,
+    plan: EpochPlan,
+    mesh: Mesh,
+    callbacks: keras.callbacks.CallbackList | None = None,
+) -> dict[str, Any]:
+    """Loss and metrics of the model's current weights over every sample of the plan (running
+    means over real rows); batch-end ``callbacks`` as ``model.evaluate`` calls them."""
+    weights = weights_on_mesh(model, mesh)
+    metrics = metrics_on_mesh(model, mesh)
+    reporter = None if callbacks is None else BatchEndReporter(callbacks, "test", plan.steps)
+    for step, batch in enumerate(device_batches(plan, mesh)):
+        metrics = steps.test(weights, metrics, batch)
+        if reporter is not None and callbacks is not None and reporter.due(step):
+            callbacks.on_test_batch_end(step, host_logs(steps.results(metrics)))
+    return host_logs(steps.results(metrics))
+
+
+def predict_loop(
+    predict_step: Callable[[Weights, Any], Any],
+    model: keras.Model,
+    plan: EpochPlan,
+    mesh: Mesh,
+    callbacks: keras.callbacks.CallbackList,
+) -> Any:
+    """The model's outputs for every sample, in the plan's (input) order, padding dropped."""
+    weights = weights_on_mesh(model, mesh)
+    reporter = BatchEndReporter(callbacks, "predict", plan.steps)
+    outputs = []
+    for step, batch in enumerate(device_batches(plan, mesh)):
+        outputs.append(predict_step(weights, batch.x))
+        if reporter.due(step):
+            callbacks.on_predict_batch_end(step, {"outputs": outputs[-1]})
+    # Pulled at the end, not per batch, so the devices never wait for the host.
+    host = [jax.tree.map(rows_to_host, output) for output in outputs]
+    num_samples = plan.inputs.num_samples
+    return jax.tree.map(lambda *parts: np.concatenate(parts)[:num_samples], *host)

@@ -1,0 +1,152 @@
+"""What the replicas run for one call: a ``FitJob``, an ``EvaluateJob`` or a ``PredictJob``.
+
+Each job is plain data that can travel to a spawned worker (its arrays as memory-mapped
+files, see ``_batches.share``), runs on one replica with ``run``, and says how rank 0's
+result crosses back to the caller through files (``save_result``/``load_result``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import keras
+import numpy as np
+import torch
+
+from dp_core import BatchNormMode, NonFiniteLoss, Verbose
+from dp_core.keras import CheckpointWriter, FitArguments, Inputs, LearningRatePolicy, learning_rate_policy_installed
+from torch_dp._batches import open_shared, share
+from torch_dp._batchnorm import masked_batch_norm
+from torch_dp._checkpoints import resume_from
+from torch_dp._comm import Replica, all_gather_rows
+from torch_dp._loop import evaluate_loop, fit_loop, predict_loop
+from torch_dp._transfer import (
+    in_input_order,
+    load_history,
+    load_logs,
+    load_predictions,
+    load_trained,
+    save_history,
+    save_logs,
+    save_predictions,
+    save_trained,
+)
+
+
+@dataclass(frozen=True)
+class FitJob:
+    """``fit``'s checked arguments and the trainer's options; ``run`` returns this replica's History."""
+
+    arguments: FitArguments
+    batch_norm: BatchNormMode
+    log_every_steps: int
+    on_nonfinite_loss: NonFiniteLoss
+    lr_policy: LearningRatePolicy | None
+    resume_from: str | None  # the checkpoint the caller chose and checked
+
+    @property
+    def inputs(self) -> Inputs:
+        return self.arguments.inputs
+
+    def run(self, model: keras.Model, replica: Replica) -> keras.callbacks.History:
+        with masked_batch_norm(model, self.batch_norm), learning_rate_policy_installed(model.optimizer, self.lr_policy):
+            start = resume_from(self.resume_from, model)  # after the policy: the checkpoint's rate wins
+            writer = None
+            if self.arguments.checkpoint_dir is not None:
+                writer = CheckpointWriter(
+                    self.arguments.checkpoint_dir,
+                    self.arguments.checkpoint_every_steps,
+                    seed=self.arguments.seed,
+                    global_batch_size=self.arguments.global_batch_size,
+                    num_replicas=replica.num_replicas,
+                    lr_policy=None if self.lr_policy is None else self.lr_policy.config(),
+                )
+            return fit_loop(model, self, replica, start=start, checkpoints=writer)
+
+    def save_result(self, directory: str, model: keras.Model, history: keras.callbacks.History) -> None:
+        save_trained(directory, model)
+        save_history(directory, history)
+
+    def load_result(self, directory: str, model: keras.Model) -> keras.callbacks.History:
+        load_trained(directory, model)
+        return load_history(directory, model)
+
+
+@dataclass(frozen=True)
+class EvaluateJob:
+    """``evaluate``'s arguments; ``run`` returns the logs over every replica's rows."""
+
+    inputs: Inputs
+    global_batch_size: int
+    batch_norm: BatchNormMode
+    verbose: Verbose
+    log_every_steps: int
+
+    def run(self, model: keras.Model, replica: Replica) -> dict[str, Any]:
+        with masked_batch_norm(model, self.batch_norm):
+            return evaluate_loop(
+                model,
+                self.inputs,
+                self.global_batch_size,
+                replica,
+                verbose=self.verbose,
+                log_every_steps=self.log_every_steps,
+            )
+
+    def save_result(self, directory: str, model: keras.Model, logs: dict[str, Any]) -> None:
+        save_logs(directory, logs)
+
+    def load_result(self, directory: str, model: keras.Model) -> dict[str, Any]:
+        return load_logs(directory)
+
+
+@dataclass(frozen=True)
+class PredictJob:
+    """``predict``'s arguments; ``run`` returns every row's outputs (flat leaves, input order)."""
+
+    inputs: Inputs
+    global_batch_size: int
+    verbose: Verbose
+
+    def run(self, model: keras.Model, replica: Replica) -> list[np.ndarray]:
+        local = keras.tree.flatten(
+            predict_loop(model, self.inputs, self.global_batch_size, replica, verbose=self.verbose)
+        )
+        # gathered on every replica: one collective, and no replica needs to know which one reports
+        parts = [
+            [p.cpu().numpy() for p in all_gather_rows(torch.as_tensor(leaf, device=replica.device), replica)]
+            for leaf in local
+        ]
+        by_rank = [[parts[leaf][rank] for leaf in range(len(local))] for rank in range(replica.num_replicas)]
+        return in_input_order(by_rank, self.inputs.num_samples, self.global_batch_size)
+
+    def save_result(self, directory: str, model: keras.Model, leaves: list[np.ndarray]) -> None:
+        save_predictions(directory, leaves)
+
+    def load_result(self, directory: str, model: keras.Model) -> list[np.ndarray]:
+        return load_predictions(directory)
+
+
+Job = FitJob | EvaluateJob | PredictJob
+
+
+def shared(job: Job, directory: str) -> Job:
+    """``job`` with its arrays written under ``directory``, for spawned workers to map."""
+    return _map_inputs(job, lambda inputs, name: share(inputs, directory, name))
+
+
+def opened(job: Job) -> Job:
+    """A shared job (in a worker) with its arrays memory-mapped."""
+    return _map_inputs(job, lambda inputs, name: open_shared(inputs))
+
+
+def _map_inputs(job: Job, fn: Callable[[Inputs, str], Inputs]) -> Job:
+    if not isinstance(job, FitJob):
+        return dataclasses.replace(job, inputs=fn(job.inputs, "inputs"))
+    arguments = job.arguments
+    validation = None if arguments.validation is None else fn(arguments.validation, "validation")
+    arguments = dataclasses.replace(arguments, inputs=fn(arguments.inputs, "inputs"), validation=validation)
+    return dataclasses.replace(job, arguments=arguments)
