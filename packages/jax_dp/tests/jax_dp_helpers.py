@@ -7,9 +7,12 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import keras
 import numpy as np
+
+import dp_core
 
 NUM_SAMPLES = 99  # 3 full batches of 32 and a last batch of 3 real rows (padded to 32)
 GLOBAL_BATCH = 32
@@ -83,3 +86,73 @@ def start_workers(
             command = [sys.executable, script, *process_arguments]
             workers.append(subprocess.Popen(command, env=env, stdout=log, stderr=log))
     return workers, log_paths
+
+
+class Run(NamedTuple):
+    """What a fit gives, to compare single-device Keras with a trainer."""
+
+    model: keras.Model
+    history: dict
+    evaluation: dict
+    predictions: Any
+
+
+def _rows(value: Any, order: np.ndarray) -> Any:
+    return None if value is None else keras.tree.map_structure(lambda array: array[order], value)
+
+
+def keras_run(build, x, y, sample_weight=None, *, epochs: int = 1, seed: int = 3) -> tuple[Run, list[np.ndarray]]:
+    """Single-device ``model.fit`` on the global batches jax_dp makes (dp_core.epoch_order's
+    rows, unshuffled), then ``evaluate`` and ``predict``; also the initial weights."""
+    model = build()
+    initial = model.get_weights()
+    num_samples = len(keras.tree.flatten(x)[0])
+    history: dict[str, list] = {}
+    for epoch in range(epochs):
+        order = np.asarray(dp_core.epoch_order(num_samples, seed=seed, epoch=epoch, shuffle=True))
+        logs = model.fit(
+            _rows(x, order),
+            _rows(y, order),
+            sample_weight=_rows(sample_weight, order),
+            batch_size=GLOBAL_BATCH,
+            shuffle=False,
+            verbose=0,
+        ).history
+        for name, values in logs.items():
+            history.setdefault(name, []).extend(values)
+    evaluation = model.evaluate(x, y, sample_weight=sample_weight, batch_size=GLOBAL_BATCH, return_dict=True, verbose=0)
+    predictions = model.predict(x, batch_size=GLOBAL_BATCH, verbose=0)
+    return Run(model, history, evaluation, predictions), initial
+
+
+def trainer_run(build, initial, x, y, sample_weight=None, *, num_replicas: int = 2, epochs: int = 1, seed: int = 3):
+    """The same with ``jax_dp.Trainer(num_replicas)``, from the same initial weights."""
+    import jax_dp
+
+    model = build()
+    model.set_weights(initial)
+    trainer = jax_dp.Trainer(num_replicas)
+    history = trainer.fit(
+        model, x, y, sample_weight=sample_weight, global_batch_size=GLOBAL_BATCH, epochs=epochs, seed=seed, verbose=0
+    )
+    evaluation = trainer.evaluate(
+        model, x, y, sample_weight=sample_weight, global_batch_size=GLOBAL_BATCH, return_dict=True, verbose=0
+    )
+    predictions = trainer.predict(model, x, global_batch_size=GLOBAL_BATCH, verbose=0)
+    return Run(model, history.history, evaluation, predictions)
+
+
+def assert_same_run(expected: Run, actual: Run, atol: float = 1e-5) -> None:
+    """Weights, History (values and types), evaluate and predict within fp32 noise."""
+    assert_weights_close(expected.model, actual.model, atol=atol)
+    assert_history_close(expected.history, actual.history, atol=atol)
+    for name, values in expected.history.items():  # floats stay floats, arrays arrays (Keras 3.10's are jax's)
+        assert [(isinstance(v, float), np.shape(v)) for v in actual.history[name]] == [
+            (isinstance(v, float), np.shape(v)) for v in values
+        ], name
+    assert_history_close(expected.evaluation, actual.evaluation, atol=atol)
+    assert {k: np.shape(v) for k, v in actual.evaluation.items()} == {
+        k: np.shape(v) for k, v in expected.evaluation.items()
+    }
+    for want, got in zip(keras.tree.flatten(expected.predictions), keras.tree.flatten(actual.predictions), strict=True):
+        np.testing.assert_allclose(got, want, atol=atol, rtol=1e-5)

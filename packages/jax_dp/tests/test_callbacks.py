@@ -6,7 +6,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-from jax_dp_helpers import GLOBAL_BATCH, dense_bn_model, make_data
+from jax_dp_helpers import GLOBAL_BATCH, assert_history_close, assert_weights_close, dense_bn_model, make_data
 
 import dp_core
 import jax_dp
@@ -139,3 +139,106 @@ def test_skip_leaves_the_step_out_on_every_replica():
 def test_unknown_nonfinite_loss_mode():
     with pytest.raises(ValueError, match=r"on_nonfinite_loss must be one of \('stop', 'skip'\), got 'ignore'"):
         jax_dp.Trainer(2, on_nonfinite_loss="ignore")  # type: ignore[arg-type]
+
+
+class StateAtBatchEnd(keras.callbacks.Callback):
+    """Records the model's weights and optimizer variables at every batch end, as a callback
+    that saves or inspects the model would read them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weights: list[list[np.ndarray]] = []
+        self.optimizer_variables: list[list[np.ndarray]] = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.weights.append(self.model.get_weights())
+        variables = self.model.optimizer.variables
+        self.optimizer_variables.append([np.array(keras.ops.convert_to_numpy(v)) for v in variables])
+
+
+def _assert_snapshots_equal(expected: list[list[np.ndarray]], actual: list[list[np.ndarray]]) -> None:
+    assert len(actual) == len(expected)
+    for step, (want, got) in enumerate(zip(expected, actual, strict=True)):
+        for w, g in zip(want, got, strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=f"batch end {step}")
+
+
+def test_batch_end_callbacks_see_the_current_weights_and_optimizer_state(data, tmp_path):
+    # ModelCheckpoint(save_freq=3) and a recorder read the model after every step, while the
+    # fit also writes its own checkpoints mid-epoch (whose write-back once left the optimizer
+    # variables on buffers the next step deleted).
+    x, y, _, _ = data
+    runs = {}
+    for name in ("keras", "jax_dp"):
+        model = dense_bn_model("adam")
+        recorder = StateAtBatchEnd()
+        saver = keras.callbacks.ModelCheckpoint(
+            str(tmp_path / f"{name}-{{epoch}}-{{batch}}.weights.h5"), save_weights_only=True, save_freq=3
+        )
+        if name == "keras":
+            model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, callbacks=[recorder, saver], verbose=0)
+        else:
+            jax_dp.Trainer(2).fit(
+                model,
+                x,
+                y,
+                global_batch_size=GLOBAL_BATCH,
+                epochs=2,
+                shuffle=False,
+                callbacks=[recorder, saver],
+                checkpoint_dir=str(tmp_path / "checkpoints"),
+                checkpoint_every_steps=2,
+                verbose=0,
+            )
+        runs[name] = model, recorder
+
+    (expected, expected_recorder), (model, recorder) = runs["keras"], runs["jax_dp"]
+    _assert_snapshots_equal(expected_recorder.weights, recorder.weights)
+    _assert_snapshots_equal(expected_recorder.optimizer_variables, recorder.optimizer_variables)
+    saved = sorted(path.name.removeprefix("keras-") for path in tmp_path.glob("keras-*"))
+    assert saved == sorted(path.name.removeprefix("jax_dp-") for path in tmp_path.glob("jax_dp-*")) and saved
+    for name in saved:
+        expected.load_weights(tmp_path / f"keras-{name}")
+        model.load_weights(tmp_path / f"jax_dp-{name}")
+        _assert_snapshots_equal([expected.get_weights()], [model.get_weights()])
+
+
+class Meddler(keras.callbacks.Callback):
+    """Lowers the learning rate before batch 1 and halves the weights after batches 2 and 3
+    (the epoch's last) of each epoch."""
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == 1:
+            self.model.optimizer.learning_rate = 0.5 * float(self.model.optimizer.learning_rate)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch >= 2:
+            self.model.set_weights([0.5 * w for w in self.model.get_weights()])
+
+
+def test_weights_and_learning_rate_set_by_batch_callbacks_apply_from_the_next_step(data, tmp_path):
+    x, y, _, _ = data
+    expected = dense_bn_model("adam")
+    initial = expected.get_weights()
+    expected_history = expected.fit(
+        x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, callbacks=[Meddler()], verbose=0
+    )
+    model = dense_bn_model("adam", seed=7)
+    model.set_weights(initial)
+
+    history = jax_dp.Trainer(2).fit(
+        model,
+        x,
+        y,
+        global_batch_size=GLOBAL_BATCH,
+        epochs=2,
+        shuffle=False,
+        callbacks=[Meddler()],
+        checkpoint_dir=str(tmp_path),
+        checkpoint_every_steps=3,  # right after a change: the checkpoint must keep it
+        verbose=0,
+    )
+
+    assert float(model.optimizer.learning_rate) == pytest.approx(0.01 / 4)
+    assert_weights_close(expected, model)
+    assert_history_close(expected_history.history, history.history)

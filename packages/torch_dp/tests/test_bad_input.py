@@ -83,3 +83,13 @@ def test_fault_options_are_checked_and_the_default_timeout_is_60_seconds():
         torch_dp.Trainer(num_replicas=2, on_nonfinite_loss="ignore")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="timeout must be a positive number of seconds, got 0"):
         torch_dp.Trainer(num_replicas=2, timeout=0)
+
+
+def test_a_batch_yielding_input_is_a_clear_error_before_any_process_starts():
+    x, y = testing.data()
+    batches = ((x[i : i + 32], y[i : i + 32]) for i in range(0, 99, 32))
+    trainer = torch_dp.Trainer(num_replicas=2)
+    with pytest.raises(NotImplementedError, match=r"x is a generator, which yields batches.*jax_dp"):
+        trainer.fit(testing.dense_batchnorm_model(), batches)
+    with pytest.raises(NotImplementedError, match=r"validation_data is a list_iterator, which yields batches"):
+        trainer.fit(testing.dense_batchnorm_model(), x, y, global_batch_size=32, validation_data=iter([(x, y)]))

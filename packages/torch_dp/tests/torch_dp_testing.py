@@ -218,3 +218,119 @@ def free_port() -> int:
 def _is_resource_tracker(pid: str) -> bool:
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         return b"resource_tracker" in f.read()
+
+
+# Models whose loss a per-replica batch changes (shapes, Keras masks, reductions), built the
+# same way in the test and in a worker (factories: the worker builds under its own settings).
+
+
+def tagger_model() -> keras.Model:
+    """Two outputs: a per-timestep softmax ("tags", labels (N, T)) and one sigmoid unit
+    ("binary", with F1Score, whose result has shape (1,))."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6, 3))
+    hidden = keras.layers.Dense(8, activation="relu")(inputs)
+    tags = keras.layers.Dense(4, activation="softmax", name="tags")(hidden)
+    binary = keras.layers.Dense(1, activation="sigmoid", name="binary")(keras.layers.Flatten()(hidden))
+    model = keras.Model(inputs, {"binary": binary, "tags": tags})
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss={"binary": "binary_crossentropy", "tags": "sparse_categorical_crossentropy"},
+        metrics={"binary": [keras.metrics.F1Score(threshold=0.5)], "tags": ["accuracy"]},
+    )
+    return model
+
+
+def tagger_data(num_samples: int = NUM_SAMPLES, seed: int = 0) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(num_samples, 6, 3)).astype("float32")
+    tags = (x[..., 0] > 0).astype("int64") + (x[..., 1] > 0.5).astype("int64") + (x[..., 2] > 1).astype("int64")
+    binary = (x[:, :, 0].sum(axis=1) > 0).astype("float32")[:, None]
+    return x, {"binary": binary, "tags": tags}
+
+
+def segmentation_model() -> keras.Model:
+    """Per-pixel classes: labels (N, H, W) over logits (N, H, W, C). Logits, because Keras's own
+    fit fails on torch for probabilities of rank 4 under this loss ("grad_input must be contiguous")."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((5, 5, 2)),
+            keras.layers.Conv2D(6, 3, padding="same", activation="relu"),
+            keras.layers.Conv2D(3, 1),
+        ]
+    )
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.2),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def segmentation_data(num_samples: int = NUM_SAMPLES, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(num_samples, 5, 5, 2)).astype("float32")
+    return x, (x[..., 0] > 0).astype("int64") + (x[..., 1] > 1).astype("int64")
+
+
+def masked_sequence_model() -> keras.Model:
+    """Token ids with 0 as padding: the Embedding's mask reaches the loss (Keras divides by the
+    valid positions) and the metrics; an activity regularizer adds a per-row term."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((7,), dtype="int32"),
+            keras.layers.Embedding(10, 4, mask_zero=True),
+            keras.layers.SimpleRNN(5, return_sequences=True, activity_regularizer=keras.regularizers.L2(0.05)),
+            keras.layers.Dense(3, activation="softmax", kernel_regularizer=keras.regularizers.L2(0.01)),
+        ]
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.2), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def masked_sequence_data(num_samples: int = NUM_SAMPLES, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of 2 to 7 tokens, zero-padded at the end (so rows hold different valid counts)."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(1, 10, size=(num_samples, 7))
+    lengths = rng.integers(2, 8, size=num_samples)
+    x[np.arange(7)[None, :] >= lengths[:, None]] = 0
+    return x.astype("int32"), (x % 3).astype("int64")
+
+
+def mixed_precision_model() -> keras.Model:
+    """Built under the global dtype policy (mixed_float16 in the test): float16 compute,
+    float32 variables, a LossScaleOptimizer; the softmax in float32, as Keras advises."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(3),
+            keras.layers.Activation("softmax", dtype="float32"),
+        ]
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+class KerasSettingsSeen(keras.callbacks.Callback):
+    """Writes to ``path`` (JSON) the Keras settings and the model's dtypes the training process sees."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def on_train_begin(self, logs=None):
+        with open(self.path, "w") as f:
+            json.dump(
+                {
+                    "pid": os.getpid(),
+                    "dtype_policy": keras.config.dtype_policy().name,
+                    "floatx": keras.config.floatx(),
+                    "layer_policy": self.model.layers[0].dtype_policy.name,
+                    "optimizer": type(self.model.optimizer).__name__,
+                },
+                f,
+            )

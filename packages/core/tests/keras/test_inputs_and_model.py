@@ -7,6 +7,7 @@ import pytest
 from dp_core.keras import (
     Inputs,
     build_model,
+    checked_model_and_inputs,
     needs_every_batch,
     python_logs,
     require_backend,
@@ -78,7 +79,8 @@ def test_logs_are_pythonified_as_keras_does():
     logs = python_logs({"loss": np.float32(0.5), "f1": keras.ops.convert_to_tensor([0.25, 0.75]), "one": [2.0]})
     assert logs["loss"] == 0.5 and isinstance(logs["loss"], float)
     assert isinstance(logs["f1"], np.ndarray) and logs["f1"].tolist() == [0.25, 0.75]
-    assert logs["one"] == 2.0  # a one-element result is a float in Keras's History too
+    # a result of shape (1,) (F1Score on one unit) stays an array, as in Keras's History under numpy 2
+    assert isinstance(logs["one"], np.ndarray) and logs["one"].tolist() == [2.0]
 
 
 def test_build_model_creates_every_variable_fit_needs():
@@ -122,3 +124,17 @@ def test_batch_hooks_are_seen_on_subclasses_and_on_lambda_callbacks():
     assert not needs_every_batch([keras.callbacks.EarlyStopping(), keras.callbacks.ProgbarLogger()])
     assert not needs_every_batch([EveryBatch()], "test")
     assert not needs_every_batch(None)
+
+
+class CustomStep(keras.Sequential):
+    def train_step(self, *args, **kwargs):
+        return super().train_step(*args, **kwargs)
+
+
+def test_an_overridden_keras_step_is_a_clear_error_not_ignored():
+    model = CustomStep([keras.Input((3,)), keras.layers.Dense(1)])
+    options = {"backend": keras.backend.backend(), "package": "a_dp", "global_batch_size": 4, "num_replicas": 2}
+    x = np.zeros((6, 3))
+    checked_model_and_inputs(model, x, compiled=False, keras_steps=("predict_step",), **options)  # not overridden
+    with pytest.raises(NotImplementedError, match=r"CustomStep overrides train_step; a_dp runs Keras's own step"):
+        checked_model_and_inputs(model, x, compiled=False, keras_steps=("train_step",), **options)

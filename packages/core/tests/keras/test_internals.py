@@ -42,6 +42,7 @@ def test_every_accessor_reads_a_compiled_model(model):
     assert internals.batch_norm_reduction_axes(norm) == (0,)
     metrics, weighted, flatten_y = internals.compiled_metric_parts(internals.compile_metrics(model))
     assert len(flatten_y({"a": 1, "b": 2})) == 2 and any(metrics) and any(weighted)
+    assert internals.initial_epoch_override(model) is None  # BackupAndRestore sets it when it restores
     logs = {m.name: 0.0 for m in model.metrics}
     assert len(internals.metrics_in_order(model, logs)) == len(model.metrics)
 
@@ -98,6 +99,31 @@ def test_override_shadows_one_object_and_is_undone(model):
 def test_hook_marker():
     assert not internals.overrides_hook(keras.callbacks.Callback(), "on_train_batch_end")
     assert internals.overrides_hook(keras.callbacks.LambdaCallback(on_train_batch_end=print), "on_train_batch_end")
+
+
+def test_loss_functions_are_swapped_and_put_back_and_keras_masks_read(model):
+    x, y = np.ones((3, 4), "float32"), {"a": np.zeros(3), "b": np.zeros((3, 1), "float32")}
+    called = []
+
+    def recording(loss):
+        def call(y_true, y_pred, sample_weight=None):
+            called.append(loss.name)
+            return loss(y_true, y_pred, sample_weight)
+
+        return call
+
+    undo = internals.override_loss_functions(internals.compile_loss(model), recording)
+    swapped = float(internals.compute_loss(model, x=x, y=y, y_pred=model(x), sample_weight=None, training=False))
+    undo()
+    plain = float(internals.compute_loss(model, x=x, y=y, y_pred=model(x), sample_weight=None, training=False))
+    assert len(called) == 2 and swapped == pytest.approx(plain)
+
+    embedded = keras.layers.Embedding(5, 2, mask_zero=True)(np.array([[1, 0]]))
+    assert keras.ops.convert_to_numpy(internals.keras_mask(embedded)).tolist() == [[True, False]]
+    rows = keras.ops.convert_to_tensor(np.ones((2, 3), "float32"))
+    assert internals.keras_mask(rows) is None
+    internals.set_keras_mask(rows, keras.ops.convert_to_tensor(np.array([True, False])))
+    assert keras.ops.convert_to_numpy(internals.keras_mask(rows)).tolist() == [True, False]
 
 
 def test_every_accessor_is_tested_here():

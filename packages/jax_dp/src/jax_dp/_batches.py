@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dp_core import ReplicaLayout, num_steps, split_indices
-from dp_core.keras import Inputs, map_structure
+from dp_core.keras import BatchSource, Inputs, map_structure
 from jax_dp._mesh import batch_sharded, put_replicated
 
 PREFETCH = 2  # batches prepared ahead: enough to hide the host's gather behind a step
@@ -84,43 +84,83 @@ class EpochPlan:
         self.indices = np.concatenate([s.indices.reshape(self.steps, -1) for s in shards], axis=1)
         self.mask = np.concatenate([s.mask.reshape(self.steps, -1) for s in shards], axis=1)
 
+    @property
+    def padded(self) -> bool:
+        """Whether the last global batch is padded (the steps then leave padded rows out of the loss)."""
+        return self.inputs.num_samples % self.global_batch_size != 0
+
     def real_rows(self, step: int) -> int:
         """Real rows of global batch ``step``: all but in the padded last one."""
         return min(self.global_batch_size, self.inputs.num_samples - step * self.global_batch_size)
 
+    def host_batches(self, start: int = 0) -> Iterator[HostBatch]:
+        """This process's rows of every global batch from ``start``."""
+        for step in range(start, self.steps):
+            x, y, sample_weight = self.inputs.rows(self.indices[step])
+            yield HostBatch(x, y, sample_weight, self.mask[step].astype(np.float32), self.real_rows(step))
 
-def device_batches(plan: EpochPlan, mesh: Mesh, *, start: int = 0) -> Iterator[Batch]:
+
+class HostBatch(NamedTuple):
+    """This process's rows of one global batch on the host, with their mask, and the real rows
+    of the whole global batch."""
+
+    x: Any
+    y: Any
+    sample_weight: Any
+    mask: np.ndarray
+    real_rows: int
+
+
+class Plan(Protocol):
+    """One epoch's global batches: of rows (``EpochPlan``) or of a batch-yielding source
+    (``_sources.SourcePlan``, whose step count may be unknown)."""
+
+    @property
+    def inputs(self) -> Inputs | BatchSource: ...
+
+    @property
+    def global_batch_size(self) -> int: ...
+
+    @property
+    def steps(self) -> int | None: ...
+
+    @property
+    def padded(self) -> bool: ...
+
+    def real_rows(self, step: int) -> int: ...
+
+    def host_batches(self, start: int = 0) -> Iterator[HostBatch]: ...
+
+
+def device_batches(plan: Plan, mesh: Mesh, *, start: int = 0) -> Iterator[Batch]:
     """The plan's batches on the mesh, ``PREFETCH`` ahead of the consumer.
 
     jax dispatch is asynchronous, so gathering and transferring batch ``s+1`` here
     overlaps with the step the caller just dispatched on batch ``s``.
     """
     ahead: collections.deque[Batch] = collections.deque()
-    real_rows: dict[int, jax.Array] = {}  # two distinct values per epoch: placed once each
-    step = start
-    while step < plan.steps or ahead:
-        while step < plan.steps and len(ahead) < PREFETCH:
-            count = plan.real_rows(step)
-            if count not in real_rows:
-                real_rows[count] = put_replicated(np.float32(count), mesh)
-            ahead.append(_put(plan, step, mesh, real_rows[count]))
-            step += 1
+    real_rows: dict[int, jax.Array] = {}  # few distinct values per epoch: placed once each
+    for host in plan.host_batches(start):
+        if host.real_rows not in real_rows:
+            real_rows[host.real_rows] = put_replicated(np.float32(host.real_rows), mesh)
+        ahead.append(_put(host, plan.global_batch_size, mesh, real_rows[host.real_rows]))
+        if len(ahead) >= PREFETCH:
+            yield ahead.popleft()
+    while ahead:
         yield ahead.popleft()
 
 
-def _put(plan: EpochPlan, step: int, mesh: Mesh, real_rows: jax.Array) -> Batch:
+def _put(host: HostBatch, global_batch_size: int, mesh: Mesh, real_rows: jax.Array) -> Batch:
     sharding = batch_sharded(mesh)
-    x, y, sample_weight = plan.inputs.rows(plan.indices[step])
-    local_mask = plan.mask[step].astype(np.float32)
 
     def put(local: np.ndarray) -> jax.Array:
-        global_shape = (plan.global_batch_size, *local.shape[1:])
+        global_shape = (global_batch_size, *local.shape[1:])
         return jax.make_array_from_process_local_data(sharding, local, global_shape)
 
     return Batch(
-        x=map_structure(put, x),
-        y=map_structure(put, y),
-        sample_weight=map_structure(put, sample_weight),
-        mask=put(local_mask),
+        x=map_structure(put, host.x),
+        y=map_structure(put, host.y),
+        sample_weight=map_structure(put, host.sample_weight),
+        mask=put(host.mask),
         real_rows=real_rows,
     )

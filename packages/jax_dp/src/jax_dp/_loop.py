@@ -17,23 +17,35 @@ import keras
 import numpy as np
 from jax.sharding import Mesh
 
-from dp_core import ReplicaLayout, num_steps
+from dp_core import ReplicaLayout
 from dp_core.keras import (
+    BatchSource,
     CheckpointWriter,
     FitArguments,
     Start,
     callback_list,
+    internals,
     needs_every_batch,
     nonfinite_loss_stopped,
     python_logs,
     skipped_message,
 )
-from jax_dp._batches import EpochPlan, device_batches
+from jax_dp._batches import Plan, device_batches
 from jax_dp._checkpoints import save
-from jax_dp._distributed import agree, is_primary, replicated_to_host, rows_to_host
+from jax_dp._distributed import agree, is_primary, replicated_to_host, rows_to_host, same_on_all_processes
 from jax_dp._metrics import Logs, metrics_on_mesh, summed_to_host
 from jax_dp._optimizers import Optimizer
-from jax_dp._state import TrainState, Weights, counts_on_host, train_state_on_mesh, weights_on_mesh, write_back
+from jax_dp._sources import epoch_plan, steps_per_epoch
+from jax_dp._state import (
+    TrainState,
+    Weights,
+    counts_on_host,
+    model_values,
+    state_after_callbacks,
+    train_state_on_mesh,
+    weights_on_mesh,
+    write_back,
+)
 from jax_dp._steps import Steps
 
 PROGRESS_SECONDS = 0.2  # progress-bar refresh: often enough to watch, rarely enough not to stall the devices
@@ -49,7 +61,7 @@ class BatchEndReporter:
     steps: every step if process 0 needs it, else every ``STOP_CHECK_STEPS``.
     """
 
-    def __init__(self, callbacks: keras.callbacks.CallbackList, mode: str, steps: int) -> None:
+    def __init__(self, callbacks: keras.callbacks.CallbackList, mode: str, steps: int | None) -> None:
         self.callbacks = callbacks
         self.steps = steps
         self.every_step = needs_every_batch(callbacks.callbacks, mode)  # type: ignore[arg-type]
@@ -63,7 +75,7 @@ class BatchEndReporter:
     def due(self, step: int) -> bool:
         if not self.enabled:
             return False
-        if self.every_step or step == self.steps - 1:
+        if self.every_step or (self.steps is not None and step == self.steps - 1):
             return True
         if self.several_processes:
             return (step + 1) % STOP_CHECK_STEPS == 0
@@ -97,7 +109,7 @@ def fit_loop(
         is_primary=is_primary(),
         verbose=arguments.verbose,
         epochs=arguments.epochs,
-        steps=num_steps(arguments.inputs.num_samples, arguments.global_batch_size),
+        steps=steps_per_epoch(arguments.inputs, arguments.global_batch_size),
     )
     model.stop_training = False
     optimizer_state = None  # kept on the mesh between epochs where the optimizer keeps it there (optax)
@@ -105,9 +117,11 @@ def fit_loop(
     callbacks.on_train_begin()
     if start.epoch or start.step:  # History continues from the checkpoint
         model.history.epoch, model.history.history = list(range(start.epoch)), start.history
+    else:
+        start = Start(epoch=_initial_epoch(model, arguments.initial_epoch))
     for epoch in range(start.epoch, arguments.epochs):
         callbacks.on_epoch_begin(epoch)
-        plan = EpochPlan(
+        plan = epoch_plan(
             arguments.inputs,
             layout=layout,
             global_batch_size=arguments.global_batch_size,
@@ -127,15 +141,20 @@ def fit_loop(
             checkpoints=checkpoints,
             stop_on_nonfinite=stop_on_nonfinite,
         )
-        if arguments.validation is not None:
-            callbacks.on_test_begin()
-            validation = EpochPlan(arguments.validation, layout=layout, global_batch_size=arguments.global_batch_size)
-            val_logs = evaluate_loop(model, steps, validation, mesh)
+        if arguments.validates_after(epoch):
+            assert arguments.validation is not None
+            validation = epoch_plan(
+                arguments.validation, layout=layout, global_batch_size=arguments.validation_global_batch_size
+            )
+            callbacks.on_test_begin()  # the fit's callbacks get the test hooks, as in model.fit
+            val_logs = evaluate_loop(model, steps, validation, mesh, callbacks)
             callbacks.on_test_end(val_logs)
             logs.update({f"val_{name}": value for name, value in val_logs.items()})
         callbacks.on_epoch_end(epoch, logs)
         if checkpoints is not None:
             save(checkpoints, model, optimizer, optimizer_state, epoch=epoch + 1, step=0)
+        if isinstance(arguments.inputs, BatchSource) and arguments.inputs.exhausted:
+            model.stop_training = True  # an iterator that ran out ends training, as in Keras
         if agree(bool(model.stop_training)):
             model.stop_training = True
             break
@@ -145,9 +164,16 @@ def fit_loop(
     return model.history
 
 
+def _initial_epoch(model: keras.Model, initial_epoch: int) -> int:
+    """The first epoch, as ``model.fit`` reads it after ``on_train_begin``: one a callback set
+    (``BackupAndRestore`` restoring an interrupted run), else ``initial_epoch``; process 0's."""
+    chosen = internals.initial_epoch_override(model) or initial_epoch
+    return int(same_on_all_processes([np.asarray(chosen)])[0])
+
+
 def _train_epoch(
     model: keras.Model,
-    plan: EpochPlan,
+    plan: Plan,
     callbacks: keras.callbacks.CallbackList,
     *,
     start: Start,
@@ -202,7 +228,7 @@ def _train_epoch(
 def _train_steps(
     steps: Steps,
     state: TrainState,
-    plan: EpochPlan,
+    plan: Plan,
     mesh: Mesh,
     model: keras.Model,
     callbacks: keras.callbacks.CallbackList,
@@ -217,25 +243,44 @@ def _train_steps(
     With ``stop_on_nonfinite`` the loop ends at the first report or checkpoint after a
     step with a non-finite loss (the steps after it changed nothing); the caller then
     raises. ``checkpoint(state, steps_done)`` runs after the steps ``checkpoint_due`` asks for.
+
+    When a callback acts at every batch, the model holds the current state during its batch
+    hooks (as in ``model.fit``), and what they change (weights, learning rate) is read back
+    before the next step.
     """
     assert steps.train is not None
+    optimizer = steps.train.optimizer
     reporter = BatchEndReporter(callbacks, "train", plan.steps)
     several_processes = jax.process_count() > 1
+    written = model_values(model) if reporter.every_step else None  # the state was just read from the model
     for step, batch in enumerate(device_batches(plan, mesh, start=start), start=start):
         callbacks.on_train_batch_begin(step)
-        state = steps.train(state, batch)
+        if written is not None:
+            state = state_after_callbacks(model, optimizer, mesh, state, written)
+        state = steps.train(state, batch, plan.padded)
         done = step + 1
         saving = checkpoint is not None and checkpoint_due is not None and checkpoint_due(done)
         reporting = reporter.due(step)
         if (reporting or saving) and stop_on_nonfinite and counts_on_host(state).skipped:
             break
         if reporting:
+            if written is not None:
+                written = write_back(model, optimizer, state)
             callbacks.on_train_batch_end(step, host_logs(steps.results(state.metrics)))
+            if written is not None:  # before a checkpoint writes the state back over the changes
+                state = state_after_callbacks(model, optimizer, mesh, state, written)
+                written = model_values(model)
         if saving and checkpoint is not None:
             checkpoint(state, done)
+            if written is not None:
+                written = model_values(model)
         if several_processes:
             # Every process must stop at the same step, so the decision is exchanged at fixed steps.
-            if done % STOP_CHECK_STEPS == 0 and done < plan.steps and agree(bool(model.stop_training)):
+            if (
+                done % STOP_CHECK_STEPS == 0
+                and (plan.steps is None or done < plan.steps)
+                and agree(bool(model.stop_training))
+            ):
                 model.stop_training = True
                 break
         elif model.stop_training:
@@ -246,7 +291,7 @@ def _train_steps(
 def evaluate_loop(
     model: keras.Model,
     steps: Steps,
-    plan: EpochPlan,
+    plan: Plan,
     mesh: Mesh,
     callbacks: keras.callbacks.CallbackList | None = None,
 ) -> dict[str, Any]:
@@ -256,7 +301,7 @@ def evaluate_loop(
     metrics = metrics_on_mesh(model, mesh)
     reporter = None if callbacks is None else BatchEndReporter(callbacks, "test", plan.steps)
     for step, batch in enumerate(device_batches(plan, mesh)):
-        metrics = steps.test(weights, metrics, batch)
+        metrics = steps.test(weights, metrics, batch, plan.padded)
         if reporter is not None and callbacks is not None and reporter.due(step):
             callbacks.on_test_batch_end(step, host_logs(steps.results(metrics)))
     return host_logs(steps.results(metrics))
@@ -265,19 +310,33 @@ def evaluate_loop(
 def predict_loop(
     predict_step: Callable[[Weights, Any], Any],
     model: keras.Model,
-    plan: EpochPlan,
+    plan: Plan,
     mesh: Mesh,
     callbacks: keras.callbacks.CallbackList,
 ) -> Any:
-    """The model's outputs for every sample, in the plan's (input) order, padding dropped."""
+    """The model's outputs for every sample, in the plan's (input) order, padding dropped.
+
+    A model whose layers are not all built (a subclassed model after ``build(shape)``) is
+    called once on the first rows first, as ``model.predict`` does, so no variable is created
+    inside the jitted step.
+    """
+    if not all(layer.built for layer in internals.flatten_layers(model, include_self=True)):
+        x, _, _ = plan.inputs.first_rows()
+        with keras.StatelessScope():  # creates the variables, changes no state
+            model(x)
     weights = weights_on_mesh(model, mesh)
     reporter = BatchEndReporter(callbacks, "predict", plan.steps)
     outputs = []
     for step, batch in enumerate(device_batches(plan, mesh)):
         outputs.append(predict_step(weights, batch.x))
         if reporter.due(step):
-            callbacks.on_predict_batch_end(step, {"outputs": outputs[-1]})
+            real = plan.real_rows(step)  # the batch's outputs as model.predict hands them over: no padding
+            batch_outputs = jax.tree.map(lambda output, real=real: output[:real], outputs[-1])
+            callbacks.on_predict_batch_end(step, {"outputs": batch_outputs})
     # Pulled at the end, not per batch, so the devices never wait for the host.
-    host = [jax.tree.map(rows_to_host, output) for output in outputs]
-    num_samples = plan.inputs.num_samples
-    return jax.tree.map(lambda *parts: np.concatenate(parts)[:num_samples], *host)
+    host = [_real_rows_to_host(output, plan.real_rows(step)) for step, output in enumerate(outputs)]
+    return jax.tree.map(lambda *parts: np.concatenate(parts), *host)
+
+
+def _real_rows_to_host(output: Any, real_rows: int) -> Any:
+    return jax.tree.map(lambda leaf: rows_to_host(leaf)[:real_rows], output)

@@ -52,10 +52,17 @@ def make_metric_update(model: keras.Model, mesh: Mesh) -> Callable[..., list[Any
 
     Each replica adds its real rows to its own slot. ``increments`` (one model's, whole
     batch: the per-output loss trackers Keras updates while computing the loss) go to
-    slot 0 only, so they count once.
+    slot 0 only, so they count once. Keras masks on ``y_pred`` (``mask_zero``, ``Masking``)
+    reach the metrics as in Keras: where the step still has them (evaluate; Keras's jax
+    train step loses them with ``value_and_grad``'s aux, and so does ours).
     """
 
-    def local(stacks: list[Any], increments: list[Any], loss: Any, batch: Batch, y_pred: Any) -> list[Any]:
+    def local(
+        stacks: list[Any], increments: list[Any], loss: Any, batch: Batch, y_pred: Any, masks: list[Any]
+    ) -> list[Any]:
+        for output, mask in zip(jax.tree.leaves(y_pred), masks, strict=True):
+            if mask is not None:  # shard_map hands over new arrays, without the attached mask
+                internals.set_keras_mask(output, mask)
         first = jax.lax.axis_index(BATCH_AXIS) == 0
         states = [s[0] + jnp.where(first, d, jnp.zeros_like(d)) for s, d in zip(stacks, increments, strict=True)]
         rows = jnp.sum(batch.mask)
@@ -70,13 +77,19 @@ def make_metric_update(model: keras.Model, mesh: Mesh) -> Callable[..., list[Any
 
     rows, everywhere = P(BATCH_AXIS), P()
     batch_spec = Batch(x=rows, y=rows, sample_weight=rows, mask=rows, real_rows=everywhere)  # type: ignore[arg-type]
-    return jax.shard_map(
+    per_replica = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(rows, everywhere, everywhere, batch_spec, rows),
+        in_specs=(rows, everywhere, everywhere, batch_spec, rows, rows),
         out_specs=rows,
         check_vma=False,
     )
+
+    def update(stacks: list[Any], increments: list[Any], loss: Any, batch: Batch, y_pred: Any) -> list[Any]:
+        masks = [internals.keras_mask(output) for output in jax.tree.leaves(y_pred)]
+        return per_replica(stacks, increments, loss, batch, y_pred, masks)
+
+    return update
 
 
 def make_results(model: keras.Model, mesh: Mesh) -> Callable[[list[jax.Array]], Logs]:

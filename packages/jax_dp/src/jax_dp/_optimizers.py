@@ -100,7 +100,8 @@ class KerasOptimizer(Optimizer):
         return self.optimizer.stateless_apply(state, grads, trainable)
 
     def write_back(self, state: list[Any]) -> None:
-        for variable, value in zip(self.optimizer.variables, state, strict=True):
+        # Host copies: the state's buffers are donated to the next step, which deletes them.
+        for variable, value in zip(self.optimizer.variables, replicated_to_host(state), strict=True):
             variable.assign(value)
 
     def finish(self) -> None:

@@ -2,7 +2,10 @@
 
 State is read from the model when an epoch starts (callbacks may have changed weights or
 the learning rate) and written back when it ends, so callbacks and the caller always see
-the trained values. ``TrainState`` and ``StepCounts`` are NamedTuples, hence jax pytrees:
+the trained values. When a callback acts at every batch, the state is also written back
+before its batch hooks and read again if they changed the model (``model_changed``).
+Write-back goes through host copies: a Keras variable never holds a buffer the next
+(donating) step deletes. ``TrainState`` and ``StepCounts`` are NamedTuples, hence jax pytrees:
 the jitted step takes, donates and returns them whole.
 """
 
@@ -15,7 +18,7 @@ import keras
 import numpy as np
 from jax.sharding import Mesh
 
-from jax_dp._distributed import replicated_to_host, same_on_all_processes
+from jax_dp._distributed import agree, replicated_to_host, same_on_all_processes
 from jax_dp._mesh import put_replicated
 from jax_dp._metrics import metrics_on_mesh
 from jax_dp._optimizers import Optimizer
@@ -81,8 +84,9 @@ def train_state_on_mesh(
     )
 
 
-def write_back(model: keras.Model, optimizer: Optimizer, state: TrainState) -> None:
-    """Trained values into the caller's model and optimizer, as host copies (usable outside the mesh)."""
+def write_back(model: keras.Model, optimizer: Optimizer, state: TrainState) -> list[Any]:
+    """Trained values into the caller's model and optimizer, as host copies (usable outside the
+    mesh); returns the model's values as written, for ``model_changed``."""
     for variables, values in (
         (model.trainable_variables, state.trainable),
         (model.non_trainable_variables, state.non_trainable),
@@ -90,6 +94,42 @@ def write_back(model: keras.Model, optimizer: Optimizer, state: TrainState) -> N
         for variable, value in zip(variables, replicated_to_host(values), strict=True):
             variable.assign(value)
     optimizer.write_back(state.optimizer)
+    return model_values(model)
+
+
+def model_values(model: keras.Model) -> list[Any]:
+    """The current value objects of the model's and its optimizer's variables (not copies)."""
+    optimizer_variables = [] if model.optimizer is None else list(model.optimizer.variables)
+    variables = [*model.trainable_variables, *model.non_trainable_variables, *optimizer_variables]
+    return [variable.value for variable in variables]
+
+
+def model_changed(model: keras.Model, values: list[Any]) -> bool:
+    """Whether a variable was assigned since ``values`` were taken (a callback set weights or
+    the learning rate): Keras replaces a variable's value on every assignment."""
+    now = model_values(model)
+    return len(now) != len(values) or any(new is not old for new, old in zip(now, values, strict=True))
+
+
+def state_after_callbacks(
+    model: keras.Model, optimizer: Optimizer, mesh: Mesh, state: TrainState, written: list[Any]
+) -> TrainState:
+    """``state``, or the model's values where a callback changed the model since ``written``
+    (process 0's decision: only it runs callbacks)."""
+    changed = model_changed(model, written)
+    if jax.process_count() > 1:
+        changed = agree(changed)
+    return state_from_model(model, optimizer, mesh, state) if changed else state
+
+
+def state_from_model(model: keras.Model, optimizer: Optimizer, mesh: Mesh, state: TrainState) -> TrainState:
+    """``state`` with the model's current weights and optimizer variables (metrics and counts kept)."""
+    trainable, non_trainable = weights_on_mesh(model, mesh)
+    return state._replace(
+        trainable=trainable,
+        non_trainable=non_trainable,
+        optimizer=optimizer.initial_state(trainable, mesh, previous=state.optimizer),
+    )
 
 
 def counts_on_host(state: TrainState) -> StepCounts:

@@ -5,17 +5,21 @@ Model and optimizer state are replicated on every device and the batch is sharde
 data-parallel one: it all-reduces gradients and BatchNormalization moments over the
 global batch. Metric states stay per replica (``_metrics``); logs are read apart.
 
-Exact loss without touching Keras's loss: every row gets the sample weight
-``sample_weight * mask * B / real_rows``. Keras's ``sum_over_batch_size`` reduction
-divides by the padded size ``B``, which leaves the mean over the real rows, exactly
-what single-device Keras computes on its smaller last batch. Metrics get
-``sample_weight * mask`` (a per-batch scale would tilt the epoch's running means).
+Exact loss: when the epoch's last batch is padded, each compiled loss's values carry the
+padding as a Keras mask (``_padding``), so Keras's own reduction divides by the real rows'
+values (or valid mask positions), exactly what single-device Keras computes on its smaller
+last batch; the user's sample weights pass through unchanged. A model that overrides
+``compute_loss`` gets ``sample_weight * mask * B / real_rows`` instead, which is exact for
+a per-row loss with ``sum_over_batch_size``. Metrics get ``sample_weight * mask`` (a
+per-batch scale would tilt the epoch's running means).
+
+``padded`` is static: a fit compiles the steps once for its (padded or not) epochs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple, cast, final
 
 import jax
 import jax.numpy as jnp
@@ -28,22 +32,36 @@ from jax_dp._batches import Batch, row_weights
 from jax_dp._mesh import batch_sharded, replicated
 from jax_dp._metrics import Logs, make_metric_update, zero_states
 from jax_dp._optimizers import Optimizer
-from jax_dp._padding import padding_aware
+from jax_dp._padding import computes_own_loss, padding_aware
 from jax_dp._state import StepCounts, TrainState, Weights
+
+
+@final
+class TrainStep:
+    """The jitted ``(state, batch, padded) -> state`` with the optimizer whose state it carries
+    (the loop writes that state back into the caller's objects through it)."""
+
+    def __init__(self, step: Callable[[TrainState, Batch, bool], TrainState], optimizer: Optimizer) -> None:
+        self.step = step
+        self.optimizer = optimizer
+
+    def __call__(self, state: TrainState, batch: Batch, padded: bool) -> TrainState:
+        return self.step(state, batch, padded)
 
 
 class Steps(NamedTuple):
     """The compiled pieces of a fit (``train`` is None for evaluate alone)."""
 
-    train: Callable[[TrainState, Batch], TrainState] | None
-    test: Callable[[Weights, list[Any], Batch], list[Any]]
+    train: TrainStep | None
+    test: Callable[[Weights, list[Any], Batch, bool], list[Any]]  # (weights, metric stacks, batch, padded)
     results: Callable[[list[jax.Array]], Logs]
 
 
 def make_train_step(
     model: keras.Model, optimizer: Optimizer, mesh: Mesh, *, batch_norm: BatchNormMode, skip_nonfinite: bool
-) -> Callable[[TrainState, Batch], TrainState]:
-    """One optimizer step on one global batch; the state argument is donated.
+) -> TrainStep:
+    """One optimizer step on one global batch; the state argument is donated; ``padded``
+    (static) says whether any batch of the epoch is padded.
 
     A step whose loss is not finite changes nothing but the counts. Unless
     ``skip_nonfinite``, every later step does the same, so the state stays that of the
@@ -52,9 +70,14 @@ def make_train_step(
     num_replicas = mesh.size
     update_metrics = make_metric_update(model, mesh)
 
-    def train_step(state: TrainState, batch: Batch) -> TrainState:
+    def train_step(state: TrainState, batch: Batch, padded: bool) -> TrainState:
         with padding_aware(
-            model, batch.mask, real_rows=batch.real_rows, batch_norm=batch_norm, num_replicas=num_replicas
+            model,
+            batch.mask,
+            real_rows=batch.real_rows,
+            padded=padded,
+            batch_norm=batch_norm,
+            num_replicas=num_replicas,
         ):
 
             def loss_fn(trainable: list[Any]) -> tuple[Any, Any]:
@@ -86,21 +109,21 @@ def make_train_step(
     shardings = TrainState(
         trainable=everywhere, non_trainable=everywhere, optimizer=everywhere, metrics=per_replica, counts=everywhere
     )
-    return jax.jit(train_step, donate_argnums=0, out_shardings=shardings)
+    return TrainStep(jax.jit(train_step, donate_argnums=0, static_argnums=2, out_shardings=shardings), optimizer)
 
 
-def make_test_step(model: keras.Model, mesh: Mesh) -> Callable[[Weights, list[Any], Batch], list[Any]]:
-    """Loss and metrics on one global batch: ``(weights, metric stacks, batch) -> metric stacks``."""
+def make_test_step(model: keras.Model, mesh: Mesh) -> Callable[[Weights, list[Any], Batch, bool], list[Any]]:
+    """Loss and metrics on one global batch: ``(weights, metric stacks, batch, padded) -> metric stacks``."""
     update_metrics = make_metric_update(model, mesh)
 
-    def test_step(weights: Weights, metrics: list[Any], batch: Batch) -> list[Any]:
-        with padding_aware(model, batch.mask, real_rows=batch.real_rows):
+    def test_step(weights: Weights, metrics: list[Any], batch: Batch, padded: bool) -> list[Any]:
+        with padding_aware(model, batch.mask, real_rows=batch.real_rows, padded=padded):
             loss, (y_pred, _, increments) = _loss_and_updates(
                 model, weights.trainable, weights.non_trainable, batch, training=False
             )
         return update_metrics(metrics, increments, loss, batch, y_pred)
 
-    return jax.jit(test_step, donate_argnums=1, out_shardings=batch_sharded(mesh))
+    return jax.jit(test_step, donate_argnums=1, static_argnums=3, out_shardings=batch_sharded(mesh))
 
 
 def make_predict_step(model: keras.Model, mesh: Mesh) -> Callable[[Weights, Any], Any]:
@@ -123,7 +146,7 @@ def _loss_and_updates(
     *,
     training: bool,
 ) -> tuple[Any, tuple[Any, list[Any], list[Any]]]:
-    """Keras's ``compute_loss_and_updates`` with the exact per-row loss weights.
+    """Keras's ``compute_loss_and_updates`` on the padded batch (see the module's docstring).
 
     The metric states returned are this batch's increments (per-output loss trackers).
     """
@@ -138,7 +161,9 @@ def _loss_and_updates(
             x=batch.x,
             y=batch.y,
             y_pred=y_pred,
-            sample_weight=row_weights(batch, scale_to_real_rows=True),
+            sample_weight=row_weights(batch, scale_to_real_rows=True)
+            if computes_own_loss(model)
+            else batch.sample_weight,
             training=training,
         )
     return loss, (y_pred, non_trainable, metrics)

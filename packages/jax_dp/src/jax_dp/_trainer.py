@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, final
 
 import keras
@@ -11,25 +11,27 @@ from jax.sharding import Mesh
 
 from dp_core import BatchNormMode, LearningRateScaling, NonFiniteLoss, Verbose
 from dp_core.keras import (
+    BatchSource,
     CheckpointWriter,
     Inputs,
     Start,
     build_model,
+    callback_list,
     check_batch_norm_mode,
     check_nonfinite_mode,
     checked_model_and_inputs,
     fit_arguments,
+    global_batch_size_of,
     internals,
-    progress_bar,
     require_backend,
 )
-from jax_dp._batches import EpochPlan
 from jax_dp._checkpoints import resume
 from jax_dp._distributed import is_primary
 from jax_dp._loop import evaluate_loop, fit_loop, predict_loop
 from jax_dp._mesh import check_mesh, make_mesh, replica_layout
 from jax_dp._metrics import make_results
 from jax_dp._optimizers import KerasOptimizer, OptaxOptimizer, Optimizer
+from jax_dp._sources import epoch_plan
 from jax_dp._steps import Steps, make_predict_step, make_test_step, make_train_step
 
 PACKAGE = "jax_dp"
@@ -84,30 +86,59 @@ class Trainer:
         x: Any = None,
         y: Any = None,
         *,
-        global_batch_size: int,
+        batch_size: int | None = None,
+        global_batch_size: int | None = None,
         epochs: int = 1,
-        sample_weight: Any = None,
-        validation_data: Any = None,
+        verbose: Verbose = "auto",
         callbacks: Sequence[keras.callbacks.Callback] | None = None,
+        validation_split: float = 0.0,
+        validation_data: Any = None,
         shuffle: bool = True,
+        class_weight: Mapping[int, float] | None = None,
+        sample_weight: Any = None,
+        initial_epoch: int = 0,
+        steps_per_epoch: int | None = None,
+        validation_steps: int | None = None,
+        validation_batch_size: int | None = None,
+        validation_freq: int | Sequence[int] = 1,
         seed: int = 0,
         lr_scaling: LearningRateScaling | None = None,
         warmup_steps: int = 0,
         checkpoint_dir: str | None = None,
         checkpoint_every_steps: int | None = None,
-        verbose: Verbose = "auto",
     ) -> keras.callbacks.History:
         """Train like ``model.fit``; returns the History, whose ``.model`` holds the trained weights.
 
         ``checkpoint_dir`` gets a checkpoint at every epoch end and, with
         ``checkpoint_every_steps``, every that many steps; a fit pointed at one resumes.
         """
-        model, inputs = self._check(model, x, y, sample_weight, global_batch_size)
+        global_batch_size = global_batch_size_of(batch_size, global_batch_size, x)
+        model, inputs = self._check(
+            model,
+            x,
+            y,
+            sample_weight,
+            global_batch_size,
+            class_weight=class_weight,
+            steps=steps_per_epoch,
+            steps_name="steps_per_epoch",
+            keras_steps=("train_step", "test_step")
+            if validation_data is not None or validation_split
+            else ("train_step",),
+        )
+        if isinstance(inputs, BatchSource):  # its batches are the global batches
+            global_batch_size = inputs.global_batch_size
         arguments = fit_arguments(
             inputs,
             global_batch_size=global_batch_size,
+            num_replicas=self.num_replicas,
             epochs=epochs,
+            initial_epoch=initial_epoch,
+            validation_split=validation_split,
             validation_data=validation_data,
+            validation_batch_size=validation_batch_size,
+            validation_freq=validation_freq,
+            validation_steps=validation_steps,
             callbacks=callbacks,
             shuffle=shuffle,
             seed=seed,
@@ -158,35 +189,62 @@ class Trainer:
         x: Any = None,
         y: Any = None,
         *,
-        global_batch_size: int,
-        sample_weight: Any = None,
-        return_dict: bool = False,
+        batch_size: int | None = None,
+        global_batch_size: int | None = None,
         verbose: Verbose = "auto",
+        sample_weight: Any = None,
+        steps: int | None = None,
+        callbacks: Sequence[keras.callbacks.Callback] | None = None,
+        return_dict: bool = False,
     ) -> Any:
         """Loss and metrics over every sample, as single-device ``model.evaluate`` computes them."""
-        model, inputs = self._check(model, x, y, sample_weight, global_batch_size)
+        global_batch_size = global_batch_size_of(batch_size, global_batch_size, x)
+        model, inputs = self._check(
+            model, x, y, sample_weight, global_batch_size, steps=steps, keras_steps=("test_step",)
+        )
+        if isinstance(inputs, BatchSource):  # its batches are the global batches
+            global_batch_size = inputs.global_batch_size
         build_model(model, inputs)
-        plan = EpochPlan(inputs, layout=self.layout, global_batch_size=global_batch_size)
-        callbacks = progress_bar(model, is_primary=is_primary(), verbose=verbose, steps=plan.steps)
-        callbacks.on_test_begin()
-        logs = evaluate_loop(model, self._make_steps(model), plan, self.mesh, callbacks)
-        callbacks.on_test_end(logs)
+        plan = epoch_plan(inputs, layout=self.layout, global_batch_size=global_batch_size)
+        hooks = callback_list(
+            callbacks, model, is_primary=is_primary(), verbose=verbose, steps=plan.steps, history=False
+        )
+        hooks.on_test_begin()
+        logs = evaluate_loop(model, self._make_steps(model), plan, self.mesh, hooks)
+        hooks.on_test_end(logs)
         return logs if return_dict else internals.metrics_in_order(model, logs)
 
-    def predict(self, model: Any, x: Any, *, global_batch_size: int, verbose: Verbose = "auto") -> Any:
+    def predict(
+        self,
+        model: Any,
+        x: Any,
+        *,
+        batch_size: int | None = None,
+        global_batch_size: int | None = None,
+        verbose: Verbose = "auto",
+        steps: int | None = None,
+        callbacks: Sequence[keras.callbacks.Callback] | None = None,
+    ) -> Any:
         """The model's outputs for every row of ``x``, in input order, as numpy."""
-        model, inputs = self._check(model, x, None, None, global_batch_size, compiled=False)
+        global_batch_size = global_batch_size_of(batch_size, global_batch_size, x)
+        model, inputs = self._check(
+            model, x, None, None, global_batch_size, compiled=False, steps=steps, keras_steps=("predict_step",)
+        )
+        if isinstance(inputs, BatchSource):  # its batches are the global batches
+            global_batch_size = inputs.global_batch_size
         build_model(model, inputs, for_predict=True)
-        plan = EpochPlan(inputs, layout=self.layout, global_batch_size=global_batch_size)
-        callbacks = progress_bar(model, is_primary=is_primary(), verbose=verbose, steps=plan.steps)
-        callbacks.on_predict_begin()
-        outputs = predict_loop(make_predict_step(model, self.mesh), model, plan, self.mesh, callbacks)
-        callbacks.on_predict_end()
+        plan = epoch_plan(inputs, layout=self.layout, global_batch_size=global_batch_size)
+        hooks = callback_list(
+            callbacks, model, is_primary=is_primary(), verbose=verbose, steps=plan.steps, history=False
+        )
+        hooks.on_predict_begin()
+        outputs = predict_loop(make_predict_step(model, self.mesh), model, plan, self.mesh, hooks)
+        hooks.on_predict_end()
         return outputs
 
     def _check(
-        self, model: Any, x: Any, y: Any, sample_weight: Any, global_batch_size: int, *, compiled: bool = True
-    ) -> tuple[keras.Model, Inputs]:
+        self, model: Any, x: Any, y: Any, sample_weight: Any, global_batch_size: int, **options: Any
+    ) -> tuple[keras.Model, Inputs | BatchSource]:
         # Every check that can fail on user input runs here, before anything compiles.
         return checked_model_and_inputs(
             model,
@@ -197,7 +255,7 @@ class Trainer:
             package=PACKAGE,
             global_batch_size=global_batch_size,
             num_replicas=self.num_replicas,
-            compiled=compiled,
+            **options,
         )
 
     def _make_steps(self, model: keras.Model, optimizer: Optimizer | None = None) -> Steps:

@@ -55,15 +55,14 @@ class Batch:
     """One replica's rows of one global batch.
 
     ``real_rows`` real rows come first (padding sits at the end of the global batch, and a
-    replica's part is contiguous). ``loss_weight`` makes Keras's mean over this replica's
-    rows equal ``num_replicas`` times its share of the mean over the global batch's real
-    rows, so averaging gradients over replicas gives the single-device gradient.
+    replica's part is contiguous). ``mask`` (1 for real rows, 0 for padding) is what keeps
+    padding out of the loss (``dp_core.keras.replica_losses``), BatchNormalization statistics
+    and metrics.
     """
 
     x: Any
     y: Any
     sample_weight: Any
-    loss_weight: Any
     mask: torch.Tensor | None  # None when every row of the global batch is real
     real_rows: int
     rows: int
@@ -108,18 +107,7 @@ def _batch(
 ) -> Batch:
     x, y, sample_weight = (map_structure(keras.ops.convert_to_tensor, part) for part in inputs.rows(indices))
     real_rows = int(mask.sum())
-    loss_weight = sample_weight
     mask_tensor = None
     if global_real_rows < global_batch_size:
         mask_tensor = cast(torch.Tensor, keras.ops.convert_to_tensor(mask.astype(keras.backend.floatx())))
-        scaled = mask_tensor * (global_batch_size / global_real_rows)
-        loss_weight = (
-            scaled if sample_weight is None else map_structure(lambda w: _times_rows(w, scaled), sample_weight)
-        )
-    return Batch(
-        x, y, sample_weight, loss_weight, mask_tensor, real_rows, len(mask), global_real_rows, global_batch_size
-    )
-
-
-def _times_rows(weight: torch.Tensor, row_factor: torch.Tensor) -> torch.Tensor:
-    return weight * row_factor.reshape((-1,) + (1,) * (weight.ndim - 1)).to(weight.dtype)
+    return Batch(x, y, sample_weight, mask_tensor, real_rows, len(mask), global_real_rows, global_batch_size)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -79,6 +80,15 @@ def broadcast_from_primary(tensors: Sequence[torch.Tensor], replica: Replica) ->
     if not replica.distributed:
         return list(tensors)
     return _coalesced(tensors, lambda flat: dist.broadcast(flat, src=0))
+
+
+def same_state_as_primary(model: Any, replica: Replica, *, optimizer: bool) -> None:
+    """Rank 0's model variables (and optimizer variables) on every replica."""
+    if not replica.distributed:
+        return
+    variables = list(model.variables) + (list(model.optimizer.variables) if optimizer else [])
+    for variable, value in zip(variables, broadcast_from_primary([v.value for v in variables], replica), strict=True):
+        variable.assign(value)
 
 
 def broadcast_floats(values: Sequence[float], replica: Replica) -> list[float]:

@@ -8,7 +8,7 @@ result crosses back to the caller through files (``save_result``/``load_result``
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +17,14 @@ import numpy as np
 import torch
 
 from dp_core import BatchNormMode, NonFiniteLoss, Verbose
-from dp_core.keras import CheckpointWriter, FitArguments, Inputs, LearningRatePolicy, learning_rate_policy_installed
+from dp_core.keras import (
+    BatchSource,
+    CheckpointWriter,
+    FitArguments,
+    Inputs,
+    LearningRatePolicy,
+    learning_rate_policy_installed,
+)
 from torch_dp._batches import open_shared, share
 from torch_dp._batchnorm import masked_batch_norm
 from torch_dp._checkpoints import resume_from
@@ -49,7 +56,11 @@ class FitJob:
 
     @property
     def inputs(self) -> Inputs:
-        return self.arguments.inputs
+        return rows(self.arguments.inputs)
+
+    @property
+    def validation(self) -> Inputs | None:
+        return None if self.arguments.validation is None else rows(self.arguments.validation)
 
     def run(self, model: keras.Model, replica: Replica) -> keras.callbacks.History:
         with masked_batch_norm(model, self.batch_norm), learning_rate_policy_installed(model.optimizer, self.lr_policy):
@@ -84,6 +95,7 @@ class EvaluateJob:
     batch_norm: BatchNormMode
     verbose: Verbose
     log_every_steps: int
+    callbacks: Sequence[keras.callbacks.Callback] = ()
 
     def run(self, model: keras.Model, replica: Replica) -> dict[str, Any]:
         with masked_batch_norm(model, self.batch_norm):
@@ -92,6 +104,7 @@ class EvaluateJob:
                 self.inputs,
                 self.global_batch_size,
                 replica,
+                callbacks=self.callbacks,
                 verbose=self.verbose,
                 log_every_steps=self.log_every_steps,
             )
@@ -110,11 +123,13 @@ class PredictJob:
     inputs: Inputs
     global_batch_size: int
     verbose: Verbose
+    callbacks: Sequence[keras.callbacks.Callback] = ()
 
     def run(self, model: keras.Model, replica: Replica) -> list[np.ndarray]:
-        local = keras.tree.flatten(
-            predict_loop(model, self.inputs, self.global_batch_size, replica, verbose=self.verbose)
+        outputs = predict_loop(
+            model, self.inputs, self.global_batch_size, replica, callbacks=self.callbacks, verbose=self.verbose
         )
+        local = keras.tree.flatten(outputs)
         # gathered on every replica: one collective, and no replica needs to know which one reports
         parts = [
             [p.cpu().numpy() for p in all_gather_rows(torch.as_tensor(leaf, device=replica.device), replica)]
@@ -133,6 +148,18 @@ class PredictJob:
 Job = FitJob | EvaluateJob | PredictJob
 
 
+def rows(inputs: Inputs | BatchSource, name: str = "x") -> Inputs:
+    """torch-dp's replicas read rows by index; a batch-yielding input is a clear error, before any
+    process starts."""
+    if isinstance(inputs, BatchSource):
+        raise NotImplementedError(
+            f"{name} is a {type(inputs.source).__name__}, which yields batches; torch_dp's replicas read rows by "
+            "index, and batch-yielding inputs are not supported on torch_dp yet. Pass arrays or a map-style dataset "
+            "of rows (__len__/__getitem__ returning (x, y) rows), or train with jax_dp, which reads such sources."
+        )
+    return inputs
+
+
 def shared(job: Job, directory: str) -> Job:
     """``job`` with its arrays written under ``directory``, for spawned workers to map."""
     return _map_inputs(job, lambda inputs, name: share(inputs, directory, name))
@@ -147,6 +174,6 @@ def _map_inputs(job: Job, fn: Callable[[Inputs, str], Inputs]) -> Job:
     if not isinstance(job, FitJob):
         return dataclasses.replace(job, inputs=fn(job.inputs, "inputs"))
     arguments = job.arguments
-    validation = None if arguments.validation is None else fn(arguments.validation, "validation")
-    arguments = dataclasses.replace(arguments, inputs=fn(arguments.inputs, "inputs"), validation=validation)
+    validation = None if job.validation is None else fn(job.validation, "validation")
+    arguments = dataclasses.replace(arguments, inputs=fn(job.inputs, "inputs"), validation=validation)
     return dataclasses.replace(job, arguments=arguments)

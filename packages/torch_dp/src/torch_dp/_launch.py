@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch_dp._comm import Replica, started_by_torchrun
 from torch_dp._jobs import Job, shared
 from torch_dp._processes import join_torchrun_group, loopback_rendezvous, spawn, threads_per_replica
-from torch_dp._transfer import ship_model
-from torch_dp._worker import build, device_for, run_job, spawned_worker
+from torch_dp._transfer import KerasSettings, ship_model
+from torch_dp._worker import build, check_losses, device_for, run_job, spawned_worker
 
 
 class Launcher(Protocol):
@@ -83,12 +83,21 @@ class SpawnedReplicas:
 
     def run(self, job: Job, model: keras.Model, model_argument: Any) -> Any:
         build(model, job)
+        check_losses(model, job, self.num_replicas)  # here, before any process starts
         with tempfile.TemporaryDirectory(prefix="torch_dp_") as directory:
             source = ship_model(model_argument, model, directory)
             with loopback_rendezvous(timeout=self.timeout) as port:
                 spawn(
                     spawned_worker,
-                    (source, shared(job, directory), self.num_replicas, port, directory, self.timeout),
+                    (
+                        source,
+                        shared(job, directory),
+                        self.num_replicas,
+                        port,
+                        directory,
+                        self.timeout,
+                        KerasSettings.of_this_process(),
+                    ),
                     num_replicas=self.num_replicas,
                     directory=directory,
                     environment=self._environment(),

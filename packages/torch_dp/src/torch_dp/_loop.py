@@ -5,6 +5,7 @@ with callbacks and the progress bar on rank 0 only and every decision rank 0 mak
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import keras
@@ -19,13 +20,12 @@ from dp_core.keras import (
     internals,
     needs_every_batch,
     nonfinite_loss_stopped,
-    progress_bar,
     skipped_message,
     verbosity,
 )
 from torch_dp._batches import replica_batches
 from torch_dp._checkpoints import restore_metrics, save
-from torch_dp._comm import Replica, broadcast_floats
+from torch_dp._comm import Replica, broadcast_floats, same_state_as_primary
 from torch_dp._steps import global_logs, predict_step, test_step, train_step
 
 if TYPE_CHECKING:  # _jobs imports this module
@@ -47,6 +47,16 @@ def _share_decisions(model: keras.Model, replica: Replica) -> bool:
     return model.stop_training
 
 
+def _initial_epoch(model: keras.Model, initial_epoch: int, replica: Replica) -> int:
+    """The first epoch, as ``model.fit`` reads it after ``on_train_begin``: one a callback set
+    (``BackupAndRestore`` restoring an interrupted run), else ``initial_epoch``. Callbacks run on
+    rank 0 and may have loaded weights there, so every replica takes rank 0's state."""
+    chosen = internals.initial_epoch_override(model) or initial_epoch
+    (chosen,) = broadcast_floats([chosen], replica)
+    same_state_as_primary(model, replica, optimizer=True)
+    return int(chosen)
+
+
 def _log_now(step: int, steps: int, every: int) -> bool:
     return every > 0 and ((step + 1) % every == 0 or step + 1 == steps)
 
@@ -61,7 +71,7 @@ def fit_loop(
 ) -> keras.callbacks.History:
     """Train on this replica's shard of every epoch from ``start``; returns this replica's History."""
     arguments = job.arguments
-    steps = num_steps(arguments.inputs.num_samples, arguments.global_batch_size)
+    steps = num_steps(job.inputs.num_samples, arguments.global_batch_size)
     callbacks = callback_list(
         arguments.callbacks,
         model,
@@ -78,6 +88,8 @@ def fit_loop(
     callbacks.on_train_begin()
     if start.epoch or start.step:  # History continues from the checkpoint
         model.history.epoch, model.history.history = list(range(start.epoch)), dict(start.history)
+    else:
+        start = Start(epoch=_initial_epoch(model, arguments.initial_epoch, replica))
     epoch_logs: dict[str, Any] = {}
     for epoch in range(start.epoch, arguments.epochs):
         model.reset_metrics()
@@ -100,8 +112,16 @@ def fit_loop(
         )
         epoch_logs = global_logs(model, replica)
         model.eval()
-        if arguments.validation is not None:
-            val_logs = evaluate_loop(model, arguments.validation, arguments.global_batch_size, replica)
+        if arguments.validates_after(epoch):
+            assert job.validation is not None
+            val_logs = evaluate_loop(
+                model,
+                job.validation,
+                arguments.validation_global_batch_size,
+                replica,
+                callbacks=arguments.callbacks,
+                in_fit=callbacks,
+            )
             epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
         callbacks.on_epoch_end(epoch, epoch_logs)
         if checkpoints is not None:
@@ -130,9 +150,9 @@ def _train_epoch(
     rank 0's stop shared if asked, checkpoints written as asked."""
     model.train()
     arguments = job.arguments
-    steps = num_steps(arguments.inputs.num_samples, arguments.global_batch_size)
+    steps = num_steps(job.inputs.num_samples, arguments.global_batch_size)
     batches = replica_batches(
-        arguments.inputs,
+        job.inputs,
         replica,
         global_batch_size=arguments.global_batch_size,
         epoch=epoch,
@@ -168,40 +188,60 @@ def evaluate_loop(
     global_batch_size: int,
     replica: Replica,
     *,
+    callbacks: Sequence[keras.callbacks.Callback] = (),
     verbose: Any = 0,
     log_every_steps: int = 10,
+    in_fit: keras.callbacks.CallbackList | None = None,
 ) -> dict[str, Any]:
-    """Loss and metrics over every sample, accumulated per replica and summed once."""
+    """Loss and metrics over every sample, accumulated per replica and summed once.
+
+    ``callbacks`` get the test hooks, as from ``model.evaluate``; validation inside ``fit``
+    passes the fit's own list as ``in_fit`` (Keras calls its test hooks there too, and its
+    progress bar stays on the epoch). Every replica reads ``callbacks``, so all agree on
+    whether logs are synced at every batch.
+    """
     steps = num_steps(inputs.num_samples, global_batch_size)
-    callbacks = progress_bar(model, is_primary=replica.is_primary, verbose=verbose, steps=steps)
-    every = log_every_steps if verbosity(verbose) == 1 else 0
+    hooks = in_fit
+    if hooks is None:
+        hooks = callback_list(
+            callbacks, model, is_primary=replica.is_primary, verbose=verbose, steps=steps, history=False
+        )
+    progress = in_fit is None and verbosity(verbose) == 1
+    every = 1 if needs_every_batch(callbacks, "test") else (log_every_steps if progress else 0)
     model.eval()
     model.reset_metrics()
-    callbacks.on_test_begin()
+    hooks.on_test_begin()
     logs: dict[str, Any] = {}
     for step, batch in enumerate(replica_batches(inputs, replica, global_batch_size=global_batch_size)):
-        callbacks.on_test_batch_begin(step)
+        hooks.on_test_batch_begin(step)
         test_step(model, batch, replica)
         if _log_now(step, steps, every):
             logs = global_logs(model, replica)
-        callbacks.on_test_batch_end(step, logs)
+        hooks.on_test_batch_end(step, logs)
     logs = global_logs(model, replica)
-    callbacks.on_test_end(logs)
+    hooks.on_test_end(logs)
     return logs
 
 
 def predict_loop(
-    model: keras.Model, inputs: Inputs, global_batch_size: int, replica: Replica, *, verbose: Any = 0
+    model: keras.Model,
+    inputs: Inputs,
+    global_batch_size: int,
+    replica: Replica,
+    *,
+    callbacks: Sequence[keras.callbacks.Callback] = (),
+    verbose: Any = 0,
 ) -> Any:
-    """This replica's predictions for its shard (padding rows included), leaves concatenated."""
+    """This replica's predictions for its shard (padding rows included), leaves concatenated;
+    rank 0's ``callbacks`` see its own rows' outputs at each batch end."""
     steps = num_steps(inputs.num_samples, global_batch_size)
-    callbacks = progress_bar(model, is_primary=replica.is_primary, verbose=verbose, steps=steps)
+    hooks = callback_list(callbacks, model, is_primary=replica.is_primary, verbose=verbose, steps=steps, history=False)
     model.eval()
-    callbacks.on_predict_begin()
+    hooks.on_predict_begin()
     outputs: list[Any] = []
     for step, batch in enumerate(replica_batches(inputs, replica, global_batch_size=global_batch_size)):
-        callbacks.on_predict_batch_begin(step)
+        hooks.on_predict_batch_begin(step)
         outputs.append(predict_step(model, batch))
-        callbacks.on_predict_batch_end(step, {"outputs": outputs[-1]})
-    callbacks.on_predict_end()
+        hooks.on_predict_batch_end(step, {"outputs": outputs[-1]})
+    hooks.on_predict_end()
     return keras.tree.map_structure(lambda *parts: np.concatenate(parts), *outputs)

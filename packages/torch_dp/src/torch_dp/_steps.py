@@ -2,8 +2,10 @@
 
 A step mirrors Keras's ``TorchTrainer.train_step`` (compiled loss, loss tracker,
 ``optimizer.apply``, ``compute_metrics``) with three changes that make N replicas
-equal one: the loss is weighted over the real rows of the global batch, gradients
-are averaged between ``backward`` and ``apply``, and metrics see only real rows.
+equal one: each replica's loss is ``num_replicas`` times its share of the global
+batch's loss (``dp_core.keras.replica_losses``: real rows only, normalized over the
+whole global batch, Keras masks included), gradients are averaged between
+``backward`` and ``apply``, and metrics see only real rows.
 
 Gradients are reduced with one coalesced all-reduce after ``backward`` rather than by
 wrapping the model in DDP: Keras variables are not registered the way DDP's reducer
@@ -21,7 +23,7 @@ from typing import Any
 import keras
 import torch
 
-from dp_core.keras import internals, map_structure, python_logs
+from dp_core.keras import ReplicaRows, internals, map_structure, python_logs, replica_losses
 from torch_dp._batches import Batch
 from torch_dp._batchnorm import real_rows
 from torch_dp._comm import Replica, all_reduce_sum, average_gradients
@@ -31,11 +33,20 @@ def _forward(model: keras.Model, x: Any, training: bool) -> Any:
     return model(x, **internals.training_kwargs(model, training))
 
 
+def _replica_rows(batch: Batch, replica: Replica) -> ReplicaRows:
+    """What ``replica_losses`` needs to know of this replica's part of the global batch."""
+
+    def sum_over_replicas(value: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum([value], replica)[0]
+
+    return ReplicaRows(batch.rows, batch.global_real_rows, replica.num_replicas, batch.mask, sum_over_replicas)
+
+
 def _compute_loss(model: keras.Model, batch: Batch, y_pred: Any, *, training: bool) -> Any:
-    """Keras's loss on this replica's rows, weighted as ``Batch.loss_weight`` says; the ``loss``
-    tracker counts the batch's rows, as Keras's ``train_step`` does."""
+    """Keras's loss on this replica's rows (inside ``replica_losses``: its scaled share of the
+    global batch's); the ``loss`` tracker counts the batch's rows, as Keras's ``train_step`` does."""
     loss = internals.compute_loss(
-        model, x=batch.x, y=batch.y, y_pred=y_pred, sample_weight=batch.loss_weight, training=training
+        model, x=batch.x, y=batch.y, y_pred=y_pred, sample_weight=batch.sample_weight, training=training
     )
     tracker = internals.loss_tracker(model)
     assert tracker is not None  # every compiled model has one
@@ -71,9 +82,23 @@ def _update_metrics(model: keras.Model, batch: Batch, y_pred: Any) -> None:
     if batch.real_rows == 0:
         return
     x, y, y_pred, weight = (
-        map_structure(lambda t: t[: batch.real_rows], part) for part in (batch.x, batch.y, y_pred, batch.sample_weight)
+        map_structure(lambda t: _with_mask_of(t, t[: batch.real_rows]), part)
+        for part in (batch.x, batch.y, y_pred, batch.sample_weight)
     )
     model.compute_metrics(x, y, y_pred, sample_weight=weight)
+
+
+def _with_mask_of(tensor: Any, part: Any) -> Any:
+    """``part`` (rows of ``tensor``, or it detached) with those rows of ``tensor``'s Keras mask,
+    which metrics and losses read from ``y_pred``."""
+    mask = internals.keras_mask(tensor)
+    if mask is not None:
+        internals.set_keras_mask(part, mask[: len(part)])
+    return part
+
+
+def _detached(y_pred: Any) -> Any:
+    return map_structure(lambda t: _with_mask_of(t, t.detach()) if isinstance(t, torch.Tensor) else t, y_pred)
 
 
 def train_step(model: keras.Model, batch: Batch, replica: Replica) -> bool:
@@ -84,11 +109,12 @@ def train_step(model: keras.Model, batch: Batch, replica: Replica) -> bool:
     the same all-reduce as the gradients, so all of them skip the update together.
     """
     before = _state_to_undo(model)
-    with real_rows(batch.mask):
-        y_pred = _forward(model, batch.x, training=True)
-    model.zero_grad()
-    with _weigh_losses_by_real_rows(model, batch, replica):
-        loss = _compute_loss(model, batch, y_pred, training=True)
+    with replica_losses(model, _replica_rows(batch, replica)):  # activity regularizers run in the forward pass
+        with real_rows(batch.mask):
+            y_pred = _forward(model, batch.x, training=True)
+        model.zero_grad()
+        with _weigh_losses_by_real_rows(model, batch, replica):
+            loss = _compute_loss(model, batch, y_pred, training=True)
     trainable = model.trainable_weights[:]
     local_loss = torch.as_tensor(loss).detach().reshape(1).to(torch.float32)
     if trainable:
@@ -113,7 +139,7 @@ def train_step(model: keras.Model, batch: Batch, replica: Replica) -> bool:
         _undo(model, before)
         return False
     with torch.no_grad():
-        _update_metrics(model, batch, y_pred.detach() if isinstance(y_pred, torch.Tensor) else y_pred)
+        _update_metrics(model, batch, _detached(y_pred))
     return True
 
 
@@ -131,10 +157,11 @@ def _undo(model: keras.Model, before: list[tuple[keras.Variable, torch.Tensor]])
 
 def test_step(model: keras.Model, batch: Batch, replica: Replica) -> None:
     """Loss and metrics of one batch, accumulated locally (synced by ``global_logs``)."""
-    with torch.no_grad():
+    with torch.no_grad(), replica_losses(model, _replica_rows(batch, replica)):
         y_pred = _forward(model, batch.x, training=False)
         with _weigh_losses_by_real_rows(model, batch, replica):
             _compute_loss(model, batch, y_pred, training=False)
+    with torch.no_grad():
         _update_metrics(model, batch, y_pred)
 
 

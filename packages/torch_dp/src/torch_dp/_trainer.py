@@ -4,7 +4,7 @@ then hands one job per call to the launcher chosen at construction."""
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, final
 
 import keras
@@ -17,12 +17,13 @@ from dp_core.keras import (
     check_nonfinite_mode,
     checked_model_and_inputs,
     fit_arguments,
+    global_batch_size_of,
     internals,
     map_structure,
     plan_learning_rate,
     resumable_checkpoint,
 )
-from torch_dp._jobs import EvaluateJob, FitJob, PredictJob
+from torch_dp._jobs import EvaluateJob, FitJob, PredictJob, rows
 from torch_dp._launch import Launcher, choose_launcher
 
 
@@ -71,18 +72,26 @@ class Trainer:
         x: Any = None,
         y: Any = None,
         *,
-        global_batch_size: int,
+        batch_size: int | None = None,
+        global_batch_size: int | None = None,
         epochs: int = 1,
-        sample_weight: Any = None,
-        validation_data: Any = None,
+        verbose: Verbose = "auto",
         callbacks: Sequence[keras.callbacks.Callback] | None = None,
+        validation_split: float = 0.0,
+        validation_data: Any = None,
         shuffle: bool = True,
+        class_weight: Mapping[int, float] | None = None,
+        sample_weight: Any = None,
+        initial_epoch: int = 0,
+        steps_per_epoch: int | None = None,
+        validation_steps: int | None = None,
+        validation_batch_size: int | None = None,
+        validation_freq: int | Sequence[int] = 1,
         seed: int = 0,
         lr_scaling: LearningRateScaling | None = None,
         warmup_steps: int = 0,
         checkpoint_dir: str | None = None,
         checkpoint_every_steps: int | None = None,
-        verbose: Verbose = "auto",
     ) -> keras.callbacks.History:
         """Train ``model`` like ``model.fit``; returns a History whose ``.model`` is the trained model.
 
@@ -90,12 +99,31 @@ class Trainer:
         and every ``checkpoint_every_steps`` steps, and a directory that already holds one
         resumes from the newest valid checkpoint, continuing the same data order.
         """
-        keras_model, inputs = self._check(model, x, y, sample_weight, global_batch_size)
+        global_batch_size = global_batch_size_of(batch_size, global_batch_size)
+        keras_model, inputs = self._check(
+            model,
+            x,
+            y,
+            sample_weight,
+            global_batch_size,
+            class_weight=class_weight,
+            steps=steps_per_epoch,
+            steps_name="steps_per_epoch",
+            keras_steps=("train_step", "test_step")
+            if validation_data is not None or validation_split
+            else ("train_step",),
+        )
         arguments = fit_arguments(
             inputs,
             global_batch_size=global_batch_size,
+            num_replicas=self.num_replicas,
             epochs=epochs,
+            initial_epoch=initial_epoch,
+            validation_split=validation_split,
             validation_data=validation_data,
+            validation_batch_size=validation_batch_size,
+            validation_freq=validation_freq,
+            validation_steps=validation_steps,
             callbacks=callbacks,
             shuffle=shuffle,
             seed=seed,
@@ -105,6 +133,8 @@ class Trainer:
             checkpoint_every_steps=checkpoint_every_steps,
             verbose=verbose,
         )
+        if arguments.validation is not None:
+            rows(arguments.validation, "validation_data")
         policy = plan_learning_rate(
             keras_model.optimizer, global_batch_size=global_batch_size, lr_scaling=lr_scaling, warmup_steps=warmup_steps
         )
@@ -124,30 +154,53 @@ class Trainer:
         x: Any = None,
         y: Any = None,
         *,
-        global_batch_size: int,
-        sample_weight: Any = None,
-        return_dict: bool = False,
+        batch_size: int | None = None,
+        global_batch_size: int | None = None,
         verbose: Verbose = "auto",
+        sample_weight: Any = None,
+        steps: int | None = None,
+        callbacks: Sequence[keras.callbacks.Callback] | None = None,
+        return_dict: bool = False,
     ) -> Any:
         """Loss and metrics over every sample, as single-device ``model.evaluate`` gives them."""
-        keras_model, inputs = self._check(model, x, y, sample_weight, global_batch_size)
-        job = EvaluateJob(inputs, global_batch_size, self.batch_norm, verbose, self.log_every_steps)
+        global_batch_size = global_batch_size_of(batch_size, global_batch_size)
+        keras_model, inputs = self._check(
+            model, x, y, sample_weight, global_batch_size, steps=steps, keras_steps=("test_step",)
+        )
+        job = EvaluateJob(
+            inputs, global_batch_size, self.batch_norm, verbose, self.log_every_steps, list(callbacks or [])
+        )
         logs = self._launcher.run(job, keras_model, model)
         return logs if return_dict else internals.metrics_in_order(keras_model, logs)
 
-    def predict(self, model: Any, x: Any, *, global_batch_size: int, verbose: Verbose = "auto") -> Any:
+    def predict(
+        self,
+        model: Any,
+        x: Any,
+        *,
+        batch_size: int | None = None,
+        global_batch_size: int | None = None,
+        verbose: Verbose = "auto",
+        steps: int | None = None,
+        callbacks: Sequence[keras.callbacks.Callback] | None = None,
+    ) -> Any:
         """Predictions for every row of ``x``, in input order, like ``model.predict``."""
-        keras_model, inputs = self._check(model, x, None, None, global_batch_size, compiled=False)
-        leaves = self._launcher.run(PredictJob(inputs, global_batch_size, verbose), keras_model, model)
+        global_batch_size = global_batch_size_of(batch_size, global_batch_size)
+        keras_model, inputs = self._check(
+            model, x, None, None, global_batch_size, compiled=False, steps=steps, keras_steps=("predict_step",)
+        )
+        leaves = self._launcher.run(
+            PredictJob(inputs, global_batch_size, verbose, list(callbacks or [])), keras_model, model
+        )
         first_row = map_structure(keras.ops.convert_to_tensor, inputs.first_rows(1)[0])
         structure = keras_model(first_row, training=False)
         return keras.tree.pack_sequence_as(structure, leaves)
 
     def _check(
-        self, model: Any, x: Any, y: Any, sample_weight: Any, global_batch_size: int, *, compiled: bool = True
+        self, model: Any, x: Any, y: Any, sample_weight: Any, global_batch_size: int, **options: Any
     ) -> tuple[keras.Model, Inputs]:
         """Every error we can raise before a process starts."""
-        return checked_model_and_inputs(
+        keras_model, inputs = checked_model_and_inputs(
             model,
             x,
             y,
@@ -156,5 +209,6 @@ class Trainer:
             package="torch_dp",
             global_batch_size=global_batch_size,
             num_replicas=self.num_replicas,
-            compiled=compiled,
+            **options,
         )
+        return keras_model, rows(inputs)

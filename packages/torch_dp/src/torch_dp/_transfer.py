@@ -1,6 +1,6 @@
 """What crosses between the caller's process and the workers, through files, never pickles
 of state: the model (Keras's own ``.keras`` format, or a factory plus ``.npz`` weights),
-and rank 0's results (``.npz`` arrays plus JSON logs)."""
+the caller's Keras settings, and rank 0's results (``.npz`` arrays plus JSON logs)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,35 @@ import numpy as np
 
 from dp_core import split_indices
 from dp_core.keras import python_logs
+
+
+@dataclass(frozen=True)
+class KerasSettings:
+    """The caller's global Keras settings, which a spawned worker (a fresh interpreter) would
+    otherwise read from its defaults: the dtype policy (``mixed_float16`` set with
+    ``keras.mixed_precision.set_global_policy``), ``floatx``, ``epsilon`` and the image format.
+    A factory builds the model, and ``Inputs.rows`` casts floats, under them."""
+
+    dtype_policy: str
+    floatx: str
+    epsilon: float
+    image_data_format: str
+
+    @classmethod
+    def of_this_process(cls) -> KerasSettings:
+        return cls(
+            keras.config.dtype_policy().name,
+            keras.config.floatx(),
+            keras.config.epsilon(),
+            keras.config.image_data_format(),
+        )
+
+    def apply(self) -> None:
+        """Make them this process's settings (before any model is built)."""
+        keras.config.set_floatx(self.floatx)
+        keras.config.set_dtype_policy(self.dtype_policy)
+        keras.config.set_epsilon(self.epsilon)
+        keras.config.set_image_data_format(self.image_data_format)
 
 
 @dataclass(frozen=True)

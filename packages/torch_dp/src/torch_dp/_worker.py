@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
-from dp_core.keras import build_model, internals
+from dp_core.keras import BatchSource, Inputs, build_model, check_losses_split, internals
 from torch_dp._comm import Replica, broadcast_from_primary
-from torch_dp._jobs import FitJob, Job, PredictJob, opened
+from torch_dp._jobs import EvaluateJob, FitJob, Job, PredictJob, opened
 from torch_dp._processes import exit_with_parent, report_failure
-from torch_dp._transfer import ModelSource, receive_model
+from torch_dp._transfer import KerasSettings, ModelSource, receive_model
 
 
 def build(model: keras.Model, job: Job) -> None:
@@ -27,9 +27,31 @@ def build(model: keras.Model, job: Job) -> None:
     build_model(model, job.inputs, for_predict=isinstance(job, PredictJob))
 
 
+def check_losses(model: keras.Model, job: Job, num_replicas: int) -> None:
+    """Before any step: a compiled loss that reduces over the batch axis cannot be split over
+    replicas or padded rows, a clear error (``dp_core.keras.check_losses_split``)."""
+    if isinstance(job, FitJob):
+        arguments = job.arguments
+        scored = [(arguments.inputs, arguments.global_batch_size)]
+        if arguments.validation is not None:
+            scored.append((arguments.validation, arguments.validation_global_batch_size))
+    elif isinstance(job, EvaluateJob):
+        scored = [(job.inputs, job.global_batch_size)]
+    else:
+        return
+    if num_replicas > 1 or any(_padded(inputs, size) for inputs, size in scored):
+        check_losses_split(model, job.inputs)
+
+
+def _padded(inputs: Inputs | BatchSource, global_batch_size: int) -> bool:
+    """Whether a batch of ``inputs`` will be padded (a source's last batch may be short)."""
+    return not isinstance(inputs, Inputs) or inputs.num_samples % global_batch_size != 0
+
+
 def run_job(model: keras.Model, job: Job, replica: Replica) -> Any:
     """Run ``job`` on ``model`` as ``replica``: every replica starts from rank 0's state."""
     build(model, job)
+    check_losses(model, job, replica.num_replicas)
     if replica.distributed:  # the same start on every replica, whatever built the model
         variables = list(model.variables) + list(model.optimizer.variables if isinstance(job, FitJob) else [])
         for variable, value in zip(
@@ -77,12 +99,20 @@ def join_group(rank: int, num_replicas: int, *, port: int, timeout: float) -> Re
 
 
 def spawned_worker(
-    rank: int, source: ModelSource, job: Job, num_replicas: int, port: int, directory: str, timeout: float
+    rank: int,
+    source: ModelSource,
+    job: Job,
+    num_replicas: int,
+    port: int,
+    directory: str,
+    timeout: float,
+    settings: KerasSettings,
 ) -> None:
     """Entry point of a spawned replica; rank 0's result and any failure go to files in ``directory``."""
     exit_with_parent()
     try:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        settings.apply()  # the caller's dtype policy and floatx, before the model is rebuilt
         replica = join_group(rank, num_replicas, port=port, timeout=timeout)
         job = opened(job)
         model = receive_model(source, lambda m: build(m, job))

@@ -16,11 +16,12 @@ from dp_core._options import BATCH_NORM_MODES as BATCH_NORM_MODES
 from dp_core._options import check_batch_norm_mode as check_batch_norm_mode
 from dp_core.keras import _internals as internals
 from dp_core.keras._arguments import FitArguments as FitArguments
+from dp_core.keras._arguments import batch_source as batch_source
 from dp_core.keras._arguments import checked_model_and_inputs as checked_model_and_inputs
 from dp_core.keras._arguments import fit_arguments as fit_arguments
+from dp_core.keras._arguments import global_batch_size_of as global_batch_size_of
 from dp_core.keras._callbacks import callback_list as callback_list
 from dp_core.keras._callbacks import needs_every_batch as needs_every_batch
-from dp_core.keras._callbacks import progress_bar as progress_bar
 from dp_core.keras._callbacks import verbosity as verbosity
 from dp_core.keras._checkpoints import CheckpointWriter as CheckpointWriter
 from dp_core.keras._checkpoints import Start as Start
@@ -35,35 +36,50 @@ from dp_core.keras._learning_rate import LearningRatePolicy as LearningRatePolic
 from dp_core.keras._learning_rate import learning_rate_policy_installed as learning_rate_policy_installed
 from dp_core.keras._learning_rate import plan_learning_rate as plan_learning_rate
 from dp_core.keras._logs import python_logs as python_logs
+from dp_core.keras._losses import ReplicaRows as ReplicaRows
+from dp_core.keras._losses import check_losses_split as check_losses_split
+from dp_core.keras._losses import replica_losses as replica_losses
 from dp_core.keras._model import build_model as build_model
 from dp_core.keras._model import require_backend as require_backend
 from dp_core.keras._model import require_compiled as require_compiled
 from dp_core.keras._model import resolve_model as resolve_model
+from dp_core.keras._sources import BatchSource as BatchSource
+from dp_core.keras._sources import batch_rows as batch_rows
+from dp_core.keras._sources import is_batch_source as is_batch_source
+from dp_core.keras._sources import replica_part as replica_part
 
 __all__ = [
     "BATCH_NORM_MODES",
+    "BatchSource",
     "CheckpointWriter",
     "FitArguments",
     "Inputs",
     "KerasSchedule",
     "LearningRatePolicy",
+    "ReplicaRows",
     "Start",
+    "batch_rows",
+    "batch_source",
     "build_model",
     "callback_list",
     "check_batch_norm_mode",
+    "check_losses_split",
     "check_nonfinite_mode",
     "checked_model_and_inputs",
     "fit_arguments",
     "flatten",
+    "global_batch_size_of",
     "internals",
+    "is_batch_source",
     "learning_rate_policy_installed",
     "map_structure",
     "model_checkpoint",
     "needs_every_batch",
     "nonfinite_loss_stopped",
     "plan_learning_rate",
-    "progress_bar",
     "python_logs",
+    "replica_losses",
+    "replica_part",
     "require_backend",
     "require_compiled",
     "resolve_model",

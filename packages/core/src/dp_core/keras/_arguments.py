@@ -1,10 +1,15 @@
 """``fit``/``evaluate``/``predict`` arguments, checked once for every backend before anything
-starts (a process, a compile), so a mistake costs no start-up and reads the same everywhere."""
+starts (a process, a compile), so a mistake costs no start-up and reads the same everywhere.
+
+The arguments mean what they mean in Keras; ``batch_size`` is the global batch, split over
+the replicas (``global_batch_size`` is the same thing by its keras-dp name).
+"""
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,11 +17,15 @@ import keras
 
 from dp_core._batch import per_replica_batch_size
 from dp_core._checkpoint import check_checkpoint_arguments
+from dp_core._data import map_structure
 from dp_core._lr import LearningRateScaling
 from dp_core._options import check_epochs
 from dp_core._trainer import Verbose
 from dp_core.keras._inputs import Inputs, validation_inputs
-from dp_core.keras._model import require_backend, resolve_model
+from dp_core.keras._model import require_backend, require_keras_steps, resolve_model
+from dp_core.keras._sources import BatchSource, is_batch_source
+
+DEFAULT_BATCH_SIZE = 32  # as model.fit's, when neither batch_size nor global_batch_size is given
 
 
 @dataclass(frozen=True)
@@ -27,10 +36,13 @@ class FitArguments:
     for handles with ``Inputs.map_arrays``).
     """
 
-    inputs: Inputs
-    global_batch_size: int
+    inputs: Inputs | BatchSource
+    global_batch_size: int  # 0 for a source: its first batch's row count
     epochs: int = 1
-    validation: Inputs | None = None
+    initial_epoch: int = 0
+    validation: Inputs | BatchSource | None = None
+    validation_batch_size: int | None = None
+    validation_freq: int | Sequence[int] = 1
     callbacks: Sequence[keras.callbacks.Callback] = ()
     shuffle: bool = True
     seed: int = 0
@@ -39,6 +51,44 @@ class FitArguments:
     checkpoint_dir: str | None = None
     checkpoint_every_steps: int | None = None
     verbose: Verbose = "auto"
+
+    def validates_after(self, epoch: int) -> bool:
+        """Whether validation runs at the end of ``epoch`` (from 0), as Keras's ``validation_freq`` says."""
+        if self.validation is None:
+            return False
+        if isinstance(self.validation_freq, int):
+            return (epoch + 1) % self.validation_freq == 0
+        return epoch + 1 in self.validation_freq
+
+    @property
+    def validation_global_batch_size(self) -> int:
+        """``validation_batch_size``, else ``batch_size``, as Keras; a source's own batches."""
+        if isinstance(self.validation, BatchSource):
+            return self.validation.global_batch_size
+        return self.validation_batch_size or self.global_batch_size
+
+
+def global_batch_size_of(batch_size: Any, global_batch_size: Any, x: Any = None) -> int:
+    """One global batch size from Keras's ``batch_size`` and keras-dp's ``global_batch_size``
+    (either names it; neither: 32, as ``model.fit``). For a batch-yielding ``x`` the batches
+    are the global batches, so neither may be given (as Keras refuses ``batch_size`` there);
+    0 stands for "the first batch's row count"."""
+    if is_batch_source(x):
+        given = batch_size if batch_size is not None else global_batch_size
+        if given is not None:
+            raise ValueError(
+                f"batch_size={given!r} was passed, but x is a {type(x).__name__}, which yields its own batches: each "
+                "one is a global batch, split over the replicas. Drop batch_size (make the source yield batches of "
+                "the size you want)."
+            )
+        return 0
+    if batch_size is not None and global_batch_size is not None and batch_size != global_batch_size:
+        raise ValueError(
+            f"batch_size={batch_size!r} and global_batch_size={global_batch_size!r} name the same thing (the global "
+            "batch, split over the replicas) but differ; pass one of them."
+        )
+    chosen = batch_size if batch_size is not None else global_batch_size
+    return DEFAULT_BATCH_SIZE if chosen is None else chosen
 
 
 def checked_model_and_inputs(
@@ -52,38 +102,95 @@ def checked_model_and_inputs(
     global_batch_size: int,
     num_replicas: int,
     compiled: bool = True,
-) -> tuple[keras.Model, Inputs]:
+    class_weight: Mapping[int, float] | None = None,
+    steps: int | None = None,
+    steps_name: str = "steps",
+    keras_steps: tuple[str, ...] = (),
+) -> tuple[keras.Model, Inputs | BatchSource]:
     """The Keras model (a factory called) and the inputs, after every check that needs no
-    device: the Keras backend, a compiled model (``compiled=False`` for ``predict``), a
-    global batch that divides over the replicas, inputs that agree on their row count."""
+    device: the Keras backend, a compiled model (``compiled=False`` for ``predict``), none of
+    the Keras steps the call runs (``keras_steps``) overridden, a global batch that divides
+    over the replicas, inputs that agree on their row count."""
     require_backend(backend, package)
     keras_model = resolve_model(model, compiled=compiled)
+    require_keras_steps(keras_model, keras_steps, package)
+    if is_batch_source(x):
+        source = batch_source(x, y, sample_weight, steps=steps, class_weight=class_weight)
+        per_replica_batch_size(source.global_batch_size, num_replicas)  # its first batch's rows
+        return keras_model, source
     per_replica_batch_size(global_batch_size, num_replicas)
-    return keras_model, Inputs(x, y, sample_weight)
+    inputs = Inputs(x, y, sample_weight, class_weight=class_weight)
+    _check_no_steps(steps, steps_name)
+    return keras_model, inputs
+
+
+def batch_source(
+    x: Any,
+    y: Any = None,
+    sample_weight: Any = None,
+    *,
+    steps: int | None = None,
+    class_weight: Mapping[int, float] | None = None,
+    name: str = "x",
+) -> BatchSource:
+    """A batch-yielding ``x``, after Keras's checks: ``y`` and ``sample_weight`` come from its batches."""
+    if y is not None or sample_weight is not None:
+        raise ValueError(
+            f"{name} is a {type(x).__name__}, which yields its own batches, so y and sample_weight must come from "
+            "them, not as separate arguments: yield (x, y) or (x, y, sample_weight)."
+        )
+    return BatchSource(x, steps_per_epoch=steps, class_weight=class_weight, name=name)
 
 
 def fit_arguments(
-    inputs: Inputs,
+    inputs: Inputs | BatchSource,
     *,
     global_batch_size: int,
+    num_replicas: int,
     epochs: Any,
-    validation_data: Any,
-    callbacks: Sequence[keras.callbacks.Callback] | None,
-    shuffle: bool,
-    seed: int,
-    lr_scaling: LearningRateScaling | None,
-    warmup_steps: int,
-    checkpoint_dir: str | os.PathLike[str] | None,
-    checkpoint_every_steps: int | None,
-    verbose: Verbose,
+    initial_epoch: Any = 0,
+    validation_split: float = 0.0,
+    validation_data: Any = None,
+    validation_batch_size: int | None = None,
+    validation_freq: Any = 1,
+    validation_steps: int | None = None,
+    callbacks: Sequence[keras.callbacks.Callback] | None = None,
+    shuffle: bool = True,
+    seed: int = 0,
+    lr_scaling: LearningRateScaling | None = None,
+    warmup_steps: int = 0,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    checkpoint_every_steps: int | None = None,
+    verbose: Verbose = "auto",
 ) -> FitArguments:
     """``fit``'s arguments checked, after ``checked_model_and_inputs``."""
     check_checkpoint_arguments(checkpoint_dir, checkpoint_every_steps)
+    epochs = check_epochs(epochs)
+    if isinstance(initial_epoch, bool) or not isinstance(initial_epoch, int) or initial_epoch < 0:
+        raise ValueError(f"initial_epoch must be an integer >= 0, got {initial_epoch!r}.")
+    validation: Inputs | BatchSource | None = None
+    if is_batch_source(validation_data):
+        validation = batch_source(validation_data, steps=validation_steps, name="validation_data")
+    elif validation_data is not None:
+        validation = validation_inputs(validation_data)
+        _check_no_steps(validation_steps, "validation_steps")
+    if validation_batch_size is not None:
+        per_replica_batch_size(validation_batch_size, num_replicas)
+    if validation is None and validation_split:
+        if isinstance(inputs, BatchSource):
+            raise ValueError(
+                f"validation_split is only supported for arrays (as in Keras), but x is a "
+                f"{type(inputs.source).__name__}. Pass validation_data=... instead."
+            )
+        inputs, validation = _split_off_validation(inputs, validation_split)
     return FitArguments(
         inputs,
         global_batch_size,
-        epochs=check_epochs(epochs),
-        validation=None if validation_data is None else validation_inputs(validation_data),
+        epochs=epochs,
+        initial_epoch=initial_epoch,
+        validation=validation,
+        validation_batch_size=validation_batch_size,
+        validation_freq=_check_validation_freq(validation_freq),
         callbacks=list(callbacks or []),
         shuffle=shuffle,
         seed=seed,
@@ -92,4 +199,52 @@ def fit_arguments(
         checkpoint_dir=None if checkpoint_dir is None else os.fspath(checkpoint_dir),
         checkpoint_every_steps=checkpoint_every_steps,
         verbose=verbose,
+    )
+
+
+def _split_off_validation(inputs: Inputs, validation_split: float) -> tuple[Inputs, Inputs]:
+    """Keras's ``validation_split``: the last fraction of the rows, before any shuffling."""
+    if not 0.0 < validation_split < 1.0:
+        raise ValueError(f"validation_split must be a float between 0 and 1, got {validation_split!r}.")
+    if inputs.is_dataset:
+        raise ValueError(
+            f"validation_split is only supported for arrays (as in Keras), but x is a dataset "
+            f"({type(inputs.x).__name__}). Pass validation_data=... instead."
+        )
+    split_at = math.floor(inputs.num_samples * (1.0 - validation_split))
+    if split_at in (0, inputs.num_samples):
+        raise ValueError(
+            f"The training data has {inputs.num_samples} samples, which is not enough to split with "
+            f"validation_split={validation_split}: one part would be empty. Use more data or another split."
+        )
+
+    def part(rows: slice) -> Inputs:
+        # basic slicing: a view, so a memory-mapped array stays mapped
+        x, y, sample_weight = (map_structure(lambda a: a[rows], p) for p in (inputs.x, inputs.y, inputs.sample_weight))
+        return Inputs(x, y, sample_weight, class_weight=inputs.class_weight)
+
+    validation = part(slice(split_at, None))
+    validation = Inputs(validation.x, validation.y, validation.sample_weight)  # class_weight is for training only
+    return part(slice(0, split_at)), validation
+
+
+def _check_validation_freq(validation_freq: Any) -> int | list[int]:
+    if isinstance(validation_freq, bool) or not isinstance(validation_freq, (int, list, tuple)):
+        raise ValueError(
+            f"validation_freq must be an int (validate every that many epochs) or a list of epochs (from 1), "
+            f"got {validation_freq!r}."
+        )
+    if isinstance(validation_freq, int):
+        if validation_freq < 1:
+            raise ValueError(f"validation_freq must be >= 1, got {validation_freq}.")
+        return validation_freq
+    return [int(epoch) for epoch in validation_freq]
+
+
+def _check_no_steps(steps: Any, name: str) -> None:
+    if steps is None:
+        return
+    raise ValueError(
+        f"{name}={steps!r}: with arrays or a map-style dataset an epoch is one pass over every sample, so "
+        f"{name} does not apply. Pass fewer rows (x[:n]) to use part of the data."
     )

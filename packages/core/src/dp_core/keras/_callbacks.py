@@ -28,32 +28,25 @@ def callback_list(
     *,
     is_primary: bool,
     verbose: Any,
-    epochs: int,
-    steps: int,
+    epochs: int = 1,
+    steps: int | None,
+    history: bool = True,
 ) -> keras.callbacks.CallbackList:
-    """``fit``'s callbacks with History and the progress bar, on the primary process only.
+    """The user's callbacks with the progress bar (and for ``fit`` History), on the primary
+    process only, as ``model.fit``/``evaluate``/``predict`` make them.
 
-    Other processes get an empty list with a History, so their loop code is the same
-    and nothing is printed or written twice.
+    Other processes get an empty list (with a History for ``fit``), so their loop code is
+    the same and nothing is printed or written twice.
     """
     level = verbosity(verbose)
     return keras.callbacks.CallbackList(
         list(callbacks or []) if is_primary else [],
-        add_history=True,
+        add_history=history,
         add_progbar=is_primary and level != 0,
         model=model,
         verbose=level if is_primary else 0,
         epochs=epochs,
         steps=steps,
-    )
-
-
-def progress_bar(model: keras.Model, *, is_primary: bool, verbose: Any, steps: int) -> keras.callbacks.CallbackList:
-    """The progress bar alone (``evaluate``/``predict``), on the primary process only."""
-    level = verbosity(verbose)
-    show = is_primary and level != 0
-    return keras.callbacks.CallbackList(
-        [], add_progbar=show, model=model, verbose=level if show else 0, epochs=1, steps=steps
     )
 
 

@@ -36,7 +36,10 @@ class Start:
 
 def start_of(checkpoint: Checkpoint) -> Start:
     """Where a fit resumed from ``checkpoint`` starts."""
-    history = {name: list(values) for name, values in checkpoint.extra.get("history", {}).items()}
+    history = {
+        name: [np.asarray(v) if isinstance(v, list) else v for v in values]  # vector metrics as arrays, as in History
+        for name, values in checkpoint.extra.get("history", {}).items()
+    }
     return Start(checkpoint.epoch, checkpoint.step, checkpoint.metric_variables, history)
 
 
@@ -124,10 +127,11 @@ class CheckpointWriter:
     num_replicas: int
     lr_policy: dict[str, Any] | None
 
-    def due(self, steps_done: int, steps: int) -> bool:
-        """Whether a checkpoint is due after ``steps_done`` of the epoch's ``steps`` (the last
-        step's is saved at the epoch's end, after validation and callbacks)."""
-        return bool(self.every_steps) and steps_done % (self.every_steps or 1) == 0 and steps_done < steps
+    def due(self, steps_done: int, steps: int | None) -> bool:
+        """Whether a checkpoint is due after ``steps_done`` of the epoch's ``steps`` (None: not
+        known in advance). The last step's is saved at the epoch's end, after validation and callbacks."""
+        before_the_end = steps is None or steps_done < steps
+        return bool(self.every_steps) and steps_done % (self.every_steps or 1) == 0 and before_the_end
 
     def write(
         self,
@@ -207,5 +211,7 @@ def _numpy(variable: Any) -> np.ndarray:
 
 
 def _plain(value: Any) -> Any:
+    # a vector metric's value stays a list, even of one element (F1Score on one unit): float()
+    # refuses arrays with axes under numpy 2
     array = np.asarray(value)
-    return float(array) if array.size == 1 else array.tolist()
+    return float(array) if array.ndim == 0 else array.tolist()

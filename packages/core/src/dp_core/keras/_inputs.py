@@ -10,7 +10,7 @@ other dtypes as given.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import keras
@@ -30,14 +30,25 @@ class Inputs:
     (dtype('float32'), [4, 0], None)
     """
 
-    def __init__(self, x: Any, y: Any = None, sample_weight: Any = None, *, name: str = "x") -> None:
+    def __init__(
+        self,
+        x: Any,
+        y: Any = None,
+        sample_weight: Any = None,
+        *,
+        class_weight: Mapping[int, float] | None = None,
+        name: str = "x",
+    ) -> None:
         try:
             self.num_samples = num_rows(x, y, sample_weight)
         except ValueError as error:
             if name == "x":
                 raise
             raise ValueError(f"{name}: {error}") from None
+        if class_weight is not None:
+            _check_class_weight(class_weight, y, sample_weight)
         self.x, self.y, self.sample_weight = x, y, sample_weight
+        self.class_weight = class_weight
 
     @property
     def is_dataset(self) -> bool:
@@ -45,13 +56,14 @@ class Inputs:
         return is_map_dataset(self.x)
 
     def rows(self, indices: np.ndarray) -> tuple[Any, Any, Any]:
-        """``(x, y, sample_weight)`` of these rows as numpy, floats in ``floatx``."""
+        """``(x, y, sample_weight)`` of these rows as numpy, as Keras's data adapters give them:
+        floats in ``floatx``, sample weights (integer ones too) in ``floatx``, ``class_weight``
+        turned into sample weights, one sample-weight array repeated for every output."""
         if self.is_dataset:
-            parts = keras.utils.unpack_x_y_sample_weight(take_rows(self.x, indices))
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(take_rows(self.x, indices))
         else:
-            parts = tuple(take_rows(part, indices) for part in (self.x, self.y, self.sample_weight))
-        x, y, sample_weight = (map_structure(_to_floatx, part) for part in parts)
-        return x, y, sample_weight
+            x, y, sample_weight = (take_rows(part, indices) for part in (self.x, self.y, self.sample_weight))
+        return as_keras_reads(x, y, sample_weight, class_weight=self.class_weight)
 
     def first_rows(self, count: int = 2) -> tuple[Any, Any, Any]:
         """The first ``count`` rows (fewer if there are fewer), to build a model from their shapes."""
@@ -68,7 +80,7 @@ class Inputs:
         if self.is_dataset:
             return self
         mapped = object.__new__(Inputs)
-        mapped.num_samples = self.num_samples
+        mapped.num_samples, mapped.class_weight = self.num_samples, self.class_weight
         mapped.x, mapped.y, mapped.sample_weight = (
             map_structure(fn, part) for part in (self.x, self.y, self.sample_weight)
         )
@@ -86,6 +98,47 @@ def validation_inputs(validation_data: Any) -> Inputs:
         "validation_data must be (x_val, y_val), (x_val, y_val, sample_weight_val) or a map-style dataset, "
         f"got {type(validation_data).__name__}{length}."
     )
+
+
+def _check_class_weight(class_weight: Any, y: Any, sample_weight: Any) -> None:
+    if not isinstance(class_weight, Mapping):
+        raise TypeError(f"class_weight must be a dict of class index -> weight, got {type(class_weight).__name__}.")
+    if sample_weight is not None:
+        raise ValueError("You cannot pass class_weight and sample_weight at the same time; pass one of them.")
+    if isinstance(y, (Mapping, tuple, list)):
+        raise ValueError(
+            "class_weight is only supported for models with a single output (y is "
+            f"{type(y).__name__}); pass a sample_weight per output instead."
+        )
+
+
+def as_keras_reads(
+    x: Any, y: Any, sample_weight: Any, *, class_weight: Mapping[int, float] | None = None
+) -> tuple[Any, Any, Any]:
+    """Numpy rows as Keras's data adapters hand them to a step: floats in ``floatx``, sample
+    weights (integer ones too) in ``floatx``, ``class_weight`` turned into sample weights, one
+    sample-weight array repeated for every output."""
+    if class_weight is not None:
+        sample_weight = _class_weights(y, class_weight)
+    if (
+        sample_weight is not None
+        and isinstance(y, (Mapping, tuple, list))
+        and not isinstance(sample_weight, (Mapping, tuple, list))
+    ):
+        sample_weight = map_structure(lambda _: sample_weight, y)
+    floatx = keras.config.floatx()
+    sample_weight = map_structure(lambda weight: np.asarray(weight).astype(floatx, copy=False), sample_weight)
+    return map_structure(_to_floatx, x), map_structure(_to_floatx, y), sample_weight
+
+
+def _class_weights(y: Any, class_weight: Mapping[int, float]) -> np.ndarray:
+    """Keras's ``class_weight_to_sample_weights``: a row's weight is its class's, 1.0 if absent;
+    one-hot labels count by their argmax."""
+    labels = np.asarray(y)
+    if labels.ndim > 1:
+        labels = np.argmax(labels, axis=-1) if labels.shape[-1] != 1 else np.squeeze(labels, axis=-1)
+    labels = np.round(labels).astype("int32")
+    return np.array([class_weight.get(int(label), 1.0) for label in labels], dtype=keras.config.floatx())
 
 
 def _to_floatx(leaf: Any) -> np.ndarray:

@@ -83,6 +83,12 @@ def seed_generators(layer: keras.layers.Layer) -> list[Any]:
     return list(layer._seed_generators)
 
 
+def initial_epoch_override(model: keras.Model) -> int | None:
+    """The epoch a callback told ``fit`` to start from in ``on_train_begin`` (``BackupAndRestore``
+    after an interrupted run); ``model.fit`` reads it the same way."""
+    return getattr(model, "_initial_epoch", None)
+
+
 def metrics_in_order(model: keras.Model, logs: dict[str, Any]) -> Any:
     """``evaluate(return_dict=False)``'s list, in the order ``model.evaluate`` returns it."""
     return model._flatten_metrics_in_order(logs)
@@ -129,6 +135,35 @@ def compiled_metric_parts(compile_metrics: Any) -> tuple[list[Any], list[Any], C
     """The unweighted and weighted metric lists of a ``CompileMetrics`` and its per-output
     flattening: the padding mask must reach the unweighted metrics, which Keras gives no weight."""
     return compile_metrics._flat_metrics, compile_metrics._flat_weighted_metrics, compile_metrics._flatten_y
+
+
+def override_loss_functions(compile_loss: Any, replacement: Callable[[Any], Callable[..., Any]]) -> Callable[[], None]:
+    """Call ``replacement(loss)`` in place of each loss a built ``CompileLoss`` calls per output
+    (``_flat_losses``), so a replica's share of the global batch's loss replaces Keras's
+    per-batch reduction while Keras still matches outputs, weights and trackers; returns the undo."""
+    flat: Any = getattr(compile_loss, "_flat_losses", None) or []
+    original = list(flat)
+    flat[:] = [entry._replace(loss=replacement(entry.loss)) for entry in original]
+
+    def restore() -> None:
+        flat[:] = original
+
+    return restore
+
+
+def keras_mask(tensor: Any) -> Any:
+    """The Keras mask a layer attached to ``tensor`` (None without one): losses and metrics read
+    it from ``y_pred``; Keras exports no getter for it."""
+    from keras.src.backend import get_keras_mask
+
+    return get_keras_mask(tensor)
+
+
+def set_keras_mask(tensor: Any, mask: Any) -> None:
+    """Attach ``mask`` to ``tensor`` as a layer would: rows sliced from ``y_pred`` keep their mask."""
+    from keras.src.backend import set_keras_mask as set_mask
+
+    set_mask(tensor, mask)
 
 
 def overrides_hook(callback: keras.callbacks.Callback, hook: str) -> bool:

@@ -9,6 +9,7 @@ import keras
 
 from dp_core.keras import _internals
 from dp_core.keras._inputs import Inputs
+from dp_core.keras._sources import BatchSource
 
 
 def require_backend(expected: str, package: str) -> None:
@@ -47,7 +48,21 @@ def require_compiled(model: keras.Model) -> None:
         raise ValueError(f"Model '{model.name}' was compiled without a loss; pass `loss=` to `model.compile`.")
 
 
-def build_model(model: keras.Model, inputs: Inputs, *, rows: int = 2, for_predict: bool = False) -> None:
+def require_keras_steps(model: keras.Model, step_names: tuple[str, ...], package: str) -> None:
+    """A clear error before anything starts for a model that overrides the Keras step a call
+    would run (``train_step``, ``test_step``, ``predict_step``): the trainers run Keras's own
+    step split over the replicas, so an override would be silently ignored."""
+    overridden = [name for name in step_names if getattr(type(model), name) is not getattr(keras.Model, name)]
+    if overridden:
+        raise NotImplementedError(
+            f"{type(model).__name__} overrides {', '.join(overridden)}; {package} runs Keras's own step on every "
+            "replica (its loss weighted over the real rows of the global batch, its gradients averaged), so the "
+            "override would be ignored. Move custom loss logic into compute_loss (which is honoured), or train this "
+            "model with model.fit on one device."
+        )
+
+
+def build_model(model: keras.Model, inputs: Inputs | BatchSource, *, rows: int = 2, for_predict: bool = False) -> None:
     """Create every variable ``fit`` or ``evaluate`` needs (model, loss trackers, metrics,
     optimizer) from the first ``rows`` rows, as Keras does before its first step; for
     ``predict`` only the model's own."""

@@ -1,0 +1,217 @@
+"""A replica's share of the single-device loss of a global batch, for every backend.
+
+Keras reduces a loss over the rows it is given: ``sum_over_batch_size`` divides the sum of
+the loss values by their number, or, when the output carries a Keras mask, by the number of
+valid mask positions. A replica holds only part of the global batch, and on the last batch
+part of it is padding, so its own reduction is not the single-device one. Within
+``replica_losses`` every compiled loss returns ``num_replicas`` times this replica's share
+instead: the sum of its real rows' loss values over the normalizer of the *whole* global
+batch (a mask's valid positions are summed over replicas). The mean over replicas of the
+loss, and of its gradient, is then exactly what ``model.fit`` computes on that batch.
+
+Activity regularizers get the same treatment (padded rows left out, Keras's division by the
+batch size replaced by the global batch's real rows). ``add_loss`` terms computed in a
+layer's ``call`` are the user's own function of the batch and stay per replica: constant
+terms count once per global batch, batch-dependent ones are the mean over replicas.
+
+The mask counted is the one on ``y_pred`` (Keras also merges a mask a loss function puts on
+its own values, which no Keras loss does). A loss whose values have no batch axis
+(``keras.losses.Dice()`` with ``axis=None``, or a user loss that reduces over axis 0) cannot
+be split; ``check_losses_split`` says so before training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import keras
+import numpy as np
+
+from dp_core._data import map_structure
+from dp_core.keras import _internals
+from dp_core.keras._inputs import Inputs
+from dp_core.keras._sources import BatchSource
+
+# keras.ops is typed for every backend at once; treat it as untyped here.
+ops: Any = keras.ops
+
+_SPLITTABLE = ("sum_over_batch_size", "mean", "sum", "mean_with_sample_weight")
+
+
+def _no_communication(value: Any) -> Any:
+    return value
+
+
+@dataclass(frozen=True)
+class ReplicaRows:
+    """This replica's part of one global batch, as its loss must see it.
+
+    ``row_mask`` (shape ``(rows,)``, 1 for real rows, 0 for padding) is None when every row of
+    the global batch is real; ``sum_over_replicas`` sums a tensor over replicas (a backend's
+    all-reduce; the identity where one program sees the whole global batch).
+    """
+
+    rows: int
+    global_real_rows: int
+    num_replicas: int = 1
+    row_mask: Any = None
+    sum_over_replicas: Callable[[Any], Any] = _no_communication
+
+    @property
+    def whole_batch(self) -> bool:
+        """Whether these rows are the whole global batch, every one real: Keras's own reduction is exact."""
+        return self.num_replicas == 1 and self.row_mask is None
+
+
+@contextlib.contextmanager
+def replica_losses(model: keras.Model, rows: ReplicaRows) -> Iterator[None]:
+    """Within the block (the forward pass and ``compute_loss``), ``model``'s compiled losses and
+    activity regularizers give ``rows.num_replicas`` times this replica's share of the
+    single-device loss of the global batch."""
+    restores: list[Callable[[], None]] = []
+    try:
+        compile_loss = _internals.compile_loss(model)
+        if compile_loss is not None:
+            restores.append(_internals.override_loss_functions(compile_loss, functools.partial(_share_of, rows=rows)))
+        scale = _activity_scale(rows)
+        if scale != 1.0 or rows.row_mask is not None:
+            for layer in _internals.flatten_layers(model, include_self=True):
+                regularizer: Any = layer.activity_regularizer
+                if regularizer is not None:
+                    regularize = _activity_share(regularizer, rows, scale)
+                    restores.append(_internals.override(layer, "activity_regularizer", regularize))
+        yield
+    finally:
+        for restore in reversed(restores):
+            restore()
+
+
+def check_losses_split(model: keras.Model, inputs: Inputs | BatchSource) -> None:
+    """A ``ValueError`` naming the loss, before training, when a compiled loss reduces over the
+    batch axis (its values on a few rows have no row axis), so no replica's share of it exists.
+
+    Runs the model in inference mode on the first rows; metric states are left as they were.
+    """
+    first = inputs.first_rows(2)
+    count = len(keras.tree.flatten(first[0])[0])
+    x, y, sample_weight = (map_structure(ops.convert_to_tensor, part) for part in first)
+    # A row mask of ones: every row is real, yet the loss must split (Keras's own reduction is not used).
+    rows = ReplicaRows(count, count, row_mask=ops.ones((count,)))
+    states = [ops.convert_to_numpy(variable) for variable in model.metrics_variables]
+    try:
+        with replica_losses(model, rows):
+            y_pred = model(x, **_internals.training_kwargs(model, False))
+            _internals.compute_loss(model, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)
+    finally:
+        for variable, state in zip(model.metrics_variables, states, strict=True):
+            variable.assign(state)
+
+
+def _share_of(loss: Any, *, rows: ReplicaRows) -> Callable[..., Any]:
+    """``loss`` as ``CompileLoss`` calls it, returning this replica's scaled share."""
+    if getattr(loss, "reduction", None) not in _SPLITTABLE:
+        return loss  # "none" and None: as Keras (whose train step needs a scalar loss anyway)
+
+    def share(y_true: Any, y_pred: Any, sample_weight: Any = None) -> Any:
+        values = _unreduced(loss, y_true, y_pred, sample_weight)
+        if len(values.shape) == 0 or values.shape[0] != rows.rows:
+            if rows.whole_batch:
+                return loss(y_true, y_pred, sample_weight)
+            raise ValueError(_unsplittable(loss, values, rows.rows))
+        total = ops.sum(values if rows.row_mask is None else values * _per_row(rows.row_mask, values))
+        if loss.reduction == "sum":
+            return total * rows.num_replicas
+        return ops.divide_no_nan(total, _normalizer(loss.reduction, values, y_pred, sample_weight, rows))
+
+    return share
+
+
+def _unreduced(loss: Any, y_true: Any, y_pred: Any, sample_weight: Any) -> Any:
+    """The loss values, weighted and masked as Keras weighs them, before any reduction."""
+    reduction = loss.reduction
+    loss.reduction = "none"
+    try:
+        return loss(y_true, y_pred, sample_weight)
+    finally:
+        loss.reduction = reduction
+
+
+def _normalizer(reduction: str, values: Any, y_pred: Any, sample_weight: Any, rows: ReplicaRows) -> Any:
+    """The single-device reduction's divisor for the global batch, over ``num_replicas``.
+
+    Keras divides by the number of values (``sum_over_batch_size``), scaled by
+    ``mask size / valid positions`` with a mask, or by the sum of the merged weights
+    (``mean_with_sample_weight``); here each is counted over the real rows of every replica.
+    """
+    mask = _internals.keras_mask(y_pred)
+    dtype = values.dtype
+    if reduction == "mean_with_sample_weight" and (mask is not None or sample_weight is not None):
+        weights = [ops.cast(w, dtype) for w in (mask, sample_weight) if w is not None]
+        merged = weights[0] if len(weights) == 1 else ops.multiply(*_same_rank(*weights))
+        return rows.sum_over_replicas(ops.sum(merged * _per_row(_row_mask(rows, dtype), merged))) / rows.num_replicas
+    values_per_row = int(np.prod(values.shape[1:]))
+    if mask is None or reduction == "mean_with_sample_weight":
+        return ops.convert_to_tensor(rows.global_real_rows * values_per_row / rows.num_replicas, dtype)
+    mask = ops.cast(mask, dtype)
+    valid = rows.sum_over_replicas(ops.sum(mask * _per_row(_row_mask(rows, dtype), mask)))
+    mask_per_row = int(np.prod(mask.shape[1:]))
+    return valid * (values_per_row / (mask_per_row * rows.num_replicas))
+
+
+def _row_mask(rows: ReplicaRows, dtype: Any) -> Any:
+    return ops.ones((rows.rows,), dtype) if rows.row_mask is None else ops.cast(rows.row_mask, dtype)
+
+
+def _per_row(row_mask: Any, like: Any) -> Any:
+    """``row_mask`` shaped to broadcast over ``like``'s non-batch axes."""
+    return ops.reshape(ops.cast(row_mask, like.dtype), (-1,) + (1,) * (len(like.shape) - 1))
+
+
+def _same_rank(first: Any, second: Any) -> tuple[Any, Any]:
+    """Keras's rule for a mask and a sample weight whose ranks differ by a trailing axis of 1."""
+    if len(first.shape) == len(second.shape) + 1 and first.shape[-1] == 1:
+        return (first, ops.expand_dims(second, -1)) if len(second.shape) == 1 else (ops.squeeze(first, -1), second)
+    if len(second.shape) == len(first.shape) + 1 and second.shape[-1] == 1:
+        return (ops.expand_dims(first, -1), second) if len(first.shape) == 1 else (first, ops.squeeze(second, -1))
+    return first, second
+
+
+def _unsplittable(loss: Any, values: Any, rows: int) -> str:
+    return (
+        f"The loss {loss.name!r} ({type(loss).__name__}) reduces over the batch axis: on {rows} rows its "
+        f"unreduced values have shape {tuple(values.shape)}, not ({rows}, ...). A data-parallel trainer splits "
+        "each global batch over replicas and pads the last one, which needs one loss value per sample (Keras "
+        "then averages them). Use a per-sample loss (e.g. keras.losses.Dice(axis=(1, 2, 3)) for images, or a "
+        "loss that reduces every axis but 0), or jax_dp, which computes the loss over each global batch in one "
+        "program; with torch_dp, num_replicas=1 and a global batch that divides the data are exact too."
+    )
+
+
+def _activity_scale(rows: ReplicaRows) -> float:
+    """The factor that makes the mean over replicas of a replica's activity regularizer term
+    the single-device one: Keras divides the term by the batch size (3.11+) or sums it."""
+    if _activity_divided_by_batch_size():
+        return rows.num_replicas * rows.rows / rows.global_real_rows
+    return float(rows.num_replicas)
+
+
+def _activity_share(regularizer: Callable[[Any], Any], rows: ReplicaRows, scale: float) -> Callable[[Any], Any]:
+    def regularize(output: Any) -> Any:
+        if rows.row_mask is not None and len(output.shape) > 0 and output.shape[0] == rows.rows:
+            output = output * _per_row(rows.row_mask, output)
+        return regularizer(output) * scale
+
+    return regularize
+
+
+@functools.cache
+def _activity_divided_by_batch_size() -> bool:
+    """Whether this Keras divides an activity regularizer's term by the batch size (newer
+    releases do, 3.10 does not): asked of Keras itself, once."""
+    layer = keras.layers.Activation("linear", activity_regularizer=ops.sum, name="dp_core_activity_probe")
+    layer(ops.ones((2, 1)))
+    return float(np.asarray(ops.convert_to_numpy(layer.losses[0]))) == 1.0

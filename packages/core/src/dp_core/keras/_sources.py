@@ -1,0 +1,208 @@
+"""Inputs that yield whole batches: a ``keras.utils.PyDataset``, a generator or any iterable of
+batches, a ``torch.utils.data.DataLoader``, a ``tf.data.Dataset``, a grain loader.
+
+Each yielded batch is one **global** batch, split over the replicas as an array input's global
+batch is: replica ``r`` of ``R`` takes the ``r``-th contiguous part. The first batch's row
+count is the global batch size; a shorter batch (the last one, typically) is padded to it and
+its padding rows masked, as with arrays; a longer one is an error. The reading process reads
+each global batch once and converts it to numpy like Keras's data adapters (floats in
+``floatx``, sample weights in ``floatx``, ``class_weight`` applied).
+
+Epochs, as Keras's adapters run them:
+
+- a ``PyDataset`` is read by index, ``num_batches`` (or ``len``) batches an epoch, calling its
+  ``on_epoch_begin``/``on_epoch_end``; with ``shuffle=True`` the batch order of epoch ``e`` is
+  ``dp_core.epoch_order(num_batches, seed, e)`` (reproducible, where Keras uses Python's
+  ``random``); an endless one (``num_batches`` None) needs ``steps_per_epoch``;
+- an iterator or generator is read once: each epoch continues where the last stopped, for
+  ``steps_per_epoch`` batches or until it ends (an ended one stops training, with Keras's warning);
+- any other iterable (a ``DataLoader``, ``tf.data``, grain) is iterated anew each epoch, its own
+  shuffling included, at most ``steps_per_epoch`` batches.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import keras
+import numpy as np
+
+from dp_core._data import flatten, is_array_like, take_rows
+from dp_core._split import epoch_order
+from dp_core.keras._inputs import as_keras_reads
+
+GlobalBatch = tuple[Any, Any, Any]  # (x, y, sample_weight) as numpy, y and sample_weight may be None
+
+
+def is_batch_source(x: Any) -> bool:
+    """Whether ``x`` yields batches rather than being rows (arrays, a map-style dataset of rows)."""
+    if isinstance(x, keras.utils.PyDataset):
+        return True
+    if is_array_like(x) or isinstance(x, (Mapping, tuple, list, str, bytes)) or x is None:
+        return False
+    if hasattr(x, "__len__") and hasattr(x, "__getitem__"):
+        return False  # a map-style dataset of rows
+    return isinstance(x, Iterable)  # iterators and generators are iterables too
+
+
+class BatchSource:
+    """A batch-yielding input, read one global batch at a time.
+
+    >>> source = BatchSource(iter([(np.zeros((4, 2)), np.arange(4)), (np.ones((3, 2)), np.arange(3))]))
+    >>> [x.shape for x, y, w in source.epoch(0)]
+    [(4, 2), (3, 2)]
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        *,
+        steps_per_epoch: int | None = None,
+        class_weight: Mapping[int, float] | None = None,
+        name: str = "x",
+    ) -> None:
+        if steps_per_epoch is not None and (
+            isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, int) or steps_per_epoch < 1
+        ):
+            raise ValueError(f"steps_per_epoch must be a positive integer or None, got {steps_per_epoch!r}.")
+        self.source = source
+        self.steps_per_epoch = steps_per_epoch
+        self.class_weight = class_weight
+        self.name = name
+        self.one_shot = isinstance(source, Iterator)
+        self.exhausted = False
+        self._peeked: GlobalBatch | None = None  # an iterator's first batch, read early, served first
+        if self._num_source_batches() is None and steps_per_epoch is None and self.is_py_dataset:
+            raise ValueError(
+                f"{name} is a PyDataset without num_batches (endless); pass steps_per_epoch to say how many "
+                "batches make an epoch."
+            )
+
+    @property
+    def is_py_dataset(self) -> bool:
+        return isinstance(self.source, keras.utils.PyDataset)
+
+    def _num_source_batches(self) -> int | None:
+        if self.is_py_dataset:
+            return self.source.num_batches
+        length = getattr(self.source, "__len__", None)
+        return None if self.one_shot or length is None else int(length())
+
+    @property
+    def num_batches(self) -> int | None:
+        """Batches per epoch, when known in advance (None for an iterator without ``steps_per_epoch``)."""
+        known = self._num_source_batches()
+        if self.steps_per_epoch is None:
+            return known
+        return self.steps_per_epoch if known is None else min(known, self.steps_per_epoch)
+
+    def first_batch(self) -> GlobalBatch:
+        """The first batch, to build the model from and to learn the global batch size; an
+        iterator's is kept and served again as its first."""
+        if self.is_py_dataset:
+            return self._standardize(self.source[0])
+        if not self.one_shot:
+            return self._standardize(next(iter(self.source)))
+        if self._peeked is None:
+            try:
+                self._peeked = self._standardize(next(self.source))
+            except StopIteration:
+                raise ValueError(f"{self.name} ({type(self.source).__name__}) yielded no batch.") from None
+        return self._peeked
+
+    @property
+    def global_batch_size(self) -> int:
+        """The first batch's row count: every batch's, but a shorter last one's."""
+        return batch_rows(self.first_batch())
+
+    def first_rows(self, count: int = 2) -> GlobalBatch:
+        """The first ``count`` rows of the first batch (to build a model, like ``Inputs.first_rows``)."""
+        batch = self.first_batch()
+        rows = np.arange(min(count, batch_rows(batch)))
+        return tuple(take_rows(part, rows) for part in batch)  # type: ignore[return-value]
+
+    def epoch(self, epoch: int, *, shuffle: bool = False, seed: int = 0) -> Iterator[GlobalBatch]:
+        """The global batches of epoch ``epoch``, as numpy."""
+        if self.is_py_dataset:
+            yield from self._py_dataset_epoch(epoch, shuffle=shuffle, seed=seed)
+            return
+        iterator = self.source if self.one_shot else iter(self.source)
+        if self._peeked is not None:
+            iterator = itertools.chain([self._peeked], iterator)  # type: ignore[assignment]
+            self._peeked = None
+        batches = iterator if self.steps_per_epoch is None else itertools.islice(iterator, self.steps_per_epoch)
+        count = 0
+        for item in batches:
+            count += 1
+            yield self._standardize(item)
+        # an iterator ends for good: an epoch that got none (or fewer than asked) ends training, as in Keras
+        short = count == 0 if self.steps_per_epoch is None else count < self.steps_per_epoch
+        if self.one_shot and short:
+            self._ran_out(epoch)
+
+    def _py_dataset_epoch(self, epoch: int, *, shuffle: bool, seed: int) -> Iterator[GlobalBatch]:
+        dataset = self.source
+        known = dataset.num_batches
+        if known is None:
+            indices: Iterable[int] = range(epoch * self.steps_per_epoch, (epoch + 1) * self.steps_per_epoch)  # type: ignore[operator]
+        else:
+            count = self.num_batches or 0
+            indices = epoch_order(known, seed=seed, epoch=epoch, shuffle=shuffle)[:count]
+        dataset.on_epoch_begin()
+        for index in indices:
+            yield self._standardize(dataset[int(index)])
+        dataset.on_epoch_end()
+
+    def _ran_out(self, epoch: int) -> None:
+        self.exhausted = True
+        warnings.warn(
+            f"Your input ran out of data in epoch {epoch}; interrupting training. Make sure that your dataset or "
+            "generator can generate at least `steps_per_epoch * epochs` batches.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+    def _standardize(self, item: Any) -> GlobalBatch:
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(_to_numpy(item))
+        return as_keras_reads(x, y, sample_weight, class_weight=self.class_weight)
+
+
+def batch_rows(batch: GlobalBatch) -> int:
+    """The row count of a global batch, after checking its arrays agree on it."""
+    counts = {int(np.shape(leaf)[0]) for leaf in flatten(batch)}
+    if len(counts) != 1:
+        raise ValueError(f"A batch's arrays disagree on their number of rows: {sorted(counts)}.")
+    return counts.pop()
+
+
+def replica_part(
+    batch: GlobalBatch, *, global_batch_size: int, replicas: range, num_replicas: int
+) -> tuple[GlobalBatch, np.ndarray]:
+    """The rows of ``replicas`` (consecutive replica indices) of one global batch, padded to the
+    global batch size, and their mask (1 for real rows)."""
+    rows = batch_rows(batch)
+    if rows > global_batch_size:
+        raise ValueError(
+            f"A batch has {rows} rows but the first batch had {global_batch_size}: every batch of a source must "
+            "have the global batch size, except shorter ones (the last), which are padded."
+        )
+    per_replica = global_batch_size // num_replicas
+    positions = np.arange(replicas.start * per_replica, replicas.stop * per_replica)
+    mask = positions < rows
+    indices = np.where(mask, positions, 0)  # padding repeats row 0 and weighs nothing
+    return tuple(take_rows(part, indices) for part in batch), mask  # type: ignore[return-value]
+
+
+def _to_numpy(item: Any) -> Any:
+    if isinstance(item, Mapping):
+        return {key: _to_numpy(value) for key, value in item.items()}
+    if isinstance(item, (tuple, list)):
+        return type(item)(_to_numpy(value) for value in item)
+    if item is None:
+        return None
+    if hasattr(item, "detach"):  # a torch tensor
+        return item.detach().cpu().numpy()
+    return np.asarray(item)

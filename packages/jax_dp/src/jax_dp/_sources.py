@@ -1,0 +1,86 @@
+"""One epoch of a batch-yielding input (PyDataset, generator, DataLoader, tf.data, grain) as
+global batches on the mesh.
+
+Every process reads each global batch once and keeps the rows of its own replicas
+(``dp_core.keras.replica_part``), so the batch is split exactly as an array input's global
+batch is; a short batch is padded and masked. The step count may be unknown in advance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from dp_core import ReplicaLayout, num_steps
+from dp_core.keras import BatchSource, Inputs, batch_rows, replica_part
+from jax_dp._batches import EpochPlan, HostBatch, Plan
+
+
+def epoch_plan(
+    inputs: Inputs | BatchSource,
+    *,
+    layout: ReplicaLayout,
+    global_batch_size: int,
+    epoch: int = 0,
+    seed: int = 0,
+    shuffle: bool = False,
+) -> Plan:
+    """The plan of one epoch: of rows, or of a source's batches."""
+    options = {
+        "layout": layout,
+        "global_batch_size": global_batch_size,
+        "epoch": epoch,
+        "seed": seed,
+        "shuffle": shuffle,
+    }
+    if isinstance(inputs, BatchSource):
+        return SourcePlan(inputs, **options)
+    return EpochPlan(inputs, **options)
+
+
+def steps_per_epoch(inputs: Inputs | BatchSource, global_batch_size: int) -> int | None:
+    """Global batches an epoch (None: a source that does not say)."""
+    return inputs.num_batches if isinstance(inputs, BatchSource) else num_steps(inputs.num_samples, global_batch_size)
+
+
+class SourcePlan:
+    """The global batches of one epoch of ``source``, read as they are needed."""
+
+    padded = True  # any batch may be short, so the steps always leave padded rows out
+
+    def __init__(
+        self,
+        source: BatchSource,
+        *,
+        layout: ReplicaLayout,
+        global_batch_size: int,
+        epoch: int = 0,
+        seed: int = 0,
+        shuffle: bool = False,
+    ) -> None:
+        self.inputs = source
+        self.global_batch_size = global_batch_size
+        self.steps = source.num_batches
+        self._layout = layout
+        self._epoch, self._seed, self._shuffle = epoch, seed, shuffle
+        self._real_rows: list[int] = []
+
+    def real_rows(self, step: int) -> int:
+        """Real rows of global batch ``step`` (read already)."""
+        return self._real_rows[step]
+
+    def host_batches(self, start: int = 0) -> Iterator[HostBatch]:
+        """This process's rows of every global batch from ``start`` (earlier ones are read and skipped)."""
+        replicas = self._layout.local_replica_indices
+        for step, batch in enumerate(self.inputs.epoch(self._epoch, shuffle=self._shuffle, seed=self._seed)):
+            (x, y, sample_weight), mask = replica_part(
+                batch,
+                global_batch_size=self.global_batch_size,
+                replicas=replicas,
+                num_replicas=self._layout.num_replicas,
+            )
+            real = batch_rows(batch)
+            self._real_rows.append(real)
+            if step >= start:
+                yield HostBatch(x, y, sample_weight, mask.astype(np.float32), real)
