@@ -1,0 +1,175 @@
+"""Write docs/keras-compatibility.md from the parity scenarios' declarations.
+
+    python tests/parity/compatibility.py            # rewrite the page
+    python tests/parity/compatibility.py --check    # exit 1 when the page is stale
+
+Rows come from ``inspect.signature(keras.Model.fit)`` (and ``evaluate``, ``predict``), so a
+Keras argument without a status fails ``test_compatibility.py`` instead of going missing.
+A status is what a scenario declares (``covers``, ``difference``, ``errors``); the few
+arguments no scenario can cover carry a hand-written status below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("KERAS_BACKEND", "jax")  # any backend: the signatures are Keras's own
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import keras
+
+from parity.scenarios import BACKENDS, FLOAT16, FP32, SCENARIOS, Scenario
+
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "keras-compatibility.md"
+METHODS = ("fit", "evaluate", "predict")
+PACKAGES = {"torch": "torch_dp", "jax": "jax_dp"}
+
+INPUT_KINDS = {
+    "arrays": "numpy arrays",
+    "tuple": "a tuple of arrays (several inputs)",
+    "dict": "dicts of arrays (named inputs, outputs, sample weights)",
+    "rows": "a map-style dataset of `(x, y)` rows (`__len__`/`__getitem__`)",
+    "torch_dataset": "a `torch.utils.data.Dataset`",
+    "PyDataset": "a `keras.utils.PyDataset` whose items are global batches",
+    "generator": "a Python generator of global batches",
+    "DataLoader": "a `torch.utils.data.DataLoader`, each batch a global batch",
+    "tf.data": "a `tf.data.Dataset`",
+    "grain": "a grain dataset",
+}
+TRAINER_ARGUMENTS = {
+    "global_batch_size": "`global_batch_size=`, another name for `batch_size`",
+    "seed": "`seed=`, the seed of the row order when `shuffle=True`",
+    "model_factory": "a zero-argument function that returns the compiled model, in place of the model",
+}
+COMPILE_OPTIONS = {"steps_per_execution": "`model.compile(steps_per_execution=N)`, N > 1"}
+
+# What no scenario can show, stated by hand.
+_PRINTED = "progress is printed once, by the caller; the matrix runs `verbose=0` and does not compare printed text"
+DIFFERENCES = {
+    "fit.shuffle": "epoch `e` reads rows in `dp_core.epoch_order(num_samples, seed=seed, epoch=e)`, the same on "
+    "any replica count; Keras draws its own order. The matrix gives Keras that order",
+    "fit.verbose": _PRINTED,
+    "evaluate.verbose": _PRINTED,
+    "predict.verbose": _PRINTED,
+}
+NOT_VERIFIED = {
+    "input.tf.data": "tensorflow is not installed where the matrix runs",
+    "input.grain": "grain is not installed where the matrix runs",
+    "input.DataLoader": "the matrix gives a DataLoader to torch_dp only",
+    "input.torch_dataset": "the matrix gives a torch Dataset to torch_dp only",
+}
+
+
+def keras_arguments(method: str) -> list[str]:
+    return [name for name in inspect.signature(getattr(keras.Model, method)).parameters if name != "self"]
+
+
+def status(tag: str, backend: str) -> str | None:
+    """The page's cell for ``tag`` on ``backend``, or None when nothing states one."""
+    covering = [s for s in SCENARIOS if tag in s.covers and backend in s.backends]
+    names = ", ".join(f"`{s.name}`" for s in covering)
+    if refusing := [s for s in covering if backend in s.errors]:
+        return "; ".join(_clear_error(s, backend) for s in refusing)
+    if tag in DIFFERENCES:
+        return f"supported with a stated difference: {DIFFERENCES[tag]}" + (f" ({names})" if covering else "")
+    if differing := [s for s in covering if s.difference]:
+        return "; ".join(f"supported with a stated difference: {s.difference} (`{s.name}`)" for s in differing)
+    if covering:
+        return f"exact ({names})"
+    if tag in NOT_VERIFIED:
+        return f"not verified: {NOT_VERIFIED[tag]}"
+    return None
+
+
+def _clear_error(scenario: Scenario, backend: str) -> str:
+    types, word = scenario.errors[backend]
+    return f"clear error: {' or '.join(types)} saying `{word}` (`{scenario.name}`)"
+
+
+def missing_rows() -> list[str]:
+    """Every Keras argument and input kind with no status on some backend."""
+    tags = [f"{method}.{name}" for method in METHODS for name in keras_arguments(method)]
+    tags += [f"input.{kind}" for kind in INPUT_KINDS]
+    return [f"{tag} ({backend})" for tag in tags for backend in BACKENDS if status(tag, backend) is None]
+
+
+def _table(header: str, rows: list[tuple[str, str]]) -> list[str]:
+    lines = [f"| {header} | torch_dp | jax_dp |", "|---|---|---|"]
+    for label, tag in rows:
+        cells = [status(tag, backend) or "**no status**" for backend in BACKENDS]
+        lines.append(f"| {label} | {' | '.join(cells)} |")
+    return lines
+
+
+def _scenario_cell(scenario: Scenario, backend: str) -> str:
+    if backend not in scenario.backends:
+        return "not run"
+    if backend in scenario.errors:
+        return "clear error"
+    if scenario.difference:
+        return "stated difference"
+    return "exact" if scenario.tolerance in (None, FP32) else "exact within float16 noise"
+
+
+def page() -> str:
+    lines = [
+        "# Keras compatibility",
+        "",
+        "<!-- Generated by tests/parity/compatibility.py from the parity scenarios; do not edit by hand. -->",
+        "",
+        "Does `Trainer(num_replicas=2).fit(model, ...)` give what `model.fit` gives on one device? Each",
+        "scenario of `tests/parity/` runs the same Keras code twice in a fresh process per backend: with",
+        "plain Keras on one device and with `torch_dp.Trainer(num_replicas=2)` or `jax_dp.Trainer(num_replicas=2)`,",
+        "on 99 rows, so the last global batch is short and padded. Weights, History (each value and its",
+        "type), `evaluate` and `predict` are compared (`nox -s parity`).",
+        "",
+        f"- **exact**: equal within fp32 reduction-order noise (rtol {FP32['rtol']:g}, atol {FP32['atol']:g});",
+        f"  under `mixed_float16`, within float16 noise (rtol {FLOAT16['rtol']:g}, atol {FLOAT16['atol']:g}).",
+        "- **supported with a stated difference**: works, and differs from `model.fit` only as stated.",
+        "- **clear error**: raises before training, saying what to do instead.",
+        "- **not verified**: no scenario runs it here.",
+        "",
+        "The scenario names in parentheses are the proof: `pytest tests/parity -k <name>`.",
+    ]
+    for method in METHODS:
+        rows = [(f"`{'**' if name == 'kwargs' else ''}{name}`", f"{method}.{name}") for name in keras_arguments(method)]
+        lines += ["", f"## `{method}` arguments", "", *_table("Keras argument", rows)]
+    inputs = [(description, f"input.{kind}") for kind, description in INPUT_KINDS.items()]
+    lines += ["", "## Inputs", "", *_table("`x` (and `y`, `validation_data`)", inputs)]
+    extra = [(description, f"trainer.{name}") for name, description in TRAINER_ARGUMENTS.items()]
+    extra += [(description, f"compile.{name}") for name, description in COMPILE_OPTIONS.items()]
+    lines += ["", "## Beyond `model.fit`'s arguments", "", *_table("argument or option", extra)]
+    lines += [
+        "",
+        "`lr_scaling=`, `warmup_steps=`, `checkpoint_dir=` and `checkpoint_every_steps=` have no Keras",
+        "counterpart; see [LR scaling and warmup](lr-scaling.md) and [Checkpoints and resume](checkpoints.md).",
+        "",
+        "## Scenarios",
+        "",
+        "| scenario | what it checks | torch_dp | jax_dp |",
+        "|---|---|---|---|",
+    ]
+    for scenario in SCENARIOS:
+        cells = " | ".join(_scenario_cell(scenario, backend) for backend in BACKENDS)
+        lines.append(f"| `{scenario.name}` | {scenario.summary} | {cells} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--check", action="store_true", help="exit 1 if the page differs from what is generated")
+    args = parser.parse_args()
+    if missing := missing_rows():
+        sys.exit(f"no status for: {', '.join(missing)}; add a scenario or a hand-written status")
+    text = page()
+    if args.check:
+        sys.exit(0 if PAGE.read_text() == text else f"{PAGE} is stale: run python {Path(__file__).name}")
+    PAGE.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""The two sides of every scenario: plain Keras on one device, and a backend's Trainer.
+
+A scenario calls ``run.fit(model, x, y, **arguments)`` (and ``evaluate``/``predict``) with
+the Trainer's arguments, which are Keras's plus a few. ``TrainerRunner`` passes them on
+untouched. ``KerasRunner`` calls ``model.fit`` with the same meaning: the global batch
+order the Trainer uses (``dp_core.epoch_order``, which Keras cannot draw itself), the
+validation rows Keras's ``validation_split`` would take, rows of a map-style dataset
+stacked into arrays.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+import keras
+import numpy as np
+
+import dp_core
+
+
+class Runner(Protocol):
+    name: str
+
+    def fit(self, model: Any, x: Any = None, y: Any = None, **arguments: Any) -> keras.callbacks.History: ...
+
+    def evaluate(self, model: Any, x: Any = None, y: Any = None, **arguments: Any) -> Any: ...
+
+    def predict(self, model: Any, x: Any, **arguments: Any) -> Any: ...
+
+
+class TrainerRunner:
+    """``<backend>_dp.Trainer``: every argument as the scenario wrote it."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.name = f"{keras.backend.backend()}_dp"
+
+    def fit(self, model: Any, x: Any = None, y: Any = None, **arguments: Any) -> keras.callbacks.History:
+        return self.trainer.fit(model, x, y, **arguments)
+
+    def evaluate(self, model: Any, x: Any = None, y: Any = None, **arguments: Any) -> Any:
+        return self.trainer.evaluate(model, x, y, **arguments)
+
+    def predict(self, model: Any, x: Any, **arguments: Any) -> Any:
+        return self.trainer.predict(model, x, **arguments)
+
+
+class KerasRunner:
+    """``model.fit``/``evaluate``/``predict`` on one device, on the Trainer's global batches."""
+
+    name = "keras"
+
+    def fit(
+        self,
+        model: Any,
+        x: Any = None,
+        y: Any = None,
+        *,
+        batch_size: int | None = None,
+        global_batch_size: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        **arguments: Any,
+    ) -> keras.callbacks.History:
+        model, (x, y) = _model(model), _arrays_of_rows(x, y)
+        batch_size = batch_size or global_batch_size
+        if not shuffle:
+            return model.fit(x, y, batch_size=batch_size, shuffle=False, **arguments)
+        if not _is_arrays(x):
+            raise ValueError("parity: a batch-yielding source has no row order to follow; pass shuffle=False")
+        return _fit_in_epoch_order(model, x, y, batch_size=batch_size or 32, seed=seed, **arguments)
+
+    def evaluate(self, model: Any, x: Any = None, y: Any = None, **arguments: Any) -> Any:
+        x, y = _arrays_of_rows(x, y)
+        return _model(model).evaluate(x, y, **_keras_batch(arguments))
+
+    def predict(self, model: Any, x: Any, **arguments: Any) -> Any:
+        x, _ = _arrays_of_rows(x, None)
+        return _model(model).predict(x, **_keras_batch(arguments))
+
+
+def _model(model: Any) -> keras.Model:
+    """A model, or what a zero-argument factory builds (the Trainer takes both)."""
+    return model if isinstance(model, keras.Model) else model()
+
+
+def _keras_batch(arguments: dict[str, Any]) -> dict[str, Any]:
+    """``global_batch_size``, the Trainer's alias, under Keras's name."""
+    arguments = dict(arguments)
+    if (alias := arguments.pop("global_batch_size", None)) is not None:
+        arguments["batch_size"] = alias
+    return arguments
+
+
+def _arrays_of_rows(x: Any, y: Any) -> tuple[Any, Any]:
+    """Keras takes no map-style dataset of ``(x, y)`` rows: stack its rows into arrays."""
+    if isinstance(x, np.ndarray | dict | list | tuple | keras.utils.PyDataset) or not _is_map_style(x):
+        return x, y
+    rows = [x[index] for index in range(len(x))]
+    columns = list(zip(*rows, strict=True))
+    return tuple(keras.tree.map_structure(lambda *leaves: np.stack(leaves), *column) for column in columns)
+
+
+def _is_map_style(x: Any) -> bool:
+    return hasattr(type(x), "__getitem__") and hasattr(type(x), "__len__")
+
+
+def _is_arrays(x: Any) -> bool:
+    leaves = keras.tree.flatten(x)
+    return bool(leaves) and all(isinstance(leaf, np.ndarray) for leaf in leaves)
+
+
+def _rows(structure: Any, start: int, stop: int) -> Any:
+    return None if structure is None else keras.tree.map_structure(lambda array: array[start:stop], structure)
+
+
+def _fit_in_epoch_order(
+    model: keras.Model,
+    x: Any,
+    y: Any,
+    *,
+    batch_size: int,
+    seed: int,
+    sample_weight: Any = None,
+    validation_split: float = 0.0,
+    callbacks: list[keras.callbacks.Callback] | None = None,
+    initial_epoch: int = 0,
+    **arguments: Any,
+) -> keras.callbacks.History:
+    """One ``model.fit`` whose epoch ``e`` reads rows in ``dp_core.epoch_order(..., epoch=e)``.
+
+    ``validation_split`` is done here as Keras does it (the last rows, before shuffling), as
+    Keras allows it only on arrays. A callback tells the dataset which epoch begins, so
+    ``initial_epoch`` and a BackupAndRestore resume read the same order as the Trainer.
+    """
+    num_samples = len(keras.tree.flatten(x)[0])
+    if validation_split:
+        split_at = math.floor(num_samples * (1.0 - validation_split))
+        held_out = (_rows(x, split_at, None), _rows(y, split_at, None), _rows(sample_weight, split_at, None))
+        arguments["validation_data"] = tuple(part for part in held_out if part is not None)
+        x, y, sample_weight = (_rows(part, 0, split_at) for part in (x, y, sample_weight))
+    parts = tuple(part for part in (x, y, sample_weight) if part is not None)
+    dataset = _EpochOrderedBatches(parts, batch_size=batch_size, seed=seed, epoch=initial_epoch)
+    callbacks = [_FollowEpoch(dataset), *(callbacks or [])]
+    return model.fit(dataset, shuffle=False, callbacks=callbacks, initial_epoch=initial_epoch, **arguments)
+
+
+class _EpochOrderedBatches(keras.utils.PyDataset):
+    def __init__(self, parts: tuple[Any, ...], *, batch_size: int, seed: int, epoch: int) -> None:
+        super().__init__()
+        self.parts, self.batch_size, self.seed, self.epoch = parts, batch_size, seed, epoch
+        self.num_samples = len(keras.tree.flatten(parts)[0])
+
+    def __len__(self) -> int:
+        return math.ceil(self.num_samples / self.batch_size)
+
+    def __getitem__(self, index: int) -> tuple[Any, ...]:
+        order = dp_core.epoch_order(self.num_samples, seed=self.seed, epoch=self.epoch, shuffle=True)
+        rows = order[index * self.batch_size : (index + 1) * self.batch_size]
+        return keras.tree.map_structure(lambda array: array[rows], self.parts)
+
+
+class _FollowEpoch(keras.callbacks.Callback):
+    def __init__(self, dataset: _EpochOrderedBatches) -> None:
+        super().__init__()
+        self.dataset = dataset
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self.dataset.epoch = epoch

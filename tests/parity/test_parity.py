@@ -1,0 +1,133 @@
+"""The Keras parity matrix: ``Trainer(num_replicas=2)`` on torch and on jax against ``model.fit``.
+
+Each backend runs every scenario in one fresh subprocess (``run.py``, its own KERAS_BACKEND):
+plain Keras on one device, then the backend's Trainer. One test per (scenario, backend) says
+whether the Trainer gave what Keras gave; a failure names the scenario and the first places
+that differ, or what the Trainer raised.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import keras
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from parity.results import differences
+from parity.scenarios import BACKENDS, BY_NAME, CROSS_BACKEND, FP32, SCENARIOS
+
+RUNNER = Path(__file__).with_name("run.py")
+TIMEOUT = 3600  # a whole backend; each side of a scenario has its own limit in run.py
+# PARITY_RESULTS=<folder> compares the <backend>.json that run.py wrote there before.
+REUSE = os.environ.get("PARITY_RESULTS")
+
+
+def _run(backend: str, scenarios: list[str], directory: Path) -> dict[str, Any]:
+    if REUSE:
+        return {**json.loads((Path(REUSE) / f"{backend}.json").read_text()), "ended": f"read from {REUSE}"}
+    output = directory / f"{backend}.json"
+    env = dict(os.environ, KERAS_BACKEND=backend, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    command = [sys.executable, str(RUNNER), "--output", str(output), "--scenarios", *scenarios]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=TIMEOUT)
+        ended = f"exit status {done.returncode}\n{done.stderr[-3000:]}"
+    except subprocess.TimeoutExpired:
+        ended = f"stopped after {TIMEOUT} s"
+    if not output.exists():
+        pytest.fail(f"{backend}: the matrix wrote no results ({ended})")
+    report = json.loads(output.read_text())
+    report["ended"] = ended
+    return report
+
+
+def _selected(session: pytest.Session, backend: str) -> list[str]:
+    """The scenarios the selected tests need on ``backend`` (``-k class_weight`` runs that one)."""
+    needed = set()
+    for item in session.items:
+        callspec = getattr(item, "callspec", None)
+        params = callspec.params if callspec else {}
+        if "scenario" in params and params.get("backend", backend) == backend:
+            needed.add(params["scenario"])
+    return [s.name for s in SCENARIOS if s.name in needed and backend in s.backends]
+
+
+@pytest.fixture(scope="module")
+def matrix(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict]:
+    """The results of one backend, run on first use, for the scenarios of the selected tests."""
+    reports: dict[str, dict[str, Any]] = {}
+
+    def results(backend: str) -> dict[str, Any]:
+        if backend not in reports:
+            directory = tmp_path_factory.mktemp(f"parity-{backend}")
+            reports[backend] = _run(backend, _selected(request.session, backend), directory)
+        return reports[backend]
+
+    return results
+
+
+def _side(report: dict[str, Any], scenario: str, side: str) -> dict[str, Any]:
+    entry = report["scenarios"].get(scenario)
+    if entry is None:
+        pytest.fail(f"{report['backend']}: {scenario} did not run; the matrix ended with {report['ended']}")
+    return entry[side]
+
+
+def _raised(run: dict[str, Any]) -> str:
+    return f"{run['error']['first_line']}\n\n{run['error']['traceback']}"
+
+
+def _compared(scenario: str, backend: str) -> Any:
+    return pytest.param(scenario, backend, id=f"{scenario}-{backend}")
+
+
+@pytest.mark.parametrize(
+    ("scenario", "backend"), [_compared(s.name, b) for s in SCENARIOS for b in BACKENDS if s.compared_on(b)]
+)
+def test_trainer_gives_what_keras_gives(matrix, scenario, backend):
+    report = matrix(backend)
+    keras_run, trainer_run = _side(report, scenario, "keras"), _side(report, scenario, "trainer")
+    assert "error" not in keras_run, f"the scenario fails on plain Keras ({backend}): {_raised(keras_run)}"
+    assert "error" not in trainer_run, f"{backend}_dp raised {_raised(trainer_run)}"
+    tolerance = BY_NAME[scenario].tolerance or FP32
+    found = differences(keras_run["result"], trainer_run["result"], tolerance, where=scenario)
+    assert not found, f"{backend}_dp differs from model.fit in {len(found)} places:\n" + "\n".join(found[:12])
+
+
+@pytest.mark.parametrize(
+    "scenario", [s.name for s in SCENARIOS if s.cross_backend and all(s.compared_on(b) for b in BACKENDS)]
+)
+def test_torch_dp_equals_jax_dp(matrix, scenario):
+    runs = {backend: _side(matrix(backend), scenario, "trainer") for backend in BACKENDS}
+    for backend, run in runs.items():
+        assert "error" not in run, f"{backend}_dp raised {_raised(run)}"
+    tolerance = {key: max(CROSS_BACKEND[key], (BY_NAME[scenario].tolerance or FP32)[key]) for key in CROSS_BACKEND}
+    found = differences(runs["torch"]["result"], runs["jax"]["result"], tolerance, where=scenario)
+    assert not found, f"torch_dp and jax_dp differ in {len(found)} places:\n" + "\n".join(found[:12])
+
+
+@pytest.mark.parametrize(
+    ("scenario", "backend"), [_compared(s.name, b) for s in SCENARIOS for b in s.backends if b in s.errors]
+)
+def test_trainer_gives_a_clear_error(matrix, scenario, backend):
+    run = _side(matrix(backend), scenario, "trainer")
+    types, named = BY_NAME[scenario].errors[backend]
+    assert "error" in run, f"{backend}_dp accepted it without a word: {BY_NAME[scenario].summary}"
+    assert set(types) & set(run["error"]["types"]), f"expected {' or '.join(types)}, got {_raised(run)}"
+    assert named in run["error"]["message"], f"the message does not name {named!r}: {run['error']['first_line']}"
+
+
+@pytest.mark.parametrize("method", ["fit", "evaluate", "predict"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_trainer_takes_every_keras_argument(matrix, backend, method):
+    keras_names = [n for n in inspect.signature(getattr(keras.Model, method)).parameters if n not in {"self", "kwargs"}]
+    taken = matrix(backend)["signatures"][method]
+    missing = [name for name in keras_names if name not in taken]
+    assert not missing, f"{backend}_dp.Trainer.{method} lacks model.{method}'s {', '.join(missing)}"
