@@ -102,11 +102,16 @@ def _result(
         "weights": [np.asarray(w) for w in model.get_weights()],
         "predictions": [np.asarray(p) for p in flatten(predictions)],
         "history": {key: [_plain(v) for v in values] for key, values in history.items()},
-        # what History holds per epoch: a float, or an array for a vector metric
-        "history_types": {key: type(values[0]).__name__ for key, values in history.items()},
+        # what History holds per epoch: a float, or an array for a vector metric (Keras 3.10 keeps the
+        # backend's array type there, later releases numpy: an array either way)
+        "history_types": {key: _kind(values[0]) for key, values in history.items()},
         "evaluate": {key: _plain(value) for key, value in evaluation.items()},
         "learning_rate": learning_rate,
     }
+
+
+def _kind(value: Any) -> str:
+    return "float" if isinstance(value, float) else "array"
 
 
 def _plain(value: Any) -> Any:
