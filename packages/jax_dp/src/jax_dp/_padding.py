@@ -32,7 +32,7 @@ import keras
 import numpy as np
 
 from dp_core import BatchNormMode
-from dp_core.keras import internals
+from dp_core.keras import activity_regularizer_divides_by_batch_size, internals
 
 
 @contextlib.contextmanager
@@ -171,14 +171,10 @@ def _real_rows_activity(regularizer: Callable[[Any], Any], mask: jnp.ndarray, re
     return regularize
 
 
-@functools.cache
 def _activity_divided_by_batch_size() -> bool:
-    """Whether this Keras divides an activity regularizer's term by the batch size (newer
-    releases do, 3.10 does not): asked of Keras itself, once, outside any trace."""
+    """dp-core's probe of this Keras, evaluated eagerly: it may first be asked inside a trace."""
     with jax.ensure_compile_time_eval():
-        layer = keras.layers.Activation("linear", activity_regularizer=keras.ops.sum, name="jax_dp_activity_probe")
-        layer(keras.ops.ones((2, 1)))
-        return np.asarray(keras.ops.convert_to_numpy(layer.losses[0])).item() == 1.0
+        return activity_regularizer_divides_by_batch_size()
 
 
 def _batch_weights(inputs: jnp.ndarray, mask: jnp.ndarray, keras_mask: Any) -> jnp.ndarray:

@@ -142,8 +142,6 @@ class Trainer:
             callbacks=callbacks,
             shuffle=shuffle,
             seed=seed,
-            lr_scaling=lr_scaling,
-            warmup_steps=warmup_steps,
             checkpoint_dir=checkpoint_dir,
             checkpoint_every_steps=checkpoint_every_steps,
             verbose=verbose,

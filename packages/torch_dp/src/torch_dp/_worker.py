@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
 from dp_core.keras import BatchSource, Inputs, build_model, check_losses_split, internals
-from torch_dp._comm import Replica, broadcast_from_primary
+from torch_dp._comm import Replica, same_state_as_primary
 from torch_dp._jobs import EvaluateJob, FitJob, Job, PredictJob, opened
 from torch_dp._processes import exit_with_parent, report_failure
 from torch_dp._transfer import KerasSettings, ModelSource, receive_model
@@ -53,11 +53,7 @@ def run_job(model: keras.Model, job: Job, replica: Replica) -> Any:
     build(model, job)
     check_losses(model, job, replica.num_replicas)
     if replica.distributed:  # the same start on every replica, whatever built the model
-        variables = list(model.variables) + list(model.optimizer.variables if isinstance(job, FitJob) else [])
-        for variable, value in zip(
-            variables, broadcast_from_primary([v.value for v in variables], replica), strict=True
-        ):
-            variable.assign(value)
+        same_state_as_primary(model, replica, optimizer=isinstance(job, FitJob))
         decorrelate_randomness(model, replica)
     return job.run(model, replica)
 

@@ -37,6 +37,9 @@ from dp_core.keras._learning_rate import learning_rate_policy_installed as learn
 from dp_core.keras._learning_rate import plan_learning_rate as plan_learning_rate
 from dp_core.keras._logs import python_logs as python_logs
 from dp_core.keras._losses import ReplicaRows as ReplicaRows
+from dp_core.keras._losses import (
+    activity_regularizer_divides_by_batch_size as activity_regularizer_divides_by_batch_size,
+)
 from dp_core.keras._losses import check_losses_split as check_losses_split
 from dp_core.keras._losses import replica_losses as replica_losses
 from dp_core.keras._model import build_model as build_model
@@ -58,6 +61,7 @@ __all__ = [
     "LearningRatePolicy",
     "ReplicaRows",
     "Start",
+    "activity_regularizer_divides_by_batch_size",
     "batch_rows",
     "batch_source",
     "build_model",

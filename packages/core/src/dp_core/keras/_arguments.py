@@ -18,7 +18,6 @@ import keras
 from dp_core._batch import per_replica_batch_size
 from dp_core._checkpoint import check_checkpoint_arguments
 from dp_core._data import map_structure
-from dp_core._lr import LearningRateScaling
 from dp_core._options import check_epochs
 from dp_core._trainer import Verbose
 from dp_core.keras._inputs import Inputs, validation_inputs
@@ -46,8 +45,6 @@ class FitArguments:
     callbacks: Sequence[keras.callbacks.Callback] = ()
     shuffle: bool = True
     seed: int = 0
-    lr_scaling: LearningRateScaling | None = None
-    warmup_steps: int = 0
     checkpoint_dir: str | None = None
     checkpoint_every_steps: int | None = None
     verbose: Verbose = "auto"
@@ -157,8 +154,6 @@ def fit_arguments(
     callbacks: Sequence[keras.callbacks.Callback] | None = None,
     shuffle: bool = True,
     seed: int = 0,
-    lr_scaling: LearningRateScaling | None = None,
-    warmup_steps: int = 0,
     checkpoint_dir: str | os.PathLike[str] | None = None,
     checkpoint_every_steps: int | None = None,
     verbose: Verbose = "auto",
@@ -194,8 +189,6 @@ def fit_arguments(
         callbacks=list(callbacks or []),
         shuffle=shuffle,
         seed=seed,
-        lr_scaling=lr_scaling,
-        warmup_steps=warmup_steps,
         checkpoint_dir=None if checkpoint_dir is None else os.fspath(checkpoint_dir),
         checkpoint_every_steps=checkpoint_every_steps,
         verbose=verbose,

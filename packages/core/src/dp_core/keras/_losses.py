@@ -194,7 +194,7 @@ def _unsplittable(loss: Any, values: Any, rows: int) -> str:
 def _activity_scale(rows: ReplicaRows) -> float:
     """The factor that makes the mean over replicas of a replica's activity regularizer term
     the single-device one: Keras divides the term by the batch size (3.11+) or sums it."""
-    if _activity_divided_by_batch_size():
+    if activity_regularizer_divides_by_batch_size():
         return rows.num_replicas * rows.rows / rows.global_real_rows
     return float(rows.num_replicas)
 
@@ -209,7 +209,7 @@ def _activity_share(regularizer: Callable[[Any], Any], rows: ReplicaRows, scale:
 
 
 @functools.cache
-def _activity_divided_by_batch_size() -> bool:
+def activity_regularizer_divides_by_batch_size() -> bool:
     """Whether this Keras divides an activity regularizer's term by the batch size (newer
     releases do, 3.10 does not): asked of Keras itself, once."""
     layer = keras.layers.Activation("linear", activity_regularizer=ops.sum, name="dp_core_activity_probe")
