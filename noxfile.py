@@ -1,6 +1,6 @@
 """Every session a user or CI runs. Bare ``nox`` runs the tests of every package and
-backend, the cross-backend suite under the oldest and newest Keras allowed, lint, typecheck
-and a wheel build of every package."""
+backend, the cross-backend suite under the oldest and newest Keras allowed, lint, typecheck,
+a wheel build of every package and the example notebooks."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ nox.options.sessions = [
     "lint",
     "typecheck",
     "build",
+    "notebooks",
 ]
 nox.options.reuse_existing_virtualenvs = True
 
@@ -234,6 +235,15 @@ def build(session: nox.Session) -> None:
     session.install("build>=1.2")
     for package in (CORE, TORCH_DP, JAX_DP):
         session.run("python", "-m", "build", "--outdir", "dist", package)
+
+
+@nox.session(python="3.11")
+def notebooks(session: nox.Session) -> None:
+    """The example notebooks, each run top to bottom by a Jupyter kernel on this session's Python
+    (``examples/run_notebooks.py``; ``-- examples/notebook_jax.ipynb`` for one)."""
+    _install_everything(session, "scikit-learn>=1.3", "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29")
+    notebooks = session.posargs or ["examples/notebook_torch.ipynb", "examples/notebook_jax.ipynb"]
+    session.run("python", "examples/run_notebooks.py", "--timeout", "300", *notebooks)
 
 
 @nox.session(python="3.11")

@@ -74,5 +74,6 @@ def test_checks_run_before_any_compile(data, monkeypatch):
         raise AssertionError("compiled before checking the input")
 
     monkeypatch.setattr(trainer_module, "make_train_step", no_compile)
+    monkeypatch.setattr(trainer_module, "make_test_step", no_compile)
     with pytest.raises(ValueError, match="same number of rows"):
         jax_dp.Trainer(2).fit(dense_bn_model(), x, np.zeros((3, 1)), global_batch_size=GLOBAL_BATCH)

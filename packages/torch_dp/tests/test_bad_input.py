@@ -7,7 +7,7 @@ import torch
 import torch_dp_testing as testing
 
 import torch_dp
-import torch_dp._launch
+import torch_dp._pool
 
 
 @pytest.fixture(autouse=True)
@@ -15,7 +15,7 @@ def no_spawning(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a worker process was started before the input was checked")
 
-    monkeypatch.setattr(torch_dp._launch, "spawn", refuse)
+    monkeypatch.setattr(torch_dp._pool, "start_process", refuse)
 
 
 def test_global_batch_not_divisible():

@@ -14,6 +14,7 @@ import torch_dp_testing as testing
 
 import dp_core
 import torch_dp
+import torch_dp._pool
 import torch_dp._processes
 
 pytestmark = pytest.mark.timeout(120)
@@ -120,6 +121,7 @@ def test_rendezvous_binds_loopback_and_moves_off_a_busy_first_choice():
 
 
 def test_a_busy_port_under_torchrun_is_a_clear_error(monkeypatch):
+    torch_dp._pool.close_active_pool()  # an earlier test's replicas hold this process's group
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

@@ -161,11 +161,10 @@ def test_mixed_precision_reaches_the_workers_and_trains_as_keras(tmp_path):
         reference, expected = _keras_fit(testing.mixed_precision_model, x, y, validation=validation)
         history = _trainer_fit(
             torch_dp.Trainer(num_replicas=2, timeout=60),
-            testing.mixed_precision_model,
+            testing.RecordsWorkerSettings(str(seen)),
             x,
             y,
             validation=validation,
-            callbacks=[testing.KerasSettingsSeen(str(seen))],
         )
     finally:
         keras.mixed_precision.set_global_policy(caller_policy)
@@ -191,7 +190,7 @@ def test_keras_settings_are_taken_from_the_caller_and_applied_in_a_worker():
         keras.config.set_floatx("float32")
         keras.mixed_precision.set_global_policy("float32")
         keras.config.set_epsilon(1e-7)
-        settings.apply()  # what spawned_worker does first
+        settings.apply()  # what a worker does with each call
         assert keras.config.floatx() == "float64" and keras.config.epsilon() == 1e-5
         assert keras.config.dtype_policy().name == "mixed_bfloat16"
     finally:
@@ -217,7 +216,7 @@ def _over_the_batch(y_true, y_pred):
 def test_a_loss_over_the_batch_axis_is_refused_before_any_process_starts(loss, named, monkeypatch):
     x = np.random.default_rng(0).uniform(size=(64, 4, 4, 1)).astype("float32")
     y = (x > 0.5).astype("float32")
-    monkeypatch.setattr(torch_dp._launch, "spawn", None)  # a start would fail on calling None
+    monkeypatch.setattr(torch_dp._pool, "start_process", None)  # a start would fail on calling None
     trainer = torch_dp.Trainer(num_replicas=2)
     with pytest.raises(ValueError, match=r"reduces over the batch axis") as raised:
         trainer.fit(_dice_model(loss), x, y, global_batch_size=32, verbose=0)

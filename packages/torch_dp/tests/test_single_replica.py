@@ -9,6 +9,7 @@ import torch_dp_testing as testing
 import torch_dp
 from dp_core import epoch_order
 from torch_dp._batchnorm import masked_batch_norm, real_rows
+from torch_dp._comm import Replica
 
 
 def _same_start(optimizer):
@@ -44,7 +45,7 @@ def test_masked_moments_ignore_padding_rows():
     layer = model.layers[1]
     inputs = torch.randn(6, 8)
     inputs[4:] = 1e3  # padding rows that would wreck the statistics
-    with masked_batch_norm(model, "global"), real_rows(torch.tensor([1.0, 1, 1, 1, 0, 0])):
+    with masked_batch_norm(model, "global", Replica(0, 1)), real_rows(torch.tensor([1.0, 1, 1, 1, 0, 0])):
         mean, variance = layer._moments(inputs, None)
     np.testing.assert_allclose(mean.numpy(), inputs[:4].mean(0).numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(variance.numpy(), inputs[:4].var(0, unbiased=False).numpy(), rtol=1e-4, atol=1e-5)

@@ -74,18 +74,17 @@ class StopAtBatch(keras.callbacks.Callback):
 
 
 class FailingFactory:
-    """Builds the model, but raises on replica ``failing_rank``; records each worker's pid."""
+    """Builds the model, but raises on worker replica ``failing_rank``, recording its pid."""
 
     def __init__(self, pid_dir: str, failing_rank: int = 1) -> None:
         self.pid_dir = pid_dir
         self.failing_rank = failing_rank
 
     def __call__(self) -> keras.Model:
-        if dist.is_initialized():
+        if dist.is_initialized() and dist.get_rank() == self.failing_rank:
             with open(os.path.join(self.pid_dir, f"pid_{dist.get_rank()}"), "w") as f:
                 f.write(str(os.getpid()))
-            if dist.get_rank() == self.failing_rank:
-                raise RuntimeError("boom on purpose in the model factory")
+            raise RuntimeError("boom on purpose in the model factory")
         return dense_batchnorm_model()
 
 
@@ -315,22 +314,38 @@ def mixed_precision_model() -> keras.Model:
     return model
 
 
-class KerasSettingsSeen(keras.callbacks.Callback):
-    """Writes to ``path`` (JSON) the Keras settings and the model's dtypes the training process sees."""
+class RecordsWorkerSettings:
+    """``mixed_precision_model`` as a factory that writes to ``path`` (JSON) the Keras settings and
+    the model's dtypes a worker replica (rank 1) sees when it builds the model."""
 
     def __init__(self, path: str) -> None:
-        super().__init__()
         self.path = path
 
-    def on_train_begin(self, logs=None):
-        with open(self.path, "w") as f:
-            json.dump(
-                {
-                    "pid": os.getpid(),
-                    "dtype_policy": keras.config.dtype_policy().name,
-                    "floatx": keras.config.floatx(),
-                    "layer_policy": self.model.layers[0].dtype_policy.name,
-                    "optimizer": type(self.model.optimizer).__name__,
-                },
-                f,
-            )
+    def __call__(self) -> keras.Model:
+        model = mixed_precision_model()
+        if dist.is_initialized() and dist.get_rank() == 1:
+            with open(self.path, "w") as f:
+                json.dump(
+                    {
+                        "pid": os.getpid(),
+                        "dtype_policy": keras.config.dtype_policy().name,
+                        "floatx": keras.config.floatx(),
+                        "layer_policy": model.layers[0].dtype_policy.name,
+                        "optimizer": type(model.optimizer).__name__,
+                    },
+                    f,
+                )
+        return model
+
+
+class RowDataset:
+    """A map-style dataset of (x, y) rows."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.x[index], self.y[index]

@@ -7,6 +7,7 @@ during an epoch and in the caller's model around the callbacks that end it (``_s
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from collections.abc import Callable
@@ -37,11 +38,10 @@ from jax_dp._metrics import Logs, metrics_on_mesh, summed_to_host
 from jax_dp._optimizers import Optimizer
 from jax_dp._sources import epoch_plan, steps_per_epoch
 from jax_dp._state import (
+    ModelOnRequest,
     TrainState,
     Weights,
     counts_on_host,
-    model_values,
-    state_after_callbacks,
     train_state_on_mesh,
     weights_on_mesh,
     write_back,
@@ -159,7 +159,7 @@ def fit_loop(
             model.stop_training = True
             break
     if arguments.epochs > start.epoch:
-        optimizer.finish()
+        optimizer.finish(model)
     callbacks.on_train_end(logs)
     return model.history
 
@@ -210,6 +210,7 @@ def _train_epoch(
         mesh,
         model,
         callbacks,
+        optimizer=optimizer,
         start=start.step,
         stop_on_nonfinite=stop_on_nonfinite,
         checkpoint=None if checkpoints is None else checkpoint,
@@ -233,6 +234,7 @@ def _train_steps(
     model: keras.Model,
     callbacks: keras.callbacks.CallbackList,
     *,
+    optimizer: Optimizer,
     start: int,
     stop_on_nonfinite: bool,
     checkpoint: Callable[[TrainState, int], None] | None,
@@ -244,47 +246,79 @@ def _train_steps(
     step with a non-finite loss (the steps after it changed nothing); the caller then
     raises. ``checkpoint(state, steps_done)`` runs after the steps ``checkpoint_due`` asks for.
 
-    When a callback acts at every batch, the model holds the current state during its batch
-    hooks (as in ``model.fit``), and what they change (weights, learning rate) is read back
-    before the next step.
+    When a callback acts at every batch, each step also returns its logs, the model holds
+    the current state when a batch hook reads it (as in ``model.fit``), and what the hook
+    changes (weights, learning rate) is read back before the next step (``ModelOnRequest``).
     """
-    assert steps.train is not None
-    optimizer = steps.train.optimizer
+    assert steps.train is not None and steps.train_with_logs is not None
     reporter = BatchEndReporter(callbacks, "train", plan.steps)
+    on_request = ModelOnRequest(model, optimizer, mesh, state) if reporter.every_step else None
     several_processes = jax.process_count() > 1
-    written = model_values(model) if reporter.every_step else None  # the state was just read from the model
-    for step, batch in enumerate(device_batches(plan, mesh, start=start), start=start):
-        callbacks.on_train_batch_begin(step)
-        if written is not None:
-            state = state_after_callbacks(model, optimizer, mesh, state, written)
-        state = steps.train(state, batch, plan.padded)
-        done = step + 1
-        saving = checkpoint is not None and checkpoint_due is not None and checkpoint_due(done)
-        reporting = reporter.due(step)
-        if (reporting or saving) and stop_on_nonfinite and counts_on_host(state).skipped:
-            break
-        if reporting:
-            if written is not None:
-                written = write_back(model, optimizer, state)
-            callbacks.on_train_batch_end(step, host_logs(steps.results(state.metrics)))
-            if written is not None:  # before a checkpoint writes the state back over the changes
-                state = state_after_callbacks(model, optimizer, mesh, state, written)
-                written = model_values(model)
-        if saving and checkpoint is not None:
-            checkpoint(state, done)
-            if written is not None:
-                written = model_values(model)
-        if several_processes:
-            # Every process must stop at the same step, so the decision is exchanged at fixed steps.
-            if (
-                done % STOP_CHECK_STEPS == 0
-                and (plan.steps is None or done < plan.steps)
-                and agree(bool(model.stop_training))
-            ):
-                model.stop_training = True
+
+    def call(state: TrainState, hook: Callable[..., None], *arguments: Any) -> TrainState:
+        if on_request is None:
+            hook(*arguments)
+            return state
+        return on_request.around(state, hook, *arguments)
+
+    batches = enumerate(device_batches(plan, mesh, start=start), start=start)
+    upcoming = next(batches, None)
+    ahead = None
+    with contextlib.nullcontext() if on_request is None else on_request.installed():
+        while upcoming is not None:
+            step, batch = upcoming
+            state = call(state, callbacks.on_train_batch_begin, step)
+            reporting = reporter.due(step)
+            if on_request is not None:
+                if ahead is not None and ahead[0] is state:
+                    state, device_logs = ahead[1]
+                else:
+                    if ahead is not None:
+                        jax.block_until_ready(ahead[1])
+                    state, device_logs = steps.train_with_logs(state, batch, plan.padded)
+                ahead = None
+            else:
+                state = steps.train(state, batch, plan.padded)
+                device_logs = steps.results(state.metrics) if reporting else None
+            upcoming = next(batches, None)  # prepared while the devices run the step
+            if on_request is not None and upcoming is not None:
+                ahead = (state, steps.train_with_logs(state, upcoming[1], plan.padded))
+            done = step + 1
+            saving = checkpoint is not None and checkpoint_due is not None and checkpoint_due(done)
+            if on_request is not None:
+                tree, packed = device_logs
+                values = np.asarray(packed.addressable_data(0))
+                skipped = values[0]
+                leaves, structure = jax.tree.flatten(tree)
+                parts, at = [], 1
+                for leaf in leaves:
+                    parts.append(values[at:at + leaf.size].reshape(leaf.shape)); at += leaf.size
+                host = python_logs(jax.tree.unflatten(structure, parts))
+                if stop_on_nonfinite and skipped:
+                    break
+            else:
+                if (reporting or saving) and stop_on_nonfinite and counts_on_host(state).skipped:
+                    break
+                host = host_logs(device_logs) if reporting else None
+            if reporting:  # before a checkpoint writes the state back over what a hook changed
+                state = call(state, callbacks.on_train_batch_end, step, host)
+            if saving and checkpoint is not None:
+                checkpoint(state, done)
+                if on_request is not None:
+                    on_request.written_back(state)
+            if several_processes:
+                # Every process must stop at the same step, so the decision is exchanged at fixed steps.
+                if (
+                    done % STOP_CHECK_STEPS == 0
+                    and (plan.steps is None or done < plan.steps)
+                    and agree(bool(model.stop_training))
+                ):
+                    model.stop_training = True
+                    break
+            elif model.stop_training:
                 break
-        elif model.stop_training:
-            break
+    if ahead is not None:
+        jax.block_until_ready(ahead[1])
     return state
 
 

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from dp_core.keras import internals
 from jax_dp._batches import Batch, row_weights
+from jax_dp._compile_cache import held_weakly
 from jax_dp._distributed import replicated_to_host, same_on_all_processes
 from jax_dp._mesh import BATCH_AXIS, batch_sharded, replicated
 from jax_dp._padding import masked_metrics
@@ -94,13 +95,19 @@ def make_metric_update(model: keras.Model, mesh: Mesh) -> Callable[..., list[Any
 
 def make_results(model: keras.Model, mesh: Mesh) -> Callable[[list[jax.Array]], Logs]:
     """Jitted: the logs (each metric's ``result()``) of the summed stacks, replicated."""
+    model_now = held_weakly(model)
 
     def results(stacks: list[Any]) -> Logs:
-        mapping = list(zip(model.metrics_variables, summed(stacks), strict=True))
-        with keras.StatelessScope(state_mapping=mapping):
-            return model.get_metrics_result()
+        return results_of(model_now(), stacks)
 
     return jax.jit(results, out_shardings=replicated(mesh))
+
+
+def results_of(model: keras.Model, stacks: list[Any]) -> Logs:
+    """The logs of the summed stacks, traced (inside a jitted step)."""
+    mapping = list(zip(model.metrics_variables, summed(stacks), strict=True))
+    with keras.StatelessScope(state_mapping=mapping):
+        return model.get_metrics_result()
 
 
 def summed(stacks: list[Any]) -> list[Any]:

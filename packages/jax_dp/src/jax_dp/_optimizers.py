@@ -5,6 +5,10 @@ the jitted step calls (``scale_loss``, ``apply``) and the host-side rest (its le
 policy, the state an epoch starts from, writing back, checkpoints). ``KerasOptimizer`` and
 ``OptaxOptimizer`` are final implementations of it, so the step is written once and nothing
 asks which optimizer it has.
+
+An ``Optimizer`` serves one fit, but the step compiled with it may serve later fits
+(``_compile_cache``): it holds no model, and what its pure pieces trace never changes after
+its learning-rate policy is in place.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from jax.sharding import Mesh
 
 from dp_core import Checkpoint, CheckpointError, LearningRateScaling, learning_rate_policy
 from dp_core.keras import KerasSchedule, learning_rate_policy_installed, plan_learning_rate, restore_model
+from jax_dp._compile_cache import TracedFrom, config_value, keras_optimizer_state
 from jax_dp._distributed import replicated_to_host, same_on_all_processes
 from jax_dp._mesh import put_replicated, replicated
 
@@ -34,6 +39,11 @@ class Optimizer(abc.ABC):
         self, *, global_batch_size: int, lr_scaling: LearningRateScaling | None, warmup_steps: int
     ) -> contextlib.AbstractContextManager[dict[str, Any] | None]:
         """Within the block the optimizer follows dp-core's policy; yields its config (None: no policy)."""
+
+    @abc.abstractmethod
+    def traced_from(self) -> TracedFrom:
+        """What ``scale_loss`` and ``apply`` read when traced: a step compiled with an optimizer
+        traced from the same things computes the same updates."""
 
     @abc.abstractmethod
     def initial_state(self, trainable: list[jax.Array], mesh: Mesh, *, previous: Any | None) -> Any:
@@ -52,7 +62,7 @@ class Optimizer(abc.ABC):
         """The state into the caller's objects, where it lives there."""
 
     @abc.abstractmethod
-    def finish(self) -> None:
+    def finish(self, model: keras.Model) -> None:
         """End of fit, as in ``model.fit``."""
 
     @abc.abstractmethod
@@ -69,7 +79,6 @@ class KerasOptimizer(Optimizer):
     """``model.optimizer`` through ``stateless_apply``; its variables are the state."""
 
     def __init__(self, model: keras.Model) -> None:
-        self.model = model
         self.optimizer = model.optimizer
 
     @contextlib.contextmanager
@@ -83,6 +92,9 @@ class KerasOptimizer(Optimizer):
         )
         with learning_rate_policy_installed(self.optimizer, policy):
             yield None if policy is None else policy.config()
+
+    def traced_from(self) -> TracedFrom:
+        return keras_optimizer_state(self.optimizer)
 
     def initial_state(self, trainable: list[jax.Array], mesh: Mesh, *, previous: Any | None) -> list[jax.Array]:
         del trainable, previous  # read from the variables every epoch: callbacks may change them (the rate)
@@ -104,9 +116,9 @@ class KerasOptimizer(Optimizer):
         for variable, value in zip(self.optimizer.variables, replicated_to_host(state), strict=True):
             variable.assign(value)
 
-    def finish(self) -> None:
+    def finish(self, model: keras.Model) -> None:
         """End of fit, as in ``model.fit``: e.g. EMA weights replace the trained ones."""
-        self.optimizer.finalize_variable_values(self.model.trainable_weights)
+        self.optimizer.finalize_variable_values(model.trainable_weights)
 
     def restore(self, checkpoint: Checkpoint, model: keras.Model) -> None:
         restore_model(checkpoint, model, metrics=False)  # metric sums go back when the epoch starts
@@ -132,25 +144,30 @@ class OptaxOptimizer(Optimizer):
                 f"model's compiled Keras optimizer; got {type(transformation).__name__}."
             )
         self.transformation = transformation
+        self.given = transformation
+        self.policy: dict[str, Any] | None = None
         self._saved: list[np.ndarray] | None = None
 
     @contextlib.contextmanager
     def learning_rate_policy(
         self, *, global_batch_size: int, lr_scaling: LearningRateScaling | None, warmup_steps: int
     ) -> Iterator[dict[str, Any] | None]:
-        """Within the block the updates follow the policy (yields its config, None: no policy)."""
+        """The updates follow the policy from here on (yields its config, None: no policy). Not undone
+        after the block: a step compiled with this optimizer may be traced again in a later fit
+        with the same policy (new batch shapes)."""
         if lr_scaling is None and not warmup_steps:
             yield None
             return
         multiplier = learning_rate_policy(
             1.0, global_batch_size=global_batch_size, lr_scaling=lr_scaling, warmup_steps=warmup_steps
         )
-        plain = self.transformation
-        self.transformation = optax.chain(plain, optax.scale_by_schedule(KerasSchedule(multiplier.get_config())))
-        try:
-            yield multiplier.get_config()
-        finally:
-            self.transformation = plain
+        self.policy = multiplier.get_config()
+        self.transformation = optax.chain(self.given, optax.scale_by_schedule(KerasSchedule(self.policy)))
+        yield self.policy
+
+    def traced_from(self) -> TracedFrom:
+        # A transformation is a NamedTuple (no weak references): its two functions stand for it.
+        return TracedFrom([self.given.init, self.given.update], [config_value(self.policy)])
 
     def initial_state(self, trainable: list[jax.Array], mesh: Mesh, *, previous: Any | None) -> Any:
         if previous is not None:  # optax state lives on the mesh for the whole fit
@@ -172,7 +189,7 @@ class OptaxOptimizer(Optimizer):
     def write_back(self, state: Any) -> None:
         del state  # optax state lives on the mesh during fit (and in checkpoints), not in the model
 
-    def finish(self) -> None:
+    def finish(self, model: keras.Model) -> None:
         pass
 
     def restore(self, checkpoint: Checkpoint, model: keras.Model) -> None:

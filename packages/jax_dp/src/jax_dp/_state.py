@@ -3,7 +3,7 @@
 State is read from the model when an epoch starts (callbacks may have changed weights or
 the learning rate) and written back when it ends, so callbacks and the caller always see
 the trained values. When a callback acts at every batch, the state is also written back
-before its batch hooks and read again if they changed the model (``model_changed``).
+when a batch hook reads the model, and read again if it changed the model (``ModelOnRequest``).
 Write-back goes through host copies: a Keras variable never holds a buffer the next
 (donating) step deletes. ``TrainState`` and ``StepCounts`` are NamedTuples, hence jax pytrees:
 the jitted step takes, donates and returns them whole.
@@ -11,6 +11,8 @@ the jitted step takes, donates and returns them whole.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -18,6 +20,7 @@ import keras
 import numpy as np
 from jax.sharding import Mesh
 
+from dp_core.keras import internals
 from jax_dp._distributed import agree, replicated_to_host, same_on_all_processes
 from jax_dp._mesh import put_replicated
 from jax_dp._metrics import metrics_on_mesh
@@ -111,15 +114,63 @@ def model_changed(model: keras.Model, values: list[Any]) -> bool:
     return len(now) != len(values) or any(new is not old for new, old in zip(now, values, strict=True))
 
 
-def state_after_callbacks(
-    model: keras.Model, optimizer: Optimizer, mesh: Mesh, state: TrainState, written: list[Any]
-) -> TrainState:
-    """``state``, or the model's values where a callback changed the model since ``written``
-    (process 0's decision: only it runs callbacks)."""
-    changed = model_changed(model, written)
-    if jax.process_count() > 1:
-        changed = agree(changed)
-    return state_from_model(model, optimizer, mesh, state) if changed else state
+class ModelOnRequest:
+    """During an epoch's steps, the caller's model gets the current state when a batch callback
+    reads it, and what the callback changed comes back before the next step.
+
+    On jax, Keras's ``Callback.model`` calls ``model.jax_state_sync()`` before handing the model
+    over (Keras's own trainer also keeps the state off the model during an epoch); within
+    ``installed()`` that call writes the state offered by ``before_hooks`` into the model. So a
+    callback that only reads its logs costs no transfer, and one that saves or changes the model
+    sees the current values. A model reached another way (a closure) holds the last values
+    written, as in Keras.
+    """
+
+    def __init__(self, model: keras.Model, optimizer: Optimizer, mesh: Mesh, state: TrainState) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.mesh = mesh
+        self._offered: TrainState | None = None
+        self._requested = False
+        self.written_back(state)  # the state was just read from the model
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        restore = internals.override(self.model, "jax_state_sync", self._sync)
+        try:
+            yield
+        finally:
+            restore()
+
+    def around(self, state: TrainState, hook: Callable[..., None], *arguments: Any) -> TrainState:
+        """Runs ``hook(*arguments)`` with ``state`` as what the model holds when read; returns
+        ``state``, or the model's values where a callback changed the model (process 0's
+        decision: only it runs callbacks; every process calls this at the same steps)."""
+        self._offered = state
+        try:
+            hook(*arguments)
+        finally:
+            self._offered = None
+        changed = self._requested and model_changed(self.model, self._written)
+        self._requested = False
+        if jax.process_count() > 1:
+            changed = agree(changed)
+        if not changed:
+            return state
+        state = state_from_model(self.model, self.optimizer, self.mesh, state)
+        self.written_back(state)
+        return state
+
+    def written_back(self, state: TrainState) -> None:
+        """The model holds ``state`` now (read from it, or written by a checkpoint)."""
+        self._written_state = state
+        self._written = model_values(self.model)
+
+    def _sync(self) -> None:
+        self._requested = True
+        if self._offered is not None and self._offered is not self._written_state:
+            self._written = write_back(self.model, self.optimizer, self._offered)
+            self._written_state = self._offered
 
 
 def state_from_model(model: keras.Model, optimizer: Optimizer, mesh: Mesh, state: TrainState) -> TrainState:

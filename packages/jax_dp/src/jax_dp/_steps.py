@@ -13,13 +13,14 @@ last batch; the user's sample weights pass through unchanged. A model that overr
 a per-row loss with ``sum_over_batch_size``. Metrics get ``sample_weight * mask`` (a
 per-batch scale would tilt the epoch's running means).
 
-``padded`` is static: a fit compiles the steps once for its (padded or not) epochs.
+``padded`` is static: a step compiles once for padded and once for unpadded epochs. The
+trainer keeps the steps between calls (``_compile_cache``), so each holds its model weakly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, cast, final
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -29,48 +30,83 @@ from jax.sharding import Mesh
 from dp_core import BatchNormMode
 from dp_core.keras import internals
 from jax_dp._batches import Batch, row_weights
+from jax_dp._compile_cache import held_weakly
 from jax_dp._mesh import batch_sharded, replicated
-from jax_dp._metrics import Logs, make_metric_update, zero_states
+from jax_dp._metrics import Logs, make_metric_update, results_of, zero_states
 from jax_dp._optimizers import Optimizer
 from jax_dp._padding import computes_own_loss, padding_aware
 from jax_dp._state import StepCounts, TrainState, Weights
 
-
-@final
-class TrainStep:
-    """The jitted ``(state, batch, padded) -> state`` with the optimizer whose state it carries
-    (the loop writes that state back into the caller's objects through it)."""
-
-    def __init__(self, step: Callable[[TrainState, Batch, bool], TrainState], optimizer: Optimizer) -> None:
-        self.step = step
-        self.optimizer = optimizer
-
-    def __call__(self, state: TrainState, batch: Batch, padded: bool) -> TrainState:
-        return self.step(state, batch, padded)
+TrainStep = Callable[[TrainState, Batch, bool], TrainState]
+TrainStepWithLogs = Callable[[TrainState, Batch, bool], tuple[TrainState, Logs]]
+TestStep = Callable[[Weights, list[Any], Batch, bool], list[Any]]
 
 
 class Steps(NamedTuple):
-    """The compiled pieces of a fit (``train`` is None for evaluate alone)."""
+    """The jitted pieces of a fit (``train`` and ``train_with_logs`` are None for evaluate
+    alone). A jitted function compiles at its first call, so a fit compiles only those it uses."""
 
     train: TrainStep | None
-    test: Callable[[Weights, list[Any], Batch, bool], list[Any]]  # (weights, metric stacks, batch, padded)
+    train_with_logs: TrainStepWithLogs | None  # when a callback reads the logs of every batch
+    test: TestStep  # (weights, metric stacks, batch, padded) -> metric stacks
     results: Callable[[list[jax.Array]], Logs]
 
 
 def make_train_step(
     model: keras.Model, optimizer: Optimizer, mesh: Mesh, *, batch_norm: BatchNormMode, skip_nonfinite: bool
 ) -> TrainStep:
-    """One optimizer step on one global batch; the state argument is donated; ``padded``
-    (static) says whether any batch of the epoch is padded.
+    """One optimizer step on one global batch: ``(state, batch, padded) -> state``; the state
+    argument is donated; ``padded`` (static) says whether any batch of the epoch is padded."""
+    train_step = _train_step(model, optimizer, mesh, batch_norm=batch_norm, skip_nonfinite=skip_nonfinite)
+    return jax.jit(train_step, donate_argnums=0, static_argnums=2, out_shardings=_state_shardings(mesh))
+
+
+def make_train_step_with_logs(
+    model: keras.Model, optimizer: Optimizer, mesh: Mesh, *, batch_norm: BatchNormMode, skip_nonfinite: bool
+) -> TrainStepWithLogs:
+    """``make_train_step``'s step that also returns the logs (replicated), for callbacks that read
+    them at every batch: one program per step, where a separate one to read the logs would
+    leave the devices idle while the host waits for each."""
+    train_step = _train_step(model, optimizer, mesh, batch_norm=batch_norm, skip_nonfinite=skip_nonfinite)
+    model_now = held_weakly(model)
+
+    def train_step_with_logs(state: TrainState, batch: Batch, padded: bool) -> tuple[TrainState, Logs]:
+        state = train_step(state, batch, padded)
+        logs = results_of(model_now(), state.metrics)
+        packed = jnp.concatenate([state.counts.skipped.astype(jnp.float32)[None], *[jnp.ravel(v).astype(jnp.float32) for v in jax.tree.leaves(logs)]])
+        return state, (logs, packed)
+
+    shardings = (_state_shardings(mesh), replicated(mesh))
+    return jax.jit(train_step_with_logs, static_argnums=2, out_shardings=shardings)
+
+
+def _state_shardings(mesh: Mesh) -> Any:
+    # A sharding in place of a field (a pytree prefix) applies to every array in it.
+    everywhere: Any = replicated(mesh)
+    per_replica: Any = batch_sharded(mesh)
+    return TrainState(
+        trainable=everywhere, non_trainable=everywhere, optimizer=everywhere, metrics=per_replica, counts=everywhere
+    )
+
+
+def _train_step(
+    model: keras.Model, optimizer: Optimizer, mesh: Mesh, *, batch_norm: BatchNormMode, skip_nonfinite: bool
+) -> TrainStep:
+    """The train step to jit.
 
     A step whose loss is not finite changes nothing but the counts. Unless
     ``skip_nonfinite``, every later step does the same, so the state stays that of the
     last good step until the host sees the count and stops.
+
+    The step keeps ``optimizer`` for its pure ``scale_loss``/``apply``: a later fit reuses it
+    only with an optimizer traced from the same things (``Optimizer.traced_from``).
     """
     num_replicas = mesh.size
-    update_metrics = make_metric_update(model, mesh)
+    model_now = held_weakly(model)
 
     def train_step(state: TrainState, batch: Batch, padded: bool) -> TrainState:
+        model = model_now()
+        update_metrics = make_metric_update(model, mesh)
         with padding_aware(
             model,
             batch.mask,
@@ -103,33 +139,30 @@ def make_train_step(
         )
         return TrainState(trainable, non_trainable, optimizer_state, metrics, counts)
 
-    # A sharding in place of a field (a pytree prefix) applies to every array in it.
-    everywhere: Any = replicated(mesh)
-    per_replica: Any = batch_sharded(mesh)
-    shardings = TrainState(
-        trainable=everywhere, non_trainable=everywhere, optimizer=everywhere, metrics=per_replica, counts=everywhere
-    )
-    return TrainStep(jax.jit(train_step, donate_argnums=0, static_argnums=2, out_shardings=shardings), optimizer)
+    return train_step
 
 
-def make_test_step(model: keras.Model, mesh: Mesh) -> Callable[[Weights, list[Any], Batch, bool], list[Any]]:
+def make_test_step(model: keras.Model, mesh: Mesh) -> TestStep:
     """Loss and metrics on one global batch: ``(weights, metric stacks, batch, padded) -> metric stacks``."""
-    update_metrics = make_metric_update(model, mesh)
+    model_now = held_weakly(model)
 
     def test_step(weights: Weights, metrics: list[Any], batch: Batch, padded: bool) -> list[Any]:
+        model = model_now()
         with padding_aware(model, batch.mask, real_rows=batch.real_rows, padded=padded):
             loss, (y_pred, _, increments) = _loss_and_updates(
                 model, weights.trainable, weights.non_trainable, batch, training=False
             )
-        return update_metrics(metrics, increments, loss, batch, y_pred)
+        return make_metric_update(model, mesh)(metrics, increments, loss, batch, y_pred)
 
     return jax.jit(test_step, donate_argnums=1, static_argnums=3, out_shardings=batch_sharded(mesh))
 
 
 def make_predict_step(model: keras.Model, mesh: Mesh) -> Callable[[Weights, Any], Any]:
     """The model's outputs on one global batch of inputs, sharded like the batch."""
+    model_now = held_weakly(model)
 
     def predict_step(weights: Weights, x: Any) -> Any:
+        model = model_now()
         outputs, _ = cast(Any, model.stateless_call)(
             weights.trainable, weights.non_trainable, x, **internals.training_kwargs(model, False)
         )

@@ -26,13 +26,14 @@ from dp_core.keras import (
     require_backend,
 )
 from jax_dp._checkpoints import resume
+from jax_dp._compile_cache import CompileCache, TracedFrom, compile_state, model_structure
 from jax_dp._distributed import is_primary
 from jax_dp._loop import evaluate_loop, fit_loop, predict_loop
 from jax_dp._mesh import check_mesh, make_mesh, replica_layout
 from jax_dp._metrics import make_results
 from jax_dp._optimizers import KerasOptimizer, OptaxOptimizer, Optimizer
 from jax_dp._sources import epoch_plan
-from jax_dp._steps import Steps, make_predict_step, make_test_step, make_train_step
+from jax_dp._steps import Steps, make_predict_step, make_test_step, make_train_step, make_train_step_with_logs
 
 PACKAGE = "jax_dp"
 
@@ -49,6 +50,10 @@ class Trainer:
     ``on_nonfinite_loss="stop"`` raises ``NonFiniteLossError`` naming the first step whose
     loss is NaN or infinite, leaving the model as it was before that step; ``"skip"``
     leaves such steps out (with a warning) and trains on.
+
+    A trainer keeps the steps it compiles for a model and reuses them in later calls with
+    that model, until the model is compiled again or what the steps were traced from
+    changes (``trainable`` flags, the learning-rate policy, the trainer's options).
 
     >>> trainer = jax_dp.Trainer(num_replicas=2)  # doctest: +SKIP
     >>> history = trainer.fit(model, x, y, global_batch_size=64, epochs=3)  # doctest: +SKIP
@@ -72,6 +77,7 @@ class Trainer:
         self.layout = replica_layout(self.mesh)
         self.batch_norm: BatchNormMode = batch_norm
         self._optax = optimizer
+        self._compile_cache = CompileCache()
         if optimizer is not None:
             OptaxOptimizer(optimizer)  # type check now, not at the first fit
 
@@ -173,7 +179,7 @@ class Trainer:
                 model,
                 arguments,
                 optimizer=optimizer,
-                steps=self._make_steps(model, optimizer),
+                steps=self._steps(model, optimizer),
                 mesh=self.mesh,
                 layout=self.layout,
                 start=start,
@@ -208,7 +214,7 @@ class Trainer:
             callbacks, model, is_primary=is_primary(), verbose=verbose, steps=plan.steps, history=False
         )
         hooks.on_test_begin()
-        logs = evaluate_loop(model, self._make_steps(model), plan, self.mesh, hooks)
+        logs = evaluate_loop(model, self._steps(model), plan, self.mesh, hooks)
         hooks.on_test_end(logs)
         return logs if return_dict else internals.metrics_in_order(model, logs)
 
@@ -236,7 +242,13 @@ class Trainer:
             callbacks, model, is_primary=is_primary(), verbose=verbose, steps=plan.steps, history=False
         )
         hooks.on_predict_begin()
-        outputs = predict_loop(make_predict_step(model, self.mesh), model, plan, self.mesh, hooks)
+        predict_step = self._compile_cache.step(
+            model,
+            "predict",
+            model_structure(model) + TracedFrom(values=[self.mesh]),
+            lambda: make_predict_step(model, self.mesh),
+        )
+        outputs = predict_loop(predict_step, model, plan, self.mesh, hooks)
         hooks.on_predict_end()
         return outputs
 
@@ -256,12 +268,23 @@ class Trainer:
             **options,
         )
 
-    def _make_steps(self, model: keras.Model, optimizer: Optimizer | None = None) -> Steps:
-        """The jitted steps of one fit (without ``optimizer``: of evaluate alone)."""
-        train = None
+    def _steps(self, model: keras.Model, optimizer: Optimizer | None = None) -> Steps:
+        """The jitted steps of one fit (without ``optimizer``: of evaluate alone), from the
+        compile cache when they were traced from the same model, compile state and options."""
+        cache, mesh = self._compile_cache, self.mesh
+        evaluation = model_structure(model) + compile_state(model) + TracedFrom(values=[mesh])
+        train = train_with_logs = None
         if optimizer is not None:
-            skip_nonfinite = self.on_nonfinite_loss == "skip"
-            train = make_train_step(
-                model, optimizer, self.mesh, batch_norm=self.batch_norm, skip_nonfinite=skip_nonfinite
+            batch_norm, skip_nonfinite = self.batch_norm, self.on_nonfinite_loss == "skip"
+            training = evaluation + optimizer.traced_from() + TracedFrom(values=[batch_norm, skip_nonfinite])
+            options = {"batch_norm": batch_norm, "skip_nonfinite": skip_nonfinite}
+            train = cache.step(model, "train", training, lambda: make_train_step(model, optimizer, mesh, **options))
+            train_with_logs = cache.step(
+                model, "train_with_logs", training, lambda: make_train_step_with_logs(model, optimizer, mesh, **options)
             )
-        return Steps(train=train, test=make_test_step(model, self.mesh), results=make_results(model, self.mesh))
+        return Steps(
+            train=train,
+            train_with_logs=train_with_logs,
+            test=cache.step(model, "test", evaluation, lambda: make_test_step(model, mesh)),
+            results=cache.step(model, "results", evaluation, lambda: make_results(model, mesh)),
+        )

@@ -1,12 +1,16 @@
 """What each replica feeds its model at each step, and how arrays reach the workers.
 
 Arrays handed to ``fit`` are written once to ``.npy`` files and memory-mapped by every
-worker, so N workers share one copy through the page cache instead of unpickling N.
+worker replica, so the workers share one copy through the page cache instead of
+unpickling one each; the caller (rank 0) reads its own arrays.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, cast
@@ -27,18 +31,51 @@ class SharedArray:
     path: str
 
 
-def share(inputs: Inputs, directory: str, name: str) -> Inputs:
-    """``inputs`` with every array saved under ``directory`` and replaced by a ``SharedArray``
-    (a dataset travels by pickling; torch tensors inside it go to shared memory)."""
-    counter = iter(range(1 << 30))
+class SharedArrays:
+    """The caller's arrays as ``.npy`` files under ``directory``, each written once: a later call
+    with the same array (same object, same contents) maps the same file. A file is removed
+    when its array is garbage-collected, and with the directory when the replicas close.
 
-    def save(leaf: Any) -> SharedArray:
-        path = os.path.join(directory, f"{name}_{next(counter)}.npy")
+    Contents are compared by a digest, so an array changed in place is written again; a
+    read-only array (such as a memory map opened ``"r"``) is trusted by identity alone.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self._files: dict[int, tuple[weakref.ref[Any] | None, str, str]] = {}
+        self._count = 0
+
+    def share(self, inputs: Inputs) -> Inputs:
+        """``inputs`` with every array leaf replaced by a ``SharedArray`` (a dataset travels as it is)."""
+        return inputs.map_arrays(self._shared)
+
+    def _shared(self, leaf: Any) -> SharedArray:
         array = leaf.detach().cpu().numpy() if isinstance(leaf, torch.Tensor) else np.asarray(leaf)
+        digest = "" if not array.flags.writeable else _digest(array)
+        known = self._files.get(id(leaf))
+        if known is not None and known[0] is not None and known[0]() is leaf and known[1] == digest:
+            return SharedArray(known[2])
+        path = os.path.join(self.directory, f"array_{self._count}.npy")
+        self._count += 1
         np.save(path, array, allow_pickle=False)
+        key = id(leaf)
+        try:
+            ref: weakref.ref[Any] | None = weakref.ref(leaf, lambda _: self._forget(key, path))
+        except TypeError:  # cannot be watched (a plain list): written again at each call
+            ref = None
+        self._files[key] = (ref, digest, path)
         return SharedArray(path)
 
-    return inputs.map_arrays(save)
+    def _forget(self, key: int, path: str) -> None:
+        if self._files.get(key, (None, "", ""))[2] == path:
+            del self._files[key]
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+
+def _digest(array: np.ndarray) -> str:
+    data = np.ascontiguousarray(array)
+    return f"{data.dtype.str}{data.shape}" + hashlib.blake2b(memoryview(data).cast("B"), digest_size=16).hexdigest()
 
 
 def open_shared(inputs: Inputs) -> Inputs:

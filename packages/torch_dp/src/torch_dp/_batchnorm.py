@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from dp_core import BatchNormMode
 from dp_core.keras import check_batch_norm_mode, internals
+from torch_dp._comm import Replica
 
 _current = threading.local()
 
@@ -67,7 +68,7 @@ def _moments(layer: Any, inputs: torch.Tensor, mask: Any, *, synchronized: bool)
         squares = (weighted * inputs).sum(axes)
         count = weights.expand_as(inputs).sum(axes)
     stats = torch.stack([total, squares, count])
-    if synchronized and dist.is_initialized() and dist.get_world_size() > 1:
+    if synchronized:
         stats = _SumOverReplicas.apply(stats)
     total, squares, count = stats.unbind(0)
     count = count.clamp_min(1.0)  # a replica, or a whole batch, may hold no real row
@@ -93,11 +94,14 @@ def batch_norm_layers(model: keras.Model) -> list[keras.layers.BatchNormalizatio
 
 
 @contextlib.contextmanager
-def masked_batch_norm(model: keras.Model, mode: BatchNormMode) -> Iterator[None]:
-    """Within the block, every BN layer of ``model`` uses masked (and, if global, synced) moments."""
+def masked_batch_norm(model: keras.Model, mode: BatchNormMode, replica: Replica) -> Iterator[None]:
+    """Within the block, every BN layer of ``model`` uses masked moments, summed over
+    ``replica``'s group when ``mode`` is global (not the process's group: a one-replica
+    trainer may run in a process whose pool holds one)."""
     check_batch_norm_mode(mode)
+    synchronized = mode == "global" and replica.distributed
     restores = [
-        internals.override_batch_norm_moments(layer, functools.partial(_moments, layer, synchronized=mode == "global"))
+        internals.override_batch_norm_moments(layer, functools.partial(_moments, layer, synchronized=synchronized))
         for layer in batch_norm_layers(model)
     ]
     try:

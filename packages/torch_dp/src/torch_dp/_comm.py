@@ -7,6 +7,7 @@ variable. With a single replica every function here is the identity.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -89,6 +90,23 @@ def same_state_as_primary(model: Any, replica: Replica, *, optimizer: bool) -> N
     variables = list(model.variables) + (list(model.optimizer.variables) if optimizer else [])
     for variable, value in zip(variables, broadcast_from_primary([v.value for v in variables], replica), strict=True):
         variable.assign(value)
+
+
+def check_same_variables(model: Any, replica: Replica, *, optimizer: bool) -> None:
+    """Before rank 0's state is broadcast by position: every replica's model (and optimizer)
+    has the same variables, in number, shapes and dtypes, or every replica raises."""
+    variables = list(model.variables) + (list(model.optimizer.variables) if optimizer else [])
+    layout = ";".join(f"{tuple(v.shape)}:{v.dtype}" for v in variables)
+    mine = float(int.from_bytes(hashlib.blake2b(layout.encode(), digest_size=6).digest(), "big"))  # exact as float64
+    (primary,) = broadcast_floats([mine], replica)
+    (differing,) = all_reduce_sum([torch.tensor([float(primary != mine)], device=replica.device)], replica)
+    if differing.item():
+        raise RuntimeError(
+            f"torch_dp: {int(differing.item())} worker replica(s) rebuilt the model with other variables than the "
+            f"caller's ({len(variables)} here, shapes and dtypes {layout[:300]}...). A model factory must build "
+            "the same model each time it is called; a model object is rebuilt from model.save(), so its layers "
+            "must restore the same variables from their config."
+        )
 
 
 def broadcast_floats(values: Sequence[float], replica: Replica) -> list[float]:

@@ -1,8 +1,8 @@
 """What the replicas run for one call: a ``FitJob``, an ``EvaluateJob`` or a ``PredictJob``.
 
-Each job is plain data that can travel to a spawned worker (its arrays as memory-mapped
-files, see ``_batches.share``), runs on one replica with ``run``, and says how rank 0's
-result crosses back to the caller through files (``save_result``/``load_result``).
+Each job is plain data that can travel to a worker replica (its arrays as memory-mapped
+files, see ``_batches``; its callbacks stay with the caller, rank 0, which alone runs
+them) and runs on one replica with ``run``, returning that replica's result.
 """
 
 from __future__ import annotations
@@ -25,22 +25,12 @@ from dp_core.keras import (
     LearningRatePolicy,
     learning_rate_policy_installed,
 )
-from torch_dp._batches import open_shared, share
+from torch_dp._batches import open_shared
 from torch_dp._batchnorm import masked_batch_norm
 from torch_dp._checkpoints import resume_from
 from torch_dp._comm import Replica, all_gather_rows
 from torch_dp._loop import evaluate_loop, fit_loop, predict_loop
-from torch_dp._transfer import (
-    in_input_order,
-    load_history,
-    load_logs,
-    load_predictions,
-    load_trained,
-    save_history,
-    save_logs,
-    save_predictions,
-    save_trained,
-)
+from torch_dp._transfer import in_input_order
 
 
 @dataclass(frozen=True)
@@ -63,7 +53,10 @@ class FitJob:
         return None if self.arguments.validation is None else rows(self.arguments.validation)
 
     def run(self, model: keras.Model, replica: Replica) -> keras.callbacks.History:
-        with masked_batch_norm(model, self.batch_norm), learning_rate_policy_installed(model.optimizer, self.lr_policy):
+        with (
+            masked_batch_norm(model, self.batch_norm, replica),
+            learning_rate_policy_installed(model.optimizer, self.lr_policy),
+        ):
             start = resume_from(self.resume_from, model)  # after the policy: the checkpoint's rate wins
             writer = None
             if self.arguments.checkpoint_dir is not None:
@@ -76,14 +69,6 @@ class FitJob:
                     lr_policy=None if self.lr_policy is None else self.lr_policy.config(),
                 )
             return fit_loop(model, self, replica, start=start, checkpoints=writer)
-
-    def save_result(self, directory: str, model: keras.Model, history: keras.callbacks.History) -> None:
-        save_trained(directory, model)
-        save_history(directory, history)
-
-    def load_result(self, directory: str, model: keras.Model) -> keras.callbacks.History:
-        load_trained(directory, model)
-        return load_history(directory, model)
 
 
 @dataclass(frozen=True)
@@ -98,7 +83,7 @@ class EvaluateJob:
     callbacks: Sequence[keras.callbacks.Callback] = ()
 
     def run(self, model: keras.Model, replica: Replica) -> dict[str, Any]:
-        with masked_batch_norm(model, self.batch_norm):
+        with masked_batch_norm(model, self.batch_norm, replica):
             return evaluate_loop(
                 model,
                 self.inputs,
@@ -108,12 +93,6 @@ class EvaluateJob:
                 verbose=self.verbose,
                 log_every_steps=self.log_every_steps,
             )
-
-    def save_result(self, directory: str, model: keras.Model, logs: dict[str, Any]) -> None:
-        save_logs(directory, logs)
-
-    def load_result(self, directory: str, model: keras.Model) -> dict[str, Any]:
-        return load_logs(directory)
 
 
 @dataclass(frozen=True)
@@ -138,12 +117,6 @@ class PredictJob:
         by_rank = [[parts[leaf][rank] for leaf in range(len(local))] for rank in range(replica.num_replicas)]
         return in_input_order(by_rank, self.inputs.num_samples, self.global_batch_size)
 
-    def save_result(self, directory: str, model: keras.Model, leaves: list[np.ndarray]) -> None:
-        save_predictions(directory, leaves)
-
-    def load_result(self, directory: str, model: keras.Model) -> list[np.ndarray]:
-        return load_predictions(directory)
-
 
 Job = FitJob | EvaluateJob | PredictJob
 
@@ -160,9 +133,13 @@ def rows(inputs: Inputs | BatchSource, name: str = "x") -> Inputs:
     return inputs
 
 
-def shared(job: Job, directory: str) -> Job:
-    """``job`` with its arrays written under ``directory``, for spawned workers to map."""
-    return _map_inputs(job, lambda inputs, name: share(inputs, directory, name))
+def for_workers(job: Job, share: Callable[[Inputs], Inputs]) -> Job:
+    """What the worker replicas get of ``job``: its arrays shared (``share``) and no callbacks
+    (rank 0 runs them, in the caller; the loops broadcast what they decide)."""
+    job = _map_inputs(job, lambda inputs, name: share(inputs))
+    if isinstance(job, FitJob):
+        return dataclasses.replace(job, arguments=dataclasses.replace(job.arguments, callbacks=()))
+    return dataclasses.replace(job, callbacks=())
 
 
 def opened(job: Job) -> Job:

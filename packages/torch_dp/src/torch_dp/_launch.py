@@ -3,16 +3,16 @@
 - ``ThisProcess``: one replica, the caller's own process and model.
 - ``TorchrunProcess``: this process is one of torchrun's (or another ``env://`` launcher's);
   it joins their group on first use and trains the caller's model as its replica.
-- ``SpawnedReplicas``: N processes spawned on this host for the call; the model and arrays
-  travel through files, rank 0's result comes back into the caller's model.
+- ``ReplicaPool`` (``_pool``): this process as rank 0 with N-1 spawned workers, kept
+  between calls.
 
-Each answers "run this job" (``run``); the in-process ones also "which replica am I".
+Each answers "run this job" (``run``) and "let go of what you hold" (``close``).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
-import tempfile
 from typing import Any, Protocol, final
 
 import keras
@@ -20,10 +20,12 @@ import torch
 import torch.distributed as dist
 
 from torch_dp._comm import Replica, started_by_torchrun
-from torch_dp._jobs import Job, shared
-from torch_dp._processes import join_torchrun_group, loopback_rendezvous, spawn, threads_per_replica
-from torch_dp._transfer import KerasSettings, ship_model
-from torch_dp._worker import build, check_losses, device_for, run_job, spawned_worker
+from torch_dp._jobs import Job
+from torch_dp._pool import ReplicaPool, close_active_pool
+from torch_dp._processes import join_torchrun_group
+from torch_dp._worker import device_for, run_job
+
+atexit.register(close_active_pool)
 
 
 class Launcher(Protocol):
@@ -33,6 +35,10 @@ class Launcher(Protocol):
     def run(self, job: Job, model: keras.Model, model_argument: Any) -> Any:
         """Run ``job`` on every replica; returns rank 0's result, with ``model`` holding rank 0's
         trained state after a fit. ``model_argument`` is what the user passed (a factory or the model)."""
+        ...
+
+    def close(self) -> None:
+        """Release processes and groups this launcher started (a later ``run`` starts them again)."""
         ...
 
 
@@ -45,6 +51,9 @@ class ThisProcess:
 
     def run(self, job: Job, model: keras.Model, model_argument: Any) -> Any:
         return run_job(model, job, self.replica)
+
+    def close(self) -> None:
+        pass
 
 
 @final
@@ -71,49 +80,8 @@ class TorchrunProcess:
     def run(self, job: Job, model: keras.Model, model_argument: Any) -> Any:
         return run_job(model, job, self.replica)
 
-
-@final
-class SpawnedReplicas:
-    """``num_replicas`` processes spawned for each call, talking gloo (CPU) or NCCL over loopback."""
-
-    def __init__(self, num_replicas: int, *, threads: int | None, timeout: float) -> None:
-        self.num_replicas = num_replicas
-        self.threads = threads or threads_per_replica(num_replicas)
-        self.timeout = timeout
-
-    def run(self, job: Job, model: keras.Model, model_argument: Any) -> Any:
-        build(model, job)
-        check_losses(model, job, self.num_replicas)  # here, before any process starts
-        with tempfile.TemporaryDirectory(prefix="torch_dp_") as directory:
-            source = ship_model(model_argument, model, directory)
-            with loopback_rendezvous(timeout=self.timeout) as port:
-                spawn(
-                    spawned_worker,
-                    (
-                        source,
-                        shared(job, directory),
-                        self.num_replicas,
-                        port,
-                        directory,
-                        self.timeout,
-                        KerasSettings.of_this_process(),
-                    ),
-                    num_replicas=self.num_replicas,
-                    directory=directory,
-                    environment=self._environment(),
-                )
-            return job.load_result(directory, model)
-
-    def _environment(self) -> dict[str, str]:
-        environment = {
-            "OMP_NUM_THREADS": str(self.threads),
-            "MKL_NUM_THREADS": str(self.threads),
-            "KERAS_BACKEND": "torch",
-        }
-        if not (torch.cuda.is_available() and torch.cuda.device_count() >= self.num_replicas):
-            # CPU replicas: gloo over loopback, and no GPU for Keras to pick up by default
-            environment.update({"GLOO_SOCKET_IFNAME": "lo", "CUDA_VISIBLE_DEVICES": ""})
-        return environment
+    def close(self) -> None:
+        pass  # torchrun's group is the job's: it ends with the processes
 
 
 def choose_launcher(num_replicas: int | None, *, threads: int | None, timeout: float) -> Launcher:
@@ -131,4 +99,4 @@ def choose_launcher(num_replicas: int | None, *, threads: int | None, timeout: f
         raise ValueError(f"num_replicas must be a positive integer or None, got {num_replicas!r}.")
     if num_replicas == 1:
         return ThisProcess()
-    return SpawnedReplicas(num_replicas, threads=threads, timeout=timeout)
+    return ReplicaPool(num_replicas, threads=threads, timeout=timeout)

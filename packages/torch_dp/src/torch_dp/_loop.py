@@ -197,8 +197,7 @@ def evaluate_loop(
 
     ``callbacks`` get the test hooks, as from ``model.evaluate``; validation inside ``fit``
     passes the fit's own list as ``in_fit`` (Keras calls its test hooks there too, and its
-    progress bar stays on the epoch). Every replica reads ``callbacks``, so all agree on
-    whether logs are synced at every batch.
+    progress bar stays on the epoch).
     """
     steps = num_steps(inputs.num_samples, global_batch_size)
     hooks = in_fit
@@ -206,8 +205,10 @@ def evaluate_loop(
         hooks = callback_list(
             callbacks, model, is_primary=replica.is_primary, verbose=verbose, steps=steps, history=False
         )
-    progress = in_fit is None and verbosity(verbose) == 1
-    every = 1 if needs_every_batch(callbacks, "test") else (log_every_steps if progress else 0)
+    # rank 0's needs decide when logs are synced (only it holds the callbacks)
+    wants = [needs_every_batch(callbacks, "test"), in_fit is None and verbosity(verbose) == 1]
+    batch_logs, progress = (bool(flag) for flag in broadcast_floats(wants, replica))
+    every = 1 if batch_logs else (log_every_steps if progress else 0)
     model.eval()
     model.reset_metrics()
     hooks.on_test_begin()

@@ -8,18 +8,19 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
-import multiprocessing.connection
 import os
 import socket
+import sys
 import threading
 import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from multiprocessing.connection import Connection
 from typing import Any
 
+import cloudpickle
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed import PrefixStore, TCPStore  # pyright: ignore[reportPrivateImportUsage]
@@ -57,12 +58,11 @@ def bind_loopback(first_choice: int = 0) -> socket.socket:
     return sock
 
 
-@contextlib.contextmanager
-def loopback_rendezvous(*, timeout: float) -> Iterator[int]:
-    """Serve the workers' rendezvous store from this process on 127.0.0.1; yields its port.
+def loopback_store(*, timeout: float) -> tuple[Any, int]:
+    """The workers' rendezvous store, served from this process on 127.0.0.1, and its port.
 
     ``MASTER_PORT``, if set, is tried first. Only loopback is bound: a single-host run
-    opens nothing to the network.
+    opens nothing to the network. The store lives as long as the returned object.
     """
     sock = bind_loopback(int(os.environ.get("MASTER_PORT") or 0))
     port = sock.getsockname()[1]
@@ -80,10 +80,7 @@ def loopback_rendezvous(*, timeout: float) -> Iterator[int]:
     except BaseException:
         os.close(descriptor)
         raise
-    try:
-        yield port
-    finally:
-        del store
+    return store, port
 
 
 def join_torchrun_group(backend: str, timeout: float) -> None:
@@ -137,8 +134,8 @@ def threads_per_replica(num_replicas: int) -> int:
 
 
 @contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    """Set variables while children start (spawned children copy the parent's environment)."""
+def environment_variables(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the ``with`` block (spawned children copy the parent's)."""
     saved = {name: os.environ.get(name) for name in values}
     os.environ.update(values)
     try:
@@ -151,71 +148,48 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def exit_with_parent() -> None:
-    """End this worker if the process that spawned it dies (no orphans after a SIGKILL)."""
-    parent = os.getppid()
+def exit_with_parent(parent: int) -> None:
+    """End this worker when the caller (process ``parent``, passed in rather than read here, where
+    it may already have changed) dies: no orphans after a SIGKILL."""
 
     def watch() -> None:
         while True:
-            time.sleep(0.5)
             if os.getppid() != parent:
                 os._exit(1)
+            time.sleep(0.5)
 
     threading.Thread(target=watch, name="torch_dp-parent-watch", daemon=True).start()
 
 
-def report_failure(directory: str, rank: int) -> None:
-    """Called in a worker's ``except``: record the traceback for the parent, then exit now.
+def report_failure(connection: Connection, rank: int, error: BaseException) -> None:
+    """Called in a worker's ``except``: send the caller the traceback (and the exception itself,
+    when it pickles, so a documented one is raised as its own type), then exit now.
 
     ``os._exit`` skips interpreter teardown, which can block on a half-closed process group.
     """
     text = traceback.format_exc()
-    with open(os.path.join(directory, f"error_{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "time": time.time(), "traceback": text}, f)
-    print(f"torch_dp replica {rank} failed:\n{text}", flush=True)
+    try:
+        exception: bytes | None = cloudpickle.dumps(error)
+    except Exception:
+        exception = None
+    with contextlib.suppress(OSError, ValueError):
+        connection.send(("failed", rank, text, exception))
+    print(f"torch_dp replica {rank} failed:\n{text}", file=sys.stderr, flush=True)
     os._exit(1)
 
 
-def spawn(
-    target: Callable[..., Any],
-    args: tuple[Any, ...],
-    *,
-    num_replicas: int,
-    directory: str,
-    environment: dict[str, str],
-    grace_period: float = 10.0,
-) -> None:
-    """Run ``target(rank, *args)`` in ``num_replicas`` spawned processes and wait for all.
-
-    The parent watches every process (not only the collectives' timeout): when one exits
-    with an error or is killed, the others get ``grace_period`` seconds to notice (their
-    collectives fail when a peer disappears), then are terminated, then killed; the error
-    raised names the first rank that failed, with its traceback.
-    """
+def start_process(target: Callable[..., Any], args: tuple[Any, ...], *, name: str, environment: dict[str, str]) -> Any:
+    """A spawned (not forked: fork breaks CUDA and threads) daemon process running ``target(*args)``;
+    ``environment`` is set while it starts. Daemonic: the interpreter ends it at exit."""
     context = mp.get_context("spawn")
-    processes = []
-    try:
-        with _environment(environment):
-            for rank in range(num_replicas):
-                process = context.Process(target=target, args=(rank, *args), name=f"torch_dp-replica-{rank}")
-                process.start()
-                processes.append(process)
-        pending = {process.sentinel: rank for rank, process in enumerate(processes)}
-        while pending:
-            ended = [pending.pop(s) for s in multiprocessing.connection.wait(list(pending), timeout=1.0)]  # type: ignore[arg-type]
-            for rank in ended:
-                processes[rank].join()
-            failed = [rank for rank in ended if processes[rank].exitcode != 0]
-            if failed:
-                # a killed process (negative exit code) is the cause; the others saw it vanish
-                first = min(failed, key=lambda rank: (processes[rank].exitcode >= 0, rank))
-                _stop_all(processes, grace_period)
-                raise _first_failure(processes, directory, first)
-    finally:
-        _stop_all(processes, grace_period=0.0)
+    with environment_variables(environment):
+        process = context.Process(target=target, args=args, name=name, daemon=True)
+        process.start()
+    return process
 
 
-def _stop_all(processes: list[Any], grace_period: float) -> None:
+def stop_processes(processes: list[Any], grace_period: float) -> None:
+    """Wait ``grace_period`` seconds for ``processes`` to end, then terminate, then kill them."""
     deadline = time.monotonic() + grace_period
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
@@ -229,33 +203,28 @@ def _stop_all(processes: list[Any], grace_period: float) -> None:
             process.join()
 
 
-def _first_failure(processes: list[Any], directory: str, failed_rank: int) -> WorkerError:
-    reports = {}
-    for rank in range(len(processes)):
-        path = os.path.join(directory, f"error_{rank}.json")
-        if os.path.exists(path):
-            with open(path) as f:
-                reports[rank] = json.load(f)
-    exitcode = processes[failed_rank].exitcode
-    if reports and failed_rank in reports:
-        first = min(reports.values(), key=lambda report: report["time"])
-        others = sorted(rank for rank in reports if rank != first["rank"])
-        also = f" (replicas {others} failed after it)" if others else ""
-        return WorkerError(
-            f"torch_dp replica {first['rank']} of {len(processes)} failed{also}:\n{first['traceback']}",
-            rank=first["rank"],
-            worker_traceback=first["traceback"],
-        )
-    # The first process to exit left no report: it was killed, and the reports of the
-    # others only say that their peer disappeared.
+def failure_of(
+    report: tuple[Any, ...], num_replicas: int, documented: tuple[type[BaseException], ...]
+) -> BaseException:
+    """The caller's exception for a worker's ``("failed", rank, traceback, exception)`` report:
+    a documented exception as its own type (``worker_traceback`` attached), else ``WorkerError``."""
+    _, rank, text, exception = report
+    if exception is not None:
+        with contextlib.suppress(Exception):
+            error = cloudpickle.loads(exception)
+            if isinstance(error, documented):
+                error.worker_traceback = text  # type: ignore[attr-defined]
+                return error
+    return WorkerError(f"torch_dp replica {rank} of {num_replicas} failed:\n{text}", rank=rank, worker_traceback=text)
+
+
+def vanished(rank: int, num_replicas: int, exitcode: int | None) -> WorkerError:
+    """The error for a worker that ended without a report (a signal, or an interpreter crash)."""
     how = (
         f"was killed by signal {-exitcode}" if exitcode is not None and exitcode < 0 else f"exited with code {exitcode}"
     )
-    also = f" (replicas {sorted(reports)} failed after it)" if reports else ""
     return WorkerError(
-        f"torch_dp replica {failed_rank} of {len(processes)} {how} before it could report an error{also}: "
-        "a signal (SIGKILL, the out-of-memory killer), or it could not unpickle its job. "
-        "Its stderr is above; callbacks and model factories must be importable by the worker (defined in a "
-        "module, not in a notebook or an unguarded __main__).",
-        rank=failed_rank,
+        f"torch_dp replica {rank} of {num_replicas} {how} before it could report an error: a signal (SIGKILL, "
+        "the out-of-memory killer) or a crash of the interpreter. Its stderr is above.",
+        rank=rank,
     )

@@ -42,6 +42,12 @@ class Trainer:
     watches its processes). ``on_nonfinite_loss="stop"`` raises at the first step whose
     loss is NaN or infinite on any replica, naming its epoch and step; ``"skip"`` leaves
     that step's update out on every replica and continues.
+
+    With ``num_replicas > 1`` on one host, this process is replica 0 (callbacks run here,
+    on your own objects) and the other replicas are worker processes started at the first
+    call and kept for the next ones, so a later ``fit``, ``evaluate`` or ``predict`` starts
+    at once. ``close()``, or ``with torch_dp.Trainer(...) as trainer:``, stops them; so do
+    the end of the interpreter and another Trainer starting its own.
     """
 
     def __init__(
@@ -65,6 +71,17 @@ class Trainer:
     @property
     def num_replicas(self) -> int:
         return self._launcher.num_replicas
+
+    def close(self) -> None:
+        """Stop the worker replicas this trainer started (they stay between calls otherwise) and
+        remove their shared files. A later call starts new ones; closing twice is harmless."""
+        self._launcher.close()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def fit(
         self,

@@ -1,20 +1,21 @@
-"""What crosses between the caller's process and the workers, through files, never pickles
-of state: the model (Keras's own ``.keras`` format, or a factory plus ``.npz`` weights),
-the caller's Keras settings, and rank 0's results (``.npz`` arrays plus JSON logs)."""
+"""What crosses from the caller (rank 0) to the worker replicas: how to rebuild the model
+(Keras's own ``.keras`` format, or the user's factory), the caller's Keras settings, and
+how predictions gathered from every replica are put back in input order. State (weights,
+optimizer) never travels as a pickle: replicas take rank 0's by broadcast."""
 
 from __future__ import annotations
 
-import json
 import os
+import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import keras
 import numpy as np
 
 from dp_core import split_indices
-from dp_core.keras import python_logs
+from dp_core.keras import internals
 
 
 @dataclass(frozen=True)
@@ -48,129 +49,75 @@ class KerasSettings:
 
 @dataclass(frozen=True)
 class ModelSource:
-    """How a worker rebuilds the caller's model: a ``.keras`` file, or a factory plus weights."""
+    """How a worker rebuilds the caller's model (its weights come after, by broadcast from
+    rank 0): a ``.keras`` file plus the custom classes and functions its config names, or the
+    user's factory. Both travel by value (cloudpickle), so classes and factories defined in
+    ``__main__`` or a notebook cell reach the workers."""
 
     keras_file: str | None = None
+    custom_objects: dict[str, Any] = field(default_factory=dict)
     factory: Callable[[], keras.Model] | None = None
-    weights_file: str | None = None
-
-
-def _all_variables(model: keras.Model) -> list[keras.Variable]:
-    return [*model.variables, *(model.optimizer.variables if model.optimizer is not None else [])]
-
-
-def _variables_to_npz(path: str, model: keras.Model) -> None:
-    """Model variables then optimizer variables, as ``arr_<i>`` in that order."""
-    np.savez(path, *[np.asarray(keras.ops.convert_to_numpy(v.value)) for v in _all_variables(model)])
-
-
-def _npz_to_variables(path: str, model: keras.Model) -> None:
-    """Put the arrays back by position. Paths cannot be matched: they carry per-process names
-    (``adam/dense_kernel_momentum`` here, ``adam/sequential_dense_kernel_momentum`` in a worker
-    that loaded the model), while the order is the model's and its optimizer's own."""
-    variables = _all_variables(model)
-    with np.load(path, allow_pickle=False) as arrays:
-        values = [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
-    shapes = [tuple(v.shape) for v in variables]
-    if shapes != [value.shape for value in values]:
-        raise RuntimeError(
-            f"torch_dp: the worker's model has {len(values)} variables, the caller's {len(variables)} (or their shapes "
-            "differ): the model a factory builds must be the same each time it is called."
-        )
-    for variable, value in zip(variables, values, strict=True):
-        variable.assign(value)
 
 
 def ship_model(model_argument: Any, model: keras.Model, directory: str) -> ModelSource:
-    """Write what a worker needs to rebuild ``model`` (built, same weights) into ``directory``."""
-    if isinstance(model_argument, keras.Model):
-        path = os.path.join(directory, "model.keras")
-        try:
-            model.save(path)
-        except Exception as error:
-            raise TypeError(
-                f"torch_dp ships the model to its worker processes with model.save(), which failed for "
-                f"'{model.name}': {error}. Pass a zero-argument function that builds and compiles the model "
-                "instead (trainer.fit(make_model, ...)), or register custom objects with "
-                "keras.saving.register_keras_serializable."
-            ) from error
-        return ModelSource(keras_file=path)
-    weights = os.path.join(directory, "initial_weights.npz")
-    _variables_to_npz(weights, model)
-    return ModelSource(factory=model_argument, weights_file=weights)
+    """What a worker needs to rebuild ``model``, written to ``directory`` and checked here: a
+    model that cannot be saved or loaded back fails in the caller, before a worker sees it."""
+    if not isinstance(model_argument, keras.Model):
+        return ModelSource(factory=model_argument)
+    path = os.path.join(directory, "model.keras")
+    try:
+        custom_objects = _custom_objects(model)
+        model.save(path)
+        keras.saving.load_model(path, custom_objects=custom_objects, compile=True)
+    except Exception as error:
+        raise TypeError(
+            f"torch_dp rebuilds the model in its worker processes from model.save(), and saving or loading "
+            f"'{model.name}' failed: {type(error).__name__}: {error}. Pass a zero-argument function that builds "
+            "and compiles the model instead (trainer.fit(make_model, ...)); it may be defined anywhere, a notebook "
+            "cell included. Or give custom layers a get_config() that returns their constructor arguments."
+        ) from error
+    return ModelSource(keras_file=path, custom_objects=custom_objects)
 
 
-def receive_model(source: ModelSource, build: Callable[[keras.Model], None]) -> keras.Model:
-    """The worker's copy of the caller's model, built, with the caller's weights."""
+def _custom_objects(model: keras.Model) -> dict[str, Any]:
+    """The classes and functions outside Keras that ``model``'s config (compile config included)
+    names, by the names Keras looks them up by when loading: the layers' own classes, and what
+    the config names by module (no module, as Keras writes for ``__main__``, means ``__main__``)."""
+    found: dict[str, Any] = {}
+
+    def add(obj: Any, *names: Any) -> None:
+        for name in {str(name) for name in names if name}:
+            found[name] = obj
+
+    for layer in internals.flatten_layers(model, include_self=True):
+        kind = type(layer)
+        if not kind.__module__.startswith("keras"):
+            add(kind, kind.__name__, keras.saving.get_registered_name(kind))
+
+    def visit(node: Any) -> None:
+        if isinstance(node, dict):
+            module = node.get("module") or "__main__"
+            if isinstance(module, str) and not module.startswith("keras") and "class_name" in node:
+                name = node["config"] if node["class_name"] == "function" else node["class_name"]
+                obj = getattr(sys.modules.get(module), str(name), None)
+                if obj is not None:
+                    add(obj, name, node.get("registered_name"))
+            for value in node.values():
+                visit(value)
+        elif isinstance(node, list | tuple):
+            for value in node:
+                visit(value)
+
+    visit(keras.saving.serialize_keras_object(model))
+    return found
+
+
+def receive_model(source: ModelSource) -> keras.Model:
+    """The worker's copy of the caller's model (its weights are rank 0's broadcast, later)."""
     if source.keras_file is not None:
-        model = cast(keras.Model, keras.saving.load_model(source.keras_file))
-        build(model)
-        return model
-    assert source.factory is not None and source.weights_file is not None
-    model = source.factory()
-    build(model)
-    _npz_to_variables(source.weights_file, model)
-    return model
-
-
-def save_trained(directory: str, model: keras.Model) -> None:
-    """Rank 0's trained model and optimizer variables, for the caller."""
-    _variables_to_npz(os.path.join(directory, "trained.npz"), model)
-
-
-def load_trained(directory: str, model: keras.Model) -> None:
-    """Put rank 0's trained variables into the caller's ``model``."""
-    _npz_to_variables(os.path.join(directory, "trained.npz"), model)
-
-
-def save_history(directory: str, history: keras.callbacks.History) -> None:
-    _write_json(
-        directory, "history.json", {"history": history.history, "epoch": history.epoch, "params": history.params}
-    )
-
-
-def load_history(directory: str, model: keras.Model) -> keras.callbacks.History:
-    """Rank 0's History, as the caller's ``model.history`` (as after ``model.fit``)."""
-    logs = _read_json(directory, "history.json")
-    history = keras.callbacks.History()
-    history.set_model(model)
-    history.history = {name: [_value(v) for v in values] for name, values in logs["history"].items()}
-    history.epoch = logs["epoch"]
-    history.set_params(logs["params"])
-    model.history = history
-    return history
-
-
-def save_logs(directory: str, logs: dict[str, Any]) -> None:
-    _write_json(directory, "logs.json", logs)
-
-
-def load_logs(directory: str) -> dict[str, Any]:
-    return python_logs(_read_json(directory, "logs.json"))
-
-
-def save_predictions(directory: str, leaves: list[np.ndarray]) -> None:
-    np.savez(os.path.join(directory, "predictions.npz"), *leaves)
-
-
-def load_predictions(directory: str) -> list[np.ndarray]:
-    with np.load(os.path.join(directory, "predictions.npz"), allow_pickle=False) as arrays:
-        return [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
-
-
-def _value(logged: Any) -> Any:
-    # vector metrics crossed as JSON lists; History holds them as arrays, as model.fit's does
-    return np.asarray(logged) if isinstance(logged, list) else logged
-
-
-def _write_json(directory: str, name: str, value: Any) -> None:
-    with open(os.path.join(directory, name), "w") as f:
-        json.dump(value, f, default=lambda array: np.asarray(array).tolist())
-
-
-def _read_json(directory: str, name: str) -> Any:
-    with open(os.path.join(directory, name)) as f:
-        return json.load(f)
+        return cast(keras.Model, keras.saving.load_model(source.keras_file, custom_objects=source.custom_objects))
+    assert source.factory is not None
+    return source.factory()
 
 
 def in_input_order(parts: list[list[np.ndarray]], num_samples: int, global_batch_size: int) -> list[np.ndarray]:

@@ -1,22 +1,27 @@
 """What one replica runs: the caller's model made ready on every replica, then the job.
 
-``run_job`` serves the caller's own process (one replica, or one of torchrun's) and every
-spawned worker; ``spawned_worker`` is a spawned process's entry point.
+``run_job`` serves every replica: the caller's own process (one replica, rank 0 of
+spawned replicas, or one of torchrun's) and each worker; ``pool_worker`` is a spawned
+worker's entry point, kept alive between calls.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing.connection import Connection
 from typing import Any
 
+import cloudpickle
 import keras
 import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
 from dp_core.keras import BatchSource, Inputs, build_model, check_losses_split, internals
-from torch_dp._comm import Replica, same_state_as_primary
+from torch_dp._comm import Replica, check_same_variables, same_state_as_primary
 from torch_dp._jobs import EvaluateJob, FitJob, Job, PredictJob, opened
 from torch_dp._processes import exit_with_parent, report_failure
 from torch_dp._transfer import KerasSettings, ModelSource, receive_model
@@ -48,11 +53,13 @@ def _padded(inputs: Inputs | BatchSource, global_batch_size: int) -> bool:
     return not isinstance(inputs, Inputs) or inputs.num_samples % global_batch_size != 0
 
 
-def run_job(model: keras.Model, job: Job, replica: Replica) -> Any:
-    """Run ``job`` on ``model`` as ``replica``: every replica starts from rank 0's state."""
+def run_job(model: keras.Model, job: Job, replica: Replica, *, sync: bool = True) -> Any:
+    """Run ``job`` on ``model`` as ``replica``. With ``sync`` every replica first takes rank 0's
+    state (a persistent worker whose model already equals rank 0's skips it)."""
     build(model, job)
     check_losses(model, job, replica.num_replicas)
-    if replica.distributed:  # the same start on every replica, whatever built the model
+    if replica.distributed and sync:  # the same start on every replica, whatever built the model
+        check_same_variables(model, replica, optimizer=isinstance(job, FitJob))
         same_state_as_primary(model, replica, optimizer=isinstance(job, FitJob))
         decorrelate_randomness(model, replica)
     return job.run(model, replica)
@@ -81,7 +88,7 @@ def device_for(local_rank: int) -> str:
 
 
 def join_group(rank: int, num_replicas: int, *, port: int, timeout: float) -> Replica:
-    """Join the group through the store the parent serves on 127.0.0.1:``port``."""
+    """Join the group through the store the caller serves on 127.0.0.1:``port``."""
     device = device_for(rank)
     store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout))
     dist.init_process_group(
@@ -94,27 +101,50 @@ def join_group(rank: int, num_replicas: int, *, port: int, timeout: float) -> Re
     return Replica(rank, num_replicas, device)
 
 
-def spawned_worker(
-    rank: int,
-    source: ModelSource,
-    job: Job,
-    num_replicas: int,
-    port: int,
-    directory: str,
-    timeout: float,
-    settings: KerasSettings,
-) -> None:
-    """Entry point of a spawned replica; rank 0's result and any failure go to files in ``directory``."""
-    exit_with_parent()
+@dataclass(frozen=True)
+class Request:
+    """One call, as a worker replica receives it: the caller's Keras settings, the model to
+    build when it changed (``None``: keep the one from the last call), the layers' trainable
+    flags, the job, and whether to take rank 0's state first."""
+
+    settings: KerasSettings
+    model: ModelSource | None
+    trainable: tuple[bool, ...]
+    job: Job
+    sync: bool
+
+
+def pool_worker(rank: int, num_replicas: int, port: int, connection: Connection, timeout: float, parent: int) -> None:
+    """A worker replica (rank >= 1): joins the group, then runs each call the caller sends until
+    told to stop. A failure is reported to the caller with its traceback, then the process ends
+    (the caller tears the pool down and starts a new one at the next call)."""
+    exit_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle
     try:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        settings.apply()  # the caller's dtype policy and floatx, before the model is rebuilt
+        connection.send(("ready",))
         replica = join_group(rank, num_replicas, port=port, timeout=timeout)
-        job = opened(job)
-        model = receive_model(source, lambda m: build(m, job))
-        result = run_job(model, job, replica)
-        if replica.is_primary:
-            job.save_result(directory, model, result)
+        model: keras.Model | None = None
+        while (message := connection.recv_bytes()) != b"":
+            request: Request = cloudpickle.loads(message)
+            request.settings.apply()  # before the model is (re)built and rows are read
+            if request.model is not None:
+                model = receive_model(request.model)
+            assert model is not None, "the caller sends the model with the first call"
+            set_trainable(model, request.trainable)
+            run_job(model, opened(request.job), replica, sync=request.sync)
+            connection.send(("done",))
         dist.destroy_process_group()
-    except BaseException:
-        report_failure(directory, rank)
+    except BaseException as error:
+        report_failure(connection, rank, error)
+
+
+def trainable_flags(model: keras.Model) -> tuple[bool, ...]:
+    return tuple(layer.trainable for layer in internals.flatten_layers(model, include_self=True))
+
+
+def set_trainable(model: keras.Model, flags: tuple[bool, ...]) -> None:
+    """The caller's ``layer.trainable`` choices (made after the factory built the model, say)."""
+    for layer, flag in zip(internals.flatten_layers(model, include_self=True), flags, strict=True):
+        if layer.trainable != flag:
+            layer.trainable = flag

@@ -1,0 +1,293 @@
+"""Spawned replicas kept between calls: the caller is rank 0, workers are ranks 1 to N-1.
+
+The caller trains its own model as rank 0, so callbacks run in the caller on the user's
+own objects (lambdas, notebook classes, their state all as in Keras), its model holds
+rank 0's weights at every moment, and rank 0's errors are raised as themselves. Workers
+start at the first call and stay for the next: a later call sends them only the job
+(arrays already shared are not written again), the model when it is another one (or was
+recompiled), and rank 0's state when it changed since the last call.
+
+One pool per process holds the process's default ``torch.distributed`` group; starting
+one closes any other. A failure anywhere closes the pool, and the next call starts a
+fresh one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any, final
+
+import cloudpickle
+import keras
+import torch
+import torch.distributed as dist
+
+from dp_core import NonFiniteLossError
+from torch_dp._batches import SharedArrays
+from torch_dp._comm import Replica
+from torch_dp._internals import version
+from torch_dp._jobs import FitJob, Job, for_workers
+from torch_dp._processes import (
+    WorkerError,
+    environment_variables,
+    failure_of,
+    loopback_store,
+    start_process,
+    stop_processes,
+    threads_per_replica,
+    vanished,
+)
+from torch_dp._transfer import KerasSettings, ship_model
+from torch_dp._worker import Request, build, check_losses, device_for, pool_worker, run_job, trainable_flags
+
+# Raised in the caller as their own type when a worker raises them.
+DOCUMENTED = (NonFiniteLossError,)
+_active: ReplicaPool | None = None  # the pool holding this process's default group
+
+
+@dataclass
+class _Worker:
+    process: Any
+    connection: Connection
+
+
+@final
+class ReplicaPool:
+    """``num_replicas`` replicas: this process as rank 0 and ``num_replicas - 1`` spawned workers."""
+
+    def __init__(self, num_replicas: int, *, threads: int | None, timeout: float, start_timeout: float = 180.0) -> None:
+        self.num_replicas = num_replicas
+        self.threads = threads or threads_per_replica(num_replicas)
+        self.timeout = timeout
+        self.start_timeout = start_timeout
+        self._workers: list[_Worker] = []
+        self._store: Any = None
+        self._directory: tempfile.TemporaryDirectory[str] | None = None
+        self._arrays: SharedArrays | None = None
+        self._replica = Replica(0, num_replicas)
+        # what the workers hold: whose model, compiled how, and rank 0's state when they last agreed
+        self._model: weakref.ref[keras.Model] | None = None
+        self._compiled: tuple[int, ...] = ()
+        self._state: tuple[tuple[int, int], ...] | None = None
+
+    @property
+    def started(self) -> bool:
+        return bool(self._workers)
+
+    def run(self, job: Job, model: keras.Model, model_argument: Any) -> Any:
+        """Run ``job`` on every replica, rank 0 here on ``model``; returns rank 0's result."""
+        build(model, job)
+        check_losses(model, job, self.num_replicas)  # here, before any process starts
+        if self.started and not all(worker.process.is_alive() for worker in self._workers):
+            self.close()
+        directory = self._ensure_directory()
+        assert self._arrays is not None
+        new_model = not self._holds(model)
+        source = ship_model(model_argument, model, directory) if new_model else None
+        sync = new_model or self._state != _state_of(model, job)
+        request = Request(
+            KerasSettings.of_this_process(),
+            source,
+            trainable_flags(model),
+            for_workers(job, self._arrays.share),
+            sync,
+        )
+        payload = _shippable(request)  # a pickling error is raised here, before any worker starts
+        self._start()
+        for worker in self._workers:
+            worker.connection.send_bytes(payload)
+        try:
+            with _threads(self.threads):
+                result = run_job(model, job, self._replica, sync=sync)
+            self._wait_for_workers()
+        except BaseException as error:
+            failure = self._worker_failure(wait_s=2.0 if isinstance(error, RuntimeError) else 0.0)
+            self.close(graceful=False)
+            if failure is not None and _is_collective_error(error):
+                raise failure from error  # the worker's failure is the cause; rank 0 only saw a peer vanish
+            raise
+        self._remember(model, job)
+        return result
+
+    def close(self, *, graceful: bool = True) -> None:
+        """Stop the workers, leave the group, remove the shared files. The next call starts anew."""
+        global _active
+        processes = [worker.process for worker in self._workers]
+        if graceful:
+            for worker in self._workers:
+                with contextlib.suppress(OSError, ValueError):
+                    worker.connection.send_bytes(b"")  # "stop": a worker leaves its group and exits
+        stop_processes(processes, grace_period=5.0 if graceful else 0.0)
+        for worker in self._workers:
+            worker.connection.close()
+        self._workers = []
+        if _active is self:
+            _active = None
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        self._store = None
+        self._model, self._compiled, self._state = None, (), None
+        if self._directory is not None:
+            self._directory.cleanup()
+            self._directory, self._arrays = None, None
+
+    def _ensure_directory(self) -> str:
+        if self._directory is None:
+            self._directory = tempfile.TemporaryDirectory(prefix="torch_dp_")
+            self._arrays = SharedArrays(self._directory.name)
+        return self._directory.name
+
+    def _start(self) -> None:
+        """Spawn the workers and form the group with them (this process is rank 0)."""
+        global _active
+        if self.started:
+            return
+        if _active is not None:
+            _active.close()
+        if dist.is_initialized():
+            raise RuntimeError(
+                "torch_dp.Trainer(num_replicas=...) starts its own process group, but this process already belongs "
+                "to one (torch.distributed.init_process_group was called). Call "
+                "torch.distributed.destroy_process_group() first, or run under torchrun and pass num_replicas=None."
+            )
+        self._store, port = loopback_store(timeout=self.timeout)
+        try:
+            for rank in range(1, self.num_replicas):
+                mine, theirs = torch.multiprocessing.get_context("spawn").Pipe()
+                process = start_process(
+                    pool_worker,
+                    (rank, self.num_replicas, port, theirs, self.timeout, os.getpid()),
+                    name=f"torch_dp-replica-{rank}",
+                    environment=self._environment(),
+                )
+                theirs.close()
+                self._workers.append(_Worker(process, mine))
+            self._wait_for_workers(expect="ready", timeout=self.start_timeout)
+            self._replica = Replica(0, self.num_replicas, device_for(0))
+            with environment_variables({"GLOO_SOCKET_IFNAME": "lo"} if self._on_cpu() else {}):
+                dist.init_process_group(
+                    "gloo" if self._replica.device == "cpu" else "nccl",
+                    store=self._store,
+                    rank=0,
+                    world_size=self.num_replicas,
+                    timeout=timedelta(seconds=self.timeout),
+                )
+            _active = self
+        except BaseException:
+            self.close(graceful=False)
+            raise
+
+    def _wait_for_workers(self, expect: str = "done", timeout: float | None = None) -> None:
+        """Each worker's ``expect`` message; a failure report, or a worker gone, is raised."""
+        waiting = {worker.connection: worker for worker in self._workers}
+        deadline = timeout if timeout is not None else self.timeout
+        while waiting:
+            ready = wait([*waiting, *(w.process.sentinel for w in waiting.values())], timeout=deadline)
+            if not ready:
+                ranks = sorted(self._workers.index(worker) + 1 for worker in waiting.values())
+                raise WorkerError(
+                    f"torch_dp replicas {ranks} did not answer within {deadline:.0f} s (stopped, or stuck). "
+                    "Raise Trainer(timeout=...) if a step or a callback legitimately takes longer.",
+                    rank=ranks[0],
+                )
+            for connection in [c for c in ready if c in waiting]:
+                message = self._receive(waiting[connection])
+                if message[0] == "failed":
+                    raise failure_of(message, self.num_replicas, DOCUMENTED)
+                del waiting[connection]
+            for worker in list(waiting.values()):
+                if worker.process.sentinel in ready and not worker.connection.poll():
+                    raise vanished(self._workers.index(worker) + 1, self.num_replicas, worker.process.exitcode)
+
+    def _receive(self, worker: _Worker) -> tuple[Any, ...]:
+        try:
+            return worker.connection.recv()
+        except (EOFError, OSError):
+            worker.process.join(5.0)
+            raise vanished(self._workers.index(worker) + 1, self.num_replicas, worker.process.exitcode) from None
+
+    def _worker_failure(self, wait_s: float) -> BaseException | None:
+        """The first failure a worker reported (waiting up to ``wait_s`` for one), if any."""
+        for worker in self._workers:
+            with contextlib.suppress(EOFError, OSError):
+                if worker.connection.poll(wait_s):
+                    message = worker.connection.recv()
+                    if message[0] == "failed":
+                        return failure_of(message, self.num_replicas, DOCUMENTED)
+            if not worker.process.is_alive() and worker.process.exitcode not in (0, None):
+                return vanished(self._workers.index(worker) + 1, self.num_replicas, worker.process.exitcode)
+        return None
+
+    def _holds(self, model: keras.Model) -> bool:
+        """Whether the workers hold this model, compiled as it is now."""
+        return self._model is not None and self._model() is model and self._compiled == _compiled_as(model)
+
+    def _remember(self, model: keras.Model, job: Job) -> None:
+        self._model, self._compiled = weakref.ref(model), _compiled_as(model)
+        # per-replica BatchNorm leaves each replica its own statistics: rank 0's travel next time
+        per_replica = isinstance(job, FitJob) and job.batch_norm == "per_replica"
+        self._state = None if per_replica else _state_of(model, job)
+
+    def _on_cpu(self) -> bool:
+        return not (torch.cuda.is_available() and torch.cuda.device_count() >= self.num_replicas)
+
+    def _environment(self) -> dict[str, str]:
+        environment = {
+            "OMP_NUM_THREADS": str(self.threads),
+            "MKL_NUM_THREADS": str(self.threads),
+            "KERAS_BACKEND": "torch",
+        }
+        if self._on_cpu():  # gloo over loopback, and no GPU for Keras to pick up by default
+            environment.update({"GLOO_SOCKET_IFNAME": "lo", "CUDA_VISIBLE_DEVICES": ""})
+        return environment
+
+
+def close_active_pool() -> None:
+    """At interpreter exit: stop the workers and remove their files."""
+    if _active is not None:
+        _active.close()
+
+
+def _compiled_as(model: keras.Model) -> tuple[int, ...]:
+    """Identities of what ``compile`` creates: another compile means another model for the workers."""
+    return (id(model.optimizer), *(id(metric) for metric in model.metrics))
+
+
+def _state_of(model: keras.Model, job: Job) -> tuple[tuple[int, int], ...]:
+    """Rank 0's state as (tensor identity, in-place version) pairs: equal pairs, equal values."""
+    variables = [*model.variables, *(model.optimizer.variables if isinstance(job, FitJob) else [])]
+    return tuple((id(v.value), version(v.value)) for v in variables)
+
+
+def _shippable(request: Request) -> bytes:
+    try:
+        return cloudpickle.dumps(request)
+    except Exception as error:
+        raise TypeError(
+            f"torch_dp sends the call's inputs and the model factory to its worker processes by value (cloudpickle), "
+            f"and that failed: {type(error).__name__}: {error}. A dataset or factory that holds an open file, a "
+            "lock or a connection cannot travel; open such things inside __getitem__ or the factory instead."
+        ) from error
+
+
+def _is_collective_error(error: BaseException) -> bool:
+    """Whether rank 0 failed only because a peer vanished or failed (gloo/NCCL errors)."""
+    return isinstance(error, RuntimeError) and not isinstance(error, DOCUMENTED)
+
+
+@contextlib.contextmanager
+def _threads(count: int) -> Iterator[None]:
+    """The caller's torch threads while it is a replica: its share of the cores, not all of them."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,244 @@
+"""Interactive use on 2 replicas: workers kept between calls, callbacks run in the caller on the
+user's own objects, everything defined in ``__main__`` ships by value, errors arrive as
+themselves, and nothing is left behind when a worker dies or the user presses Ctrl-C."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import keras
+import numpy as np
+import pytest
+import torch_dp_testing as testing
+
+import torch_dp
+import torch_dp._pool
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+HERE = os.path.dirname(__file__)
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    with torch_dp.Trainer(num_replicas=2, timeout=60) as started:
+        yield started
+
+
+def _workers():
+    pool = torch_dp._pool._active
+    return [] if pool is None else [worker.process.pid for worker in pool._workers]
+
+
+def _assert_weights_equal(model, reference, atol=1e-5):
+    for mine, theirs in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(mine, theirs, atol=atol)
+
+
+def test_lambda_callbacks_run_in_the_caller_and_their_state_is_visible(trainer):
+    x, y = testing.data()
+    reference = testing.dense_batchnorm_model("sgd")
+    schedule = lambda epoch, rate: 0.1 * 0.5**epoch  # noqa: E731  (pickle cannot send a lambda)
+    expected = reference.fit(
+        x,
+        y,
+        batch_size=32,
+        epochs=4,
+        shuffle=False,
+        verbose=0,
+        callbacks=[keras.callbacks.LearningRateScheduler(schedule)],
+    )
+    model = testing.dense_batchnorm_model("sgd", seed=3)
+    model.set_weights(testing.dense_batchnorm_model("sgd").get_weights())
+    batches, rates = [], []
+    stopper = keras.callbacks.EarlyStopping(monitor="loss", min_delta=10.0, patience=1)
+    history = trainer.fit(
+        model,
+        x,
+        y,
+        global_batch_size=32,
+        epochs=4,
+        shuffle=False,
+        verbose=0,
+        callbacks=[
+            keras.callbacks.LearningRateScheduler(schedule),
+            keras.callbacks.LambdaCallback(
+                on_train_batch_end=lambda batch, logs: batches.append((batch, logs["loss"])),
+                on_epoch_end=lambda epoch, logs: rates.append(float(logs["learning_rate"])),
+            ),
+            stopper,
+        ],
+    )
+    # EarlyStopping (patience 1, an impossible min_delta) stopped every replica after epoch 1, in
+    # the caller's own object, as model.fit leaves it
+    assert history.epoch == [0, 1] and stopper.stopped_epoch == 1
+    assert rates == pytest.approx([0.1, 0.05])
+    assert [batch for batch, _ in batches] == [0, 1, 2, 3] * 2
+    for name in ("loss", "accuracy"):
+        np.testing.assert_allclose(history.history[name], expected.history[name][:2], rtol=1e-5, err_msg=name)
+    # the last batch's logs are the epoch's: the global loss, not rank 0's
+    np.testing.assert_allclose(batches[-1][1], history.history["loss"][-1], rtol=1e-6)
+
+
+def test_the_pool_is_reused_and_follows_changes_made_in_the_caller(trainer):
+    x, y = testing.data()
+    xv, yv = testing.data(37, seed=1)
+    model = testing.dense_batchnorm_model("adam")
+    reference = testing.dense_batchnorm_model("adam")
+    trainer.fit(model, x, y, global_batch_size=32, epochs=2, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    workers = _workers()
+    assert len(workers) == 1
+    np.testing.assert_allclose(
+        trainer.evaluate(model, xv, yv, global_batch_size=32, verbose=0),
+        reference.evaluate(xv, yv, batch_size=32, verbose=0),
+        rtol=1e-5,
+    )
+    np.testing.assert_allclose(
+        trainer.predict(model, xv, global_batch_size=32, verbose=0), reference.predict(xv, verbose=0), atol=1e-6
+    )
+    # the user changes the model between calls: the workers take rank 0's new state
+    other = testing.dense_batchnorm_model("adam", seed=5)
+    model.set_weights(other.get_weights())
+    np.testing.assert_allclose(
+        trainer.evaluate(model, xv, yv, global_batch_size=32, verbose=0),
+        other.evaluate(xv, yv, batch_size=32, verbose=0),
+        rtol=1e-5,
+    )
+    # a second fit continues the caller's Adam state (the workers hold the same)
+    reference.set_weights(other.get_weights())
+    for variable, value in zip(reference.optimizer.variables, model.optimizer.variables, strict=True):
+        variable.assign(value)
+    trainer.fit(model, x, y, global_batch_size=32, epochs=1, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    _assert_weights_equal(model, reference)
+    # frozen in the caller: frozen on every replica
+    model.layers[0].trainable = False
+    frozen = model.layers[0].get_weights()[0].copy()
+    trainer.fit(model, x, y, global_batch_size=32, epochs=1, verbose=0)
+    np.testing.assert_array_equal(model.layers[0].get_weights()[0], frozen)
+    # recompiled in the caller: the workers rebuild it, and train as Keras does with the new settings
+    model.layers[0].trainable = True
+    model.compile(optimizer=keras.optimizers.SGD(0.2), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    reference.set_weights(model.get_weights())
+    reference.compile(optimizer=keras.optimizers.SGD(0.2), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    history = trainer.fit(model, x, y, global_batch_size=32, epochs=2, shuffle=False, verbose=0)
+    expected = reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-5)
+    _assert_weights_equal(model, reference)
+    assert _workers() == workers  # every call above ran on the same worker process
+
+
+def test_a_worker_error_arrives_as_itself_and_the_next_call_starts_new_workers(trainer):
+    x, y = testing.data()
+    x[60] = np.nan  # in replica 1's half of global batch 1
+    model = testing.dense_batchnorm_model("sgd")
+    with pytest.raises(torch_dp.NonFiniteLossError) as raised:
+        trainer.fit(model, x, y, global_batch_size=32, epochs=1, shuffle=False, verbose=0)
+    assert (raised.value.epoch, raised.value.step) == (0, 1)
+    x, y = testing.data()
+    before = _workers()
+    trainer.fit(model, x, y, global_batch_size=32, epochs=1, verbose=0)  # works, on a new pool
+    assert _workers() and _workers() != before
+
+
+def test_a_killed_worker_tears_the_pool_down_and_the_next_call_works(trainer):
+    x, y = testing.data()
+    model = testing.dense_batchnorm_model("sgd")
+    trainer.fit(model, x, y, global_batch_size=32, epochs=1, verbose=0)
+    (killed,) = _workers()
+    threading.Timer(1.0, os.kill, (killed, signal.SIGKILL)).start()
+    started = time.monotonic()
+    with pytest.raises(torch_dp.WorkerError, match=r"replica 1 of 2 was killed by signal 9"):
+        trainer.fit(model, x, y, global_batch_size=32, epochs=200, verbose=0, callbacks=[testing.SlowSteps(0.01)])
+    assert time.monotonic() - started < 30  # noticed from the collective, not the 60 s timeout
+    assert _workers() == []
+    # killed between calls: noticed before the call, which starts new workers
+    trainer.fit(model, x, y, global_batch_size=32, epochs=1, verbose=0)
+    (worker,) = _workers()
+    os.kill(worker, signal.SIGKILL)
+    time.sleep(0.5)
+    expected = trainer.evaluate(model, x, y, global_batch_size=32, verbose=0)
+    np.testing.assert_allclose(expected, model.evaluate(x, y, batch_size=32, verbose=0), rtol=1e-5)
+
+
+def test_what_cannot_travel_is_a_clear_error_before_any_worker_starts(monkeypatch):
+    torch_dp._pool.close_active_pool()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a worker process was started")
+
+    monkeypatch.setattr(torch_dp._pool, "start_process", refuse)
+    x, y = testing.data()
+
+    class Locked(testing.RowDataset):
+        def __init__(self, x, y):
+            super().__init__(x, y)
+            self.lock = threading.Lock()
+
+    trainer = torch_dp.Trainer(num_replicas=2)
+    with pytest.raises(TypeError, match=r"by value \(cloudpickle\).*lock"):
+        trainer.fit(testing.dense_batchnorm_model(), Locked(x, y), global_batch_size=32, verbose=0)
+
+    class NeedsArguments(keras.Model):  # no get_config: cannot be rebuilt from its config
+        def __init__(self, units):
+            super().__init__()
+            self.dense = keras.layers.Dense(units, activation="softmax")
+
+        def call(self, inputs):
+            return self.dense(inputs)
+
+    model = NeedsArguments(3)
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    with pytest.raises(TypeError, match=r"(?s)saving or loading .* failed.*zero-argument function"):
+        trainer.fit(model, x, y, global_batch_size=32, verbose=0)
+
+
+def _run_script(args, tag, tmp_path, **options):
+    environment = {**os.environ, "TORCH_DP_TEST_TAG": tag, "TMPDIR": str(tmp_path), "PYTHONPATH": HERE}
+    return subprocess.Popen(
+        [sys.executable, *args], env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **options
+    )
+
+
+def test_classes_lambdas_and_factories_defined_under_the_main_guard(tmp_path):
+    tag = uuid.uuid4().hex
+    script = _run_script([os.path.join(HERE, "main_block_script.py"), "2"], tag, tmp_path)
+    out, err = script.communicate(timeout=240)
+    assert script.returncode == 0, err[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["weights_diff"] < 1e-5 and result["loss_diff"] < 1e-5
+    assert result["recorded"] and result["batches"] == 3 * 4
+    assert result["seen_rates"] == pytest.approx([0.05, 0.025, 0.0125])
+    assert result["stopped_epoch"] == 1 and result["factory_epochs"] == [0, 1]
+    assert testing.processes_tagged(tag) == []
+    assert list(tmp_path.iterdir()) == []  # the shared arrays and model file are gone
+
+
+@pytest.mark.parametrize("whole_group", [False, True], ids=["caller-only", "terminal"])
+def test_ctrl_c_during_fit_leaves_no_process_and_no_file(tmp_path, whole_group):
+    """Jupyter interrupts the kernel alone; a terminal sends SIGINT to the whole process group."""
+    tag = uuid.uuid4().hex
+    script = _run_script(
+        [os.path.join(HERE, "interrupted_script.py"), str(tmp_path / "started")],
+        tag,
+        tmp_path,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 180
+    while not (tmp_path / "started").exists():
+        assert script.poll() is None and time.monotonic() < deadline, script.communicate()[1][-3000:]
+        time.sleep(0.2)
+    time.sleep(1.0)
+    if whole_group:
+        os.killpg(script.pid, signal.SIGINT)
+    else:
+        os.kill(script.pid, signal.SIGINT)
+    _, err = script.communicate(timeout=60)
+    assert "KeyboardInterrupt" in err
+    assert testing.processes_tagged(tag) == []
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["started"]
