@@ -7,10 +7,10 @@ import sys
 
 os.environ["KERAS_BACKEND"] = "torch"
 
-import keras  # noqa: E402
-import torch_dp_testing as testing  # noqa: E402
+import keras
+import torch_dp_testing as testing
 
-import torch_dp  # noqa: E402
+import torch_dp
 
 if __name__ == "__main__":
     x, y = testing.data()

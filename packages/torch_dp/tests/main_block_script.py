@@ -44,7 +44,13 @@ if __name__ == "__main__":
 
     reference = make_model()
     expected = reference.fit(
-        x, y, batch_size=32, epochs=3, shuffle=False, verbose=0, callbacks=[keras.callbacks.LearningRateScheduler(schedule)]
+        x,
+        y,
+        batch_size=32,
+        epochs=3,
+        shuffle=False,
+        verbose=0,
+        callbacks=[keras.callbacks.LearningRateScheduler(schedule)],
     )
     recorder = Recorder()
     stopper = keras.callbacks.EarlyStopping(monitor="loss", min_delta=10.0, patience=0)
@@ -67,10 +73,11 @@ if __name__ == "__main__":
             ],
         )
         from_factory = trainer.fit(make_model, x, y, global_batch_size=32, epochs=3, verbose=0, callbacks=[stopper])
+    pairs = (model.get_weights(), reference.get_weights())
     print(
         json.dumps(
             {
-                "weights_diff": max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), reference.get_weights())),
+                "weights_diff": max(float(np.abs(a - b).max()) for a, b in zip(*pairs, strict=True)),
                 "loss_diff": float(np.abs(np.array(history.history["loss"]) - expected.history["loss"]).max()),
                 "recorded": recorder.losses == history.history["loss"],
                 "batches": recorder.batches,

@@ -64,18 +64,6 @@ def all_reduce_sum(tensors: Sequence[torch.Tensor], replica: Replica) -> list[to
     return _coalesced(tensors, lambda flat: dist.all_reduce(flat, op=dist.ReduceOp.SUM))
 
 
-def average_gradients(gradients: Sequence[torch.Tensor], replica: Replica) -> list[torch.Tensor]:
-    """The mean of each gradient over replicas, in one all-reduce per dtype."""
-    if not replica.distributed:
-        return list(gradients)
-
-    def mean(flat: torch.Tensor) -> None:
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        flat.div_(replica.num_replicas)
-
-    return _coalesced(gradients, mean)
-
-
 def broadcast_from_primary(tensors: Sequence[torch.Tensor], replica: Replica) -> list[torch.Tensor]:
     """Rank 0's values of ``tensors`` on every replica."""
     if not replica.distributed:

@@ -26,7 +26,7 @@ from dp_core.keras import (
 from torch_dp._batches import replica_batches
 from torch_dp._checkpoints import restore_metrics, save
 from torch_dp._comm import Replica, broadcast_floats, same_state_as_primary
-from torch_dp._steps import global_logs, predict_step, test_step, train_step
+from torch_dp._steps import global_logs, logs_of, predict_step, test_step, train_step
 
 if TYPE_CHECKING:  # _jobs imports this module
     from torch_dp._jobs import FitJob
@@ -163,9 +163,12 @@ def _train_epoch(
     logs: dict[str, Any] = {}
     for step, batch in enumerate(batches, start=first_step):
         callbacks.on_train_batch_begin(step)
-        if not train_step(model, batch, replica):
+        trained = train_step(model, batch, replica, sum_metrics=decide_each_step)
+        if not trained.applied:
             _nonfinite_loss(job.on_nonfinite_loss, epoch, step, replica)
-        if _log_now(step, steps, log_every):
+        if trained.metric_sums is not None:  # summed with the gradients: only rank 0 reads them
+            logs = logs_of(model, trained.metric_sums) if replica.is_primary else {}
+        elif _log_now(step, steps, log_every) and not decide_each_step:  # a skipped step keeps its logs
             logs = global_logs(model, replica)
         callbacks.on_train_batch_end(step, logs)
         if checkpoints is not None and checkpoints.due(step + 1, steps):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import keras
 import torch
@@ -26,7 +26,7 @@ import torch
 from dp_core.keras import ReplicaRows, internals, map_structure, python_logs, replica_losses
 from torch_dp._batches import Batch
 from torch_dp._batchnorm import real_rows
-from torch_dp._comm import Replica, all_reduce_sum, average_gradients
+from torch_dp._comm import Replica, all_reduce_sum
 
 
 def _forward(model: keras.Model, x: Any, training: bool) -> Any:
@@ -101,12 +101,22 @@ def _detached(y_pred: Any) -> Any:
     return map_structure(lambda t: _with_mask_of(t, t.detach()) if isinstance(t, torch.Tensor) else t, y_pred)
 
 
-def train_step(model: keras.Model, batch: Batch, replica: Replica) -> bool:
+class Trained(NamedTuple):
+    """What a training step did: whether its update was applied (False: a non-finite loss on
+    some replica, and nothing changed), and, when asked for, the metric states summed over
+    every replica (they travel with the gradients, so a batch's global logs cost no message)."""
+
+    applied: bool
+    metric_sums: list[torch.Tensor] | None = None
+
+
+def train_step(model: keras.Model, batch: Batch, replica: Replica, *, sum_metrics: bool = False) -> Trained:
     """Forward, exact global-batch gradient, Keras optimizer update, metric update.
 
-    Returns False, having changed nothing (weights, optimizer, BatchNorm statistics,
-    metrics), when the loss of any replica is not finite: every replica learns it from
-    the same all-reduce as the gradients, so all of them skip the update together.
+    Nothing changes (weights, optimizer, BatchNorm statistics, metrics) when the loss of
+    any replica is not finite: every replica learns it from the same all-reduce as the
+    gradients, so all of them skip the update together. Metrics are updated before that
+    all-reduce (they read only this step's predictions), so their states can ride on it.
     """
     before = _state_to_undo(model)
     with replica_losses(model, _replica_rows(batch, replica)):  # activity regularizers run in the forward pass
@@ -115,32 +125,30 @@ def train_step(model: keras.Model, batch: Batch, replica: Replica) -> bool:
         model.zero_grad()
         with _weigh_losses_by_real_rows(model, batch, replica):
             loss = _compute_loss(model, batch, y_pred, training=True)
-    trainable = model.trainable_weights[:]
-    local_loss = torch.as_tensor(loss).detach().reshape(1).to(torch.float32)
-    if trainable:
-        model.optimizer.scale_loss(loss).backward()
-        local = [v.value.grad for v in trainable]
-        # Zeros keep the buffer the same size on every replica; a variable with no
-        # gradient here is still skipped by the optimizer, as in Keras.
-        *averaged, summed_loss = average_gradients(
-            [
-                *(torch.zeros_like(v.value) if g is None else g for v, g in zip(trainable, local, strict=True)),
-                local_loss,
-            ],
-            replica,
-        )
-        if not bool(torch.isfinite(summed_loss).all()):
-            _undo(model, before)
-            return False
-        gradients = [None if g is None else a for g, a in zip(local, averaged, strict=True)]
-        with torch.no_grad():
-            model.optimizer.apply(gradients, trainable)
-    elif not bool(torch.isfinite(all_reduce_sum([local_loss], replica)[0]).all()):
-        _undo(model, before)
-        return False
     with torch.no_grad():
         _update_metrics(model, batch, _detached(y_pred))
-    return True
+    trainable = model.trainable_weights[:]
+    local_loss = torch.as_tensor(loss).detach().reshape(1).to(torch.float32)
+    states = [v.value.detach() for v in model.metrics_variables] if sum_metrics and replica.distributed else []
+    if trainable:
+        model.optimizer.scale_loss(loss).backward()
+    local = [v.value.grad for v in trainable]
+    # Zeros keep the buffer the same size on every replica; a variable with no gradient
+    # here is still skipped by the optimizer, as in Keras.
+    gradients = [torch.zeros_like(v.value) if g is None else g for v, g in zip(trainable, local, strict=True)]
+    summed = all_reduce_sum([*gradients, local_loss, *states], replica)
+    averaged, summed_loss = summed[: len(gradients)], summed[len(gradients)]
+    if not bool(torch.isfinite(summed_loss).all()):
+        _undo(model, before)
+        return Trained(False)
+    if trainable:
+        with torch.no_grad():
+            for gradient in averaged:
+                gradient.div_(replica.num_replicas)
+            model.optimizer.apply([None if g is None else a for g, a in zip(local, averaged, strict=True)], trainable)
+    if not sum_metrics:
+        return Trained(True)
+    return Trained(True, summed[len(gradients) + 1 :] if replica.distributed else [s.detach() for s in states])
 
 
 def _state_to_undo(model: keras.Model) -> list[tuple[keras.Variable, torch.Tensor]]:
@@ -176,16 +184,22 @@ def global_logs(model: keras.Model, replica: Replica) -> dict[str, Any]:
     """Metric results over every replica's rows, in one coalesced all-reduce.
 
     Keras metric states are sums (totals, counts, confusion matrices), so summing them
-    over replicas gives the states of one model that saw every row. Local states are
-    restored afterwards so accumulation continues per replica.
+    over replicas gives the states of one model that saw every row.
     """
     variables = model.metrics_variables
     if not replica.distributed or not variables:
         return python_logs(model.get_metrics_result())
-    local = [v.value.detach().clone() for v in variables]
     # float64 so that summed counts stay exact past 2**24 rows
-    summed = all_reduce_sum([t.to(torch.float64) for t in local], replica)
-    for variable, value in zip(variables, summed, strict=True):
+    summed = all_reduce_sum([v.value.detach().to(torch.float64) for v in variables], replica)
+    return logs_of(model, summed)
+
+
+def logs_of(model: keras.Model, metric_sums: list[torch.Tensor]) -> dict[str, Any]:
+    """Metric results for summed states: put in place, read, and the local states put back so
+    accumulation continues per replica."""
+    variables = model.metrics_variables
+    local = [v.value.detach().clone() for v in variables]
+    for variable, value in zip(variables, metric_sums, strict=True):
         variable.assign(value.to(variable.value.dtype))
     logs = python_logs(model.get_metrics_result())
     for variable, value in zip(variables, local, strict=True):
