@@ -242,3 +242,19 @@ def test_ctrl_c_during_fit_leaves_no_process_and_no_file(tmp_path, whole_group):
     assert "KeyboardInterrupt" in err
     assert testing.processes_tagged(tag) == []
     assert sorted(path.name for path in tmp_path.iterdir()) == ["started"]
+
+
+def test_a_learning_rate_set_at_each_batch_reaches_every_replica_before_its_update(trainer):
+    """The rate rides on the step's own all-reduce: no collective of its own, none missed."""
+    x, y = testing.data()
+
+    def per_batch(model):
+        rate = lambda batch, logs: model.optimizer.learning_rate.assign(0.2 / (batch + 1))  # noqa: E731
+        return [keras.callbacks.LambdaCallback(on_train_batch_begin=rate)]
+
+    reference = testing.dense_batchnorm_model("sgd")
+    reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0, callbacks=per_batch(reference))
+    model = testing.dense_batchnorm_model("sgd")
+    trainer.fit(model, x, y, global_batch_size=32, epochs=2, shuffle=False, verbose=0, callbacks=per_batch(model))
+    _assert_weights_equal(model, reference)
+    assert float(model.optimizer.learning_rate) == pytest.approx(0.2 / 4)

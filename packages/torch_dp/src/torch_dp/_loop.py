@@ -147,7 +147,8 @@ def _train_epoch(
     checkpoints: CheckpointWriter | None = None,
 ) -> None:
     """One epoch of steps from ``first_step``; logs synced every ``log_every`` steps (0: never),
-    rank 0's stop shared if asked, checkpoints written as asked."""
+    or at every step with rank 0's decisions (``decide_each_step``), checkpoints written as asked.
+    A stop at the last batch end reaches the other replicas through the epoch's end."""
     model.train()
     arguments = job.arguments
     steps = num_steps(job.inputs.num_samples, arguments.global_batch_size)
@@ -162,8 +163,16 @@ def _train_epoch(
     )
     logs: dict[str, Any] = {}
     for step, batch in enumerate(batches, start=first_step):
+        if decide_each_step and model.stop_training:
+            # rank 0 stopped at the last batch end: the stop rides on this step's all-reduce,
+            # which every replica then undoes (the callbacks do not see this step)
+            train_step(model, batch, replica, sum_metrics=True, stop=True)
+            return
         callbacks.on_train_batch_begin(step)
         trained = train_step(model, batch, replica, sum_metrics=decide_each_step)
+        if trained.stopped:
+            model.stop_training = True
+            return
         if not trained.applied:
             _nonfinite_loss(job.on_nonfinite_loss, epoch, step, replica)
         if trained.metric_sums is not None:  # summed with the gradients: only rank 0 reads them
@@ -173,8 +182,6 @@ def _train_epoch(
         callbacks.on_train_batch_end(step, logs)
         if checkpoints is not None and checkpoints.due(step + 1, steps):
             save(checkpoints, model, replica, epoch=epoch, step=step + 1)
-        if decide_each_step and _share_decisions(model, replica):
-            return
 
 
 def _nonfinite_loss(mode: NonFiniteLoss, epoch: int, step: int, replica: Replica) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -215,13 +216,16 @@ class ReplicaPool:
 
     def _worker_failure(self, wait_s: float) -> BaseException | None:
         """The first failure a worker reported (waiting up to ``wait_s`` for one), if any."""
+        deadline = time.monotonic() + wait_s
         for worker in self._workers:
-            with contextlib.suppress(EOFError, OSError):
-                if worker.connection.poll(wait_s):
+            try:
+                if worker.connection.poll(max(0.0, deadline - time.monotonic())):
                     message = worker.connection.recv()
                     if message[0] == "failed":
                         return failure_of(message, self.num_replicas, DOCUMENTED)
-            if not worker.process.is_alive() and worker.process.exitcode not in (0, None):
+            except (EOFError, OSError):  # its end of the pipe closed: the process is ending
+                worker.process.join(5.0)
+            if worker.process.exitcode not in (0, None):
                 return vanished(self._workers.index(worker) + 1, self.num_replicas, worker.process.exitcode)
         return None
 

@@ -103,20 +103,28 @@ def _detached(y_pred: Any) -> Any:
 
 class Trained(NamedTuple):
     """What a training step did: whether its update was applied (False: a non-finite loss on
-    some replica, and nothing changed), and, when asked for, the metric states summed over
-    every replica (they travel with the gradients, so a batch's global logs cost no message)."""
+    some replica, or rank 0 stopping, and nothing changed), whether rank 0 stopped training
+    before it, and, when asked for, the metric states summed over every replica."""
 
     applied: bool
+    stopped: bool = False
     metric_sums: list[torch.Tensor] | None = None
 
 
-def train_step(model: keras.Model, batch: Batch, replica: Replica, *, sum_metrics: bool = False) -> Trained:
+def train_step(
+    model: keras.Model, batch: Batch, replica: Replica, *, sum_metrics: bool = False, stop: bool = False
+) -> Trained:
     """Forward, exact global-batch gradient, Keras optimizer update, metric update.
 
     Nothing changes (weights, optimizer, BatchNorm statistics, metrics) when the loss of
     any replica is not finite: every replica learns it from the same all-reduce as the
-    gradients, so all of them skip the update together. Metrics are updated before that
-    all-reduce (they read only this step's predictions), so their states can ride on it.
+    gradients, so all of them skip the update together.
+
+    With ``sum_metrics`` (callbacks act at every batch) that one all-reduce also carries the
+    metric states (metrics read only this step's predictions, so they are updated before it)
+    and rank 0's decisions since the last step: its learning rate, which every replica takes
+    before applying, and ``stop`` (rank 0 stopped training: every replica undoes this step
+    and leaves the epoch). So a batch-level callback costs no collective of its own.
     """
     before = _state_to_undo(model)
     with replica_losses(model, _replica_rows(batch, replica)):  # activity regularizers run in the forward pass
@@ -129,15 +137,25 @@ def train_step(model: keras.Model, batch: Batch, replica: Replica, *, sum_metric
         _update_metrics(model, batch, _detached(y_pred))
     trainable = model.trainable_weights[:]
     local_loss = torch.as_tensor(loss).detach().reshape(1).to(torch.float32)
-    states = [v.value.detach() for v in model.metrics_variables] if sum_metrics and replica.distributed else []
+    shared = sum_metrics and replica.distributed
+    states = [v.value.detach() for v in model.metrics_variables] if shared else []
+    rate = _learning_rate_variable(model)
+    decisions = [_decisions(rate, replica, stop)] if shared else []
     if trainable:
         model.optimizer.scale_loss(loss).backward()
     local = [v.value.grad for v in trainable]
     # Zeros keep the buffer the same size on every replica; a variable with no gradient
     # here is still skipped by the optimizer, as in Keras.
     gradients = [torch.zeros_like(v.value) if g is None else g for v, g in zip(trainable, local, strict=True)]
-    summed = all_reduce_sum([*gradients, local_loss, *states], replica)
+    summed = all_reduce_sum([*gradients, local_loss, *states, *decisions], replica)
     averaged, summed_loss = summed[: len(gradients)], summed[len(gradients)]
+    if decisions:
+        stopped, learning_rate = summed[-1].tolist()
+        if stopped:
+            _undo(model, before)
+            return Trained(False, stopped=True)
+        if rate is not None and not replica.is_primary:
+            rate.assign(learning_rate)
     if not bool(torch.isfinite(summed_loss).all()):
         _undo(model, before)
         return Trained(False)
@@ -148,7 +166,22 @@ def train_step(model: keras.Model, batch: Batch, replica: Replica, *, sum_metric
             model.optimizer.apply([None if g is None else a for g, a in zip(local, averaged, strict=True)], trainable)
     if not sum_metrics:
         return Trained(True)
-    return Trained(True, summed[len(gradients) + 1 :] if replica.distributed else [s.detach() for s in states])
+    if not shared:  # one replica: its own states are the global ones
+        return Trained(True, metric_sums=[v.value.detach() for v in model.metrics_variables])
+    return Trained(True, metric_sums=summed[len(gradients) + 1 : -1])
+
+
+def _learning_rate_variable(model: keras.Model) -> keras.Variable | None:
+    rate = internals.learning_rate_object(model.optimizer)
+    return rate if isinstance(rate, keras.Variable) else None
+
+
+def _decisions(rate: keras.Variable | None, replica: Replica, stop: bool) -> torch.Tensor:
+    """Rank 0's ``[stop, learning rate]`` (zeros elsewhere: summed, rank 0's), in the gradients' dtype."""
+    if not replica.is_primary:
+        return torch.zeros(2, dtype=torch.float32, device=replica.device)
+    value = 0.0 if rate is None else float(keras.ops.convert_to_numpy(rate.value))
+    return torch.tensor([float(stop), value], dtype=torch.float32, device=replica.device)
 
 
 def _state_to_undo(model: keras.Model) -> list[tuple[keras.Variable, torch.Tensor]]:
