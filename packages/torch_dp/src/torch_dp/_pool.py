@@ -198,11 +198,11 @@ class ReplicaPool:
                     "Raise Trainer(timeout=...) if a step or a callback legitimately takes longer.",
                     rank=ranks[0],
                 )
-            for connection in [c for c in ready if c in waiting]:
-                message = self._receive(waiting[connection])
+            for worker in [w for w in waiting.values() if w.connection in ready]:
+                message = self._receive(worker)
                 if message[0] == "failed":
                     raise failure_of(message, self.num_replicas, DOCUMENTED)
-                del waiting[connection]
+                del waiting[worker.connection]
             for worker in list(waiting.values()):
                 if worker.process.sentinel in ready and not worker.connection.poll():
                     raise vanished(self._workers.index(worker) + 1, self.num_replicas, worker.process.exitcode)

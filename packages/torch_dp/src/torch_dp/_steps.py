@@ -180,7 +180,7 @@ def _decisions(rate: keras.Variable | None, replica: Replica, stop: bool) -> tor
     """Rank 0's ``[stop, learning rate]`` (zeros elsewhere: summed, rank 0's), in the gradients' dtype."""
     if not replica.is_primary:
         return torch.zeros(2, dtype=torch.float32, device=replica.device)
-    value = 0.0 if rate is None else float(keras.ops.convert_to_numpy(rate.value))
+    value = 0.0 if rate is None else float(rate.value.item())
     return torch.tensor([float(stop), value], dtype=torch.float32, device=replica.device)
 
 
