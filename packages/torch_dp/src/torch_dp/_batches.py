@@ -75,7 +75,8 @@ class SharedArrays:
 
 def _digest(array: np.ndarray) -> str:
     data = np.ascontiguousarray(array)
-    return f"{data.dtype.str}{data.shape}" + hashlib.blake2b(data.reshape(-1).view(np.uint8).data, digest_size=16).hexdigest()
+    contents = hashlib.blake2b(data.reshape(-1).view(np.uint8).data, digest_size=16)
+    return f"{data.dtype.str}{data.shape}{contents.hexdigest()}"
 
 
 def open_shared(inputs: Inputs) -> Inputs:
