@@ -146,24 +146,26 @@ def test_a_worker_error_arrives_as_itself_and_the_next_call_starts_new_workers(t
     assert _workers() and _workers() != before
 
 
-def test_a_killed_worker_tears_the_pool_down_and_the_next_call_works(trainer):
-    x, y = testing.data()
+def test_a_killed_worker_tears_the_pool_down_and_the_next_call_works():
+    x, y = testing.data(96)
     model = testing.dense_batchnorm_model("sgd")
-    trainer.fit(model, x, y, global_batch_size=32, epochs=1, verbose=0)
-    (killed,) = _workers()
-    threading.Timer(1.0, os.kill, (killed, signal.SIGKILL)).start()
-    started = time.monotonic()
-    with pytest.raises(torch_dp.WorkerError, match=r"replica 1 of 2 was killed by signal 9"):
-        trainer.fit(model, x, y, global_batch_size=32, epochs=200, verbose=0, callbacks=[testing.SlowSteps(0.01)])
-    assert time.monotonic() - started < 30  # noticed from the collective, not the 60 s timeout
-    assert _workers() == []
-    # killed between calls: noticed before the call, which starts new workers
-    trainer.fit(model, x, y, global_batch_size=32, epochs=1, verbose=0)
-    (worker,) = _workers()
-    os.kill(worker, signal.SIGKILL)
-    time.sleep(0.5)
-    expected = trainer.evaluate(model, x, y, global_batch_size=32, verbose=0)
-    np.testing.assert_allclose(expected, model.evaluate(x, y, batch_size=32, verbose=0), rtol=1e-5)
+    with torch_dp.Trainer(num_replicas=3, timeout=60) as trainer:
+        trainer.fit(model, x, y, global_batch_size=48, epochs=1, verbose=0)
+        killed, other = _workers()
+        threading.Timer(1.0, os.kill, (killed, signal.SIGKILL)).start()
+        started = time.monotonic()
+        with pytest.raises(torch_dp.WorkerError, match=r"replica 1 of 3 was killed by signal 9"):
+            trainer.fit(model, x, y, global_batch_size=48, epochs=500, verbose=0, callbacks=[testing.SlowSteps(0.01)])
+        assert time.monotonic() - started < 30  # noticed from the collective, not the 60 s timeout
+        assert _workers() == []
+        with pytest.raises(ProcessLookupError):
+            os.kill(other, 0)  # the surviving worker was stopped too, and reaped
+        # killed between calls: noticed before the call, which starts new workers
+        trainer.fit(model, x, y, global_batch_size=48, epochs=1, verbose=0)
+        os.kill(_workers()[0], signal.SIGKILL)
+        time.sleep(0.5)
+        mine = trainer.evaluate(model, x, y, global_batch_size=48, verbose=0)
+        np.testing.assert_allclose(mine, model.evaluate(x, y, batch_size=48, verbose=0), rtol=1e-5)
 
 
 def test_what_cannot_travel_is_a_clear_error_before_any_worker_starts(monkeypatch):

@@ -135,6 +135,7 @@ def pool_worker(rank: int, num_replicas: int, port: int, connection: Connection,
             run_job(model, opened(request.job), replica, sync=request.sync)
             connection.send(("done",))
         dist.destroy_process_group()
+        os._exit(0)  # nothing left to tear down that the caller should wait for
     except BaseException as error:
         report_failure(connection, rank, error)
 
