@@ -261,7 +261,7 @@ def close_active_pool() -> None:
 
 def _compiled_as(model: keras.Model) -> tuple[int, ...]:
     """Identities of what ``compile`` creates: another compile means another model for the workers."""
-    return (id(model.optimizer), *(id(metric) for metric in model.metrics))
+    return (id(getattr(model, "optimizer", None)), *(id(metric) for metric in model.metrics))
 
 
 def _state_of(model: keras.Model, job: Job) -> tuple[tuple[int, int], ...]:
