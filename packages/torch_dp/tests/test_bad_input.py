@@ -85,11 +85,9 @@ def test_fault_options_are_checked_and_the_default_timeout_is_60_seconds():
         torch_dp.Trainer(num_replicas=2, timeout=0)
 
 
-def test_a_batch_yielding_input_is_a_clear_error_before_any_process_starts():
+def test_a_batch_yielding_input_takes_no_batch_size_before_any_process_starts():
     x, y = testing.data()
     batches = ((x[i : i + 32], y[i : i + 32]) for i in range(0, 99, 32))
     trainer = torch_dp.Trainer(num_replicas=2)
-    with pytest.raises(NotImplementedError, match=r"x is a generator, which yields batches.*jax_dp"):
-        trainer.fit(testing.dense_batchnorm_model(), batches)
-    with pytest.raises(NotImplementedError, match=r"validation_data is a list_iterator, which yields batches"):
-        trainer.fit(testing.dense_batchnorm_model(), x, y, global_batch_size=32, validation_data=iter([(x, y)]))
+    with pytest.raises(ValueError, match=r"batch_size=32 was passed, but x is a generator, which yields its own"):
+        trainer.fit(testing.dense_batchnorm_model(), batches, global_batch_size=32)

@@ -18,9 +18,10 @@ from typing import Any, cast
 import keras
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from dp_core import num_steps, split_indices
-from dp_core.keras import Inputs, map_structure
+from dp_core.keras import BatchSource, Inputs, batch_rows, map_structure, replica_part
 from torch_dp._comm import Replica
 
 
@@ -112,8 +113,31 @@ class Batch:
         return self.global_real_rows < self.global_batch_size
 
 
+@dataclass(frozen=True)
+class SourceOnPrimary:
+    """A worker's stand-in for a batch-yielding input, which rank 0 alone reads (once per global
+    batch) and broadcasts: its first rows, to build the model, and its batches per epoch."""
+
+    first: tuple[Any, Any, Any]
+    num_batches: int | None
+
+    def first_rows(self, count: int = 2) -> tuple[Any, Any, Any]:
+        x, y, sample_weight = (map_structure(lambda leaf: leaf[:count], part) for part in self.first)
+        return x, y, sample_weight
+
+
+Readable = Inputs | BatchSource | SourceOnPrimary
+
+
+def steps_of(inputs: Readable, global_batch_size: int) -> int | None:
+    """Global batches an epoch (None: a source that does not say)."""
+    if isinstance(inputs, Inputs):
+        return num_steps(inputs.num_samples, global_batch_size)
+    return inputs.num_batches
+
+
 def replica_batches(
-    inputs: Inputs,
+    inputs: Readable,
     replica: Replica,
     *,
     global_batch_size: int,
@@ -123,6 +147,9 @@ def replica_batches(
     first_step: int = 0,
 ) -> Iterator[Batch]:
     """This replica's batches of one epoch from ``first_step`` on; every replica gets the same number."""
+    if not isinstance(inputs, Inputs):
+        yield from _source_batches(inputs, replica, global_batch_size, epoch, seed, shuffle, first_step)
+        return
     num_samples = inputs.num_samples
     shard = split_indices(
         num_samples,
@@ -138,6 +165,53 @@ def replica_batches(
         part = slice(step * rows, (step + 1) * rows)
         global_real_rows = min(global_batch_size, num_samples - step * global_batch_size)
         yield _batch(inputs, shard.indices[part], shard.mask[part], global_real_rows, global_batch_size)
+
+
+def _source_batches(
+    source: BatchSource | SourceOnPrimary,
+    replica: Replica,
+    global_batch_size: int,
+    epoch: int,
+    seed: int,
+    shuffle: bool,
+    first_step: int,
+) -> Iterator[Batch]:
+    """A source's global batches, read by rank 0 and broadcast (``None`` ends the epoch), each
+    replica keeping its contiguous part, padded and masked as an array input's."""
+    if isinstance(source, BatchSource):
+        batches: Iterator[Any] = source.epoch(epoch, shuffle=shuffle, seed=seed)
+        for step, batch in enumerate(batches):
+            if step >= first_step:
+                yield _part(_shared_from_primary(batch, replica), replica, global_batch_size)
+        _shared_from_primary(None, replica)
+        return
+    while (batch := _shared_from_primary(None, replica)) is not None:
+        yield _part(batch, replica, global_batch_size)
+
+
+def _shared_from_primary(batch: Any, replica: Replica) -> Any:
+    """Rank 0's ``batch`` on every replica (numpy arrays, pickled: rank 0's own data)."""
+    if not replica.distributed:
+        return batch
+    message = [batch]
+    dist.broadcast_object_list(message, src=0)
+    return message[0]
+
+
+def _part(batch: tuple[Any, Any, Any], replica: Replica, global_batch_size: int) -> Batch:
+    (x, y, sample_weight), mask = replica_part(
+        batch,
+        global_batch_size=global_batch_size,
+        replicas=range(replica.rank, replica.rank + 1),
+        num_replicas=replica.num_replicas,
+    )
+    converted = (map_structure(keras.ops.convert_to_tensor, part) for part in (x, y, sample_weight))
+    x, y, sample_weight = converted
+    real = batch_rows(batch)
+    mask_tensor = None
+    if real < global_batch_size:
+        mask_tensor = cast(torch.Tensor, keras.ops.convert_to_tensor(mask.astype(keras.backend.floatx())))
+    return Batch(x, y, sample_weight, mask_tensor, int(mask.sum()), len(mask), real, global_batch_size)
 
 
 def _batch(

@@ -25,12 +25,12 @@ from dp_core.keras import (
     LearningRatePolicy,
     learning_rate_policy_installed,
 )
-from torch_dp._batches import open_shared
+from torch_dp._batches import Readable, SourceOnPrimary, open_shared
 from torch_dp._batchnorm import masked_batch_norm
 from torch_dp._checkpoints import resume_from
 from torch_dp._comm import Replica, all_gather_rows
 from torch_dp._loop import evaluate_loop, fit_loop, predict_loop
-from torch_dp._transfer import in_input_order
+from torch_dp._transfer import in_batch_order, in_input_order
 
 
 @dataclass(frozen=True)
@@ -45,12 +45,12 @@ class FitJob:
     resume_from: str | None  # the checkpoint the caller chose and checked
 
     @property
-    def inputs(self) -> Inputs:
-        return rows(self.arguments.inputs)
+    def inputs(self) -> Readable:
+        return self.arguments.inputs
 
     @property
-    def validation(self) -> Inputs | None:
-        return None if self.arguments.validation is None else rows(self.arguments.validation)
+    def validation(self) -> Readable | None:
+        return self.arguments.validation
 
     def run(self, model: keras.Model, replica: Replica) -> keras.callbacks.History:
         with (
@@ -75,7 +75,7 @@ class FitJob:
 class EvaluateJob:
     """``evaluate``'s arguments; ``run`` returns the logs over every replica's rows."""
 
-    inputs: Inputs
+    inputs: Readable
     global_batch_size: int
     batch_norm: BatchNormMode
     verbose: Verbose
@@ -99,13 +99,13 @@ class EvaluateJob:
 class PredictJob:
     """``predict``'s arguments; ``run`` returns every row's outputs (flat leaves, input order)."""
 
-    inputs: Inputs
+    inputs: Readable
     global_batch_size: int
     verbose: Verbose
     callbacks: Sequence[keras.callbacks.Callback] = ()
 
     def run(self, model: keras.Model, replica: Replica) -> list[np.ndarray]:
-        outputs = predict_loop(
+        outputs, real_rows = predict_loop(
             model, self.inputs, self.global_batch_size, replica, callbacks=self.callbacks, verbose=self.verbose
         )
         local = keras.tree.flatten(outputs)
@@ -115,42 +115,41 @@ class PredictJob:
             for leaf in local
         ]
         by_rank = [[parts[leaf][rank] for leaf in range(len(local))] for rank in range(replica.num_replicas)]
-        return in_input_order(by_rank, self.inputs.num_samples, self.global_batch_size)
+        if isinstance(self.inputs, Inputs):
+            return in_input_order(by_rank, self.inputs.num_samples, self.global_batch_size)
+        return in_batch_order(by_rank, real_rows, self.global_batch_size)
 
 
 Job = FitJob | EvaluateJob | PredictJob
 
 
-def rows(inputs: Inputs | BatchSource, name: str = "x") -> Inputs:
-    """torch-dp's replicas read rows by index; a batch-yielding input is a clear error, before any
-    process starts."""
-    if isinstance(inputs, BatchSource):
-        raise NotImplementedError(
-            f"{name} is a {type(inputs.source).__name__}, which yields batches; torch_dp's replicas read rows by "
-            "index, and batch-yielding inputs are not supported on torch_dp yet. Pass arrays or a map-style dataset "
-            "of rows (__len__/__getitem__ returning (x, y) rows), or train with jax_dp, which reads such sources."
-        )
-    return inputs
-
-
 def for_workers(job: Job, share: Callable[[Inputs], Inputs]) -> Job:
-    """What the worker replicas get of ``job``: its arrays shared (``share``) and no callbacks
-    (rank 0 runs them, in the caller; the loops broadcast what they decide)."""
-    job = _map_inputs(job, lambda inputs, name: share(inputs))
+    """What the worker replicas get of ``job``: its arrays shared (``share``), a batch-yielding
+    input as its stand-in (rank 0 reads it and broadcasts each batch) and no callbacks (rank 0
+    runs them, in the caller; the loops broadcast what they decide)."""
+
+    def stand_in(inputs: Readable) -> Readable:
+        if isinstance(inputs, BatchSource):
+            return SourceOnPrimary(inputs.first_rows(2), inputs.num_batches)
+        return share(inputs) if isinstance(inputs, Inputs) else inputs
+
     if isinstance(job, FitJob):
-        return dataclasses.replace(job, arguments=dataclasses.replace(job.arguments, callbacks=()))
+        # a stand-in does not know its batches' size: the workers are told rank 0's
+        validation_batch_size = job.arguments.validation_global_batch_size if job.validation is not None else None
+        arguments = dataclasses.replace(job.arguments, callbacks=(), validation_batch_size=validation_batch_size)
+        return _map_inputs(dataclasses.replace(job, arguments=arguments), stand_in)
+    job = _map_inputs(job, stand_in)
     return dataclasses.replace(job, callbacks=())
 
 
 def opened(job: Job) -> Job:
     """A shared job (in a worker) with its arrays memory-mapped."""
-    return _map_inputs(job, lambda inputs, name: open_shared(inputs))
+    return _map_inputs(job, lambda inputs: open_shared(inputs) if isinstance(inputs, Inputs) else inputs)
 
 
-def _map_inputs(job: Job, fn: Callable[[Inputs, str], Inputs]) -> Job:
+def _map_inputs(job: Job, fn: Callable[[Readable], Readable]) -> Job:
     if not isinstance(job, FitJob):
-        return dataclasses.replace(job, inputs=fn(job.inputs, "inputs"))
-    arguments = job.arguments
-    validation = None if job.validation is None else fn(job.validation, "validation")
-    arguments = dataclasses.replace(arguments, inputs=fn(job.inputs, "inputs"), validation=validation)
+        return dataclasses.replace(job, inputs=fn(job.inputs))
+    validation = None if job.validation is None else fn(job.validation)
+    arguments = dataclasses.replace(job.arguments, inputs=fn(job.inputs), validation=validation)
     return dataclasses.replace(job, arguments=arguments)

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 import keras
 import numpy as np
 
-from dp_core import NonFiniteLoss, num_steps
+from dp_core import NonFiniteLoss
 from dp_core.keras import (
+    BatchSource,
     CheckpointWriter,
-    Inputs,
     Start,
     callback_list,
     internals,
@@ -23,7 +23,7 @@ from dp_core.keras import (
     skipped_message,
     verbosity,
 )
-from torch_dp._batches import replica_batches
+from torch_dp._batches import Readable, replica_batches, steps_of
 from torch_dp._checkpoints import restore_metrics, save
 from torch_dp._comm import Replica, broadcast_floats, same_state_as_primary
 from torch_dp._steps import global_logs, logs_of, predict_step, test_step, train_step
@@ -57,7 +57,7 @@ def _initial_epoch(model: keras.Model, initial_epoch: int, replica: Replica) -> 
     return int(chosen)
 
 
-def _log_now(step: int, steps: int, every: int) -> bool:
+def _log_now(step: int, steps: int | None, every: int) -> bool:
     return every > 0 and ((step + 1) % every == 0 or step + 1 == steps)
 
 
@@ -71,7 +71,7 @@ def fit_loop(
 ) -> keras.callbacks.History:
     """Train on this replica's shard of every epoch from ``start``; returns this replica's History."""
     arguments = job.arguments
-    steps = num_steps(job.inputs.num_samples, arguments.global_batch_size)
+    steps = steps_of(job.inputs, arguments.global_batch_size)
     callbacks = callback_list(
         arguments.callbacks,
         model,
@@ -126,6 +126,8 @@ def fit_loop(
         callbacks.on_epoch_end(epoch, epoch_logs)
         if checkpoints is not None:
             save(checkpoints, model, replica, epoch=epoch + 1, step=0)
+        if isinstance(job.inputs, BatchSource) and job.inputs.exhausted:
+            model.stop_training = True  # an iterator that ran out ends training, as in Keras (rank 0 reads it)
         if _share_decisions(model, replica):
             break
     if arguments.epochs > start.epoch:
@@ -151,7 +153,7 @@ def _train_epoch(
     A stop at the last batch end reaches the other replicas through the epoch's end."""
     model.train()
     arguments = job.arguments
-    steps = num_steps(job.inputs.num_samples, arguments.global_batch_size)
+    steps = steps_of(job.inputs, arguments.global_batch_size)
     batches = replica_batches(
         job.inputs,
         replica,
@@ -194,7 +196,7 @@ def _nonfinite_loss(mode: NonFiniteLoss, epoch: int, step: int, replica: Replica
 
 def evaluate_loop(
     model: keras.Model,
-    inputs: Inputs,
+    inputs: Readable,
     global_batch_size: int,
     replica: Replica,
     *,
@@ -209,7 +211,7 @@ def evaluate_loop(
     passes the fit's own list as ``in_fit`` (Keras calls its test hooks there too, and its
     progress bar stays on the epoch).
     """
-    steps = num_steps(inputs.num_samples, global_batch_size)
+    steps = steps_of(inputs, global_batch_size)
     hooks = in_fit
     if hooks is None:
         hooks = callback_list(
@@ -236,23 +238,26 @@ def evaluate_loop(
 
 def predict_loop(
     model: keras.Model,
-    inputs: Inputs,
+    inputs: Readable,
     global_batch_size: int,
     replica: Replica,
     *,
     callbacks: Sequence[keras.callbacks.Callback] = (),
     verbose: Any = 0,
-) -> Any:
-    """This replica's predictions for its shard (padding rows included), leaves concatenated;
-    rank 0's ``callbacks`` see its own rows' outputs at each batch end."""
-    steps = num_steps(inputs.num_samples, global_batch_size)
+) -> tuple[Any, list[int]]:
+    """This replica's predictions for its shard (padding rows included), leaves concatenated,
+    and each global batch's real rows; rank 0's ``callbacks`` see its own rows' outputs at each
+    batch end."""
+    steps = steps_of(inputs, global_batch_size)
     hooks = callback_list(callbacks, model, is_primary=replica.is_primary, verbose=verbose, steps=steps, history=False)
     model.eval()
     hooks.on_predict_begin()
     outputs: list[Any] = []
+    real_rows: list[int] = []
     for step, batch in enumerate(replica_batches(inputs, replica, global_batch_size=global_batch_size)):
         hooks.on_predict_batch_begin(step)
         outputs.append(predict_step(model, batch))
+        real_rows.append(batch.global_real_rows)
         hooks.on_predict_batch_end(step, {"outputs": outputs[-1]})
     hooks.on_predict_end()
-    return keras.tree.map_structure(lambda *parts: np.concatenate(parts), *outputs)
+    return keras.tree.map_structure(lambda *parts: np.concatenate(parts), *outputs), real_rows

@@ -11,6 +11,7 @@ import keras
 
 from dp_core import BatchNormMode, LearningRateScaling, NonFiniteLoss, Verbose
 from dp_core.keras import (
+    BatchSource,
     Inputs,
     build_model,
     check_batch_norm_mode,
@@ -23,7 +24,7 @@ from dp_core.keras import (
     plan_learning_rate,
     resumable_checkpoint,
 )
-from torch_dp._jobs import EvaluateJob, FitJob, PredictJob, rows
+from torch_dp._jobs import EvaluateJob, FitJob, PredictJob
 from torch_dp._launch import Launcher, choose_launcher
 
 
@@ -116,7 +117,7 @@ class Trainer:
         and every ``checkpoint_every_steps`` steps, and a directory that already holds one
         resumes from the newest valid checkpoint, continuing the same data order.
         """
-        global_batch_size = global_batch_size_of(batch_size, global_batch_size)
+        global_batch_size = global_batch_size_of(batch_size, global_batch_size, x)
         keras_model, inputs = self._check(
             model,
             x,
@@ -130,6 +131,8 @@ class Trainer:
             if validation_data is not None or validation_split
             else ("train_step",),
         )
+        if isinstance(inputs, BatchSource):  # its batches are the global batches
+            global_batch_size = inputs.global_batch_size
         arguments = fit_arguments(
             inputs,
             global_batch_size=global_batch_size,
@@ -148,8 +151,6 @@ class Trainer:
             checkpoint_every_steps=checkpoint_every_steps,
             verbose=verbose,
         )
-        if arguments.validation is not None:
-            rows(arguments.validation, "validation_data")
         policy = plan_learning_rate(
             keras_model.optimizer, global_batch_size=global_batch_size, lr_scaling=lr_scaling, warmup_steps=warmup_steps
         )
@@ -178,10 +179,12 @@ class Trainer:
         return_dict: bool = False,
     ) -> Any:
         """Loss and metrics over every sample, as single-device ``model.evaluate`` gives them."""
-        global_batch_size = global_batch_size_of(batch_size, global_batch_size)
+        global_batch_size = global_batch_size_of(batch_size, global_batch_size, x)
         keras_model, inputs = self._check(
             model, x, y, sample_weight, global_batch_size, steps=steps, keras_steps=("test_step",)
         )
+        if isinstance(inputs, BatchSource):  # its batches are the global batches
+            global_batch_size = inputs.global_batch_size
         job = EvaluateJob(
             inputs, global_batch_size, self.batch_norm, verbose, self.log_every_steps, list(callbacks or [])
         )
@@ -200,10 +203,12 @@ class Trainer:
         callbacks: Sequence[keras.callbacks.Callback] | None = None,
     ) -> Any:
         """Predictions for every row of ``x``, in input order, like ``model.predict``."""
-        global_batch_size = global_batch_size_of(batch_size, global_batch_size)
+        global_batch_size = global_batch_size_of(batch_size, global_batch_size, x)
         keras_model, inputs = self._check(
             model, x, None, None, global_batch_size, compiled=False, steps=steps, keras_steps=("predict_step",)
         )
+        if isinstance(inputs, BatchSource):  # its batches are the global batches
+            global_batch_size = inputs.global_batch_size
         leaves = self._launcher.run(
             PredictJob(inputs, global_batch_size, verbose, list(callbacks or [])), keras_model, model
         )
@@ -213,7 +218,7 @@ class Trainer:
 
     def _check(
         self, model: Any, x: Any, y: Any, sample_weight: Any, global_batch_size: int, **options: Any
-    ) -> tuple[keras.Model, Inputs]:
+    ) -> tuple[keras.Model, Inputs | BatchSource]:
         """Every error we can raise before a process starts."""
         keras_model, inputs = checked_model_and_inputs(
             model,
@@ -226,4 +231,4 @@ class Trainer:
             num_replicas=self.num_replicas,
             **options,
         )
-        return keras_model, rows(inputs)
+        return keras_model, inputs

@@ -138,3 +138,17 @@ def in_input_order(parts: list[list[np.ndarray]], num_samples: int, global_batch
             out[shard.indices[shard.mask]] = part[leaf][shard.mask]
         merged.append(out)
     return merged
+
+
+def in_batch_order(parts: list[list[np.ndarray]], real_rows: list[int], global_batch_size: int) -> list[np.ndarray]:
+    """A batch-yielding input's outputs: each global batch's replica parts side by side (replica
+    ``r`` holds the ``r``-th contiguous part), its padding dropped, batches in order."""
+    per_replica = global_batch_size // len(parts)
+    merged = []
+    for leaf in range(len(parts[0])):
+        batches = [
+            np.concatenate([part[leaf][step * per_replica : (step + 1) * per_replica] for part in parts])[:real]
+            for step, real in enumerate(real_rows)
+        ]
+        merged.append(np.concatenate(batches))
+    return merged

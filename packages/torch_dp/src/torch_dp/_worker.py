@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
-from dp_core.keras import BatchSource, Inputs, build_model, check_losses_split, internals
+from dp_core.keras import Inputs, build_model, check_losses_split, internals
+from torch_dp._batches import Readable
 from torch_dp._comm import Replica, check_same_variables, same_state_as_primary
 from torch_dp._jobs import EvaluateJob, FitJob, Job, PredictJob, opened
 from torch_dp._processes import exit_with_parent, report_failure
@@ -48,7 +49,7 @@ def check_losses(model: keras.Model, job: Job, num_replicas: int) -> None:
         check_losses_split(model, job.inputs)
 
 
-def _padded(inputs: Inputs | BatchSource, global_batch_size: int) -> bool:
+def _padded(inputs: Readable, global_batch_size: int) -> bool:
     """Whether a batch of ``inputs`` will be padded (a source's last batch may be short)."""
     return not isinstance(inputs, Inputs) or inputs.num_samples % global_batch_size != 0
 

@@ -11,12 +11,19 @@ other dtypes as given.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import keras
 import numpy as np
 
 from dp_core._data import flatten, is_map_dataset, map_structure, num_rows, take_rows
+
+
+class FirstRows(Protocol):
+    """What building a model or probing its losses reads of an input: its first rows, as
+    ``(x, y, sample_weight)`` (``Inputs``, ``BatchSource``, or a backend's stand-in for one)."""
+
+    def first_rows(self, count: int = 2) -> tuple[Any, Any, Any]: ...
 
 
 class Inputs:

@@ -33,8 +33,7 @@ import numpy as np
 
 from dp_core._data import map_structure
 from dp_core.keras import _internals
-from dp_core.keras._inputs import Inputs
-from dp_core.keras._sources import BatchSource
+from dp_core.keras._inputs import FirstRows
 
 # keras.ops is typed for every backend at once; treat it as untyped here.
 ops: Any = keras.ops
@@ -90,7 +89,7 @@ def replica_losses(model: keras.Model, rows: ReplicaRows) -> Iterator[None]:
             restore()
 
 
-def check_losses_split(model: keras.Model, inputs: Inputs | BatchSource) -> None:
+def check_losses_split(model: keras.Model, inputs: FirstRows) -> None:
     """A ``ValueError`` naming the loss, before training, when a compiled loss reduces over the
     batch axis (its values on a few rows have no row axis), so no replica's share of it exists.
 

@@ -8,8 +8,7 @@ from typing import Any
 import keras
 
 from dp_core.keras import _internals
-from dp_core.keras._inputs import Inputs
-from dp_core.keras._sources import BatchSource
+from dp_core.keras._inputs import FirstRows
 
 
 def require_backend(expected: str, package: str) -> None:
@@ -62,7 +61,7 @@ def require_keras_steps(model: keras.Model, step_names: tuple[str, ...], package
         )
 
 
-def build_model(model: keras.Model, inputs: Inputs | BatchSource, *, rows: int = 2, for_predict: bool = False) -> None:
+def build_model(model: keras.Model, inputs: FirstRows, *, rows: int = 2, for_predict: bool = False) -> None:
     """Create every variable ``fit`` or ``evaluate`` needs (model, loss trackers, metrics,
     optimizer) from the first ``rows`` rows, as Keras does before its first step; for
     ``predict`` only the model's own."""
