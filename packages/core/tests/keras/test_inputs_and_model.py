@@ -104,6 +104,10 @@ def test_resolve_model():
     assert resolve_model(uncompiled, compiled=False) is uncompiled  # predict needs no compile
     with pytest.raises(TypeError, match="must be a keras.Model or a zero-argument callable"):
         resolve_model("model", compiled=False)
+    several = small_model()
+    several.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
+    with pytest.raises(ValueError, match=r"steps_per_execution=4, but a trainer runs one step per global batch"):
+        resolve_model(several)
 
 
 def test_require_backend_says_how_to_fix():
