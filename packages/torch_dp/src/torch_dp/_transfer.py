@@ -57,6 +57,7 @@ class ModelSource:
     keras_file: str | None = None
     custom_objects: dict[str, Any] = field(default_factory=dict)
     factory: Callable[[], keras.Model] | None = None
+    loss_scaled: bool = False  # compiled under mixed_float16: its optimizer is a LossScaleOptimizer
 
 
 def ship_model(model_argument: Any, model: keras.Model, directory: str) -> ModelSource:
@@ -76,7 +77,8 @@ def ship_model(model_argument: Any, model: keras.Model, directory: str) -> Model
             "and compiles the model instead (trainer.fit(make_model, ...)); it may be defined anywhere, a notebook "
             "cell included. Or give custom layers a get_config() that returns their constructor arguments."
         ) from error
-    return ModelSource(keras_file=path, custom_objects=custom_objects)
+    loss_scaled = isinstance(getattr(model, "optimizer", None), keras.optimizers.LossScaleOptimizer)
+    return ModelSource(keras_file=path, custom_objects=custom_objects, loss_scaled=loss_scaled)
 
 
 def _custom_objects(model: keras.Model) -> dict[str, Any]:
@@ -115,7 +117,15 @@ def _custom_objects(model: keras.Model) -> dict[str, Any]:
 def receive_model(source: ModelSource) -> keras.Model:
     """The worker's copy of the caller's model (its weights are rank 0's broadcast, later)."""
     if source.keras_file is not None:
-        return cast(keras.Model, keras.saving.load_model(source.keras_file, custom_objects=source.custom_objects))
+        # compile() wraps the optimizer in a LossScaleOptimizer only under a mixed_float16 policy,
+        # which the file does not record: load under it when the caller's model had one
+        policy = keras.config.dtype_policy()
+        if source.loss_scaled:
+            keras.config.set_dtype_policy("mixed_float16")
+        try:
+            return cast(keras.Model, keras.saving.load_model(source.keras_file, custom_objects=source.custom_objects))
+        finally:
+            keras.config.set_dtype_policy(policy)
     assert source.factory is not None
     return source.factory()
 
