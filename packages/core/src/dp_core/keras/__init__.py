@@ -29,6 +29,7 @@ from dp_core.keras._checkpoints import model_checkpoint as model_checkpoint
 from dp_core.keras._checkpoints import restore_model as restore_model
 from dp_core.keras._checkpoints import resumable_checkpoint as resumable_checkpoint
 from dp_core.keras._checkpoints import start_of as start_of
+from dp_core.keras._inputs import FirstRows as FirstRows
 from dp_core.keras._inputs import Inputs as Inputs
 from dp_core.keras._inputs import validation_inputs as validation_inputs
 from dp_core.keras._learning_rate import KerasSchedule as KerasSchedule
@@ -56,6 +57,7 @@ __all__ = [
     "BatchSource",
     "CheckpointWriter",
     "FitArguments",
+    "FirstRows",
     "Inputs",
     "KerasSchedule",
     "LearningRatePolicy",
