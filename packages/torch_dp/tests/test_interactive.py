@@ -221,9 +221,10 @@ def test_classes_lambdas_and_factories_defined_under_the_main_guard(tmp_path):
     assert list(tmp_path.iterdir()) == []  # the shared arrays and model file are gone
 
 
-@pytest.mark.parametrize("whole_group", [False, True], ids=["caller-only", "terminal"])
-def test_ctrl_c_during_fit_leaves_no_process_and_no_file(tmp_path, whole_group):
-    """Jupyter interrupts the kernel alone; a terminal sends SIGINT to the whole process group."""
+@pytest.mark.parametrize("how", ["caller-only", "terminal", "caller-killed"])
+def test_ctrl_c_or_a_killed_caller_leaves_no_process_and_no_file(tmp_path, how):
+    """Jupyter interrupts the kernel alone; a terminal sends SIGINT to the whole process group; a
+    caller SIGKILLed (or a kernel ended without running atexit) leaves the workers to clean up."""
     tag = uuid.uuid4().hex
     script = _run_script(
         [os.path.join(HERE, "interrupted_script.py"), str(tmp_path / "started")],
@@ -236,12 +237,16 @@ def test_ctrl_c_during_fit_leaves_no_process_and_no_file(tmp_path, whole_group):
         assert script.poll() is None and time.monotonic() < deadline, script.communicate()[1][-3000:]
         time.sleep(0.2)
     time.sleep(1.0)
-    if whole_group:
+    if how == "terminal":
         os.killpg(script.pid, signal.SIGINT)
     else:
-        os.kill(script.pid, signal.SIGINT)
+        os.kill(script.pid, signal.SIGKILL if how == "caller-killed" else signal.SIGINT)
     _, err = script.communicate(timeout=60)
-    assert "KeyboardInterrupt" in err
+    if how != "caller-killed":
+        assert "KeyboardInterrupt" in err
+    deadline = time.monotonic() + 10  # a worker notices its caller's death within a second
+    while testing.processes_tagged(tag) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert testing.processes_tagged(tag) == []
     assert sorted(path.name for path in tmp_path.iterdir()) == ["started"]
 

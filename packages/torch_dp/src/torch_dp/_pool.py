@@ -164,7 +164,7 @@ class ReplicaPool:
                 mine, theirs = torch.multiprocessing.get_context("spawn").Pipe()
                 process = start_process(
                     pool_worker,
-                    (rank, self.num_replicas, port, theirs, self.timeout, os.getpid()),
+                    (rank, self.num_replicas, port, theirs, self.timeout, os.getpid(), self._ensure_directory()),
                     name=f"torch_dp-replica-{rank}",
                     environment=self._environment(),
                 )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import socket
 import sys
 import threading
@@ -148,24 +149,36 @@ def environment_variables(values: dict[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def exit_with_parent(parent: int) -> None:
+def exit_with_parent(parent: int, leftovers: str | None = None) -> None:
     """End this worker when the caller (process ``parent``, passed in rather than read here, where
-    it may already have changed) dies: no orphans after a SIGKILL."""
+    it may already have changed) dies: no orphans after a SIGKILL, or a notebook kernel that ends
+    without running ``atexit``. The worker given ``leftovers`` removes that directory (the caller's
+    shared files) on its way out, as the caller would have."""
 
     def watch() -> None:
-        while True:
-            if os.getppid() != parent:
-                os._exit(1)
+        while os.getppid() == parent:
             time.sleep(0.5)
+        caller_gone(leftovers)
 
     threading.Thread(target=watch, name="torch_dp-parent-watch", daemon=True).start()
 
 
-def report_failure(connection: Connection, rank: int, error: BaseException) -> None:
+def caller_gone(leftovers: str | None) -> None:
+    """Exit now, removing ``leftovers`` (the caller's shared files) if this worker was given them."""
+    if leftovers is not None:
+        shutil.rmtree(leftovers, ignore_errors=True)
+    os._exit(1)
+
+
+def report_failure(
+    connection: Connection, rank: int, error: BaseException, *, parent: int, leftovers: str | None
+) -> None:
     """Called in a worker's ``except``: send the caller the traceback (and the exception itself,
     when it pickles, so a documented one is raised as its own type), then exit now.
 
-    ``os._exit`` skips interpreter teardown, which can block on a half-closed process group.
+    The failure may be the caller's death seen first by a collective: the worker waits a moment
+    for that, to clean up as ``caller_gone`` does. ``os._exit`` skips interpreter teardown, which
+    can block on a half-closed process group.
     """
     text = traceback.format_exc()
     try:
@@ -175,6 +188,11 @@ def report_failure(connection: Connection, rank: int, error: BaseException) -> N
     with contextlib.suppress(OSError, ValueError):
         connection.send(("failed", rank, text, exception))
     print(f"torch_dp replica {rank} failed:\n{text}", file=sys.stderr, flush=True)
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        if os.getppid() != parent:
+            caller_gone(leftovers)
+        time.sleep(0.1)
     os._exit(1)
 
 

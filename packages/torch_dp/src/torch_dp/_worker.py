@@ -24,7 +24,7 @@ from dp_core.keras import Inputs, build_model, check_losses_split, internals
 from torch_dp._batches import Readable
 from torch_dp._comm import Replica, check_same_variables, same_state_as_primary
 from torch_dp._jobs import EvaluateJob, FitJob, Job, PredictJob, opened
-from torch_dp._processes import exit_with_parent, report_failure
+from torch_dp._processes import caller_gone, exit_with_parent, report_failure
 from torch_dp._transfer import KerasSettings, ModelSource, receive_model
 
 
@@ -115,11 +115,17 @@ class Request:
     sync: bool
 
 
-def pool_worker(rank: int, num_replicas: int, port: int, connection: Connection, timeout: float, parent: int) -> None:
+def pool_worker(
+    rank: int, num_replicas: int, port: int, connection: Connection, timeout: float, parent: int, directory: str
+) -> None:
     """A worker replica (rank >= 1): joins the group, then runs each call the caller sends until
     told to stop. A failure is reported to the caller with its traceback, then the process ends
     (the caller tears the pool down and starts a new one at the next call)."""
-    exit_with_parent(parent)
+    # Its own session: a kernel manager that signals the caller's process group (a notebook
+    # kernel's shutdown) leaves the workers to notice, clean up and exit on their own.
+    os.setsid()
+    leftovers = directory if rank == 1 else None
+    exit_with_parent(parent, leftovers)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle
     try:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -137,8 +143,10 @@ def pool_worker(rank: int, num_replicas: int, port: int, connection: Connection,
             connection.send(("done",))
         dist.destroy_process_group()
         os._exit(0)  # nothing left to tear down that the caller should wait for
+    except EOFError:  # the caller's end of the pipe closed: it is gone
+        caller_gone(leftovers)
     except BaseException as error:
-        report_failure(connection, rank, error)
+        report_failure(connection, rank, error, parent=parent, leftovers=leftovers)
 
 
 def trainable_flags(model: keras.Model) -> tuple[bool, ...]:
