@@ -1,5 +1,7 @@
 """Keras callbacks: called once per event, with aggregated logs; stop decisions honoured; a
-non-finite loss stops training (or its step is skipped)."""
+non-finite loss stops training (or its step is skipped). Batch callbacks run both ways a fit
+steps for them: each step started before the previous step's hooks ran (small states), and
+one step at a time."""
 
 from __future__ import annotations
 
@@ -10,8 +12,16 @@ from jax_dp_helpers import GLOBAL_BATCH, assert_history_close, assert_weights_cl
 
 import dp_core
 import jax_dp
+import jax_dp._steps_ahead
 
 pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(params=["steps ahead", "one step at a time"])
+def stepping(request, monkeypatch):
+    if request.param == "one step at a time":  # as for a state too large to keep twice
+        monkeypatch.setattr(jax_dp._steps_ahead, "AHEAD_MAX_STATE_BYTES", 0)
+    return request.param
 
 
 class Recorder(keras.callbacks.Callback):
@@ -163,7 +173,7 @@ def _assert_snapshots_equal(expected: list[list[np.ndarray]], actual: list[list[
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=f"batch end {step}")
 
 
-def test_batch_end_callbacks_see_the_current_weights_and_optimizer_state(data, tmp_path):
+def test_batch_end_callbacks_see_the_current_weights_and_optimizer_state(data, tmp_path, stepping):
     # ModelCheckpoint(save_freq=3) and a recorder read the model after every step, while the
     # fit also writes its own checkpoints mid-epoch (whose write-back once left the optimizer
     # variables on buffers the next step deleted).
@@ -216,7 +226,7 @@ class Meddler(keras.callbacks.Callback):
             self.model.set_weights([0.5 * w for w in self.model.get_weights()])
 
 
-def test_weights_and_learning_rate_set_by_batch_callbacks_apply_from_the_next_step(data, tmp_path):
+def test_weights_and_learning_rate_set_by_batch_callbacks_apply_from_the_next_step(data, tmp_path, stepping):
     x, y, _, _ = data
     expected = dense_bn_model("adam")
     initial = expected.get_weights()
@@ -240,5 +250,90 @@ def test_weights_and_learning_rate_set_by_batch_callbacks_apply_from_the_next_st
     )
 
     assert float(model.optimizer.learning_rate) == pytest.approx(0.01 / 4)
+    assert_weights_close(expected, model)
+    assert_history_close(expected_history.history, history.history)
+
+
+class BatchLogs(keras.callbacks.Callback):
+    """Reads only its logs, at every batch end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logs: list[dict] = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.logs.append(dict(logs))
+
+
+def test_a_callback_reading_only_logs_gets_keras_logs_and_the_model_is_written_only_at_epoch_ends(data, stepping):
+    x, y, _, _ = data
+    runs = {}
+    for name in ("keras", "jax_dp"):
+        model, recorder = dense_bn_model("adam"), BatchLogs()
+        if name == "keras":
+            model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, callbacks=[recorder], verbose=0)
+        else:
+            # Through a closure, not the callback's own model (which would ask for the current weights):
+            # Keras replaces a variable's value object whenever the variable is written.
+            values = []
+            watch = keras.callbacks.LambdaCallback(
+                on_train_batch_end=lambda batch, logs, model=model, values=values: values.append(model.weights[0].value)
+            )
+            trainer = jax_dp.Trainer(2)
+            trainer.fit(
+                model,
+                x,
+                y,
+                global_batch_size=GLOBAL_BATCH,
+                epochs=2,
+                shuffle=False,
+                callbacks=[recorder, watch],
+                verbose=0,
+            )
+            assert len({id(value) for value in values}) == 2  # the epoch's first state, then epoch 0's end
+        runs[name] = model, recorder.logs
+
+    (expected, expected_logs), (model, logs) = runs["keras"], runs["jax_dp"]
+    assert len(logs) == len(expected_logs) == 8
+    for want, got in zip(expected_logs, logs, strict=True):
+        assert_history_close(want, got)
+        assert all(isinstance(value, float) for value in got.values())
+    assert_weights_close(expected, model)
+
+
+class StopsAt(keras.callbacks.Callback):
+    def __init__(self, batch: int) -> None:
+        super().__init__()
+        self.batch = batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.batch:
+            self.model.stop_training = True
+
+
+@pytest.mark.parametrize("how", ["callback", "closure"])
+def test_a_batch_callback_stopping_training_ends_it_after_that_batch(data, how, stepping):
+    # The next step may already run when the hook decides: it must be dropped.
+    x, y, _, _ = data
+    runs = {}
+    for name in ("keras", "jax_dp"):
+        model = dense_bn_model("adam")
+        if how == "callback":
+            stop = StopsAt(1)
+        else:  # a closure over the model: Keras's callback never reads its own model
+            stop = keras.callbacks.LambdaCallback(
+                on_train_batch_end=lambda batch, logs, model=model: setattr(model, "stop_training", batch == 1)
+            )
+        if name == "keras":
+            history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, callbacks=[stop], verbose=0)
+        else:
+            history = jax_dp.Trainer(2).fit(
+                model, x, y, global_batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, callbacks=[stop], verbose=0
+            )
+        runs[name] = model, history
+
+    (expected, expected_history), (model, history) = runs["keras"], runs["jax_dp"]
+    assert history.epoch == expected_history.epoch == [0]
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 2
     assert_weights_close(expected, model)
     assert_history_close(expected_history.history, history.history)

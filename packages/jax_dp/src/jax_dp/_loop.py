@@ -47,6 +47,7 @@ from jax_dp._state import (
     write_back,
 )
 from jax_dp._steps import Steps
+from jax_dp._steps_ahead import report_on_host, stepper
 
 PROGRESS_SECONDS = 0.2  # progress-bar refresh: often enough to watch, rarely enough not to stall the devices
 STOP_CHECK_STEPS = 16  # with several processes, how often a mid-epoch stop decision is exchanged
@@ -246,14 +247,14 @@ def _train_steps(
     step with a non-finite loss (the steps after it changed nothing); the caller then
     raises. ``checkpoint(state, steps_done)`` runs after the steps ``checkpoint_due`` asks for.
 
-    When a callback acts at every batch, each step also returns its logs, the model holds
-    the current state when a batch hook reads it (as in ``model.fit``), and what the hook
-    changes (weights, learning rate) is read back before the next step (``ModelOnRequest``).
+    When a callback acts at every batch, the model holds the current state when a batch hook
+    reads it (as in ``model.fit``), what the hook changes (weights, learning rate) is read back
+    before the next step (``ModelOnRequest``), and a small state's next step starts while the
+    hooks run (``StepsAhead``).
     """
-    assert steps.train is not None and steps.train_with_logs is not None
     reporter = BatchEndReporter(callbacks, "train", plan.steps)
     on_request = ModelOnRequest(model, optimizer, mesh, state) if reporter.every_step else None
-    several_processes = jax.process_count() > 1
+    steps_run = stepper(steps, state, plan.padded, every_batch=on_request is not None)
 
     def call(state: TrainState, hook: Callable[..., None], *arguments: Any) -> TrainState:
         if on_request is None:
@@ -263,63 +264,44 @@ def _train_steps(
 
     batches = enumerate(device_batches(plan, mesh, start=start), start=start)
     upcoming = next(batches, None)
-    ahead = None
     with contextlib.nullcontext() if on_request is None else on_request.installed():
-        while upcoming is not None:
-            step, batch = upcoming
-            state = call(state, callbacks.on_train_batch_begin, step)
-            reporting = reporter.due(step)
-            if on_request is not None:
-                if ahead is not None and ahead[0] is state:
-                    state, device_logs = ahead[1]
-                else:
-                    if ahead is not None:
-                        jax.block_until_ready(ahead[1])
-                    state, device_logs = steps.train_with_logs(state, batch, plan.padded)
-                ahead = None
-            else:
-                state = steps.train(state, batch, plan.padded)
-                device_logs = steps.results(state.metrics) if reporting else None
-            upcoming = next(batches, None)  # prepared while the devices run the step
-            if on_request is not None and upcoming is not None:
-                ahead = (state, steps.train_with_logs(state, upcoming[1], plan.padded))
-            done = step + 1
-            saving = checkpoint is not None and checkpoint_due is not None and checkpoint_due(done)
-            if on_request is not None:
-                tree, packed = device_logs
-                values = np.asarray(packed.addressable_data(0))
-                skipped = values[0]
-                leaves, structure = jax.tree.flatten(tree)
-                parts, at = [], 1
-                for leaf in leaves:
-                    parts.append(values[at:at + leaf.size].reshape(leaf.shape)); at += leaf.size
-                host = python_logs(jax.tree.unflatten(structure, parts))
-                if stop_on_nonfinite and skipped:
+        try:
+            while upcoming is not None:
+                step, batch = upcoming
+                state = call(state, callbacks.on_train_batch_begin, step)
+                done = step + 1
+                reporting = reporter.due(step)
+                saving = checkpoint is not None and checkpoint_due is not None and checkpoint_due(done)
+                state, report = steps_run.run(state, batch, report=reporting or (saving and stop_on_nonfinite))
+                upcoming = next(batches, None)  # prepared while the devices run the step
+                if upcoming is not None:
+                    steps_run.start(state, upcoming[1])
+                skipped, logs = (0, {}) if report is None else report_on_host(report)
+                if skipped and stop_on_nonfinite:
                     break
-            else:
-                if (reporting or saving) and stop_on_nonfinite and counts_on_host(state).skipped:
+                if reporting:  # before a checkpoint writes the state back over what a hook changed
+                    state = call(state, callbacks.on_train_batch_end, step, logs)
+                if saving and checkpoint is not None:
+                    steps_run.settle()
+                    checkpoint(state, done)
+                    if on_request is not None:
+                        on_request.written_back(state)
+                if _stops(model, done, plan.steps):
                     break
-                host = host_logs(device_logs) if reporting else None
-            if reporting:  # before a checkpoint writes the state back over what a hook changed
-                state = call(state, callbacks.on_train_batch_end, step, host)
-            if saving and checkpoint is not None:
-                checkpoint(state, done)
-                if on_request is not None:
-                    on_request.written_back(state)
-            if several_processes:
-                # Every process must stop at the same step, so the decision is exchanged at fixed steps.
-                if (
-                    done % STOP_CHECK_STEPS == 0
-                    and (plan.steps is None or done < plan.steps)
-                    and agree(bool(model.stop_training))
-                ):
-                    model.stop_training = True
-                    break
-            elif model.stop_training:
-                break
-    if ahead is not None:
-        jax.block_until_ready(ahead[1])
+        finally:
+            steps_run.settle()
     return state
+
+
+def _stops(model: keras.Model, done: int, steps: int | None) -> bool:
+    """Whether a callback stopped training; with several processes every process must stop at the
+    same step, so process 0's decision is exchanged at fixed steps."""
+    if jax.process_count() == 1:
+        return bool(model.stop_training)
+    if done % STOP_CHECK_STEPS == 0 and (steps is None or done < steps) and agree(bool(model.stop_training)):
+        model.stop_training = True
+        return True
+    return False
 
 
 def evaluate_loop(

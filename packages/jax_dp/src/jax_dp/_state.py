@@ -120,10 +120,10 @@ class ModelOnRequest:
 
     On jax, Keras's ``Callback.model`` calls ``model.jax_state_sync()`` before handing the model
     over (Keras's own trainer also keeps the state off the model during an epoch); within
-    ``installed()`` that call writes the state offered by ``before_hooks`` into the model. So a
-    callback that only reads its logs costs no transfer, and one that saves or changes the model
-    sees the current values. A model reached another way (a closure) holds the last values
-    written, as in Keras.
+    ``installed()`` that call writes the state the running hooks see (``around``) into the
+    model, once. So a callback that only reads its logs costs no transfer, and one that saves
+    or changes the model sees the current values. A model reached another way (a closure)
+    holds the values last written, as in Keras.
     """
 
     def __init__(self, model: keras.Model, optimizer: Optimizer, mesh: Mesh, state: TrainState) -> None:
@@ -131,6 +131,7 @@ class ModelOnRequest:
         self.optimizer = optimizer
         self.mesh = mesh
         self._offered: TrainState | None = None
+        self._written_state: TrainState | None = None
         self._requested = False
         self.written_back(state)  # the state was just read from the model
 
@@ -146,6 +147,8 @@ class ModelOnRequest:
         """Runs ``hook(*arguments)`` with ``state`` as what the model holds when read; returns
         ``state``, or the model's values where a callback changed the model (process 0's
         decision: only it runs callbacks; every process calls this at the same steps)."""
+        if state is not self._written_state:
+            self._written_state = None  # an older state, kept alive only by this reference
         self._offered = state
         try:
             hook(*arguments)

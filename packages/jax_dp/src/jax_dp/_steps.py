@@ -19,8 +19,9 @@ trainer keeps the steps between calls (``_compile_cache``), so each holds its mo
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from typing import Any, cast, final
 
 import jax
 import jax.numpy as jnp
@@ -36,20 +37,43 @@ from jax_dp._metrics import Logs, make_metric_update, results_of, zero_states
 from jax_dp._optimizers import Optimizer
 from jax_dp._padding import computes_own_loss, padding_aware
 from jax_dp._state import StepCounts, TrainState, Weights
+from jax_dp._steps_ahead import Report, ReportingStep, report_of
 
 TrainStep = Callable[[TrainState, Batch, bool], TrainState]
-TrainStepWithLogs = Callable[[TrainState, Batch, bool], tuple[TrainState, Logs]]
 TestStep = Callable[[Weights, list[Any], Batch, bool], list[Any]]
 
 
-class Steps(NamedTuple):
-    """The jitted pieces of a fit (``train`` and ``train_with_logs`` are None for evaluate
-    alone). A jitted function compiles at its first call, so a fit compiles only those it uses."""
+@final
+class Steps:
+    """The jitted steps of one call, each taken from the trainer's compile cache (``fetch(name)``)
+    when first used: a call replaces only the cached steps it runs (a fit with a batch callback
+    trains with ``train_reporting``, one without with ``train``)."""
 
-    train: TrainStep | None
-    train_with_logs: TrainStepWithLogs | None  # when a callback reads the logs of every batch
-    test: TestStep  # (weights, metric stacks, batch, padded) -> metric stacks
-    results: Callable[[list[jax.Array]], Logs]
+    def __init__(self, fetch: Callable[[str], Any]) -> None:
+        self._fetch = fetch
+
+    @functools.cached_property
+    def train(self) -> TrainStep:
+        return self._fetch("train")
+
+    @functools.cached_property
+    def train_reporting(self) -> ReportingStep:
+        """Started ahead when a callback reads every batch's logs (``_steps_ahead``)."""
+        return self._fetch("train_reporting")
+
+    @functools.cached_property
+    def report(self) -> Callable[[list[jax.Array], jax.Array], Report]:
+        """``(metric stacks, skipped count) -> report``."""
+        return self._fetch("report")
+
+    @functools.cached_property
+    def test(self) -> TestStep:
+        """``(weights, metric stacks, batch, padded) -> metric stacks``."""
+        return self._fetch("test")
+
+    @functools.cached_property
+    def results(self) -> Callable[[list[jax.Array]], Logs]:
+        return self._fetch("results")
 
 
 def make_train_step(
@@ -61,23 +85,30 @@ def make_train_step(
     return jax.jit(train_step, donate_argnums=0, static_argnums=2, out_shardings=_state_shardings(mesh))
 
 
-def make_train_step_with_logs(
+def make_reporting_train_step(
     model: keras.Model, optimizer: Optimizer, mesh: Mesh, *, batch_norm: BatchNormMode, skip_nonfinite: bool
-) -> TrainStepWithLogs:
-    """``make_train_step``'s step that also returns the logs (replicated), for callbacks that read
-    them at every batch: one program per step, where a separate one to read the logs would
-    leave the devices idle while the host waits for each."""
+) -> ReportingStep:
+    """``make_train_step``'s step with its report (logs and skipped count, replicated) and without
+    donating its state, so it can start before the hooks after the previous step (``_steps_ahead``)."""
     train_step = _train_step(model, optimizer, mesh, batch_norm=batch_norm, skip_nonfinite=skip_nonfinite)
     model_now = held_weakly(model)
 
-    def train_step_with_logs(state: TrainState, batch: Batch, padded: bool) -> tuple[TrainState, Logs]:
+    def reporting_train_step(state: TrainState, batch: Batch, padded: bool) -> tuple[TrainState, Report]:
         state = train_step(state, batch, padded)
-        logs = results_of(model_now(), state.metrics)
-        packed = jnp.concatenate([state.counts.skipped.astype(jnp.float32)[None], *[jnp.ravel(v).astype(jnp.float32) for v in jax.tree.leaves(logs)]])
-        return state, (logs, packed)
+        return state, report_of(results_of(model_now(), state.metrics), state.counts.skipped)
 
     shardings = (_state_shardings(mesh), replicated(mesh))
-    return jax.jit(train_step_with_logs, static_argnums=2, out_shardings=shardings)
+    return jax.jit(reporting_train_step, static_argnums=2, out_shardings=shardings)
+
+
+def make_report(model: keras.Model, mesh: Mesh) -> Callable[[list[jax.Array], jax.Array], Report]:
+    """Jitted: the report of a state's metric stacks and skipped-step count (one array to read)."""
+    model_now = held_weakly(model)
+
+    def report(stacks: list[Any], skipped: Any) -> Report:
+        return report_of(results_of(model_now(), stacks), skipped)
+
+    return jax.jit(report, out_shardings=replicated(mesh))
 
 
 def _state_shardings(mesh: Mesh) -> Any:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, final
 
 import keras
@@ -33,7 +33,14 @@ from jax_dp._mesh import check_mesh, make_mesh, replica_layout
 from jax_dp._metrics import make_results
 from jax_dp._optimizers import KerasOptimizer, OptaxOptimizer, Optimizer
 from jax_dp._sources import epoch_plan
-from jax_dp._steps import Steps, make_predict_step, make_test_step, make_train_step, make_train_step_with_logs
+from jax_dp._steps import (
+    Steps,
+    make_predict_step,
+    make_report,
+    make_reporting_train_step,
+    make_test_step,
+    make_train_step,
+)
 
 PACKAGE = "jax_dp"
 
@@ -271,20 +278,24 @@ class Trainer:
     def _steps(self, model: keras.Model, optimizer: Optimizer | None = None) -> Steps:
         """The jitted steps of one fit (without ``optimizer``: of evaluate alone), from the
         compile cache when they were traced from the same model, compile state and options."""
-        cache, mesh = self._compile_cache, self.mesh
+        mesh = self.mesh
         evaluation = model_structure(model) + compile_state(model) + TracedFrom(values=[mesh])
-        train = train_with_logs = None
+        recipes: dict[str, tuple[TracedFrom, Callable[[], Any]]] = {
+            "test": (evaluation, lambda: make_test_step(model, mesh)),
+            "results": (evaluation, lambda: make_results(model, mesh)),
+            "report": (evaluation, lambda: make_report(model, mesh)),
+        }
         if optimizer is not None:
-            batch_norm, skip_nonfinite = self.batch_norm, self.on_nonfinite_loss == "skip"
-            training = evaluation + optimizer.traced_from() + TracedFrom(values=[batch_norm, skip_nonfinite])
-            options = {"batch_norm": batch_norm, "skip_nonfinite": skip_nonfinite}
-            train = cache.step(model, "train", training, lambda: make_train_step(model, optimizer, mesh, **options))
-            train_with_logs = cache.step(
-                model, "train_with_logs", training, lambda: make_train_step_with_logs(model, optimizer, mesh, **options)
+            options = {"batch_norm": self.batch_norm, "skip_nonfinite": self.on_nonfinite_loss == "skip"}
+            training = evaluation + optimizer.traced_from() + TracedFrom(values=list(options.values()))
+            recipes["train"] = (training, lambda: make_train_step(model, optimizer, mesh, **options))
+            recipes["train_reporting"] = (
+                training,
+                lambda: make_reporting_train_step(model, optimizer, mesh, **options),
             )
-        return Steps(
-            train=train,
-            train_with_logs=train_with_logs,
-            test=cache.step(model, "test", evaluation, lambda: make_test_step(model, mesh)),
-            results=cache.step(model, "results", evaluation, lambda: make_results(model, mesh)),
-        )
+
+        def fetch(kind: str) -> Any:
+            traced_from, build = recipes[kind]
+            return self._compile_cache.step(model, kind, traced_from, build)
+
+        return Steps(fetch)

@@ -1,0 +1,138 @@
+"""How an epoch's train steps run for the host: one at a time, or started ahead, so the next
+step runs while the host reads the last one's logs; and ``Report``, the logs it reads.
+
+A callback that acts at every batch needs each step's logs on the host before its hooks run,
+and the next step must wait for those hooks, which may change the model or stop training.
+Waiting leaves the devices idle while the host reads the logs, runs the hooks and dispatches
+the next step, a turn that costs a short step much of its throughput. So the next step is
+started from the state as it is before the hooks, by a step that keeps (does not donate) that
+state, and used only if the hooks left that very state in place (``ModelOnRequest`` hands
+back a new state when a hook changed the model); otherwise it is run again from the changed
+state. The kept state is one more copy of the state on every device, so only a state up to
+``AHEAD_MAX_STATE_BYTES`` is stepped ahead; a larger one makes steps long enough anyway.
+
+On CPU, two programs with collectives in flight at once, neither waiting for the other, can
+hold each other's rendezvous; so a step started ahead is waited for (``settle``) before
+anything else runs on the mesh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, final
+
+import jax
+import jax.numpy as jnp
+
+from dp_core.keras import python_logs
+from jax_dp._distributed import replicated_to_host
+from jax_dp._metrics import Logs
+from jax_dp._state import TrainState
+
+if TYPE_CHECKING:  # _steps builds its reports with this module
+    from jax_dp._steps import Steps
+
+AHEAD_MAX_STATE_BYTES = 256 * 2**20
+
+
+class Report(NamedTuple):
+    """A step's logs for the host in one array to read: ``values`` holds the count of skipped
+    steps, then every log value as float32 (exact for counts below 2**24); ``logs`` (never
+    read) gives their names, shapes and dtypes."""
+
+    logs: Logs
+    values: jax.Array
+
+
+def report_of(logs: Logs, skipped: Any) -> Report:
+    """The report of ``logs`` and the skipped-step count, inside a jitted step."""
+    parts = [jnp.reshape(skipped, (1,)), *(jnp.ravel(value) for value in jax.tree.leaves(logs))]
+    return Report(logs, jnp.concatenate([part.astype(jnp.float32) for part in parts]))
+
+
+def report_on_host(report: Report) -> tuple[int, dict[str, Any]]:
+    """The skipped-step count and the logs as ``model.fit`` hands them to callbacks (waits for the step)."""
+    values = replicated_to_host(report.values)
+    leaves, structure = jax.tree.flatten(report.logs)
+    parts, at = [], 1
+    for leaf in leaves:
+        parts.append(values[at : at + leaf.size].reshape(leaf.shape).astype(leaf.dtype))
+        at += leaf.size
+    return int(values[0]), python_logs(jax.tree.unflatten(structure, parts))
+
+
+ReportingStep = Callable[[TrainState, Any, bool], tuple[TrainState, Report]]
+
+
+class Stepper(Protocol):
+    """How an epoch's loop runs its train steps: ``run`` the step on a batch (with its report
+    when ``report``), ``start`` the next one early where it can, ``settle`` before anything else
+    uses the mesh."""
+
+    def run(self, state: TrainState, batch: Any, *, report: bool) -> tuple[TrainState, Report | None]: ...
+
+    def start(self, state: TrainState, batch: Any) -> None: ...
+
+    def settle(self) -> None: ...
+
+
+def stepper(steps: Steps, state: TrainState, padded: bool, *, every_batch: bool) -> Stepper:
+    """Steps started ahead when a callback reads every batch and the state is small enough to
+    keep twice; otherwise one at a time."""
+    if every_batch and small_enough_to_keep(state):
+        return StepsAhead(steps.train_reporting, padded)
+    return OneAtATime(steps, padded)
+
+
+def small_enough_to_keep(state: TrainState) -> bool:
+    """Whether one more copy of ``state`` on each device is within ``AHEAD_MAX_STATE_BYTES``."""
+    leaves = jax.tree.leaves((state.trainable, state.non_trainable, state.optimizer))
+    return sum(leaf.nbytes for leaf in leaves) <= AHEAD_MAX_STATE_BYTES
+
+
+@final
+class OneAtATime:
+    """The donating train step; a report only when asked for, read before the next step starts."""
+
+    def __init__(self, steps: Steps, padded: bool) -> None:
+        self.steps = steps
+        self.padded = padded
+
+    def run(self, state: TrainState, batch: Any, *, report: bool) -> tuple[TrainState, Report | None]:
+        state = self.steps.train(state, batch, self.padded)
+        return state, self.steps.report(state.metrics, state.counts.skipped) if report else None
+
+    def start(self, state: TrainState, batch: Any) -> None:
+        pass
+
+    def settle(self) -> None:
+        pass
+
+
+@final
+class StepsAhead:
+    """Each step started before the hooks after the previous step ran; always reports."""
+
+    def __init__(self, step: ReportingStep, padded: bool) -> None:
+        self.step = step
+        self.padded = padded
+        self._started: tuple[TrainState, tuple[TrainState, Report]] | None = None
+
+    def run(self, state: TrainState, batch: Any, *, report: bool = True) -> tuple[TrainState, Report | None]:
+        """The step on ``batch`` from ``state``: the one started ahead, if from this very state."""
+        started, self._started = self._started, None
+        if started is not None:
+            source, result = started
+            if source is state:
+                return result
+            jax.block_until_ready(result)  # dropped: the hooks changed the state
+        return self.step(state, batch, self.padded)
+
+    def start(self, state: TrainState, batch: Any) -> None:
+        """Starts the step on ``batch`` from ``state`` now, before the hooks that may change ``state``."""
+        self._started = (state, self.step(state, batch, self.padded))
+
+    def settle(self) -> None:
+        """Waits for a step started ahead (kept for ``run``), before other programs use the mesh."""
+        if self._started is not None:
+            jax.block_until_ready(self._started[1])
