@@ -84,9 +84,19 @@ def test_a_generator_that_runs_out_ends_training_as_in_keras():
     assert len(history.history["loss"]) == 2  # the second epoch found no batch: training ended there
 
 
-def test_a_source_whose_batch_does_not_divide_is_a_clear_error():
-    odd = iter([(X[:33], Y[:33])])
-    with pytest.raises(ValueError, match=r"global_batch_size=33.*num_replicas=2"):
-        jax_dp.Trainer(num_replicas=2).fit(model(), odd, verbose=0)
+def test_a_source_whose_batches_do_not_divide_is_padded_and_equals_keras():
+    """33-row batches on 2 replicas: 17 rows each, the 34th padding, as model.fit's 33."""
+
+    def odd():
+        yield from [(X[:33], Y[:33]), (X[33:66], Y[33:66]), (X[66:], Y[66:])]
+
+    reference, trained = model(), model()
+    trained.set_weights(reference.get_weights())
+    expected = reference.fit(odd(), epochs=1, verbose=0)
+    history = jax_dp.Trainer(num_replicas=2).fit(trained, odd(), epochs=1, verbose=0, validation_data=odd())
+    np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-5)
+    for mine, theirs in zip(trained.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(mine, theirs, atol=1e-5)
+    np.testing.assert_allclose(history.history["val_loss"], reference.evaluate(odd(), verbose=0)[0], rtol=1e-5)
     with pytest.raises(ValueError, match=r"batch_size=32 was passed, but x is a Batches"):
         jax_dp.Trainer(num_replicas=2).fit(model(), Batches(), batch_size=32, verbose=0)

@@ -81,3 +81,21 @@ def test_a_generator_with_steps_per_epoch_and_a_data_loader_equal_keras(trainer)
     np.testing.assert_allclose(
         trainer.evaluate(model, loader, verbose=0), reference.evaluate(x, y, batch_size=24, verbose=0), rtol=1e-5
     )
+
+
+def test_batches_that_do_not_divide_over_the_replicas_are_padded_and_masked(trainer):
+    """13-row batches on 2 replicas: 7 rows each, the 14th padding, as model.fit's 13."""
+    x, y = testing.data()
+    reference = testing.dense_batchnorm_model("adam")
+    expected = reference.fit(Batches(x, y, 13), epochs=2, shuffle=False, validation_data=Batches(x, y, 13), verbose=0)
+    model = testing.dense_batchnorm_model("adam")
+    history = trainer.fit(
+        model, Batches(x, y, 13), epochs=2, shuffle=False, validation_data=Batches(x, y, 13), verbose=0
+    )
+    for name, values in expected.history.items():
+        np.testing.assert_allclose(history.history[name], values, rtol=1e-5, atol=1e-6, err_msg=name)
+    for mine, theirs in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(mine, theirs, atol=1e-5)
+    np.testing.assert_allclose(
+        trainer.predict(model, Batches(x, y, 13), verbose=0), reference.predict(Batches(x, y, 13), verbose=0), atol=1e-6
+    )

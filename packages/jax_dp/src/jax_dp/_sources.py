@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from dp_core import ReplicaLayout, num_steps
-from dp_core.keras import BatchSource, Inputs, batch_rows, replica_part
+from dp_core.keras import BatchSource, Inputs, batch_rows, padded_batch_size, replica_part
 from jax_dp._batches import EpochPlan, HostBatch, Plan
 
 
@@ -60,7 +60,8 @@ class SourcePlan:
         shuffle: bool = False,
     ) -> None:
         self.inputs = source
-        self.global_batch_size = global_batch_size
+        self.source_batch_size = global_batch_size
+        self.global_batch_size = padded_batch_size(global_batch_size, layout.num_replicas)  # what the mesh holds
         self.steps = source.num_batches
         self._layout = layout
         self._epoch, self._seed, self._shuffle = epoch, seed, shuffle
@@ -76,7 +77,7 @@ class SourcePlan:
         for step, batch in enumerate(self.inputs.epoch(self._epoch, shuffle=self._shuffle, seed=self._seed)):
             (x, y, sample_weight), mask = replica_part(
                 batch,
-                global_batch_size=self.global_batch_size,
+                global_batch_size=self.source_batch_size,
                 replicas=replicas,
                 num_replicas=self._layout.num_replicas,
             )

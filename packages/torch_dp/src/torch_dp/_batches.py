@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from dp_core import num_steps, split_indices
-from dp_core.keras import BatchSource, Inputs, batch_rows, map_structure, replica_part
+from dp_core.keras import BatchSource, Inputs, batch_rows, map_structure, padded_batch_size, replica_part
 from torch_dp._comm import Replica
 
 
@@ -208,10 +208,11 @@ def _part(batch: tuple[Any, Any, Any], replica: Replica, global_batch_size: int)
     converted = (map_structure(keras.ops.convert_to_tensor, part) for part in (x, y, sample_weight))
     x, y, sample_weight = converted
     real = batch_rows(batch)
+    padded = padded_batch_size(global_batch_size, replica.num_replicas)
     mask_tensor = None
-    if real < global_batch_size:
+    if real < padded:
         mask_tensor = cast(torch.Tensor, keras.ops.convert_to_tensor(mask.astype(keras.backend.floatx())))
-    return Batch(x, y, sample_weight, mask_tensor, int(mask.sum()), len(mask), real, global_batch_size)
+    return Batch(x, y, sample_weight, mask_tensor, int(mask.sum()), len(mask), real, padded)
 
 
 def _batch(

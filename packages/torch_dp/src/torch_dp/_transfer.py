@@ -153,7 +153,7 @@ def in_input_order(parts: list[list[np.ndarray]], num_samples: int, global_batch
 def in_batch_order(parts: list[list[np.ndarray]], real_rows: list[int], global_batch_size: int) -> list[np.ndarray]:
     """A batch-yielding input's outputs: each global batch's replica parts side by side (replica
     ``r`` holds the ``r``-th contiguous part), its padding dropped, batches in order."""
-    per_replica = global_batch_size // len(parts)
+    per_replica = -(-global_batch_size // len(parts))  # a batch that does not divide was padded up
     merged = []
     for leaf in range(len(parts[0])):
         batches = [

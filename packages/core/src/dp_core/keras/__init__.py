@@ -50,6 +50,7 @@ from dp_core.keras._model import resolve_model as resolve_model
 from dp_core.keras._sources import BatchSource as BatchSource
 from dp_core.keras._sources import batch_rows as batch_rows
 from dp_core.keras._sources import is_batch_source as is_batch_source
+from dp_core.keras._sources import padded_batch_size as padded_batch_size
 from dp_core.keras._sources import replica_part as replica_part
 
 __all__ = [
@@ -82,6 +83,7 @@ __all__ = [
     "model_checkpoint",
     "needs_every_batch",
     "nonfinite_loss_stopped",
+    "padded_batch_size",
     "plan_learning_rate",
     "python_logs",
     "replica_losses",

@@ -107,14 +107,13 @@ def checked_model_and_inputs(
     """The Keras model (a factory called) and the inputs, after every check that needs no
     device: the Keras backend, a compiled model (``compiled=False`` for ``predict``), none of
     the Keras steps the call runs (``keras_steps``) overridden, a global batch that divides
-    over the replicas, inputs that agree on their row count."""
+    over the replicas (a source's batches are padded instead), inputs that agree on their row count."""
     require_backend(backend, package)
     keras_model = resolve_model(model, compiled=compiled)
     require_keras_steps(keras_model, keras_steps, package)
     if is_batch_source(x):
-        source = batch_source(x, y, sample_weight, steps=steps, class_weight=class_weight)
-        per_replica_batch_size(source.global_batch_size, num_replicas)  # its first batch's rows
-        return keras_model, source
+        # its batches need not divide over the replicas: each is padded up to a multiple (``padded_batch_size``)
+        return keras_model, batch_source(x, y, sample_weight, steps=steps, class_weight=class_weight)
     per_replica_batch_size(global_batch_size, num_replicas)
     inputs = Inputs(x, y, sample_weight, class_weight=class_weight)
     _check_no_steps(steps, steps_name)

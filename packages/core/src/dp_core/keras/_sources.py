@@ -178,18 +178,25 @@ def batch_rows(batch: GlobalBatch) -> int:
     return counts.pop()
 
 
+def padded_batch_size(global_batch_size: int, num_replicas: int) -> int:
+    """A source's global batch size rounded up to a multiple of the replica count: a source's
+    batches need not divide (13 rows on 2 replicas: 7 each, the 14th row padding, masked)."""
+    return -(-global_batch_size // num_replicas) * num_replicas
+
+
 def replica_part(
     batch: GlobalBatch, *, global_batch_size: int, replicas: range, num_replicas: int
 ) -> tuple[GlobalBatch, np.ndarray]:
     """The rows of ``replicas`` (consecutive replica indices) of one global batch, padded to the
-    global batch size, and their mask (1 for real rows)."""
+    global batch size (rounded up to a multiple of ``num_replicas``), and their mask (1 for real
+    rows)."""
     rows = batch_rows(batch)
     if rows > global_batch_size:
         raise ValueError(
             f"A batch has {rows} rows but the first batch had {global_batch_size}: every batch of a source must "
             "have the global batch size, except shorter ones (the last), which are padded."
         )
-    per_replica = global_batch_size // num_replicas
+    per_replica = padded_batch_size(global_batch_size, num_replicas) // num_replicas
     positions = np.arange(replicas.start * per_replica, replicas.stop * per_replica)
     mask = positions < rows
     indices = np.where(mask, positions, 0)  # padding repeats row 0 and weighs nothing
