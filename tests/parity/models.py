@@ -93,9 +93,10 @@ def weights_for(name: str, low: float = 0.0, high: float = 2.0) -> np.ndarray:
 
 def batches(parts: tuple[Any, ...], batch_size: int = BATCH_SIZE) -> list[tuple[Any, ...]]:
     """The global batches of ``parts`` in row order; the last one is short."""
+    rows = len(keras.tree.flatten(parts[0])[0])
     return [
         tuple(keras.tree.map_structure(lambda array, at=start: array[at : at + batch_size], part) for part in parts)
-        for start in range(0, NUM_SAMPLES, batch_size)
+        for start in range(0, rows, batch_size)
     ]
 
 

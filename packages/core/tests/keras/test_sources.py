@@ -95,3 +95,12 @@ def test_keras_checks_for_sources():
         batch_source(Batches(), np.zeros(10))
     with pytest.raises(ValueError, match="steps_per_epoch must be a positive integer"):
         BatchSource(Reiterable(), steps_per_epoch=0)
+
+
+def test_an_iterators_global_batch_size_is_its_first_batch_for_good():
+    sizes = [16, 16, 13, 16]
+    source = BatchSource(iter([(np.zeros((n, 2)), np.zeros(n)) for n in sizes]), steps_per_epoch=2)
+    assert source.global_batch_size == 16
+    assert [len(x) for x, _, _ in source.epoch(0)] == [16, 16]
+    assert source.global_batch_size == 16  # not the 13 rows an iterator would yield next
+    assert [len(x) for x, _, _ in source.epoch(1)] == [13, 16]

@@ -75,6 +75,7 @@ class BatchSource:
         self.one_shot = isinstance(source, Iterator)
         self.exhausted = False
         self._peeked: GlobalBatch | None = None  # an iterator's first batch, read early, served first
+        self._global_batch_size: int | None = None
         if self._num_source_batches() is None and steps_per_epoch is None and self.is_py_dataset:
             raise ValueError(
                 f"{name} is a PyDataset without num_batches (endless); pass steps_per_epoch to say how many "
@@ -115,8 +116,11 @@ class BatchSource:
 
     @property
     def global_batch_size(self) -> int:
-        """The first batch's row count: every batch's, but a shorter last one's."""
-        return batch_rows(self.first_batch())
+        """The first batch's row count: every batch's, but a shorter last one's (learned once: an
+        iterator's later "first" batch is another one)."""
+        if self._global_batch_size is None:
+            self._global_batch_size = batch_rows(self.first_batch())
+        return self._global_batch_size
 
     def first_rows(self, count: int = 2) -> GlobalBatch:
         """The first ``count`` rows of the first batch (to build a model, like ``Inputs.first_rows``)."""
