@@ -256,7 +256,7 @@ def demo(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def bench(session: nox.Session) -> None:
     """Throughput, weak scaling, start-up and memory against what a user would otherwise write
-    (about 20 minutes on 2 idle cores); ``-- --quick`` is a smoke run that writes under .nox, not docs/."""
+    (about 23 minutes on 2 idle cores); ``-- --quick`` is a smoke run that writes under .nox, not docs/."""
     _install_everything(session, "psutil>=5.9", "matplotlib>=3.8")
     results, page = "docs/benchmarks", "docs/benchmarks.md"
     if "--quick" in session.posargs:
@@ -273,6 +273,9 @@ def bench(session: nox.Session) -> None:
         env={"OMP_NUM_THREADS": "1"},
     )
     session.run("python", "benchmarks/bench_jax.py", "--output", f"{results}/jax.json", *session.posargs)
+    session.run(
+        "python", "benchmarks/bench_interactive.py", "--output", f"{results}/interactive.json", *session.posargs
+    )
     session.run("python", "benchmarks/report.py", "--results", results, "--output", page)
 
 

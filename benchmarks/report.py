@@ -2,9 +2,10 @@
 
     python benchmarks/report.py [--results docs/benchmarks] [--output docs/benchmarks.md]
 
-Reads ``torch.json`` (bench_torch.py) and ``jax.json`` (bench_jax.py); writes a table of
-ratios against each baseline and target, weak-scaling and memory sections, the machine and
-versions, and two PNG plots next to the JSON: ``throughput.png`` and ``scaling.png``.
+Reads ``torch.json`` (bench_torch.py), ``jax.json`` (bench_jax.py) and ``interactive.json``
+(bench_interactive.py); writes a table of ratios against each baseline and target, weak-scaling,
+interactive-call and memory sections, the machine and versions, and two PNG plots next to the
+JSON: ``throughput.png`` and ``scaling.png``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,24 @@ SCALING_TARGET = 0.9
 # goes beyond one copy (batches in flight, allocator slack) is listed under shortfalls.
 MEMORY_TARGET = 1.5
 MEMORY_EXCESS_NOTED = 1.1
+# Interactive calls (bench_interactive.py): seconds at most, and the batch-callback throughput ratio.
+EVALUATE_PREDICT_AFTER_FIT_S = {"torch": 1.0}
+SECOND_FIT_FIRST_STEP_S = {"torch": 1.0, "jax": 0.3}
+BATCH_CALLBACK_RATIO = 0.95
+BACKENDS = ("torch", "jax")
+# What the per-step timers of a Trainer's loop with a batch callback leave out.
+REST_OF_LOOP = {
+    "torch": "is the loop's other per-step work and the rounds' noise, not broken down further",
+    "jax": (
+        "is the loop's other per-step work for a batch callback (the hooks run with the model holding"
+        " the current state; the next step starts ahead from a state it keeps), not broken down further"
+    ),
+}
+# What a Trainer does to produce a step's logs for the caller, for the per-step table.
+TRAINER_LOGS = {
+    "torch": "rank 0 computes the logs from the metric states summed over the replicas, in `logs_of`",
+    "jax": "the logs are copied from the devices, which waits for the step, in `report_on_host`",
+}
 BASELINE_NAMES = {
     "ddp_loop": "Keras guide's DDP loop (torch optimizer and loss, no metrics, Dropout off)",
     "ddp_loop_keras_work": "the same DDP loop doing torch_dp's work (Keras loss, optimizer, metric; Dropout on)",
@@ -31,12 +50,12 @@ BASELINE_NAMES = {
 }
 
 
-def _verdict(value: float, target: float | None, *, at_most: bool = False) -> str:
+def _verdict(value: float, target: float | None, *, at_most: bool = False, unit: str = "x") -> str:
     if target is None:
         return "—"
     if (value <= target) if at_most else (value >= target):
         return "met"
-    return f"**not met** (target {'≤' if at_most else '≥'} {target:.2f}x)"
+    return f"**not met** (target {'≤' if at_most else '≥'} {target:.2f}{unit})"
 
 
 def throughput_rows(backend: str, ratios: list[tuple[str, float]]) -> list[str]:
@@ -220,6 +239,261 @@ def memory_section(torch_results: dict[str, Any], jax_results: dict[str, Any]) -
     ]
 
 
+def _duration(seconds: float) -> str:
+    """A measured time; a time to the first step can come out below zero (the first epoch's steps ran
+    faster than every later epoch's), which says only that it is too short to tell: ~0."""
+    return f"{seconds:.3f}" if seconds >= 0 else "~0"
+
+
+def _started(results: dict[str, Any], call: str) -> tuple[float, list[float]]:
+    """A Trainer's first ``call`` once its first fit started it, and its later ``call`` times.
+
+    The cycle is fit -> evaluate -> predict, repeated: the first fit is the new Trainer's first
+    call, so for fit the first call once started is the second.
+    """
+    seconds = results["trainer"][call]
+    first = 1 if call.startswith("fit") else 0
+    return seconds[first], seconds[first + 1 :]
+
+
+def interactive_targets(interactive: dict[str, Any]) -> list[str]:
+    """A row for each target of the interactive calls, in the summary table's form."""
+    lines = ["| measure | measured | for comparison | target |", "|---|---|---|---|"]
+    for backend, limit in EVALUATE_PREDICT_AFTER_FIT_S.items():
+        results = interactive[backend]
+        for call in ("evaluate", "predict"):
+            seconds, _ = _started(results, call)
+            lines.append(
+                f"| {backend}_dp `{call}` right after the first `fit` | {seconds:.2f} s"
+                f" | a new Trainer's first call: {results['new_trainer'][call]:.1f} s"
+                f" | {_verdict(seconds, limit, at_most=True, unit=' s')} |"
+            )
+    for backend, limit in SECOND_FIT_FIRST_STEP_S.items():
+        results = interactive[backend]
+        seconds, _ = _started(results, "fit_first_step")
+        lines.append(
+            f"| {backend}_dp second `fit`, call to its first step | {_duration(seconds)} s"
+            f" | the first `fit`: {results['new_trainer']['fit_first_step']:.1f} s"
+            f" | {_verdict(seconds, limit, at_most=True, unit=' s')} |"
+        )
+    for backend in BACKENDS:
+        measured = interactive[backend]["throughput"]
+        ratio = measured["trainer"]["median_ratio"]
+        lines.append(
+            f"| {backend}_dp samples/s with a logs-only batch callback, over without | {ratio:.2f}x"
+            f" | plain `model.fit`: {measured['keras']['median_ratio']:.2f}x"
+            f" | {_verdict(ratio, BATCH_CALLBACK_RATIO)} |"
+        )
+    return lines
+
+
+def interactive_calls_table(interactive: dict[str, Any]) -> list[str]:
+    lines = [
+        "| backend | call | `model.*`, first call | `model.*`, later | Trainer: a new Trainer's first call"
+        " | Trainer: first call once started | Trainer: later | later: Trainer less `model.*` |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    names = {
+        "fit": f"`fit`, {interactive['setup']['fit_epochs']} epochs",
+        "fit_first_step": "`fit`, to its first step",
+        "evaluate": "`evaluate`",
+        "predict": "`predict`",
+    }
+    for backend in BACKENDS:
+        results = interactive[backend]
+        for call, name in names.items():
+            keras_seconds = results["keras"][call]
+            keras_later = statistics.median(keras_seconds[1:])
+            started, later = _started(results, call)
+            trainer_later = statistics.median(later)
+            lines.append(
+                f"| {backend}_dp | {name} | {_duration(keras_seconds[0])} | {_duration(keras_later)}"
+                f" | {_duration(results['new_trainer'][call])} | {_duration(started)} | {_duration(trainer_later)}"
+                f" | {trainer_later - keras_later:+.3f} |"
+            )
+    return lines
+
+
+def interactive_throughput_table(interactive: dict[str, Any]) -> list[str]:
+    lines = [
+        "| backend | who | samples/s without | samples/s with | with / without (median) | per round | epochs a run"
+        " | rounds |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for backend in BACKENDS:
+        for who, label in (("trainer", f"{backend}_dp.Trainer(2)"), ("keras", "`model.fit`")):
+            measured = interactive[backend]["throughput"][who]
+            runs = measured["samples_per_s"]
+            per_round = ", ".join(f"{r:.2f}" for r in measured["ratio_per_round"])
+            without, with_callback = statistics.median(runs["without"]), statistics.median(runs["with"])
+            lines.append(
+                f"| {backend} | {label} | {without:.0f} | {with_callback:.0f} | {measured['median_ratio']:.2f}x"
+                f" | {per_round} | {measured['epochs_per_run']}"
+                f" | {len(measured['ratio_per_round'])} |"
+            )
+    return lines
+
+
+def interactive_breakdown_table(interactive: dict[str, Any]) -> list[str]:
+    lines = [
+        "| backend | callback | step | producing the logs | callbacks' batch-end calls | torch_dp's `train_step` |",
+        "|---|---|---|---|---|---|",
+    ]
+    for backend in BACKENDS:
+        for variant, per_step in interactive[backend]["throughput"]["trainer"]["per_step"].items():
+            train_step = f"{per_step['train_step_ms']:.2f}" if "train_step_ms" in per_step else "—"
+            lines.append(
+                f"| {backend}_dp | {variant} | {per_step['step_ms']:.2f} | {per_step['trainer_logs_ms']:.2f}"
+                f" | {per_step['callbacks_ms']:.2f} | {train_step} |"
+            )
+    lines += [
+        "",
+        *(f"- producing the logs, {backend}: {text}." for backend, text in TRAINER_LOGS.items()),
+        "- callbacks' batch-end calls: Keras's `CallbackList.on_train_batch_end`, which hands each call to a"
+        " thread when no callback has a batch-end hook (as in the runs without the callback) and calls the"
+        " hooks in the loop otherwise. Plain `model.fit` goes the same two ways.",
+    ]
+    faster = [b for b in BACKENDS if interactive[b]["throughput"]["keras"]["median_ratio"] > 1.0]
+    if faster:
+        lines.append(
+            f"- Plain `model.fit` ran faster with the callback than without on {' and '.join(faster)}; why was not"
+            " examined further."
+        )
+    return lines
+
+
+def interactive_machine(interactive: dict[str, Any]) -> str:
+    parts = []
+    for backend in BACKENDS:
+        results = interactive[backend]
+        rounds = results["throughput"]
+        cores = [results["usable_cores_at_start"], *rounds["trainer"]["usable_cores"], *rounds["keras"]["usable_cores"]]
+        names = {"keras": "Keras", "torch_dp": "torch-dp", "jax_dp": "jax-dp"}
+        versions = ", ".join(f"{names.get(name, name)} {version}" for name, version in results["versions"].items())
+        parts.append(
+            f"{backend} ({versions}): load average {results['load_average_at_start'][0]:.1f} at its start,"
+            f" usable cores median {statistics.median(cores):.2f} (lowest {min(cores):.2f})"
+        )
+    return "; ".join(parts)
+
+
+def interactive_section(interactive: dict[str, Any]) -> list[str]:
+    setup = interactive["setup"]
+    return [
+        "## Interactive calls: a Trainer kept between calls",
+        "",
+        "`benchmarks/bench_interactive.py`, in a run of its own (the machine it had is at the end of this",
+        f"section). A small model ({setup['model']})",
+        f"on {setup['rows']:,} rows at a global batch of {setup['global_batch_size']}, so that a call's time is the"
+        " trainer's, not the model's:",
+        f"`torch_dp.Trainer(num_replicas={setup['num_replicas']})` (this process is replica 0, plus one worker"
+        " process) and `jax_dp.Trainer(2)`",
+        "(2 forced host devices in one process), each backend in a process of its own, against plain Keras",
+        "(`model.fit`, `model.evaluate`, `model.predict`: one process, one device). One model goes through",
+        f"`fit` ({setup['fit_epochs']} epochs) → `evaluate` → `predict` three times; the Trainer's first `fit`"
+        " starts its worker (torch) or",
+        "compiles its train step (jax). Seconds from the call to its return; `evaluate` and `predict` are also",
+        "timed as the first call of a new Trainer.",
+        "",
+        *interactive_targets(interactive),
+        "",
+        "Before a `torch_dp.Trainer` kept its workers, every call started them anew: 13 to 17 s for each",
+        "`evaluate` and `predict` on these 2 CPU replicas. Before a `jax_dp.Trainer` kept its compiled steps,",
+        "every `fit` compiled them again (3.5 s to the first step of the convnet above).",
+        "",
+        "### Seconds per call",
+        "",
+        *interactive_calls_table(interactive),
+        "",
+        "- A `fit`'s time to its first step: from the call until its steps run at steady speed, that is the end",
+        "  of its first epoch less its shortest later epoch (so more than the start-up alone, unless the first",
+        f"  epoch's steps ran faster than all the later ones; later epochs of one `fit` differ by up to"
+        f" {_epoch_spread(interactive):.3f} s).",
+        "  The clock is a callback with epoch hooks only: a batch hook would make both trainers bring the logs",
+        "  to the caller at every step, which is what the next table measures.",
+        "- First call once started: the Trainer has run a `fit` (the cycle's first) and is called again; for",
+        "  `fit` that is the second `fit`, for `evaluate` and `predict` the call right after the first `fit`.",
+        "  Later: the median of the calls after that one (`model.*`: of every call after its first).",
+        "- torch: a started Trainer's worker holds the model and the arrays it was sent, and a later call sends",
+        "  it the job (and the model's state only when it changed since). jax: a Trainer compiles each kind of",
+        "  step at its first use and keeps it for the model, so `evaluate` and `predict` compile theirs at their",
+        "  first call.",
+        "",
+        "### Throughput with a batch-level callback",
+        "",
+        '`fit` with and without `keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: logs["loss"])`,',
+        "on the started Trainer above and on plain `model.fit`, in interleaved rounds (in reverse order every",
+        "other round), each run's samples/s from its median epoch after the first; the ratio is the median of",
+        "the per-round ratios.",
+        "",
+        *interactive_throughput_table(interactive),
+        "",
+        "Where a Trainer's step goes in those runs (milliseconds per step, medians over the rounds; timing",
+        "wrappers in the calling process, about a microsecond a call):",
+        "",
+        *interactive_breakdown_table(interactive),
+        "",
+        f"Machine during this run: {interactive_machine(interactive)}.",
+    ]
+
+
+def _epoch_spread(interactive: dict[str, Any]) -> float:
+    """The largest difference between two later epochs of one Trainer ``fit``: the resolution of the
+    time to the first step."""
+    return max(
+        max(epochs[1:]) - min(epochs[1:])
+        for backend in BACKENDS
+        for epochs in interactive[backend]["trainer"]["fit_epoch_s"]
+    )
+
+
+def interactive_shortfalls(interactive: dict[str, Any]) -> list[str]:
+    """A line for each interactive target not met, with what the measurements show of its cause."""
+    lines = []
+    for backend, limit in EVALUATE_PREDICT_AFTER_FIT_S.items():
+        for call in ("evaluate", "predict"):
+            seconds, later = _started(interactive[backend], call)
+            if seconds > limit:
+                lines.append(
+                    f"- {backend}-dp `{call}` right after the first `fit`, {seconds:.2f} s > {limit} s; its later"
+                    f" calls take {statistics.median(later):.2f} s: the first call's extra time is its start-up."
+                )
+    for backend, limit in SECOND_FIT_FIRST_STEP_S.items():
+        seconds, later = _started(interactive[backend], "fit_first_step")
+        if seconds > limit:
+            lines.append(
+                f"- {backend}-dp second `fit` to its first step, {seconds:.2f} s > {limit} s (later `fit`s:"
+                f" {statistics.median(later):.2f} s)."
+            )
+    for backend in BACKENDS:
+        measured = interactive[backend]["throughput"]
+        if measured["trainer"]["median_ratio"] < BATCH_CALLBACK_RATIO:
+            lines.append(_callback_shortfall(backend, measured))
+    return lines
+
+
+def _callback_shortfall(backend: str, measured: dict[str, Any]) -> str:
+    """Where the extra time per step goes with a batch callback, from the timers in the rounds."""
+    ratio, per_step = measured["trainer"]["median_ratio"], measured["trainer"]["per_step"]
+    without, with_callback = per_step["without"], per_step["with"]
+    extra = with_callback["step_ms"] - without["step_ms"]
+    parts = {
+        "trainer_logs_ms": f"producing each step's logs ({TRAINER_LOGS[backend]})",
+        "train_step_ms": "torch_dp's `train_step` (the metric states and rank 0's decisions ride on its all-reduce)",
+        "callbacks_ms": "the callbacks' batch-end calls (without a batch callback Keras hands each to a thread)",
+    }
+    differences = {part: with_callback[part] - without[part] for part in parts if part in with_callback}
+    named = [f"{parts[part]}, {difference:+.2f} ms" for part, difference in differences.items()]
+    rest = extra - sum(differences.values())
+    return (
+        f"- {backend}-dp with a logs-only batch callback, {ratio:.2f}x < {BATCH_CALLBACK_RATIO}x: a step took"
+        f" {with_callback['step_ms']:.2f} ms with it against {without['step_ms']:.2f} ms without (medians over"
+        f" the rounds), {extra:+.2f} ms. Of that: {'; '.join(named)}; the rest, {rest:+.2f} ms,"
+        f" {REST_OF_LOOP[backend]}."
+        f" Plain `model.fit` measured {measured['keras']['median_ratio']:.2f}x with the same callback."
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--results", type=Path, default=Path("docs/benchmarks"))
@@ -228,6 +502,7 @@ def main() -> None:
     torch_results = json.loads((args.results / "torch.json").read_text())
     jax_results = json.loads((args.results / "jax.json").read_text())
     steps = json.loads((args.results / "torch_steps.json").read_text())
+    interactive = json.loads((args.results / "interactive.json").read_text())
     plot_throughput(
         {"torch": torch_medians(torch_results), "jax": jax_results["median_samples_per_second"]},
         args.results / "throughput.png",
@@ -239,13 +514,14 @@ def main() -> None:
     images = Path(os.path.relpath(args.results.resolve(), args.output.resolve().parent))
     host, versions = jax_results["host"], {**torch_results["versions"], **jax_results["versions"]}
     first_step = torch_results["median_first_step_s"]
-    quick = torch_results["setup"]["quick"] or jax_results["quick"]
+    quick = torch_results["setup"]["quick"] or jax_results["quick"] or any(interactive[b]["quick"] for b in BACKENDS)
     lines = [
         "# Benchmarks",
         "",
         *(["**A `--quick` smoke run: these numbers are not measurements.**", ""] if quick else []),
-        "Written by `nox -s bench` (`benchmarks/bench_torch.py`, `benchmarks/bench_jax.py`, then this page",
-        "from their JSON by `benchmarks/report.py`). The model is the Keras guides' MNIST convnet",
+        "Written by `nox -s bench` (`benchmarks/bench_torch.py`, `benchmarks/bench_jax.py`,",
+        "`benchmarks/bench_interactive.py`, then this page from their JSON by `benchmarks/report.py`).",
+        "Except for the interactive calls (their own section), the model is the Keras guides' MNIST convnet",
         "(`benchmarks/guide_convnet.py`) on synthetic data of MNIST's shape, global batch 128, 2 replicas on",
         "CPU (torch: 2 processes x 1 thread; jax: 2 host devices). Runs are interleaved (in reverse order every"
         " other round), the first epoch",
@@ -271,6 +547,9 @@ def main() -> None:
         f"- jax-dp: {jax_results['median_first_step_s']['jax_dp']:.1f} s from the `fit` call until its first step is"
         " compiled and dispatched",
         "  (one process, no start-up beyond jax's compilation).",
+        "- Both are a new Trainer's first `fit`: a Trainer's later calls are in the next section.",
+        "",
+        *interactive_section(interactive),
         "",
         *memory_section(torch_results, jax_results),
         "",
@@ -280,14 +559,16 @@ def main() -> None:
         f"- {host['cpu_count']} CPU cores ({host['machine']}), Python {host['python']}; torch {versions['torch']},"
         f" jax {versions['jax']}, Keras {versions['keras']},",
         f"  torch-dp {versions['torch_dp']}, jax-dp {versions['jax_dp']}.",
-        "- `nox -s bench` (about 20 minutes on 2 idle cores), or `python benchmarks/bench_torch.py --output",
+        "- `nox -s bench` (about 23 minutes on 2 idle cores), or `python benchmarks/bench_torch.py --output",
         "  docs/benchmarks/torch.json`, `python benchmarks/bench_jax.py --output docs/benchmarks/jax.json`,",
+        "  `python benchmarks/bench_interactive.py --output docs/benchmarks/interactive.json` (about 3 minutes),",
         "  `python benchmarks/report.py`; `nox -s bench -- --quick` is a smoke run of a few minutes.",
         "",
         "## Shortfalls, stated",
         "",
         *throughput_shortfalls(torch_results, jax_results, steps),
         *shortfalls(torch_results, jax_results, steps),
+        *interactive_shortfalls(interactive),
     ]
     text = "\n".join(lines) + "\n"
     args.output.write_text(text.replace("](benchmarks/", f"]({images.as_posix()}/"))
