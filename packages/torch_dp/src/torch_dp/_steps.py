@@ -2,9 +2,9 @@
 
 A step mirrors Keras's ``TorchTrainer.train_step`` (compiled loss, loss tracker,
 ``optimizer.apply``, ``compute_metrics``) with three changes that make N replicas
-equal one: each replica's loss is ``num_replicas`` times its share of the global
-batch's loss (``dp_core.keras.replica_losses``: real rows only, normalized over the
-whole global batch, Keras masks included), gradients are averaged between
+equal one: each replica back-propagates its share of the global batch's loss
+(``dp_core.keras.replica_losses`` gives ``num_replicas`` times it: real rows only,
+normalized over the whole global batch, Keras masks included), gradients are summed between
 ``backward`` and ``apply``, and metrics see only real rows.
 
 Gradients are reduced with one coalesced all-reduce after ``backward`` rather than by
@@ -142,13 +142,16 @@ def train_step(
     rate = _learning_rate_variable(model)
     decisions = [_decisions(rate, replica, stop)] if shared else []
     if trainable:
-        model.optimizer.scale_loss(loss).backward()
+        # Back-propagate the share itself (the loss is num_replicas times it) and sum the
+        # gradients: every row's gradient then has Keras's own magnitude, so float16 loss
+        # scaling overflows exactly where model.fit's does.
+        model.optimizer.scale_loss(loss / replica.num_replicas).backward()
     local = [v.value.grad for v in trainable]
     # Zeros keep the buffer the same size on every replica; a variable with no gradient
     # here is still skipped by the optimizer, as in Keras.
     gradients = [torch.zeros_like(v.value) if g is None else g for v, g in zip(trainable, local, strict=True)]
     summed = all_reduce_sum([*gradients, local_loss, *states, *decisions], replica)
-    averaged, summed_loss = summed[: len(gradients)], summed[len(gradients)]
+    summed_gradients, summed_loss = summed[: len(gradients)], summed[len(gradients)]
     if decisions:
         stopped, learning_rate = summed[-1].tolist()
         if stopped:
@@ -161,9 +164,7 @@ def train_step(
         return Trained(False)
     if trainable:
         with torch.no_grad():
-            for gradient in averaged:
-                gradient.div_(replica.num_replicas)
-            model.optimizer.apply([None if g is None else a for g, a in zip(local, averaged, strict=True)], trainable)
+            model.optimizer.apply([None if g is None else a for g, a in zip(local, summed_gradients, strict=True)], trainable)
     if not sum_metrics:
         return Trained(True)
     if not shared:  # one replica: its own states are the global ones
