@@ -142,3 +142,52 @@ def test_an_overridden_keras_step_is_a_clear_error_not_ignored():
     checked_model_and_inputs(model, x, compiled=False, keras_steps=("predict_step",), **options)  # not overridden
     with pytest.raises(NotImplementedError, match=r"CustomStep overrides train_step; a_dp runs Keras's own step"):
         checked_model_and_inputs(model, x, compiled=False, keras_steps=("train_step",), **options)
+
+
+class _Penalty(keras.layers.Layer):
+    """``add_loss`` of ``scale * mean(x**2)`` (``depends=False``: a constant)."""
+
+    def __init__(self, depends=True):
+        super().__init__()
+        self.depends = depends
+
+    def call(self, inputs):
+        term = keras.ops.mean(keras.ops.square(inputs)) if self.depends else keras.ops.convert_to_tensor(0.5)
+        self.add_loss(0.1 * term)
+        return inputs
+
+
+def _with_penalty(depends=True, activity=False):
+    regularizer = keras.regularizers.L2(0.01) if activity else None
+    model = keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(2, activity_regularizer=regularizer, kernel_regularizer="l2")]
+        + ([_Penalty(depends)] if depends is not None else [])
+    )
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def _checked(model, num_samples, global_batch_size=4):
+    x = np.random.default_rng(0).normal(size=(num_samples, 3)).astype("float32")
+    y = np.zeros((num_samples, 2), "float32")
+    checked_model_and_inputs(
+        model, x, y, backend=keras.backend.backend(), package="x_dp", global_batch_size=global_batch_size, num_replicas=2
+    )
+
+
+def test_a_row_dependent_added_loss_with_a_padded_last_batch_is_named_in_a_warning():
+    with pytest.warns(UserWarning, match=r"Layer '.*penalty.*' adds a loss with add_loss\(\).*holds 2 of 4 rows \(10 samples\)"):
+        _checked(_with_penalty(), 10)
+
+
+@pytest.mark.parametrize(
+    ("model", "num_samples"),
+    [
+        pytest.param(lambda: _with_penalty(), 12, id="no-padded-batch"),
+        pytest.param(lambda: _with_penalty(depends=False), 10, id="a-constant-term"),
+        pytest.param(lambda: _with_penalty(depends=None, activity=True), 10, id="regularizers-only"),
+    ],
+)
+def test_no_warning_where_padding_cannot_change_an_added_loss(model, num_samples, recwarn):
+    _checked(model(), num_samples)
+    assert not [w for w in recwarn if "add_loss" in str(w.message)]

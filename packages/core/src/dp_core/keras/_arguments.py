@@ -21,6 +21,7 @@ from dp_core._data import map_structure
 from dp_core._options import check_epochs
 from dp_core._trainer import Verbose
 from dp_core.keras._inputs import Inputs, validation_inputs
+from dp_core.keras._losses import warn_added_losses_see_padding
 from dp_core.keras._model import require_backend, require_keras_steps, resolve_model
 from dp_core.keras._sources import BatchSource, is_batch_source
 
@@ -117,6 +118,8 @@ def checked_model_and_inputs(
     per_replica_batch_size(global_batch_size, num_replicas)
     inputs = Inputs(x, y, sample_weight, class_weight=class_weight)
     _check_no_steps(steps, steps_name)
+    if compiled:
+        warn_added_losses_see_padding(keras_model, inputs, num_samples=inputs.num_samples, batch_size=global_batch_size)
     return keras_model, inputs
 
 

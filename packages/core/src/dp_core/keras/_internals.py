@@ -151,6 +151,12 @@ def override_loss_functions(compile_loss: Any, replacement: Callable[[Any], Call
     return restore
 
 
+def added_losses(layer: keras.layers.Layer) -> list[Any]:
+    """The terms ``layer.add_loss`` recorded in the layer's last call (its activity
+    regularizer's among them; weight regularizers' not)."""
+    return list(getattr(layer, "_losses", None) or [])
+
+
 def keras_mask(tensor: Any) -> Any:
     """The Keras mask a layer attached to ``tensor`` (None without one): losses and metrics read
     it from ``y_pred``; Keras exports no getter for it."""
@@ -172,8 +178,8 @@ def overrides_hook(callback: keras.callbacks.Callback, hook: str) -> bool:
     return not getattr(getattr(callback, hook), "_is_default", False)
 
 
-def override(obj: Any, name: str, replacement: Callable[..., Any]) -> Callable[[], None]:
-    """Shadow the method ``name`` on this one object (not its class); returns the undo.
+def override(obj: Any, name: str, replacement: Any) -> Callable[[], None]:
+    """Shadow the method (or attribute) ``name`` on this one object (not its class); returns the undo.
 
     ``object.__setattr__`` keeps Keras's attribute tracking out of it.
     """

@@ -12,7 +12,9 @@ loss, and of its gradient, is then exactly what ``model.fit`` computes on that b
 Activity regularizers get the same treatment (padded rows left out, Keras's division by the
 batch size replaced by the global batch's real rows). ``add_loss`` terms computed in a
 layer's ``call`` are the user's own function of the batch and stay per replica: constant
-terms count once per global batch, batch-dependent ones are the mean over replicas.
+terms count once per global batch, batch-dependent ones are the mean over replicas (exact
+for a mean over the rows). No trainer can take padding rows out of them, so
+``warn_added_losses_see_padding`` says so before a run whose last batch is padded.
 
 The mask counted is the one on ``y_pred`` (Keras also merges a mask a loss function puts on
 its own values, which no Keras loss does). A loss whose values have no batch axis
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -214,3 +217,53 @@ def activity_regularizer_divides_by_batch_size() -> bool:
     layer = keras.layers.Activation("linear", activity_regularizer=ops.sum, name="dp_core_activity_probe")
     layer(ops.ones((2, 1)))
     return float(np.asarray(ops.convert_to_numpy(layer.losses[0]))) == 1.0
+
+
+def warn_added_losses_see_padding(model: keras.Model, inputs: FirstRows, *, num_samples: int, batch_size: int) -> None:
+    """A warning, before the run, when a layer's ``add_loss`` term depends on the rows it is
+    given and the last of ``num_samples // batch_size + 1`` batches is padded: the padding
+    rows count in that term there, where model.fit computes it over the real rows only.
+
+    A term is taken to depend on the rows when two single rows give two different values
+    (constant terms and weight regularizers do not). Runs the model in inference mode.
+    """
+    if num_samples % batch_size == 0:
+        return
+    x, _, _ = inputs.first_rows(2)
+    rows = len(keras.tree.flatten(x)[0])
+    try:
+        terms = [_added_losses(model, map_structure(lambda a, i=i: a[i : i + 1], x)) for i in range(min(rows, 2))]
+    except Exception:  # a model without call() (its train_step does the work): the run itself will tell
+        return
+    layers = [name for name, values in terms[0].items() if rows < 2 or values != terms[1].get(name)]
+    if not layers:
+        return
+    real = num_samples % batch_size
+    warnings.warn(
+        f"{'Layer' if len(layers) == 1 else 'Layers'} {', '.join(repr(name) for name in layers)} "
+        f"{'adds' if len(layers) == 1 else 'add'} a loss with add_loss() that depends on the batch's rows. "
+        f"The last batch holds {real} of {batch_size} rows ({num_samples} samples) and is padded up to a full "
+        "batch (one compiled step serves every batch, and replicas get equal shares), so on that batch the "
+        f"padding rows count in the term, where model.fit computes it over the {real} real rows. To be exact, "
+        f"choose a batch size that divides {num_samples}, or express the term as a per-sample loss or an "
+        "activity_regularizer (both are counted over real rows only).",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def _added_losses(model: keras.Model, x: Any) -> dict[str, list[float]]:
+    """The ``add_loss`` terms each layer adds on ``x`` (activity regularizers switched off)."""
+    layers = _internals.flatten_layers(model, include_self=True)
+    restores = [
+        _internals.override(layer, "activity_regularizer", None)
+        for layer in layers
+        if layer.activity_regularizer is not None
+    ]
+    try:
+        model(map_structure(ops.convert_to_tensor, x), **_internals.training_kwargs(model, False))
+    finally:
+        for restore in reversed(restores):
+            restore()
+    terms = {layer.name: _internals.added_losses(layer) for layer in layers}
+    return {name: [float(np.asarray(ops.convert_to_numpy(t))) for t in own] for name, own in terms.items() if own}
