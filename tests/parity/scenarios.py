@@ -333,7 +333,10 @@ def validation_batch_size(run: Runner) -> Any:
 
 @scenario("fit.validation_data", "fit.validation_steps")
 def validation_generator_steps(run: Runner) -> Any:
-    """`validation_data` an endless generator of batches, `validation_steps=2` (it goes on from epoch to epoch)."""
+    """`validation_data` an endless generator, `validation_steps=2`: each validation starts again, as in Keras.
+
+    A generator cannot start again; Keras serves the two batches it read ahead, and so do the trainers.
+    """
     x, y = tabular("validation_generator_steps")
     validation = cycle(_validation_rows("validation_generator_steps"), batch_size=16)
     history = _fit(run, mlp("validation_generator_steps"), x, y, validation_data=validation, validation_steps=2)

@@ -171,12 +171,19 @@ def _checked(model, num_samples, global_batch_size=4):
     x = np.random.default_rng(0).normal(size=(num_samples, 3)).astype("float32")
     y = np.zeros((num_samples, 2), "float32")
     checked_model_and_inputs(
-        model, x, y, backend=keras.backend.backend(), package="x_dp", global_batch_size=global_batch_size, num_replicas=2
+        model,
+        x,
+        y,
+        backend=keras.backend.backend(),
+        package="x_dp",
+        global_batch_size=global_batch_size,
+        num_replicas=2,
     )
 
 
 def test_a_row_dependent_added_loss_with_a_padded_last_batch_is_named_in_a_warning():
-    with pytest.warns(UserWarning, match=r"Layer '.*penalty.*' adds a loss with add_loss\(\).*holds 2 of 4 rows \(10 samples\)"):
+    expected = r"Layer '.*penalty.*' adds a loss with add_loss\(\).*holds 2 of 4 rows \(10 samples\)"
+    with pytest.warns(UserWarning, match=expected):
         _checked(_with_penalty(), 10)
 
 

@@ -134,3 +134,20 @@ def test_every_accessor_is_tested_here():
         if inspect.isfunction(value) and value.__module__ == internals.__name__
     ]
     assert [name for name in names if f"internals.{name}(" not in source] == []
+
+
+def test_added_losses_and_generator_read_ahead():
+    class Penalty(keras.layers.Layer):
+        def call(self, inputs):
+            self.add_loss(keras.ops.sum(inputs))
+            return inputs
+
+    penalty = Penalty()
+    keras.Sequential([keras.Input((2,)), penalty])(np.ones((3, 2), "float32"))
+    assert [float(keras.ops.convert_to_numpy(term)) for term in internals.added_losses(penalty)] == [6.0]
+
+    def generator():
+        yield from ((np.full((1, 1), i, "float32"),) for i in range(5))
+
+    adapter_reads = keras.src.trainers.data_adapters.generator_data_adapter.GeneratorDataAdapter(generator())
+    assert internals.generator_batches_read_ahead() == len(adapter_reads._first_batches) == 2

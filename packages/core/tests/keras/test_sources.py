@@ -104,3 +104,23 @@ def test_an_iterators_global_batch_size_is_its_first_batch_for_good():
     assert [len(x) for x, _, _ in source.epoch(0)] == [16, 16]
     assert source.global_batch_size == 16  # not the 13 rows an iterator would yield next
     assert [len(x) for x, _, _ in source.epoch(1)] == [13, 16]
+
+
+def _first_values(source, epochs):
+    return [[int(x[0, 0]) for x, _, _ in source.epoch(epoch)] for epoch in range(epochs)]
+
+
+def test_validation_starts_again_each_time_as_keras_does():
+    # Keras's words: "the evaluation will start from the beginning of the dataset at each epoch";
+    # a generator cannot, so its first two batches (read ahead) are served again, then it goes on.
+    generator = ((np.full((2, 1), i, "float32"), np.zeros(2)) for i in range(100))
+    assert _first_values(batch_source(generator, steps=3, restarts=True), 3) == [[0, 1, 2], [0, 1, 3], [0, 1, 4]]
+
+    class Endless(Batches):
+        num_batches = None
+
+        def __getitem__(self, index):
+            return np.full((2, 1), index, "float32"), np.zeros(2)
+
+    assert _first_values(batch_source(Endless(), steps=2, restarts=True), 2) == [[0, 1], [0, 1]]
+    assert _first_values(batch_source(Endless(), steps=2), 2) == [[0, 1], [2, 3]]  # training goes on

@@ -131,6 +131,7 @@ def batch_source(
     steps: int | None = None,
     class_weight: Mapping[int, float] | None = None,
     name: str = "x",
+    restarts: bool = False,
 ) -> BatchSource:
     """A batch-yielding ``x``, after Keras's checks: ``y`` and ``sample_weight`` come from its batches."""
     if y is not None or sample_weight is not None:
@@ -138,7 +139,7 @@ def batch_source(
             f"{name} is a {type(x).__name__}, which yields its own batches, so y and sample_weight must come from "
             "them, not as separate arguments: yield (x, y) or (x, y, sample_weight)."
         )
-    return BatchSource(x, steps_per_epoch=steps, class_weight=class_weight, name=name)
+    return BatchSource(x, steps_per_epoch=steps, class_weight=class_weight, name=name, restarts=restarts)
 
 
 def fit_arguments(
@@ -167,7 +168,7 @@ def fit_arguments(
         raise ValueError(f"initial_epoch must be an integer >= 0, got {initial_epoch!r}.")
     validation: Inputs | BatchSource | None = None
     if is_batch_source(validation_data):
-        validation = batch_source(validation_data, steps=validation_steps, name="validation_data")
+        validation = batch_source(validation_data, steps=validation_steps, name="validation_data", restarts=True)
     elif validation_data is not None:
         validation = validation_inputs(validation_data)
         _check_no_steps(validation_steps, "validation_steps")

@@ -157,6 +157,14 @@ def added_losses(layer: keras.layers.Layer) -> list[Any]:
     return list(getattr(layer, "_losses", None) or [])
 
 
+def generator_batches_read_ahead() -> int:
+    """How many batches Keras's generator adapter reads before training and serves again
+    whenever the generator is iterated anew (validation at each epoch)."""
+    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    return int(data_adapter_utils.NUM_BATCHES_FOR_TENSOR_SPEC)
+
+
 def keras_mask(tensor: Any) -> Any:
     """The Keras mask a layer attached to ``tensor`` (None without one): losses and metrics read
     it from ``y_pred``; Keras exports no getter for it."""

@@ -18,6 +18,12 @@ Epochs, as Keras's adapters run them:
   ``steps_per_epoch`` batches or until it ends (an ended one stops training, with Keras's warning);
 - any other iterable (a ``DataLoader``, ``tf.data``, grain) is iterated anew each epoch, its own
   shuffling included, at most ``steps_per_epoch`` batches.
+
+``validation_data`` is read as Keras reads it (``restarts=True``): every validation starts from
+the beginning, "so the same validation samples are used every time" (Keras's words). An
+endless ``PyDataset`` starts again at index 0. A generator cannot start again: Keras serves the
+first two batches it read when it looked at the generator again, then goes on where the
+generator is; so does this.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import numpy as np
 
 from dp_core._data import flatten, is_array_like, take_rows
 from dp_core._split import epoch_order
+from dp_core.keras import _internals
 from dp_core.keras._inputs import as_keras_reads
 
 GlobalBatch = tuple[Any, Any, Any]  # (x, y, sample_weight) as numpy, y and sample_weight may be None
@@ -63,6 +70,7 @@ class BatchSource:
         steps_per_epoch: int | None = None,
         class_weight: Mapping[int, float] | None = None,
         name: str = "x",
+        restarts: bool = False,
     ) -> None:
         if steps_per_epoch is not None and (
             isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, int) or steps_per_epoch < 1
@@ -74,7 +82,8 @@ class BatchSource:
         self.name = name
         self.one_shot = isinstance(source, Iterator)
         self.exhausted = False
-        self._peeked: GlobalBatch | None = None  # an iterator's first batch, read early, served first
+        self.restarts = restarts
+        self._peeked: list[GlobalBatch] = []  # an iterator's first batches, read early, served first
         self._global_batch_size: int | None = None
         if self._num_source_batches() is None and steps_per_epoch is None and self.is_py_dataset:
             raise ValueError(
@@ -107,12 +116,13 @@ class BatchSource:
             return self._standardize(self.source[0])
         if not self.one_shot:
             return self._standardize(next(iter(self.source)))
-        if self._peeked is None:
-            try:
-                self._peeked = self._standardize(next(self.source))
-            except StopIteration:
-                raise ValueError(f"{self.name} ({type(self.source).__name__}) yielded no batch.") from None
-        return self._peeked
+        if not self._peeked:
+            # Keras's generator adapter reads two batches ahead and serves them again at every restart
+            ahead = _internals.generator_batches_read_ahead() if self.restarts else 1
+            self._peeked = [self._standardize(item) for item in itertools.islice(self.source, ahead)]
+            if not self._peeked:
+                raise ValueError(f"{self.name} ({type(self.source).__name__}) yielded no batch.")
+        return self._peeked[0]
 
     @property
     def global_batch_size(self) -> int:
@@ -134,9 +144,14 @@ class BatchSource:
             yield from self._py_dataset_epoch(epoch, shuffle=shuffle, seed=seed)
             return
         iterator = self.source if self.one_shot else iter(self.source)
-        if self._peeked is not None:
-            iterator = itertools.chain([self._peeked], iterator)  # type: ignore[assignment]
-            self._peeked = None
+        if self.one_shot and self.restarts:
+            self.first_batch()
+            iterator = itertools.chain(self._peeked, (self._standardize(item) for item in iterator))
+            yield from iterator if self.steps_per_epoch is None else itertools.islice(iterator, self.steps_per_epoch)
+            return
+        if self._peeked:
+            iterator = itertools.chain(self._peeked, iterator)  # type: ignore[assignment]
+            self._peeked = []
         batches = iterator if self.steps_per_epoch is None else itertools.islice(iterator, self.steps_per_epoch)
         count = 0
         for item in batches:
@@ -151,7 +166,8 @@ class BatchSource:
         dataset = self.source
         known = dataset.num_batches
         if known is None:
-            indices: Iterable[int] = range(epoch * self.steps_per_epoch, (epoch + 1) * self.steps_per_epoch)  # type: ignore[operator]
+            start = 0 if self.restarts else epoch * self.steps_per_epoch  # type: ignore[operator]
+            indices: Iterable[int] = range(start, start + self.steps_per_epoch)  # type: ignore[operator]
         else:
             count = self.num_batches or 0
             indices = epoch_order(known, seed=seed, epoch=epoch, shuffle=shuffle)[:count]
