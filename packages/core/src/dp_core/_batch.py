@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dp_core._options import check_integer
+
 
 def per_replica_batch_size(global_batch_size: int, num_replicas: int) -> int:
     """Rows each replica sees per step: ``global_batch_size // num_replicas``.
@@ -14,8 +16,8 @@ def per_replica_batch_size(global_batch_size: int, num_replicas: int) -> int:
     rounding, because rounding would change the optimisation (and break the
     promise that N replicas train like one).
     """
-    _check_positive_int("global_batch_size", global_batch_size)
-    _check_positive_int("num_replicas", num_replicas)
+    global_batch_size = check_integer("global_batch_size", global_batch_size, minimum=1)
+    num_replicas = check_integer("num_replicas", num_replicas, minimum=1)
     if global_batch_size % num_replicas:
         below = global_batch_size - global_batch_size % num_replicas
         above = below + num_replicas
@@ -29,5 +31,4 @@ def per_replica_batch_size(global_batch_size: int, num_replicas: int) -> int:
 
 
 def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    check_integer(name, value, minimum=1)

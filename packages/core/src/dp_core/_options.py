@@ -15,8 +15,14 @@ def check_batch_norm_mode(batch_norm: object) -> BatchNormMode:
     return batch_norm  # type: ignore[return-value]
 
 
+def check_integer(name: str, value: object, *, minimum: int) -> int:
+    """``value`` as a Python ``int`` (numpy integers too), or a ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not hasattr(value, "__index__") or value.__index__() < minimum:  # type: ignore[attr-defined]
+        expected = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{name} must be {expected}, got {value!r}.")
+    return value.__index__()  # type: ignore[attr-defined]
+
+
 def check_epochs(epochs: object) -> int:
     """``fit``'s ``epochs``: an integer >= 0 (numpy integers too)."""
-    if isinstance(epochs, bool) or not hasattr(epochs, "__index__") or int(epochs) < 0:  # type: ignore[call-overload]
-        raise ValueError(f"epochs must be an integer >= 0, got {epochs!r}.")
-    return int(epochs)  # type: ignore[call-overload]
+    return check_integer("epochs", epochs, minimum=0)

@@ -92,3 +92,21 @@ def test_errors_name_what_was_passed():
             steps_name="steps_per_epoch",
         )
     assert arguments(Inputs(x, y), epochs=np.int64(3)).epochs == 3  # numpy integers are integers
+
+
+def test_numpy_integers_are_integers_and_seed_and_shuffle_are_checked_first():
+    x, y = np.zeros((10, 3)), np.zeros(10)
+    assert global_batch_size_of(np.int64(64), None) == 64 and type(global_batch_size_of(np.int32(8), None)) is int
+    checked = arguments(Inputs(x, y), seed=np.uint8(7), initial_epoch=np.int64(1), shuffle=np.bool_(False))
+    assert (checked.seed, checked.initial_epoch, checked.shuffle) == (7, 1, False)
+    assert type(checked.seed) is int and type(checked.shuffle) is bool
+    with pytest.raises(ValueError, match=r"seed must be an integer >= 0, got -3"):
+        arguments(Inputs(x, y), seed=-3)
+    with pytest.raises(ValueError, match=r"seed must be an integer >= 0, got '1'"):
+        arguments(Inputs(x, y), seed="1")
+    with pytest.raises(ValueError, match=r"shuffle must be True or False, got 'batch'"):
+        arguments(Inputs(x, y), shuffle="batch")
+    with pytest.raises(ValueError, match=r"batch_size must be a positive integer, got 8.0"):
+        global_batch_size_of(8.0, None)
+    with pytest.raises(ValueError, match=r"validation_batch_size must be a positive integer, got 0"):
+        arguments(Inputs(x, y), validation_batch_size=0)

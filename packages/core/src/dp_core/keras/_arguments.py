@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import keras
+import numpy as np
 
 from dp_core._batch import per_replica_batch_size
 from dp_core._checkpoint import check_checkpoint_arguments
 from dp_core._data import map_structure
-from dp_core._options import check_epochs
+from dp_core._options import check_epochs, check_integer
 from dp_core._trainer import Verbose
 from dp_core.keras._inputs import Inputs, validation_inputs
 from dp_core.keras._losses import warn_added_losses_see_padding
@@ -85,8 +86,11 @@ def global_batch_size_of(batch_size: Any, global_batch_size: Any, x: Any = None)
             f"batch_size={batch_size!r} and global_batch_size={global_batch_size!r} name the same thing (the global "
             "batch, split over the replicas) but differ; pass one of them."
         )
-    chosen = batch_size if batch_size is not None else global_batch_size
-    return DEFAULT_BATCH_SIZE if chosen is None else chosen
+    if batch_size is not None:
+        return check_integer("batch_size", batch_size, minimum=1)
+    if global_batch_size is not None:
+        return check_integer("global_batch_size", global_batch_size, minimum=1)
+    return DEFAULT_BATCH_SIZE
 
 
 def checked_model_and_inputs(
@@ -164,8 +168,11 @@ def fit_arguments(
     """``fit``'s arguments checked, after ``checked_model_and_inputs``."""
     check_checkpoint_arguments(checkpoint_dir, checkpoint_every_steps)
     epochs = check_epochs(epochs)
-    if isinstance(initial_epoch, bool) or not isinstance(initial_epoch, int) or initial_epoch < 0:
-        raise ValueError(f"initial_epoch must be an integer >= 0, got {initial_epoch!r}.")
+    initial_epoch = check_integer("initial_epoch", initial_epoch, minimum=0)
+    seed = check_integer("seed", seed, minimum=0)
+    if not isinstance(shuffle, (bool, np.bool_)):
+        raise ValueError(f"shuffle must be True or False, got {shuffle!r}.")
+    shuffle = bool(shuffle)
     validation: Inputs | BatchSource | None = None
     if is_batch_source(validation_data):
         validation = batch_source(validation_data, steps=validation_steps, name="validation_data", restarts=True)
@@ -173,6 +180,7 @@ def fit_arguments(
         validation = validation_inputs(validation_data)
         _check_no_steps(validation_steps, "validation_steps")
     if validation_batch_size is not None:
+        validation_batch_size = check_integer("validation_batch_size", validation_batch_size, minimum=1)
         per_replica_batch_size(validation_batch_size, num_replicas)
     if validation is None and validation_split:
         if isinstance(inputs, BatchSource):
