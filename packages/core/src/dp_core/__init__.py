@@ -28,6 +28,8 @@ from dp_core._lr import sqrt_scaling as sqrt_scaling
 from dp_core._nonfinite import NonFiniteLoss as NonFiniteLoss
 from dp_core._nonfinite import NonFiniteLossError as NonFiniteLossError
 from dp_core._options import BatchNormMode as BatchNormMode
+from dp_core._preemption import Preempted as Preempted
+from dp_core._preemption import PreemptionWatch as PreemptionWatch
 from dp_core._split import Shard as Shard
 from dp_core._split import epoch_order as epoch_order
 from dp_core._split import num_steps as num_steps
@@ -48,6 +50,8 @@ __all__ = [
     "ModelFactory",
     "NonFiniteLoss",
     "NonFiniteLossError",
+    "Preempted",
+    "PreemptionWatch",
     "ReplicaLayout",
     "Schedule",
     "Shard",

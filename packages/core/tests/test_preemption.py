@@ -1,0 +1,46 @@
+"""A preemption notice (SIGTERM, SIGUSR1) asks a run to stop instead of ending the process."""
+
+import os
+import signal
+import threading
+
+import pytest
+
+from dp_core import Preempted, PreemptionWatch
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_notice_is_recorded_and_the_previous_handler_comes_back(signum):
+    seen = []
+    previous = signal.signal(signum, lambda number, frame: seen.append(number))
+    try:
+        with PreemptionWatch() as watch:
+            assert watch.watching and watch.requested is None
+            os.kill(os.getpid(), signum)
+            assert watch.requested == signal.Signals(signum).name and seen == []
+            os.kill(os.getpid(), signum)  # a second notice gets the usual handling
+            assert seen == [signum]
+        os.kill(os.getpid(), signum)
+        assert seen == [signum, signum]
+    finally:
+        signal.signal(signum, previous)
+
+
+def test_outside_the_main_thread_nothing_is_watched():
+    outcome = []
+
+    def enter():
+        with PreemptionWatch() as watch:
+            outcome.append(watch.watching)
+
+    thread = threading.Thread(target=enter)
+    thread.start()
+    thread.join(5)
+    assert outcome == [False]
+
+
+def test_the_error_says_where_it_stopped_and_how_to_resume():
+    saved = Preempted(signal_name="SIGTERM", epoch=2, step=5, checkpoint="/ckpt/step-000002-000000005")
+    assert "stopped at epoch 2, step 5" in str(saved) and "/ckpt/step-000002-000000005" in str(saved)
+    lost = Preempted(signal_name="SIGUSR1", epoch=0, step=1, checkpoint=None)
+    assert "pass checkpoint_dir" in str(lost) and lost.signal_name == "SIGUSR1"
