@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dp_core import num_steps, split_indices
+from dp_core import epoch_order, num_steps, split_indices
 from dp_core.keras import BatchSource, Inputs, batch_rows, map_structure, padded_batch_size, replica_part
 from torch_dp._comm import Replica
 
@@ -176,17 +176,26 @@ def _source_batches(
     shuffle: bool,
     first_step: int,
 ) -> Iterator[Batch]:
-    """A source's global batches, read by rank 0 and broadcast (``None`` ends the epoch), each
-    replica keeping its contiguous part, padded and masked as an array input's."""
+    """A source's global batches, each replica keeping its contiguous part, padded and masked
+    as an array input's."""
+    for batch in _global_source_batches(source, replica, epoch, seed, shuffle, first_step):
+        yield _part(batch, replica, global_batch_size)
+
+
+def _global_source_batches(
+    source: BatchSource | SourceOnPrimary, replica: Replica, epoch: int, seed: int, shuffle: bool, first_step: int
+) -> Iterator[tuple[Any, Any, Any]]:
+    """A source's whole global batches from ``first_step`` on, read by rank 0 and broadcast
+    (``None`` ends the epoch)."""
     if isinstance(source, BatchSource):
         batches: Iterator[Any] = source.epoch(epoch, shuffle=shuffle, seed=seed)
         for step, batch in enumerate(batches):
             if step >= first_step:
-                yield _part(_shared_from_primary(batch, replica), replica, global_batch_size)
+                yield _shared_from_primary(batch, replica)
         _shared_from_primary(None, replica)
         return
     while (batch := _shared_from_primary(None, replica)) is not None:
-        yield _part(batch, replica, global_batch_size)
+        yield batch
 
 
 def _shared_from_primary(batch: Any, replica: Replica) -> Any:
@@ -224,3 +233,73 @@ def _batch(
     if global_real_rows < global_batch_size:
         mask_tensor = cast(torch.Tensor, keras.ops.convert_to_tensor(mask.astype(keras.backend.floatx())))
     return Batch(x, y, sample_weight, mask_tensor, real_rows, len(mask), global_real_rows, global_batch_size)
+
+
+@dataclass
+class EvenBatch:
+    """One replica's rows of one global batch for a model's own step (``train_step`` and the
+    others overridden): never padded, since a user's step cannot be told to ignore rows.
+
+    The global batch's ``global_real_rows`` rows are split as evenly as possible, in order
+    (``even_part``). ``weight`` (``rows * num_replicas / global_real_rows``, 1 on a full batch)
+    is what this replica's gradients and scalar metric updates count for, so that their mean
+    over replicas is the global batch's. A replica left without rows (fewer rows than
+    replicas) runs the step on a copy of the batch's first row, with weight 0.
+    """
+
+    data: Any  # (x, y, sample_weight) packed as Keras hands a batch to a step
+    rows: int  # 0: ``data`` holds a copy of one real row that must weigh nothing
+    global_real_rows: int
+    num_replicas: int
+
+    @property
+    def weight(self) -> float:
+        return self.rows * self.num_replicas / self.global_real_rows
+
+
+def even_part(global_real_rows: int, num_replicas: int, rank: int) -> tuple[int, int]:
+    """``(start, count)`` of replica ``rank``'s rows of a global batch: counts differ by at most
+    one, the first replicas taking one more, in order.
+
+    >>> [even_part(3, 2, rank) for rank in range(2)]
+    [(0, 2), (2, 1)]
+    >>> [even_part(1, 2, rank) for rank in range(2)]
+    [(0, 1), (1, 0)]
+    """
+    base, extra = divmod(global_real_rows, num_replicas)
+    return rank * base + min(rank, extra), base + int(rank < extra)
+
+
+def even_batches(
+    inputs: Readable,
+    replica: Replica,
+    *,
+    global_batch_size: int,
+    epoch: int = 0,
+    seed: int = 0,
+    shuffle: bool = False,
+    first_step: int = 0,
+) -> Iterator[EvenBatch]:
+    """This replica's ``EvenBatch`` of each global batch of one epoch from ``first_step`` on
+    (the same global batches, in the same order, as ``replica_batches``)."""
+    if not isinstance(inputs, Inputs):
+        for batch in _global_source_batches(inputs, replica, epoch, seed, shuffle, first_step):
+            real = batch_rows(batch)
+            start, count = even_part(real, replica.num_replicas, replica.rank)
+            rows = slice(start, start + count) if count else slice(0, 1)
+            part = tuple(map_structure(lambda leaf, rows=rows: leaf[rows], piece) for piece in batch)
+            yield _even_batch(part, count, real, replica)
+        return
+    num_samples = inputs.num_samples
+    order = epoch_order(num_samples, seed=seed, epoch=epoch, shuffle=shuffle)
+    for step in range(first_step, num_steps(num_samples, global_batch_size)):
+        indices = order[step * global_batch_size : (step + 1) * global_batch_size]
+        start, count = even_part(len(indices), replica.num_replicas, replica.rank)
+        mine = indices[start : start + count] if count else indices[:1]
+        yield _even_batch(inputs.rows(mine), count, len(indices), replica)
+
+
+def _even_batch(part: tuple[Any, Any, Any], rows: int, global_real_rows: int, replica: Replica) -> EvenBatch:
+    x, y, sample_weight = (map_structure(keras.ops.convert_to_tensor, piece) for piece in part)
+    data = keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
+    return EvenBatch(data, rows, global_real_rows, replica.num_replicas)

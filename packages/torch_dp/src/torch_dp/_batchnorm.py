@@ -27,32 +27,50 @@ _current = threading.local()
 
 
 @contextlib.contextmanager
-def real_rows(mask: torch.Tensor | None) -> Iterator[None]:
-    """Within the block, BN layers count only rows where ``mask`` (shape ``(rows,)``) is 1."""
-    previous = getattr(_current, "mask", None)
-    _current.mask = mask
+def real_rows(mask: torch.Tensor | None, *, gradient_weight: float = 1.0) -> Iterator[None]:
+    """Within the block, BN layers count only rows where ``mask`` (shape ``(rows,)``) is 1.
+
+    ``gradient_weight`` is what this replica's gradients will be multiplied by before they are
+    averaged (a model's own ``train_step`` on an uneven last batch, see ``_custom``): the
+    gradient that flows back through the shared statistics is weighted to match.
+    """
+    previous = getattr(_current, "mask", None), getattr(_current, "weight", 1.0)
+    _current.mask, _current.weight = mask, gradient_weight
     try:
         yield
     finally:
-        _current.mask = previous
+        _current.mask, _current.weight = previous
 
 
 class _SumOverReplicas(torch.autograd.Function):
     """All-reduce whose gradient is the all-reduced gradient: every replica's loss depends
     on every replica's rows through the shared statistics. (What the deprecated
-    ``torch.distributed.nn.functional.all_reduce`` does.)"""
+    ``torch.distributed.nn.functional.all_reduce`` does.)
+
+    With a gradient weight ``w_r`` on replica ``r`` (its gradients are multiplied by ``w_r``
+    later, then averaged), the statistics' gradient is ``sum_s(w_s g_s) / w_r``: after that
+    multiplication the path through the statistics counts every replica's loss by its own
+    weight, as the gradient of the weighted mean of the losses requires.
+    """
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
+        ctx.weight = getattr(_current, "weight", 1.0)
         summed = tensor.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(summed)
         return summed
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> torch.Tensor:
+        weight = ctx.weight
         summed = grad_outputs[0].clone(memory_format=torch.contiguous_format)
+        if weight != 1.0:
+            summed.mul_(weight)
         dist.all_reduce(summed)
-        return summed
+        if weight == 1.0:
+            return summed
+        # a replica of weight 0 holds no real row: nothing of its own reaches the statistics
+        return summed.div_(weight) if weight else summed.zero_()
 
 
 def _moments(layer: Any, inputs: torch.Tensor, mask: Any, *, synchronized: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -84,17 +84,39 @@ def check_same_variables(model: Any, replica: Replica, *, optimizer: bool) -> No
     """Before rank 0's state is broadcast by position: every replica's model (and optimizer)
     has the same variables, in number, shapes and dtypes, or every replica raises."""
     variables = list(model.variables) + (list(model.optimizer.variables) if optimizer else [])
+    differing, layout = _replicas_with_other_layout(variables, replica)
+    if differing:
+        raise RuntimeError(
+            f"torch_dp: {differing} worker replica(s) rebuilt the model with other variables than the "
+            f"caller's ({len(variables)} here, shapes and dtypes {layout[:300]}...). A model factory must build "
+            "the same model each time it is called; a model object is rebuilt from model.save(), so its layers "
+            "must restore the same variables from their config, and its optimizer is rebuilt over all trainable "
+            "variables (one built over some of them, as a GAN's, needs a factory)."
+        )
+
+
+def check_same_optimizer_variables(optimizer: Any, replica: Replica) -> None:
+    """Before an optimizer's state is broadcast by position: it has the same variables on every
+    replica, or every replica raises."""
+    variables = list(optimizer.variables)
+    differing, layout = _replicas_with_other_layout(variables, replica)
+    if differing:
+        raise RuntimeError(
+            f"torch_dp: the optimizer '{optimizer.name}' has other variables on {differing} worker replica(s) than "
+            f"in the caller ({len(variables)} here, shapes and dtypes {layout[:300]}...), so rank 0's state cannot "
+            "be copied to them. Build it in the model factory on the variables the train_step applies it to "
+            "(optimizer.build(variables)), or leave it unbuilt until the first step."
+        )
+
+
+def _replicas_with_other_layout(variables: Sequence[Any], replica: Replica) -> tuple[int, str]:
+    """How many replicas hold ``variables`` with other shapes and dtypes than rank 0 (0 on all
+    when they agree; a collective), and this replica's layout, described."""
     layout = ";".join(f"{tuple(v.shape)}:{v.dtype}" for v in variables)
     mine = float(int.from_bytes(hashlib.blake2b(layout.encode(), digest_size=6).digest(), "big"))  # exact as float64
     (primary,) = broadcast_floats([mine], replica)
     (differing,) = all_reduce_sum([torch.tensor([float(primary != mine)], device=replica.device)], replica)
-    if differing.item():
-        raise RuntimeError(
-            f"torch_dp: {int(differing.item())} worker replica(s) rebuilt the model with other variables than the "
-            f"caller's ({len(variables)} here, shapes and dtypes {layout[:300]}...). A model factory must build "
-            "the same model each time it is called; a model object is rebuilt from model.save(), so its layers "
-            "must restore the same variables from their config."
-        )
+    return int(differing.item()), layout
 
 
 def broadcast_floats(values: Sequence[float], replica: Replica) -> list[float]:
@@ -113,3 +135,15 @@ def all_gather_rows(tensor: torch.Tensor, replica: Replica) -> list[torch.Tensor
     parts = [torch.empty_like(tensor) for _ in range(replica.num_replicas)]
     dist.all_gather(parts, tensor.contiguous())
     return parts
+
+
+def all_gather_varying_rows(tensor: torch.Tensor, replica: Replica) -> list[torch.Tensor]:
+    """Every replica's ``tensor``, in rank order, when their first axes may differ in length
+    (the other axes agree): padded to the longest for the gather, then cut back."""
+    if not replica.distributed:
+        return [tensor]
+    length = torch.tensor([tensor.shape[0]], dtype=torch.int64, device=tensor.device)
+    lengths = [int(n.item()) for n in all_gather_rows(length, replica)]
+    padded = tensor.new_zeros((max(lengths), *tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor
+    return [part[:n] for part, n in zip(all_gather_rows(padded, replica), lengths, strict=True)]

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import keras
-import numpy as np
 import torch
 
 from dp_core import BatchNormMode, NonFiniteLoss, Verbose
@@ -28,9 +27,10 @@ from dp_core.keras import (
 from torch_dp._batches import Readable, SourceOnPrimary, open_shared
 from torch_dp._batchnorm import masked_batch_norm
 from torch_dp._checkpoints import resume_from
-from torch_dp._comm import Replica, all_gather_rows
+from torch_dp._comm import Replica, all_gather_rows, all_gather_varying_rows
+from torch_dp._custom import custom_steps
 from torch_dp._loop import evaluate_loop, fit_loop, predict_loop
-from torch_dp._transfer import in_batch_order, in_input_order
+from torch_dp._transfer import in_batch_order, in_even_order, in_input_order
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,7 @@ class FitJob:
         with (
             masked_batch_norm(model, self.batch_norm, replica),
             learning_rate_policy_installed(model.optimizer, self.lr_policy),
+            custom_steps(model, replica, ("train_step", "test_step")) as custom,
         ):
             start = resume_from(self.resume_from, model)  # after the policy: the checkpoint's rate wins
             writer = None
@@ -68,7 +69,7 @@ class FitJob:
                     num_replicas=replica.num_replicas,
                     lr_policy=None if self.lr_policy is None else self.lr_policy.config(),
                 )
-            return fit_loop(model, self, replica, start=start, checkpoints=writer)
+            return fit_loop(model, self, replica, start=start, checkpoints=writer, custom=custom)
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,10 @@ class EvaluateJob:
     callbacks: Sequence[keras.callbacks.Callback] = ()
 
     def run(self, model: keras.Model, replica: Replica) -> dict[str, Any]:
-        with masked_batch_norm(model, self.batch_norm, replica):
+        with (
+            masked_batch_norm(model, self.batch_norm, replica),
+            custom_steps(model, replica, ("test_step",)) as custom,
+        ):
             return evaluate_loop(
                 model,
                 self.inputs,
@@ -92,32 +96,45 @@ class EvaluateJob:
                 callbacks=self.callbacks,
                 verbose=self.verbose,
                 log_every_steps=self.log_every_steps,
+                custom=custom,
             )
 
 
 @dataclass(frozen=True)
 class PredictJob:
-    """``predict``'s arguments; ``run`` returns every row's outputs (flat leaves, input order)."""
+    """``predict``'s arguments; ``run`` returns every row's outputs, in input order, in the
+    structure the model's (or its own ``predict_step``'s) outputs have."""
 
     inputs: Readable
     global_batch_size: int
     verbose: Verbose
     callbacks: Sequence[keras.callbacks.Callback] = ()
 
-    def run(self, model: keras.Model, replica: Replica) -> list[np.ndarray]:
-        outputs, real_rows = predict_loop(
-            model, self.inputs, self.global_batch_size, replica, callbacks=self.callbacks, verbose=self.verbose
-        )
+    def run(self, model: keras.Model, replica: Replica) -> Any:
+        with custom_steps(model, replica, ("predict_step",)) as custom:
+            outputs, real_rows = predict_loop(
+                model,
+                self.inputs,
+                self.global_batch_size,
+                replica,
+                callbacks=self.callbacks,
+                verbose=self.verbose,
+                custom=custom,
+            )
         local = keras.tree.flatten(outputs)
         # gathered on every replica: one collective, and no replica needs to know which one reports
+        gather = all_gather_varying_rows if custom.predict else all_gather_rows
         parts = [
-            [p.cpu().numpy() for p in all_gather_rows(torch.as_tensor(leaf, device=replica.device), replica)]
-            for leaf in local
+            [p.cpu().numpy() for p in gather(torch.as_tensor(leaf, device=replica.device), replica)] for leaf in local
         ]
         by_rank = [[parts[leaf][rank] for leaf in range(len(local))] for rank in range(replica.num_replicas)]
-        if isinstance(self.inputs, Inputs):
-            return in_input_order(by_rank, self.inputs.num_samples, self.global_batch_size)
-        return in_batch_order(by_rank, real_rows, self.global_batch_size)
+        if custom.predict:  # no padding: each global batch's rows split evenly
+            leaves = in_even_order(by_rank, real_rows)
+        elif isinstance(self.inputs, Inputs):
+            leaves = in_input_order(by_rank, self.inputs.num_samples, self.global_batch_size)
+        else:
+            leaves = in_batch_order(by_rank, real_rows, self.global_batch_size)
+        return keras.tree.pack_sequence_as(outputs, leaves)
 
 
 Job = FitJob | EvaluateJob | PredictJob

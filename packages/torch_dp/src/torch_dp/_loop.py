@@ -1,6 +1,10 @@
 """The epoch loops every replica runs: Keras's ``fit``/``evaluate``/``predict`` loops,
 with callbacks and the progress bar on rank 0 only and every decision rank 0 makes
-(stop, learning rate) sent to all replicas at the point Keras would act on it."""
+(stop, learning rate) sent to all replicas at the point Keras would act on it.
+
+A model's own ``train_step``/``test_step``/``predict_step`` (``_custom``) runs in the same
+loops on ``even_batches`` (unpadded rows); its decisions travel in a small broadcast before
+each step instead of riding on the gradients' all-reduce, which the user's step owns."""
 
 from __future__ import annotations
 
@@ -23,28 +27,37 @@ from dp_core.keras import (
     skipped_message,
     verbosity,
 )
-from torch_dp._batches import Readable, replica_batches, steps_of
+from torch_dp._batches import EvenBatch, Readable, even_batches, replica_batches, steps_of
 from torch_dp._checkpoints import restore_metrics, save
 from torch_dp._comm import Replica, broadcast_floats, same_state_as_primary
+from torch_dp._custom import CustomSteps, optimizers_of
 from torch_dp._steps import global_logs, logs_of, predict_step, test_step, train_step
 
 if TYPE_CHECKING:  # _jobs imports this module
     from torch_dp._jobs import FitJob
 
 
-def _share_decisions(model: keras.Model, replica: Replica) -> bool:
-    """Rank 0's ``stop_training`` and learning rate (callbacks may change both) on every replica."""
-    rate = internals.learning_rate_object(model.optimizer)
-    rate = rate if isinstance(rate, keras.Variable) else None
+def _share_decisions(model: keras.Model, replica: Replica, *, stopped: bool | None = None) -> bool:
+    """Rank 0's ``stop_training`` and learning rates (callbacks may change them: the model's
+    optimizer's, and any other optimizer the model holds) on every replica; returns the stop.
+
+    ``stopped`` is rank 0's stop as it was before the hook just called: one a hook sets now takes
+    effect after the coming step, as in Keras, and is kept for the next call."""
+    rates = [internals.learning_rate_object(optimizer) for optimizer in optimizers_of(model)]
+    variables = [rate for rate in rates if isinstance(rate, keras.Variable)]
     mine = [
-        float(bool(model.stop_training)),
-        0.0 if rate is None else np.asarray(keras.ops.convert_to_numpy(rate)).item(),
+        float(bool(model.stop_training if stopped is None else stopped)),
+        *(np.asarray(keras.ops.convert_to_numpy(rate)).item() for rate in variables),
     ]
-    stop, learning_rate = broadcast_floats(mine, replica)
-    if rate is not None and not replica.is_primary:
-        rate.assign(learning_rate)
-    model.stop_training = bool(stop)
-    return model.stop_training
+    stop, *learning_rates = broadcast_floats(mine, replica)
+    if not replica.is_primary:
+        for rate, learning_rate in zip(variables, learning_rates, strict=True):
+            rate.assign(learning_rate)
+    if stopped is None:
+        model.stop_training = bool(stop)
+        return model.stop_training
+    model.stop_training = bool(stop) or bool(model.stop_training)
+    return bool(stop)
 
 
 def _initial_epoch(model: keras.Model, initial_epoch: int, replica: Replica) -> int:
@@ -68,8 +81,10 @@ def fit_loop(
     *,
     start: Start,
     checkpoints: CheckpointWriter | None = None,
+    custom: CustomSteps | None = None,
 ) -> keras.callbacks.History:
-    """Train on this replica's shard of every epoch from ``start``; returns this replica's History."""
+    """Train on this replica's shard of every epoch from ``start``; returns this replica's History.
+    ``custom`` runs the model's own ``train_step``/``test_step`` where it has them."""
     arguments = job.arguments
     steps = steps_of(job.inputs, arguments.global_batch_size)
     callbacks = callback_list(
@@ -99,18 +114,32 @@ def fit_loop(
         callbacks.on_epoch_begin(epoch)
         if _share_decisions(model, replica):
             break
-        _train_epoch(
-            model,
-            job,
-            epoch,
-            replica,
-            callbacks,
-            log_every=every,
-            decide_each_step=batch_logs,
-            first_step=first_step,
-            checkpoints=checkpoints,
-        )
-        epoch_logs = global_logs(model, replica)
+        if custom is not None and custom.train:
+            returned = _train_epoch_custom(
+                model,
+                job,
+                epoch,
+                replica,
+                callbacks,
+                custom,
+                log_every=every,
+                first_step=first_step,
+                checkpoints=checkpoints,
+            )
+            epoch_logs = custom.logs(returned)
+        else:
+            _train_epoch(
+                model,
+                job,
+                epoch,
+                replica,
+                callbacks,
+                log_every=every,
+                decide_each_step=batch_logs,
+                first_step=first_step,
+                checkpoints=checkpoints,
+            )
+            epoch_logs = global_logs(model, replica)
         model.eval()
         if arguments.validates_after(epoch):
             assert job.validation is not None
@@ -121,6 +150,7 @@ def fit_loop(
                 replica,
                 callbacks=arguments.callbacks,
                 in_fit=callbacks,
+                custom=custom,
             )
             epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
         callbacks.on_epoch_end(epoch, epoch_logs)
@@ -186,6 +216,50 @@ def _train_epoch(
             save(checkpoints, model, replica, epoch=epoch, step=step + 1)
 
 
+def _train_epoch_custom(
+    model: keras.Model,
+    job: FitJob,
+    epoch: int,
+    replica: Replica,
+    callbacks: keras.callbacks.CallbackList,
+    custom: CustomSteps,
+    *,
+    log_every: int,
+    first_step: int = 0,
+    checkpoints: CheckpointWriter | None = None,
+) -> Any:
+    """``_train_epoch`` for a model's own ``train_step``; returns what its last step returned
+    (the epoch's logs come from it, as in Keras). Rank 0's decisions (stop, learning rates) are
+    broadcast before every step, after ``on_train_batch_begin``, where a callback may set them."""
+    arguments = job.arguments
+    steps = steps_of(job.inputs, arguments.global_batch_size)
+    batches = even_batches(
+        job.inputs,
+        replica,
+        global_batch_size=arguments.global_batch_size,
+        epoch=epoch,
+        seed=arguments.seed,
+        shuffle=arguments.shuffle,
+        first_step=first_step,
+    )
+    model.train()
+    logs: dict[str, Any] = {}
+    returned: Any = None
+    for step, batch in enumerate(batches, start=first_step):
+        stopped = bool(model.stop_training)  # rank 0 stopped at the last batch end: no hook for a step not taken
+        if not stopped:
+            callbacks.on_train_batch_begin(step)
+        if _share_decisions(model, replica, stopped=stopped):
+            return returned
+        returned = custom.train_step(batch)
+        if _log_now(step, steps, log_every):
+            logs = custom.logs(returned)
+        callbacks.on_train_batch_end(step, logs)
+        if checkpoints is not None and checkpoints.due(step + 1, steps):
+            save(checkpoints, model, replica, epoch=epoch, step=step + 1)
+    return returned
+
+
 def _nonfinite_loss(mode: NonFiniteLoss, epoch: int, step: int, replica: Replica) -> None:
     """Every replica gets here at the same step (the check is global): stop all, or skip."""
     if mode == "stop":
@@ -204,12 +278,13 @@ def evaluate_loop(
     verbose: Any = 0,
     log_every_steps: int = 10,
     in_fit: keras.callbacks.CallbackList | None = None,
+    custom: CustomSteps | None = None,
 ) -> dict[str, Any]:
     """Loss and metrics over every sample, accumulated per replica and summed once.
 
     ``callbacks`` get the test hooks, as from ``model.evaluate``; validation inside ``fit``
     passes the fit's own list as ``in_fit`` (Keras calls its test hooks there too, and its
-    progress bar stays on the epoch).
+    progress bar stays on the epoch). ``custom`` runs the model's own ``test_step`` if it has one.
     """
     steps = steps_of(inputs, global_batch_size)
     hooks = in_fit
@@ -225,6 +300,17 @@ def evaluate_loop(
     model.reset_metrics()
     hooks.on_test_begin()
     logs: dict[str, Any] = {}
+    if custom is not None and custom.test:
+        returned: Any = None
+        for step, batch in enumerate(even_batches(inputs, replica, global_batch_size=global_batch_size)):
+            hooks.on_test_batch_begin(step)
+            returned = custom.test_step(batch)
+            if _log_now(step, steps, every):
+                logs = custom.logs(returned)
+            hooks.on_test_batch_end(step, logs)
+        logs = custom.logs(returned)
+        hooks.on_test_end(logs)
+        return logs
     for step, batch in enumerate(replica_batches(inputs, replica, global_batch_size=global_batch_size)):
         hooks.on_test_batch_begin(step)
         test_step(model, batch, replica)
@@ -244,19 +330,29 @@ def predict_loop(
     *,
     callbacks: Sequence[keras.callbacks.Callback] = (),
     verbose: Any = 0,
+    custom: CustomSteps | None = None,
 ) -> tuple[Any, list[int]]:
-    """This replica's predictions for its shard (padding rows included), leaves concatenated,
-    and each global batch's real rows; rank 0's ``callbacks`` see its own rows' outputs at each
-    batch end."""
+    """This replica's predictions for its shard (padding rows included; with the model's own
+    ``predict_step``, its ``even_batches`` rows), leaves concatenated, and each global batch's
+    real rows; rank 0's ``callbacks`` see its own rows' outputs at each batch end."""
     steps = steps_of(inputs, global_batch_size)
     hooks = callback_list(callbacks, model, is_primary=replica.is_primary, verbose=verbose, steps=steps, history=False)
     model.eval()
     hooks.on_predict_begin()
     outputs: list[Any] = []
     real_rows: list[int] = []
-    for step, batch in enumerate(replica_batches(inputs, replica, global_batch_size=global_batch_size)):
+    batches = (
+        even_batches(inputs, replica, global_batch_size=global_batch_size)
+        if custom is not None and custom.predict
+        else replica_batches(inputs, replica, global_batch_size=global_batch_size)
+    )
+    for step, batch in enumerate(batches):
         hooks.on_predict_batch_begin(step)
-        outputs.append(predict_step(model, batch))
+        if isinstance(batch, EvenBatch):
+            assert custom is not None
+            outputs.append(custom.predict_step(batch))
+        else:
+            outputs.append(predict_step(model, batch))
         real_rows.append(batch.global_real_rows)
         hooks.on_predict_batch_end(step, {"outputs": outputs[-1]})
     hooks.on_predict_end()

@@ -15,6 +15,7 @@ fresh one.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import tempfile
 import time
@@ -91,7 +92,8 @@ class ReplicaPool:
         directory = self._ensure_directory()
         assert self._arrays is not None
         new_model = not self._holds(model)
-        source = ship_model(model_argument, model, directory) if new_model else None
+        trains = isinstance(job, FitJob)
+        source = ship_model(model_argument, model, directory, trains=trains) if new_model else None
         sync = new_model or self._state != _state_of(model, job)
         request = Request(
             KerasSettings.of_this_process(),
@@ -270,9 +272,23 @@ def _state_of(model: keras.Model, job: Job) -> tuple[tuple[int, int], ...]:
     return tuple((id(v.value), version(v.value)) for v in variables)
 
 
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle, with ``torch.ops`` saved by name. A function sent by value (a ``train_step``
+    defined in ``__main__`` or a notebook) whose code names ``ops`` (``keras.ops.mean``) and uses
+    a global ``torch`` makes cloudpickle save ``torch.ops`` as a submodule it needs, but
+    ``torch.ops`` is no module and cannot be pickled."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if obj is torch.ops:
+            return getattr, (torch, "ops")
+        return super().reducer_override(obj)
+
+
 def _shippable(request: Request) -> bytes:
     try:
-        return cloudpickle.dumps(request)
+        buffer = io.BytesIO()
+        _Pickler(buffer).dump(request)
+        return buffer.getvalue()
     except Exception as error:
         raise TypeError(
             f"torch_dp sends the call's inputs and the model factory to its worker processes by value (cloudpickle), "

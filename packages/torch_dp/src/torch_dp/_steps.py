@@ -164,7 +164,9 @@ def train_step(
         return Trained(False)
     if trainable:
         with torch.no_grad():
-            model.optimizer.apply([None if g is None else a for g, a in zip(local, summed_gradients, strict=True)], trainable)
+            model.optimizer.apply(
+                [None if g is None else a for g, a in zip(local, summed_gradients, strict=True)], trainable
+            )
     if not sum_metrics:
         return Trained(True)
     if not shared:  # one replica: its own states are the global ones

@@ -20,10 +20,13 @@ from dp_core.keras import (
     fit_arguments,
     global_batch_size_of,
     internals,
-    map_structure,
     plan_learning_rate,
+    require_backend,
+    require_compiled,
+    resolve_model,
     resumable_checkpoint,
 )
+from torch_dp._custom import optimizers_of, overrides
 from torch_dp._jobs import EvaluateJob, FitJob, PredictJob
 from torch_dp._launch import Launcher, choose_launcher
 
@@ -43,6 +46,12 @@ class Trainer:
     watches its processes). ``on_nonfinite_loss="stop"`` raises at the first step whose
     loss is NaN or infinite on any replica, naming its epoch and step; ``"skip"`` leaves
     that step's update out on every replica and continues.
+
+    A model that overrides ``train_step``, ``test_step`` or ``predict_step`` runs its own step
+    on every replica's rows, as ``model.fit`` would on one device: the gradients every optimizer
+    it holds applies are averaged over replicas, the uneven last batch is split unpadded and
+    weighted by rows, and its ``Mean`` trackers and logs come out as ``model.fit``'s (see the
+    README's "Your own train_step"). Such a model needs no compiled loss.
 
     With ``num_replicas > 1`` on one host, this process is replica 0 (callbacks run here,
     on your own objects) and the other replicas are worker processes started at the first
@@ -127,10 +136,10 @@ class Trainer:
             class_weight=class_weight,
             steps=steps_per_epoch,
             steps_name="steps_per_epoch",
-            keras_steps=("train_step", "test_step")
-            if validation_data is not None or validation_split
-            else ("train_step",),
+            trains=True,
         )
+        if checkpoint_dir is not None:
+            _require_checkpointable(keras_model)
         if isinstance(inputs, BatchSource):  # its batches are the global batches
             global_batch_size = inputs.global_batch_size
         arguments = fit_arguments(
@@ -180,9 +189,7 @@ class Trainer:
     ) -> Any:
         """Loss and metrics over every sample, as single-device ``model.evaluate`` gives them."""
         global_batch_size = global_batch_size_of(batch_size, global_batch_size, x)
-        keras_model, inputs = self._check(
-            model, x, y, sample_weight, global_batch_size, steps=steps, keras_steps=("test_step",)
-        )
+        keras_model, inputs = self._check(model, x, y, sample_weight, global_batch_size, steps=steps)
         if isinstance(inputs, BatchSource):  # its batches are the global batches
             global_batch_size = inputs.global_batch_size
         job = EvaluateJob(
@@ -204,24 +211,37 @@ class Trainer:
     ) -> Any:
         """Predictions for every row of ``x``, in input order, like ``model.predict``."""
         global_batch_size = global_batch_size_of(batch_size, global_batch_size, x)
-        keras_model, inputs = self._check(
-            model, x, None, None, global_batch_size, compiled=False, steps=steps, keras_steps=("predict_step",)
-        )
+        keras_model, inputs = self._check(model, x, None, None, global_batch_size, compiled=False, steps=steps)
         if isinstance(inputs, BatchSource):  # its batches are the global batches
             global_batch_size = inputs.global_batch_size
-        leaves = self._launcher.run(
+        return self._launcher.run(
             PredictJob(inputs, global_batch_size, verbose, list(callbacks or [])), keras_model, model
         )
-        first_row = map_structure(keras.ops.convert_to_tensor, inputs.first_rows(1)[0])
-        structure = keras_model(first_row, training=False)
-        return keras.tree.pack_sequence_as(structure, leaves)
 
     def _check(
-        self, model: Any, x: Any, y: Any, sample_weight: Any, global_batch_size: int, **options: Any
+        self,
+        model: Any,
+        x: Any,
+        y: Any,
+        sample_weight: Any,
+        global_batch_size: int,
+        *,
+        compiled: bool = True,
+        trains: bool = False,
+        **options: Any,
     ) -> tuple[keras.Model, Inputs | BatchSource]:
-        """Every error we can raise before a process starts."""
+        """Every error we can raise before a process starts. A model with its own ``train_step``
+        (``trains``) or ``test_step`` needs no compiled loss: its step computes its own, as in Keras."""
+        require_backend("torch", "torch_dp")
+        keras_model = resolve_model(model, compiled=False)  # a factory is called once, here
+        if compiled:
+            own_step = overrides(keras_model, "train_step" if trains else "test_step")
+            if not own_step:
+                require_compiled(keras_model)
+            else:
+                _require_compiled_for_own_step(keras_model, trains=trains)
         keras_model, inputs = checked_model_and_inputs(
-            model,
+            keras_model,
             x,
             y,
             sample_weight,
@@ -229,6 +249,37 @@ class Trainer:
             package="torch_dp",
             global_batch_size=global_batch_size,
             num_replicas=self.num_replicas,
+            compiled=False,  # checked above
             **options,
         )
         return keras_model, inputs
+
+
+def _require_compiled_for_own_step(model: keras.Model, *, trains: bool) -> None:
+    """``require_compiled`` without the loss, which a model's own step computes itself."""
+    if trains and (not getattr(model, "compiled", False) or model.optimizer is None):
+        raise ValueError(
+            f"Model '{model.name}' is not compiled: its train_step applies the optimizer from "
+            "`model.compile(optimizer=...)`. Call `model.compile(optimizer=...)` first."
+        )
+    steps = getattr(model, "steps_per_execution", 1)
+    if steps != 1:
+        raise ValueError(
+            f"Model '{model.name}' was compiled with steps_per_execution={steps}, but a trainer runs one step per "
+            "global batch (callbacks and the progress bar see every batch). Recompile with steps_per_execution=1 "
+            "(the default); to take larger steps, raise the global batch size."
+        )
+
+
+def _require_checkpointable(model: keras.Model) -> None:
+    """A dp-core checkpoint holds the model's weights and ``model.optimizer``'s state only."""
+    others = [optimizer for optimizer in optimizers_of(model) if optimizer is not model.optimizer]
+    if others:
+        attributes = [name for name, value in vars(model).items() if any(value is other for other in others)]
+        names = ", ".join(attributes or [f"'{optimizer.name}'" for optimizer in others])
+        raise NotImplementedError(
+            f"{type(model).__name__} holds other optimizers than model.optimizer ({names}), and a dp-core checkpoint "
+            "stores the weights and model.optimizer's state only: a resumed fit would restart them from scratch. "
+            "Train it without checkpoint_dir, or save their state yourself (e.g. a callback writing "
+            "optimizer.variables at each epoch end)."
+        )

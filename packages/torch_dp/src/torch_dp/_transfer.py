@@ -16,6 +16,7 @@ import numpy as np
 
 from dp_core import split_indices
 from dp_core.keras import internals
+from torch_dp._batches import even_part
 
 
 @dataclass(frozen=True)
@@ -60,16 +61,17 @@ class ModelSource:
     loss_scaled: bool = False  # compiled under mixed_float16: its optimizer is a LossScaleOptimizer
 
 
-def ship_model(model_argument: Any, model: keras.Model, directory: str) -> ModelSource:
+def ship_model(model_argument: Any, model: keras.Model, directory: str, *, trains: bool = False) -> ModelSource:
     """What a worker needs to rebuild ``model``, written to ``directory`` and checked here: a
-    model that cannot be saved or loaded back fails in the caller, before a worker sees it."""
+    model that cannot be saved or loaded back (or, when the call ``trains``, whose optimizer
+    comes back with other variables) fails in the caller, before a worker sees it."""
     if not isinstance(model_argument, keras.Model):
         return ModelSource(factory=model_argument)
     path = os.path.join(directory, "model.keras")
     try:
         custom_objects = _custom_objects(model)
         model.save(path)
-        keras.saving.load_model(path, custom_objects=custom_objects, compile=True)
+        loaded = keras.saving.load_model(path, custom_objects=custom_objects, compile=True)
     except Exception as error:
         raise TypeError(
             f"torch_dp rebuilds the model in its worker processes from model.save(), and saving or loading "
@@ -77,8 +79,32 @@ def ship_model(model_argument: Any, model: keras.Model, directory: str) -> Model
             "and compiles the model instead (trainer.fit(make_model, ...)); it may be defined anywhere, a notebook "
             "cell included. Or give custom layers a get_config() that returns their constructor arguments."
         ) from error
+    if trains:
+        _check_optimizer_rebuilt(model, cast(keras.Model, loaded))
     loss_scaled = isinstance(getattr(model, "optimizer", None), keras.optimizers.LossScaleOptimizer)
     return ModelSource(keras_file=path, custom_objects=custom_objects, loss_scaled=loss_scaled)
+
+
+def _check_optimizer_rebuilt(model: keras.Model, loaded: keras.Model) -> None:
+    """Keras's loader builds ``model.optimizer`` over every trainable variable: an optimizer
+    the caller built over some of them (a GAN's, applied to the discriminator only) comes back
+    with other variables, and rank 0's state could not be copied to the workers."""
+
+    def layout(optimizer: Any) -> list[tuple[tuple[int, ...], str]]:
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):  # the file does not say (see receive_model)
+            optimizer = optimizer.inner_optimizer
+        return [(tuple(v.shape), str(v.dtype)) for v in optimizer.variables]
+
+    mine, theirs = getattr(model, "optimizer", None), getattr(loaded, "optimizer", None)
+    if mine is None or theirs is None or not mine.built or layout(mine) == layout(theirs):
+        return
+    raise TypeError(
+        f"torch_dp rebuilds the model in its worker processes from model.save(), and Keras's loader builds "
+        f"model.optimizer over all of '{model.name}''s trainable variables: {len(layout(theirs))} optimizer variables "
+        f"there against {len(layout(mine))} here (built over some of the variables, as a GAN's optimizer for its "
+        "discriminator is). Pass a zero-argument function that builds, compiles and builds the optimizer as you "
+        "do (trainer.fit(make_model, ...)); it may be defined anywhere, a notebook cell included."
+    )
 
 
 def _custom_objects(model: keras.Model) -> dict[str, Any]:
@@ -161,4 +187,21 @@ def in_batch_order(parts: list[list[np.ndarray]], real_rows: list[int], global_b
             for step, real in enumerate(real_rows)
         ]
         merged.append(np.concatenate(batches))
+    return merged
+
+
+def in_even_order(parts: list[list[np.ndarray]], real_rows: list[int]) -> list[np.ndarray]:
+    """Outputs of a model's own ``predict_step``: replica ``r`` holds its ``even_part`` of each
+    global batch (no padding), batch after batch; put back in batch order."""
+    num_replicas = len(parts)
+    merged = []
+    for leaf in range(len(parts[0])):
+        offsets = [0] * num_replicas
+        pieces = []
+        for real in real_rows:
+            for rank, part in enumerate(parts):
+                _, count = even_part(real, num_replicas, rank)
+                pieces.append(part[leaf][offsets[rank] : offsets[rank] + count])
+                offsets[rank] += count
+        merged.append(np.concatenate(pieces))
     return merged

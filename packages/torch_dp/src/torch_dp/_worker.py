@@ -23,6 +23,7 @@ from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsa
 from dp_core.keras import Inputs, build_model, check_losses_split, internals
 from torch_dp._batches import Readable
 from torch_dp._comm import Replica, check_same_variables, same_state_as_primary
+from torch_dp._custom import overrides
 from torch_dp._jobs import EvaluateJob, FitJob, Job, PredictJob, opened
 from torch_dp._processes import caller_gone, exit_with_parent, report_failure
 from torch_dp._transfer import KerasSettings, ModelSource, receive_model
@@ -35,18 +36,19 @@ def build(model: keras.Model, job: Job) -> None:
 
 def check_losses(model: keras.Model, job: Job, num_replicas: int) -> None:
     """Before any step: a compiled loss that reduces over the batch axis cannot be split over
-    replicas or padded rows, a clear error (``dp_core.keras.check_losses_split``)."""
+    replicas or padded rows, a clear error (``dp_core.keras.check_losses_split``). A model's
+    own step computes its loss itself, on its replica's rows, unpadded: nothing to check."""
     if isinstance(job, FitJob):
         arguments = job.arguments
-        scored = [(arguments.inputs, arguments.global_batch_size)]
-        if arguments.validation is not None:
+        scored = [] if overrides(model, "train_step") else [(arguments.inputs, arguments.global_batch_size)]
+        if arguments.validation is not None and not overrides(model, "test_step"):
             scored.append((arguments.validation, arguments.validation_global_batch_size))
-    elif isinstance(job, EvaluateJob):
+    elif isinstance(job, EvaluateJob) and not overrides(model, "test_step"):
         scored = [(job.inputs, job.global_batch_size)]
     else:
         return
-    if num_replicas > 1 or any(_padded(inputs, size) for inputs, size in scored):
-        check_losses_split(model, job.inputs)
+    if scored and (num_replicas > 1 or any(_padded(inputs, size) for inputs, size in scored)):
+        check_losses_split(model, scored[0][0])
 
 
 def _padded(inputs: Readable, global_batch_size: int) -> bool:
