@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import errno
 import math
 import os
 import socket
@@ -57,6 +60,9 @@ def initialize(
     if not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}.")
     options.setdefault("heartbeat_timeout_seconds", math.ceil(timeout))
+    # jax's coordinator listens on every interface unless told: listen on the address given only
+    # (127.0.0.1 keeps a single-host run off the network).
+    options.setdefault("coordinator_bind_address", coordinator_address)
     # CPU processes talk through gloo; without it cross-process CPU collectives fail.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if process_id == 0 and not _port_free(coordinator_address):
@@ -79,30 +85,73 @@ def initialize(
 
 
 def _port_free(coordinator_address: str) -> bool:
-    """Whether process 0 can listen on the address's port, as jax's coordinator will (every interface).
+    """Whether process 0 can listen on the address, as jax's coordinator will.
 
     Checked before jax starts: jax only says "Failed to start RPC server", and a process
     that got that far can crash on exit.
     """
-    port = coordinator_address.rsplit(":", 1)[-1]
+    host, _, port = coordinator_address.rpartition(":")
     if not port.isdigit():
         return True  # jax reports a malformed address itself
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a just-closed run's port is free
         try:
-            probe.bind(("", int(port)))
-        except OSError:
+            probe.bind((host.strip("[]"), int(port)))
+        except socket.gaierror:
+            return True  # jax reports an unknown host itself
+        except OSError as error:
+            if error.errno == errno.EADDRNOTAVAIL:
+                raise RuntimeError(
+                    f"jax_dp could not start the coordinator at {coordinator_address!r}: {host} is not an address of "
+                    "this host, and process 0 runs the coordinator. Give every process process 0's own address."
+                ) from None
             return False
     return True
 
 
 def _busy_port(coordinator_address: str) -> RuntimeError:
     return RuntimeError(
-        f"jax_dp could not start the coordinator at {coordinator_address!r}: process 0 listens on that port (on "
-        "every interface of this host) and it is in use or not allowed. Pass a free port to every process, e.g. "
+        f"jax_dp could not start the coordinator at {coordinator_address!r}: process 0 listens on that address "
+        "and its port is in use or not allowed. Pass a free port to every process, e.g. "
         "python -c 'import socket; s=socket.socket(); s.bind((\"\", 0)); print(s.getsockname()[1])' on process "
         "0's host."
     )
+
+
+class _Run:
+    """This process's place in a multi-process run, once ``initialize`` joined it."""
+
+    client: Any = None
+    process_id = 0
+    failure: str | None = None  # what this process reported to the others
+
+
+def record_failure(error: BaseException) -> None:
+    """Tell the other processes that this one failed (they print it and exit within about a
+    second), even when the caller catches ``error``; this process ends at exit without
+    waiting for them, and refuses further training (``check_not_failed``)."""
+    if _Run.client is None or _Run.failure is not None:
+        return
+    _Run.failure = f"{type(error).__name__}: {error}"[:2000]
+    with contextlib.suppress(Exception):  # the service may be gone already: nothing more to tell
+        _Run.client.key_value_set(f"{_FAILED}{_Run.process_id}", _Run.failure)
+    atexit.register(_end_after_failure)  # runs before jax's own exit-time shutdown (registered earlier)
+
+
+def check_not_failed() -> None:
+    """A clear error for a call after this process's part of the run failed."""
+    if _Run.failure is not None:
+        raise RuntimeError(
+            f"This multi-process run already failed in process {_Run.process_id} ({_Run.failure}); the other "
+            "processes have ended. Start every process again (checkpoint_dir resumes where the run stopped)."
+        )
+
+
+def _end_after_failure() -> None:
+    if _Run.process_id == 0:  # the coordination service lives here: let the others read the key
+        time.sleep(3 * _POLL_S)
+    _exit_now()
 
 
 def _end_together(client: Any, process_id: int, num_processes: int) -> None:
@@ -112,11 +161,12 @@ def _end_together(client: Any, process_id: int, num_processes: int) -> None:
     never gives up), so a thread of theirs watches for the failure and exits the process.
     """
     previous_hook = sys.excepthook
+    _Run.client, _Run.process_id = client, process_id
 
     def report_and_exit(kind: type[BaseException], error: BaseException, trace: TracebackType | None) -> None:
         previous_hook(kind, error, trace)
         try:
-            client.key_value_set(f"{_FAILED}{process_id}", f"{kind.__name__}: {error}"[:2000])
+            record_failure(error)
             if process_id == 0:  # the coordination service lives here: let the others read the key
                 time.sleep(3 * _POLL_S)
         finally:
