@@ -6,13 +6,18 @@ Weights are stored in ``model.get_weights()`` order, optimizer state as the Kera
 optimizer's variables in their order (their paths kept in ``extra``),
 metric variables as the states of one model that saw every replica's rows (Keras metric
 states are sums), so a run resumes with the same data order on any replica count.
+
+Variables are matched by position, so two optimizers with as many variables (SGD with
+momentum, RMSprop) would take each other's state silently; ``extra["optimizer"]`` records
+the optimizer's class and config, and resuming with another class, or a config that decides
+other slots, is a ``CheckpointError`` naming both.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import keras
 import numpy as np
@@ -34,11 +39,21 @@ class Start:
     history: dict[str, list[Any]] = field(default_factory=dict)
 
 
+# Config entries that decide which variables a Keras optimizer has (beyond one per weight).
+_SLOT_KEYS = ("amsgrad", "centered", "use_ema", "gradient_accumulation_steps")
+
+
 def start_of(checkpoint: Checkpoint) -> Start:
     """Where a fit resumed from ``checkpoint`` starts."""
+    saved = checkpoint.extra.get("history", {})
+    if not isinstance(saved, dict) or not all(isinstance(values, list) for values in saved.values()):
+        raise CheckpointError(
+            f"The checkpoint at epoch {checkpoint.epoch}, step {checkpoint.step} is damaged: its History is not a "
+            "{metric: [values]} mapping. Point checkpoint_dir at an empty directory to start over."
+        )
     history = {
         name: [np.asarray(v) if isinstance(v, list) else v for v in values]  # vector metrics as arrays, as in History
-        for name, values in checkpoint.extra.get("history", {}).items()
+        for name, values in saved.items()
     }
     return Start(checkpoint.epoch, checkpoint.step, checkpoint.metric_variables, history)
 
@@ -60,6 +75,7 @@ def resumable_checkpoint(
     if checkpoint is None:
         return None
     check_compatible(checkpoint, model.get_weights(), model_name=model.name)
+    _check_same_optimizer(checkpoint, model)
     agreed = [("global_batch_size", checkpoint.global_batch_size, global_batch_size)]
     if shuffle:  # without shuffling the order does not depend on the seed
         agreed.append(("seed", checkpoint.seed, seed))
@@ -91,8 +107,11 @@ def model_checkpoint(
     ``optimizer_variables`` the compiled optimizer's (e.g. an optax state's leaves).
     """
     optimizer = list(model.optimizer.variables) if model.optimizer is not None else []
-    if optimizer_variables is not None:
+    extra: dict[str, Any] = {}
+    if optimizer_variables is not None:  # another optimizer's state (optax): model.optimizer says nothing of it
         optimizer = optimizer_variables
+    elif model.optimizer is not None:
+        extra["optimizer"] = _optimizer_record(model.optimizer)
     metrics = model.metrics_variables if metric_variables is None else metric_variables
     history = model.history.history if model.history is not None else {}
     return Checkpoint(
@@ -108,6 +127,7 @@ def model_checkpoint(
         extra={
             "history": {name: [_plain(v) for v in values] for name, values in history.items()},
             "optimizer_paths": [getattr(v, "path", "") for v in optimizer],
+            **extra,
         },
     )
 
@@ -163,6 +183,7 @@ def restore_model(checkpoint: Checkpoint, model: keras.Model, *, metrics: bool =
     """Put ``checkpoint``'s weights, optimizer variables and (if ``metrics``) metric variables
     into the built ``model``, after checking they fit."""
     check_compatible(checkpoint, model.get_weights(), model_name=model.name)
+    _check_same_optimizer(checkpoint, model)
     optimizer = list(model.optimizer.variables) if model.optimizer is not None else []
     pairs = _optimizer_pairs(optimizer, checkpoint)
     metric_pairs = list(zip(model.metrics_variables, checkpoint.metric_variables, strict=False)) if metrics else []
@@ -180,7 +201,9 @@ def _optimizer_pairs(optimizer: list[keras.Variable], checkpoint: Checkpoint) ->
     saved = checkpoint.optimizer_variables
     if len(saved) == len(optimizer):
         return list(zip(optimizer, saved, strict=True))
-    paths = checkpoint.extra.get("optimizer_paths") or [""] * len(saved)
+    paths = checkpoint.extra.get("optimizer_paths")
+    if not isinstance(paths, list) or len(paths) != len(saved) or not all(isinstance(p, str) for p in paths):
+        paths = [""] * len(saved)  # absent (or unusable): nothing is left out of the match
     kept_saved = [value for path, value in zip(paths, saved, strict=True) if not path.endswith("/learning_rate")]
     kept_mine = [v for v in optimizer if not v.path.endswith("/learning_rate")]
     if len(kept_saved) != len(kept_mine):
@@ -190,6 +213,76 @@ def _optimizer_pairs(optimizer: list[keras.Variable], checkpoint: Checkpoint) ->
             "optimizer. Compile the model as for the checkpointed run, or point checkpoint_dir at an empty directory."
         )
     return list(zip(kept_mine, kept_saved, strict=True))
+
+
+def _optimizer_record(optimizer: keras.optimizers.Optimizer) -> dict[str, Any]:
+    """What a checkpoint records of ``optimizer``: its class name and the JSON scalars of its
+    config (a learning-rate schedule is left out), with the wrapped optimizer of a
+    ``LossScaleOptimizer`` as ``inner``."""
+    try:
+        config = optimizer.get_config()
+    except Exception:  # a custom optimizer without a working get_config: its class still says much
+        config = {}
+    record: dict[str, Any] = {
+        "class_name": type(optimizer).__name__,
+        "config": {
+            key: value for key, value in config.items() if isinstance(value, (bool, int, float, str, type(None)))
+        },
+    }
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        record["inner"] = _optimizer_record(optimizer.inner_optimizer)
+    return record
+
+
+def _check_same_optimizer(checkpoint: Checkpoint, model: keras.Model) -> None:
+    """Fail clearly when ``checkpoint`` was written with an optimizer of another class, or one
+    whose config decides other variables (SGD with and without momentum, Adam with amsgrad),
+    than ``model``'s: matched by position, its state would fill the wrong slots. Checkpoints
+    without the record (dp-core 0.2.1 and before, optax state) are not compared."""
+    saved = checkpoint.extra.get("optimizer")
+    if model.optimizer is None or not _is_optimizer_record(saved):
+        return
+    current = _optimizer_record(model.optimizer)
+    if _same_slots(saved, current):
+        return
+    raise CheckpointError(
+        f"The checkpoint at epoch {checkpoint.epoch}, step {checkpoint.step} was written with the optimizer "
+        f"{_describe(saved)}, but {model.name} is compiled with {_describe(current)}: its saved variables would "
+        f"fill the wrong slots (NaN or divergence that looks like a learning-rate problem). Compile the model with "
+        f"{_describe(saved)} as in the checkpointed run, or point checkpoint_dir at an empty directory to start over."
+    )
+
+
+def _is_optimizer_record(record: Any) -> TypeGuard[dict[str, Any]]:
+    return (
+        isinstance(record, dict)
+        and isinstance(record.get("class_name"), str)
+        and isinstance(record.get("config"), dict)
+        and (record.get("inner") is None or _is_optimizer_record(record["inner"]))
+    )
+
+
+def _same_slots(saved: dict[str, Any], current: dict[str, Any]) -> bool:
+    """Same class, and the same slot switches where both configs have them (a config that
+    could not be read, or a key an older Keras lacks, is not a difference)."""
+    if saved["class_name"] != current["class_name"]:
+        return False
+    for key in ("momentum", *_SLOT_KEYS):
+        if key in saved["config"] and key in current["config"]:
+            was, now = saved["config"][key], current["config"][key]
+            differs = bool(was) != bool(now) if key == "momentum" else was != now  # any momentum > 0: one slot
+            if differs:
+                return False
+    inner, current_inner = saved.get("inner"), current.get("inner")
+    return inner is None or current_inner is None or _same_slots(inner, current_inner)
+
+
+def _describe(record: dict[str, Any]) -> str:
+    config = record["config"]
+    shown = [f"{key}={config[key]!r}" for key in ("momentum", *_SLOT_KEYS) if config.get(key)]
+    if record.get("inner") is not None:
+        shown.insert(0, _describe(record["inner"]))
+    return f"{record['class_name']}({', '.join(shown)})"
 
 
 def _optimizer_name(optimizer: list[keras.Variable]) -> str:
