@@ -1,5 +1,6 @@
 """A preemption notice (SIGTERM, SIGUSR1) asks a run to stop instead of ending the process."""
 
+import contextlib
 import os
 import signal
 import threading
@@ -20,8 +21,9 @@ def test_a_notice_is_recorded_and_the_previous_handler_comes_back(signum):
             assert watch.requested == signal.Signals(signum).name and seen == []
             os.kill(os.getpid(), signum)  # a second notice gets the usual handling
             assert seen == [signum]
+        assert seen == [signum, signum]  # the first, not acted on (no Preempted), is passed on as it ends
         os.kill(os.getpid(), signum)
-        assert seen == [signum, signum]
+        assert seen == [signum, signum, signum]
     finally:
         signal.signal(signum, previous)
 
@@ -44,3 +46,18 @@ def test_the_error_says_where_it_stopped_and_how_to_resume():
     assert "stopped at epoch 2, step 5" in str(saved) and "/ckpt/step-000002-000000005" in str(saved)
     lost = Preempted(signal_name="SIGUSR1", epoch=0, step=1, checkpoint=None)
     assert "pass checkpoint_dir" in str(lost) and lost.signal_name == "SIGUSR1"
+
+
+def test_a_notice_the_run_did_not_act_on_is_sent_again_when_it_ends():
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda number, frame: seen.append(number))
+    try:
+        with PreemptionWatch():
+            os.kill(os.getpid(), signal.SIGTERM)  # e.g. during the last epoch's callbacks
+        assert seen == [signal.SIGTERM]
+        with contextlib.suppress(Preempted), PreemptionWatch():
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise Preempted(signal_name="SIGTERM", epoch=0, step=1, checkpoint=None)
+        assert seen == [signal.SIGTERM]  # acted on: not sent again
+    finally:
+        signal.signal(signal.SIGTERM, previous)

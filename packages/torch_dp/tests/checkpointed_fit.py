@@ -1,10 +1,12 @@
 """A fit with checkpoints, run as its own process by test_faults: spawned replicas, or one
-replica of torchrun. argv: checkpoint_dir, output .npz, then optional flags:
---slow SECONDS (rank 0 sleeps after each step), --kill-once EPOCH STEP MARKER."""
+replica of torchrun. argv: checkpoint_dir ("-": none), output .npz, then optional flags:
+--slow SECONDS (rank 0 sleeps after each step), --kill-once EPOCH STEP MARKER, --started MARKER
+(touched when training begins)."""
 
 import os
 import sys
 
+import keras
 import numpy as np
 import torch.distributed as dist
 import torch_dp_testing as testing
@@ -23,6 +25,9 @@ def callbacks(arguments: list[str]) -> list:
         at = arguments.index("--kill-once")
         epoch, step, marker = arguments[at + 1 : at + 4]
         chosen.append(testing.KillOnceAt(int(epoch), int(step), marker))
+    if "--started" in arguments:
+        marker = arguments[arguments.index("--started") + 1]
+        chosen.append(keras.callbacks.LambdaCallback(on_train_begin=lambda logs: open(marker, "w").close()))
     return chosen
 
 
@@ -38,8 +43,8 @@ if __name__ == "__main__":
         global_batch_size=32,
         epochs=EPOCHS,
         seed=3,
-        checkpoint_dir=checkpoint_dir,
-        checkpoint_every_steps=EVERY_STEPS,
+        checkpoint_dir=None if checkpoint_dir == "-" else checkpoint_dir,
+        checkpoint_every_steps=None if checkpoint_dir == "-" else EVERY_STEPS,
         callbacks=callbacks(sys.argv[3:]),
         verbose=0,
     )

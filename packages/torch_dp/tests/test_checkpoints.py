@@ -4,6 +4,7 @@ after a SIGKILL, on the same or another replica count, past a damaged checkpoint
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -182,3 +183,71 @@ def test_torchrun_restarts_a_killed_replica_and_resumes_to_the_same_weights(unin
     expected, _ = uninterrupted
     for mine, theirs in zip(_weights(output), expected, strict=True):
         np.testing.assert_array_equal(mine, theirs)
+
+
+def _run_until(command, environment, ready, what):
+    """Start ``command``; once ``ready()`` holds, return the running process (or fail)."""
+    process = subprocess.Popen(command, env=environment, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not ready():
+        if process.poll() is not None:
+            pytest.fail(f"the run ended before {what}: {process.stderr.read()[-3000:]}")
+        if time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"no {what} within 120 s")
+        time.sleep(0.05)
+    return process
+
+
+def test_sigterm_stops_every_replica_at_a_step_with_a_checkpoint_and_a_rerun_resumes_bitwise(uninterrupted, tmp_path):
+    checkpoints, output, tag = tmp_path / "checkpoints", tmp_path / "weights.npz", uuid.uuid4().hex
+    command = [sys.executable, SCRIPT, str(checkpoints), str(output), "--slow", "0.4"]
+    process = _run_until(
+        command, _environment(tag), lambda: (checkpoints / "step-000001-000000001").exists(), "a checkpoint"
+    )
+    try:
+        process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        _, stderr = process.communicate(timeout=60)
+        ended = time.monotonic() - signalled
+    finally:
+        process.kill()
+    assert process.returncode == 1, stderr[-3000:]
+    assert ended < 5, f"the run took {ended:.1f} s to stop"
+    match = re.search(r"Preempted: Training was preempted \(SIGTERM\) and stopped at epoch (\d+), step (\d+)", stderr)
+    assert match, stderr[-3000:]
+    stopped_at = (int(match.group(1)), int(match.group(2)))
+    newest = dp_core.latest_checkpoint(checkpoints)
+    assert (newest.epoch, newest.step) == stopped_at >= (1, 2)  # the step boundary it stopped at, saved
+    assert f"A checkpoint of that step is at {checkpoints / newest.name}" in stderr
+    assert not output.exists()
+    deadline = time.monotonic() + 5
+    while testing.processes_tagged(tag) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert testing.processes_tagged(tag) == [], "replicas outlived the preempted run"
+
+    finished = subprocess.run(
+        [sys.executable, SCRIPT, str(checkpoints), str(output)], env=_environment(), capture_output=True, text=True
+    )
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    expected, _ = uninterrupted
+    for mine, theirs in zip(_weights(output), expected, strict=True):
+        np.testing.assert_array_equal(mine, theirs)  # bitwise
+
+
+def test_sigusr1_to_a_worker_replica_stops_the_run_and_says_nothing_was_saved(tmp_path):
+    output, tag, started = tmp_path / "weights.npz", uuid.uuid4().hex, tmp_path / "started"
+    command = [sys.executable, SCRIPT, "-", str(output), "--slow", "0.4", "--started", str(started)]
+    process = _run_until(command, _environment(tag), started.exists, "training")
+    try:
+        worker = max(testing.processes_tagged(tag))  # started after the caller
+        os.kill(worker, signal.SIGUSR1)
+        signalled = time.monotonic()
+        _, stderr = process.communicate(timeout=60)
+        ended = time.monotonic() - signalled
+    finally:
+        process.kill()
+    assert process.returncode == 1, stderr[-3000:]
+    assert ended < 5, f"the run took {ended:.1f} s to stop"
+    assert "Preempted: Training was preempted (a notice to another replica)" in stderr, stderr[-3000:]
+    assert "No checkpoint_dir was given" in stderr

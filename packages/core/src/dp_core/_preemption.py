@@ -5,6 +5,8 @@ Schedulers and ``timeout`` send SIGTERM before they kill a job; SLURM sends SIGU
 replica stops at the same step boundary, rank 0 writes a checkpoint when ``checkpoint_dir`` is
 set, and ``fit`` raises ``Preempted``, so a script exits non-zero and a rerun resumes exactly.
 A second notice while stopping is not caught again: the signal's previous handling applies.
+A notice that came when no step was left (``fit`` ended anyway) or that another error
+overtook is not swallowed: it is sent again, to the previous handling, when ``fit`` returns.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ class Preempted(RuntimeError):  # noqa: N818 (the name users catch reads as what
 
 class PreemptionWatch:
     """Within the block, SIGTERM and SIGUSR1 set ``requested`` (the signal's name) instead of
-    ending the process; the previous handlers come back after it, and for a second notice.
+    ending the process; the previous handlers come back after it, and for a second notice. A
+    notice the block did not end with ``Preempted`` is sent again as it leaves.
 
     Signal handlers can only be set from the main thread; elsewhere the watch sees nothing
     (``watching`` is False) and the signals keep their usual effect.
@@ -65,3 +68,5 @@ class PreemptionWatch:
         for number, previous in self._previous.items():
             signal.signal(number, previous)
         self._previous, self.watching = {}, False
+        if self.requested is not None and not isinstance(error, Preempted):
+            signal.raise_signal(signal.Signals[self.requested])

@@ -15,7 +15,7 @@ from typing import Any
 import keras
 import torch
 
-from dp_core import BatchNormMode, NonFiniteLoss, Verbose
+from dp_core import BatchNormMode, NonFiniteLoss, PreemptionWatch, Verbose
 from dp_core.keras import (
     BatchSource,
     CheckpointWriter,
@@ -57,6 +57,7 @@ class FitJob:
             masked_batch_norm(model, self.batch_norm, replica),
             learning_rate_policy_installed(model.optimizer, self.lr_policy),
             custom_steps(model, replica, ("train_step", "test_step")) as custom,
+            PreemptionWatch() as notice,
         ):
             start = resume_from(self.resume_from, model)  # after the policy: the checkpoint's rate wins
             writer = None
@@ -69,7 +70,7 @@ class FitJob:
                     num_replicas=replica.num_replicas,
                     lr_policy=None if self.lr_policy is None else self.lr_policy.config(),
                 )
-            return fit_loop(model, self, replica, start=start, checkpoints=writer, custom=custom)
+            return fit_loop(model, self, replica, start=start, checkpoints=writer, custom=custom, notice=notice)
 
 
 @dataclass(frozen=True)

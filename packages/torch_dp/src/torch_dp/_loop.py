@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import keras
 import numpy as np
+import torch
 
-from dp_core import NonFiniteLoss
+from dp_core import NonFiniteLoss, Preempted, PreemptionWatch, list_checkpoints
 from dp_core.keras import (
     BatchSource,
     CheckpointWriter,
@@ -29,7 +30,7 @@ from dp_core.keras import (
 )
 from torch_dp._batches import EvenBatch, Readable, even_batches, replica_batches, steps_of
 from torch_dp._checkpoints import restore_metrics, save
-from torch_dp._comm import Replica, broadcast_floats, same_state_as_primary
+from torch_dp._comm import Replica, all_reduce_sum, broadcast_floats, same_state_as_primary
 from torch_dp._custom import CustomSteps, optimizers_of
 from torch_dp._steps import global_logs, logs_of, predict_step, test_step, train_step
 
@@ -82,9 +83,11 @@ def fit_loop(
     start: Start,
     checkpoints: CheckpointWriter | None = None,
     custom: CustomSteps | None = None,
+    notice: PreemptionWatch | None = None,
 ) -> keras.callbacks.History:
     """Train on this replica's shard of every epoch from ``start``; returns this replica's History.
-    ``custom`` runs the model's own ``train_step``/``test_step`` where it has them."""
+    ``custom`` runs the model's own ``train_step``/``test_step`` where it has them. A preemption
+    ``notice`` to any replica stops all at the next step: a checkpoint, then ``Preempted``."""
     arguments = job.arguments
     steps = steps_of(job.inputs, arguments.global_batch_size)
     callbacks = callback_list(
@@ -125,6 +128,7 @@ def fit_loop(
                 log_every=every,
                 first_step=first_step,
                 checkpoints=checkpoints,
+                notice=notice,
             )
             epoch_logs = custom.logs(returned)
         else:
@@ -138,6 +142,7 @@ def fit_loop(
                 decide_each_step=batch_logs,
                 first_step=first_step,
                 checkpoints=checkpoints,
+                notice=notice,
             )
             epoch_logs = global_logs(model, replica)
         model.eval()
@@ -177,6 +182,7 @@ def _train_epoch(
     decide_each_step: bool,
     first_step: int = 0,
     checkpoints: CheckpointWriter | None = None,
+    notice: PreemptionWatch | None = None,
 ) -> None:
     """One epoch of steps from ``first_step``; logs synced every ``log_every`` steps (0: never),
     or at every step with rank 0's decisions (``decide_each_step``), checkpoints written as asked.
@@ -201,7 +207,10 @@ def _train_epoch(
             train_step(model, batch, replica, sum_metrics=True, stop=True)
             return
         callbacks.on_train_batch_begin(step)
-        trained = train_step(model, batch, replica, sum_metrics=decide_each_step)
+        asked = notice is not None and notice.requested is not None
+        trained = train_step(model, batch, replica, sum_metrics=decide_each_step, preempt=asked)
+        if trained.preempted:
+            _preempted(model, replica, notice, checkpoints, epoch=epoch, step=step)
         if trained.stopped:
             model.stop_training = True
             return
@@ -227,6 +236,7 @@ def _train_epoch_custom(
     log_every: int,
     first_step: int = 0,
     checkpoints: CheckpointWriter | None = None,
+    notice: PreemptionWatch | None = None,
 ) -> Any:
     """``_train_epoch`` for a model's own ``train_step``; returns what its last step returned
     (the epoch's logs come from it, as in Keras). Rank 0's decisions (stop, learning rates) are
@@ -251,6 +261,9 @@ def _train_epoch_custom(
             callbacks.on_train_batch_begin(step)
         if _share_decisions(model, replica, stopped=stopped):
             return returned
+        asked = notice is not None and notice.requested is not None
+        if all_reduce_sum([torch.tensor([float(asked)], device=replica.device)], replica)[0].item():  # anyone's
+            _preempted(model, replica, notice, checkpoints, epoch=epoch, step=step)
         returned = custom.train_step(batch)
         if _log_now(step, steps, log_every):
             logs = custom.logs(returned)
@@ -258,6 +271,25 @@ def _train_epoch_custom(
         if checkpoints is not None and checkpoints.due(step + 1, steps):
             save(checkpoints, model, replica, epoch=epoch, step=step + 1)
     return returned
+
+
+def _preempted(
+    model: keras.Model,
+    replica: Replica,
+    notice: PreemptionWatch | None,
+    checkpoints: CheckpointWriter | None,
+    *,
+    epoch: int,
+    step: int,
+) -> NoReturn:
+    """Every replica stops before ``step`` of ``epoch``: a checkpoint of that boundary, then ``Preempted``."""
+    path = None
+    if checkpoints is not None:
+        save(checkpoints, model, replica, epoch=epoch, step=step)
+        written = list_checkpoints(checkpoints.directory) if replica.is_primary else []
+        path = str(written[-1]) if written else checkpoints.directory
+    signal_name = notice.requested if notice is not None and notice.requested else "a notice to another replica"
+    raise Preempted(signal_name=signal_name, epoch=epoch, step=step, checkpoint=path)
 
 
 def _nonfinite_loss(mode: NonFiniteLoss, epoch: int, step: int, replica: Replica) -> None:

@@ -31,7 +31,7 @@ import keras
 import torch
 import torch.distributed as dist
 
-from dp_core import NonFiniteLossError
+from dp_core import NonFiniteLossError, Preempted
 from torch_dp._batches import SharedArrays
 from torch_dp._comm import Replica
 from torch_dp._internals import version
@@ -50,7 +50,7 @@ from torch_dp._transfer import KerasSettings, ship_model
 from torch_dp._worker import Request, build, check_losses, device_for, pool_worker, run_job, trainable_flags
 
 # Raised in the caller as their own type when a worker raises them.
-DOCUMENTED = (NonFiniteLossError,)
+DOCUMENTED = (NonFiniteLossError, Preempted)
 _active: ReplicaPool | None = None  # the pool holding this process's default group
 
 

@@ -103,16 +103,24 @@ def _detached(y_pred: Any) -> Any:
 
 class Trained(NamedTuple):
     """What a training step did: whether its update was applied (False: a non-finite loss on
-    some replica, or rank 0 stopping, and nothing changed), whether rank 0 stopped training
-    before it, and, when asked for, the metric states summed over every replica."""
+    some replica, rank 0 stopping, or a preemption notice, and nothing changed), whether rank 0
+    stopped training before it, whether some replica was preempted, and, when asked for, the
+    metric states summed over every replica."""
 
     applied: bool
     stopped: bool = False
     metric_sums: list[torch.Tensor] | None = None
+    preempted: bool = False
 
 
 def train_step(
-    model: keras.Model, batch: Batch, replica: Replica, *, sum_metrics: bool = False, stop: bool = False
+    model: keras.Model,
+    batch: Batch,
+    replica: Replica,
+    *,
+    sum_metrics: bool = False,
+    stop: bool = False,
+    preempt: bool = False,
 ) -> Trained:
     """Forward, exact global-batch gradient, Keras optimizer update, metric update.
 
@@ -125,6 +133,9 @@ def train_step(
     and rank 0's decisions since the last step: its learning rate, which every replica takes
     before applying, and ``stop`` (rank 0 stopped training: every replica undoes this step
     and leaves the epoch). So a batch-level callback costs no collective of its own.
+
+    ``preempt`` (this replica got a preemption notice) rides on it always: when any replica
+    sends it, every replica undoes this step, so all stop at the same step boundary.
     """
     before = _state_to_undo(model)
     with replica_losses(model, _replica_rows(batch, replica)):  # activity regularizers run in the forward pass
@@ -136,7 +147,8 @@ def train_step(
     with torch.no_grad():
         _update_metrics(model, batch, _detached(y_pred))
     trainable = model.trainable_weights[:]
-    local_loss = torch.as_tensor(loss).detach().reshape(1).to(torch.float32)
+    # the loss, and whether this replica was asked to stop (preemption): any replica's notice stops all
+    local_loss = torch.cat([torch.as_tensor(loss).detach().reshape(1).to(torch.float32), _flag(preempt, replica)])
     shared = sum_metrics and replica.distributed
     states = [v.value.detach() for v in model.metrics_variables] if shared else []
     rate = _learning_rate_variable(model)
@@ -151,7 +163,10 @@ def train_step(
     # here is still skipped by the optimizer, as in Keras.
     gradients = [torch.zeros_like(v.value) if g is None else g for v, g in zip(trainable, local, strict=True)]
     summed = all_reduce_sum([*gradients, local_loss, *states, *decisions], replica)
-    summed_gradients, summed_loss = summed[: len(gradients)], summed[len(gradients)]
+    summed_gradients, (summed_loss, preempted) = summed[: len(gradients)], summed[len(gradients)]
+    if preempted.item():
+        _undo(model, before)
+        return Trained(False, preempted=True)
     if decisions:
         stopped, learning_rate = summed[-1].tolist()
         if stopped:
@@ -159,7 +174,7 @@ def train_step(
             return Trained(False, stopped=True)
         if rate is not None and not replica.is_primary:
             rate.assign(learning_rate)
-    if not bool(torch.isfinite(summed_loss).all()):
+    if not bool(torch.isfinite(summed_loss)):
         _undo(model, before)
         return Trained(False)
     if trainable:
@@ -172,6 +187,10 @@ def train_step(
     if not shared:  # one replica: its own states are the global ones
         return Trained(True, metric_sums=[v.value.detach() for v in model.metrics_variables])
     return Trained(True, metric_sums=summed[len(gradients) + 1 : -1])
+
+
+def _flag(value: bool, replica: Replica) -> torch.Tensor:
+    return torch.tensor([float(value)], dtype=torch.float32, device=replica.device)
 
 
 def _learning_rate_variable(model: keras.Model) -> keras.Variable | None:
