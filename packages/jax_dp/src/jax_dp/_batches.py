@@ -68,6 +68,8 @@ class EpochPlan:
         self.inputs = inputs
         self.global_batch_size = global_batch_size
         self.steps = num_steps(inputs.num_samples, global_batch_size)
+        self._layout = layout
+        self._order = {"epoch": epoch, "seed": seed, "shuffle": shuffle}
         shards = [
             split_indices(
                 inputs.num_samples,
@@ -92,6 +94,17 @@ class EpochPlan:
     def real_rows(self, step: int) -> int:
         """Real rows of global batch ``step``: all but in the padded last one."""
         return min(self.global_batch_size, self.inputs.num_samples - step * self.global_batch_size)
+
+    def every_replica(self) -> EpochPlan:
+        """This epoch as one process driving every replica reads it: whole global batches."""
+        if self._layout.num_processes == 1:
+            return self
+        return EpochPlan(
+            self.inputs,
+            layout=all_replicas_local(self._layout),
+            global_batch_size=self.global_batch_size,
+            **self._order,
+        )
 
     def host_batches(self, start: int = 0) -> Iterator[HostBatch]:
         """This process's rows of every global batch from ``start``."""
@@ -130,6 +143,16 @@ class Plan(Protocol):
     def real_rows(self, step: int) -> int: ...
 
     def host_batches(self, start: int = 0) -> Iterator[HostBatch]: ...
+
+    def every_replica(self) -> Plan:
+        """The same epoch with every replica's rows in each host batch (the whole global batch, on
+        every process): for a model's own steps, which place a short batch whole on every device."""
+        ...
+
+
+def all_replicas_local(layout: ReplicaLayout) -> ReplicaLayout:
+    """One process driving all of ``layout``'s replicas."""
+    return ReplicaLayout(num_processes=1, process_index=0, num_replicas=layout.num_replicas)
 
 
 def device_batches(plan: Plan, mesh: Mesh, *, start: int = 0) -> Iterator[Batch]:

@@ -3,6 +3,10 @@
 Callbacks and the progress bar run on process 0 only; every decision process 0 makes
 (stop) reaches every process at a step all of them agree on. The state lives on the mesh
 during an epoch and in the caller's model around the callbacks that end it (``_state``).
+
+``fit_loop`` is the loop over epochs for any step: it takes how an epoch trains
+(``EpochTrainer``) and how validation runs (``Evaluator``): Keras's own steps here
+(``keras_epochs``, ``evaluate_loop``), a model's own in ``_custom_loop``.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import contextlib
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import keras
@@ -91,17 +95,33 @@ def host_logs(logs: Logs | None) -> dict[str, Any]:
     return python_logs(replicated_to_host(logs)) if logs else {}
 
 
+class EpochTrainer(Protocol):
+    """Trains one epoch's ``plan`` from ``start`` (its epoch, and the step a checkpoint left it at);
+    returns the epoch's logs and the optimizer state to start the next epoch from (None: read it
+    from the model). The model holds the trained state afterwards."""
+
+    def __call__(
+        self, plan: Plan, callbacks: keras.callbacks.CallbackList, *, start: Start, optimizer_state: Any | None
+    ) -> tuple[dict[str, Any], Any | None]: ...
+
+
+class Evaluator(Protocol):
+    """Loss and metrics of the model's current weights over every batch of ``plan``, as
+    ``model.evaluate`` logs them; batch-end ``callbacks`` as ``model.evaluate`` calls them."""
+
+    def __call__(self, plan: Plan, callbacks: keras.callbacks.CallbackList | None) -> dict[str, Any]: ...
+
+
 def fit_loop(
     model: keras.Model,
     arguments: FitArguments,
     *,
     optimizer: Optimizer,
-    steps: Steps,
-    mesh: Mesh,
+    train_epoch: EpochTrainer,
+    evaluate: Evaluator,
     layout: ReplicaLayout,
     start: Start,
     checkpoints: CheckpointWriter | None,
-    stop_on_nonfinite: bool,
 ) -> keras.callbacks.History:
     """Every epoch from ``start``: train, validate, call back, checkpoint; returns the model's History."""
     callbacks = callback_list(
@@ -121,6 +141,7 @@ def fit_loop(
     else:
         start = Start(epoch=_initial_epoch(model, arguments.initial_epoch))
     for epoch in range(start.epoch, arguments.epochs):
+        model.reset_metrics()  # before the hook, as in model.fit
         callbacks.on_epoch_begin(epoch)
         plan = epoch_plan(
             arguments.inputs,
@@ -130,17 +151,11 @@ def fit_loop(
             seed=arguments.seed,
             shuffle=arguments.shuffle,
         )
-        logs, optimizer_state = _train_epoch(
-            model,
+        logs, optimizer_state = train_epoch(
             plan,
             callbacks,
             start=start if epoch == start.epoch else Start(epoch=epoch),  # a checkpoint's place is in its epoch
-            optimizer=optimizer,
             optimizer_state=optimizer_state,
-            steps=steps,
-            mesh=mesh,
-            checkpoints=checkpoints,
-            stop_on_nonfinite=stop_on_nonfinite,
         )
         if arguments.validates_after(epoch):
             assert arguments.validation is not None
@@ -148,7 +163,7 @@ def fit_loop(
                 arguments.validation, layout=layout, global_batch_size=arguments.validation_global_batch_size
             )
             callbacks.on_test_begin()  # the fit's callbacks get the test hooks, as in model.fit
-            val_logs = evaluate_loop(model, steps, validation, mesh, callbacks)
+            val_logs = evaluate(validation, callbacks)
             callbacks.on_test_end(val_logs)
             logs.update({f"val_{name}": value for name, value in val_logs.items()})
         callbacks.on_epoch_end(epoch, logs)
@@ -170,6 +185,36 @@ def _initial_epoch(model: keras.Model, initial_epoch: int) -> int:
     (``BackupAndRestore`` restoring an interrupted run), else ``initial_epoch``; process 0's."""
     chosen = internals.initial_epoch_override(model) or initial_epoch
     return int(same_on_all_processes([np.asarray(chosen)])[0])
+
+
+def keras_epochs(
+    model: keras.Model,
+    *,
+    optimizer: Optimizer,
+    steps: Steps,
+    mesh: Mesh,
+    checkpoints: CheckpointWriter | None,
+    stop_on_nonfinite: bool,
+) -> EpochTrainer:
+    """Epochs of Keras's own train step (``_steps``)."""
+
+    def train_epoch(
+        plan: Plan, callbacks: keras.callbacks.CallbackList, *, start: Start, optimizer_state: Any | None
+    ) -> tuple[dict[str, Any], Any]:
+        return _train_epoch(
+            model,
+            plan,
+            callbacks,
+            start=start,
+            optimizer=optimizer,
+            optimizer_state=optimizer_state,
+            steps=steps,
+            mesh=mesh,
+            checkpoints=checkpoints,
+            stop_on_nonfinite=stop_on_nonfinite,
+        )
+
+    return train_epoch
 
 
 def _train_epoch(
@@ -218,13 +263,19 @@ def _train_epoch(
         checkpoint_due=None if checkpoints is None else lambda done: checkpoints.due(done, plan.steps),
     )
     write_back(model, optimizer, state)
+    check_skipped(state, start, stop_on_nonfinite=stop_on_nonfinite)
+    return host_logs(steps.results(state.metrics)), state.optimizer
+
+
+def check_skipped(state: TrainState, start: Start, *, stop_on_nonfinite: bool) -> None:
+    """At an epoch's end: raise for a step with a non-finite loss (``stop_on_nonfinite``), else warn
+    once how many were skipped."""
     counts = counts_on_host(state)
     if counts.skipped and stop_on_nonfinite:
         raise nonfinite_loss_stopped(start.epoch, start.step + counts.first_skipped, "jax_dp")
     if counts.skipped and is_primary():
         message = skipped_message(start.epoch, start.step + counts.first_skipped, counts.skipped)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
-    return host_logs(steps.results(state.metrics)), state.optimizer
+        warnings.warn(message, RuntimeWarning, stacklevel=5)  # at the trainer's fit
 
 
 def _train_steps(
@@ -286,14 +337,14 @@ def _train_steps(
                     checkpoint(state, done)
                     if on_request is not None:
                         on_request.written_back(state)
-                if _stops(model, done, plan.steps):
+                if stop_requested(model, done, plan.steps):
                     break
         finally:
             steps_run.settle()
     return state
 
 
-def _stops(model: keras.Model, done: int, steps: int | None) -> bool:
+def stop_requested(model: keras.Model, done: int, steps: int | None) -> bool:
     """Whether a callback stopped training; with several processes every process must stop at the
     same step, so process 0's decision is exchanged at fixed steps."""
     if jax.process_count() == 1:
@@ -330,16 +381,8 @@ def predict_loop(
     mesh: Mesh,
     callbacks: keras.callbacks.CallbackList,
 ) -> Any:
-    """The model's outputs for every sample, in the plan's (input) order, padding dropped.
-
-    A model whose layers are not all built (a subclassed model after ``build(shape)``) is
-    called once on the first rows first, as ``model.predict`` does, so no variable is created
-    inside the jitted step.
-    """
-    if not all(layer.built for layer in internals.flatten_layers(model, include_self=True)):
-        x, _, _ = plan.inputs.first_rows()
-        with keras.StatelessScope():  # creates the variables, changes no state
-            model(x)
+    """The model's outputs for every sample, in the plan's (input) order, padding dropped."""
+    build_for_predict(model, plan)
     weights = weights_on_mesh(model, mesh)
     reporter = BatchEndReporter(callbacks, "predict", plan.steps)
     outputs = []
@@ -352,6 +395,16 @@ def predict_loop(
     # Pulled at the end, not per batch, so the devices never wait for the host.
     host = [_real_rows_to_host(output, plan.real_rows(step)) for step, output in enumerate(outputs)]
     return jax.tree.map(lambda *parts: np.concatenate(parts), *host)
+
+
+def build_for_predict(model: keras.Model, plan: Plan) -> None:
+    """A model whose layers are not all built (a subclassed model after ``build(shape)``) is
+    called once on the first rows, as ``model.predict`` does, so no variable is created inside
+    the jitted step."""
+    if not all(layer.built for layer in internals.flatten_layers(model, include_self=True)):
+        x, _, _ = plan.inputs.first_rows()
+        with keras.StatelessScope():  # creates the variables, changes no state
+            model(x)
 
 
 def _real_rows_to_host(output: Any, real_rows: int) -> Any:

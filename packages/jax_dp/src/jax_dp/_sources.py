@@ -14,7 +14,7 @@ import numpy as np
 
 from dp_core import ReplicaLayout, num_steps
 from dp_core.keras import BatchSource, Inputs, batch_rows, padded_batch_size, replica_part
-from jax_dp._batches import EpochPlan, HostBatch, Plan
+from jax_dp._batches import EpochPlan, HostBatch, Plan, all_replicas_local
 
 
 def epoch_plan(
@@ -70,6 +70,19 @@ class SourcePlan:
     def real_rows(self, step: int) -> int:
         """Real rows of global batch ``step`` (read already)."""
         return self._real_rows[step]
+
+    def every_replica(self) -> SourcePlan:
+        """This epoch as one process driving every replica reads it (before it is read): whole batches."""
+        if self._layout.num_processes == 1:
+            return self
+        return SourcePlan(
+            self.inputs,
+            layout=all_replicas_local(self._layout),
+            global_batch_size=self.source_batch_size,
+            epoch=self._epoch,
+            seed=self._seed,
+            shuffle=self._shuffle,
+        )
 
     def host_batches(self, start: int = 0) -> Iterator[HostBatch]:
         """This process's rows of every global batch from ``start`` (earlier ones are read and skipped)."""

@@ -5,7 +5,9 @@ the learning rate) and written back when it ends, so callbacks and the caller al
 the trained values. When a callback acts at every batch, the state is also written back
 when a batch hook reads the model, and read again if it changed the model (``ModelOnRequest``).
 Write-back goes through host copies: a Keras variable never holds a buffer the next
-(donating) step deletes. ``TrainState`` and ``StepCounts`` are NamedTuples, hence jax pytrees:
+(donating) step deletes. A model's own ``train_step`` keeps its metric variables as one model's
+values, replicated (``whole_metrics``/``metrics=True``), and they go back and forth with the rest,
+as Keras's ``jax_state_sync`` moves them. ``TrainState`` and ``StepCounts`` are NamedTuples, hence jax pytrees:
 the jitted step takes, donates and returns them whole.
 """
 
@@ -16,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import keras
 import numpy as np
 from jax.sharding import Mesh
@@ -45,7 +48,8 @@ class StepCounts(NamedTuple):
 
 class TrainState(NamedTuple):
     """Everything a train step reads and replaces; all replicated but ``metrics``, which holds
-    per-replica stacks (see ``_metrics``)."""
+    per-replica stacks (see ``_metrics``), or for a model's own ``train_step`` one model's
+    metric values, replicated."""
 
     trainable: list[Any]
     non_trainable: list[Any]
@@ -57,12 +61,13 @@ class TrainState(NamedTuple):
 def weights_on_mesh(model: keras.Model, mesh: Mesh) -> Weights:
     """The model's values, process 0's, replicated on the mesh."""
     return Weights(
-        trainable=_variables_on_mesh(model.trainable_variables, mesh),
-        non_trainable=_variables_on_mesh(model.non_trainable_variables, mesh),
+        trainable=variables_on_mesh(model.trainable_variables, mesh),
+        non_trainable=variables_on_mesh(model.non_trainable_variables, mesh),
     )
 
 
-def _variables_on_mesh(variables: list[Any], mesh: Mesh) -> list[jax.Array]:
+def variables_on_mesh(variables: list[Any], mesh: Mesh) -> list[jax.Array]:
+    """The variables' values, process 0's, replicated on the mesh."""
     values = same_on_all_processes([np.asarray(keras.ops.convert_to_numpy(v.value)) for v in variables])
     return [put_replicated(value, mesh) for value in values]
 
@@ -74,43 +79,73 @@ def train_state_on_mesh(
     *,
     previous_optimizer_state: Any | None,
     metric_sums: list[np.ndarray] | None,
+    whole_metrics: bool = False,
 ) -> TrainState:
     """The state an epoch starts from: the model's, with ``metric_sums`` (None: reset metrics)
-    when it continues a checkpointed epoch."""
+    when it continues a checkpointed epoch; ``whole_metrics``: the metric values replicated,
+    not per-replica stacks."""
     trainable, non_trainable = weights_on_mesh(model, mesh)
     return TrainState(
         trainable=trainable,
         non_trainable=non_trainable,
         optimizer=optimizer.initial_state(trainable, mesh, previous=previous_optimizer_state),
-        metrics=metrics_on_mesh(model, mesh, metric_sums),
+        metrics=(metric_values_on_mesh if whole_metrics else metrics_on_mesh)(model, mesh, metric_sums),
         counts=StepCounts(*(put_replicated(np.int32(count), mesh) for count in (0, 0, -1))),
     )
 
 
-def write_back(model: keras.Model, optimizer: Optimizer, state: TrainState) -> list[Any]:
-    """Trained values into the caller's model and optimizer, as host copies (usable outside the
-    mesh); returns the model's values as written, for ``model_changed``."""
-    for variables, values in (
-        (model.trainable_variables, state.trainable),
-        (model.non_trainable_variables, state.non_trainable),
-    ):
+def metric_values_on_mesh(model: keras.Model, mesh: Mesh, values: list[np.ndarray] | None = None) -> list[jax.Array]:
+    """One model's metric states, replicated: ``values`` (default: reset states)."""
+    if values is None:
+        model.reset_metrics()
+        return variables_on_mesh(model.metrics_variables, mesh)
+    return [put_replicated(value, mesh) for value in same_on_all_processes([np.asarray(v) for v in values])]
+
+
+def step_taken(good: Any, new: TrainState, old: TrainState) -> TrainState:
+    """Inside a jitted step: ``new`` if ``good``, else ``old`` (a skipped step changes nothing but
+    the counts); the counts advanced either way."""
+    counts = old.counts
+    kept = jax.tree.map(
+        lambda after, before: jnp.where(good, after, before), new._replace(counts=()), old._replace(counts=())
+    )
+    return kept._replace(
+        counts=StepCounts(
+            steps=counts.steps + 1,
+            skipped=counts.skipped + (~good).astype(jnp.int32),
+            first_skipped=jnp.where(good | (counts.first_skipped >= 0), counts.first_skipped, counts.steps),
+        )
+    )
+
+
+def write_back(model: keras.Model, optimizer: Optimizer, state: TrainState, *, metrics: bool = False) -> list[Any]:
+    """Trained values into the caller's model and optimizer (with ``metrics``, also replicated
+    metric values into its metrics), as host copies (usable outside the mesh); returns the
+    model's values as written, for ``model_changed``."""
+    pairs = [(model.trainable_variables, state.trainable), (model.non_trainable_variables, state.non_trainable)]
+    if metrics:
+        pairs.append((model.metrics_variables, state.metrics))
+    for variables, values in pairs:
         for variable, value in zip(variables, replicated_to_host(values), strict=True):
             variable.assign(value)
     optimizer.write_back(state.optimizer)
-    return model_values(model)
+    return model_values(model, metrics=metrics)
 
 
-def model_values(model: keras.Model) -> list[Any]:
-    """The current value objects of the model's and its optimizer's variables (not copies)."""
+def model_values(model: keras.Model, *, metrics: bool = False) -> list[Any]:
+    """The current value objects of the model's and its optimizer's variables (with ``metrics``,
+    also its metrics'; not copies)."""
     optimizer_variables = [] if model.optimizer is None else list(model.optimizer.variables)
     variables = [*model.trainable_variables, *model.non_trainable_variables, *optimizer_variables]
+    if metrics:
+        variables += model.metrics_variables
     return [variable.value for variable in variables]
 
 
-def model_changed(model: keras.Model, values: list[Any]) -> bool:
+def model_changed(model: keras.Model, values: list[Any], *, metrics: bool = False) -> bool:
     """Whether a variable was assigned since ``values`` were taken (a callback set weights or
     the learning rate): Keras replaces a variable's value on every assignment."""
-    now = model_values(model)
+    now = model_values(model, metrics=metrics)
     return len(now) != len(values) or any(new is not old for new, old in zip(now, values, strict=True))
 
 
@@ -123,13 +158,17 @@ class ModelOnRequest:
     ``installed()`` that call writes the state the running hooks see (``around``) into the
     model, once. So a callback that only reads its logs costs no transfer, and one that saves
     or changes the model sees the current values. A model reached another way (a closure)
-    holds the values last written, as in Keras.
+    holds the values last written, as in Keras. With ``metrics`` (a model's own ``train_step``),
+    the replicated metric values go along, as Keras's ``jax_state_sync`` writes them.
     """
 
-    def __init__(self, model: keras.Model, optimizer: Optimizer, mesh: Mesh, state: TrainState) -> None:
+    def __init__(
+        self, model: keras.Model, optimizer: Optimizer, mesh: Mesh, state: TrainState, *, metrics: bool = False
+    ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.mesh = mesh
+        self.metrics = metrics
         self._offered: TrainState | None = None
         self._written_state: TrainState | None = None
         self._requested = False
@@ -154,35 +193,39 @@ class ModelOnRequest:
             hook(*arguments)
         finally:
             self._offered = None
-        changed = self._requested and model_changed(self.model, self._written)
+        changed = self._requested and model_changed(self.model, self._written, metrics=self.metrics)
         self._requested = False
         if jax.process_count() > 1:
             changed = agree(changed)
         if not changed:
             return state
-        state = state_from_model(self.model, self.optimizer, self.mesh, state)
+        state = state_from_model(self.model, self.optimizer, self.mesh, state, metrics=self.metrics)
         self.written_back(state)
         return state
 
     def written_back(self, state: TrainState) -> None:
         """The model holds ``state`` now (read from it, or written by a checkpoint)."""
         self._written_state = state
-        self._written = model_values(self.model)
+        self._written = model_values(self.model, metrics=self.metrics)
 
     def _sync(self) -> None:
         self._requested = True
         if self._offered is not None and self._offered is not self._written_state:
-            self._written = write_back(self.model, self.optimizer, self._offered)
+            self._written = write_back(self.model, self.optimizer, self._offered, metrics=self.metrics)
             self._written_state = self._offered
 
 
-def state_from_model(model: keras.Model, optimizer: Optimizer, mesh: Mesh, state: TrainState) -> TrainState:
-    """``state`` with the model's current weights and optimizer variables (metrics and counts kept)."""
+def state_from_model(
+    model: keras.Model, optimizer: Optimizer, mesh: Mesh, state: TrainState, *, metrics: bool = False
+) -> TrainState:
+    """``state`` with the model's current weights and optimizer variables (with ``metrics``, also
+    its metric values, replicated; else the metrics are kept, as are the counts)."""
     trainable, non_trainable = weights_on_mesh(model, mesh)
     return state._replace(
         trainable=trainable,
         non_trainable=non_trainable,
         optimizer=optimizer.initial_state(trainable, mesh, previous=state.optimizer),
+        metrics=variables_on_mesh(model.metrics_variables, mesh) if metrics else state.metrics,
     )
 
 

@@ -36,7 +36,7 @@ from jax_dp._mesh import batch_sharded, replicated
 from jax_dp._metrics import Logs, make_metric_update, results_of, zero_states
 from jax_dp._optimizers import Optimizer
 from jax_dp._padding import computes_own_loss, padding_aware
-from jax_dp._state import StepCounts, TrainState, Weights
+from jax_dp._state import TrainState, Weights, step_taken
 from jax_dp._steps_ahead import Report, ReportingStep, report_of
 
 TrainStep = Callable[[TrainState, Batch, bool], TrainState]
@@ -156,19 +156,8 @@ def _train_step(
             )
             trainable, optimizer_state = optimizer.apply(state.optimizer, grads, state.trainable)
         metrics = update_metrics(state.metrics, increments, loss, batch, y_pred)
-        counts = state.counts
-        good = jnp.isfinite(loss) if skip_nonfinite else jnp.isfinite(loss) & (counts.skipped == 0)
-        trainable, non_trainable, optimizer_state, metrics = jax.tree.map(
-            lambda new, old: jnp.where(good, new, old),
-            (trainable, non_trainable, optimizer_state, metrics),
-            (state.trainable, state.non_trainable, state.optimizer, state.metrics),
-        )
-        counts = StepCounts(
-            steps=counts.steps + 1,
-            skipped=counts.skipped + (~good).astype(jnp.int32),
-            first_skipped=jnp.where(good | (counts.first_skipped >= 0), counts.first_skipped, counts.steps),
-        )
-        return TrainState(trainable, non_trainable, optimizer_state, metrics, counts)
+        good = jnp.isfinite(loss) if skip_nonfinite else jnp.isfinite(loss) & (state.counts.skipped == 0)
+        return step_taken(good, TrainState(trainable, non_trainable, optimizer_state, metrics, state.counts), state)
 
     return train_step
 

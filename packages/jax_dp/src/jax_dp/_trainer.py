@@ -25,10 +25,21 @@ from dp_core.keras import (
     internals,
     require_backend,
 )
+from jax_dp._batches import Plan
 from jax_dp._checkpoints import resume
 from jax_dp._compile_cache import CompileCache, TracedFrom, compile_state, model_structure
+from jax_dp._custom_loop import custom_epochs, custom_evaluate_loop, custom_predict_loop
+from jax_dp._custom_steps import (
+    CustomTestStep,
+    CustomTrainStep,
+    check_custom_steps,
+    make_custom_predict_step,
+    make_custom_test_step,
+    make_custom_train_step,
+    overrides,
+)
 from jax_dp._distributed import is_primary
-from jax_dp._loop import evaluate_loop, fit_loop, predict_loop
+from jax_dp._loop import EpochTrainer, Evaluator, evaluate_loop, fit_loop, keras_epochs, predict_loop
 from jax_dp._mesh import check_mesh, make_mesh, replica_layout
 from jax_dp._metrics import make_results
 from jax_dp._optimizers import KerasOptimizer, OptaxOptimizer, Optimizer
@@ -61,6 +72,12 @@ class Trainer:
     A trainer keeps the steps it compiles for a model and reuses them in later calls with
     that model, until the model is compiled again or what the steps were traced from
     changes (``trainable`` flags, the learning-rate policy, the trainer's options).
+
+    A model that overrides ``train_step``, ``test_step`` or ``predict_step`` (Keras's stateless
+    jax signatures) is trained, evaluated or predicted with its own step, as ``model.fit`` runs
+    it: one program over the mesh, state replicated, batch sharded, so whatever it computes over
+    the batch is what it computes on one device; a last batch that does not divide over the
+    devices is given to every device whole (``_custom_steps``).
 
     >>> trainer = jax_dp.Trainer(num_replicas=2)  # doctest: +SKIP
     >>> history = trainer.fit(model, x, y, global_batch_size=64, epochs=3)  # doctest: +SKIP
@@ -135,7 +152,7 @@ class Trainer:
             class_weight=class_weight,
             steps=steps_per_epoch,
             steps_name="steps_per_epoch",
-            keras_steps=("train_step", "test_step")
+            step_names=("train_step", "test_step")
             if validation_data is not None or validation_split
             else ("train_step",),
         )
@@ -186,12 +203,11 @@ class Trainer:
                 model,
                 arguments,
                 optimizer=optimizer,
-                steps=self._steps(model, optimizer),
-                mesh=self.mesh,
+                train_epoch=self._epochs(model, optimizer, checkpoints),
+                evaluate=self._evaluator(model),
                 layout=self.layout,
                 start=start,
                 checkpoints=checkpoints,
-                stop_on_nonfinite=self.on_nonfinite_loss == "stop",
             )
 
     def evaluate(
@@ -211,7 +227,7 @@ class Trainer:
         """Loss and metrics over every sample, as single-device ``model.evaluate`` computes them."""
         global_batch_size = global_batch_size_of(batch_size, global_batch_size, x)
         model, inputs = self._check(
-            model, x, y, sample_weight, global_batch_size, steps=steps, keras_steps=("test_step",)
+            model, x, y, sample_weight, global_batch_size, steps=steps, step_names=("test_step",)
         )
         if isinstance(inputs, BatchSource):  # its batches are the global batches
             global_batch_size = inputs.global_batch_size
@@ -221,7 +237,7 @@ class Trainer:
             callbacks, model, is_primary=is_primary(), verbose=verbose, steps=plan.steps, history=False
         )
         hooks.on_test_begin()
-        logs = evaluate_loop(model, self._steps(model), plan, self.mesh, hooks)
+        logs = self._evaluator(model)(plan, hooks)
         hooks.on_test_end(logs)
         return logs if return_dict else internals.metrics_in_order(model, logs)
 
@@ -239,7 +255,7 @@ class Trainer:
         """The model's outputs for every row of ``x``, in input order, as numpy."""
         global_batch_size = global_batch_size_of(batch_size, global_batch_size, x)
         model, inputs = self._check(
-            model, x, None, None, global_batch_size, compiled=False, steps=steps, keras_steps=("predict_step",)
+            model, x, None, None, global_batch_size, compiled=False, steps=steps, step_names=("predict_step",)
         )
         if isinstance(inputs, BatchSource):  # its batches are the global batches
             global_batch_size = inputs.global_batch_size
@@ -249,20 +265,42 @@ class Trainer:
             callbacks, model, is_primary=is_primary(), verbose=verbose, steps=plan.steps, history=False
         )
         hooks.on_predict_begin()
-        predict_step = self._compile_cache.step(
-            model,
-            "predict",
-            model_structure(model) + TracedFrom(values=[self.mesh]),
-            lambda: make_predict_step(model, self.mesh),
-        )
-        outputs = predict_loop(predict_step, model, plan, self.mesh, hooks)
+        mesh, traced_from = self.mesh, model_structure(model) + TracedFrom(values=[self.mesh])
+        if overrides(model, "predict_step"):
+            custom_step = self._compile_cache.step(
+                model, "custom_predict", traced_from, lambda: make_custom_predict_step(model, mesh)
+            )
+            outputs = custom_predict_loop(custom_step, model, plan, mesh, hooks)
+        else:
+            predict_step = self._compile_cache.step(
+                model, "predict", traced_from, lambda: make_predict_step(model, mesh)
+            )
+            outputs = predict_loop(predict_step, model, plan, mesh, hooks)
         hooks.on_predict_end()
         return outputs
 
     def _check(
-        self, model: Any, x: Any, y: Any, sample_weight: Any, global_batch_size: int, **options: Any
+        self,
+        model: Any,
+        x: Any,
+        y: Any,
+        sample_weight: Any,
+        global_batch_size: int,
+        *,
+        step_names: tuple[str, ...],
+        compiled: bool = True,
+        **options: Any,
     ) -> tuple[keras.Model, Inputs | BatchSource]:
-        # Every check that can fail on user input runs here, before anything compiles.
+        """The model (a factory called once) and inputs, after every check that can fail on user
+        input, before anything compiles. ``step_names``: the Keras steps the call runs; those the
+        model overrides run as its own, which need ``model.compile`` but not a compiled loss."""
+        if not isinstance(model, keras.Model) and callable(model):
+            model = model()
+        custom = tuple(name for name in step_names if isinstance(model, keras.Model) and overrides(model, name))
+        if custom:
+            check_custom_steps(
+                model, custom, compiled=compiled, optax=self._optax is not None, batch_norm=self.batch_norm
+            )
         return checked_model_and_inputs(
             model,
             x,
@@ -272,7 +310,66 @@ class Trainer:
             package=PACKAGE,
             global_batch_size=global_batch_size,
             num_replicas=self.num_replicas,
+            compiled=compiled and len(custom) < len(step_names),  # a Keras step with the compiled loss runs
             **options,
+        )
+
+    def _epochs(self, model: keras.Model, optimizer: Optimizer, checkpoints: CheckpointWriter | None) -> EpochTrainer:
+        """How one fit trains an epoch: with the model's own ``train_step`` or Keras's."""
+        stop_on_nonfinite = self.on_nonfinite_loss == "stop"
+        if overrides(model, "train_step"):
+            return custom_epochs(
+                model,
+                train_step=self._custom_train_step(model, optimizer),
+                optimizer=optimizer,
+                mesh=self.mesh,
+                checkpoints=checkpoints,
+                stop_on_nonfinite=stop_on_nonfinite,
+            )
+        return keras_epochs(
+            model,
+            optimizer=optimizer,
+            steps=self._steps(model, optimizer),
+            mesh=self.mesh,
+            checkpoints=checkpoints,
+            stop_on_nonfinite=stop_on_nonfinite,
+        )
+
+    def _evaluator(self, model: keras.Model) -> Evaluator:
+        """How ``evaluate`` and validation run: with the model's own ``test_step`` or Keras's."""
+        mesh = self.mesh
+        if overrides(model, "test_step"):
+            test_step = self._custom_test_step(model)
+
+            def evaluate_custom(plan: Plan, callbacks: keras.callbacks.CallbackList | None) -> dict[str, Any]:
+                return custom_evaluate_loop(model, test_step, plan, mesh, callbacks)
+
+            return evaluate_custom
+        steps = self._steps(model)
+
+        def evaluate(plan: Plan, callbacks: keras.callbacks.CallbackList | None) -> dict[str, Any]:
+            return evaluate_loop(model, steps, plan, mesh, callbacks)
+
+        return evaluate
+
+    def _custom_test_step(self, model: keras.Model) -> CustomTestStep:
+        mesh = self.mesh
+        traced_from = model_structure(model) + compile_state(model) + TracedFrom(values=[mesh])
+        return self._compile_cache.step(model, "custom_test", traced_from, lambda: make_custom_test_step(model, mesh))
+
+    def _custom_train_step(self, model: keras.Model, optimizer: Optimizer) -> CustomTrainStep:
+        mesh, skip_nonfinite = self.mesh, self.on_nonfinite_loss == "skip"
+        traced_from = (
+            model_structure(model)
+            + compile_state(model)
+            + optimizer.traced_from()
+            + TracedFrom(values=[mesh, skip_nonfinite])
+        )
+        return self._compile_cache.step(
+            model,
+            "custom_train",
+            traced_from,
+            lambda: make_custom_train_step(model, mesh, skip_nonfinite=skip_nonfinite),
         )
 
     def _steps(self, model: keras.Model, optimizer: Optimizer | None = None) -> Steps:
