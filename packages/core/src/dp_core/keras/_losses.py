@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -229,13 +230,9 @@ def warn_added_losses_see_padding(model: keras.Model, inputs: FirstRows, *, num_
     """
     if num_samples % batch_size == 0:
         return
-    x, _, _ = inputs.first_rows(2)
-    rows = len(keras.tree.flatten(x)[0])
-    try:
-        terms = [_added_losses(model, map_structure(lambda a, i=i: a[i : i + 1], x)) for i in range(min(rows, 2))]
-    except Exception:  # a model without call() (its train_step does the work): the run itself will tell
-        return
-    layers = [name for name, values in terms[0].items() if rows < 2 or values != terms[1].get(name)]
+    layers = _row_dependent_added_losses.get(model)
+    if layers is None:
+        layers = _row_dependent_added_losses[model] = _probe_added_losses(model, inputs)
     if not layers:
         return
     real = num_samples % batch_size
@@ -250,6 +247,21 @@ def warn_added_losses_see_padding(model: keras.Model, inputs: FirstRows, *, num_
         UserWarning,
         stacklevel=3,
     )
+
+
+# Asked once per model: the probe runs the model, which later calls should not pay again.
+_row_dependent_added_losses: weakref.WeakKeyDictionary[keras.Model, list[str]] = weakref.WeakKeyDictionary()
+
+
+def _probe_added_losses(model: keras.Model, inputs: FirstRows) -> list[str]:
+    """The layers whose ``add_loss`` terms differ between the first two rows."""
+    x, _, _ = inputs.first_rows(2)
+    rows = len(keras.tree.flatten(x)[0])
+    try:
+        terms = [_added_losses(model, map_structure(lambda a, i=i: a[i : i + 1], x)) for i in range(min(rows, 2))]
+    except Exception:  # a model without call() (its train_step does the work): the run itself will tell
+        return []
+    return [name for name, values in terms[0].items() if rows < 2 or values != terms[1].get(name)]
 
 
 def _added_losses(model: keras.Model, x: Any) -> dict[str, list[float]]:
