@@ -265,3 +265,30 @@ def test_a_learning_rate_set_at_each_batch_reaches_every_replica_before_its_upda
     trainer.fit(model, x, y, global_batch_size=32, epochs=2, shuffle=False, verbose=0, callbacks=per_batch(model))
     _assert_weights_equal(model, reference)
     assert float(model.optimizer.learning_rate) == pytest.approx(0.2 / 4)
+
+
+def test_a_memory_mapped_input_is_mapped_by_the_workers_not_copied(trainer, tmp_path):
+    x, y = testing.data()
+    np.save(tmp_path / "x.npy", x)
+    x_mapped = np.load(tmp_path / "x.npy", mmap_mode="r")
+    written = []
+    real_save = np.save
+
+    def counting_save(path, *args, **kwargs):
+        written.append(os.fspath(path))
+        return real_save(path, *args, **kwargs)
+
+    np.save = counting_save
+    try:
+        model = testing.dense_batchnorm_model("adam")
+        history = trainer.fit(model, x_mapped, y, global_batch_size=32, epochs=2, shuffle=False, verbose=0)
+        assert len(written) == 1, written  # y (in memory) is shared as a file; the memory map is not copied
+        # a slice of the map is not a whole file: it is copied
+        trainer.fit(testing.dense_batchnorm_model("adam"), x_mapped[:64], y[:64], global_batch_size=32, verbose=0)
+        assert len(written) == 3, written
+    finally:
+        np.save = real_save
+    reference = testing.dense_batchnorm_model("adam")
+    expected = reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-5)
+    _assert_weights_equal(model, reference)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import mmap
 import os
 import weakref
 from collections.abc import Iterator
@@ -32,6 +33,39 @@ class SharedArray:
     path: str
 
 
+@dataclass(frozen=True)
+class MappedFile:
+    """A caller's memory map of a whole file region, which the workers map read-only in turn
+    (a ``np.memmap`` opened ``"r"`` or ``"r+"``, or ``np.load(..., mmap_mode=...)``): a
+    dataset larger than memory is neither copied nor written again. Its writes are shared
+    (``MAP_SHARED``), so the workers see what the caller wrote before each call."""
+
+    path: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    fortran: bool
+
+    @classmethod
+    def of(cls, leaf: Any) -> MappedFile | None:
+        """The file region ``leaf`` maps, when it is a whole contiguous ``np.memmap`` whose
+        writes are shared (a slice, or a copy-on-write ``"c"`` map, is copied instead)."""
+        if not isinstance(leaf, np.memmap) or leaf.filename is None or getattr(leaf, "mode", None) not in ("r", "r+"):
+            return None
+        if not isinstance(leaf.base, mmap.mmap) or not (leaf.flags.c_contiguous or leaf.flags.f_contiguous):
+            return None  # a view into a larger map: its own offset is not recorded
+        whole = len(leaf.base) - (leaf.offset % mmap.ALLOCATIONGRANULARITY)
+        if leaf.nbytes != whole and leaf.ndim:  # numpy maps exactly the array's bytes
+            return None
+        fortran = bool(leaf.flags.f_contiguous and not leaf.flags.c_contiguous)
+        return cls(os.fspath(leaf.filename), leaf.dtype.str, tuple(leaf.shape), int(leaf.offset), fortran)
+
+    def open(self) -> np.memmap:
+        order = "F" if self.fortran else "C"
+        dtype = np.dtype(self.dtype)
+        return np.memmap(self.path, dtype=dtype, mode="r", offset=self.offset, shape=self.shape, order=order)
+
+
 class SharedArrays:
     """The caller's arrays as ``.npy`` files under ``directory``, each written once: a later call
     with the same array (same object, same contents) maps the same file. A file is removed
@@ -50,7 +84,10 @@ class SharedArrays:
         """``inputs`` with every array leaf replaced by a ``SharedArray`` (a dataset travels as it is)."""
         return inputs.map_arrays(self._shared)
 
-    def _shared(self, leaf: Any) -> SharedArray:
+    def _shared(self, leaf: Any) -> SharedArray | MappedFile:
+        mapped = MappedFile.of(leaf)
+        if mapped is not None:  # the workers map the same file: nothing to write
+            return mapped
         array = leaf.detach().cpu().numpy() if isinstance(leaf, torch.Tensor) else np.asarray(leaf)
         digest = "" if not array.flags.writeable else _digest(array)
         known = self._files.get(id(leaf))
@@ -84,6 +121,8 @@ def open_shared(inputs: Inputs) -> Inputs:
     """``inputs`` with each ``SharedArray`` memory-mapped (no copy until rows are read)."""
 
     def load(leaf: Any) -> Any:
+        if isinstance(leaf, MappedFile):
+            return leaf.open()
         return np.load(leaf.path, mmap_mode="r", allow_pickle=False) if isinstance(leaf, SharedArray) else leaf
 
     return inputs.map_arrays(load)
