@@ -4,8 +4,9 @@
 
 Both processes fit with a checkpoint every step (process 0 writes them), each reading
 its rows from a map-style dataset. Once the checkpoint after step FAIL_AFTER_STEP exists,
-the next row that process FAILING_PROCESS reads fails: MODE "raise" raises, "kill"
-SIGKILLs the process, "none" never fails. TIMEOUT ("default" or seconds) goes to
+the next row that process FAILING_PROCESS reads fails: MODE "raise" raises, "caught" raises
+an error its script catches (then it tries to fit again), "kill" SIGKILLs the process,
+"sigterm" sends it SIGTERM once (a preemption notice), "none" never fails. TIMEOUT ("default" or seconds) goes to
 ``jax_dp.initialize``.
 """
 
@@ -39,7 +40,11 @@ class FailingRows:
             print(f"FAILING {self.mode} at step {step} at {time.time():.3f}", flush=True)
             if self.mode == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
-            raise RuntimeError(f"injected failure reading rows of step {step}")
+            if self.mode == "sigterm":
+                self.mode = "none"  # once
+                os.kill(os.getpid(), signal.SIGTERM)
+            else:
+                raise RuntimeError(f"injected failure reading rows of step {step}")
         self.rows_read += 1
         return self.x[index], self.y[index]
 
@@ -63,16 +68,30 @@ def main() -> None:
     model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
     print(f"process {process_id} starts fit at {time.time():.3f}", flush=True)
-    trainer.fit(
-        model,
-        data,
-        global_batch_size=GLOBAL_BATCH,
-        epochs=1,
-        shuffle=False,
-        checkpoint_dir=checkpoint_dir,
-        checkpoint_every_steps=1,
-        verbose=0,
-    )
+
+    def fit() -> None:
+        trainer.fit(
+            model,
+            data,
+            global_batch_size=GLOBAL_BATCH,
+            epochs=1,
+            shuffle=False,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every_steps=1,
+            verbose=0,
+        )
+
+    if own_mode != "caught":
+        fit()
+    else:
+        try:
+            fit()
+        except RuntimeError as error:
+            print(f"CAUGHT {error}", flush=True)
+        try:
+            fit()
+        except RuntimeError as error:
+            print(f"REFUSED {error}", flush=True)
     print(f"process {process_id} finished fit at {time.time():.3f}", flush=True)
 
 

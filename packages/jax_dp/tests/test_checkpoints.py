@@ -4,6 +4,7 @@ continues the run exactly, after a SIGKILL too, on the same or another replica c
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -164,3 +165,39 @@ def test_resuming_on_four_replicas_continues_the_same_data_order(data, uninterru
     for name, values in expected_history.items():
         np.testing.assert_allclose(history.history[name], values, rtol=1e-5, err_msg=name)
     assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 12  # 3 epochs x 4 steps
+
+
+@pytest.mark.parametrize("notice", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_preemption_notice_stops_at_a_step_with_a_checkpoint_and_a_rerun_resumes_bitwise(
+    uninterrupted, tmp_path, notice
+):
+    checkpoints, output = tmp_path / "checkpoints", tmp_path / "out.npz"
+    command = [sys.executable, SCRIPT, str(checkpoints), str(output), "--slow", "0.3"]
+    process = subprocess.Popen(command, env=_environment(), stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (checkpoints / "step-000001-000000001").exists():
+            assert process.poll() is None, f"the run ended before the notice: {process.stderr.read()[-3000:]}"
+            assert time.monotonic() < deadline, "no checkpoint of epoch 1, step 1 within 120 s"
+            time.sleep(0.05)
+        process.send_signal(notice)
+        signalled = time.monotonic()
+        _, stderr = process.communicate(timeout=60)
+        ended = time.monotonic() - signalled
+    finally:
+        process.kill()
+    assert process.returncode == 1, stderr[-3000:]
+    assert ended < 5, f"the run took {ended:.1f} s to stop"
+    name = signal.Signals(notice).name
+    match = re.search(rf"Preempted: Training was preempted \({name}\) and stopped at epoch (\d+), step (\d+)", stderr)
+    assert match, stderr[-3000:]
+    newest = dp_core.latest_checkpoint(checkpoints)
+    assert (newest.epoch, newest.step) == (int(match.group(1)), int(match.group(2))) >= (1, 2)
+    assert f"A checkpoint of that step is at {checkpoints / newest.name}" in stderr
+    assert not output.exists()
+
+    finished = _run(str(checkpoints), str(output))
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    weights, _ = _saved(output)
+    for mine, theirs in zip(weights, uninterrupted[0], strict=True):
+        np.testing.assert_array_equal(mine, theirs)  # bitwise

@@ -160,3 +160,49 @@ def test_a_busy_coordinator_port_is_a_clear_error():
     assert "Pass a free port" in finished.stderr
     assert finished.returncode == 1, finished.stderr[-2000:]  # an exception, not a crash in jax's teardown
     assert time.monotonic() - started < 60  # at once, not after initialization_timeout of waiting for peers
+
+
+@pytest.mark.parametrize("failing_process", [1, 0])
+def test_an_error_the_script_catches_still_ends_the_run_fast(tmp_path, failing_process):
+    survivor = 1 - failing_process
+    run = Run(tmp_path, failing_process=failing_process, mode="caught", timeout="default")
+    try:
+        run.wait_for_both(STARTUP_S + SLACK_S + 30)
+    finally:
+        run.kill_leftovers()
+    failed_at, _ = run.failure()
+    failing_log, survivor_log = run.log(failing_process), run.log(survivor)
+    assert None not in run.ended_at, f"a worker hung:\n{survivor_log[-3000:]}\n{failing_log[-3000:]}"
+    assert processes_mentioning(str(tmp_path)) == []
+    for process_id in (0, 1):
+        ended_at = run.ended_at[process_id]
+        assert ended_at is not None and ended_at - failed_at <= SLACK_S, (process_id, ended_at, failed_at)
+        assert run.workers[process_id].returncode == 1
+    assert f"jax_dp: process {failing_process} of 2 failed: RuntimeError: injected failure" in survivor_log
+    # the script caught it; its next fit is refused, not left to hang on the processes that ended
+    assert "CAUGHT injected failure" in failing_log
+    assert f"REFUSED This multi-process run already failed in process {failing_process}" in failing_log
+
+
+@pytest.mark.parametrize("failing_process", [1, 0])
+def test_sigterm_to_one_process_stops_both_at_one_step_with_a_checkpoint(tmp_path, failing_process):
+    run = Run(tmp_path, failing_process=failing_process, mode="sigterm", timeout="default")
+    try:
+        run.wait_for_both(STARTUP_S + SLACK_S + 30)
+    finally:
+        run.kill_leftovers()
+    signalled_at, _ = run.failure()
+    assert None not in run.ended_at, f"a worker hung:\n{run.log(0)[-3000:]}\n{run.log(1)[-3000:]}"
+    stopped = set()
+    for process_id in (0, 1):
+        log = run.log(process_id)
+        match = re.search(r"Preempted: Training was preempted \(SIGTERM\) and stopped at epoch 0, step (\d+)", log)
+        assert match, log[-3000:]
+        stopped.add(int(match.group(1)))
+        assert run.workers[process_id].returncode == 1, log[-3000:]
+        ended_at = run.ended_at[process_id]
+        assert ended_at is not None and ended_at - signalled_at <= SLACK_S, (process_id, ended_at - signalled_at)
+    assert len(stopped) == 1, f"the processes stopped at different steps: {stopped}"
+    newest = latest_checkpoint(run.checkpoint_dir)
+    assert newest is not None and (newest.epoch, newest.step) == (0, stopped.pop())
+    assert FAIL_AFTER_STEP < newest.step < STEPS_PER_EPOCH

@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dp_core.keras import CheckpointWriter, Start, internals, python_logs
+from jax_dp import _preemption as preemption
 from jax_dp._batches import Plan
 from jax_dp._checkpoints import save
 from jax_dp._custom_steps import (
@@ -107,19 +108,28 @@ def _train_epoch(
         metric_variables = list(replicated_to_host(state.metrics))
         save(checkpoints, model, optimizer, None, epoch=start.epoch, step=steps_done, metric_variables=metric_variables)
 
-    state, last_logs = _train_steps(
-        train_step,
-        state,
-        plan,
-        mesh,
-        model,
-        callbacks,
-        optimizer=optimizer,
-        start=start.step,
-        stop_on_nonfinite=stop_on_nonfinite,
-        checkpoint=None if checkpoints is None else checkpoint,
-        checkpoint_due=None if checkpoints is None else lambda done: checkpoints.due(done, plan.steps),
-    )
+    try:
+        state, last_logs = _train_steps(
+            train_step,
+            state,
+            plan,
+            mesh,
+            model,
+            callbacks,
+            optimizer=optimizer,
+            start=start.step,
+            stop_on_nonfinite=stop_on_nonfinite,
+            checkpoint=None if checkpoints is None else checkpoint,
+            checkpoint_due=None if checkpoints is None else lambda done: checkpoints.due(done, plan.steps),
+        )
+    except preemption.StoppedAt as stop:
+        raise preemption.preempted(
+            stop,
+            epoch=start.epoch,
+            write_back=lambda state: write_back(model, optimizer, state, metrics=True),
+            checkpoint=None if checkpoints is None else checkpoint,
+            directory=None if checkpoints is None else checkpoints.directory,
+        ) from None
     write_back(model, optimizer, state, metrics=True)
     check_skipped(state, start, stop_on_nonfinite=stop_on_nonfinite)
     return metrics_result_or_logs(model, last_logs)
@@ -170,6 +180,7 @@ def _train_steps(
                 checkpoint(state, done)
                 if on_request is not None:
                     on_request.written_back(state)
+            preemption.check(done, state)
             if stop_requested(model, done, plan.steps):
                 break
     return state, last_logs

@@ -5,20 +5,27 @@ from __future__ import annotations
 import atexit
 import contextlib
 import errno
+import functools
+import itertools
 import math
 import os
 import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import jax
 import numpy as np
 from jax._src import distributed as jax_distributed  # the client jax.distributed keeps; no public accessor
 from jax.experimental import multihost_utils
 
+from dp_core import NonFiniteLossError, Preempted
+
+P = ParamSpec("P")
+R = TypeVar("R")
 # A process that fails records why under this key prefix of jax's key-value store.
 _FAILED = "jax_dp/failed/"
 _POLL_S = 0.5  # how often each process looks for another's failure
@@ -139,6 +146,26 @@ def record_failure(error: BaseException) -> None:
     atexit.register(_end_after_failure)  # runs before jax's own exit-time shutdown (registered earlier)
 
 
+def ends_the_run_on_failure(method: Callable[P, R]) -> Callable[P, R]:
+    """``method`` (a Trainer call) refusing to run after this process failed, and reporting any
+    error to the other processes, so a failure the caller catches still ends the run fast.
+    Errors every process raises at the same step (``Preempted``, ``NonFiniteLossError``) are
+    not failures of one process: they are left to each process's caller."""
+
+    @functools.wraps(method)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        check_not_failed()
+        try:
+            return method(*args, **kwargs)
+        except (Preempted, NonFiniteLossError):
+            raise
+        except BaseException as error:
+            record_failure(error)
+            raise
+
+    return run
+
+
 def check_not_failed() -> None:
     """A clear error for a call after this process's part of the run failed."""
     if _Run.failure is not None:
@@ -198,6 +225,23 @@ def _exit_now() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1)
+
+
+_texts = itertools.count()  # every process asks in the same order: the same key on each
+
+
+def text_from_primary(name: str, text: str | None) -> str:
+    """Process 0's ``text`` on every process (``text`` is ignored elsewhere), through jax's key-value store."""
+    key = f"{name}/{next(_texts)}"
+    if jax.process_count() == 1:
+        assert text is not None
+        return text
+    client: Any = jax_distributed.global_state.client
+    if is_primary():
+        assert text is not None
+        client.key_value_set(key, text)
+        return text
+    return client.blocking_key_value_get(key, 10 * 60 * 1000)  # process 0 may be reading a large checkpoint
 
 
 def is_primary() -> bool:

@@ -35,6 +35,7 @@ from dp_core.keras import (
     python_logs,
     skipped_message,
 )
+from jax_dp import _preemption as preemption
 from jax_dp._batches import Plan, device_batches
 from jax_dp._checkpoints import save
 from jax_dp._distributed import agree, is_primary, replicated_to_host, rows_to_host, same_on_all_processes
@@ -249,19 +250,28 @@ def _train_epoch(
         write_back(model, optimizer, state)
         save(checkpoints, model, optimizer, state.optimizer, epoch=start.epoch, step=steps_done, metric_variables=sums)
 
-    state = _train_steps(
-        steps,
-        state,
-        plan,
-        mesh,
-        model,
-        callbacks,
-        optimizer=optimizer,
-        start=start.step,
-        stop_on_nonfinite=stop_on_nonfinite,
-        checkpoint=None if checkpoints is None else checkpoint,
-        checkpoint_due=None if checkpoints is None else lambda done: checkpoints.due(done, plan.steps),
-    )
+    try:
+        state = _train_steps(
+            steps,
+            state,
+            plan,
+            mesh,
+            model,
+            callbacks,
+            optimizer=optimizer,
+            start=start.step,
+            stop_on_nonfinite=stop_on_nonfinite,
+            checkpoint=None if checkpoints is None else checkpoint,
+            checkpoint_due=None if checkpoints is None else lambda done: checkpoints.due(done, plan.steps),
+        )
+    except preemption.StoppedAt as stop:
+        raise preemption.preempted(
+            stop,
+            epoch=start.epoch,
+            write_back=lambda state: write_back(model, optimizer, state),
+            checkpoint=None if checkpoints is None else checkpoint,
+            directory=None if checkpoints is None else checkpoints.directory,
+        ) from None
     write_back(model, optimizer, state)
     check_skipped(state, start, stop_on_nonfinite=stop_on_nonfinite)
     return host_logs(steps.results(state.metrics)), state.optimizer
@@ -337,6 +347,7 @@ def _train_steps(
                     checkpoint(state, done)
                     if on_request is not None:
                         on_request.written_back(state)
+                preemption.check(done, state)
                 if stop_requested(model, done, plan.steps):
                     break
         finally:

@@ -38,11 +38,12 @@ from jax_dp._custom_steps import (
     make_custom_train_step,
     overrides,
 )
-from jax_dp._distributed import is_primary
+from jax_dp._distributed import ends_the_run_on_failure, is_primary
 from jax_dp._loop import EpochTrainer, Evaluator, evaluate_loop, fit_loop, keras_epochs, predict_loop
 from jax_dp._mesh import check_mesh, make_mesh, replica_layout
 from jax_dp._metrics import make_results
 from jax_dp._optimizers import KerasOptimizer, OptaxOptimizer, Optimizer
+from jax_dp._preemption import PreemptionNotice
 from jax_dp._sources import epoch_plan
 from jax_dp._steps import (
     Steps,
@@ -110,6 +111,7 @@ class Trainer:
         """Devices on the mesh's ``"batch"`` axis, over every process."""
         return self.mesh.size
 
+    @ends_the_run_on_failure
     def fit(
         self,
         model: Any,
@@ -199,17 +201,19 @@ class Trainer:
                     num_replicas=self.num_replicas,
                     lr_policy=policy,
                 )
-            return fit_loop(
-                model,
-                arguments,
-                optimizer=optimizer,
-                train_epoch=self._epochs(model, optimizer, checkpoints),
-                evaluate=self._evaluator(model),
-                layout=self.layout,
-                start=start,
-                checkpoints=checkpoints,
-            )
+            with PreemptionNotice():
+                return fit_loop(
+                    model,
+                    arguments,
+                    optimizer=optimizer,
+                    train_epoch=self._epochs(model, optimizer, checkpoints),
+                    evaluate=self._evaluator(model),
+                    layout=self.layout,
+                    start=start,
+                    checkpoints=checkpoints,
+                )
 
+    @ends_the_run_on_failure
     def evaluate(
         self,
         model: Any,
@@ -241,6 +245,7 @@ class Trainer:
         hooks.on_test_end(logs)
         return logs if return_dict else internals.metrics_in_order(model, logs)
 
+    @ends_the_run_on_failure
     def predict(
         self,
         model: Any,
