@@ -1,9 +1,10 @@
 """One process of the 2-process test (not collected by pytest).
 
-    python jax_dp_mp_worker.py PORT PROCESS_ID OUTPUT.npz
+    python jax_dp_mp_worker.py PORT PROCESS_ID OUTPUT.npz [CHECKPOINT_DIR EPOCHS]
 
 Started with XLA_FLAGS=--xla_force_host_platform_device_count=2, so two processes
-give four replicas, compared against one process with four devices.
+give four replicas, compared against one process with four devices. With CHECKPOINT_DIR (each
+process its own), it runs ``resumed`` instead and every process writes OUTPUT.<process>.npz.
 """
 
 from __future__ import annotations
@@ -41,6 +42,21 @@ def scenario(trainer) -> dict[str, np.ndarray]:
     return results
 
 
+def resumed(trainer, checkpoint_dir: str, epochs: int) -> dict[str, np.ndarray]:
+    """A fit of ``epochs`` epochs with a checkpoint at each epoch end, resuming from ``checkpoint_dir``."""
+    from jax_dp_helpers import GLOBAL_BATCH, dense_bn_model, make_data
+
+    x, y, _, _ = make_data()
+    model = dense_bn_model("adam")
+    history = trainer.fit(
+        model, x, y, global_batch_size=GLOBAL_BATCH, epochs=epochs, seed=3, checkpoint_dir=checkpoint_dir, verbose=0
+    )
+    return {
+        **{f"weight_{i}": w for i, w in enumerate(model.get_weights())},
+        "epochs_run": np.asarray(history.epoch),
+    }
+
+
 def main() -> None:
     port, process_id, output = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     import jax
@@ -56,6 +72,9 @@ def main() -> None:
     )
     trainer = jax_dp.Trainer()
     assert trainer.num_replicas == 4 and jax.local_device_count() == 2, (trainer.num_replicas, jax.devices())
+    if len(sys.argv) > 4:
+        np.savez(f"{output}.{process_id}.npz", **resumed(trainer, sys.argv[4], int(sys.argv[5])))
+        return
     results = scenario(trainer)
     if process_id == 0:  # files only on process 0
         np.savez(output, **results)

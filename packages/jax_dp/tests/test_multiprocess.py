@@ -17,9 +17,10 @@ WORKER_TIMEOUT_S = 180
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(WORKER_TIMEOUT_S + 60)]
 
 
-def run_two_processes(output: str, log_dir: str) -> None:
+def run_two_processes(output: str, log_dir: str, *more: list[str]) -> None:
+    """The worker in 2 processes; ``more`` holds each process's extra arguments."""
     port = str(free_port())
-    arguments = [[port, str(process_id), output] for process_id in range(2)]
+    arguments = [[port, str(process_id), output, *(more[process_id] if more else [])] for process_id in range(2)]
     workers, log_paths = start_workers(WORKER, arguments, Path(log_dir))
     try:
         for worker in workers:
@@ -55,3 +56,21 @@ def test_two_processes_of_two_devices_match_one_process_of_four(tmp_path):
             np.testing.assert_allclose(got[name], want, atol=1e-5, rtol=1e-5, err_msg=name)
     assert expected["predictions"].shape == (37, 1)
     assert expected["epochs_run_when_stopped"] == 1
+
+
+def test_every_process_resumes_from_process_0s_checkpoint_even_with_a_directory_of_its_own(tmp_path):
+    # Per-host checkpoint directories: only process 0 writes, so process 1's stays empty. The
+    # second run must still start every process at process 0's checkpoint (epoch 1), with its state.
+    directories = [str(tmp_path / f"host{process_id}") for process_id in range(2)]
+    output = str(tmp_path / "run")
+    run_two_processes(output, str(tmp_path), [directories[0], "1"], [directories[1], "1"])
+    assert os.listdir(directories[0]) and not os.path.exists(directories[1])
+    run_two_processes(output, str(tmp_path), [directories[0], "3"], [directories[1], "3"])
+
+    expected = load_worker_module().resumed(jax_dp.Trainer(4), str(tmp_path / "one_process"), 3)
+    for process_id in range(2):
+        with np.load(f"{output}.{process_id}.npz") as got:
+            np.testing.assert_array_equal(got["epochs_run"], [0, 1, 2])  # History continues from the checkpoint
+            for name, want in expected.items():
+                if name.startswith("weight_"):
+                    np.testing.assert_allclose(got[name], want, atol=1e-5, rtol=1e-5, err_msg=f"{process_id} {name}")

@@ -4,18 +4,24 @@ every ``checkpoint_every_steps`` steps.
 Weights are stored in ``model.get_weights()`` order, optimizer state as the optimizer's
 ``checkpoint_variables`` (the Keras optimizer's variables, or the optax state's leaves),
 metric states as their sums over replicas, so a run resumes with the same data order and
-logs on any replica count. Only process 0 writes; every process reads.
+logs on any replica count. Only process 0 writes, and only process 0 chooses where to resume:
+the other processes take its checkpoint from it, so a per-host directory, or a shared one seen
+through a stale cache, cannot make them start at different steps.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from typing import Any
 
+import jax
 import keras
 import numpy as np
 
+from dp_core import Checkpoint
 from dp_core.keras import CheckpointWriter, Start, resumable_checkpoint, start_of
-from jax_dp._distributed import is_primary
+from jax_dp._distributed import is_primary, same_on_all_processes, text_from_primary
 from jax_dp._optimizers import Optimizer
 
 
@@ -30,13 +36,54 @@ def resume(
 ) -> Start:
     """Where the fit starts: the newest valid checkpoint's place, with weights and optimizer
     state already restored, or the beginning when there is none."""
-    checkpoint = resumable_checkpoint(
-        checkpoint_dir, model, seed=seed, global_batch_size=global_batch_size, shuffle=shuffle
-    )
+    checkpoint = None
+    if is_primary():
+        checkpoint = resumable_checkpoint(
+            checkpoint_dir, model, seed=seed, global_batch_size=global_batch_size, shuffle=shuffle
+        )
+    if jax.process_count() > 1:
+        checkpoint = _from_process_0(checkpoint)
     if checkpoint is None:
         return Start()
     optimizer.restore(checkpoint, model)
     return start_of(checkpoint)
+
+
+_ARRAYS = ("weights", "optimizer_variables", "metric_variables")
+
+
+def _from_process_0(checkpoint: Checkpoint | None) -> Checkpoint | None:
+    """Process 0's choice on every process: no checkpoint, or its checkpoint's contents (the
+    small fields through jax's key-value store, the arrays by broadcast)."""
+    header = None
+    if is_primary():
+        header = json.dumps(
+            None
+            if checkpoint is None
+            else {
+                "fields": {
+                    field.name: getattr(checkpoint, field.name)
+                    for field in dataclasses.fields(checkpoint)
+                    if field.name not in _ARRAYS
+                },
+                "arrays": {
+                    group: [(list(a.shape), a.dtype.str) for a in getattr(checkpoint, group)] for group in _ARRAYS
+                },
+            }
+        )
+    chosen = json.loads(text_from_primary("jax_dp/resume", header))
+    if chosen is None:
+        return None
+    layout = chosen["arrays"]
+    if checkpoint is not None:
+        arrays = [np.asarray(a) for group in _ARRAYS for a in getattr(checkpoint, group)]
+    else:
+        arrays = [np.zeros(shape, dtype) for group in _ARRAYS for shape, dtype in layout[group]]
+    arrays = same_on_all_processes(arrays)
+    groups, start = {}, 0
+    for group in _ARRAYS:
+        groups[group], start = arrays[start : start + len(layout[group])], start + len(layout[group])
+    return Checkpoint(**chosen["fields"], **groups)
 
 
 def save(
