@@ -292,3 +292,16 @@ def test_a_memory_mapped_input_is_mapped_by_the_workers_not_copied(trainer, tmp_
     expected = reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
     np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-5)
     _assert_weights_equal(model, reference)
+
+
+def test_directories_left_by_runs_killed_outright_are_removed_by_the_next(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=30)
+    stale = tmp_path / f"torch_dp_{dead.pid}_abc"
+    mine = tmp_path / f"torch_dp_{os.getpid()}_abc"  # a live caller's: kept
+    unrelated = tmp_path / "torch_dp_notapid"
+    for directory in (stale, mine, unrelated):
+        directory.mkdir()
+        (directory / "array_0.npy").write_bytes(b"x")
+    assert torch_dp._pool.remove_stale_directories(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and mine.exists() and unrelated.exists()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import shutil
 import tempfile
 import time
 import weakref
@@ -52,6 +53,7 @@ from torch_dp._worker import Request, build, check_losses, device_for, pool_work
 # Raised in the caller as their own type when a worker raises them.
 DOCUMENTED = (NonFiniteLossError, Preempted)
 _active: ReplicaPool | None = None  # the pool holding this process's default group
+DIRECTORY_PREFIX = "torch_dp_"  # then the caller's pid: a directory whose caller is gone is stale
 
 
 @dataclass
@@ -143,7 +145,8 @@ class ReplicaPool:
 
     def _ensure_directory(self) -> str:
         if self._directory is None:
-            self._directory = tempfile.TemporaryDirectory(prefix="torch_dp_")
+            remove_stale_directories()
+            self._directory = tempfile.TemporaryDirectory(prefix=f"{DIRECTORY_PREFIX}{os.getpid()}_")
             self._arrays = SharedArrays(self._directory.name)
         return self._directory.name
 
@@ -295,6 +298,34 @@ def _shippable(request: Request) -> bytes:
             f"and that failed: {type(error).__name__}: {error}. A dataset or factory that holds an open file, a "
             "lock or a connection cannot travel; open such things inside __getitem__ or the factory instead."
         ) from error
+
+
+def remove_stale_directories(parent: str | None = None) -> list[str]:
+    """Remove the replicas' directories (a copy of the data) that runs killed outright left: those
+    of this user whose process no longer exists. Returns what was removed."""
+    parent = parent or tempfile.gettempdir()
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(parent):
+            owner = entry.name[len(DIRECTORY_PREFIX) :].split("_", 1)[0]
+            ours = entry.name.startswith(DIRECTORY_PREFIX) and owner.isdigit()
+            if not ours or not entry.is_dir(follow_symlinks=False):
+                continue
+            if entry.stat(follow_symlinks=False).st_uid != os.getuid() or _alive(int(owner)):
+                continue
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process holds that pid now
+        return True
+    return True
 
 
 def _is_collective_error(error: BaseException) -> bool:
