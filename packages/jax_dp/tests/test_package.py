@@ -11,10 +11,10 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_every_public_name_imports():
-    assert sorted(jax_dp.__all__) == ["NonFiniteLossError", "Trainer", "initialize"]
+    assert sorted(jax_dp.__all__) == ["NonFiniteLossError", "Preempted", "Trainer", "initialize"]
     for name in jax_dp.__all__:
         assert getattr(jax_dp, name) is not None
-    assert jax_dp.__version__ == "0.3.0"
+    assert jax_dp.__version__ == "0.4.0"
 
 
 def test_trainer_implements_the_dp_core_protocol():

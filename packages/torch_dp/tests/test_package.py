@@ -4,7 +4,8 @@ import torch_dp
 
 
 def test_every_public_name_imports():
-    assert set(torch_dp.__all__) == {"BatchNormMode", "NonFiniteLossError", "Sampler", "Trainer", "WorkerError"}
+    expected = {"BatchNormMode", "NonFiniteLossError", "Preempted", "Sampler", "Trainer", "WorkerError"}
+    assert set(torch_dp.__all__) == expected
     for name in torch_dp.__all__:
         assert getattr(importlib.import_module("torch_dp"), name) is not None
 

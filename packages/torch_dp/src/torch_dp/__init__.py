@@ -8,6 +8,7 @@ from importlib.metadata import version as _version
 
 from dp_core import BatchNormMode as BatchNormMode
 from dp_core import NonFiniteLossError as NonFiniteLossError
+from dp_core import Preempted as Preempted
 from torch_dp._processes import WorkerError as WorkerError
 from torch_dp._sampler import Sampler as Sampler
 from torch_dp._trainer import Trainer as Trainer
@@ -17,6 +18,7 @@ __version__ = _version("torch-dp")
 __all__ = [
     "BatchNormMode",
     "NonFiniteLossError",
+    "Preempted",
     "Sampler",
     "Trainer",
     "WorkerError",
