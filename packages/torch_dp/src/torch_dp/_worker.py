@@ -71,16 +71,20 @@ def run_job(model: keras.Model, job: Job, replica: Replica, *, sync: bool = True
 def decorrelate_randomness(model: keras.Model, replica: Replica) -> None:
     """Give each replica its own dropout (and other random layer) streams.
 
-    Identical seed states would draw the same dropout mask on every replica. Offsetting
-    the seed by the rank makes the masks depend on (seed, step, replica); rank 0 keeps
-    the caller's stream, so one replica draws exactly what ``model.fit`` would.
+    Identical seed states would draw the same dropout mask on every replica. Keras's torch
+    backend seeds each draw with ``(seed + counter) mod 2**32``, so rank ``r`` moves the seed
+    by ``r`` times ``2**32 / num_replicas``: the replicas' draws stay apart for that many steps
+    (a smaller offset would give rank ``r`` rank 0's masks a few thousand draws later). Rank 0
+    keeps the caller's stream, so one replica draws exactly what ``model.fit`` would.
     """
+    spacing = 2**32 // replica.num_replicas
     for layer in internals.flatten_layers(model, include_self=True):
         for generator in internals.seed_generators(layer):
-            state = generator.state.value
-            offset = torch.zeros_like(state)
-            offset[0] = 7919 * replica.rank
-            generator.state.assign(state + offset)
+            seed, counter = (int(v) for v in generator.state.value.tolist())
+            moved = ((seed & 0xFFFFFFFF) + replica.rank * spacing) & 0xFFFFFFFF
+            if generator.state.value.dtype == torch.int32:  # Keras's seed dtype on torch: uint32 bits as int32
+                moved = (moved ^ 0x80000000) - 0x80000000
+            generator.state.assign(torch.tensor([moved, counter], dtype=generator.state.value.dtype))
 
 
 def device_for(local_rank: int) -> str:
