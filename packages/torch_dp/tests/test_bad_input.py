@@ -91,3 +91,12 @@ def test_a_batch_yielding_input_takes_no_batch_size_before_any_process_starts():
     trainer = torch_dp.Trainer(num_replicas=2)
     with pytest.raises(ValueError, match=r"batch_size=32 was passed, but x is a generator, which yields its own"):
         trainer.fit(testing.dense_batchnorm_model(), batches, global_batch_size=32)
+
+
+def test_fewer_gpus_than_replicas_is_an_error_not_a_silent_cpu_run(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    x, y = testing.data()
+    with pytest.raises(ValueError, match=r"num_replicas=2\) needs one GPU per replica, but 1 GPU\(s\) are visible"):
+        with torch_dp.Trainer(num_replicas=2) as trainer:
+            trainer.fit(testing.dense_batchnorm_model(), x, y, global_batch_size=32, verbose=0)

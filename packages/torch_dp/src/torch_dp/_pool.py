@@ -163,6 +163,7 @@ class ReplicaPool:
                 "to one (torch.distributed.init_process_group was called). Call "
                 "torch.distributed.destroy_process_group() first, or run under torchrun and pass num_replicas=None."
             )
+        self._on_cpu()  # fewer GPUs than replicas: an error before anything starts
         self._store, port = loopback_store(timeout=self.timeout)
         try:
             for rank in range(1, self.num_replicas):
@@ -177,7 +178,9 @@ class ReplicaPool:
                 self._workers.append(_Worker(process, mine))
             self._wait_for_workers(expect="ready", timeout=self.start_timeout)
             self._replica = Replica(0, self.num_replicas, device_for(0))
-            with environment_variables({"GLOO_SOCKET_IFNAME": "lo"} if self._on_cpu() else {}):
+            # one host: every replica's sockets stay on loopback (gloo's, and NCCL's bootstrap)
+            loopback = {"GLOO_SOCKET_IFNAME": "lo"} if self._on_cpu() else {"NCCL_SOCKET_IFNAME": "lo"}
+            with environment_variables(loopback):
                 dist.init_process_group(
                     "gloo" if self._replica.device == "cpu" else "nccl",
                     store=self._store,
@@ -245,7 +248,16 @@ class ReplicaPool:
         self._state = None if per_replica else _state_of(model, job)
 
     def _on_cpu(self) -> bool:
-        return not (torch.cuda.is_available() and torch.cuda.device_count() >= self.num_replicas)
+        """Whether the replicas train on CPU: where no GPU is visible. Fewer GPUs than replicas is
+        an error, not a silent fall back to CPU."""
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if 0 < gpus < self.num_replicas:
+            raise ValueError(
+                f"Trainer(num_replicas={self.num_replicas}) needs one GPU per replica, but {gpus} GPU(s) are visible. "
+                f"Pass num_replicas={gpus} (or fewer), or train on CPU on purpose by hiding the GPUs "
+                "(CUDA_VISIBLE_DEVICES='' before Python starts)."
+            )
+        return gpus == 0
 
     def _environment(self) -> dict[str, str]:
         environment = {
@@ -255,6 +267,8 @@ class ReplicaPool:
         }
         if self._on_cpu():  # gloo over loopback, and no GPU for Keras to pick up by default
             environment.update({"GLOO_SOCKET_IFNAME": "lo", "CUDA_VISIBLE_DEVICES": ""})
+        else:  # one host: NCCL's bootstrap sockets on loopback too
+            environment["NCCL_SOCKET_IFNAME"] = "lo"
         return environment
 
 
