@@ -97,6 +97,6 @@ def test_fewer_gpus_than_replicas_is_an_error_not_a_silent_cpu_run(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     x, y = testing.data()
-    with pytest.raises(ValueError, match=r"num_replicas=2\) needs one GPU per replica, but 1 GPU\(s\) are visible"):
-        with torch_dp.Trainer(num_replicas=2) as trainer:
-            trainer.fit(testing.dense_batchnorm_model(), x, y, global_batch_size=32, verbose=0)
+    expected = r"num_replicas=2\) needs one GPU per replica, but 1 GPU\(s\) are visible"
+    with torch_dp.Trainer(num_replicas=2) as trainer, pytest.raises(ValueError, match=expected):
+        trainer.fit(testing.dense_batchnorm_model(), x, y, global_batch_size=32, verbose=0)
