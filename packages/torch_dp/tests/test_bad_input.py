@@ -8,6 +8,7 @@ import torch_dp_testing as testing
 
 import torch_dp
 import torch_dp._pool
+from torch_dp._worker import device_for
 
 
 @pytest.fixture(autouse=True)
@@ -100,3 +101,13 @@ def test_fewer_gpus_than_replicas_is_an_error_not_a_silent_cpu_run(monkeypatch):
     expected = r"num_replicas=2\) needs one GPU per replica, but 1 GPU\(s\) are visible"
     with torch_dp.Trainer(num_replicas=2) as trainer, pytest.raises(ValueError, match=expected):
         trainer.fit(testing.dense_batchnorm_model(), x, y, global_batch_size=32, verbose=0)
+
+
+def test_a_process_that_sees_one_gpu_takes_it_whatever_its_local_rank(monkeypatch):
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    assert device_for(3) == "cuda:0" and chosen == [0]  # SLURM --gpus-per-task=1: LOCAL_RANK 3 sees one GPU
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert device_for(5) == "cuda:1" and chosen == [0, 1]

@@ -88,9 +88,12 @@ def decorrelate_randomness(model: keras.Model, replica: Replica) -> None:
 
 
 def device_for(local_rank: int) -> str:
+    """This process's device: GPU ``local_rank`` modulo the visible GPUs (a scheduler that gives
+    each process one GPU, as SLURM's ``--gpus-per-task=1``, makes it GPU 0 for every rank)."""
     if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        return f"cuda:{local_rank}"
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return f"cuda:{index}"
     return "cpu"
 
 
