@@ -199,9 +199,10 @@ def _end_together(client: Any, process_id: int, num_processes: int) -> None:
         finally:
             _exit_now()
 
+    ending = threading.Event()
+
     def watch() -> None:
-        while True:
-            time.sleep(_POLL_S)
+        while not ending.wait(_POLL_S):
             try:
                 failures = client.key_value_dir_get(_FAILED)
             except Exception:  # the client was shut down: this process is ending anyway
@@ -217,7 +218,16 @@ def _end_together(client: Any, process_id: int, num_processes: int) -> None:
                     _exit_now()
 
     sys.excepthook = report_and_exit
-    threading.Thread(target=watch, name="jax_dp-end-together", daemon=True).start()
+    watcher = threading.Thread(target=watch, name="jax_dp-end-together", daemon=True)
+    watcher.start()
+
+    def stop_watching() -> None:
+        # Before jax's own exit-time shutdown (registered earlier, so it runs later): a daemon
+        # thread still inside a call to jax's client when Python finalizes aborts the process.
+        ending.set()
+        watcher.join(timeout=5 * _POLL_S)
+
+    atexit.register(stop_watching)
 
 
 def _exit_now() -> None:
