@@ -17,6 +17,7 @@ from types import FrameType, TracebackType
 from typing import Any
 
 import jax
+from jax._src import distributed as jax_distributed  # the preemption service jax.distributed keeps; no public accessor
 from jax.experimental import multihost_utils
 
 from dp_core import Preempted, PreemptionWatch, list_checkpoints
@@ -67,6 +68,9 @@ class PreemptionNotice:
         self.processes = jax.process_count()
         self.signal_name: str | None = None
         self._watch = PreemptionWatch() if self.processes == 1 else None
+        # Without jax's preemption service (jax_enable_preemption_service=False) no step can be
+        # agreed on: notices then keep their usual effect.
+        self._service = self.processes > 1 and jax_distributed.global_state.preemption_sync_manager is not None
         self._previous_usr1: object = None
 
     def __enter__(self) -> PreemptionNotice:
@@ -74,7 +78,7 @@ class PreemptionNotice:
         _active = self
         if self._watch is not None:
             self._watch.__enter__()
-        else:
+        elif self._service:
             try:
                 self._previous_usr1 = signal.signal(signal.SIGUSR1, self._as_sigterm)
             except ValueError:  # not the main thread: SIGUSR1 keeps its usual effect
@@ -100,6 +104,8 @@ class PreemptionNotice:
         if self._watch is not None:
             self.signal_name = self._watch.requested
             return self.signal_name is not None
+        if not self._service:
+            return False
         if multihost_utils.reached_preemption_sync_point(next(_sync_ids)):
             self.signal_name = self.signal_name or "SIGTERM"
             return True
