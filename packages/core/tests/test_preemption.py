@@ -3,6 +3,7 @@
 import contextlib
 import os
 import signal
+import sys
 import threading
 
 import pytest
@@ -59,5 +60,23 @@ def test_a_notice_the_run_did_not_act_on_is_sent_again_when_it_ends():
             os.kill(os.getpid(), signal.SIGTERM)
             raise Preempted(signal_name="SIGTERM", epoch=0, step=1, checkpoint=None)
         assert seen == [signal.SIGTERM]  # acted on: not sent again
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_an_error_that_overtook_a_notice_is_raised_with_a_note_instead_of_the_process_ending():
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        noted = "SIGTERM arrived during this run and was not acted on"
+        with contextlib.ExitStack() as stack:
+            if sys.version_info < (3, 11):  # no exception notes: a warning says it
+                stack.enter_context(pytest.warns(RuntimeWarning, match=noted))
+            raised = stack.enter_context(pytest.raises(ValueError, match="a callback failed"))
+            with PreemptionWatch():
+                os.kill(os.getpid(), signal.SIGTERM)
+                raise ValueError("a callback failed")
+        if sys.version_info >= (3, 11):
+            assert noted in raised.value.__notes__[0]
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     finally:
         signal.signal(signal.SIGTERM, previous)

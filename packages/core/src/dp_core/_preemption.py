@@ -5,14 +5,18 @@ Schedulers and ``timeout`` send SIGTERM before they kill a job; SLURM sends SIGU
 replica stops at the same step boundary, rank 0 writes a checkpoint when ``checkpoint_dir`` is
 set, and ``fit`` raises ``Preempted``, so a script exits non-zero and a rerun resumes exactly.
 A second notice while stopping is not caught again: the signal's previous handling applies.
-A notice that came when no step was left (``fit`` ended anyway) or that another error
-overtook is not swallowed: it is sent again, to the previous handling, when ``fit`` returns.
+A notice that came when no step was left (``fit`` ended anyway) is not swallowed: it is sent
+again, to the previous handling, when ``fit`` returns. When another error overtook it, the notice
+is sent again only to a handler of the program's own; a default handling would end the process
+before that error is printed, so the error carries a note of the notice instead.
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 import threading
+import warnings
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -39,7 +43,8 @@ class Preempted(RuntimeError):  # noqa: N818 (the name users catch reads as what
 class PreemptionWatch:
     """Within the block, SIGTERM and SIGUSR1 set ``requested`` (the signal's name) instead of
     ending the process; the previous handlers come back after it, and for a second notice. A
-    notice the block did not end with ``Preempted`` is sent again as it leaves.
+    notice the block did not end with ``Preempted`` is sent again as it leaves (or, when another
+    error leaves the block and the signal's handling is the default one, noted on that error).
 
     Signal handlers can only be set from the main thread; elsewhere the watch sees nothing
     (``watching`` is False) and the signals keep their usual effect.
@@ -65,8 +70,20 @@ class PreemptionWatch:
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
-        for number, previous in self._previous.items():
+        previous_handlers, self._previous, self.watching = self._previous, {}, False
+        for number, previous in previous_handlers.items():
             signal.signal(number, previous)
-        self._previous, self.watching = {}, False
-        if self.requested is not None and not isinstance(error, Preempted):
-            signal.raise_signal(signal.Signals[self.requested])
+        if self.requested is None or isinstance(error, Preempted):
+            return
+        notice = signal.Signals[self.requested]
+        if error is not None and not callable(previous_handlers.get(notice)):
+            note = (
+                f"{notice.name} arrived during this run and was not acted on: this error ended the run first. "
+                "The process was left running so that this error is seen."
+            )
+            if sys.version_info >= (3, 11):
+                error.add_note(note)
+            else:  # no exception notes before 3.11
+                warnings.warn(note, RuntimeWarning, stacklevel=2)
+            return
+        signal.raise_signal(notice)
