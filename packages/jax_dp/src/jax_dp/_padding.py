@@ -212,7 +212,7 @@ def _replica_batch_norm_call(layer: Any, batch_mask: jnp.ndarray, num_replicas: 
     The moving statistics move towards the mean of the replicas' moments (replicas
     holding only padding excluded), so the replicated state stays one value.
     """
-    if layer.renorm:
+    if getattr(layer, "renorm", False):  # Keras 3.10 has no renorm
         raise ValueError(f"batch_norm='per_replica' does not support BatchNormalization(renorm=True) ({layer.name}).")
     original = layer.call
 
