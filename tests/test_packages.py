@@ -85,3 +85,18 @@ def test_no_private_keras_attribute_outside_the_internals_module():
         and node.attr not in NAMEDTUPLE_API
     ]
     assert found == [], "read private Keras attributes through dp_core.keras.internals"
+
+
+@pytest.mark.parametrize(("module", "page"), [("dp_core", "dp_core.md"), ("dp_core.keras", "dp_core_keras.md")])
+def test_the_api_pages_that_list_their_members_list_every_public_name(module, page):
+    """These pages name their members one by one; a name added to ``__all__`` must be added there too."""
+    names = run_python(
+        f"""
+        import inspect, {module} as m
+        print(" ".join(n for n in m.__all__ if not inspect.ismodule(getattr(m, n))))
+        """,
+        "jax",
+    ).split()
+    text = (Path(__file__).parents[1] / "docs" / "api" / page).read_text()
+    listed = {line.strip().removeprefix("- ") for line in text.splitlines() if line.startswith("        - ")}
+    assert sorted(set(names) - listed) == []

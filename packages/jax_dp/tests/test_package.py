@@ -11,7 +11,14 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_every_public_name_imports():
-    assert sorted(jax_dp.__all__) == ["NonFiniteLossError", "Preempted", "Trainer", "initialize"]
+    assert sorted(jax_dp.__all__) == [
+        "EquivalenceReport",
+        "NonFiniteLossError",
+        "Preempted",
+        "Trainer",
+        "check_equivalence",
+        "initialize",
+    ]
     for name in jax_dp.__all__:
         assert getattr(jax_dp, name) is not None
     assert jax_dp.__version__ == "0.4.0"

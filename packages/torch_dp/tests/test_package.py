@@ -4,7 +4,16 @@ import torch_dp
 
 
 def test_every_public_name_imports():
-    expected = {"BatchNormMode", "NonFiniteLossError", "Preempted", "Sampler", "Trainer", "WorkerError"}
+    expected = {
+        "BatchNormMode",
+        "EquivalenceReport",
+        "NonFiniteLossError",
+        "Preempted",
+        "Sampler",
+        "Trainer",
+        "WorkerError",
+        "check_equivalence",
+    }
     assert set(torch_dp.__all__) == expected
     for name in torch_dp.__all__:
         assert getattr(importlib.import_module("torch_dp"), name) is not None

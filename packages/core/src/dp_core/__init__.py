@@ -14,6 +14,7 @@ from dp_core._checkpoint import latest_checkpoint as latest_checkpoint
 from dp_core._checkpoint import list_checkpoints as list_checkpoints
 from dp_core._checkpoint import load_checkpoint as load_checkpoint
 from dp_core._checkpoint import save_checkpoint as save_checkpoint
+from dp_core._equivalence import EquivalenceReport as EquivalenceReport
 from dp_core._layout import ReplicaLayout as ReplicaLayout
 from dp_core._lr import Constant as Constant
 from dp_core._lr import CosineDecay as CosineDecay
@@ -46,6 +47,7 @@ __all__ = [
     "CheckpointError",
     "Constant",
     "CosineDecay",
+    "EquivalenceReport",
     "LearningRateScaling",
     "ModelFactory",
     "NonFiniteLoss",

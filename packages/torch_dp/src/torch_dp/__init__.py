@@ -7,8 +7,10 @@ history = trainer.fit(model, x, y, global_batch_size=64, epochs=3)
 from importlib.metadata import version as _version
 
 from dp_core import BatchNormMode as BatchNormMode
+from dp_core import EquivalenceReport as EquivalenceReport
 from dp_core import NonFiniteLossError as NonFiniteLossError
 from dp_core import Preempted as Preempted
+from torch_dp._equivalence import check_equivalence as check_equivalence
 from torch_dp._processes import WorkerError as WorkerError
 from torch_dp._sampler import Sampler as Sampler
 from torch_dp._trainer import Trainer as Trainer
@@ -17,9 +19,11 @@ __version__ = _version("torch-dp")
 
 __all__ = [
     "BatchNormMode",
+    "EquivalenceReport",
     "NonFiniteLossError",
     "Preempted",
     "Sampler",
     "Trainer",
     "WorkerError",
+    "check_equivalence",
 ]

@@ -23,12 +23,14 @@ from dp_core.keras._arguments import global_batch_size_of as global_batch_size_o
 from dp_core.keras._callbacks import callback_list as callback_list
 from dp_core.keras._callbacks import needs_every_batch as needs_every_batch
 from dp_core.keras._callbacks import verbosity as verbosity
+from dp_core.keras._check_command import run_check_command as run_check_command
 from dp_core.keras._checkpoints import CheckpointWriter as CheckpointWriter
 from dp_core.keras._checkpoints import Start as Start
 from dp_core.keras._checkpoints import model_checkpoint as model_checkpoint
 from dp_core.keras._checkpoints import restore_model as restore_model
 from dp_core.keras._checkpoints import resumable_checkpoint as resumable_checkpoint
 from dp_core.keras._checkpoints import start_of as start_of
+from dp_core.keras._equivalence import compare_replica_counts as compare_replica_counts
 from dp_core.keras._inputs import FirstRows as FirstRows
 from dp_core.keras._inputs import Inputs as Inputs
 from dp_core.keras._inputs import validation_inputs as validation_inputs
@@ -73,6 +75,7 @@ __all__ = [
     "check_losses_split",
     "check_nonfinite_mode",
     "checked_model_and_inputs",
+    "compare_replica_counts",
     "fit_arguments",
     "flatten",
     "global_batch_size_of",
@@ -93,6 +96,7 @@ __all__ = [
     "resolve_model",
     "restore_model",
     "resumable_checkpoint",
+    "run_check_command",
     "skipped_message",
     "start_of",
     "verbosity",

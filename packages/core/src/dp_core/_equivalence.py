@@ -1,0 +1,157 @@
+"""Whether N replicas train like one: the comparison of two runs, its verdict and the report.
+
+Numbers in, words out: the backends run the training (``check_equivalence``) and
+``dp_core.keras`` reads the weights; this module measures, judges and prints.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import numpy as np
+
+DEFAULT_TOLERANCE = 1e-5
+ROUNDING = (
+    "float sums taken in another order on N replicas than on 1 (float addition is not associative): "
+    "differences of float32 rounding, as between two machines"
+)
+UNEXPLAINED = (
+    "not explained by a known cause: please report it with this output. (Over many steps, rounding "
+    "differences can grow through ReLU or max-pooling kinks and Adam's division; if a run of fewer steps "
+    "stays within the tolerance, that is what happened.)"
+)
+
+
+def relative_difference(reference: Sequence[np.ndarray], other: Sequence[np.ndarray]) -> float:
+    """The largest difference between matching arrays, each relative to the largest magnitude in
+    its reference array (so a weight that ends near zero is measured against its tensor's scale,
+    not against itself); an all-zero reference tensor counts its difference as is.
+
+    >>> relative_difference([np.array([2.0, 0.0])], [np.array([2.0, 0.001])])
+    0.0005
+    """
+    if len(reference) != len(other):
+        raise ValueError(f"Cannot compare {len(reference)} arrays with {len(other)}: the models differ in structure.")
+    largest = 0.0
+    for mine, theirs in zip(reference, other, strict=True):
+        mine, theirs = np.asarray(mine, np.float64), np.asarray(theirs, np.float64)
+        if mine.shape != theirs.shape:
+            raise ValueError(f"Cannot compare an array of shape {mine.shape} with one of shape {theirs.shape}.")
+        if mine.size == 0:
+            continue
+        if np.array_equal(mine, theirs, equal_nan=True):
+            continue
+        difference = float(np.max(np.abs(mine - theirs)))
+        if not math.isfinite(difference):  # a NaN or inf on one side only
+            return math.inf
+        scale = float(np.max(np.abs(mine)))
+        largest = max(largest, difference / scale if scale > 0 and math.isfinite(scale) else difference)
+    return largest
+
+
+@dataclass(frozen=True)
+class EquivalenceReport:
+    """Training on 1 replica against training on ``num_replicas``, from the same weights and data order.
+
+    ``layer_differences`` maps each layer to its largest relative weight difference after
+    training (see ``relative_difference``); ``losses`` and ``replica_losses`` are the loss logged
+    after each step on 1 and on ``num_replicas`` replicas. ``causes`` are the differences by
+    design the model has (per-replica dropout streams, per-replica BatchNormalization, mixed
+    precision). ``str(report)`` is the table ``check_equivalence`` prints.
+
+    >>> report = EquivalenceReport(2, 32, {"dense": 6e-8}, (1.1, 0.9), (1.1, 0.9))
+    >>> report.equivalent, report.verdict
+    (True, 'equivalent within float32 rounding (largest relative difference 6.0e-08 <= tolerance 1e-05)')
+    """
+
+    num_replicas: int
+    global_batch_size: int
+    layer_differences: Mapping[str, float]
+    losses: tuple[float, ...]
+    replica_losses: tuple[float, ...]
+    tolerance: float = DEFAULT_TOLERANCE
+    causes: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        # frozen means frozen: a caller's dict edited later must not change the report
+        object.__setattr__(self, "layer_differences", MappingProxyType(dict(self.layer_differences)))
+        object.__setattr__(self, "losses", tuple(float(v) for v in self.losses))
+        object.__setattr__(self, "replica_losses", tuple(float(v) for v in self.replica_losses))
+        object.__setattr__(self, "causes", tuple(self.causes))
+        if not isinstance(self.tolerance, int | float) or not self.tolerance >= 0:
+            raise ValueError(f"tolerance must be a number >= 0 (a relative difference), got {self.tolerance!r}.")
+
+    @property
+    def max_difference(self) -> float:
+        """The largest relative weight difference over every layer."""
+        return max(self.layer_differences.values(), default=0.0)
+
+    @property
+    def equivalent(self) -> bool:
+        """Whether every layer's weights agree within ``tolerance``."""
+        return self.max_difference <= self.tolerance
+
+    @property
+    def reasons(self) -> tuple[str, ...]:
+        """Why the runs differ: float rounding when within the tolerance, else the model's
+        differences by design, else that no known cause explains it."""
+        if self.equivalent:
+            return (ROUNDING,) if self.max_difference > 0 else ()
+        return self.causes or (UNEXPLAINED,)
+
+    @property
+    def verdict(self) -> str:
+        """One line: equivalent or not, and by how much."""
+        if self.max_difference == 0:
+            return "equivalent: the weights are identical"
+        measured = f"largest relative difference {self.max_difference:.1e}"
+        if self.equivalent:
+            return f"equivalent within float32 rounding ({measured} <= tolerance {self.tolerance:.0e})"
+        kind = "different by design" if self.causes else "NOT equivalent"
+        return f"{kind} ({measured} > tolerance {self.tolerance:.0e})"
+
+    def __str__(self) -> str:
+        many = f"{self.num_replicas} replicas"
+        lines = [
+            f"Equivalence check: 1 replica vs {many}, global batch {self.global_batch_size}, "
+            f"{len(self.losses)} steps from the same weights and data order",
+            "",
+            *_table(
+                ["layer", "max relative weight difference"],
+                [[name, f"{difference:.1e}"] for name, difference in self.layer_differences.items()],
+            ),
+            "",
+            *_table(
+                ["step", "loss (1 replica)", f"loss ({many})"],
+                [
+                    [str(step), _loss(one), _loss(other)]
+                    for step, (one, other) in enumerate(_pairs(self.losses, self.replica_losses), start=1)
+                ],
+            ),
+            "",
+            f"Verdict: {self.verdict}",
+        ]
+        lines += [f"  - {reason}" for reason in self.reasons]
+        return "\n".join(lines)
+
+
+def _pairs(first: Sequence[float], second: Sequence[float]) -> list[tuple[float | None, float | None]]:
+    """Step by step, ``None`` where one run logged fewer steps (it stopped early)."""
+    length = max(len(first), len(second))
+    return [(first[i] if i < len(first) else None, second[i] if i < len(second) else None) for i in range(length)]
+
+
+def _loss(value: float | None) -> str:
+    return "-" if value is None else f"{value:.7g}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """Left-aligned columns, two spaces apart."""
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in [header, *rows]
+    ]
