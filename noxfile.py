@@ -5,6 +5,7 @@ matrix, lint, typecheck, a wheel build of every package and the example notebook
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -278,6 +279,48 @@ def bench(session: nox.Session) -> None:
         "python", "benchmarks/bench_interactive.py", "--output", f"{results}/interactive.json", *session.posargs
     )
     session.run("python", "benchmarks/report.py", "--results", results, "--output", page)
+
+
+def _fault_tests() -> dict[str, tuple[str, list[str]]]:
+    """The tests of the fault matrix (tests/reliability/matrix.py), by group: its Keras backend and node ids."""
+    spec = importlib.util.spec_from_file_location("reliability_matrix", "tests/reliability/matrix.py")
+    assert spec is not None and spec.loader is not None
+    matrix = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = matrix  # dataclasses look their module up there
+    spec.loader.exec_module(matrix)
+    return {group: (matrix.GROUPS[group][1], ids) for group, ids in matrix.node_ids_by_group().items() if ids}
+
+
+@nox.session(python="3.11")
+def reliability(session: nox.Session) -> None:
+    """The fault matrix: every test tests/reliability/matrix.py names, each group under its backend, then
+    docs/reliability.md from their junit XML (about 20 minutes on 2 cores). A row whose test is not named
+    yet stops it before the tests run; ``-- --without-pending`` leaves such rows off the page."""
+    _install_everything(session, *TEST_TOOLS)
+    report = ("python", "tests/reliability/report.py", *session.posargs)
+    session.run(*report, "--check-rows")
+    results = session.create_tmp()
+    for stale in glob.glob(os.path.join(results, "*.xml")):
+        os.remove(stale)
+    junit = ("-o", "junit_family=xunit1", "-o", "junit_duration_report=call")  # the file of each test; call time
+    for group, (backend, node_ids) in _fault_tests().items():
+        env = {"KERAS_BACKEND": backend}
+        if backend == "jax":
+            env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={JAX_HOST_DEVICES}"
+        # Exit status 1 (tests failed) lets the other groups run: the report names every failed row.
+        session.run("pytest", *node_ids, *junit, f"--junitxml={results}/{group}.xml", env=env, success_codes=[0, 1])
+    session.run(*report, "--results", results, "--output", "docs/reliability.md")
+
+
+@nox.session(python="3.11", default=False)
+def gpu(session: nox.Session) -> None:
+    """Only on a machine with NVIDIA GPUs, run on purpose: torch-dp and jax-dp against ``model.fit``
+    on the GPUs (weights, step time, 2 GPUs, mixed_float16, peak memory) into docs/benchmarks.md.
+    Installs the CUDA builds (several GB), in this session's own virtualenv: torch 2.13.0's default
+    PyPI wheel is the CUDA one, and ``jax[cuda12]``. Exits with 1, the page untouched, without a GPU."""
+    _install_torch(session)
+    session.install("-e", CORE, "-e", TORCH_DP, "-e", JAX_DP, "jax[cuda12]")
+    session.run("python", "benchmarks/gpu_check.py", *session.posargs)
 
 
 @nox.session(python="3.11")

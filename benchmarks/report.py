@@ -17,6 +17,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+import gpu_check  # this folder is on the path when the script runs
+
 THROUGHPUT_TARGETS = {("torch", "ddp_loop"): 0.95, ("jax", "guide_loop"): 1.0, ("jax", "keras_data_parallel"): 1.0}
 SCALING_TARGET = 0.9
 # "One copy of the data however many workers": a growth nearer one copy than two. What
@@ -571,6 +573,9 @@ def main() -> None:
         *interactive_shortfalls(interactive),
     ]
     text = "\n".join(lines) + "\n"
+    # the GPU check's section is written by benchmarks/gpu_check.py on another machine: kept as it is
+    kept = gpu_check.section_of(args.output.read_text()) if args.output.exists() else None
+    text = gpu_check.with_section(text, kept or gpu_check.NOT_RUN.format(heading=gpu_check.SECTION_HEADING))
     args.output.write_text(text.replace("](benchmarks/", f"]({images.as_posix()}/"))
     print(f"wrote {args.output}, {args.results / 'throughput.png'} and {args.results / 'scaling.png'}")
 

@@ -336,10 +336,11 @@ def run_dir(tmp_path):
 
 
 @pytest.mark.parametrize("case", sorted(IN_NEWEST))
-def test_crafted_newest_falls_back_to_the_previous_in_bounded_time_and_memory(run_dir, case):
+def test_crafted_newest_falls_back_to_the_previous_in_bounded_time_and_memory(run_dir, case, record_property):
     craft, problem = IN_NEWEST[case]
     craft(run_dir / NEWEST)
     outcome = load_in_child(run_dir)
+    record_property("fault_seconds", outcome["seconds"])
     assert outcome.get("found") == [0, 4], outcome
     assert any(NEWEST in w and re.search(problem, w) for w in outcome["warnings"]), outcome["warnings"]
     assert outcome["seconds"] < SECONDS, outcome
@@ -347,10 +348,11 @@ def test_crafted_newest_falls_back_to_the_previous_in_bounded_time_and_memory(ru
 
 
 @pytest.mark.parametrize("craft", [newest_elsewhere, newest_as_a_file])
-def test_a_newest_entry_that_is_not_a_real_directory_is_ignored(run_dir, tmp_path, craft):
+def test_a_newest_entry_that_is_not_a_real_directory_is_ignored(run_dir, tmp_path, craft, record_property):
     kind = "a symbolic link" if craft is newest_elsewhere else "a regular file"
     craft(*([run_dir, tmp_path] if craft is newest_elsewhere else [run_dir]))
     outcome = load_in_child(run_dir)
+    record_property("fault_seconds", outcome["seconds"])
     assert outcome.get("found") == [0, 4], outcome
     assert any(
         f"Ignoring {run_dir / NEWEST}: it is {kind}, not a checkpoint directory" in w for w in outcome["warnings"]
@@ -358,10 +360,11 @@ def test_a_newest_entry_that_is_not_a_real_directory_is_ignored(run_dir, tmp_pat
     assert outcome["seconds"] < SECONDS and outcome["peak_bytes"] < PEAK_BYTES, outcome
 
 
-def test_when_every_checkpoint_is_damaged_training_starts_fresh_with_a_warning(run_dir):
+def test_when_every_checkpoint_is_damaged_training_starts_fresh_with_a_warning(run_dir, record_property):
     for path in list_checkpoints(run_dir):
         (path / "arrays.npz").write_bytes(b"gone")
     outcome = load_in_child(run_dir)
+    record_property("fault_seconds", outcome["seconds"])
     assert outcome.get("found", "missing") is None, outcome
     assert any(
         f"No usable checkpoint in {run_dir}: all 2 are damaged, so training starts from the beginning" in w
@@ -370,12 +373,14 @@ def test_when_every_checkpoint_is_damaged_training_starts_fresh_with_a_warning(r
     assert outcome["seconds"] < SECONDS and outcome["peak_bytes"] < PEAK_BYTES, outcome
 
 
-def test_a_checkpoint_reached_through_a_symlink_is_refused(run_dir, tmp_path):
+def test_a_checkpoint_reached_through_a_symlink_is_refused(run_dir, tmp_path, record_property):
     os.symlink(run_dir / NEWEST, tmp_path / "latest")
     start = time.monotonic()
     with pytest.raises(CheckpointError, match=r"latest: it is a symbolic link, not a checkpoint directory"):
         load_checkpoint(tmp_path / "latest")
-    assert time.monotonic() - start < SECONDS
+    seconds = time.monotonic() - start
+    record_property("fault_seconds", seconds)
+    assert seconds < SECONDS
 
 
 # ---- what the writer records, and older manifests ------------------------------------------

@@ -1,0 +1,163 @@
+# ruff: noqa: E501  (one row per line: adding a fault, or naming its test, is a one-line change)
+"""The fault matrix: every fault keras-dp is tested against, what the test asserts, and which test.
+
+``report.py`` turns the tests' junit XML into docs/reliability.md from these rows;
+``test_matrix.py`` checks that every test named here exists and that the page lists these rows.
+
+A row is ``Row(fault, backend, outcome, bound_s, tests)``:
+
+- ``fault``: what happens, and to which process or replica;
+- ``backend``: ``"torch"``, ``"jax"`` or ``"both"`` (dp_core code both backends run);
+- ``outcome``: what the test asserts, in the user's words;
+- ``bound_s``: the time bound the test asserts, in seconds, or None;
+- ``tests``: one pytest node id or a tuple of them. ``path::test_name`` without ``[case]`` stands
+  for every case of a parametrized test. ``PENDING`` marks a fault whose test is being written:
+  such a row is not on the page, and the report refuses to write one while any row is pending,
+  unless told ``--without-pending``.
+
+Only the standard library here: noxfile.py reads this module to know which tests to run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BACKENDS = {"torch": "torch_dp", "jax": "jax_dp", "both": "both (dp_core)"}
+PENDING: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Row:
+    fault: str
+    backend: str
+    outcome: str
+    bound_s: float | None
+    tests: str | tuple[str, ...]
+
+    @property
+    def node_ids(self) -> tuple[str, ...]:
+        return (self.tests,) if isinstance(self.tests, str) else tuple(self.tests)
+
+    @property
+    def pending(self) -> bool:
+        return not self.node_ids
+
+
+# Test files, so that a row's node id fits on its line.
+TORCH_FAULTS = "packages/torch_dp/tests/test_faults.py"
+TORCH_INTERACTIVE = "packages/torch_dp/tests/test_interactive.py"
+TORCH_CHECKPOINTS = "packages/torch_dp/tests/test_checkpoints.py"
+TORCH_TWO_REPLICAS = "packages/torch_dp/tests/test_two_replicas.py"
+JAX_FAULTS = "packages/jax_dp/tests/test_faults.py"
+JAX_MULTIPROCESS = "packages/jax_dp/tests/test_multiprocess.py"
+JAX_CHECKPOINTS = "packages/jax_dp/tests/test_checkpoints.py"
+DAMAGE = "packages/core/tests/test_checkpoint_damage.py"
+PREEMPTION = "packages/core/tests/test_preemption.py"
+LISTENERS = "tests/network/test_listeners.py"
+
+CRAFTED = f"{DAMAGE}::test_crafted_newest_falls_back_to_the_previous_in_bounded_time_and_memory"
+FALLS_BACK = "`latest_checkpoint` falls back to the previous checkpoint with a warning naming the file and the problem, within 2 s and 8 MB"
+
+
+def crafted(*cases: str) -> tuple[str, ...]:
+    return tuple(f"{CRAFTED}[{case}]" for case in cases)
+
+
+# fmt: off
+ROWS: tuple[Row, ...] = (
+    # torch_dp: a replica fails
+    Row("Replica 1 of 2 raises in the forward pass of a step", "torch", "`fit` raises `WorkerError` naming replica 1 of 2 with its traceback; no replica left running; the newest checkpoint verifies and is the last finished step", 60, f"{TORCH_FAULTS}::test_a_replica_failing_mid_step_stops_all_names_it_and_keeps_the_checkpoint[raise]"),
+    Row("Replica 1 of 2 is SIGKILLed in the middle of a step", "torch", "`fit` raises `WorkerError` naming replica 1 of 2, killed by signal 9; no replica left running; the newest checkpoint verifies and is the last finished step", 60, f"{TORCH_FAULTS}::test_a_replica_failing_mid_step_stops_all_names_it_and_keeps_the_checkpoint[kill]"),
+    Row("The model factory raises in replica 1 of 2", "torch", "`fit` raises `WorkerError` naming replica 1 of 2 with its traceback; the failed process is gone and the temporary files are removed", 90, f"{TORCH_TWO_REPLICAS}::test_a_failing_replica_stops_all_promptly_and_names_its_rank"),
+    Row("Replica 1 of 3 is SIGKILLed during a call to a kept `Trainer`", "torch", "the call raises `WorkerError` naming replica 1 of 3, killed by signal 9 (noticed from the collective, not the timeout); the other worker is stopped; the next call starts new workers and gives Keras's answer", 30, f"{TORCH_INTERACTIVE}::test_a_killed_worker_tears_the_pool_down_and_the_next_call_works"),
+    Row("An error in replica 1 of a kept `Trainer` (a NaN loss in its half of the batch)", "torch", "the caller gets `NonFiniteLossError` itself, naming epoch 0, step 1; the next call runs on new workers", None, f"{TORCH_INTERACTIVE}::test_a_worker_error_arrives_as_itself_and_the_next_call_starts_new_workers"),
+    Row("A replica stops (SIGSTOP) and never answers", "torch", "the run ends with an error naming the stopped replica", None, PENDING),
+    # torch_dp: the caller is interrupted or killed
+    Row("Ctrl-C in Jupyter: SIGINT to the caller only", "torch", "`KeyboardInterrupt` in the caller; no worker process and no temporary file left", 10, f"{TORCH_INTERACTIVE}::test_ctrl_c_or_a_killed_caller_leaves_no_process_and_no_file[caller-only]"),
+    Row("Ctrl-C in a terminal: SIGINT to the caller's whole process group", "torch", "`KeyboardInterrupt` in the caller; no worker process and no temporary file left", 10, f"{TORCH_INTERACTIVE}::test_ctrl_c_or_a_killed_caller_leaves_no_process_and_no_file[terminal]"),
+    Row("The caller is SIGKILLed while its replicas train", "torch", "the workers notice and end; no process and no temporary file left", 10, f"{TORCH_INTERACTIVE}::test_ctrl_c_or_a_killed_caller_leaves_no_process_and_no_file[caller-killed]"),
+    Row("The caller is killed while its replicas start", "torch", "no process and no temporary file left", None, PENDING),
+    Row("A caller killed outright left its temporary directory behind", "torch", "the next run removes the dead caller's directory and keeps a live caller's", None, f"{TORCH_INTERACTIVE}::test_directories_left_by_runs_killed_outright_are_removed_by_the_next"),
+    # torch_dp: ports and the rendezvous
+    Row("The rendezvous port (`MASTER_PORT`) is taken by another program, single host", "torch", "a warning names the busy port and the run moves to a free one, listening on 127.0.0.1 only", None, (f"{TORCH_FAULTS}::test_rendezvous_binds_loopback_and_moves_off_a_busy_first_choice", f"{TORCH_FAULTS}::test_skip_leaves_the_step_out_on_every_replica_and_rendezvous_avoids_a_busy_port")),
+    Row("The `MASTER_PORT` torchrun gave is taken by another program", "torch", "`RuntimeError` naming `MASTER_PORT=127.0.0.1:port`, the port in use and `--master-port`; no process group left initialized", None, f"{TORCH_FAULTS}::test_a_busy_port_under_torchrun_is_a_clear_error"),
+    Row("A client of another program connects to the rendezvous store of a kept `Trainer`", "torch", "the client is refused and the run goes on", None, PENDING),
+    Row("A replica never reaches the rendezvous, or a collective never completes", "torch", "the error says which timeout expired: `rendezvous_timeout` or `collective_timeout`", None, PENDING),
+    # torch_dp: non-finite losses
+    Row("A NaN loss at epoch 0, step 2 (`on_nonfinite_loss=\"stop\"`)", "torch", "`NonFiniteLossError` naming epoch 0, step 2 and the `'skip'` option; the step is not applied: the weights equal the last checkpoint's", None, f"{TORCH_FAULTS}::test_a_nonfinite_loss_stops_training_naming_epoch_and_step"),
+    Row("A NaN loss in replica 1's half of a batch (`on_nonfinite_loss=\"skip\"`)", "torch", "a warning names epoch 1, step 1; every replica leaves that step's update out: the weights equal a 1-replica run that skipped it", None, f"{TORCH_FAULTS}::test_skip_leaves_the_step_out_on_every_replica_and_rendezvous_avoids_a_busy_port"),
+    # torch_dp: preemption, kills and resume
+    Row("SIGTERM to the caller of a 2-replica `fit` with `checkpoint_dir`", "torch", "every replica stops at one step; `Preempted` names it and the checkpoint of that step; no replica left; a rerun resumes to bitwise-equal weights", 5, f"{TORCH_CHECKPOINTS}::test_sigterm_stops_every_replica_at_a_step_with_a_checkpoint_and_a_rerun_resumes_bitwise"),
+    Row("SIGUSR1 to worker replica 1 of a `fit` without `checkpoint_dir`", "torch", "the run stops; `Preempted` says a notice came to another replica and that no checkpoint_dir was given", 5, f"{TORCH_CHECKPOINTS}::test_sigusr1_to_a_worker_replica_stops_the_run_and_says_nothing_was_saved"),
+    Row("The whole 2-replica run is SIGKILLed mid-epoch", "torch", "a rerun resumes from the newest checkpoint to bitwise-equal weights; resumed on 1 replica it continues the same data order", None, (f"{TORCH_CHECKPOINTS}::test_a_run_killed_mid_epoch_resumes_to_bitwise_equal_weights", f"{TORCH_CHECKPOINTS}::test_resuming_on_one_replica_continues_the_same_data_order")),
+    Row("Rank 0 of a torchrun job SIGKILLs itself; torchrun restarts the job (`--max-restarts 1`)", "torch", "the restarted job resumes from the checkpoint to the weights of an uninterrupted run, bitwise", None, f"{TORCH_CHECKPOINTS}::test_torchrun_restarts_a_killed_replica_and_resumes_to_the_same_weights"),
+    Row("The newest checkpoint's `arrays.npz` is truncated", "torch", "a warning names it as damaged and the run resumes from the previous one, to bitwise-equal weights", None, f"{TORCH_CHECKPOINTS}::test_checkpoint_contents_and_a_damaged_newest_falls_back_to_the_previous"),
+    Row("`checkpoint_dir` holds a checkpoint of another architecture, seed or global batch", "torch", "`CheckpointError` in the caller before any replica starts, naming both values and what to pass", None, f"{TORCH_CHECKPOINTS}::test_another_architecture_seed_or_global_batch_is_a_clear_checkpoint_error"),
+    # jax_dp: a process of a 2-process run fails
+    Row("Process 1 of 2 raises while reading a step's rows", "jax", "both exit with status 1; process 0's log names process 1 of 2 and its error; no process left; the newest checkpoint verifies and predates the failure", 5, f"{JAX_FAULTS}::test_a_failed_process_ends_the_run_within_the_bound[1-raise]"),
+    Row("Process 0 of 2 (the coordinator) raises while reading a step's rows", "jax", "both exit with status 1; process 1's log names process 0 of 2 and its error; no process left; the newest checkpoint verifies and predates the failure", 5, f"{JAX_FAULTS}::test_a_failed_process_ends_the_run_within_the_bound[0-raise]"),
+    Row("Process 1 of 2 is SIGKILLed (`timeout=10`)", "jax", "process 0 exits non-zero; jax names process 1 as the one that stopped sending heartbeats; no process left; the newest checkpoint verifies", 15, f"{JAX_FAULTS}::test_a_failed_process_ends_the_run_within_the_bound[1-kill]"),
+    Row("Process 0 of 2 (the coordinator) is SIGKILLed (`timeout=10`)", "jax", "process 1 exits non-zero: jax says the leader task died; no process left; the newest checkpoint verifies", 15, f"{JAX_FAULTS}::test_a_failed_process_ends_the_run_within_the_bound[0-kill]"),
+    Row("Process 1 of 2 raises and the script catches the error", "jax", "both processes end with status 1; process 0 names process 1; the failed process's next `fit` is refused", 5, f"{JAX_FAULTS}::test_an_error_the_script_catches_still_ends_the_run_fast[1]"),
+    Row("Process 0 of 2 raises and the script catches the error", "jax", "both processes end with status 1; process 1 names process 0; the failed process's next `fit` is refused", 5, f"{JAX_FAULTS}::test_an_error_the_script_catches_still_ends_the_run_fast[0]"),
+    Row("The coordinator's port is taken by another program", "jax", "`jax_dp.initialize` fails at once with status 1, naming the address and saying to pass a free port", 60, f"{JAX_FAULTS}::test_a_busy_coordinator_port_is_a_clear_error"),
+    Row("A process of another job connects to the coordinator", "jax", "the coordinator's handshake refuses it and the run goes on", None, PENDING),
+    # jax_dp: preemption, kills and resume
+    Row("SIGTERM to process 1 of 2 with `checkpoint_dir`", "jax", "both processes stop at the same step with `Preempted` and status 1; process 0 writes that step's checkpoint", 5, f"{JAX_FAULTS}::test_sigterm_to_one_process_stops_both_at_one_step_with_a_checkpoint[1]"),
+    Row("SIGTERM to process 0 of 2 with `checkpoint_dir`", "jax", "both processes stop at the same step with `Preempted` and status 1; process 0 writes that step's checkpoint", 5, f"{JAX_FAULTS}::test_sigterm_to_one_process_stops_both_at_one_step_with_a_checkpoint[0]"),
+    Row("SIGTERM or SIGUSR1 to a 1-process, 4-device `fit` with `checkpoint_dir`", "jax", "the run stops at a step with `Preempted` naming the signal and the checkpoint of that step; a rerun resumes to bitwise-equal weights", 5, f"{JAX_CHECKPOINTS}::test_a_preemption_notice_stops_at_a_step_with_a_checkpoint_and_a_rerun_resumes_bitwise"),
+    Row("SIGTERM to a `fit` without `checkpoint_dir`", "jax", "`Preempted` says no checkpoint was written and to pass `checkpoint_dir`", None, PENDING),
+    Row("A 2-device run is SIGKILLed mid-epoch", "jax", "a rerun resumes from the newest checkpoint to bitwise-equal weights; resumed on 4 replicas it continues the same data order", None, (f"{JAX_CHECKPOINTS}::test_a_run_killed_mid_epoch_resumes_to_bitwise_equal_weights", f"{JAX_CHECKPOINTS}::test_resuming_on_four_replicas_continues_the_same_data_order")),
+    Row("Process 1's own `checkpoint_dir` is empty (a directory per host; only process 0 writes)", "jax", "every process resumes from process 0's checkpoint, with its History", None, f"{JAX_MULTIPROCESS}::test_every_process_resumes_from_process_0s_checkpoint_even_with_a_directory_of_its_own"),
+    Row("`checkpoint_dir` holds a checkpoint written with another seed", "jax", "`CheckpointError` naming both seeds and what to pass", None, f"{JAX_CHECKPOINTS}::test_resume_with_another_seed_is_refused"),
+    # dp_core: checkpoints damaged or crafted (read by both backends' resume)
+    Row("`manifest.json` or `state.json` of the newest checkpoint is a FIFO", "both", FALLS_BACK, 2, crafted("manifest_is_a_fifo", "state_is_a_fifo")),
+    Row("`manifest.json` or `arrays.npz` is a symbolic link to /dev/zero", "both", FALLS_BACK, 2, crafted("manifest_links_to_dev_zero", "arrays_link_to_dev_zero")),
+    Row("`arrays.npz` is a symbolic link to another checkpoint's, or a directory", "both", FALLS_BACK, 2, crafted("arrays_link_to_another_checkpoints", "arrays_is_a_directory")),
+    Row("A zip bomb: 256 MiB of zeros deflated to 260 KB, the manifest resealed", "both", FALLS_BACK, 2, crafted("zip_bomb")),
+    Row("An array whose zip and .npy headers claim 1 GiB, or flagged encrypted", "both", FALLS_BACK, 2, crafted("member_claims_a_gigabyte", "encrypted_member")),
+    Row("An array of shape (10^12,), resealed, in a new or an old manifest", "both", FALLS_BACK, 2, crafted("shape_1e12", "shape_1e12_in_an_old_manifest")),
+    Row("A 17 MB `manifest.json` or `state.json`, or `state.json` nested 200,000 deep", "both", FALLS_BACK, 2, crafted("manifest_of_17_mb", "state_of_17_mb", "state_nested_200000_deep")),
+    Row("`state.json` resealed with odd content: a list, keys missing or unknown, counts of 10^12, epoch a string, another step", "both", FALLS_BACK, 2, crafted("state_is_a_list", "missing_counts", "unknown_state_key", "counts_of_1e12", "epoch_is_a_string", "state_of_another_step")),
+    Row("`arrays.npz` resealed with an array extra, missing, of object or string dtype, or of another shape", "both", FALLS_BACK, 2, crafted("extra_array", "missing_array", "object_array", "string_array", "shape_differs_from_the_manifest")),
+    Row("A manifest that lists no files, or gives a wrong size", "both", FALLS_BACK, 2, crafted("empty_files_in_the_manifest", "size_differs_from_the_manifest")),
+    Row("The newest checkpoint's name is a symbolic link to a valid checkpoint elsewhere, or a plain file", "both", "it is ignored with a warning saying what it is; the previous checkpoint is used, within 2 s and 8 MB", 2, f"{DAMAGE}::test_a_newest_entry_that_is_not_a_real_directory_is_ignored"),
+    Row("Every checkpoint in `checkpoint_dir` is damaged", "both", "a warning says all are damaged and training starts from the beginning, within 2 s and 8 MB", 2, f"{DAMAGE}::test_when_every_checkpoint_is_damaged_training_starts_fresh_with_a_warning"),
+    Row("`load_checkpoint` is given a symbolic link to a checkpoint", "both", "`CheckpointError`: it is a symbolic link, not a checkpoint directory", 2, f"{DAMAGE}::test_a_checkpoint_reached_through_a_symlink_is_refused"),
+    Row("A checkpoint's name is taken by a symbolic link (to a directory, a file, nowhere) or a plain file", "both", "a rerun resumes from the previous checkpoint; the next save replaces the entry with a warning and leaves what it pointed at untouched", None, f"{DAMAGE}::test_saving_over_a_bad_entry_replaces_the_entry_not_its_target"),
+    Row("A symbolic link that sorts after every checkpoint sits in `checkpoint_dir`", "both", "pruning keeps the 3 newest real checkpoints and never follows or removes the link", None, f"{DAMAGE}::test_pruning_keeps_real_checkpoints_and_never_follows_a_symlink"),
+    Row("Damaged checkpoints of a later step are left by an earlier run", "both", "a fresh run starts from the beginning and its own checkpoints are not pruned in their favour", None, f"{DAMAGE}::test_a_fresh_run_is_not_pruned_by_newer_damaged_checkpoints"),
+    Row("A writer was killed during a save, leaving a staging directory", "both", "the next save removes the stale staging directory and keeps one being written now", None, f"{DAMAGE}::test_stale_staging_directories_are_removed_by_the_next_save"),
+    Row("The disk fills up while the arrays or the manifest are written", "both", "`OSError` (ENOSPC) saying the partial checkpoint was removed and the earlier ones are intact, and to free disk space; they load unchanged", None, f"{DAMAGE}::test_a_full_disk_removes_the_partial_checkpoint_and_keeps_the_previous_ones"),
+    # dp_core: preemption notices
+    Row("SIGTERM or SIGUSR1 during a run", "both", "the notice is recorded instead of ending the process; a second notice gets the usual handling; the previous handler comes back", None, f"{PREEMPTION}::test_a_notice_is_recorded_and_the_previous_handler_comes_back"),
+    Row("A notice arrives after the last step", "both", "the notice is passed on to the previous handler when the run ends", None, f"{PREEMPTION}::test_a_notice_the_run_did_not_act_on_is_sent_again_when_it_ends"),
+    Row("A notice arrives, then another error ends the run first", "both", "the error is raised with a note that the notice was not acted on, instead of the process ending before the error is printed", None, f"{PREEMPTION}::test_an_error_that_overtook_a_notice_is_raised_with_a_note_instead_of_the_process_ending"),
+    # the network
+    Row("A host on the network tries to reach a single-host `torch_dp` run", "torch", "the caller and its replicas listen on loopback only (rendezvous store and gloo)", None, f"{LISTENERS}::test_torch_dp_replicas_listen_on_loopback_only"),
+    Row("A host on the network tries to reach a single-host, 2-process `jax_dp` run", "jax", "every process listens on loopback only; process 0's coordinator on the port it was given", None, f"{LISTENERS}::test_jax_dp_processes_listen_on_loopback_only"),
+)
+# fmt: on
+
+# Where each group of tests runs: the folder its node ids start with, and the Keras backend.
+GROUPS = {
+    "core": ("packages/core/tests/", "jax"),
+    "network": ("tests/network/", "jax"),
+    "torch": ("packages/torch_dp/tests/", "torch"),
+    "jax": ("packages/jax_dp/tests/", "jax"),
+}
+
+
+def node_ids_by_group() -> dict[str, list[str]]:
+    """The node ids of every row that is not pending, by the group that runs them, each once."""
+    grouped: dict[str, list[str]] = {group: [] for group in GROUPS}
+    for row in ROWS:
+        for node_id in row.node_ids:
+            group = next((name for name, (folder, _) in GROUPS.items() if node_id.startswith(folder)), None)
+            if group is None:
+                raise ValueError(
+                    f"{node_id} is in no group's folder {[f for f, _ in GROUPS.values()]}: add its folder to GROUPS"
+                )
+            if node_id not in grouped[group]:
+                grouped[group].append(node_id)
+    return grouped
