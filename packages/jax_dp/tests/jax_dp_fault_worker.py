@@ -3,7 +3,8 @@
     python jax_dp_fault_worker.py PORT PROCESS_ID CHECKPOINT_DIR FAILING_PROCESS MODE FAIL_AFTER_STEP TIMEOUT
 
 Both processes fit with a checkpoint every step (process 0 writes them), each reading
-its rows from a map-style dataset. Once the checkpoint after step FAIL_AFTER_STEP exists,
+its rows from a map-style dataset. Once the checkpoint after step FAIL_AFTER_STEP exists
+(with CHECKPOINT_DIR "none": no checkpoints, once the rows up to that step were read),
 the next row that process FAILING_PROCESS reads fails: MODE "raise" raises, "caught" raises
 an error its script catches (then it tries to fit again), "kill" SIGKILLs the process,
 "sigterm" sends it SIGTERM once (a preemption notice), "none" never fails. TIMEOUT ("default" or seconds) goes to
@@ -26,16 +27,24 @@ GLOBAL_BATCH = 32
 class FailingRows:
     """``(x, y)`` rows that fail once the checkpoint after ``fail_after_step`` exists."""
 
-    def __init__(self, x, y, checkpoint_dir: str, mode: str, fail_after_step: int, rows_per_step: int) -> None:
+    def __init__(self, x, y, checkpoint_dir: str | None, mode: str, fail_after_step: int, rows_per_step: int) -> None:
         self.x, self.y = x, y
-        self.trigger = os.path.join(checkpoint_dir, f"step-000000-{fail_after_step:09d}")
+        self.trigger = (
+            None if checkpoint_dir is None else os.path.join(checkpoint_dir, f"step-000000-{fail_after_step:09d}")
+        )
+        self.fail_after_step = fail_after_step
         self.mode, self.rows_per_step, self.rows_read = mode, rows_per_step, 0
+
+    def due(self) -> bool:
+        if self.trigger is None:  # no checkpoints: once the rows of the steps up to fail_after_step are read
+            return self.rows_read >= (self.fail_after_step + 1) * self.rows_per_step
+        return os.path.isdir(self.trigger)
 
     def __len__(self) -> int:
         return len(self.x)
 
     def __getitem__(self, index: int):
-        if self.mode != "none" and os.path.isdir(self.trigger):
+        if self.mode != "none" and self.due():
             step = self.rows_read // self.rows_per_step
             print(f"FAILING {self.mode} at step {step} at {time.time():.3f}", flush=True)
             if self.mode == "kill":
@@ -50,7 +59,8 @@ class FailingRows:
 
 
 def main() -> None:
-    port, process_id, checkpoint_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    port, process_id = int(sys.argv[1]), int(sys.argv[2])
+    checkpoint_dir = None if sys.argv[3] == "none" else sys.argv[3]
     failing_process, mode, fail_after_step, timeout = int(sys.argv[4]), sys.argv[5], int(sys.argv[6]), sys.argv[7]
     import keras
 
@@ -77,7 +87,7 @@ def main() -> None:
             epochs=1,
             shuffle=False,
             checkpoint_dir=checkpoint_dir,
-            checkpoint_every_steps=1,
+            checkpoint_every_steps=1 if checkpoint_dir else None,
             verbose=0,
         )
 

@@ -67,10 +67,11 @@ def free_port() -> int:
 
 
 def start_workers(
-    script: str, arguments: list[list[str]], log_dir: Path
+    script: str, arguments: list[list[str]], log_dir: Path, environments: list[dict[str, str]] | None = None
 ) -> tuple[list[subprocess.Popen[bytes]], list[Path]]:
     """``script`` in one process per argument list, each with 2 host devices and 1 thread (the
-    processes share the cores), its output in ``log_dir/worker{i}.log``; returns both lists."""
+    processes share the cores) and its own ``environments`` entry if given, its output in
+    ``log_dir/worker{i}.log``; returns both lists."""
     env = {
         **os.environ,
         "KERAS_BACKEND": "jax",
@@ -84,7 +85,8 @@ def start_workers(
         log_paths.append(log_dir / f"worker{process_id}.log")
         with open(log_paths[-1], "wb") as log:
             command = [sys.executable, script, *process_arguments]
-            workers.append(subprocess.Popen(command, env=env, stdout=log, stderr=log))
+            own = environments[process_id] if environments else {}
+            workers.append(subprocess.Popen(command, env={**env, **own}, stdout=log, stderr=log))
     return workers, log_paths
 
 

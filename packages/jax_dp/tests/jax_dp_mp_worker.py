@@ -2,6 +2,9 @@
 
     python jax_dp_mp_worker.py PORT PROCESS_ID OUTPUT.npz [CHECKPOINT_DIR EPOCHS]
 
+PORT "detect" calls ``jax_dp.initialize()`` with no arguments (the test sets SLURM's or torchrun's
+variables). With JAX_DP_TEST_HOLD_UNTIL=PATH every process waits after joining until PATH exists.
+
 Started with XLA_FLAGS=--xla_force_host_platform_device_count=2, so two processes
 give four replicas, compared against one process with four devices. With CHECKPOINT_DIR (each
 process its own), it runs ``resumed`` instead and every process writes OUTPUT.<process>.npz.
@@ -9,7 +12,9 @@ process its own), it runs ``resumed`` instead and every process writes OUTPUT.<p
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 
 import numpy as np
 
@@ -58,18 +63,28 @@ def resumed(trainer, checkpoint_dir: str, epochs: int) -> dict[str, np.ndarray]:
 
 
 def main() -> None:
-    port, process_id, output = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    port, output = sys.argv[1], sys.argv[3]
     import jax
+    from jax._src import distributed
 
     import jax_dp
 
-    jax_dp.initialize(
-        f"127.0.0.1:{port}",
-        num_processes=2,
-        process_id=process_id,
-        initialization_timeout=60,
-        shutdown_timeout_seconds=30,
-    )
+    if port == "detect":  # started like srun or torchrun: every value comes from the launcher's variables
+        jax_dp.initialize(initialization_timeout=60, shutdown_timeout_seconds=30)
+    else:
+        jax_dp.initialize(
+            f"127.0.0.1:{port}",
+            num_processes=2,
+            process_id=int(sys.argv[2]),
+            initialization_timeout=60,
+            shutdown_timeout_seconds=30,
+        )
+    process_id = jax.process_index()
+    print(f"JOINED as process {process_id} of {jax.process_count()} at {distributed.global_state.coordinator_address}")
+    if hold := os.environ.get("JAX_DP_TEST_HOLD_UNTIL"):  # a file the test creates once it is done meanwhile
+        deadline = time.monotonic() + 120
+        while not os.path.exists(hold) and time.monotonic() < deadline:
+            time.sleep(0.1)
     trainer = jax_dp.Trainer()
     assert trainer.num_replicas == 4 and jax.local_device_count() == 2, (trainer.num_replicas, jax.devices())
     if len(sys.argv) > 4:

@@ -49,12 +49,15 @@ def processes_mentioning(text: str) -> list[int]:
 class Run:
     """Two workers; one fails as told. ``failed_at`` and ``ended_at`` are ``time.time()`` values."""
 
-    def __init__(self, tmp_path: Path, *, failing_process: int, mode: str, timeout: str) -> None:
+    def __init__(
+        self, tmp_path: Path, *, failing_process: int, mode: str, timeout: str, checkpoints: bool = True
+    ) -> None:
         self.checkpoint_dir = tmp_path / "checkpoints"
         self.failing_process = failing_process
         port = str(free_port())
+        directory = str(self.checkpoint_dir) if checkpoints else "none"
         arguments = [
-            [port, str(process_id), str(self.checkpoint_dir), str(failing_process), mode, str(FAIL_AFTER_STEP), timeout]
+            [port, str(process_id), directory, str(failing_process), mode, str(FAIL_AFTER_STEP), timeout]
             for process_id in range(2)
         ]
         self.workers, self.log_paths = start_workers(WORKER, arguments, tmp_path)
@@ -206,3 +209,34 @@ def test_sigterm_to_one_process_stops_both_at_one_step_with_a_checkpoint(tmp_pat
     newest = latest_checkpoint(run.checkpoint_dir)
     assert newest is not None and (newest.epoch, newest.step) == (0, stopped.pop())
     assert FAIL_AFTER_STEP < newest.step < STEPS_PER_EPOCH
+
+
+@pytest.mark.parametrize("failing_process", [1, 0])
+def test_sigterm_to_one_process_without_checkpoint_dir_stops_both_at_one_step_saying_nothing_was_saved(
+    tmp_path, failing_process
+):
+    run = Run(tmp_path, failing_process=failing_process, mode="sigterm", timeout="default", checkpoints=False)
+    try:
+        run.wait_for_both(STARTUP_S + SLACK_S + 30)
+    finally:
+        run.kill_leftovers()
+    signalled_at, _ = run.failure()
+    assert None not in run.ended_at, f"a worker hung:\n{run.log(0)[-3000:]}\n{run.log(1)[-3000:]}"
+    assert processes_mentioning(str(tmp_path)) == []
+    stopped = set()
+    for process_id in (0, 1):
+        log = run.log(process_id)
+        match = re.search(
+            r"Preempted: Training was preempted \(SIGTERM\) and stopped at epoch 0, step (\d+) "
+            r"\(both counted from 0\)\. "
+            r"No checkpoint_dir was given, so nothing was saved",
+            log,
+        )
+        assert match, log[-3000:]
+        stopped.add(int(match.group(1)))
+        assert run.workers[process_id].returncode == 1, log[-3000:]
+        ended_at = run.ended_at[process_id]
+        assert ended_at is not None and ended_at - signalled_at <= SLACK_S, (process_id, ended_at - signalled_at)
+    assert len(stopped) == 1, f"the processes stopped at different steps: {stopped}"
+    assert FAIL_AFTER_STEP < stopped.pop() < STEPS_PER_EPOCH
+    assert not run.checkpoint_dir.exists()

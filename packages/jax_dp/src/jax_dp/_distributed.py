@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import errno
 import functools
 import itertools
 import math
 import os
-import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
@@ -23,6 +21,9 @@ from jax._src import distributed as jax_distributed  # the client jax.distribute
 from jax.experimental import multihost_utils
 
 from dp_core import NonFiniteLossError, Preempted
+from jax_dp import _handshake as handshake
+from jax_dp._launchers import job_id as job_id_of
+from jax_dp._launchers import placement
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -32,20 +33,33 @@ _POLL_S = 0.5  # how often each process looks for another's failure
 
 
 def initialize(
-    coordinator_address: str,
-    num_processes: int,
-    process_id: int,
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
     *,
-    local_device_ids: list[int] | None = None,
+    job_id: str | None = None,
+    local_device_ids: Sequence[int] | None = None,
     initialization_timeout: int = 300,
     timeout: float = 60.0,
     **options: Any,
 ) -> None:
     """Join a multi-process run; call once per process, before anything touches jax devices.
 
-    A thin wrapper over ``jax.distributed.initialize`` that also selects gloo for
-    collectives between CPU processes (harmless on accelerators). ``options`` go to
+    A wrapper over ``jax.distributed.initialize`` that also selects gloo for collectives
+    between CPU processes (harmless on accelerators). ``options`` go to
     ``jax.distributed.initialize`` unchanged (e.g. ``shutdown_timeout_seconds``).
+
+    With no arguments, under torchrun or SLURM, every value comes from the launcher: torchrun's
+    ``MASTER_ADDR`` (the coordinator on ``MASTER_PORT + 1``, as torchrun's own store holds
+    ``MASTER_PORT``), ``WORLD_SIZE``, ``RANK`` and ``LOCAL_RANK``; under SLURM, jax's own detection
+    (the step's first node, a port derived from ``SLURM_JOB_ID``, ``SLURM_NTASKS``,
+    ``SLURM_PROCID``, one device per task from ``SLURM_LOCALID``). Arguments given win.
+
+    Before jax's coordinator starts, process 0 admits each other process of this job once, on
+    the coordinator's own port: a process that brings another job id (``job_id``, else the
+    scheduler's: ``TORCHELASTIC_RUN_ID``, ``SLURM_JOB_ID``, ...) or an id already taken is refused
+    with the reason, and one that comes after the job started gets a clear error instead of
+    joining (and aborting) it. ``initialization_timeout`` bounds that wait, and then jax's own.
 
     When one process dies the others exit non-zero too, instead of waiting for it
     forever inside a collective:
@@ -63,67 +77,45 @@ def initialize(
     thread, so long compilations or steps do not count against it.
 
     >>> jax_dp.initialize("10.0.0.1:1234", num_processes=2, process_id=0)  # doctest: +SKIP
+    >>> jax_dp.initialize()  # under torchrun or srun  # doctest: +SKIP
     """
     if not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}.")
+    if jax.distributed.is_initialized():
+        raise RuntimeError("jax_dp.initialize was already called in this process: call it once per process.")
+    place = placement(coordinator_address, num_processes, process_id, local_device_ids, initialization_timeout)
+    job = job_id_of(job_id)
     options.setdefault("heartbeat_timeout_seconds", math.ceil(timeout))
     # jax's coordinator listens on every interface unless told: listen on the address given only
     # (127.0.0.1 keeps a single-host run off the network).
-    options.setdefault("coordinator_bind_address", coordinator_address)
+    options.setdefault("coordinator_bind_address", place.coordinator_address)
     # CPU processes talk through gloo; without it cross-process CPU collectives fail.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if process_id == 0 and not _port_free(coordinator_address):
-        raise _busy_port(coordinator_address)
+    if place.process_id == 0:
+        handshake.admit(
+            options["coordinator_bind_address"],
+            place.coordinator_address,
+            place.num_processes,
+            job,
+            initialization_timeout,
+        )
+    else:
+        handshake.join(place.coordinator_address, place.process_id, place.num_processes, job, initialization_timeout)
     try:
         jax.distributed.initialize(
-            coordinator_address=coordinator_address,
-            num_processes=num_processes,
-            process_id=process_id,
-            local_device_ids=local_device_ids,
+            coordinator_address=place.coordinator_address,
+            num_processes=place.num_processes,
+            process_id=place.process_id,
+            local_device_ids=place.local_device_ids,
             initialization_timeout=initialization_timeout,
             **options,
         )
     except Exception as error:
-        if process_id == 0 and "Failed to start RPC server" in str(error):  # taken since the check above
-            raise _busy_port(coordinator_address) from error
+        if place.process_id == 0 and "Failed to start RPC server" in str(error):  # taken since the handshake
+            raise handshake.busy_port(place.coordinator_address) from error
         raise
-    if num_processes > 1:
-        _end_together(jax_distributed.global_state.client, process_id, num_processes)
-
-
-def _port_free(coordinator_address: str) -> bool:
-    """Whether process 0 can listen on the address, as jax's coordinator will.
-
-    Checked before jax starts: jax only says "Failed to start RPC server", and a process
-    that got that far can crash on exit.
-    """
-    host, _, port = coordinator_address.rpartition(":")
-    if not port.isdigit():
-        return True  # jax reports a malformed address itself
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a just-closed run's port is free
-        try:
-            probe.bind((host.strip("[]"), int(port)))
-        except socket.gaierror:
-            return True  # jax reports an unknown host itself
-        except OSError as error:
-            if error.errno == errno.EADDRNOTAVAIL:
-                raise RuntimeError(
-                    f"jax_dp could not start the coordinator at {coordinator_address!r}: {host} is not an address of "
-                    "this host, and process 0 runs the coordinator. Give every process process 0's own address."
-                ) from None
-            return False
-    return True
-
-
-def _busy_port(coordinator_address: str) -> RuntimeError:
-    return RuntimeError(
-        f"jax_dp could not start the coordinator at {coordinator_address!r}: process 0 listens on that address "
-        "and its port is in use or not allowed. Pass a free port to every process, e.g. "
-        "python -c 'import socket; s=socket.socket(); s.bind((\"\", 0)); print(s.getsockname()[1])' on process "
-        "0's host."
-    )
+    if place.num_processes > 1:
+        _end_together(jax_distributed.global_state.client, place.process_id, place.num_processes)
 
 
 class _Run:

@@ -1,0 +1,103 @@
+"""What a launcher tells each process: torchrun's variables, or SLURM's read by jax's own cluster detection.
+
+Under torchrun (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) torchrun's own store
+already listens on ``MASTER_PORT``, so jax's coordinator takes the next port; under SLURM jax
+picks the coordinator (the first node of the step, a port derived from ``SLURM_JOB_ID``).
+``JAX_COORDINATOR_PORT`` overrides the port in both, as it does in jax.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from jax._src import clusters  # jax's cluster detection; no public accessor
+
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+SLURM_VARIABLES = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NODELIST")
+
+
+class Placement(NamedTuple):
+    """Where this process stands in the job, as given or detected."""
+
+    coordinator_address: str
+    num_processes: int
+    process_id: int
+    local_device_ids: Sequence[int] | None
+
+
+class JobId(NamedTuple):
+    """The id every process of one job shares, and where it came from (for messages)."""
+
+    value: str | None
+    source: str
+
+
+def placement(
+    coordinator_address: str | None,
+    num_processes: int | None,
+    process_id: int | None,
+    local_device_ids: Sequence[int] | None,
+    initialization_timeout: int,
+) -> Placement:
+    """The arguments given, with the ones left out read from torchrun's or SLURM's variables."""
+    if coordinator_address is not None and num_processes is not None and process_id is not None:
+        return Placement(coordinator_address, num_processes, process_id, local_device_ids)
+    if all(name in os.environ for name in TORCHRUN_VARIABLES):  # first: torchrun may run inside a SLURM step
+        port = os.environ.get("JAX_COORDINATOR_PORT") or str(int(os.environ["MASTER_PORT"]) + 1)
+        local_rank = os.environ.get("LOCAL_RANK")
+        detected = Placement(
+            f"{os.environ['MASTER_ADDR']}:{port}",
+            int(os.environ["WORLD_SIZE"]),
+            int(os.environ["RANK"]),
+            [int(local_rank)] if local_rank is not None else None,  # one device per process, like jax under SLURM
+        )
+    elif clusters.SlurmCluster.is_env_present():
+        address, count, index, devices = clusters.ClusterEnv.auto_detect_unset_distributed_params(
+            None, None, None, None, "slurm", initialization_timeout
+        )
+        assert address is not None and count is not None and index is not None  # SLURM's variables are all set
+        detected = Placement(address, count, index, devices)
+    else:
+        given = {"coordinator_address": coordinator_address, "num_processes": num_processes, "process_id": process_id}
+        missing = ", ".join(name for name, value in given.items() if value is None)
+        raise ValueError(
+            f"jax_dp.initialize was not given {missing} and found no launcher to ask: neither torchrun's variables "
+            f"({', '.join(TORCHRUN_VARIABLES)}) nor SLURM's ({', '.join(SLURM_VARIABLES)}) are all set. Start every "
+            "process with torchrun or srun, or pass coordinator_address='<process 0's host>:<free port>', "
+            "num_processes and process_id to each (a single process needs no jax_dp.initialize)."
+        )
+    return Placement(
+        coordinator_address if coordinator_address is not None else detected.coordinator_address,
+        num_processes if num_processes is not None else detected.num_processes,
+        process_id if process_id is not None else detected.process_id,
+        local_device_ids if local_device_ids is not None else _visible(detected.local_device_ids),
+    )
+
+
+def _visible(device_ids: Sequence[int] | None) -> Sequence[int] | None:
+    """A launcher's one device per process (its local rank), counted among the GPUs this process
+    sees: with ``--gpus-per-task 1`` SLURM leaves one GPU visible to each task, which is device 0
+    there whatever the task's local rank."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if device_ids is None or not visible or visible == "-1":
+        return device_ids
+    count = len(visible.split(","))
+    return [device_id % count for device_id in device_ids]
+
+
+def job_id(given: str | None) -> JobId:
+    """``given``, else the scheduler's id of this job (the same in each of its processes), else none."""
+    if given is not None:
+        return JobId(str(given), "job_id=")
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id and run_id != "none":  # torchrun's default --rdzv-id is "none": shared by every job
+        return JobId(run_id, "TORCHELASTIC_RUN_ID")
+    if slurm_job := os.environ.get("SLURM_JOB_ID"):
+        step = os.environ.get("SLURM_STEP_ID")  # two steps of one allocation are two jobs here
+        return JobId(f"{slurm_job}.{step}" if step else slurm_job, "SLURM_JOB_ID" + (".SLURM_STEP_ID" if step else ""))
+    for name in ("PBS_JOBID", "LSB_JOBID"):
+        if value := os.environ.get(name):
+            return JobId(value, name)
+    return JobId(None, "no job_id= and no scheduler's job id")

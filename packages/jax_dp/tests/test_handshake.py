@@ -1,0 +1,178 @@
+"""Process 0's admission of its job's processes, and what a launcher's variables give, in one process.
+
+The handshake is plain sockets: process 0 and its joiners run here as threads. The real
+processes (a latecomer to a running job, two jobs' tokens, srun- and torchrun-style launches)
+are in test_multiprocess.py.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+from jax_dp_helpers import free_port
+
+import jax_dp
+from jax_dp._handshake import ANSWER_S, admit, join
+from jax_dp._launchers import SLURM_VARIABLES, TORCHRUN_VARIABLES, JobId, job_id, placement
+
+JOB = JobId("job-a", "job_id=")
+SCHEDULER_VARIABLES = ("TORCHELASTIC_RUN_ID", "SLURM_STEP_ID", "PBS_JOBID", "LSB_JOBID", "JAX_COORDINATOR_PORT")
+
+
+class Thread(threading.Thread):
+    """``target(*args)`` in a thread, keeping what it raised."""
+
+    def __init__(self, target, *args) -> None:
+        super().__init__(daemon=True)
+        self.call, self.args, self.error = target, args, None
+
+    def run(self) -> None:
+        try:
+            self.call(*self.args)
+        except BaseException as error:  # the test reads it
+            self.error = error
+
+
+def joined(address: str, process_id: int, num_processes: int, job: JobId = JOB, timeout: float = 20) -> Thread:
+    joiner = Thread(join, address, process_id, num_processes, job, timeout)
+    joiner.start()
+    return joiner
+
+
+def refusal(joiner: Thread) -> str:
+    joiner.join(timeout=ANSWER_S + 5)
+    assert not joiner.is_alive() and isinstance(joiner.error, RuntimeError), joiner.error
+    return str(joiner.error)
+
+
+def test_process_0_admits_each_process_once_and_refuses_the_others_with_the_reason(capfd):
+    address = f"127.0.0.1:{free_port()}"
+    coordinator = Thread(admit, address, address, 3, JOB, 30)
+    coordinator.start()
+    first = joined(address, 1, 3)
+    time.sleep(0.5)  # process 1 has joined before its double comes
+    assert "process 1 already joined this job" in refusal(joined(address, 1, 3))
+
+    other_job = refusal(joined(address, 2, 3, JobId("job-b", "SLURM_JOB_ID")))
+    assert "job id 'job-b' (from SLURM_JOB_ID) tried to join job 'job-a' (from job_id=)" in other_job
+    assert "another job that was given the same coordinator address" in other_job
+    assert "pass the same job_id= to every process" in other_job
+
+    assert "num_processes=4, process 0 with num_processes=3" in refusal(joined(address, 2, 4))
+    assert "process_id=3 is not one of 1..2" in refusal(joined(address, 3, 3))
+    assert "process_id=0 is not one of 1..2" in refusal(joined(address, 0, 3))
+    assert first.is_alive() and coordinator.is_alive()  # still waiting for process 2
+
+    last = joined(address, 2, 3)
+    for thread in (coordinator, first, last):
+        thread.join(timeout=10)
+        assert not thread.is_alive() and thread.error is None, thread.error
+    assert capfd.readouterr().err.count("jax_dp: process 0 refused a process:") == 5
+    with socket.create_server(("127.0.0.1", int(address.rsplit(":", 1)[1]))):  # the port is free for jax again
+        pass
+
+
+def test_a_joiner_that_finds_something_else_on_the_port_stops_within_seconds():
+    # What a latecomer meets once jax's gRPC server holds the port: it speaks first, and not our protocol.
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+
+        def serve() -> None:
+            connection, _ = server.accept()
+            with connection:
+                connection.sendall(b"\x00\x00\x12\x04\x00\x00\x00\x00\x00")  # an HTTP/2 SETTINGS frame's header
+                time.sleep(2)
+
+        threading.Thread(target=serve, daemon=True).start()
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="is held by a job that already started") as raised:
+            join(address, 1, 2, JOB, 60)
+    assert time.monotonic() - started < 2  # at once, not after ANSWER_S or initialization_timeout
+    assert "Give this job its own port" in str(raised.value)
+
+
+def test_waits_are_bounded_by_initialization_timeout():
+    address = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=f"found no process 0 listening at '{address}' within 1 s"):
+        join(address, 1, 2, JOB, 1)
+    coordinator = Thread(admit, address, address, 2, JOB, 2)
+    coordinator.start()
+    assert "job id None" in refusal(joined(address, 1, 2, JobId(None, "no job_id=")))
+    coordinator.join(timeout=10)
+    assert isinstance(coordinator.error, TimeoutError)
+    assert "waited 2 s (initialization_timeout) at" in str(coordinator.error)
+    assert "for processes [1] of 2; none came, and it refused: a process with job id None" in str(coordinator.error)
+    assert time.monotonic() - started < 10
+
+
+def test_a_busy_port_is_a_clear_error_at_once():
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        address = f"127.0.0.1:{busy.getsockname()[1]}"
+        with pytest.raises(RuntimeError, match=f"could not start the coordinator at '{address}'.*Pass a free port"):
+            admit(address, address, 2, JOB, 60)
+
+
+@pytest.fixture
+def no_launcher(monkeypatch):
+    for name in (*TORCHRUN_VARIABLES, *SLURM_VARIABLES, *SCHEDULER_VARIABLES, "LOCAL_RANK", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_slurm_values_come_from_jax_s_own_detection(no_launcher):
+    for name, value in {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_NTASKS": "4",
+        "SLURM_PROCID": "3",
+        "SLURM_LOCALID": "1",
+        "SLURM_STEP_NODELIST": "node[007-008],other",
+    }.items():
+        no_launcher.setenv(name, value)
+    port = 4242 % 2**12 + 65535 - 2**12 + 1  # jax's port for that job
+    assert placement(None, None, None, None, 60) == (f"node007:{port}", 4, 3, [1])
+    assert placement("10.0.0.1:99", None, None, [0, 1], 60) == ("10.0.0.1:99", 4, 3, [0, 1])  # given ones win
+    no_launcher.setenv("CUDA_VISIBLE_DEVICES", "5")  # --gpus-per-task 1
+    assert placement(None, None, None, None, 60).local_device_ids == [0]
+    assert placement(None, None, None, [1], 60).local_device_ids == [1]  # given: as given
+    no_launcher.delenv("CUDA_VISIBLE_DEVICES")
+    no_launcher.setenv("JAX_COORDINATOR_PORT", "1234")
+    assert placement(None, None, None, None, 60).coordinator_address == "node007:1234"
+    assert job_id(None) == ("4242", "SLURM_JOB_ID")
+    no_launcher.setenv("SLURM_STEP_ID", "2")
+    assert job_id(None) == ("4242.2", "SLURM_JOB_ID.SLURM_STEP_ID")
+    assert job_id("mine") == ("mine", "job_id=")
+
+
+def test_torchrun_values_win_over_slurm_s(no_launcher):
+    for name, value in {"SLURM_JOB_ID": "1", "SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}.items():
+        no_launcher.setenv(name, value)
+    no_launcher.setenv("SLURM_STEP_NODELIST", "node1")
+    for name, value in {"MASTER_ADDR": "node3", "MASTER_PORT": "29500", "RANK": "5", "WORLD_SIZE": "8"}.items():
+        no_launcher.setenv(name, value)
+    no_launcher.setenv("LOCAL_RANK", "1")
+    assert placement(None, None, None, None, 60) == ("node3:29501", 8, 5, [1])  # torchrun's store holds 29500
+    no_launcher.setenv("CUDA_VISIBLE_DEVICES", "3")  # one GPU per process: it is device 0 there
+    assert placement(None, None, None, None, 60).local_device_ids == [0]
+    no_launcher.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert placement(None, None, None, None, 60).local_device_ids == [1]
+    no_launcher.delenv("CUDA_VISIBLE_DEVICES")
+    no_launcher.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's default: not an id of this job
+    assert job_id(None) == ("1", "SLURM_JOB_ID")
+    no_launcher.setenv("TORCHELASTIC_RUN_ID", "run-7")
+    assert job_id(None) == ("run-7", "TORCHELASTIC_RUN_ID")
+
+
+def test_no_arguments_and_no_launcher_is_a_clear_error(no_launcher):
+    assert job_id(None).value is None
+    with pytest.raises(ValueError, match="not given coordinator_address, num_processes, process_id") as raised:
+        jax_dp.initialize()
+    message = str(raised.value)
+    assert "neither torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)" in message
+    assert "nor SLURM's (SLURM_JOB_ID, SLURM_NTASKS, SLURM_PROCID, SLURM_LOCALID, SLURM_STEP_NODELIST)" in message
+    assert "or pass coordinator_address=" in message
+    with pytest.raises(ValueError, match="not given process_id and found no launcher"):
+        jax_dp.initialize("127.0.0.1:1", num_processes=2)
