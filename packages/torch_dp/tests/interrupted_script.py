@@ -1,11 +1,15 @@
 """Run as a script: a long 2-replica fit that writes ``argv[1]`` once training has begun, to be
-interrupted (SIGINT) by the test."""
+interrupted (SIGINT) or killed by the test. ``TORCH_DP_TEST_SLOW_IMPORT`` (seconds) makes each
+replica's import of this script that slow: a replica still starting when its caller dies."""
 
 import os
 import pathlib
 import sys
+import time
 
 os.environ["KERAS_BACKEND"] = "torch"
+if __name__ == "__mp_main__":  # a replica importing this script: as slow as a test asks
+    time.sleep(float(os.environ.get("TORCH_DP_TEST_SLOW_IMPORT", "0")))
 
 import keras
 import torch_dp_testing as testing

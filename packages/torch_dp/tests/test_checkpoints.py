@@ -2,6 +2,7 @@
 after a SIGKILL, on the same or another replica count, past a damaged checkpoint."""
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -15,10 +16,14 @@ import uuid
 import keras
 import numpy as np
 import pytest
+import torch
 import torch_dp_testing as testing
 
 import dp_core
 import torch_dp
+from dp_core.keras import Start
+from torch_dp import _checkpoints
+from torch_dp._comm import Replica
 
 pytestmark = pytest.mark.timeout(180)
 HERE = os.path.dirname(__file__)
@@ -49,7 +54,7 @@ def uninterrupted():
 @pytest.fixture(scope="module")
 def killed_mid_epoch(tmp_path_factory):
     """checkpointed_fit.py SIGKILLed once a checkpoint of epoch 1, step 2 exists; returns its
-    checkpoint_dir, a copy of it as the kill left it, and the pids of the processes it started."""
+    checkpoint_dir, a copy of it as the kill left it, and another copy that no test writes into."""
     directory = tmp_path_factory.mktemp("killed")
     checkpoints, output, tag = directory / "checkpoints", directory / "weights.npz", uuid.uuid4().hex
     command = [sys.executable, SCRIPT, str(checkpoints), str(output), "--slow", "0.4"]
@@ -71,13 +76,14 @@ def killed_mid_epoch(tmp_path_factory):
         time.sleep(0.2)
     assert testing.processes_tagged(tag) == [], "replicas outlived the killed run"
     assert not output.exists()
-    copy = directory / "as_killed"
+    copy, untouched = directory / "as_killed", directory / "untouched"
     shutil.copytree(checkpoints, copy)
-    return checkpoints, copy
+    shutil.copytree(checkpoints, untouched)
+    return checkpoints, copy, untouched
 
 
 def test_a_run_killed_mid_epoch_resumes_to_bitwise_equal_weights(uninterrupted, killed_mid_epoch):
-    checkpoints, _ = killed_mid_epoch
+    checkpoints, _, _ = killed_mid_epoch
     newest = dp_core.latest_checkpoint(checkpoints)  # the kill left every finished checkpoint intact
     assert (newest.epoch, newest.step) >= (1, 2) and newest.num_replicas == 2
     assert (newest.epoch, newest.step) < (3, 0)
@@ -98,7 +104,7 @@ def test_a_run_killed_mid_epoch_resumes_to_bitwise_equal_weights(uninterrupted, 
 
 
 def test_resuming_on_one_replica_continues_the_same_data_order(uninterrupted, killed_mid_epoch):
-    _, as_killed = killed_mid_epoch
+    _, as_killed, _ = killed_mid_epoch
     start = dp_core.latest_checkpoint(as_killed)
     assert start.step > 0  # a mid-epoch checkpoint
     x, y = testing.data()
@@ -183,6 +189,70 @@ def test_torchrun_restarts_a_killed_replica_and_resumes_to_the_same_weights(unin
     expected, _ = uninterrupted
     for mine, theirs in zip(_weights(output), expected, strict=True):
         np.testing.assert_array_equal(mine, theirs)
+
+
+def test_nodes_that_see_different_checkpoints_all_resume_from_rank_0s(uninterrupted, killed_mid_epoch, tmp_path):
+    """Two torchrun nodes, each with its own checkpoint_dir (one per machine, or a shared one seen
+    through a stale cache): node 1 holds a newer checkpoint than node 0, and both continue from
+    node 0's, to the weights of the run never interrupted."""
+    _, _, untouched = killed_mid_epoch
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        shutil.copytree(untouched, node / "checkpoints")
+    chosen = dp_core.latest_checkpoint(nodes[0] / "checkpoints")
+    assert (1, 2) <= (chosen.epoch, chosen.step) < (2, 0)
+    # a valid checkpoint further on, whose weights would show in the result had rank 1 used it
+    newer = dataclasses.replace(chosen, epoch=2, step=1, weights=[w + 1 for w in chosen.weights])
+    dp_core.save_checkpoint(nodes[1] / "checkpoints", newer)
+    environment = {**_environment(), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    port = str(testing.free_port())
+    processes = []
+    try:
+        for rank, node in enumerate(nodes):
+            command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank)]
+            command += ["--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port]
+            command += [os.path.join(HERE, "multinode_script.py")]
+            processes.append(
+                subprocess.Popen(
+                    command, cwd=node, env=environment, stderr=subprocess.PIPE, text=True, start_new_session=True
+                )
+            )
+        errors = [process.communicate(timeout=150)[1] for process in processes]
+    finally:
+        for process in processes:  # its own session: the workers torchrun started end with it
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+    assert [process.returncode for process in processes] == [0, 0], "\n".join(e[-3000:] for e in errors)
+    expected, _ = uninterrupted
+    for node in nodes:
+        for mine, theirs in zip(_weights(node / "weights.npz"), expected, strict=True):
+            np.testing.assert_array_equal(mine, theirs)
+    final = dp_core.latest_checkpoint(nodes[0] / "checkpoints")
+    assert (final.epoch, final.step) == (3, 0)  # rank 0 wrote on
+    newest_on_node_1 = dp_core.latest_checkpoint(nodes[1] / "checkpoints")
+    assert (newest_on_node_1.epoch, newest_on_node_1.step) == (2, 1)  # only rank 0 writes
+
+
+def test_rank_0_failing_to_restore_its_checkpoint_stops_every_replica_with_its_reason(monkeypatch, tmp_path):
+    """Each rank simulated in this process: what rank 0 sends is what every rank reads."""
+    sent = []
+    monkeypatch.setattr(_checkpoints, "text_from_primary", lambda text, replica: sent.append(text) or sent[0])
+    model = testing.dense_batchnorm_model("adam")
+    model.build((None, 5))
+    missing = str(tmp_path / "step-000001-000000002")  # gone since rank 0's caller chose it
+    with pytest.raises(dp_core.CheckpointError):  # rank 0: its own error
+        _checkpoints.resume_from(missing, model, Replica(0, 2))
+    with pytest.raises(RuntimeError, match=r"rank 0 could not resume from its checkpoint .*step-000001-000000002"):
+        _checkpoints.resume_from(None, model, Replica(1, 2))  # rank 1: rank 0's reason, not a wait
+
+
+def test_replicas_about_to_start_at_different_steps_all_stop_and_say_where_each_is(monkeypatch):
+    places = [torch.tensor([1.0, 2.0], dtype=torch.float64), torch.tensor([2.0, 1.0], dtype=torch.float64)]
+    monkeypatch.setattr(_checkpoints, "all_gather_rows", lambda tensor, replica: places)
+    with pytest.raises(RuntimeError, match=r"rank 0: epoch 1, step 2, rank 1: epoch 2, step 1"):
+        _checkpoints.check_same_start(Start(epoch=1, step=2), Replica(0, 2))
+    places[1] = places[0]
+    _checkpoints.check_same_start(Start(epoch=1, step=2), Replica(1, 2))  # the same place: nothing raised
 
 
 def _run_until(command, environment, ready, what):

@@ -1,8 +1,15 @@
-"""Faults: a replica that raises or is SIGKILLed mid-step, non-finite losses, a rendezvous
-port in use; every process ends within a bound and the last checkpoint stays intact."""
+"""Faults: a replica that raises, is SIGKILLed or SIGSTOPped mid-step, non-finite losses, a
+rendezvous port in use or visited by a foreign process, rank 0 alone for long; every process
+ends within a bound and the last checkpoint stays intact."""
 
+import contextlib
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
+import threading
 import time
 import uuid
 
@@ -137,3 +144,160 @@ def test_a_busy_port_under_torchrun_is_a_clear_error(monkeypatch):
         ):
             torch_dp.Trainer(timeout=10).fit(testing.dense_batchnorm_model(), x, y, global_batch_size=32, verbose=0)
     assert not torch.distributed.is_initialized()
+
+
+def _worker_pids():
+    pool = torch_dp._pool._active
+    return [] if pool is None else [worker.process.pid for worker in pool._workers]
+
+
+def test_a_stopped_replica_is_named_within_the_collective_timeout_and_no_process_is_left(monkeypatch, record_property):
+    tag = uuid.uuid4().hex
+    monkeypatch.setenv("TORCH_DP_TEST_TAG", tag)
+    x, y = testing.data()
+    model = testing.dense_batchnorm_model()
+    with torch_dp.Trainer(num_replicas=2, collective_timeout=5) as trainer:
+        trainer.fit(model, x, y, global_batch_size=32, verbose=0)  # the pool starts here, untimed
+        (pid,) = _worker_pids()
+        stopper = threading.Timer(1.0, os.kill, (pid, signal.SIGSTOP))
+        try:
+            stopper.start()
+            started = time.monotonic()
+            with pytest.raises(torch_dp.WorkerError, match=rf"replica 1 of 2 \(pid {pid}\) is stopped") as raised:
+                trainer.fit(
+                    model, x, y, global_batch_size=32, epochs=1000, verbose=0, callbacks=[testing.SlowSteps(0.01)]
+                )
+            elapsed = time.monotonic() - started
+        finally:
+            stopper.cancel()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)  # only if the pool left it behind: the assertion below fails then
+    assert raised.value.rank == 1 and "collective_timeout=5 s" in str(raised.value)
+    assert 1 + 5 <= elapsed < 1 + 5 + 10, elapsed  # the stop, the collective timeout, a few seconds
+    record_property("fault_seconds", elapsed - 1)  # from the stop to the caller's error
+    assert testing.processes_tagged(tag) == []  # the stopped replica was killed, not left stopped
+
+
+def test_a_stuck_replica_is_named_by_the_collectives_it_entered(monkeypatch):
+    """Not stopped, but silent (here an endless sleep in its forward pass): the others entered
+    more collectives than it did, and the caller's error names it."""
+    tag = uuid.uuid4().hex
+    monkeypatch.setenv("TORCH_DP_TEST_TAG", tag)
+    x, y = testing.data()
+    with pytest.raises(
+        torch_dp.WorkerError, match=r"replica 1 of 2 \(pid \d+\) stopped responding: it entered \d+ collectives"
+    ) as raised:
+        torch_dp.Trainer(num_replicas=2, collective_timeout=5).fit(
+            testing.FailingInStepFactory(rank=1, call_index=7, how="hang"),
+            x,
+            y,
+            global_batch_size=32,
+            epochs=3,
+            verbose=0,
+        )
+    assert raised.value.rank == 1
+    assert testing.processes_tagged(tag) == []
+
+
+class _SleepAfterFirstEpoch(keras.callbacks.Callback):
+    """Rank 0 alone (callbacks run in the caller) takes ``seconds`` at the end of epoch 0,
+    as a slow checkpoint write or TensorBoard flush would; the other replica waits."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 0:
+            time.sleep(self.seconds)
+
+
+@pytest.mark.timeout(240)  # two pools start, and rank 0 sleeps 10 s in each
+def test_rank_0_alone_for_longer_than_the_rendezvous_timeout_is_bounded_by_the_collective_timeout():
+    x, y = testing.data()
+    reference = testing.dense_batchnorm_model()
+    expected = reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    model = testing.dense_batchnorm_model()
+    with torch_dp.Trainer(num_replicas=2, rendezvous_timeout=5, collective_timeout=60) as trainer:
+        history = trainer.fit(
+            model, x, y, global_batch_size=32, epochs=2, shuffle=False, verbose=0, callbacks=[_SleepAfterFirstEpoch(10)]
+        )
+    for mine, theirs in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(mine, theirs, atol=1e-5)
+    np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-5)
+
+    model = testing.dense_batchnorm_model()
+    with torch_dp.Trainer(num_replicas=2, rendezvous_timeout=5, collective_timeout=3) as trainer:
+        # the workers receive the model in this first call: the timed call below starts at once
+        trainer.fit(model, x, y, global_batch_size=32, verbose=0)
+        started = time.monotonic()
+        with pytest.raises(torch_dp.WorkerError, match=r"replica 1 of 2 waited more than collective_timeout=3 s"):
+            trainer.fit(model, x, y, global_batch_size=32, epochs=2, verbose=0, callbacks=[_SleepAfterFirstEpoch(10)])
+        assert time.monotonic() - started < 10 + 15
+
+
+def test_timeouts_are_checked_and_timeout_alone_sets_both():
+    default = torch_dp.Trainer(num_replicas=2)
+    assert (default.rendezvous_timeout, default.collective_timeout) == (60.0, 1800.0)
+    both = torch_dp.Trainer(num_replicas=2, timeout=30)
+    assert (both.rendezvous_timeout, both.collective_timeout, both.timeout) == (30.0, 30.0, 30.0)
+    mixed = torch_dp.Trainer(num_replicas=2, timeout=30, collective_timeout=600)
+    assert (mixed.rendezvous_timeout, mixed.collective_timeout) == (30.0, 600.0)
+    for name, value in [("rendezvous_timeout", 0), ("collective_timeout", -1.0), ("collective_timeout", "60")]:
+        with pytest.raises(ValueError, match=rf"{name} must be a positive number of seconds, got {value!r}"):
+            torch_dp.Trainer(num_replicas=2, **{name: value})
+    with pytest.raises(ValueError, match=r"collective_timeout must be a positive number of seconds, got inf"):
+        torch_dp.Trainer(num_replicas=2, collective_timeout=float("inf"))
+
+
+FOREIGN_JOIN = """
+import datetime, sys, time
+import torch.distributed as dist
+started = time.monotonic()
+try:
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=1, world_size=2,
+                            timeout=datetime.timedelta(seconds=10))
+except Exception as error:
+    print(f"refused after {{time.monotonic() - started:.1f}} s: {{type(error).__name__}}: {{error}}", flush=True)
+    sys.exit(3)
+print("joined", flush=True)
+"""
+
+
+class _ForeignJoinAtFirstStep(keras.callbacks.Callback):
+    """At the first step, a foreign process connects to the pool's store and tries to join as
+    rank 1; training waits (rank 0 here, the worker in its next collective) until it has ended."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outcome: tuple[int, str, float] | None = None
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.outcome is None:
+            port = torch_dp._pool._active._store.port
+            started = time.monotonic()
+            foreign = subprocess.run(
+                [sys.executable, "-c", FOREIGN_JOIN.format(port=port)],
+                capture_output=True,
+                text=True,
+                timeout=90,
+                env={**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"},
+            )
+            self.outcome = (foreign.returncode, foreign.stdout + foreign.stderr[-2000:], time.monotonic() - started)
+
+
+def test_a_foreign_process_cannot_join_the_pool_and_the_run_is_undisturbed(record_property):
+    x, y = testing.data()
+    reference = testing.dense_batchnorm_model()
+    reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    model = testing.dense_batchnorm_model()
+    foreign = _ForeignJoinAtFirstStep()
+    with torch_dp.Trainer(num_replicas=2) as trainer:
+        trainer.fit(model, x, y, global_batch_size=32, epochs=2, shuffle=False, verbose=0, callbacks=[foreign])
+    assert foreign.outcome is not None
+    returncode, output, elapsed = foreign.outcome
+    assert returncode == 3 and "refused after" in output, output  # its own 10 s timeout ended it
+    assert elapsed < 60, output
+    record_property("fault_seconds", elapsed)
+    for mine, theirs in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(mine, theirs, atol=1e-5)

@@ -2,6 +2,7 @@
 user's own objects, everything defined in ``__main__`` ships by value, errors arrive as
 themselves, and nothing is left behind when a worker dies or the user presses Ctrl-C."""
 
+import contextlib
 import json
 import os
 import signal
@@ -200,8 +201,14 @@ def test_what_cannot_travel_is_a_clear_error_before_any_worker_starts(monkeypatc
         trainer.fit(model, x, y, global_batch_size=32, verbose=0)
 
 
-def _run_script(args, tag, tmp_path, **options):
-    environment = {**os.environ, "TORCH_DP_TEST_TAG": tag, "TMPDIR": str(tmp_path), "PYTHONPATH": HERE}
+def _run_script(args, tag, tmp_path, environment=(), **options):
+    environment = {
+        **os.environ,
+        "TORCH_DP_TEST_TAG": tag,
+        "TMPDIR": str(tmp_path),
+        "PYTHONPATH": HERE,
+        **dict(environment),
+    }
     return subprocess.Popen(
         [sys.executable, *args], env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **options
     )
@@ -241,14 +248,72 @@ def test_ctrl_c_or_a_killed_caller_leaves_no_process_and_no_file(tmp_path, how):
         os.killpg(script.pid, signal.SIGINT)
     else:
         os.kill(script.pid, signal.SIGKILL if how == "caller-killed" else signal.SIGINT)
-    _, err = script.communicate(timeout=60)
-    if how != "caller-killed":
+    if how == "caller-killed":
+        script.wait(timeout=60)  # not communicate: the workers hold the pipes' other ends until they end
+    else:
+        _, err = script.communicate(timeout=60)
         assert "KeyboardInterrupt" in err
-    deadline = time.monotonic() + 10  # a worker notices its caller's death within a second
+    deadline = time.monotonic() + 5  # a worker notices its caller's death within a second
     while testing.processes_tagged(tag) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert testing.processes_tagged(tag) == []
+    script.communicate(timeout=60)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["started"]
+
+
+def _spawned_children(pid):
+    """Pids of ``pid``'s children that multiprocessing spawned (its resource tracker left out)."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{entry}/stat") as stat:
+                    parent = int(stat.read().rsplit(")", 1)[-1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                    command = cmdline.read()
+                if parent == pid and b"spawn_main" in command and b"resource_tracker" not in command:
+                    children.append(int(entry))
+    return children
+
+
+def test_a_caller_killed_while_its_replicas_start_leaves_no_process_and_no_file(tmp_path, record_property):
+    """Killed the moment its first replica process exists, before that replica runs any code of
+    ours (it is still importing the script, for 20 s): every replica ends within 5 s, and the
+    next run removes the shared files."""
+    tag = uuid.uuid4().hex
+    script = _run_script(
+        [os.path.join(HERE, "interrupted_script.py"), str(tmp_path / "started")],
+        tag,
+        tmp_path,
+        environment={"TORCH_DP_TEST_SLOW_IMPORT": "20"},
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 180
+    while not (children := _spawned_children(script.pid)):
+        assert script.poll() is None and time.monotonic() < deadline, script.communicate()[1][-3000:]
+        time.sleep(0.01)
+    os.kill(script.pid, signal.SIGKILL)
+    script.wait(timeout=60)  # not communicate: the replicas hold the pipes' other ends until they end
+    died = time.monotonic()
+    while testing.processes_tagged(tag) and time.monotonic() < died + 5:
+        time.sleep(0.1)
+    assert testing.processes_tagged(tag) == [], children
+    record_property("fault_seconds", time.monotonic() - died)
+    script.communicate(timeout=60)
+    assert not (tmp_path / "started").exists()  # killed before any step
+    torch_dp._pool.remove_stale_directories(str(tmp_path))  # what the next run does first
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_two_pools_in_two_processes_at_once_both_train_correctly(tmp_path):
+    tag = uuid.uuid4().hex
+    scripts = [_run_script([os.path.join(HERE, "main_block_script.py"), "2"], tag, tmp_path) for _ in range(2)]
+    for script in scripts:
+        out, err = script.communicate(timeout=280)
+        assert script.returncode == 0, err[-3000:]
+        result = json.loads(out.strip().splitlines()[-1])
+        assert result["weights_diff"] < 1e-5 and result["loss_diff"] < 1e-5
+    assert testing.processes_tagged(tag) == []
 
 
 def test_a_learning_rate_set_at_each_batch_reaches_every_replica_before_its_update(trainer):

@@ -173,3 +173,41 @@ def test_torchrun_two_processes_equal_keras(tmp_path):
         np.testing.assert_allclose(np.array(mine), theirs, atol=1e-5)
     # every replica holds the same trained weights and the same aggregated History
     assert result["same_on_every_rank"]
+
+
+def test_two_tasks_started_as_srun_starts_them_form_a_group_and_equal_keras(tmp_path):
+    output = tmp_path / "result.json"
+    environment = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"} and not name.startswith("SLURM_")
+    }
+    environment.update({"KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"})
+    environment["PYTHONPATH"] = os.pathsep.join([HERE, environment.get("PYTHONPATH", "")])
+    # what srun sets for a 2-task step on one node; the rendezvous port is the test's, not the job id's
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "127.0.0.1"}
+    slurm["MASTER_PORT"] = str(_free_port())
+    command = [sys.executable, os.path.join(HERE, "torchrun_script.py"), str(output)]
+    tasks = [
+        subprocess.Popen(
+            command,
+            env={**environment, **slurm, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)},
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        errors = [task.communicate(timeout=180)[1] for task in tasks]
+    finally:
+        for task in tasks:
+            task.kill()
+    assert [task.returncode for task in tasks] == [0, 0], "\n".join(error[-3000:] for error in errors)
+    result = json.loads(output.read_text())
+    reference, _, expected = _keras_reference("sgd", epochs=2)
+    assert result["num_replicas"] == 2
+    np.testing.assert_allclose(result["loss"], expected.history["loss"], rtol=1e-5)
+    for mine, theirs in zip(result["weights"], reference.get_weights(), strict=True):
+        np.testing.assert_allclose(np.array(mine), theirs, atol=1e-5)
+    assert result["same_on_every_rank"]

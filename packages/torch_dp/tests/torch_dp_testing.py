@@ -118,8 +118,9 @@ class KillOnceAt(keras.callbacks.Callback):
 
 
 class FailInStep(keras.layers.Layer):
-    """Identity, except that on replica ``rank`` its ``call_index``-th training call raises or
-    SIGKILLs the process: a fault in the middle of a step (inside the forward pass)."""
+    """Identity, except that on replica ``rank`` its ``call_index``-th training call raises,
+    SIGKILLs the process or hangs (an hour's sleep): a fault in the middle of a step (inside
+    the forward pass)."""
 
     def __init__(self, rank: int, call_index: int, how: str, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -131,12 +132,14 @@ class FailInStep(keras.layers.Layer):
             if self.calls == self.call_index:
                 if self.how == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
+                if self.how == "hang":
+                    time.sleep(3600)
                 raise RuntimeError(f"boom on purpose in training call {self.calls}")
         return x
 
 
 class FailingInStepFactory:
-    """A dense model whose replica ``rank`` fails (``how``: "raise" or "kill") in its ``call_index``-th step."""
+    """A dense model whose replica ``rank`` fails (``how``: "raise", "kill" or "hang") in its ``call_index``-th step."""
 
     def __init__(self, rank: int, call_index: int, how: str) -> None:
         self.rank, self.call_index, self.how = rank, call_index, how

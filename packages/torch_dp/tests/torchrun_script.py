@@ -1,5 +1,6 @@
-"""Run by test_two_replicas under `torchrun --nproc-per-node 2`: the user's script, unchanged
-between one node and many. Rank 0 writes the results to the path in argv[1]."""
+"""Run by test_two_replicas under `torchrun --nproc-per-node 2`, and as two tasks with SLURM's
+variables (as `srun --ntasks 2` starts them): the user's script, unchanged between one node and
+many, and between launchers. Rank 0 writes the results to the path in argv[1]."""
 
 import json
 import os
@@ -14,7 +15,7 @@ import torch_dp
 if __name__ == "__main__":
     x, y = testing.data()
     # each rank builds different initial weights: the trainer must start all from rank 0's
-    model = testing.dense_batchnorm_model(seed=int(os.environ["RANK"]))
+    model = testing.dense_batchnorm_model(seed=int(os.environ.get("RANK") or os.environ["SLURM_PROCID"]))
     trainer = torch_dp.Trainer()
     history = trainer.fit(model, x, y, global_batch_size=32, epochs=2, shuffle=False, verbose=0)
     summary = np.array([sum(float(np.sum(w)) for w in model.get_weights()), *history.history["loss"]])

@@ -3,11 +3,16 @@
 Arrays handed to ``fit`` are written once to ``.npy`` files and memory-mapped by every
 worker replica, so the workers share one copy through the page cache instead of
 unpickling one each; the caller (rank 0) reads its own arrays.
+
+An array input's batches are read one ahead in the background (``_prefetch``): rows are
+indexed and converted on the host (into pinned memory for a GPU) while the step before
+computes, then copied to the replica's device without blocking the host.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import mmap
 import os
@@ -24,6 +29,7 @@ import torch.distributed as dist
 from dp_core import epoch_order, num_steps, split_indices
 from dp_core.keras import BatchSource, Inputs, batch_rows, map_structure, padded_batch_size, replica_part
 from torch_dp._comm import Replica
+from torch_dp._prefetch import pinned, pins_memory, prefetched, to_device
 
 
 @dataclass(frozen=True)
@@ -184,8 +190,10 @@ def replica_batches(
     seed: int = 0,
     shuffle: bool = False,
     first_step: int = 0,
+    prefetch: bool = True,
 ) -> Iterator[Batch]:
-    """This replica's batches of one epoch from ``first_step`` on; every replica gets the same number."""
+    """This replica's batches of one epoch from ``first_step`` on; every replica gets the same number.
+    With ``prefetch`` an array input's next batch is read in the background (the same batches)."""
     if not isinstance(inputs, Inputs):
         yield from _source_batches(inputs, replica, global_batch_size, epoch, seed, shuffle, first_step)
         return
@@ -200,10 +208,16 @@ def replica_batches(
         shuffle=shuffle,
     )
     rows = global_batch_size // replica.num_replicas
-    for step in range(first_step, num_steps(num_samples, global_batch_size)):
-        part = slice(step * rows, (step + 1) * rows)
-        global_real_rows = min(global_batch_size, num_samples - step * global_batch_size)
-        yield _batch(inputs, shard.indices[part], shard.mask[part], global_real_rows, global_batch_size)
+    pin = prefetch and pins_memory(replica.device)
+
+    def read() -> Iterator[Batch]:
+        for step in range(first_step, num_steps(num_samples, global_batch_size)):
+            part = slice(step * rows, (step + 1) * rows)
+            global_real_rows = min(global_batch_size, num_samples - step * global_batch_size)
+            yield _batch(inputs, shard.indices[part], shard.mask[part], global_real_rows, global_batch_size, pin=pin)
+
+    for batch in prefetched(read()) if prefetch else read():
+        yield _placed(batch, replica.device)
 
 
 def _source_batches(
@@ -264,14 +278,40 @@ def _part(batch: tuple[Any, Any, Any], replica: Replica, global_batch_size: int)
 
 
 def _batch(
-    inputs: Inputs, indices: np.ndarray, mask: np.ndarray, global_real_rows: int, global_batch_size: int
+    inputs: Inputs,
+    indices: np.ndarray,
+    mask: np.ndarray,
+    global_real_rows: int,
+    global_batch_size: int,
+    *,
+    pin: bool,
 ) -> Batch:
-    x, y, sample_weight = (map_structure(keras.ops.convert_to_tensor, part) for part in inputs.rows(indices))
+    """The rows at ``indices`` as host tensors (pinned when ``pin``); ``_placed`` moves them."""
+    x, y, sample_weight = _host_tensors(inputs.rows(indices), pin=pin)
     real_rows = int(mask.sum())
     mask_tensor = None
     if global_real_rows < global_batch_size:
-        mask_tensor = cast(torch.Tensor, keras.ops.convert_to_tensor(mask.astype(keras.backend.floatx())))
+        mask_tensor = _host_tensors(mask.astype(keras.backend.floatx()), pin=pin)
     return Batch(x, y, sample_weight, mask_tensor, real_rows, len(mask), global_real_rows, global_batch_size)
+
+
+def _host_tensors(structure: Any, *, pin: bool) -> Any:
+    """``structure``'s arrays as CPU tensors, converted as Keras converts them (dtypes included),
+    copied into pinned memory when ``pin``. Keras's device is per thread: this one's is the CPU."""
+    with keras.device("cpu"):
+        tensors = map_structure(keras.ops.convert_to_tensor, structure)
+    return pinned(tensors) if pin else tensors
+
+
+def _on_device(structure: Any, device: str) -> Any:
+    """Host tensors on ``device`` (from pinned memory without blocking), then where Keras puts a
+    converted input (the same device, unless the caller chose another with ``keras.device``)."""
+    return map_structure(keras.ops.convert_to_tensor, to_device(structure, device))
+
+
+def _placed(batch: Batch, device: str) -> Batch:
+    x, y, sample_weight, mask = _on_device((batch.x, batch.y, batch.sample_weight, batch.mask), device)
+    return dataclasses.replace(batch, x=x, y=y, sample_weight=sample_weight, mask=mask)
 
 
 @dataclass
@@ -318,9 +358,10 @@ def even_batches(
     seed: int = 0,
     shuffle: bool = False,
     first_step: int = 0,
+    prefetch: bool = True,
 ) -> Iterator[EvenBatch]:
     """This replica's ``EvenBatch`` of each global batch of one epoch from ``first_step`` on
-    (the same global batches, in the same order, as ``replica_batches``)."""
+    (the same global batches, in the same order, as ``replica_batches``, read ahead likewise)."""
     if not isinstance(inputs, Inputs):
         for batch in _global_source_batches(inputs, replica, epoch, seed, shuffle, first_step):
             real = batch_rows(batch)
@@ -331,14 +372,20 @@ def even_batches(
         return
     num_samples = inputs.num_samples
     order = epoch_order(num_samples, seed=seed, epoch=epoch, shuffle=shuffle)
-    for step in range(first_step, num_steps(num_samples, global_batch_size)):
-        indices = order[step * global_batch_size : (step + 1) * global_batch_size]
-        start, count = even_part(len(indices), replica.num_replicas, replica.rank)
-        mine = indices[start : start + count] if count else indices[:1]
-        yield _even_batch(inputs.rows(mine), count, len(indices), replica)
+    pin = prefetch and pins_memory(replica.device)
+
+    def read() -> Iterator[tuple[Any, int, int]]:
+        for step in range(first_step, num_steps(num_samples, global_batch_size)):
+            indices = order[step * global_batch_size : (step + 1) * global_batch_size]
+            start, count = even_part(len(indices), replica.num_replicas, replica.rank)
+            mine = indices[start : start + count] if count else indices[:1]
+            yield _host_tensors(inputs.rows(mine), pin=pin), count, len(indices)
+
+    for part, count, global_real_rows in prefetched(read()) if prefetch else read():
+        yield _even_batch(_on_device(part, replica.device), count, global_real_rows, replica)
 
 
 def _even_batch(part: tuple[Any, Any, Any], rows: int, global_real_rows: int, replica: Replica) -> EvenBatch:
-    x, y, sample_weight = (map_structure(keras.ops.convert_to_tensor, piece) for piece in part)
+    x, y, sample_weight = (map_structure(keras.ops.convert_to_tensor, piece) for piece in part)  # no-op on tensors
     data = keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
     return EvenBatch(data, rows, global_real_rows, replica.num_replicas)

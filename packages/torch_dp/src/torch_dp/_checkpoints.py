@@ -4,27 +4,96 @@ end and every ``checkpoint_every_steps`` steps, and where a resumed fit starts.
 Metric states are kept per replica during an epoch; a checkpoint holds their sums over
 replicas (the states of one model that saw every row), restored on rank 0 only, so the
 epoch's logs come out the same on any replica count.
+
+Only rank 0 chooses where to resume and reads the checkpoint; the other replicas take its
+choice and its state from it. On many hosts each may see another ``checkpoint_dir`` (one
+per node, or a shared one through a stale cache), and replicas that started at different
+steps would silently train on different data, or wait on each other forever.
 """
 
 from __future__ import annotations
 
+import json
+
 import keras
 import numpy as np
 import torch
+import torch.distributed as dist
 
-from dp_core import load_checkpoint
+from dp_core import Checkpoint, load_checkpoint
 from dp_core.keras import CheckpointWriter, Start, restore_model, start_of
-from torch_dp._comm import Replica, all_reduce_sum
+from torch_dp._comm import Replica, all_gather_rows, all_reduce_sum, same_state_as_primary
 
 
-def resume_from(path: str | None, model: keras.Model) -> Start:
-    """Restore the weights and optimizer state of the checkpoint at ``path`` (chosen and
-    checked by the caller) into ``model``; metric states wait for the epoch to begin."""
-    if path is None:
+def resume_from(path: str | None, model: keras.Model, replica: Replica) -> Start:
+    """Restore the weights and optimizer state of the checkpoint at ``path`` into ``model``;
+    metric states wait for the epoch to begin. With several replicas, rank 0's ``path`` (chosen
+    and checked by its caller) is the one every replica resumes from, whatever theirs."""
+    if not replica.distributed:
+        if path is None:
+            return Start()
+        checkpoint = load_checkpoint(path)
+        restore_model(checkpoint, model, metrics=False)
+        return start_of(checkpoint)
+    start, failure = Start(), None
+    if replica.is_primary and path is not None:
+        try:
+            checkpoint = load_checkpoint(path)
+            restore_model(checkpoint, model, metrics=False)
+            start = start_of(checkpoint)
+        except Exception as error:  # every replica must hear of it, or the others would wait for rank 0
+            failure = error
+    chosen = json.loads(text_from_primary(_choice(path, start, failure) if replica.is_primary else "", replica))
+    if chosen["failure"] is not None:
+        if failure is not None:
+            raise failure
+        raise RuntimeError(
+            f"torch_dp: rank 0 could not resume from its checkpoint {chosen['path']!r} ({chosen['failure']}); "
+            "every replica stops. Its own error says what to do."
+        )
+    if chosen["path"] is None:
         return Start()
-    checkpoint = load_checkpoint(path)
-    restore_model(checkpoint, model, metrics=False)
-    return start_of(checkpoint)
+    same_state_as_primary(model, replica, optimizer=True)  # rank 0's restored weights and optimizer state
+    if replica.is_primary:
+        return start
+    stand_in = Checkpoint(chosen["epoch"], chosen["step"], 0, 0, 0, [], extra={"history": chosen["history"]})
+    return start_of(stand_in)  # the metric states stay on rank 0 (``restore_metrics``)
+
+
+def _choice(path: str | None, start: Start, failure: Exception | None) -> str:
+    """Rank 0's choice, as JSON: the checkpoint (or none), its place, and the History so far."""
+    history = {name: [np.asarray(value).tolist() for value in values] for name, values in start.history.items()}
+    failure_text = None if failure is None else f"{type(failure).__name__}: {failure}"
+    return json.dumps(
+        {"path": path, "epoch": start.epoch, "step": start.step, "history": history, "failure": failure_text}
+    )
+
+
+def text_from_primary(text: str, replica: Replica) -> str:
+    """Rank 0's ``text`` on every replica (theirs is ignored): its length, then its bytes."""
+    encoded = np.frombuffer(text.encode(), dtype=np.uint8) if replica.is_primary else np.zeros(0, np.uint8)
+    length = torch.tensor([encoded.size], dtype=torch.int64, device=replica.device)
+    dist.broadcast(length, src=0)
+    buffer = torch.zeros(int(length.item()), dtype=torch.uint8, device=replica.device)
+    if replica.is_primary:
+        buffer.copy_(torch.from_numpy(encoded.copy()))
+    dist.broadcast(buffer, src=0)
+    return buffer.cpu().numpy().tobytes().decode()
+
+
+def check_same_start(start: Start, replica: Replica) -> None:
+    """Before the first step: every replica is at the same (epoch, step), or every replica raises."""
+    if not replica.distributed:
+        return
+    mine = torch.tensor([float(start.epoch), float(start.step)], dtype=torch.float64, device=replica.device)
+    places = [tuple(int(v) for v in place.tolist()) for place in all_gather_rows(mine, replica)]
+    if len(set(places)) > 1:
+        described = ", ".join(f"rank {rank}: epoch {epoch}, step {step}" for rank, (epoch, step) in enumerate(places))
+        raise RuntimeError(
+            f"torch_dp: the replicas would start training at different places ({described}), so they would "
+            "train on different data or wait on each other. Resume every process from the same checkpoint: "
+            "pass the same checkpoint_dir and initial_epoch on every process."
+        )
 
 
 def restore_metrics(model: keras.Model, start: Start, replica: Replica) -> None:

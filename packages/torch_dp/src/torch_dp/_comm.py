@@ -34,6 +34,23 @@ class Replica:
         return self.num_replicas > 1
 
 
+# Spawned replicas count the collectives each has entered, in memory they all share: after a
+# collective times out, the replica that entered the fewest is the one the others waited for.
+_entered: Any = None
+_rank = 0
+
+
+def count_collectives_in(entered: Any, rank: int) -> None:
+    """Count this replica's collectives into ``entered[rank]`` (a shared array), or stop counting (None)."""
+    global _entered, _rank
+    _entered, _rank = entered, rank
+
+
+def _entering() -> None:
+    if _entered is not None:
+        _entered[_rank] += 1
+
+
 def started_by_torchrun() -> bool:
     """Whether torchrun (or another env:// launcher) started this process."""
     return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
@@ -61,6 +78,7 @@ def all_reduce_sum(tensors: Sequence[torch.Tensor], replica: Replica) -> list[to
     """Element-wise sums over replicas, as new tensors (inputs are left alone)."""
     if not replica.distributed:
         return list(tensors)
+    _entering()
     return _coalesced(tensors, lambda flat: dist.all_reduce(flat, op=dist.ReduceOp.SUM))
 
 
@@ -68,6 +86,7 @@ def broadcast_from_primary(tensors: Sequence[torch.Tensor], replica: Replica) ->
     """Rank 0's values of ``tensors`` on every replica."""
     if not replica.distributed:
         return list(tensors)
+    _entering()
     return _coalesced(tensors, lambda flat: dist.broadcast(flat, src=0))
 
 
@@ -124,6 +143,7 @@ def broadcast_floats(values: Sequence[float], replica: Replica) -> list[float]:
     if not replica.distributed:
         return [float(value) for value in values]
     buffer = torch.tensor([float(value) for value in values], dtype=torch.float64, device=replica.device)
+    _entering()
     dist.broadcast(buffer, src=0)
     return buffer.cpu().tolist()
 
@@ -133,6 +153,7 @@ def all_gather_rows(tensor: torch.Tensor, replica: Replica) -> list[torch.Tensor
     if not replica.distributed:
         return [tensor]
     parts = [torch.empty_like(tensor) for _ in range(replica.num_replicas)]
+    _entering()
     dist.all_gather(parts, tensor.contiguous())
     return parts
 

@@ -35,7 +35,7 @@ makes the N calls add up to the one ``model.fit`` makes:
 
 Every replica must call each optimizer as often, and in the same order, as the others (the
 same code on equally shaped rows does): a step that applies on some replicas only leaves the
-others waiting at the all-reduce until the trainer's ``timeout``.
+others waiting at the all-reduce until the trainer's ``collective_timeout``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
-"""The one private torch attribute torch-dp reads, with its reason."""
+"""The private torch attributes torch-dp uses, each with its reason."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
+from torch.distributed import distributed_c10d  # pyright: ignore[reportPrivateImportUsage]
 
 
 def version(tensor: torch.Tensor) -> int:
@@ -10,3 +13,11 @@ def version(tensor: torch.Tensor) -> int:
     checks). Keras assigns variables in place, so an unchanged (identity, version) pair means
     an unchanged value: the replica pool skips re-sending a model nobody touched."""
     return tensor._version
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """Bound each later collective of this process's default group by ``seconds``. A group is
+    formed under one timeout (gloo and NCCL wait for their peers' addresses under the group's
+    own), and torch has no public setter for another one after that; ``_set_pg_timeout`` is
+    what ``torch.distributed.breakpoint`` uses to lengthen it."""
+    distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))

@@ -59,7 +59,7 @@ class FitJob:
             custom_steps(model, replica, ("train_step", "test_step")) as custom,
             PreemptionWatch() as notice,
         ):
-            start = resume_from(self.resume_from, model)  # after the policy: the checkpoint's rate wins
+            start = resume_from(self.resume_from, model, replica)  # after the policy: the checkpoint's rate wins
             writer = None
             if self.arguments.checkpoint_dir is not None:
                 writer = CheckpointWriter(

@@ -1,8 +1,9 @@
 """How a call's replicas run, decided once per ``Trainer``: a ``Launcher``.
 
 - ``ThisProcess``: one replica, the caller's own process and model.
-- ``TorchrunProcess``: this process is one of torchrun's (or another ``env://`` launcher's);
-  it joins their group on first use and trains the caller's model as its replica.
+- ``ClusterProcess``: this process is one of those torchrun (or another ``env://`` launcher)
+  or SLURM's ``srun`` started (``_cluster``); it joins their group on first use and trains
+  the caller's model as its replica.
 - ``ReplicaPool`` (``_pool``): this process as rank 0 with N-1 spawned workers, kept
   between calls.
 
@@ -12,20 +13,35 @@ Each answers "run this job" (``run``) and "let go of what you hold" (``close``).
 from __future__ import annotations
 
 import atexit
-import os
 from typing import Any, Protocol, final
 
 import keras
 import torch
 import torch.distributed as dist
 
-from torch_dp._comm import Replica, started_by_torchrun
+from torch_dp._cluster import Cluster, cluster_of
+from torch_dp._comm import Replica
 from torch_dp._jobs import Job
 from torch_dp._pool import ReplicaPool, close_active_pool
-from torch_dp._processes import join_torchrun_group
+from torch_dp._processes import Timeouts, join_cluster_group
 from torch_dp._worker import device_for, run_job
 
 atexit.register(close_active_pool)
+
+
+def make_local_device_current() -> None:
+    """In a process of a cluster, make its own GPU current now: Keras builds variables on the
+    current GPU, and a script may build its model before it creates the Trainer. A malformed
+    environment is left for ``Trainer()`` to report."""
+    try:
+        cluster = cluster_of()
+    except ValueError:
+        return
+    if cluster is not None:
+        device_for(cluster.local_rank)
+
+
+make_local_device_current()  # at `import torch_dp`
 
 
 class Launcher(Protocol):
@@ -57,37 +73,47 @@ class ThisProcess:
 
 
 @final
-class TorchrunProcess:
-    """One of the processes torchrun started; the group is joined at the first call."""
+class ClusterProcess:
+    """One of the processes torchrun or SLURM started; the group is joined at the first call.
 
-    def __init__(self, num_replicas: int | None, *, timeout: float) -> None:
-        world_size = int(os.environ["WORLD_SIZE"])
-        if num_replicas is not None and num_replicas != world_size:
+    Its GPU is made current here (and at ``import torch_dp``), before the caller builds its
+    model, and ``run_job`` checks every variable is on it before the first step."""
+
+    def __init__(self, cluster: Cluster, num_replicas: int | None, *, timeouts: Timeouts) -> None:
+        if num_replicas is not None and num_replicas != cluster.num_processes:
+            how = "--nproc-per-node x nodes" if cluster.launcher == "torchrun" else "--ntasks"
             raise ValueError(
-                f"Trainer(num_replicas={num_replicas}) but torchrun started {world_size} processes; "
-                "pass num_replicas=None (or the same number as --nproc-per-node x nodes)."
+                f"Trainer(num_replicas={num_replicas}) but {cluster.launcher} started {cluster.num_processes} "
+                f"processes; pass num_replicas=None (or the same number as {how})."
             )
-        self.num_replicas = world_size
-        self.timeout = timeout
+        self.cluster = cluster
+        self.num_replicas = cluster.num_processes
+        self.timeouts = timeouts
+        self.device = device_for(cluster.local_rank)
 
     @property
     def replica(self) -> Replica:
-        device = device_for(int(os.environ["LOCAL_RANK"]))
         if not dist.is_initialized():
-            join_torchrun_group("nccl" if device.startswith("cuda") else "gloo", self.timeout)
-        return Replica(dist.get_rank(), self.num_replicas, device)
+            device_for(self.cluster.local_rank)  # current again, in case the caller changed it
+            backend = "nccl" if self.device.startswith("cuda") else "gloo"
+            join_cluster_group(self.cluster, backend, self.timeouts.rendezvous, self.timeouts.collective)
+        return Replica(dist.get_rank(), self.num_replicas, self.device)
 
     def run(self, job: Job, model: keras.Model, model_argument: Any) -> Any:
-        return run_job(model, job, self.replica)
+        return run_job(model, job, self.replica)  # which checks the variables' devices first
 
     def close(self) -> None:
-        pass  # torchrun's group is the job's: it ends with the processes
+        pass  # the launcher's group is the job's: it ends with the processes
 
 
-def choose_launcher(num_replicas: int | None, *, threads: int | None, timeout: float) -> Launcher:
-    """torchrun's processes, this process alone, or spawned replicas: decided here, once."""
-    if started_by_torchrun():
-        return TorchrunProcess(num_replicas, timeout=timeout)
+def choose_launcher(num_replicas: int | None, *, threads: int | None, timeouts: Timeouts) -> Launcher:
+    """A cluster's processes (torchrun, SLURM), this process alone, or spawned replicas: decided here, once.
+
+    Under torchrun the rendezvous is torchrun's own: its ``--rdzv-id`` names the job, and
+    only processes started with the same id join it (there is no token of ours to add)."""
+    cluster = cluster_of()
+    if cluster is not None:
+        return ClusterProcess(cluster, num_replicas, timeouts=timeouts)
     if num_replicas is None:
         if not torch.cuda.is_available():
             raise ValueError(
@@ -99,4 +125,4 @@ def choose_launcher(num_replicas: int | None, *, threads: int | None, timeout: f
         raise ValueError(f"num_replicas must be a positive integer or None, got {num_replicas!r}.")
     if num_replicas == 1:
         return ThisProcess()
-    return ReplicaPool(num_replicas, threads=threads, timeout=timeout)
+    return ReplicaPool(num_replicas, threads=threads, timeouts=timeouts)

@@ -29,7 +29,7 @@ from dp_core.keras import (
     verbosity,
 )
 from torch_dp._batches import EvenBatch, Readable, even_batches, replica_batches, steps_of
-from torch_dp._checkpoints import restore_metrics, save
+from torch_dp._checkpoints import check_same_start, restore_metrics, save
 from torch_dp._comm import Replica, all_reduce_sum, broadcast_floats, same_state_as_primary
 from torch_dp._custom import CustomSteps, optimizers_of
 from torch_dp._steps import global_logs, logs_of, predict_step, test_step, train_step
@@ -108,6 +108,7 @@ def fit_loop(
         model.history.epoch, model.history.history = list(range(start.epoch)), dict(start.history)
     else:
         start = Start(epoch=_initial_epoch(model, arguments.initial_epoch, replica))
+    check_same_start(start, replica)  # rank 0 chose for all (``resume_from``); a last check before any step
     epoch_logs: dict[str, Any] = {}
     for epoch in range(start.epoch, arguments.epochs):
         model.reset_metrics()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import secrets
 import shutil
 import tempfile
 import time
@@ -31,24 +32,31 @@ import cloudpickle
 import keras
 import torch
 import torch.distributed as dist
+from torch.distributed import PrefixStore  # pyright: ignore[reportPrivateImportUsage]
 
 from dp_core import NonFiniteLossError, Preempted
 from torch_dp._batches import SharedArrays
-from torch_dp._comm import Replica
+from torch_dp._comm import Replica, count_collectives_in
 from torch_dp._internals import version
 from torch_dp._jobs import FitJob, Job, for_workers
 from torch_dp._processes import (
+    Timeouts,
     WorkerError,
+    bound_collectives_by,
     environment_variables,
     failure_of,
+    is_stopped,
     loopback_store,
+    silent,
     start_process,
     stop_processes,
+    stopped,
     threads_per_replica,
+    timed_out,
     vanished,
 )
 from torch_dp._transfer import KerasSettings, ship_model
-from torch_dp._worker import Request, build, check_losses, device_for, pool_worker, run_job, trainable_flags
+from torch_dp._worker import Rendezvous, Request, build, check_losses, device_for, pool_worker, run_job, trainable_flags
 
 # Raised in the caller as their own type when a worker raises them.
 DOCUMENTED = (NonFiniteLossError, Preempted)
@@ -66,13 +74,16 @@ class _Worker:
 class ReplicaPool:
     """``num_replicas`` replicas: this process as rank 0 and ``num_replicas - 1`` spawned workers."""
 
-    def __init__(self, num_replicas: int, *, threads: int | None, timeout: float, start_timeout: float = 180.0) -> None:
+    def __init__(
+        self, num_replicas: int, *, threads: int | None, timeouts: Timeouts, start_timeout: float = 180.0
+    ) -> None:
         self.num_replicas = num_replicas
         self.threads = threads or threads_per_replica(num_replicas)
-        self.timeout = timeout
+        self.timeouts = timeouts
         self.start_timeout = start_timeout
         self._workers: list[_Worker] = []
         self._store: Any = None
+        self._entered: Any = None  # collectives each replica entered, shared with the workers
         self._directory: tempfile.TemporaryDirectory[str] | None = None
         self._arrays: SharedArrays | None = None
         self._replica = Replica(0, num_replicas)
@@ -113,10 +124,20 @@ class ReplicaPool:
                 result = run_job(model, job, self._replica, sync=sync)
             self._wait_for_workers()
         except BaseException as error:
-            failure = self._worker_failure(wait_s=2.0 if isinstance(error, RuntimeError) else 0.0)
+            # a stopped replica first: the others' collectives timed out waiting for it, and the
+            # first of them to report would otherwise be blamed
+            failure = self._stopped_worker() or self._worker_failure(
+                wait_s=2.0 if isinstance(error, RuntimeError) else 0.0
+            )
+            if failure is None or _timed_out(failure):  # a complaint about someone else: who fell behind?
+                failure = self._silent_worker() or failure
             self.close(graceful=False)
-            if failure is not None and _is_collective_error(error):
-                raise failure from error  # the worker's failure is the cause; rank 0 only saw a peer vanish
+            if not _is_collective_error(error):
+                raise
+            if failure is not None:  # the cause: rank 0 only saw a peer vanish, or timed out waiting for it
+                raise _explained(failure, self.num_replicas, self.timeouts) from error
+            if timed_out(str(error)):
+                raise _explained(WorkerError(str(error), rank=0), self.num_replicas, self.timeouts) from error
             raise
         self._remember(model, job)
         return result
@@ -135,9 +156,10 @@ class ReplicaPool:
         self._workers = []
         if _active is self:
             _active = None
+            count_collectives_in(None, 0)
             if dist.is_initialized():
                 dist.destroy_process_group()
-        self._store = None
+        self._store, self._entered = None, None
         self._model, self._compiled, self._state = None, (), None
         if self._directory is not None:
             self._directory.cleanup()
@@ -164,15 +186,22 @@ class ReplicaPool:
                 "torch.distributed.destroy_process_group() first, or run under torchrun and pass num_replicas=None."
             )
         self._on_cpu()  # fewer GPUs than replicas: an error before anything starts
-        self._store, port = loopback_store(timeout=self.timeout)
+        self._store, port = loopback_store(timeout=self.timeouts.rendezvous)
+        # the job's own key space on the store: a process without the token (another job, a
+        # stray client on the port) cannot join this group or overwrite its keys
+        token = secrets.token_hex(16)
+        rendezvous = Rendezvous(port, token, self.timeouts)  # sent through the start pipe, never the environment
+        self._entered = torch.multiprocessing.get_context("spawn").RawArray("q", self.num_replicas)
         try:
             for rank in range(1, self.num_replicas):
                 mine, theirs = torch.multiprocessing.get_context("spawn").Pipe()
                 process = start_process(
                     pool_worker,
-                    (rank, self.num_replicas, port, theirs, self.timeout, os.getpid(), self._ensure_directory()),
+                    (rank, self.num_replicas, rendezvous, theirs, os.getpid(), self._ensure_directory(), self._entered),
                     name=f"torch_dp-replica-{rank}",
                     environment=self._environment(),
+                    parent=os.getpid(),
+                    directory=self._ensure_directory(),
                 )
                 theirs.close()
                 self._workers.append(_Worker(process, mine))
@@ -183,11 +212,13 @@ class ReplicaPool:
             with environment_variables(loopback):
                 dist.init_process_group(
                     "gloo" if self._replica.device == "cpu" else "nccl",
-                    store=self._store,
+                    store=PrefixStore(token, self._store),
                     rank=0,
                     world_size=self.num_replicas,
-                    timeout=timedelta(seconds=self.timeout),
+                    timeout=timedelta(seconds=self.timeouts.rendezvous),
                 )
+            bound_collectives_by(self.timeouts.collective)
+            count_collectives_in(self._entered, 0)
             _active = self
         except BaseException:
             self.close(graceful=False)
@@ -196,14 +227,17 @@ class ReplicaPool:
     def _wait_for_workers(self, expect: str = "done", timeout: float | None = None) -> None:
         """Each worker's ``expect`` message; a failure report, or a worker gone, is raised."""
         waiting = {worker.connection: worker for worker in self._workers}
-        deadline = timeout if timeout is not None else self.timeout
+        deadline = timeout if timeout is not None else self.timeouts.collective
         while waiting:
             ready = wait([*waiting, *(w.process.sentinel for w in waiting.values())], timeout=deadline)
             if not ready:
+                silent = self._stopped_worker()
+                if silent is not None:
+                    raise silent
                 ranks = sorted(self._workers.index(worker) + 1 for worker in waiting.values())
                 raise WorkerError(
-                    f"torch_dp replicas {ranks} did not answer within {deadline:.0f} s (stopped, or stuck). "
-                    "Raise Trainer(timeout=...) if a step or a callback legitimately takes longer.",
+                    f"torch_dp replicas {ranks} did not answer within {deadline:.0f} s (stuck). "
+                    "Raise Trainer(collective_timeout=...) if a step legitimately takes longer.",
                     rank=ranks[0],
                 )
             for worker in [w for w in waiting.values() if w.connection in ready]:
@@ -236,6 +270,25 @@ class ReplicaPool:
             if worker.process.exitcode not in (0, None):
                 return vanished(self._workers.index(worker) + 1, self.num_replicas, worker.process.exitcode)
         return None
+
+    def _stopped_worker(self) -> WorkerError | None:
+        """The error naming a worker that is stopped (SIGSTOP, a debugger, Ctrl-Z), if one is."""
+        for rank, worker in enumerate(self._workers, start=1):
+            if worker.process.pid is not None and is_stopped(worker.process.pid):
+                return stopped(rank, self.num_replicas, worker.process.pid, self.timeouts.collective)
+        return None
+
+    def _silent_worker(self) -> WorkerError | None:
+        """The error naming the worker that entered the fewest collectives, when the others are
+        ahead of it (rank 0 behind is the caller's own slowness: named by the others' reports)."""
+        if self._entered is None:
+            return None
+        entered = list(self._entered)
+        behind = [rank for rank, count in enumerate(entered) if count == min(entered)]
+        if min(entered) == max(entered) or 0 in behind:
+            return None
+        pid = self._workers[behind[0] - 1].process.pid
+        return silent(behind[0], self.num_replicas, pid, entered, self.timeouts.collective)
 
     def _holds(self, model: keras.Model) -> bool:
         """Whether the workers hold this model, compiled as it is now."""
@@ -340,6 +393,25 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # another user's process holds that pid now
         return True
     return True
+
+
+def _timed_out(failure: BaseException) -> bool:
+    return isinstance(failure, WorkerError) and timed_out(f"{failure}\n{failure.worker_traceback}")
+
+
+def _explained(failure: BaseException, num_replicas: int, timeouts: Timeouts) -> BaseException:
+    """A replica's failure; when it is a collective's timeout, said in the trainer's words."""
+    if not isinstance(failure, WorkerError) or not _timed_out(failure):
+        return failure
+    return WorkerError(
+        f"torch_dp replica {failure.rank} of {num_replicas} waited more than "
+        f"collective_timeout={timeouts.collective:g} s in a collective for another replica, and gave up. "
+        "Another replica was busy that long (rank 0 alone in a callback or writing a checkpoint), stuck, "
+        "or stopped. If that wait is legitimate, raise "
+        f"Trainer(collective_timeout=...).\n{failure}",
+        rank=failure.rank,
+        worker_traceback=failure.worker_traceback,
+    )
 
 
 def _is_collective_error(error: BaseException) -> bool:

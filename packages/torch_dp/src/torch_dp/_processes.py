@@ -7,9 +7,13 @@ ports, threads and failures, nothing about Keras.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import math
 import os
+import re
 import shutil
+import signal
 import socket
 import sys
 import threading
@@ -17,7 +21,9 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing import resource_tracker, spawn
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -25,6 +31,9 @@ import cloudpickle
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed import PrefixStore, TCPStore  # pyright: ignore[reportPrivateImportUsage]
+
+from torch_dp._cluster import Cluster
+from torch_dp._internals import set_collective_timeout
 
 
 class WorkerError(RuntimeError):
@@ -34,6 +43,46 @@ class WorkerError(RuntimeError):
         super().__init__(message)
         self.rank = rank
         self.worker_traceback = worker_traceback
+
+
+RENDEZVOUS_TIMEOUT = 60.0
+COLLECTIVE_TIMEOUT = 1800.0  # torch's own default for a process group
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds the replicas wait for each other: to form their group (``rendezvous``), and in
+    one collective for the slowest replica (``collective``: rank 0 alone writing a checkpoint
+    or running a callback makes the others wait that long)."""
+
+    rendezvous: float = RENDEZVOUS_TIMEOUT
+    collective: float = COLLECTIVE_TIMEOUT
+
+    @staticmethod
+    def of(timeout: float | None, *, rendezvous: float | None, collective: float | None) -> Timeouts:
+        """``timeout`` sets both; ``rendezvous``/``collective``, when given, win over it."""
+        for name, value in (
+            ("timeout", timeout),
+            ("rendezvous_timeout", rendezvous),
+            ("collective_timeout", collective),
+        ):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf
+            ):
+                raise ValueError(
+                    f"{name} must be a positive number of seconds, got {value!r}. Pass None for the default "
+                    f"(rendezvous_timeout={RENDEZVOUS_TIMEOUT:.0f}, collective_timeout={COLLECTIVE_TIMEOUT:.0f})."
+                )
+        return Timeouts(
+            float(next(value for value in (rendezvous, timeout, RENDEZVOUS_TIMEOUT) if value is not None)),
+            float(next(value for value in (collective, timeout, COLLECTIVE_TIMEOUT) if value is not None)),
+        )
+
+
+def bound_collectives_by(seconds: float) -> None:
+    """From now on, bound each collective of this process's group by ``seconds``: the group is
+    formed under the rendezvous timeout, then given its collective one."""
+    set_collective_timeout(seconds)
 
 
 def bind_loopback(first_choice: int = 0) -> socket.socket:
@@ -84,42 +133,48 @@ def loopback_store(*, timeout: float) -> tuple[Any, int]:
     return store, port
 
 
-def join_torchrun_group(backend: str, timeout: float) -> None:
-    """Join torchrun's group through its store, under a prefix per restart attempt.
+def join_cluster_group(cluster: Cluster, backend: str, timeout: float, collective_timeout: float | None = None) -> None:
+    """Join the group of a cluster's processes (torchrun's, SLURM's) through the store at its
+    address, under a prefix per restart attempt. ``timeout`` bounds the rendezvous,
+    ``collective_timeout`` each collective after it.
 
-    After a restart (``--max-restarts``) the store on MASTER_PORT can still hold the
+    After a torchrun restart (``--max-restarts``) the store on MASTER_PORT can still hold the
     previous attempt's keys, among them the addresses of dead processes; a prefix with
     torchrun's restart count keeps each attempt to its own keys.
     """
-    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    # torchrun's agent serves the store; a launcher without one leaves that to rank 0
-    agent_serves = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    # torchrun's agent serves the store; SLURM (or a launcher without an agent) leaves that to rank 0
+    agent_serves = cluster.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     try:
         store = TCPStore(
-            address,
-            port,
-            world_size,
-            is_master=rank == 0 and not agent_serves,
+            cluster.address,
+            cluster.port,
+            cluster.num_processes,
+            is_master=cluster.is_primary and not agent_serves,
             timeout=timedelta(seconds=timeout),
             multi_tenant=True,
         )
     except dist.DistNetworkError as error:
         if "EADDRINUSE" not in str(error) and "address already in use" not in str(error).lower():
             raise
+        if cluster.launcher == "torchrun":
+            where = f"MASTER_ADDR:MASTER_PORT={cluster.address}:{cluster.port}"
+            how = "`torchrun --master-port <free port> ...` (or `--standalone` on one host, which picks one)"
+        else:
+            where = f"{cluster.address}:{cluster.port} (rank 0's host, and a port from SLURM_JOB_ID or MASTER_PORT)"
+            how = "`export MASTER_PORT=<free port>` before `srun` (the same for every task)"
         raise RuntimeError(
-            f"torch_dp could not start the rendezvous on MASTER_ADDR:MASTER_PORT={address}:{port}: the port is "
-            "already in use (another job, or a previous run still ending). Pass a free port, e.g. "
-            "`torchrun --master-port <free port> ...` (or `--standalone` on one host, which picks one)."
+            f"torch_dp could not start the rendezvous on {where}: the port is already in use (another job, or a "
+            f"previous run still ending). Pass a free port, e.g. {how}."
         ) from error
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     dist.init_process_group(
         backend,
-        store=PrefixStore(f"torch_dp/attempt_{attempt}", store),
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout),
+        store=PrefixStore(f"torch_dp/attempt_{cluster.attempt}", store),
+        rank=cluster.rank,
+        world_size=cluster.num_processes,
+        timeout=timedelta(seconds=timeout),  # the group forms under it: gloo and NCCL wait for peers under it
     )
+    if collective_timeout is not None:
+        bound_collectives_by(collective_timeout)
 
 
 def available_cores() -> int:
@@ -153,7 +208,22 @@ def exit_with_parent(parent: int, leftovers: str | None = None) -> None:
     """End this worker when the caller (process ``parent``, passed in rather than read here, where
     it may already have changed) dies: no orphans after a SIGKILL, or a notebook kernel that ends
     without running ``atexit``. The worker given ``leftovers`` removes that directory (the caller's
-    shared files) on its way out, as the caller would have."""
+    shared files) on its way out, as the caller would have.
+
+    Two ways, for what each misses: Linux's parent-death signal (SIGHUP, set by the launcher
+    before Python starts) covers the seconds of start-up, and the watching thread a main
+    thread blocked in a collective (a Python handler waits for it) and other systems. A
+    SIGHUP while the caller lives (the thread that started this process ended) is ignored."""
+
+    def hang_up(signum: int, frame: Any) -> None:
+        if os.getppid() != parent:
+            caller_gone(leftovers)
+
+    signal.signal(signal.SIGHUP, hang_up)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, int(signal.SIGHUP))  # 1: PR_SET_PDEATHSIG, kept from the launcher if set there
+    if os.getppid() != parent:  # gone before the signal was set
+        caller_gone(leftovers)
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -196,23 +266,121 @@ def report_failure(
     os._exit(1)
 
 
-def start_process(target: Callable[..., Any], args: tuple[Any, ...], *, name: str, environment: dict[str, str]) -> Any:
+def start_process(
+    target: Callable[..., Any],
+    args: tuple[Any, ...],
+    *,
+    name: str,
+    environment: dict[str, str],
+    parent: int | None = None,
+    directory: str | None = None,
+) -> Any:
     """A spawned (not forked: fork breaks CUDA and threads) daemon process running ``target(*args)``;
-    ``environment`` is set while it starts. Daemonic: the interpreter ends it at exit."""
+    ``environment`` is set while it starts. Daemonic: the interpreter ends it at exit.
+
+    With ``parent`` (this process's pid) and ``directory`` (where a launcher file may go), the
+    process also ends when this one dies, from its first instant: see ``_ends_with_parent``."""
     context = mp.get_context("spawn")
-    with environment_variables(environment):
+    with environment_variables(environment), _ends_with_parent(parent, directory):
         process = context.Process(target=target, args=args, name=name, daemon=True)
         process.start()
     return process
 
 
+# Run by the interpreter in place of Python itself: it asks Linux for SIGHUP when the caller
+# dies (a death signal outlives exec), checks the caller is still there, then becomes Python.
+# A spawned replica spends seconds importing before any of its own code runs; this covers them.
+_LAUNCHER = """#!{python} -S
+import ctypes, os, signal, sys
+signal.signal(signal.SIGHUP, signal.SIG_DFL)  # a caller under nohup passes SIGHUP on as ignored
+if ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGHUP)) != 0:  # 1: PR_SET_PDEATHSIG
+    sys.exit(f"torch_dp: prctl(PR_SET_PDEATHSIG) failed: {{os.strerror(ctypes.get_errno())}}")
+if os.getppid() != {parent}:  # the caller died before the death signal was set
+    os._exit(1)
+os.execv({python!r}, [{python!r}, *sys.argv[1:]])
+"""
+
+
+@contextlib.contextmanager
+def _ends_with_parent(parent: int | None, directory: str | None) -> Iterator[None]:
+    """Processes spawned in the block start through a launcher that gives them Linux's
+    parent-death signal (SIGHUP) before Python even starts, so a caller SIGKILLed while they
+    import leaves no orphan. Elsewhere (not Linux, an interpreter path a ``#!`` line cannot
+    hold, a temporary directory mounted noexec) they start as usual, and watch their parent
+    once their own code runs."""
+    python = spawn.get_executable()
+    python = os.fsdecode(python) if python is not None else sys.executable
+    if parent is None or directory is None or not _launcher_runs(python, directory):
+        yield
+        return
+    launcher = os.path.join(directory, f"start_replica_{parent}")
+    if not os.path.exists(launcher):
+        with open(launcher, "w") as f:
+            f.write(_LAUNCHER.format(python=python, parent=parent))
+        os.chmod(launcher, 0o700)
+    resource_tracker.ensure_running()  # multiprocessing's own helper starts as usual, not through the launcher
+    spawn.set_executable(launcher)
+    try:
+        yield
+    finally:
+        spawn.set_executable(python)
+
+
+def _launcher_runs(python: str, directory: str) -> bool:
+    """Whether a ``#!`` launcher for ``python`` written into ``directory`` can run."""
+    if not sys.platform.startswith("linux") or len(python) > 100 or any(c.isspace() for c in python):
+        return False  # a #! line holds 127 characters on older kernels, and no spaces
+    try:
+        return not os.statvfs(directory).f_flag & os.ST_NOEXEC
+    except OSError:
+        return False
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, Ctrl-Z, a debugger): Linux's /proc state T or t."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def stopped(rank: int, num_replicas: int, pid: int, collective_timeout: float) -> WorkerError:
+    """The error for a worker that is stopped, and so stopped responding."""
+    return WorkerError(
+        f"torch_dp replica {rank} of {num_replicas} (pid {pid}) is stopped (SIGSTOP, Ctrl-Z or a debugger) and "
+        f"stopped responding: the other replicas waited collective_timeout={collective_timeout:g} s for it. "
+        "It was ended with the others; resume a stopped replica (SIGCONT) within collective_timeout.",
+        rank=rank,
+    )
+
+
+def silent(rank: int, num_replicas: int, pid: int, entered: list[int], collective_timeout: float) -> WorkerError:
+    """The error for a worker that fell behind the others' collectives and stayed there."""
+    return WorkerError(
+        f"torch_dp replica {rank} of {num_replicas} (pid {pid}) stopped responding: it entered {entered[rank]} "
+        f"collectives while others entered {max(entered)}, and they waited collective_timeout="
+        f"{collective_timeout:g} s for it (a deadlock, an endless loop in a dataset or a step). It was ended with "
+        "the others; if it was legitimately busy that long, raise Trainer(collective_timeout=...).",
+        rank=rank,
+    )
+
+
+def timed_out(text: str) -> bool:
+    """Whether a collective's error (gloo's, NCCL's watchdog) says it timed out."""
+    return re.search(r"timed out|collective operation timeout", text, re.IGNORECASE) is not None
+
+
 def stop_processes(processes: list[Any], grace_period: float) -> None:
-    """Wait ``grace_period`` seconds for ``processes`` to end, then terminate, then kill them."""
+    """Wait ``grace_period`` seconds for ``processes`` to end, then terminate, then kill them.
+    A stopped process acts on nothing but SIGKILL: it is killed at once."""
     deadline = time.monotonic() + grace_period
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
     for process in processes:
-        if process.is_alive():
+        if process.is_alive() and is_stopped(process.pid):
+            process.kill()
+        elif process.is_alive():
             process.terminate()
     for process in processes:
         process.join(5.0)

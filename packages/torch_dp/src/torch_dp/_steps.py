@@ -136,6 +136,12 @@ def train_step(
 
     ``preempt`` (this replica got a preemption notice) rides on it always: when any replica
     sends it, every replica undoes this step, so all stop at the same step boundary.
+
+    The host reads one device value per step, once the all-reduce is done: a few floats (the
+    summed loss is finite, anyone preempted, rank 0's decisions) that decide whether the update
+    is applied. It cannot wait for the logs: a skipped or stopped step must leave the weights
+    and the optimizer untouched on every replica, and Keras's optimizer cannot be told on the
+    device to leave a step out. Everything else (logs, metrics) stays on the device until read.
     """
     before = _state_to_undo(model)
     with replica_losses(model, _replica_rows(batch, replica)):  # activity regularizers run in the forward pass
@@ -164,17 +170,18 @@ def train_step(
     gradients = [torch.zeros_like(v.value) if g is None else g for v, g in zip(trainable, local, strict=True)]
     summed = all_reduce_sum([*gradients, local_loss, *states, *decisions], replica)
     summed_gradients, (summed_loss, preempted) = summed[: len(gradients)], summed[len(gradients)]
-    if preempted.item():
+    finite, anyone_preempted, *decided = _read_on_host(summed_loss, preempted, summed[-1] if decisions else None)
+    if anyone_preempted:
         _undo(model, before)
         return Trained(False, preempted=True)
-    if decisions:
-        stopped, learning_rate = summed[-1].tolist()
+    if decided:
+        stopped, learning_rate = decided
         if stopped:
             _undo(model, before)
             return Trained(False, stopped=True)
         if rate is not None and not replica.is_primary:
             rate.assign(learning_rate)
-    if not bool(torch.isfinite(summed_loss)):
+    if not finite:
         _undo(model, before)
         return Trained(False)
     if trainable:
@@ -189,8 +196,18 @@ def train_step(
     return Trained(True, metric_sums=summed[len(gradients) + 1 : -1])
 
 
+def _read_on_host(summed_loss: torch.Tensor, preempted: torch.Tensor, decisions: torch.Tensor | None) -> list[float]:
+    """``[loss is finite, preempted, *decisions]`` in one device-to-host read (one wait for the
+    device per step, not one per value)."""
+    values = [torch.isfinite(summed_loss).to(torch.float32).reshape(1), preempted.reshape(1)]
+    if decisions is not None:
+        values.append(decisions)
+    return torch.cat(values).tolist()
+
+
 def _flag(value: bool, replica: Replica) -> torch.Tensor:
-    return torch.tensor([float(value)], dtype=torch.float32, device=replica.device)
+    # filled on the device: torch.tensor(..., device="cuda") would copy from the host and wait
+    return torch.full((1,), float(value), dtype=torch.float32, device=replica.device)
 
 
 def _learning_rate_variable(model: keras.Model) -> keras.Variable | None:
@@ -199,11 +216,15 @@ def _learning_rate_variable(model: keras.Model) -> keras.Variable | None:
 
 
 def _decisions(rate: keras.Variable | None, replica: Replica, stop: bool) -> torch.Tensor:
-    """Rank 0's ``[stop, learning rate]`` (zeros elsewhere: summed, rank 0's), in the gradients' dtype."""
+    """Rank 0's ``[stop, learning rate]`` (zeros elsewhere: summed, rank 0's), in the gradients'
+    dtype, built on the device (reading the rate would wait for the device)."""
+    decisions = torch.zeros(2, dtype=torch.float32, device=replica.device)
     if not replica.is_primary:
-        return torch.zeros(2, dtype=torch.float32, device=replica.device)
-    value = 0.0 if rate is None else float(rate.value.item())
-    return torch.tensor([float(stop), value], dtype=torch.float32, device=replica.device)
+        return decisions
+    decisions[0] = float(stop)
+    if rate is not None:
+        decisions[1] = rate.value.detach().reshape(())  # a copy on the device, rounded to float32
+    return decisions
 
 
 def _state_to_undo(model: keras.Model) -> list[tuple[keras.Variable, torch.Tensor]]:

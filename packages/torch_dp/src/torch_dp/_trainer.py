@@ -26,9 +26,11 @@ from dp_core.keras import (
     resolve_model,
     resumable_checkpoint,
 )
+from torch_dp._cluster import is_primary_process
 from torch_dp._custom import optimizers_of, overrides
 from torch_dp._jobs import EvaluateJob, FitJob, PredictJob
 from torch_dp._launch import Launcher, choose_launcher
+from torch_dp._processes import Timeouts
 
 
 @final
@@ -41,9 +43,14 @@ class Trainer:
     ``num_replicas=None`` uses every GPU, or torchrun's world size when torchrun started
     this process; on a CPU-only host give a number. ``batch_norm="global"`` computes
     BatchNormalization statistics over the whole global batch, ``"per_replica"`` over
-    each replica's rows. ``timeout`` (seconds) bounds every collective, so a replica
-    stuck or gone stops the others (a replica that dies is noticed sooner: the caller
-    watches its processes). ``on_nonfinite_loss="stop"`` raises at the first step whose
+    each replica's rows. ``rendezvous_timeout`` (seconds, default 60) bounds how long
+    the processes wait for each other to form their group; ``collective_timeout`` (default
+    1800, torch's own) how long one collective waits for the slowest replica, so rank 0
+    alone writing a checkpoint or running a slow callback never ends a run, while a replica
+    stuck or stopped ends it after that long, named in the error. A replica that dies is
+    noticed at once, whatever the timeouts: the caller watches its processes. ``timeout``
+    sets both at once (one value bounded both before they were separate); a specific
+    one passed with it wins. ``on_nonfinite_loss="stop"`` raises at the first step whose
     loss is NaN or infinite on any replica, naming its epoch and step; ``"skip"`` leaves
     that step's update out on every replica and continues.
 
@@ -57,7 +64,9 @@ class Trainer:
     on your own objects) and the other replicas are worker processes started at the first
     call and kept for the next ones, so a later ``fit``, ``evaluate`` or ``predict`` starts
     at once. ``close()``, or ``with torch_dp.Trainer(...) as trainer:``, stops them; so do
-    the end of the interpreter and another Trainer starting its own.
+    the end of the interpreter and another Trainer starting its own. They form their group
+    under a random token of their own, so no other job can join it; under torchrun the
+    rendezvous is torchrun's (its ``--rdzv-id`` names the job).
     """
 
     def __init__(
@@ -66,17 +75,20 @@ class Trainer:
         *,
         batch_norm: BatchNormMode = "global",
         threads_per_replica: int | None = None,
-        timeout: float = 60.0,
+        timeout: float | None = None,
+        rendezvous_timeout: float | None = None,
+        collective_timeout: float | None = None,
         log_every_steps: int = 10,
         on_nonfinite_loss: NonFiniteLoss = "stop",
     ) -> None:
         self.batch_norm: BatchNormMode = check_batch_norm_mode(batch_norm)
         self.on_nonfinite_loss: NonFiniteLoss = check_nonfinite_mode(on_nonfinite_loss)
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}.")
-        self.timeout = timeout
+        timeouts = Timeouts.of(timeout, rendezvous=rendezvous_timeout, collective=collective_timeout)
+        self.rendezvous_timeout = timeouts.rendezvous
+        self.collective_timeout = timeouts.collective
+        self.timeout = timeouts.rendezvous  # for code that reads it: 60 s by default, or what timeout= set
         self.log_every_steps = log_every_steps
-        self._launcher: Launcher = choose_launcher(num_replicas, threads=threads_per_replica, timeout=timeout)
+        self._launcher: Launcher = choose_launcher(num_replicas, threads=threads_per_replica, timeouts=timeouts)
 
     @property
     def num_replicas(self) -> int:
@@ -164,7 +176,8 @@ class Trainer:
             keras_model.optimizer, global_batch_size=global_batch_size, lr_scaling=lr_scaling, warmup_steps=warmup_steps
         )
         resume = None
-        if arguments.checkpoint_dir is not None:  # chosen and checked here, so a bad one fails before any worker starts
+        # chosen and checked here, so a bad one fails before any worker starts; in a cluster, by rank 0 for all
+        if arguments.checkpoint_dir is not None and is_primary_process():
             build_model(keras_model, inputs)
             found = resumable_checkpoint(
                 arguments.checkpoint_dir, keras_model, seed=seed, global_batch_size=global_batch_size, shuffle=shuffle

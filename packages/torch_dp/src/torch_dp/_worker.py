@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
@@ -18,14 +18,15 @@ import cloudpickle
 import keras
 import torch
 import torch.distributed as dist
-from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]
+from torch.distributed import PrefixStore, TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
 from dp_core.keras import Inputs, build_model, check_losses_split, internals
 from torch_dp._batches import Readable
-from torch_dp._comm import Replica, check_same_variables, same_state_as_primary
+from torch_dp._comm import Replica, check_same_variables, count_collectives_in, same_state_as_primary
 from torch_dp._custom import overrides
 from torch_dp._jobs import EvaluateJob, FitJob, Job, PredictJob, opened
-from torch_dp._processes import caller_gone, exit_with_parent, report_failure
+from torch_dp._placement import check_placement
+from torch_dp._processes import Timeouts, bound_collectives_by, caller_gone, exit_with_parent, report_failure
 from torch_dp._transfer import KerasSettings, ModelSource, receive_model
 
 
@@ -61,6 +62,7 @@ def run_job(model: keras.Model, job: Job, replica: Replica, *, sync: bool = True
     state (a persistent worker whose model already equals rank 0's skips it)."""
     build(model, job)
     check_losses(model, job, replica.num_replicas)
+    check_placement(model, replica)  # a collective: every replica stops if one's variables are elsewhere
     if replica.distributed and sync:  # the same start on every replica, whatever built the model
         check_same_variables(model, replica, optimizer=isinstance(job, FitJob))
         same_state_as_primary(model, replica, optimizer=isinstance(job, FitJob))
@@ -97,17 +99,30 @@ def device_for(local_rank: int) -> str:
     return "cpu"
 
 
-def join_group(rank: int, num_replicas: int, *, port: int, timeout: float) -> Replica:
-    """Join the group through the store the caller serves on 127.0.0.1:``port``."""
+@dataclass(frozen=True)
+class Rendezvous:
+    """How a worker joins the caller's group: the store's port on 127.0.0.1, the job's token
+    (the group's keys live under it, so no other job or stray client can join), and the timeouts."""
+
+    port: int
+    token: str = field(repr=False)
+    timeouts: Timeouts
+
+
+def join_group(rank: int, num_replicas: int, rendezvous: Rendezvous) -> Replica:
+    """Join the group through the store the caller serves, under the job's token."""
     device = device_for(rank)
-    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout))
+    store = TCPStore(
+        "127.0.0.1", rendezvous.port, is_master=False, timeout=timedelta(seconds=rendezvous.timeouts.rendezvous)
+    )
     dist.init_process_group(
         "nccl" if device.startswith("cuda") else "gloo",
-        store=store,
+        store=PrefixStore(rendezvous.token, store),
         rank=rank,
         world_size=num_replicas,
-        timeout=timedelta(seconds=timeout),
+        timeout=timedelta(seconds=rendezvous.timeouts.rendezvous),
     )
+    bound_collectives_by(rendezvous.timeouts.collective)
     return Replica(rank, num_replicas, device)
 
 
@@ -125,7 +140,13 @@ class Request:
 
 
 def pool_worker(
-    rank: int, num_replicas: int, port: int, connection: Connection, timeout: float, parent: int, directory: str
+    rank: int,
+    num_replicas: int,
+    rendezvous: Rendezvous,
+    connection: Connection,
+    parent: int,
+    directory: str,
+    entered: Any,
 ) -> None:
     """A worker replica (rank >= 1): joins the group, then runs each call the caller sends until
     told to stop. A failure is reported to the caller with its traceback, then the process ends
@@ -139,7 +160,8 @@ def pool_worker(
     try:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         connection.send(("ready",))
-        replica = join_group(rank, num_replicas, port=port, timeout=timeout)
+        replica = join_group(rank, num_replicas, rendezvous)
+        count_collectives_in(entered, rank)  # shared with the caller, which reads it when one falls silent
         model: keras.Model | None = None
         while (message := connection.recv_bytes()) != b"":
             request: Request = cloudpickle.loads(message)
