@@ -1,6 +1,7 @@
 """Every session a user or CI runs. Bare ``nox`` runs the tests of every package and
 backend, the cross-backend suite under the oldest and newest Keras allowed, the Keras parity
-matrix, lint, typecheck, a wheel build of every package and the example notebooks."""
+matrix, torch-dp inside Ray Train, lint, typecheck, a wheel build of every package and the
+example notebooks."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ nox.options.sessions = [
     "tests_jax",
     "conformance",
     "parity",
+    "ray",
     "lint",
     "typecheck",
     "build",
@@ -199,7 +201,7 @@ def conformance(session: nox.Session, keras: str) -> None:
     version = "import jax, keras; print('keras', keras.__version__, 'on jax', jax.__version__)"
     session.run("python", "-c", version, env={"KERAS_BACKEND": "jax"})
     session.env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={JAX_HOST_DEVICES}"
-    session.run("pytest", "tests", "--ignore=tests/parity", *session.posargs)
+    session.run("pytest", "tests", "--ignore=tests/parity", "--ignore=tests/ray", *session.posargs)
     session.run("pytest", f"{CORE}/tests/keras", *session.posargs, env={"KERAS_BACKEND": "jax"})
 
 
@@ -321,6 +323,16 @@ def gpu(session: nox.Session) -> None:
     _install_torch(session)
     session.install("-e", CORE, "-e", TORCH_DP, "-e", JAX_DP, "jax[cuda12]")
     session.run("python", "benchmarks/gpu_check.py", *session.posargs)
+
+
+@nox.session(python="3.11")
+def ray(session: nox.Session) -> None:
+    """torch-dp inside Ray Train: a local Ray cluster of 2 CPU workers runs ``torch_dp.Trainer().fit`` in
+    the process group Ray formed, compared with ``model.fit`` on one process (docs/multi-host.md)."""
+    _install_torch(session)
+    session.install("-e", CORE, "-e", TORCH_DP, "ray[train]", *TEST_TOOLS)
+    session.env["KERAS_BACKEND"] = "torch"
+    session.run("pytest", "tests/ray", *session.posargs)
 
 
 @nox.session(python="3.11")

@@ -128,7 +128,7 @@ finally:
 """
 
 
-def test_a_latecomer_gets_a_clear_error_and_the_running_job_finishes_right(tmp_path, one_process_of_four):
+def test_a_latecomer_gets_a_clear_error_and_the_running_job_finishes_right(tmp_path, one_process_of_four, record_property):
     # A third process claims to be process 1 of a job on the running job's address: registering
     # with jax's coordinator as task 1 would abort the job; it must stop on its own instead.
     port, go = free_port(), tmp_path / "go"
@@ -157,6 +157,7 @@ def test_a_latecomer_gets_a_clear_error_and_the_running_job_finishes_right(tmp_p
     took = float(finished.stdout.split("TOOK ")[1])
     print(f"the latecomer stopped {took:.2f} s after calling jax_dp.initialize")
     assert took < ANSWER_BOUND_S, finished.stdout
+    record_property("fault_seconds", took)
 
 
 def test_processes_given_different_job_ids_are_refused_at_start_up():

@@ -55,10 +55,14 @@ def test_torchrun_variables_are_torchruns_group():
     assert cluster_of({**TORCHRUN, "TORCHELASTIC_RESTART_COUNT": "2"}) == Cluster(
         "torchrun", rank=5, num_processes=8, local_rank=1, address="node01", port=29500, attempt="2"
     )
+    assert cluster_of(TORCHRUN).keys == "torch_dp/attempt_0"  # torchrun's default --rdzv-id is "none"
+    assert cluster_of({**TORCHRUN, "TORCHELASTIC_RUN_ID": "exp7"}).keys == "torch_dp/exp7/attempt_0"
 
 
 def test_srun_tasks_meet_at_the_first_host_of_the_step_on_the_job_id_port():
-    assert cluster_of(SLURM) == Cluster("slurm", rank=6, num_processes=8, local_rank=2, address="gpu07", port=62016)
+    expected = Cluster("slurm", rank=6, num_processes=8, local_rank=2, address="gpu07", port=62016, job="123456")
+    assert cluster_of(SLURM) == expected and expected.keys == "torch_dp/123456/attempt_0"
+    assert cluster_of({**SLURM, "SLURM_STEP_ID": "3"}).keys == "torch_dp/123456.3/attempt_0"  # another step, other keys
     # without the step's list, the job's; MASTER_ADDR/MASTER_PORT, when set, win
     without_step = {name: value for name, value in SLURM.items() if name != "SLURM_STEP_NODELIST"}
     assert cluster_of(without_step).address == "gpu01"

@@ -32,6 +32,13 @@ class Cluster:
     port: int
     # torchrun's restart count (--max-restarts): each attempt meets under its own keys
     attempt: str = "0"
+    # the scheduler's id of this job: a process of another job on the same port meets under other keys
+    job: str = ""
+
+    @property
+    def keys(self) -> str:
+        """The prefix of this group's keys in the rendezvous store."""
+        return f"torch_dp/{self.job}/attempt_{self.attempt}" if self.job else f"torch_dp/attempt_{self.attempt}"
 
     @property
     def is_primary(self) -> bool:
@@ -50,6 +57,7 @@ def cluster_of(environment: Mapping[str, str] | None = None) -> Cluster | None:
             address=environment["MASTER_ADDR"],
             port=_integer(environment, "MASTER_PORT"),
             attempt=environment.get("TORCHELASTIC_RESTART_COUNT", "0"),
+            job="" if environment.get("TORCHELASTIC_RUN_ID", "none") == "none" else environment["TORCHELASTIC_RUN_ID"],
         )
     if "RANK" in environment or "WORLD_SIZE" in environment:
         return None  # a launcher of its own sets torch's variables; SLURM's describe the allocation only
@@ -62,6 +70,8 @@ def cluster_of(environment: Mapping[str, str] | None = None) -> Cluster | None:
         local_rank=_integer(environment, "SLURM_LOCALID"),
         address=environment.get("MASTER_ADDR") or _slurm_first_host(environment),
         port=_integer(environment, "MASTER_PORT") if environment.get("MASTER_PORT") else _slurm_port(environment),
+        # two steps of one allocation are two jobs
+        job=".".join(environment[name] for name in ("SLURM_JOB_ID", "SLURM_STEP_ID") if environment.get(name)),
     )
 
 

@@ -135,12 +135,13 @@ def loopback_store(*, timeout: float) -> tuple[Any, int]:
 
 def join_cluster_group(cluster: Cluster, backend: str, timeout: float, collective_timeout: float | None = None) -> None:
     """Join the group of a cluster's processes (torchrun's, SLURM's) through the store at its
-    address, under a prefix per restart attempt. ``timeout`` bounds the rendezvous,
+    address, under a prefix per job and restart attempt. ``timeout`` bounds the rendezvous,
     ``collective_timeout`` each collective after it.
 
     After a torchrun restart (``--max-restarts``) the store on MASTER_PORT can still hold the
     previous attempt's keys, among them the addresses of dead processes; a prefix with
-    torchrun's restart count keeps each attempt to its own keys.
+    torchrun's restart count keeps each attempt to its own keys; the scheduler's job id keeps a
+    process of another job that reached the same port from pairing with this job's.
     """
     # torchrun's agent serves the store; SLURM (or a launcher without an agent) leaves that to rank 0
     agent_serves = cluster.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -168,7 +169,7 @@ def join_cluster_group(cluster: Cluster, backend: str, timeout: float, collectiv
         ) from error
     dist.init_process_group(
         backend,
-        store=PrefixStore(f"torch_dp/attempt_{cluster.attempt}", store),
+        store=PrefixStore(cluster.keys, store),
         rank=cluster.rank,
         world_size=cluster.num_processes,
         timeout=timedelta(seconds=timeout),  # the group forms under it: gloo and NCCL wait for peers under it
