@@ -128,7 +128,9 @@ finally:
 """
 
 
-def test_a_latecomer_gets_a_clear_error_and_the_running_job_finishes_right(tmp_path, one_process_of_four, record_property):
+def test_a_latecomer_gets_a_clear_error_and_the_running_job_finishes_right(
+    tmp_path, one_process_of_four, record_property
+):
     # A third process claims to be process 1 of a job on the running job's address: registering
     # with jax's coordinator as task 1 would abort the job; it must stop on its own instead.
     port, go = free_port(), tmp_path / "go"
