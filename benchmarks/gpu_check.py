@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import page_sections  # this folder is on the path when the script runs
+
 SECTION_HEADING = "## GPU check"
 NO_GPU_EXIT = 1
 GLOBAL_BATCH_SIZE = 128
@@ -82,18 +84,12 @@ def compare_weights(name: str, weights: list[Any], expected: list[Any], toleranc
 
 def section_of(page: str) -> str | None:
     """The page's "GPU check" section (heading to the next ``## `` heading), or None."""
-    match = re.search(rf"^{re.escape(SECTION_HEADING)}\n.*?(?=^## |\Z)", page, flags=re.M | re.S)
-    return match.group(0) if match else None
+    return page_sections.section_of(page, SECTION_HEADING)
 
 
 def with_section(page: str, section: str) -> str:
     """``page`` with its "GPU check" section replaced by ``section`` (added at the end if absent)."""
-    section = section.rstrip("\n") + "\n"
-    old = section_of(page)
-    if old is None:
-        return page.rstrip("\n") + "\n\n" + section
-    following = "\n" if page.index(old) + len(old) < len(page) else ""
-    return page.replace(old, section + following, 1)
+    return page_sections.with_section(page, SECTION_HEADING, section)
 
 
 def render_section(report: dict[str, Any]) -> str:

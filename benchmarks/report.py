@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import gpu_check  # this folder is on the path when the script runs
+import page_sections
 
 THROUGHPUT_TARGETS = {("torch", "ddp_loop"): 0.95, ("jax", "guide_loop"): 1.0, ("jax", "keras_data_parallel"): 1.0}
 SCALING_TARGET = 0.9
@@ -30,6 +31,13 @@ EVALUATE_PREDICT_AFTER_FIT_S = {"torch": 1.0}
 SECOND_FIT_FIRST_STEP_S = {"torch": 1.0, "jax": 0.3}
 BATCH_CALLBACK_RATIO = 0.95
 BACKENDS = ("torch", "jax")
+# written by their own scripts (benchmarks/page_sections.py), kept when this page is rewritten
+KEPT_SECTIONS = (
+    "## Gradient accumulation",
+    "## Scaling report",
+    "## Synchronized BatchNorm",
+    "## Model parallel: memory per device",
+)
 # What the per-step timers of a Trainer's loop with a batch callback leave out.
 REST_OF_LOOP = {
     "torch": "is the loop's other per-step work and the rounds' noise, not broken down further",
@@ -573,8 +581,13 @@ def main() -> None:
         *interactive_shortfalls(interactive),
     ]
     text = "\n".join(lines) + "\n"
-    # the GPU check's section is written by benchmarks/gpu_check.py on another machine: kept as it is
-    kept = gpu_check.section_of(args.output.read_text()) if args.output.exists() else None
+    # sections that their own scripts write (the GPU check on another machine): kept as they are
+    previous = args.output.read_text() if args.output.exists() else ""
+    for heading in KEPT_SECTIONS:
+        kept = page_sections.section_of(previous, heading)
+        if kept is not None:
+            text = page_sections.with_section(text, heading, kept)
+    kept = gpu_check.section_of(previous)
     text = gpu_check.with_section(text, kept or gpu_check.NOT_RUN.format(heading=gpu_check.SECTION_HEADING))
     args.output.write_text(text.replace("](benchmarks/", f"]({images.as_posix()}/"))
     print(f"wrote {args.output}, {args.results / 'throughput.png'} and {args.results / 'scaling.png'}")

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "gpu_check.py"
+sys.path.insert(0, str(SCRIPT.parent))  # its sibling modules, as when it runs as a script
 _spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
 assert _spec is not None and _spec.loader is not None
 gpu_check = importlib.util.module_from_spec(_spec)
