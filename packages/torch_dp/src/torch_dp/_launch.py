@@ -97,6 +97,7 @@ class ClusterProcess:
             device_for(self.cluster.local_rank)  # current again, in case the caller changed it
             backend = "nccl" if self.device.startswith("cuda") else "gloo"
             join_cluster_group(self.cluster, backend, self.timeouts.rendezvous, self.timeouts.collective)
+            atexit.register(_leave_group)
         return Replica(dist.get_rank(), self.num_replicas, self.device)
 
     def run(self, job: Job, model: keras.Model, model_argument: Any) -> Any:
@@ -104,6 +105,14 @@ class ClusterProcess:
 
     def close(self) -> None:
         pass  # the launcher's group is the job's: it ends with the processes
+
+
+def _leave_group() -> None:
+    """Destroy the group this process joined before the interpreter shuts down, as torch asks: a
+    gloo group left to the C++ runtime's teardown at exit can abort the process (SIGABRT, "terminate
+    called without an active exception") after its work is done, which torchrun counts as a failure."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def choose_launcher(num_replicas: int | None, *, threads: int | None, timeouts: Timeouts) -> Launcher:
