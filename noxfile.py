@@ -98,6 +98,7 @@ nox.options.error_on_missing_interpreters = _in_ci()
 # session that installs torch pins it first and constrains it afterwards.
 TORCH = "torch==2.13.0"
 TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3"]
+REPORT = "matplotlib>=3.8"  # dp-core[report]: the scaling report's plot, which the tests check
 CORE = "packages/core"
 TORCH_DP = "packages/torch_dp"
 JAX_DP = "packages/jax_dp"
@@ -141,7 +142,7 @@ def tests_core(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def tests_core_keras(session: nox.Session) -> None:
     """dp_core.keras, the Keras layer both backends share, with jax as Keras's backend."""
-    session.install("-e", f"{CORE}[keras]", "jax", *TEST_TOOLS)
+    session.install("-e", f"{CORE}[keras]", "jax", REPORT, *TEST_TOOLS)
     session.env["KERAS_BACKEND"] = "jax"
     session.run("pytest", f"{CORE}/tests/keras", "--doctest-modules", f"{CORE}/src/dp_core/keras", *session.posargs)
 
@@ -150,7 +151,7 @@ def tests_core_keras(session: nox.Session) -> None:
 def tests_torch(session: nox.Session) -> None:
     """torch-dp on the CPU wheel, 2-process gloo runs included."""
     _install_torch(session)
-    session.install("-e", CORE, "-e", TORCH_DP, *TEST_TOOLS)
+    session.install("-e", CORE, "-e", TORCH_DP, REPORT, *TEST_TOOLS)
     session.env["KERAS_BACKEND"] = "torch"
     session.run("pytest", "packages/torch_dp/tests", *session.posargs)
 
@@ -159,7 +160,7 @@ def tests_torch(session: nox.Session) -> None:
 def tests_jax(session: nox.Session) -> None:
     """jax-dp on forced host devices, 2-process jax.distributed runs included (on 3.11; on 3.12 the
     single-process tests, the same code under another interpreter, keep the default run short)."""
-    session.install("-e", CORE, "-e", JAX_DP, *TEST_TOOLS)
+    session.install("-e", CORE, "-e", JAX_DP, REPORT, *TEST_TOOLS)
     _jax_env(session)
     selection = ["-m", "not multiprocess"] if session.python == "3.12" and not session.posargs else []
     session.run("pytest", "packages/jax_dp/tests", *selection, *session.posargs)
@@ -195,7 +196,7 @@ def conformance(session: nox.Session, keras: str) -> None:
     attribute fails here first (``-s "conformance(keras='oldest')"`` for one)."""
     allowed = _keras_range()
     pinned = f"keras=={_oldest_keras(allowed)}" if keras == "oldest" else f"keras{allowed}"
-    _install_everything(session, pinned, *TEST_TOOLS)
+    _install_everything(session, pinned, REPORT, *TEST_TOOLS)
     if keras == "newest":
         # A reused venv keeps the Keras it was made with until told to upgrade.
         session.install("--upgrade", pinned)

@@ -31,6 +31,17 @@ from dp_core._nonfinite import NonFiniteLossError as NonFiniteLossError
 from dp_core._options import BatchNormMode as BatchNormMode
 from dp_core._preemption import Preempted as Preempted
 from dp_core._preemption import PreemptionWatch as PreemptionWatch
+from dp_core._scaling import ESTIMATED_FROM_PARTS as ESTIMATED_FROM_PARTS
+from dp_core._scaling import SCALING_PHASES as SCALING_PHASES
+from dp_core._scaling import Phase as Phase
+from dp_core._scaling import ScalingReport as ScalingReport
+from dp_core._scaling import StepTimer as StepTimer
+from dp_core._scaling import all_reduce_bound as all_reduce_bound
+from dp_core._scaling import bus_bandwidth as bus_bandwidth
+from dp_core._scaling import read_scaling_reports as read_scaling_reports
+from dp_core._scaling import scaling_report_folder as scaling_report_folder
+from dp_core._scaling import scaling_summary as scaling_summary
+from dp_core._scaling import write_scaling_report as write_scaling_report
 from dp_core._split import Shard as Shard
 from dp_core._split import epoch_order as epoch_order
 from dp_core._split import num_steps as num_steps
@@ -42,6 +53,8 @@ from dp_core._trainer import Verbose as Verbose
 __version__ = _version("dp-core")
 
 __all__ = [
+    "ESTIMATED_FROM_PARTS",
+    "SCALING_PHASES",
     "BatchNormMode",
     "Checkpoint",
     "CheckpointError",
@@ -52,14 +65,19 @@ __all__ = [
     "ModelFactory",
     "NonFiniteLoss",
     "NonFiniteLossError",
+    "Phase",
     "Preempted",
     "PreemptionWatch",
     "ReplicaLayout",
+    "ScalingReport",
     "Schedule",
     "Shard",
+    "StepTimer",
     "Trainer",
     "Verbose",
     "Warmup",
+    "all_reduce_bound",
+    "bus_bandwidth",
     "check_compatible",
     "epoch_order",
     "latest_checkpoint",
@@ -69,9 +87,13 @@ __all__ = [
     "load_checkpoint",
     "num_steps",
     "per_replica_batch_size",
+    "read_scaling_reports",
     "save_checkpoint",
     "scale_learning_rate",
+    "scaling_report_folder",
+    "scaling_summary",
     "schedule_from_config",
     "split_indices",
     "sqrt_scaling",
+    "write_scaling_report",
 ]

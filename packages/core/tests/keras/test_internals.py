@@ -151,3 +151,16 @@ def test_added_losses_and_generator_read_ahead():
 
     adapter_reads = keras.src.trainers.data_adapters.generator_data_adapter.GeneratorDataAdapter(generator())
     assert internals.generator_batches_read_ahead() == len(adapter_reads._first_batches) == 2
+
+
+def test_gradient_accumulation_state():
+    variable = keras.Variable(np.zeros(2, "float32"))
+    optimizer = keras.optimizers.SGD(1.0, gradient_accumulation_steps=2, use_ema=True)
+    optimizer.apply([keras.ops.convert_to_tensor(np.array([1.0, 2.0], "float32"))], [variable])
+    assert int(keras.ops.convert_to_numpy(internals.apply_count(optimizer))) == 1
+    assert int(keras.ops.convert_to_numpy(optimizer.iterations)) == 0  # one step into a window of 2
+    (accumulator,) = internals.gradient_accumulators(optimizer)
+    assert internals.gradient_accumulator(optimizer, variable) is accumulator
+    assert keras.ops.convert_to_numpy(accumulator).tolist() == [1.0, 2.0]
+    assert len(internals.moving_averages(optimizer)) == 1
+    assert internals.moving_averages(keras.optimizers.SGD()) == []

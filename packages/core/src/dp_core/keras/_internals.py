@@ -202,3 +202,27 @@ def override(obj: Any, name: str, replacement: Any) -> Callable[[], None]:
             object.__delattr__(obj, name)
 
     return restore
+
+
+def apply_count(optimizer: keras.optimizers.Optimizer) -> keras.Variable:
+    """How many times ``apply`` ran: with ``gradient_accumulation_steps`` the public
+    ``iterations`` is this divided by the steps, and Keras updates on the calls where it
+    reaches a multiple of them (a trainer that accumulates between replicas must know which)."""
+    return optimizer._iterations
+
+
+def gradient_accumulators(optimizer: keras.optimizers.Optimizer) -> list[keras.Variable]:
+    """The sums of the gradients ``apply`` has seen since the last update, one per variable
+    the optimizer was built on (``gradient_accumulation_steps``; no public name)."""
+    return list(optimizer._accumulated_gradients)
+
+
+def gradient_accumulator(optimizer: keras.optimizers.Optimizer, variable: keras.Variable) -> keras.Variable:
+    """``variable``'s gradient sum (the optimizer's own index: a model whose layers were
+    frozen since the optimizer was built trains a subset of its variables)."""
+    return optimizer._accumulated_gradients[optimizer._get_variable_index(variable)]
+
+
+def moving_averages(optimizer: keras.optimizers.Optimizer) -> list[keras.Variable]:
+    """The weights' moving averages of an optimizer with ``use_ema``, updated by every ``apply``."""
+    return list(optimizer._model_variables_moving_average) if optimizer.use_ema else []

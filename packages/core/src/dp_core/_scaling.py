@@ -1,0 +1,325 @@
+"""The scaling report: where a data-parallel step's time goes, and how it compares with one replica.
+
+Both backends record the same phases per training step (``StepTimer``) and hand the totals
+to ``ScalingReport``; ``write_scaling_report`` keeps one entry per replica count in a folder
+(``scaling_report.json``, and ``scaling_report.png`` where matplotlib is installed) and returns
+the one line the trainer prints. numpy and the standard library only; matplotlib is imported
+when a plot is drawn (``pip install dp-core[report]``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+SCALING_PHASES = ("input", "forward_backward", "all_reduce", "optimizer", "callbacks")
+MEASURED = "measured"
+ESTIMATED_FROM_PARTS = "estimated from separately timed parts"
+DEFAULT_FOLDER = "scaling-report"
+JSON_NAME = "scaling_report.json"
+PNG_NAME = "scaling_report.png"
+FORMAT = "dp-core scaling report"
+FORMAT_VERSION = 1
+WARMUP_STEPS = 1  # the first step of a fit compiles (jax) or allocates (torch): not counted
+
+
+def scaling_report_folder(profile: bool | str | os.PathLike[str]) -> Path | None:
+    """Where ``Trainer(profile=...)`` writes: ``True`` is ``./scaling-report``, a path is itself,
+    ``False`` (or None) is no report."""
+    if profile is None or profile is False:
+        return None
+    if profile is True:
+        return Path.cwd() / DEFAULT_FOLDER
+    if isinstance(profile, str | os.PathLike):
+        return Path(profile).absolute()  # a replica started elsewhere writes to the same folder
+    raise TypeError(
+        f"profile must be True, False or a folder path, got {profile!r} ({type(profile).__name__}); "
+        f"e.g. Trainer(profile=True) writes into ./{DEFAULT_FOLDER}, Trainer(profile='runs/report') there."
+    )
+
+
+class StepTimer:
+    """Host time per training step, split into phases by ``lap(phase)``: each lap adds the time
+    since the previous one to ``phase``, so the phases of a step tile it. ``start()`` begins a run
+    of steps (an epoch), ``end_step()`` closes a step and records its wall time on its own clock.
+
+    >>> timer = StepTimer()
+    >>> timer.start(); timer.lap("input"); timer.lap("forward_backward"); timer.end_step()
+    >>> timer.steps
+    1
+    """
+
+    def __init__(self, sync: Any = None) -> None:
+        self._sync = sync  # waits for the device before a lap (CUDA, jax), or None
+        self.per_step: list[dict[str, float]] = []
+        self.walls: list[float] = []
+        self._current: dict[str, float] = {}
+        self._mark = 0.0
+        self._step_start = 0.0
+
+    @property
+    def steps(self) -> int:
+        return len(self.walls)
+
+    def start(self) -> None:
+        self._mark = self._step_start = time.perf_counter()
+        self._current = {}
+
+    def lap(self, phase: str, *, sync: bool = False) -> None:
+        if sync and self._sync is not None:
+            self._sync()
+        now = time.perf_counter()
+        self._current[phase] = self._current.get(phase, 0.0) + now - self._mark
+        self._mark = now
+
+    def note(self, name: str, seconds: float) -> None:
+        """Adds ``seconds`` to ``name`` in this step without a lap: time that overlaps the phases
+        (an all-reduce in flight during the backward pass)."""
+        self._current[name] = self._current.get(name, 0.0) + seconds
+
+    def end_step(self) -> None:
+        now = time.perf_counter()
+        self.per_step.append(self._current)
+        self.walls.append(now - self._step_start)
+        self._current = {}
+        self._mark = self._step_start = now
+
+    def counted(self, phases: Sequence[str] = SCALING_PHASES) -> tuple[dict[str, float], float, int]:
+        """Mean seconds per step of each of ``phases``, mean step wall time, and the steps counted
+        (the first ``WARMUP_STEPS`` left out when there are more)."""
+        skip = WARMUP_STEPS if self.steps > WARMUP_STEPS else 0
+        steps = self.per_step[skip:]
+        if not steps:
+            return dict.fromkeys(phases, 0.0), 0.0, 0
+        means = {phase: sum(step.get(phase, 0.0) for step in steps) / len(steps) for phase in phases}
+        return means, sum(self.walls[skip:]) / len(steps), len(steps)
+
+
+@dataclass
+class Phase:
+    """Mean seconds per step in one phase, and how it was obtained (``MEASURED`` or ``ESTIMATED_FROM_PARTS``)."""
+
+    seconds: float
+    how: str = MEASURED
+
+
+@dataclass
+class ScalingReport:
+    """One fit's scaling report (one replica count). ``phases`` are mean seconds per step; their sum
+    is close to ``step_seconds``, the measured wall time per step. ``link_bytes_per_second`` is the
+    bandwidth a timed all-reduce of a few MB reached (bus bandwidth: bytes x 2(N-1)/N per second);
+    ``straggler_spread_seconds`` how much longer the slowest replica computed per step than the
+    fastest (None where not applicable: ``straggler_note`` says why). ``overlapped_seconds``: per
+    step, how long gradient all-reduces started during the backward pass were in flight before it
+    ended (None: the gradients were summed after backward); the ``all_reduce`` phase is then the
+    wait after backward only."""
+
+    backend: str
+    num_replicas: int
+    model: str
+    parameters: int
+    global_batch_size: int
+    steps: int
+    step_seconds: float
+    phases: dict[str, Phase]
+    gradient_bytes: int
+    link_bytes_per_second: float | None = None
+    overlapped_seconds: float | None = None
+    straggler_spread_seconds: float | None = None
+    straggler_note: str = ""
+    per_replica_compute_seconds: list[float] | None = None
+    speedup: float | None = None
+    speedup_how: str = ""
+    architecture: str = ""  # ``architecture_of`` the model: what makes two reports the same model
+    created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.global_batch_size / self.step_seconds if self.step_seconds > 0 else 0.0
+
+    @property
+    def all_reduce_bound_seconds(self) -> float | None:
+        return all_reduce_bound(self.gradient_bytes, self.num_replicas, self.link_bytes_per_second)
+
+    def share(self, phase: str) -> float:
+        """The phase's share of a step (0..1)."""
+        return self.phases[phase].seconds / self.step_seconds if self.step_seconds > 0 else 0.0
+
+    def same_run_as(self, other: ScalingReport) -> bool:
+        """Whether ``other`` trained the same model on the same global batch (its speedup baseline)."""
+        return (self.architecture, self.parameters, self.global_batch_size) == (
+            other.architecture,
+            other.parameters,
+            other.global_batch_size,
+        )
+
+    @staticmethod
+    def architecture_of(model_class: str, weight_shapes: Sequence[Sequence[int]]) -> str:
+        """A short digest of a model's class and weight shapes (its name changes with every instance)."""
+        text = model_class + ";" + ";".join(",".join(str(int(n)) for n in shape) for shape in weight_shapes)
+        return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+    def to_json(self) -> dict[str, Any]:
+        entry = asdict(self)
+        entry["phases"] = {name: asdict(phase) for name, phase in self.phases.items()}
+        entry["samples_per_second"] = self.samples_per_second
+        entry["all_reduce_bound_seconds"] = self.all_reduce_bound_seconds
+        return entry
+
+    @classmethod
+    def from_json(cls, entry: Mapping[str, Any]) -> ScalingReport:
+        names = set(cls.__dataclass_fields__)
+        values = {key: value for key, value in entry.items() if key in names}
+        values["phases"] = {name: Phase(**phase) for name, phase in entry["phases"].items()}
+        return cls(**values)
+
+
+def all_reduce_bound(gradient_bytes: int, num_replicas: int, link_bytes_per_second: float | None) -> float | None:
+    """The least time a ring all-reduce of ``gradient_bytes`` can take: each replica sends and
+    receives ``2(N-1)/N`` of the bytes over a link of the measured bandwidth. 0 for one replica,
+    None when no bandwidth was measured.
+
+    >>> all_reduce_bound(100_000_000, 2, 10e9)
+    0.01
+    """
+    if num_replicas <= 1:
+        return 0.0
+    if not link_bytes_per_second:
+        return None
+    return gradient_bytes * 2 * (num_replicas - 1) / num_replicas / link_bytes_per_second
+
+
+def bus_bandwidth(message_bytes: int, num_replicas: int, seconds: float) -> float | None:
+    """The link bandwidth an all-reduce of ``message_bytes`` taking ``seconds`` shows (the
+    bytes each replica moves, ``2(N-1)/N`` of the message, per second); None for one replica."""
+    if num_replicas <= 1 or seconds <= 0:
+        return None
+    return message_bytes * 2 * (num_replicas - 1) / num_replicas / seconds
+
+
+def estimated_speedup(report: ScalingReport) -> float:
+    """One replica's step time estimated from this report's compute phases (its forward+backward
+    done N times over, the rest once), over the measured step: no communication, no stragglers."""
+    compute = report.phases["forward_backward"].seconds * report.num_replicas
+    rest = sum(report.phases[name].seconds for name in ("input", "optimizer", "callbacks"))
+    return (compute + rest) / report.step_seconds if report.step_seconds > 0 else 0.0
+
+
+def with_speedup(report: ScalingReport, baseline: ScalingReport | None) -> ScalingReport:
+    """``report`` with its speedup over one replica: measured against ``baseline`` (a 1-replica
+    report of the same model and global batch), else estimated (``estimated_speedup``)."""
+    if report.num_replicas == 1:
+        report.speedup, report.speedup_how = 1.0, MEASURED
+    elif baseline is not None and baseline.num_replicas == 1 and report.same_run_as(baseline):
+        report.speedup = baseline.step_seconds / report.step_seconds if report.step_seconds > 0 else 0.0
+        report.speedup_how = MEASURED
+    else:
+        report.speedup = estimated_speedup(report)
+        report.speedup_how = "estimated from compute phases (no 1-replica report of this model in the folder)"
+    return report
+
+
+def scaling_summary(report: ScalingReport) -> str:
+    """The one line a fit prints, e.g. ``2 replicas: 1.82x one replica (measured), all-reduce 7% of
+    a step (bound 2%), input 3%``."""
+    replicas = f"{report.num_replicas} replica{'s' if report.num_replicas != 1 else ''}"
+    how = "measured" if report.speedup_how == MEASURED else "estimated: compute phases only"
+    speedup = f"{report.speedup or 0.0:.2f}x one replica ({how})"
+    all_reduce = f"all-reduce {report.share('all_reduce'):.0%} of a step"
+    notes = [] if report.phases["all_reduce"].how == MEASURED else ["estimated"]
+    bound = report.all_reduce_bound_seconds
+    if report.num_replicas > 1 and bound is not None and report.step_seconds > 0:
+        notes.append(f"bound {bound / report.step_seconds:.0%}")
+    if report.overlapped_seconds:  # in flight during backward, besides the wait after it (the phase)
+        hidden = report.overlapped_seconds / (report.overlapped_seconds + report.phases["all_reduce"].seconds)
+        notes.append(f"{hidden:.0%} of it during backward")
+    if notes:
+        all_reduce += f" ({'; '.join(notes)})"
+    return f"{replicas}: {speedup}, {all_reduce}, input {report.share('input'):.0%}"
+
+
+def read_scaling_reports(folder: str | os.PathLike[str]) -> dict[int, ScalingReport]:
+    """The reports in ``folder``'s ``scaling_report.json`` by replica count (empty when none)."""
+    path = Path(folder) / JSON_NAME
+    if not path.exists():
+        return {}
+    document = json.loads(path.read_text())
+    if document.get("format") != FORMAT:
+        raise ValueError(
+            f"{path} is not a scaling report (its 'format' is {document.get('format')!r}, expected {FORMAT!r}); "
+            "pass Trainer(profile=...) another folder, or remove the file."
+        )
+    return {int(count): ScalingReport.from_json(entry) for count, entry in document["reports"].items()}
+
+
+def write_scaling_report(report: ScalingReport, folder: str | os.PathLike[str]) -> tuple[ScalingReport, str]:
+    """Add ``report`` to ``folder`` (replacing its replica count's entry; entries of another model or
+    global batch are dropped: a folder describes one run), write the JSON and the PNG, and return the
+    report with its speedup and the one-line summary. Without matplotlib the line says so."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    reports = {count: old for count, old in read_scaling_reports(folder).items() if old.same_run_as(report)}
+    report = with_speedup(report, reports.get(1))
+    reports[report.num_replicas] = report
+    document = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "phases": list(SCALING_PHASES),
+        "reports": {str(count): reports[count].to_json() for count in sorted(reports)},
+    }
+    temporary = folder / (JSON_NAME + ".tmp")
+    temporary.write_text(json.dumps(document, indent=2) + "\n")
+    os.replace(temporary, folder / JSON_NAME)
+    line = scaling_summary(report)
+    try:
+        plot_scaling_reports(list(reports.values()), folder / PNG_NAME)
+    except ImportError:
+        line += f" (no plot: pip install 'dp-core[report]' for {PNG_NAME}; the JSON is written)"
+    return report, line
+
+
+def plot_scaling_reports(reports: Sequence[ScalingReport], path: str | os.PathLike[str]) -> None:
+    """Stacked bars of each replica count's step time by phase; next to them samples/s against
+    replica count when there are several. Raises ImportError without matplotlib."""
+    import matplotlib  # pyright: ignore[reportMissingImports]  (optional: dp-core[report])
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt  # pyright: ignore[reportMissingImports]
+
+    reports = sorted(reports, key=lambda r: r.num_replicas)
+    several = len(reports) > 1
+    figure, axes = plt.subplots(1, 2 if several else 1, figsize=(10 if several else 5.5, 4), squeeze=False)
+    bars = axes[0][0]
+    labels = [str(r.num_replicas) for r in reports]
+    bottoms = [0.0] * len(reports)
+    for phase in SCALING_PHASES:
+        heights = [r.phases[phase].seconds * 1000 for r in reports]
+        estimated = any(r.phases[phase].how != MEASURED for r in reports)
+        name = phase.replace("_", " ") + (" (estimated)" if estimated else "")
+        bars.bar(labels, heights, bottom=bottoms, label=name)
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    bars.set_xlabel("replicas")
+    bars.set_ylabel("ms per step")
+    bars.set_title(f"{reports[-1].backend}: {reports[-1].model}, global batch {reports[-1].global_batch_size}")
+    bars.legend(fontsize=8)
+    if several:
+        rate = axes[0][1]
+        counts = [r.num_replicas for r in reports]
+        rate.plot(counts, [r.samples_per_second for r in reports], marker="o", label="measured")
+        if reports[0].num_replicas == 1:
+            ideal = [reports[0].samples_per_second * n for n in counts]
+            rate.plot(counts, ideal, linestyle="--", color="grey", label="linear")
+        rate.set_xticks(counts)
+        rate.set_xlabel("replicas")
+        rate.set_ylabel("samples/s")
+        rate.set_title("throughput")
+        rate.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)

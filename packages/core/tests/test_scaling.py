@@ -1,0 +1,137 @@
+"""The scaling report's pure logic: the bound, the speedup, the one line, the JSON, the folder."""
+
+import json
+import sys
+import time
+
+import pytest
+
+import dp_core
+from dp_core import ESTIMATED_FROM_PARTS, SCALING_PHASES, Phase, ScalingReport, StepTimer
+
+
+def _report(num_replicas=2, step_ms=100.0, *, input_ms=3.0, all_reduce_ms=7.0, model="convnet", batch=64, **extra):
+    rest = step_ms - input_ms - all_reduce_ms
+    phases = {
+        "input": Phase(input_ms / 1000),
+        "forward_backward": Phase(rest * 0.8 / 1000),
+        "all_reduce": Phase(all_reduce_ms / 1000),
+        "optimizer": Phase(rest * 0.15 / 1000),
+        "callbacks": Phase(rest * 0.05 / 1000),
+    }
+    fields = dict(
+        backend="torch",
+        num_replicas=num_replicas,
+        model=model,
+        parameters=1000,
+        global_batch_size=batch,
+        steps=10,
+        step_seconds=step_ms / 1000,
+        phases=phases,
+        gradient_bytes=4000,
+        link_bytes_per_second=1e6,
+    )
+    fields.update(extra)
+    return ScalingReport(**fields)
+
+
+def test_all_reduce_bound_is_ring_bytes_over_bandwidth():
+    # 2(N-1)/N of the bytes cross each link: N=4 moves 1.5x the gradient
+    assert dp_core.all_reduce_bound(1_000_000, 4, 1e9) == pytest.approx(1.5e-3)
+    assert dp_core.all_reduce_bound(1_000_000, 1, 1e9) == 0.0
+    assert dp_core.all_reduce_bound(1_000_000, 2, None) is None
+    # the probe's bandwidth and the bound are inverses: an all-reduce of the probe's size takes the probe's time
+    bandwidth = dp_core.bus_bandwidth(4_000_000, 8, 0.02)
+    assert dp_core.all_reduce_bound(4_000_000, 8, bandwidth) == pytest.approx(0.02)
+    assert dp_core.bus_bandwidth(4_000_000, 1, 0.02) is None
+
+
+def test_summary_line_says_measured_or_estimated():
+    report = _report(speedup=1.82, speedup_how="measured")
+    line = dp_core.scaling_summary(report)
+    # bound: 4000 bytes x 2(1)/2 / 1e6 B/s = 4 ms of a 100 ms step
+    assert line == "2 replicas: 1.82x one replica (measured), all-reduce 7% of a step (bound 4%), input 3%"
+    report = _report(speedup=1.9, speedup_how="estimated from compute phases")
+    report.phases["all_reduce"].how = ESTIMATED_FROM_PARTS
+    line = dp_core.scaling_summary(report)
+    assert line.startswith("2 replicas: 1.90x one replica (estimated: compute phases only), all-reduce 7% of a step")
+    assert line.endswith("all-reduce 7% of a step (estimated; bound 4%), input 3%")
+    # gradients all-reduced in buckets during backward: 21 ms in flight then, 7 ms waited for after
+    bucketed = _report(speedup=1.82, speedup_how="measured", overlapped_seconds=0.021)
+    assert dp_core.scaling_summary(bucketed).endswith("(bound 4%; 75% of it during backward), input 3%")
+    single = dp_core.scaling_summary(_report(1, speedup=1.0, speedup_how="measured", all_reduce_ms=0.0))
+    assert single == "1 replica: 1.00x one replica (measured), all-reduce 0% of a step, input 3%"
+
+
+def test_folder_keeps_one_entry_per_replica_count_and_measures_against_one_replica(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # the JSON does not need matplotlib
+    two, line = dp_core.write_scaling_report(_report(2, 60.0), tmp_path)
+    assert "estimated: compute phases only" in line and "no plot: pip install 'dp-core[report]'" in line
+    # estimate: forward+backward done twice (each replica did half the rows), the rest once, over the step
+    phases = two.phases
+    expected = 2 * phases["forward_backward"].seconds + sum(
+        phases[p].seconds for p in ("input", "optimizer", "callbacks")
+    )
+    assert two.speedup == pytest.approx(expected / 0.06)
+    dp_core.write_scaling_report(_report(1, 100.0, all_reduce_ms=0.0), tmp_path)
+    two, line = dp_core.write_scaling_report(_report(2, 55.0), tmp_path)  # replaces the first 2-replica entry
+    assert two.speedup == pytest.approx(100 / 55) and "(measured)" in line
+    document = json.loads((tmp_path / "scaling_report.json").read_text())
+    assert document["format"] == "dp-core scaling report" and document["version"] == 1
+    assert document["phases"] == list(SCALING_PHASES)
+    assert sorted(document["reports"]) == ["1", "2"]
+    entry = document["reports"]["2"]
+    assert entry["step_seconds"] == pytest.approx(0.055)
+    assert entry["samples_per_second"] == pytest.approx(64 / 0.055)
+    assert entry["all_reduce_bound_seconds"] == pytest.approx(0.004)
+    assert entry["speedup_how"] == "measured"
+    for name in SCALING_PHASES:
+        assert isinstance(entry["phases"][name]["seconds"], float) and entry["phases"][name]["how"] == "measured"
+    for key, kind in [("num_replicas", int), ("steps", int), ("gradient_bytes", int), ("backend", str)]:
+        assert isinstance(entry[key], kind)
+    assert dp_core.read_scaling_reports(tmp_path)[2].step_seconds == pytest.approx(0.055)
+    # another model in the same folder starts over: its 1-replica baseline is not this one's
+    _, line = dp_core.write_scaling_report(_report(2, 50.0, architecture="resnet"), tmp_path)
+    assert sorted(dp_core.read_scaling_reports(tmp_path)) == [2] and "estimated" in line
+
+
+def test_without_matplotlib_the_json_is_written_and_the_line_says_how_to_plot(tmp_path, monkeypatch):
+    # dp-core alone has no matplotlib; the backends' test_profile.py check the PNG where it is installed
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    _, line = dp_core.write_scaling_report(_report(2, 55.0), tmp_path)
+    assert "no plot: pip install 'dp-core[report]'" in line
+    assert sorted(dp_core.read_scaling_reports(tmp_path)) == [2]
+    assert not (tmp_path / "scaling_report.png").exists()
+
+
+def test_a_folder_holding_another_file_is_a_clear_error(tmp_path):
+    (tmp_path / "scaling_report.json").write_text(json.dumps({"format": "something else"}))
+    with pytest.raises(ValueError, match="is not a scaling report"):
+        dp_core.write_scaling_report(_report(), tmp_path)
+
+
+def test_profile_argument_names_the_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert dp_core.scaling_report_folder(True) == tmp_path / "scaling-report"
+    assert dp_core.scaling_report_folder("runs/report") == tmp_path / "runs" / "report"
+    assert dp_core.scaling_report_folder(False) is None
+    with pytest.raises(TypeError, match=r"profile must be True, False or a folder path, got 3"):
+        dp_core.scaling_report_folder(3)  # type: ignore[arg-type]
+
+
+def test_step_timer_laps_tile_each_step_and_skip_the_first():
+    timer = StepTimer()
+    timer.start()
+    for pause in (0.05, 0.01, 0.01):  # the first step (compile, allocation) is not counted
+        time.sleep(pause)
+        timer.lap("input")
+        time.sleep(0.01)
+        timer.lap("forward_backward")
+        timer.lap("all_reduce")
+        timer.end_step()
+    phases, step_seconds, steps = timer.counted()
+    assert steps == 2 and set(phases) == set(SCALING_PHASES)
+    assert phases["input"] == pytest.approx(0.01, abs=0.008)
+    assert sum(phases.values()) == pytest.approx(step_seconds, rel=0.05)
+    assert step_seconds < 0.04  # the 50 ms first step is left out
+    assert phases["optimizer"] == 0.0  # a phase a step never lapped
