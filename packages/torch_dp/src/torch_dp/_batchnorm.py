@@ -5,6 +5,11 @@ that DDP would never broadcast. Here each BN layer's ``_moments`` is replaced, o
 layer instance, by one that drops padded rows and (by default) sums the statistics
 over replicas with the autograd-aware all-reduce, so the gradient through the batch
 mean and variance is the single-device one too.
+
+On a batch with nothing to leave out (no padded row, no Keras mask), float32 channels-last
+inputs are normalized by ``_fused_batchnorm`` instead: the same statistics and gradients in
+one autograd step, as ``torch.nn.SyncBatchNorm`` computes them, with one all-reduce forward
+and one backward.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch.distributed as dist
 
 from dp_core import BatchNormMode
 from dp_core.keras import check_batch_norm_mode, internals
+from torch_dp import _fused_batchnorm
 from torch_dp._comm import Replica
 
 _current = threading.local()
@@ -107,6 +113,19 @@ def _row_weights(inputs: torch.Tensor, keras_mask: Any) -> torch.Tensor | None:
     return weights
 
 
+def _call(
+    layer: Any, keras_call: Any, inputs: Any, training: Any = None, mask: Any = None, *, synchronized: bool
+) -> Any:
+    """Keras's ``call``, or the fused one when no row or position is left out and every replica
+    holds as many rows. Every replica makes the same choice (a padded global batch is masked on
+    all, an uneven one weighs every replica's gradient other than 1), so their collectives match."""
+    left_out = mask is not None or getattr(_current, "mask", None) is not None
+    even = getattr(_current, "weight", 1.0) == 1.0
+    if not left_out and even and _fused_batchnorm.applies(layer, inputs, training):
+        return _fused_batchnorm.batch_norm(layer, inputs, synchronized=synchronized)
+    return keras_call(inputs, training=training, mask=mask)
+
+
 def batch_norm_layers(model: keras.Model) -> list[keras.layers.BatchNormalization]:
     return [layer for layer in internals.flatten_layers(model) if isinstance(layer, keras.layers.BatchNormalization)]
 
@@ -118,10 +137,13 @@ def masked_batch_norm(model: keras.Model, mode: BatchNormMode, replica: Replica)
     trainer may run in a process whose pool holds one)."""
     check_batch_norm_mode(mode)
     synchronized = mode == "global" and replica.distributed
-    restores = [
-        internals.override_batch_norm_moments(layer, functools.partial(_moments, layer, synchronized=synchronized))
-        for layer in batch_norm_layers(model)
-    ]
+    restores = []
+    for layer in batch_norm_layers(model):
+        restores.append(
+            internals.override_batch_norm_moments(layer, functools.partial(_moments, layer, synchronized=synchronized))
+        )
+        call = functools.partial(_call, layer, layer.call, synchronized=synchronized)
+        restores.append(internals.override(layer, "call", call))
     try:
         yield
     finally:

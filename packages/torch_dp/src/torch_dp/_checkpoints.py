@@ -14,6 +14,7 @@ steps would silently train on different data, or wait on each other forever.
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import keras
 import numpy as np
@@ -23,6 +24,9 @@ import torch.distributed as dist
 from dp_core import Checkpoint, load_checkpoint
 from dp_core.keras import CheckpointWriter, Start, restore_model, start_of
 from torch_dp._comm import Replica, all_gather_rows, all_reduce_sum, same_state_as_primary
+
+if TYPE_CHECKING:
+    from torch_dp._accumulation import Window
 
 
 def resume_from(path: str | None, model: keras.Model, replica: Replica) -> Start:
@@ -104,8 +108,20 @@ def restore_metrics(model: keras.Model, start: Start, replica: Replica) -> None:
         variable.assign(value)
 
 
-def save(writer: CheckpointWriter, model: keras.Model, replica: Replica, *, epoch: int, step: int) -> None:
-    """A checkpoint at ``step`` steps into ``epoch``; every replica calls it (the metric sum is a collective)."""
+def save(
+    writer: CheckpointWriter,
+    model: keras.Model,
+    replica: Replica,
+    *,
+    epoch: int,
+    step: int,
+    window: Window | None = None,
+) -> None:
+    """A checkpoint at ``step`` steps into ``epoch``; every replica calls it (the metric sum is a collective).
+    Inside a gradient accumulation ``window`` the accumulators are first summed onto rank 0, so
+    the checkpoint holds what one device would (``Window.settle``)."""
+    if window is not None:
+        window.settle(model, replica)
     metric_variables = summed_metric_states(model, replica)
     if replica.is_primary:
         writer.write(model, epoch=epoch, step=step, metric_variables=metric_variables)

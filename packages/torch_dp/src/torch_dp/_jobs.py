@@ -30,6 +30,7 @@ from torch_dp._checkpoints import resume_from
 from torch_dp._comm import Replica, all_gather_rows, all_gather_varying_rows
 from torch_dp._custom import custom_steps
 from torch_dp._loop import evaluate_loop, fit_loop, predict_loop
+from torch_dp._profile import finish_report, step_timer
 from torch_dp._transfer import in_batch_order, in_even_order, in_input_order
 
 
@@ -43,6 +44,7 @@ class FitJob:
     on_nonfinite_loss: NonFiniteLoss
     lr_policy: LearningRatePolicy | None
     resume_from: str | None  # the checkpoint the caller chose and checked
+    profile: str | None = None  # the scaling report's folder (``Trainer(profile=...)``)
 
     @property
     def inputs(self) -> Readable:
@@ -70,7 +72,16 @@ class FitJob:
                     num_replicas=replica.num_replicas,
                     lr_policy=None if self.lr_policy is None else self.lr_policy.config(),
                 )
-            return fit_loop(model, self, replica, start=start, checkpoints=writer, custom=custom, notice=notice)
+            timer = None if self.profile is None else step_timer(replica)
+            history = fit_loop(
+                model, self, replica, start=start, checkpoints=writer, custom=custom, notice=notice, timer=timer
+            )
+            if timer is not None and self.profile is not None:
+                report = finish_report(
+                    timer, model, replica, global_batch_size=self.arguments.global_batch_size, folder=self.profile
+                )
+                history.scaling_report = report  # pyright: ignore[reportAttributeAccessIssue]
+            return history
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ each step instead of riding on the gradients' all-reduce, which the user's step 
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -16,7 +17,7 @@ import keras
 import numpy as np
 import torch
 
-from dp_core import NonFiniteLoss, Preempted, PreemptionWatch, list_checkpoints
+from dp_core import NonFiniteLoss, Preempted, PreemptionWatch, StepTimer, list_checkpoints
 from dp_core.keras import (
     BatchSource,
     CheckpointWriter,
@@ -28,7 +29,9 @@ from dp_core.keras import (
     skipped_message,
     verbosity,
 )
+from torch_dp._accumulation import Window, accumulation_window
 from torch_dp._batches import EvenBatch, Readable, even_batches, replica_batches, steps_of
+from torch_dp._buckets import gradient_buckets
 from torch_dp._checkpoints import check_same_start, restore_metrics, save
 from torch_dp._comm import Replica, all_reduce_sum, broadcast_floats, same_state_as_primary
 from torch_dp._custom import CustomSteps, optimizers_of
@@ -84,10 +87,12 @@ def fit_loop(
     checkpoints: CheckpointWriter | None = None,
     custom: CustomSteps | None = None,
     notice: PreemptionWatch | None = None,
+    timer: StepTimer | None = None,
 ) -> keras.callbacks.History:
     """Train on this replica's shard of every epoch from ``start``; returns this replica's History.
     ``custom`` runs the model's own ``train_step``/``test_step`` where it has them. A preemption
-    ``notice`` to any replica stops all at the next step: a checkpoint, then ``Preempted``."""
+    ``notice`` to any replica stops all at the next step: a checkpoint, then ``Preempted``. ``timer``
+    (``Trainer(profile=...)``) times the phases of Keras's own train steps."""
     arguments = job.arguments
     steps = steps_of(job.inputs, arguments.global_batch_size)
     callbacks = callback_list(
@@ -109,6 +114,8 @@ def fit_loop(
     else:
         start = Start(epoch=_initial_epoch(model, arguments.initial_epoch, replica))
     check_same_start(start, replica)  # rank 0 chose for all (``resume_from``); a last check before any step
+    # gradient accumulation: one gradient all-reduce per window (None: one per step)
+    window = None if custom is not None and custom.train else accumulation_window(model, replica, job.on_nonfinite_loss)
     epoch_logs: dict[str, Any] = {}
     for epoch in range(start.epoch, arguments.epochs):
         model.reset_metrics()
@@ -144,6 +151,8 @@ def fit_loop(
                 first_step=first_step,
                 checkpoints=checkpoints,
                 notice=notice,
+                timer=timer,
+                window=window,
             )
             epoch_logs = global_logs(model, replica)
         model.eval()
@@ -161,11 +170,13 @@ def fit_loop(
             epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
         callbacks.on_epoch_end(epoch, epoch_logs)
         if checkpoints is not None:
-            save(checkpoints, model, replica, epoch=epoch + 1, step=0)
+            save(checkpoints, model, replica, epoch=epoch + 1, step=0, window=window)
         if isinstance(job.inputs, BatchSource) and job.inputs.exhausted:
             model.stop_training = True  # an iterator that ran out ends training, as in Keras (rank 0 reads it)
         if _share_decisions(model, replica):
             break
+    if window is not None:  # the caller's model holds the accumulators as one device would
+        window.settle(model, replica)
     if arguments.epochs > start.epoch:
         model.optimizer.finalize_variable_values(model.trainable_weights)
     callbacks.on_train_end(logs=epoch_logs)
@@ -184,10 +195,13 @@ def _train_epoch(
     first_step: int = 0,
     checkpoints: CheckpointWriter | None = None,
     notice: PreemptionWatch | None = None,
+    timer: StepTimer | None = None,
+    window: Window | None = None,
 ) -> None:
     """One epoch of steps from ``first_step``; logs synced every ``log_every`` steps (0: never),
     or at every step with rank 0's decisions (``decide_each_step``), checkpoints written as asked.
-    A stop at the last batch end reaches the other replicas through the epoch's end."""
+    A stop at the last batch end reaches the other replicas through the epoch's end. With a
+    gradient accumulation ``window`` each step is one of its steps (``_accumulation``)."""
     model.train()
     arguments = job.arguments
     steps = steps_of(job.inputs, arguments.global_batch_size)
@@ -201,17 +215,29 @@ def _train_epoch(
         first_step=first_step,
     )
     logs: dict[str, Any] = {}
+    buckets = gradient_buckets(model, replica) if window is None else None  # large gradients: during backward
+    if timer is not None:
+        timer.start()
     for step, batch in enumerate(batches, start=first_step):
+        if timer is not None:
+            timer.lap("input")
+        take = (
+            functools.partial(train_step, buckets=buckets)
+            if window is None
+            else functools.partial(window.train_step, epoch=epoch, step=step)
+        )
         if decide_each_step and model.stop_training:
             # rank 0 stopped at the last batch end: the stop rides on this step's all-reduce,
             # which every replica then undoes (the callbacks do not see this step)
-            train_step(model, batch, replica, sum_metrics=True, stop=True)
+            take(model, batch, replica, sum_metrics=True, stop=True)
             return
         callbacks.on_train_batch_begin(step)
+        if timer is not None:
+            timer.lap("callbacks")
         asked = notice is not None and notice.requested is not None
-        trained = train_step(model, batch, replica, sum_metrics=decide_each_step, preempt=asked)
+        trained = take(model, batch, replica, sum_metrics=decide_each_step, preempt=asked, timer=timer)
         if trained.preempted:
-            _preempted(model, replica, notice, checkpoints, epoch=epoch, step=step)
+            _preempted(model, replica, notice, checkpoints, epoch=epoch, step=step, window=window)
         if trained.stopped:
             model.stop_training = True
             return
@@ -223,7 +249,10 @@ def _train_epoch(
             logs = global_logs(model, replica)
         callbacks.on_train_batch_end(step, logs)
         if checkpoints is not None and checkpoints.due(step + 1, steps):
-            save(checkpoints, model, replica, epoch=epoch, step=step + 1)
+            save(checkpoints, model, replica, epoch=epoch, step=step + 1, window=window)
+        if timer is not None:  # logs, hooks and checkpoints
+            timer.lap("callbacks")
+            timer.end_step()
 
 
 def _train_epoch_custom(
@@ -282,11 +311,12 @@ def _preempted(
     *,
     epoch: int,
     step: int,
+    window: Window | None = None,
 ) -> NoReturn:
     """Every replica stops before ``step`` of ``epoch``: a checkpoint of that boundary, then ``Preempted``."""
     path = None
     if checkpoints is not None:
-        save(checkpoints, model, replica, epoch=epoch, step=step)
+        save(checkpoints, model, replica, epoch=epoch, step=step, window=window)
         written = list_checkpoints(checkpoints.directory) if replica.is_primary else []
         path = str(written[-1]) if written else checkpoints.directory
     signal_name = notice.requested if notice is not None and notice.requested else "a notice to another replica"

@@ -23,9 +23,11 @@ from typing import Any, NamedTuple
 import keras
 import torch
 
+from dp_core import StepTimer
 from dp_core.keras import ReplicaRows, internals, map_structure, python_logs, replica_losses
 from torch_dp._batches import Batch
 from torch_dp._batchnorm import real_rows
+from torch_dp._buckets import GradientBuckets
 from torch_dp._comm import Replica, all_reduce_sum
 
 
@@ -121,6 +123,8 @@ def train_step(
     sum_metrics: bool = False,
     stop: bool = False,
     preempt: bool = False,
+    timer: StepTimer | None = None,
+    buckets: GradientBuckets | None = None,
 ) -> Trained:
     """Forward, exact global-batch gradient, Keras optimizer update, metric update.
 
@@ -142,35 +146,34 @@ def train_step(
     is applied. It cannot wait for the logs: a skipped or stopped step must leave the weights
     and the optimizer untouched on every replica, and Keras's optimizer cannot be told on the
     device to leave a step out. Everything else (logs, metrics) stays on the device until read.
+
+    ``timer`` (``Trainer(profile=...)``) gets laps for forward+backward, the all-reduce and the optimizer.
+    With ``buckets`` (large gradients, ``_buckets``) the gradients are summed in buckets started during
+    backward, and the few floats above travel in a small all-reduce of their own after it.
     """
     before = _state_to_undo(model)
-    with replica_losses(model, _replica_rows(batch, replica)):  # activity regularizers run in the forward pass
-        with real_rows(batch.mask):
-            y_pred = _forward(model, batch.x, training=True)
-        model.zero_grad()
-        with _weigh_losses_by_real_rows(model, batch, replica):
-            loss = _compute_loss(model, batch, y_pred, training=True)
-    with torch.no_grad():
-        _update_metrics(model, batch, _detached(y_pred))
-    trainable = model.trainable_weights[:]
+    loss, trainable, local = local_gradients(model, batch, replica, buckets=buckets)
     # the loss, and whether this replica was asked to stop (preemption): any replica's notice stops all
     local_loss = torch.cat([torch.as_tensor(loss).detach().reshape(1).to(torch.float32), _flag(preempt, replica)])
     shared = sum_metrics and replica.distributed
     states = [v.value.detach() for v in model.metrics_variables] if shared else []
     rate = _learning_rate_variable(model)
     decisions = [_decisions(rate, replica, stop)] if shared else []
-    if trainable:
-        # Back-propagate the share itself (the loss is num_replicas times it) and sum the
-        # gradients: every row's gradient then has Keras's own magnitude, so float16 loss
-        # scaling overflows exactly where model.fit's does.
-        model.optimizer.scale_loss(loss / replica.num_replicas).backward()
-    local = [v.value.grad for v in trainable]
+    if timer is not None:
+        timer.lap("forward_backward", sync=True)
     # Zeros keep the buffer the same size on every replica; a variable with no gradient
     # here is still skipped by the optimizer, as in Keras.
     gradients = [torch.zeros_like(v.value) if g is None else g for v, g in zip(trainable, local, strict=True)]
-    summed = all_reduce_sum([*gradients, local_loss, *states, *decisions], replica)
+    if buckets is None:
+        summed = all_reduce_sum([*gradients, local_loss, *states, *decisions], replica)
+    else:
+        summed = [*buckets.summed(trainable), *all_reduce_sum([local_loss, *states, *decisions], replica)]
+        if timer is not None:
+            timer.note("all_reduce_overlapped", buckets.overlapped)
     summed_gradients, (summed_loss, preempted) = summed[: len(gradients)], summed[len(gradients)]
     finite, anyone_preempted, *decided = _read_on_host(summed_loss, preempted, summed[-1] if decisions else None)
+    if timer is not None:  # the host read waited for the all-reduce, and so for the slowest replica
+        timer.lap("all_reduce")
     if anyone_preempted:
         _undo(model, before)
         return Trained(False, preempted=True)
@@ -189,11 +192,46 @@ def train_step(
             model.optimizer.apply(
                 [None if g is None else a for g, a in zip(local, summed_gradients, strict=True)], trainable
             )
+    if timer is not None:
+        timer.lap("optimizer", sync=True)
     if not sum_metrics:
         return Trained(True)
     if not shared:  # one replica: its own states are the global ones
         return Trained(True, metric_sums=[v.value.detach() for v in model.metrics_variables])
     return Trained(True, metric_sums=summed[len(gradients) + 1 : -1])
+
+
+class LocalGradients(NamedTuple):
+    """One replica's forward and backward pass: its loss (``num_replicas`` times its share of the
+    global batch's), the trainable variables, and their gradients (None where one got none)."""
+
+    loss: Any
+    trainable: list[keras.Variable]
+    gradients: list[torch.Tensor | None]
+
+
+def local_gradients(
+    model: keras.Model, batch: Batch, replica: Replica, *, buckets: GradientBuckets | None = None
+) -> LocalGradients:
+    """Forward, loss, metric update and backward on this replica's rows; no collective but the
+    synchronized BatchNorm moments (``_batchnorm``) and, with ``buckets``, the gradients' own
+    all-reduces, started during backward (``GradientBuckets.summed`` collects them)."""
+    with replica_losses(model, _replica_rows(batch, replica)):  # activity regularizers run in the forward pass
+        with real_rows(batch.mask):
+            y_pred = _forward(model, batch.x, training=True)
+        model.zero_grad()
+        with _weigh_losses_by_real_rows(model, batch, replica):
+            loss = _compute_loss(model, batch, y_pred, training=True)
+    with torch.no_grad():
+        _update_metrics(model, batch, _detached(y_pred))
+    trainable = model.trainable_weights[:]
+    if trainable:
+        # Back-propagate the share itself (the loss is num_replicas times it) and sum the
+        # gradients: every row's gradient then has Keras's own magnitude, so float16 loss
+        # scaling overflows exactly where model.fit's does.
+        with contextlib.nullcontext() if buckets is None else buckets.reducing(trainable):
+            model.optimizer.scale_loss(loss / replica.num_replicas).backward()
+    return LocalGradients(loss, trainable, [v.value.grad for v in trainable])
 
 
 def _read_on_host(summed_loss: torch.Tensor, preempted: torch.Tensor, decisions: torch.Tensor | None) -> list[float]:

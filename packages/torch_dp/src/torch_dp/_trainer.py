@@ -9,7 +9,7 @@ from typing import Any, final
 
 import keras
 
-from dp_core import BatchNormMode, LearningRateScaling, NonFiniteLoss, Verbose
+from dp_core import BatchNormMode, LearningRateScaling, NonFiniteLoss, ScalingReport, Verbose, scaling_report_folder
 from dp_core.keras import (
     BatchSource,
     Inputs,
@@ -54,6 +54,11 @@ class Trainer:
     loss is NaN or infinite on any replica, naming its epoch and step; ``"skip"`` leaves
     that step's update out on every replica and continues.
 
+    ``profile=True`` (or a folder path; True is ``./scaling-report``) times every training step's
+    phases (input wait, forward+backward, all-reduce, optimizer, callbacks); after each ``fit``
+    rank 0 prints one line and writes ``scaling_report.json`` and ``.png`` into the folder, and
+    ``trainer.scaling_report`` holds the report (see the docs' "Scaling report").
+
     A model that overrides ``train_step``, ``test_step`` or ``predict_step`` runs its own step
     on every replica's rows, as ``model.fit`` would on one device: the gradients every optimizer
     it holds applies are averaged over replicas, the uneven last batch is split unpadded and
@@ -80,8 +85,11 @@ class Trainer:
         collective_timeout: float | None = None,
         log_every_steps: int = 10,
         on_nonfinite_loss: NonFiniteLoss = "stop",
+        profile: bool | str | os.PathLike[str] = False,
     ) -> None:
         self.batch_norm: BatchNormMode = check_batch_norm_mode(batch_norm)
+        self.profile = scaling_report_folder(profile)
+        self.scaling_report: ScalingReport | None = None  # the last profiled fit's, on rank 0
         self.on_nonfinite_loss: NonFiniteLoss = check_nonfinite_mode(on_nonfinite_loss)
         timeouts = Timeouts.of(timeout, rendezvous=rendezvous_timeout, collective=collective_timeout)
         self.rendezvous_timeout = timeouts.rendezvous
@@ -183,8 +191,13 @@ class Trainer:
                 arguments.checkpoint_dir, keras_model, seed=seed, global_batch_size=global_batch_size, shuffle=shuffle
             )
             resume = None if found is None else os.path.join(arguments.checkpoint_dir, found.name)
-        job = FitJob(arguments, self.batch_norm, self.log_every_steps, self.on_nonfinite_loss, policy, resume)
-        return self._launcher.run(job, keras_model, model)
+        profile = None if self.profile is None else str(self.profile)
+        job = FitJob(
+            arguments, self.batch_norm, self.log_every_steps, self.on_nonfinite_loss, policy, resume, profile=profile
+        )
+        history = self._launcher.run(job, keras_model, model)
+        self.scaling_report = getattr(history, "scaling_report", None)
+        return history
 
     def evaluate(
         self,

@@ -1,0 +1,132 @@
+"""Gradients all-reduced in buckets during the backward pass, when they are large.
+
+A step's gradients are summed over replicas after ``backward`` in one coalesced all-reduce
+(``_steps``). When the trainable gradients exceed one bucket (``BUCKET_BYTES``, DDP's default
+25 MiB), the replicas would idle while that all-reduce runs; so they are split into buckets
+(variables in reverse order, which is roughly the order backward produces their gradients; one
+dtype each) and each bucket's all-reduce is started asynchronously from
+``register_post_accumulate_grad_hook`` as soon as all its gradients exist, while backward
+computes the rest. Buckets start strictly in index order (a ready bucket waits for the ones
+before it) and those whose variables got no gradient start after backward with zeros, so every
+replica issues the same collectives in the same order. The sums are the same sums.
+
+Only ``train_step`` asks for them: a gradient-accumulation step that is not the last of its
+window (``_accumulation``) runs backward without buckets and sends nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any, final
+
+import keras
+import torch
+import torch.distributed as dist
+
+from torch_dp._comm import Replica, _entering
+
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
+
+
+def _bytes(variable: keras.Variable) -> int:
+    return variable.value.numel() * variable.value.element_size()
+
+
+@final
+class GradientBuckets:
+    """The buckets of one model's trainable variables (indices into ``trainable_weights``)."""
+
+    def __init__(self, variables: Sequence[keras.Variable]) -> None:
+        self.buckets: list[list[int]] = []
+        size, dtype = 0, None
+        for index in reversed(range(len(variables))):
+            value = variables[index].value
+            if not self.buckets or size + _bytes(variables[index]) > BUCKET_BYTES or value.dtype != dtype:
+                self.buckets.append([])
+                size, dtype = 0, value.dtype
+            self.buckets[-1].append(index)
+            size += _bytes(variables[index])
+        self._variables = [(id(v), tuple(v.value.shape)) for v in variables]
+        self._launched: list[tuple[torch.Tensor, Any]] = []
+        self.overlapped = 0.0  # the last backward's seconds with an all-reduce in flight
+
+    def serves(self, variables: Sequence[keras.Variable]) -> bool:
+        return [(id(v), tuple(v.value.shape)) for v in variables] == self._variables
+
+    @contextlib.contextmanager
+    def reducing(self, variables: Sequence[keras.Variable]) -> Iterator[None]:
+        """Around ``backward``: each bucket's all-reduce starts once its gradients exist."""
+        values = [v.value for v in variables]
+        bucket_of = {index: b for b, bucket in enumerate(self.buckets) for index in bucket}
+        ready = [0] * len(self.buckets)
+        self._launched = []
+        first_launch: list[float] = []
+
+        def launch_ready() -> None:
+            while len(self._launched) < len(self.buckets):
+                b = len(self._launched)
+                if ready[b] < len(self.buckets[b]):
+                    return
+                if not first_launch:
+                    first_launch.append(time.perf_counter())
+                self._launch(values, b)
+
+        def on_gradient(index: int) -> Any:
+            def hook(_: torch.Tensor) -> None:
+                ready[bucket_of[index]] += 1
+                launch_ready()
+
+            return hook
+
+        handles = [value.register_post_accumulate_grad_hook(on_gradient(i)) for i, value in enumerate(values)]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+        self.overlapped = time.perf_counter() - first_launch[0] if first_launch else 0.0
+
+    def _launch(self, values: Sequence[torch.Tensor], b: int) -> None:
+        parts = [_gradient_or_zeros(values[i]) for i in self.buckets[b]]
+        flat = torch.cat([part.reshape(-1) for part in parts])
+        _entering()
+        self._launched.append((flat, dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)))
+
+    def summed(self, variables: Sequence[keras.Variable]) -> list[torch.Tensor]:
+        """After ``backward`` in ``reducing``: the remaining buckets started (zeros for variables
+        without a gradient), every one waited for, and each variable's summed gradient."""
+        values = [v.value for v in variables]
+        while len(self._launched) < len(self.buckets):
+            self._launch(values, len(self._launched))
+        summed: list[Any] = [None] * len(values)
+        for bucket, (flat, work) in zip(self.buckets, self._launched, strict=True):
+            work.wait()
+            pieces = torch.split(flat, [values[i].numel() for i in bucket])
+            for index, piece in zip(bucket, pieces, strict=True):
+                summed[index] = piece.view(values[index].shape)
+        self._launched = []
+        return summed
+
+
+def _gradient_or_zeros(value: torch.Tensor) -> torch.Tensor:
+    # zeros keep a bucket the same size on every replica, as in the one all-reduce after backward
+    return torch.zeros_like(value) if value.grad is None else value.grad.detach()
+
+
+_by_model: weakref.WeakKeyDictionary[keras.Model, GradientBuckets] = weakref.WeakKeyDictionary()
+
+
+def gradient_buckets(model: keras.Model, replica: Replica) -> GradientBuckets | None:
+    """The model's buckets when its trainable gradients exceed one bucket on several replicas,
+    else None (one all-reduce after backward, as ever); kept per model while its variables keep
+    their shapes."""
+    variables = model.trainable_weights
+    if not replica.distributed or sum(_bytes(v) for v in variables) <= BUCKET_BYTES:
+        return None
+    buckets = _by_model.get(model)
+    if buckets is None or not buckets.serves(variables):
+        buckets = _by_model[model] = GradientBuckets(variables)
+    return buckets

@@ -1,0 +1,90 @@
+"""``Trainer(profile=...)`` on torch: each replica times its steps with a ``dp_core.StepTimer``
+(laps in ``_loop`` and ``_steps``; on CUDA the device is synchronised at each lap, only when
+profiling), and after the fit the replicas exchange what the report needs once: each one's
+compute time per step (the straggler spread) and a timed all-reduce of a few MB (the link's
+bandwidth). Rank 0 writes the report and prints its line.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import keras
+import torch
+import torch.distributed as dist
+
+from dp_core import Phase, ScalingReport, StepTimer, bus_bandwidth, write_scaling_report
+from torch_dp._comm import Replica, all_gather_rows
+
+PROBE_BYTES = 4 * 2**20  # the timed all-reduce: large enough to be bandwidth-bound, small enough to be quick
+PROBE_ROUNDS = 5
+OVERLAPPED = "all_reduce_overlapped"  # noted by ``train_step``: seconds of a bucketed all-reduce during backward
+
+
+def step_timer(replica: Replica) -> StepTimer:
+    """A timer whose laps wait for this replica's GPU (kernels run asynchronously), or plain on CPU."""
+    if replica.device.startswith("cuda"):
+        device = torch.device(replica.device)
+        return StepTimer(sync=lambda: torch.cuda.synchronize(device))
+    return StepTimer()
+
+
+def link_bandwidth(replica: Replica) -> float | None:
+    """Bytes per second a ring all-reduce moves per replica, from the median of a few timed
+    all-reduces of ``PROBE_BYTES`` (None for one replica)."""
+    if not replica.distributed:
+        return None
+    buffer = torch.ones(PROBE_BYTES // 4, dtype=torch.float32, device=replica.device)
+    dist.all_reduce(buffer)  # warm-up: the first collective sets up connections
+    times = []
+    for _ in range(PROBE_ROUNDS):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(buffer)
+        if replica.device.startswith("cuda"):
+            torch.cuda.synchronize(torch.device(replica.device))
+        times.append(time.perf_counter() - start)
+    return bus_bandwidth(PROBE_BYTES, replica.num_replicas, statistics.median(times))
+
+
+def finish_report(
+    timer: StepTimer, model: keras.Model, replica: Replica, *, global_batch_size: int, folder: str
+) -> ScalingReport | None:
+    """After the fit, on every replica (two collectives): rank 0 writes the report into ``folder``,
+    prints its line and returns it; the others return None."""
+    phases, step_seconds, steps = timer.counted()
+    if steps == 0:  # the same on every replica: no collective is left waiting
+        if replica.is_primary:
+            print("scaling report: no step was timed (a model's own train_step is not profiled)", flush=True)
+        return None
+    compute = torch.tensor(
+        [phases["forward_backward"] + phases["optimizer"]], dtype=torch.float64, device=replica.device
+    )
+    per_replica = [float(part.item()) for part in all_gather_rows(compute, replica)]
+    bandwidth = link_bandwidth(replica)
+    bucketed = any(OVERLAPPED in step for step in timer.per_step)  # gradients summed in buckets (``_buckets``)
+    overlapped = timer.counted(phases=(OVERLAPPED,))[0][OVERLAPPED] if bucketed else None
+    if not replica.is_primary:
+        return None
+    report = ScalingReport(
+        backend="torch",
+        num_replicas=replica.num_replicas,
+        model=model.name,
+        parameters=int(model.count_params()),
+        global_batch_size=global_batch_size,
+        steps=steps,
+        step_seconds=step_seconds,
+        phases={name: Phase(seconds) for name, seconds in phases.items()},
+        gradient_bytes=sum(v.value.numel() * v.value.element_size() for v in model.trainable_weights),
+        link_bytes_per_second=bandwidth,
+        overlapped_seconds=overlapped,
+        straggler_spread_seconds=max(per_replica) - min(per_replica),
+        straggler_note="slowest minus fastest replica's forward+backward+optimizer per step",
+        per_replica_compute_seconds=per_replica,
+        architecture=ScalingReport.architecture_of(type(model).__name__, [tuple(w.shape) for w in model.weights]),
+    )
+    report, line = write_scaling_report(report, Path(folder))
+    print(line, flush=True)
+    return report

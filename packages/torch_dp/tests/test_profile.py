@@ -1,0 +1,121 @@
+"""``Trainer(profile=...)``: the scaling report of 1 and 2 real gloo replicas in one folder."""
+
+import json
+
+import keras
+import numpy as np
+import pytest
+import torch_dp_testing as testing
+
+import torch_dp
+from dp_core import SCALING_PHASES
+from torch_dp._buckets import BUCKET_BYTES, GradientBuckets
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    """One fit on 1 replica and one on 2 into the same folder; the 2-replica trainer, its history
+    and the lines printed."""
+    folder = tmp_path_factory.mktemp("report")
+    x, y = testing.data(256)
+    with torch_dp.Trainer(num_replicas=1, profile=str(folder)) as one:
+        one.fit(testing.dense_batchnorm_model("sgd"), x, y, global_batch_size=32, epochs=2, verbose=0)
+    with torch_dp.Trainer(num_replicas=2, timeout=60, profile=str(folder)) as two:
+        history = two.fit(testing.dense_batchnorm_model("sgd"), x, y, global_batch_size=32, epochs=2, verbose=0)
+    return folder, one, two, history
+
+
+def test_phases_sum_to_the_measured_step_time(profiled):
+    _, one, two, history = profiled
+    for trainer in (one, two):
+        report = trainer.scaling_report
+        assert report is not None and set(report.phases) == set(SCALING_PHASES)
+        assert report.steps == 2 * 8 - 1  # two epochs of 8 steps, the first step left out
+        total = sum(phase.seconds for phase in report.phases.values())
+        assert total == pytest.approx(report.step_seconds, rel=0.05)
+        assert report.phases["forward_backward"].seconds > 0 and report.phases["optimizer"].seconds > 0
+    assert history.scaling_report is two.scaling_report
+
+
+def test_two_replicas_measure_the_link_and_the_stragglers(profiled):
+    _, one, two, _ = profiled
+    report = two.scaling_report
+    assert report.num_replicas == 2 and report.backend == "torch"
+    assert report.phases["all_reduce"].seconds > 0
+    assert report.link_bytes_per_second is not None and report.link_bytes_per_second > 0
+    weights = testing.dense_batchnorm_model("sgd").trainable_weights
+    assert report.gradient_bytes == sum(int(np.prod(w.shape)) * 4 for w in weights)
+    assert report.all_reduce_bound_seconds == pytest.approx(report.gradient_bytes / report.link_bytes_per_second)
+    computes = report.per_replica_compute_seconds
+    assert len(computes) == 2 and all(c > 0 for c in computes)
+    assert report.straggler_spread_seconds == pytest.approx(max(computes) - min(computes))
+    # a 1-replica report of the same model and batch is in the folder: the speedup is measured
+    assert report.speedup_how == "measured"
+    assert report.speedup == pytest.approx(one.scaling_report.step_seconds / report.step_seconds)
+
+
+def test_folder_holds_both_counts_and_a_png(profiled):
+    folder, *_ = profiled
+    document = json.loads((folder / "scaling_report.json").read_text())
+    assert sorted(document["reports"]) == ["1", "2"]
+    assert document["reports"]["2"]["global_batch_size"] == 32
+    assert (folder / "scaling_report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_without_profile_there_is_no_report(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    x, y = testing.data(64)
+    trainer = torch_dp.Trainer(num_replicas=1)
+    history = trainer.fit(testing.dense_batchnorm_model("sgd"), x, y, global_batch_size=32, epochs=1, verbose=0)
+    assert trainer.scaling_report is None and not hasattr(history, "scaling_report")
+    assert list(tmp_path.iterdir()) == []
+
+
+def _wide_model(optimizer: str = "sgd") -> keras.Model:
+    """About 34 MB of float32 gradients: two buckets of at most 25 MiB."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(2048, activation="relu"),
+            keras.layers.Dense(2048, activation="relu"),
+            keras.layers.Dense(2048, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    return model
+
+
+def test_buckets_split_large_gradients_by_size_in_reverse_order():
+    model = _wide_model()
+    weights = model.trainable_weights
+    buckets = GradientBuckets(weights).buckets
+    # last variables first (backward produces them first); the second 16 MiB kernel starts a new bucket
+    assert buckets == [[7, 6, 5, 4, 3], [2, 1, 0]]
+    for bucket in buckets:
+        assert sum(weights[i].value.numel() * 4 for i in bucket) <= BUCKET_BYTES
+
+
+def test_bucketed_all_reduce_during_backward_gives_one_replicas_weights(tmp_path, capfd):
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(48, 64)).astype("float32"), rng.normal(size=(48, 10)).astype("float32")
+    reference = _wide_model()
+    start = reference.get_weights()
+    torch_dp.Trainer(num_replicas=1).fit(reference, x, y, global_batch_size=16, epochs=1, shuffle=False, verbose=0)
+    model = _wide_model()
+    model.set_weights(start)
+    with torch_dp.Trainer(num_replicas=2, timeout=60, profile=str(tmp_path)) as trainer:
+        trainer.fit(model, x, y, global_batch_size=16, epochs=1, shuffle=False, verbose=0)
+    for mine, theirs in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(mine, theirs, atol=1e-6)
+    report = trainer.scaling_report
+    assert report.overlapped_seconds is not None and report.overlapped_seconds > 0  # started during backward
+    assert report.gradient_bytes > BUCKET_BYTES
+    # one line, from rank 0; no 1-replica report in this folder: the speedup is an estimate
+    lines = [line for line in capfd.readouterr().out.splitlines() if "one replica" in line]
+    assert len(lines) == 1
+    assert lines[0].startswith("2 replicas: ") and "x one replica (estimated: compute phases only)" in lines[0]
+    assert ", all-reduce " in lines[0] and "% of it during backward)" in lines[0] and ", input " in lines[0]
