@@ -21,7 +21,7 @@ def test_every_public_name_imports():
     ]
     for name in jax_dp.__all__:
         assert getattr(jax_dp, name) is not None
-    assert jax_dp.__version__ == "0.5.0"
+    assert jax_dp.__version__ == "0.6.0"
 
 
 def test_trainer_implements_the_dp_core_protocol():
@@ -39,5 +39,5 @@ def test_default_uses_every_device_and_an_explicit_mesh_is_kept():
     assert jax_dp.Trainer().num_replicas == jax.device_count() == 4
     mesh = Mesh(mesh_utils.create_device_mesh((3,), jax.devices()[1:]), ("batch",))
     assert jax_dp.Trainer(mesh=mesh).mesh is mesh
-    with pytest.raises(ValueError, match=r"single axis \('batch',\)"):
+    with pytest.raises(ValueError, match=r"the axes \('batch',\) or \('batch', 'model'\), got \('data',\)"):
         jax_dp.Trainer(mesh=Mesh(mesh_utils.create_device_mesh((2,), jax.devices()[:2]), ("data",)))

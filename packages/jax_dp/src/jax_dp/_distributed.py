@@ -266,8 +266,28 @@ def same_on_all_processes(values: list[np.ndarray]) -> list[np.ndarray]:
 
 
 def replicated_to_host(tree: Any) -> Any:
-    """Host numpy copies of replicated arrays (each process reads its own copy)."""
-    return jax.tree.map(lambda array: np.asarray(array.addressable_data(0)), tree)
+    """Host numpy copies of replicated arrays, or of arrays split over the ``"model"`` axis (a
+    layout's), whole on every process: each process reads its own devices, which hold at least
+    one whole replica (a row of the mesh), so no collective runs."""
+    return jax.tree.map(_whole_on_host, tree)
+
+
+def _whole_on_host(array: jax.Array) -> np.ndarray:
+    if array.sharding.is_fully_replicated:
+        return np.asarray(array.addressable_data(0))
+    if array.is_fully_addressable:
+        return np.asarray(array)
+    whole = np.empty(array.shape, array.dtype)
+    covered = np.zeros(array.shape, bool)
+    for shard in array.addressable_shards:
+        whole[shard.index] = np.asarray(shard.data)
+        covered[shard.index] = True
+    if not covered.all():
+        raise ValueError(
+            f"Process {jax.process_index()}'s devices hold only part of an array of shape {array.shape} "
+            f"({array.sharding}): each process's devices must cover whole rows of the mesh."
+        )
+    return whole
 
 
 def rows_to_host(array: jax.Array) -> np.ndarray:

@@ -41,12 +41,14 @@ from jax_dp._checkpoints import save
 from jax_dp._distributed import agree, is_primary, replicated_to_host, rows_to_host, same_on_all_processes
 from jax_dp._metrics import Logs, metrics_on_mesh, summed_to_host
 from jax_dp._optimizers import Optimizer
+from jax_dp._profile import STEP, FitProfile
 from jax_dp._sources import epoch_plan, steps_per_epoch
 from jax_dp._state import (
     ModelOnRequest,
     TrainState,
     Weights,
     counts_on_host,
+    optimizer_state_of,
     train_state_on_mesh,
     weights_on_mesh,
     write_back,
@@ -196,8 +198,9 @@ def keras_epochs(
     mesh: Mesh,
     checkpoints: CheckpointWriter | None,
     stop_on_nonfinite: bool,
+    profile: FitProfile | None = None,
 ) -> EpochTrainer:
-    """Epochs of Keras's own train step (``_steps``)."""
+    """Epochs of Keras's own train step (``_steps``); ``profile`` times their phases."""
 
     def train_epoch(
         plan: Plan, callbacks: keras.callbacks.CallbackList, *, start: Start, optimizer_state: Any | None
@@ -213,6 +216,7 @@ def keras_epochs(
             mesh=mesh,
             checkpoints=checkpoints,
             stop_on_nonfinite=stop_on_nonfinite,
+            profile=profile,
         )
 
     return train_epoch
@@ -230,6 +234,7 @@ def _train_epoch(
     mesh: Mesh,
     checkpoints: CheckpointWriter | None,
     stop_on_nonfinite: bool,
+    profile: FitProfile | None = None,
 ) -> tuple[dict[str, Any], Any]:
     """One epoch on the mesh from ``start.step``: its logs and the optimizer state it ends with.
 
@@ -242,13 +247,15 @@ def _train_epoch(
         mesh,
         previous_optimizer_state=optimizer_state,
         metric_sums=start.metric_variables if start.step else None,
+        accumulate=True,
     )
 
     def checkpoint(state: TrainState, steps_done: int) -> None:
         assert checkpoints is not None
         sums = summed_to_host(state.metrics, mesh)  # a collective: every process
         write_back(model, optimizer, state)
-        save(checkpoints, model, optimizer, state.optimizer, epoch=start.epoch, step=steps_done, metric_variables=sums)
+        optimizer_state = optimizer_state_of(model, optimizer, state)  # mid-window: one device's accumulators
+        save(checkpoints, model, optimizer, optimizer_state, epoch=start.epoch, step=steps_done, metric_variables=sums)
 
     try:
         state = _train_steps(
@@ -263,6 +270,7 @@ def _train_epoch(
             stop_on_nonfinite=stop_on_nonfinite,
             checkpoint=None if checkpoints is None else checkpoint,
             checkpoint_due=None if checkpoints is None else lambda done: checkpoints.due(done, plan.steps),
+            profile=profile,
         )
     except preemption.StoppedAt as stop:
         raise preemption.preempted(
@@ -274,7 +282,7 @@ def _train_epoch(
         ) from None
     write_back(model, optimizer, state)
     check_skipped(state, start, stop_on_nonfinite=stop_on_nonfinite)
-    return host_logs(steps.results(state.metrics)), state.optimizer
+    return host_logs(steps.results(state.metrics)), optimizer_state_of(model, optimizer, state)
 
 
 def check_skipped(state: TrainState, start: Start, *, stop_on_nonfinite: bool) -> None:
@@ -301,6 +309,7 @@ def _train_steps(
     stop_on_nonfinite: bool,
     checkpoint: Callable[[TrainState, int], None] | None,
     checkpoint_due: Callable[[int], bool] | None,
+    profile: FitProfile | None = None,
 ) -> TrainState:
     """Steps ``start..`` of one epoch; returns the state.
 
@@ -325,16 +334,28 @@ def _train_steps(
 
     batches = enumerate(device_batches(plan, mesh, start=start), start=start)
     upcoming = next(batches, None)
+    timer = None if profile is None else profile.timer
+    if timer is not None:
+        timer.start()
     with contextlib.nullcontext() if on_request is None else on_request.installed():
         try:
             while upcoming is not None:
                 step, batch = upcoming
                 state = call(state, callbacks.on_train_batch_begin, step)
+                if timer is not None:
+                    timer.lap("callbacks")
                 done = step + 1
                 reporting = reporter.due(step)
                 saving = checkpoint is not None and checkpoint_due is not None and checkpoint_due(done)
                 state, report = steps_run.run(state, batch, report=reporting or (saving and stop_on_nonfinite))
+                if profile is not None:
+                    profile.trained_on(batch)
+                    profile.timer.lap(STEP)
                 upcoming = next(batches, None)  # prepared while the devices run the step
+                if profile is not None:  # the host's time for the next batch, then the rest of the step
+                    profile.timer.lap("input")
+                    jax.block_until_ready(state)
+                    profile.timer.lap(STEP)
                 if upcoming is not None:
                     steps_run.start(state, upcoming[1])
                 skipped, logs = (0, {}) if report is None else report_on_host(report)
@@ -348,6 +369,9 @@ def _train_steps(
                     if on_request is not None:
                         on_request.written_back(state)
                 preemption.check(done, state)
+                if timer is not None:  # logs, hooks and checkpoints
+                    timer.lap("callbacks")
+                    timer.end_step()
                 if stop_requested(model, done, plan.steps):
                     break
         finally:

@@ -1,8 +1,12 @@
 """The device mesh: which devices are replicas, and how state and batches lie on them.
 
-Replica ``r`` is the ``r``-th device of the mesh's ``"batch"`` axis. A process feeds
-the replicas on its own devices, which must be a contiguous block (jax lists devices
-process by process, so the default mesh always is).
+The mesh is 1-D ``("batch",)``, or 2-D ``("batch", "model")`` for model parallel
+(``_layout``). Replica ``r`` is the ``r``-th index of the ``"batch"`` axis: one device, or on
+a 2-D mesh one row of devices, every one of which sees the same rows of the batch and holds
+its part of each variable the layout splits over ``"model"``. A process feeds the replicas
+on its own devices, which must be whole rows forming a contiguous block (jax lists devices
+process by process, so ``jax.make_mesh`` with a ``"model"`` size dividing each process's
+device count always is).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from dp_core import ReplicaLayout
 
 BATCH_AXIS = "batch"
+MODEL_AXIS = "model"
 
 
 def make_mesh(num_replicas: int | None) -> Mesh:
@@ -58,26 +63,54 @@ def _choose_devices(num_replicas: int | None) -> list[Any]:
 
 
 def check_mesh(mesh: Mesh) -> Mesh:
-    """A user-given mesh: 1-D over ``"batch"``, each process's devices contiguous."""
-    if not isinstance(mesh, Mesh) or mesh.axis_names != (BATCH_AXIS,):
+    """A user-given mesh: ``("batch",)`` or ``("batch", "model")``, each process's devices whole
+    rows in one contiguous block."""
+    if not isinstance(mesh, Mesh) or mesh.axis_names not in ((BATCH_AXIS,), (BATCH_AXIS, MODEL_AXIS)):
         names = getattr(mesh, "axis_names", type(mesh).__name__)
         raise ValueError(
-            f"mesh must be a jax.sharding.Mesh with the single axis ('{BATCH_AXIS}',), got {names}. "
-            f"Build one with Mesh(mesh_utils.create_device_mesh((n,), devices), ('{BATCH_AXIS}',))."
+            f"mesh must be a jax.sharding.Mesh with the axes ('{BATCH_AXIS}',) or ('{BATCH_AXIS}', '{MODEL_AXIS}'), "
+            f"got {names}. Build one with jax.make_mesh((n,), ('{BATCH_AXIS}',)) or, for model parallel, "
+            f"jax.make_mesh((replicas, model_parts), ('{BATCH_AXIS}', '{MODEL_AXIS}'))."
         )
     replica_layout(mesh)
-    return mesh
+    return _auto_axes(mesh)
+
+
+def _auto_axes(mesh: Mesh) -> Mesh:
+    """The mesh with jax's automatic (GSPMD) axes: the steps are written for one device and XLA
+    partitions them, while ``jax.make_mesh`` makes explicit axes on recent jax, under which an
+    operation on a split variable (an embedding lookup) must state its own output sharding."""
+    axis_type = getattr(jax.sharding, "AxisType", None)
+    if axis_type is None or all(kind == axis_type.Auto for kind in getattr(mesh, "axis_types", ())):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(axis_type.Auto,) * len(mesh.axis_names))
+
+
+def num_replicas_of(mesh: Mesh) -> int:
+    """The replicas: the size of the ``"batch"`` axis (a 2-D mesh's rows)."""
+    return int(mesh.shape[BATCH_AXIS])
 
 
 def replica_layout(mesh: Mesh) -> ReplicaLayout:
     """This process's place among the replicas, checked against the mesh's device order."""
-    devices = list(mesh.devices.flat)
-    processes = sorted({device.process_index for device in devices})
+    rows = mesh.devices.reshape(num_replicas_of(mesh), -1)  # replica r: row r (one device on a 1-D mesh)
+    row_process = []
+    for r, row in enumerate(rows):
+        owners = sorted({device.process_index for device in row})
+        if len(owners) > 1:
+            raise ValueError(
+                f"Row {r} of the mesh (replica {r}: devices {list(row)}) spans processes {owners}, but each "
+                f"'{MODEL_AXIS}' row must lie within one process, which feeds it its rows of the batch. Make the "
+                f"'{MODEL_AXIS}' axis size divide every process's device count ({jax.local_device_count()} here) "
+                "and order the devices by process, as jax.make_mesh does."
+            )
+        row_process.append(owners[0])
+    processes = sorted(set(row_process))
     process_index = jax.process_index()
     layout = ReplicaLayout(
-        num_processes=len(processes), process_index=processes.index(process_index), num_replicas=len(devices)
+        num_processes=len(processes), process_index=processes.index(process_index), num_replicas=len(rows)
     )
-    mine = [r for r, device in enumerate(devices) if device.process_index == process_index]
+    mine = [r for r, owner in enumerate(row_process) if owner == process_index]
     if mine != list(layout.local_replica_indices):
         raise ValueError(
             f"The mesh's devices of process {process_index} are at replica positions {mine}, but each process "
@@ -99,5 +132,10 @@ def batch_sharded(mesh: Mesh) -> NamedSharding:
 
 def put_replicated(value: object, mesh: Mesh) -> jax.Array:
     """A host value copied to every device of the mesh, also across processes."""
+    return put_sharded(value, replicated(mesh))
+
+
+def put_sharded(value: object, sharding: NamedSharding) -> jax.Array:
+    """A host value (the same on every process) placed as ``sharding`` says: each device its part."""
     array = np.asarray(value)
-    return jax.make_array_from_callback(array.shape, replicated(mesh), lambda index: array[index])
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])

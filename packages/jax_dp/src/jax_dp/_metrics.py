@@ -24,7 +24,7 @@ from dp_core.keras import internals
 from jax_dp._batches import Batch, row_weights
 from jax_dp._compile_cache import held_weakly
 from jax_dp._distributed import replicated_to_host, same_on_all_processes
-from jax_dp._mesh import BATCH_AXIS, batch_sharded, replicated
+from jax_dp._mesh import BATCH_AXIS, batch_sharded, num_replicas_of, replicated
 from jax_dp._padding import masked_metrics
 
 Logs = dict[str, Any]
@@ -37,7 +37,7 @@ def metrics_on_mesh(model: keras.Model, mesh: Mesh, values: list[np.ndarray] | N
         values = [np.asarray(keras.ops.convert_to_numpy(v.value)) for v in model.metrics_variables]
     stacks = []
     for value in same_on_all_processes([np.asarray(v) for v in values]):
-        stack = np.zeros((mesh.size, *value.shape), value.dtype)
+        stack = np.zeros((num_replicas_of(mesh), *value.shape), value.dtype)
         stack[0] = value
         stacks.append(jax.make_array_from_callback(stack.shape, batch_sharded(mesh), lambda index, s=stack: s[index]))
     return stacks

@@ -19,20 +19,23 @@ from collections.abc import Iterator
 from typing import Any, final
 
 import jax
+import jax.numpy as jnp
 import keras
 import numpy as np
 import optax
 from jax.sharding import Mesh
 
 from dp_core import Checkpoint, CheckpointError, LearningRateScaling, learning_rate_policy
-from dp_core.keras import KerasSchedule, learning_rate_policy_installed, plan_learning_rate, restore_model
+from dp_core.keras import KerasSchedule, internals, learning_rate_policy_installed, plan_learning_rate, restore_model
 from jax_dp._compile_cache import TracedFrom, config_value, keras_optimizer_state
 from jax_dp._distributed import replicated_to_host, same_on_all_processes
-from jax_dp._mesh import put_replicated, replicated
+from jax_dp._layout import abstract_trainable, optax_state_shardings, optimizer_shardings
+from jax_dp._mesh import put_sharded
 
 
 class Optimizer(abc.ABC):
-    """What a fit needs from an optimizer; its state is a pytree replicated on the mesh."""
+    """What a fit needs from an optimizer; its state is a pytree on the mesh, replicated but where a
+    layout splits its variable (``state_shardings``)."""
 
     @abc.abstractmethod
     def learning_rate_policy(
@@ -47,7 +50,13 @@ class Optimizer(abc.ABC):
 
     @abc.abstractmethod
     def initial_state(self, trainable: list[jax.Array], mesh: Mesh, *, previous: Any | None) -> Any:
-        """The state an epoch starts from, replicated on ``mesh``; ``previous`` is the last epoch's (None: first)."""
+        """The state an epoch starts from, on ``mesh`` as ``state_shardings`` says; ``previous`` is the last
+        epoch's (None: first)."""
+
+    @abc.abstractmethod
+    def state_shardings(self, model: keras.Model, mesh: Mesh) -> Any:
+        """Where the state's arrays lie on ``mesh`` (a pytree like the state): a per-variable
+        array like its variable (``_layout``), the rest replicated."""
 
     @abc.abstractmethod
     def scale_loss(self, loss: Any, state: Any) -> Any:
@@ -72,6 +81,26 @@ class Optimizer(abc.ABC):
     @abc.abstractmethod
     def checkpoint_variables(self, state: Any) -> list[np.ndarray] | None:
         """The optimizer variables a checkpoint stores (None: the model's compiled optimizer's)."""
+
+    # Gradient accumulation (``_accumulation``): the state holds the gradients summed so far in
+    # the window, as one device holds them; these read and replace that sum, jitted or not.
+
+    @property
+    @abc.abstractmethod
+    def accumulation_steps(self) -> int:
+        """Micro-steps per optimizer update (1: no accumulation)."""
+
+    @abc.abstractmethod
+    def window_position(self, state: Any) -> Any:
+        """How many micro-steps of the current window ``state`` already holds (0 .. steps - 1)."""
+
+    @abc.abstractmethod
+    def held_sum(self, state: Any) -> list[Any]:
+        """The sum of the window's micro-step gradients so far, one per trainable variable."""
+
+    @abc.abstractmethod
+    def with_held_sum(self, state: Any, sums: list[Any]) -> Any:
+        """``state`` holding ``sums`` as that sum."""
 
 
 @final
@@ -101,7 +130,12 @@ class KerasOptimizer(Optimizer):
         values = same_on_all_processes(
             [np.asarray(keras.ops.convert_to_numpy(v.value)) for v in self.optimizer.variables]
         )
-        return [put_replicated(v, mesh) for v in values]
+        shardings = optimizer_shardings(self.optimizer, mesh)
+        return [put_sharded(v, sharding) for v, sharding in zip(values, shardings, strict=True)]
+
+    def state_shardings(self, model: keras.Model, mesh: Mesh) -> list[Any]:
+        del model  # the optimizer knows the model it was placed with (``_layout.place``)
+        return optimizer_shardings(self.optimizer, mesh)
 
     def scale_loss(self, loss: Any, state: list[Any]) -> Any:
         # Mixed precision: a LossScaleOptimizer scales the loss with its own (stateless) scale.
@@ -126,6 +160,30 @@ class KerasOptimizer(Optimizer):
     def checkpoint_variables(self, state: list[Any]) -> None:
         del state  # written back into the model's optimizer, which the checkpoint reads
 
+    @property
+    def accumulation_steps(self) -> int:
+        trainable = getattr(self.optimizer, "_trainable_variables", [])
+        if any(getattr(v, "overwrite_with_gradient", False) for v in trainable):
+            return 1  # float8 scales accumulate by maximum: left to Keras's own accumulation
+        return int(self.optimizer.gradient_accumulation_steps or 1)
+
+    def window_position(self, state: list[Any]) -> Any:
+        return state[self._position_of(internals.apply_count(self.optimizer))] % self.accumulation_steps
+
+    def held_sum(self, state: list[Any]) -> list[Any]:
+        return [state[self._position_of(acc)] for acc in internals.gradient_accumulators(self.optimizer)]
+
+    def with_held_sum(self, state: list[Any], sums: list[Any]) -> list[Any]:
+        state = list(state)
+        for acc, value in zip(internals.gradient_accumulators(self.optimizer), sums, strict=True):
+            state[self._position_of(acc)] = value
+        return state
+
+    def _position_of(self, variable: Any) -> int:
+        # Keras keeps the iteration count and one accumulator per trainable variable (in the order
+        # of the variables it was built with, the model's) among ``variables``.
+        return next(i for i, v in enumerate(self.optimizer.variables) if v is variable)
+
 
 @final
 class OptaxOptimizer(Optimizer):
@@ -137,14 +195,15 @@ class OptaxOptimizer(Optimizer):
     learning rate scales its final update (sgd, momentum, adam, adamw, lion, ...).
     """
 
-    def __init__(self, transformation: optax.GradientTransformation) -> None:
+    def __init__(self, transformation: optax.GradientTransformation, *, accumulate_steps: int = 1) -> None:
         if not isinstance(transformation, optax.GradientTransformation):
             raise TypeError(
                 "optimizer must be an optax.GradientTransformation (e.g. optax.adam(1e-3)), or None to use the "
                 f"model's compiled Keras optimizer; got {type(transformation).__name__}."
             )
-        self.transformation = transformation
+        self.steps = accumulate_steps
         self.given = transformation
+        self.transformation = self._accumulated(transformation)
         self.policy: dict[str, Any] | None = None
         self._saved: list[np.ndarray] | None = None
 
@@ -162,22 +221,29 @@ class OptaxOptimizer(Optimizer):
             1.0, global_batch_size=global_batch_size, lr_scaling=lr_scaling, warmup_steps=warmup_steps
         )
         self.policy = multiplier.get_config()
-        self.transformation = optax.chain(self.given, optax.scale_by_schedule(KerasSchedule(self.policy)))
+        self.transformation = self._accumulated(
+            optax.chain(self.given, optax.scale_by_schedule(KerasSchedule(self.policy)))
+        )
         yield self.policy
 
     def traced_from(self) -> TracedFrom:
         # A transformation is a NamedTuple (no weak references): its two functions stand for it.
-        return TracedFrom([self.given.init, self.given.update], [config_value(self.policy)])
+        return TracedFrom([self.given.init, self.given.update], [config_value(self.policy), self.steps])
 
     def initial_state(self, trainable: list[jax.Array], mesh: Mesh, *, previous: Any | None) -> Any:
         if previous is not None:  # optax state lives on the mesh for the whole fit
             return previous
-        state = jax.jit(self.transformation.init, out_shardings=replicated(mesh))(trainable)
+        shardings = optax_state_shardings(self.transformation, trainable, mesh)
+        state = jax.jit(self.transformation.init, out_shardings=shardings)(trainable)
         if self._saved is None:
             return state
         leaves, structure = jax.tree.flatten(state)
         _check_count(len(self._saved), len(leaves))
-        return jax.tree.unflatten(structure, [put_replicated(value, mesh) for value in self._saved])
+        placed = [put_sharded(value, leaf.sharding) for value, leaf in zip(self._saved, leaves, strict=True)]
+        return jax.tree.unflatten(structure, placed)
+
+    def state_shardings(self, model: keras.Model, mesh: Mesh) -> Any:
+        return optax_state_shardings(self.transformation, abstract_trainable(model, mesh), mesh)
 
     def scale_loss(self, loss: Any, state: Any) -> Any:
         return loss
@@ -199,6 +265,30 @@ class OptaxOptimizer(Optimizer):
 
     def checkpoint_variables(self, state: Any) -> list[np.ndarray]:
         return list(jax.tree.leaves(replicated_to_host(state)))
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.steps
+
+    def window_position(self, state: Any) -> Any:
+        return state.mini_step
+
+    def held_sum(self, state: Any) -> list[Any]:
+        # MultiSteps holds the running mean of the window's gradients.
+        return [mean * state.mini_step for mean in jax.tree.leaves(state.acc_grads)]
+
+    def with_held_sum(self, state: Any, sums: list[Any]) -> Any:
+        leaves, structure = jax.tree.flatten(state.acc_grads)
+        count = jnp.maximum(state.mini_step, 1)
+        means = [(total / count).astype(leaf.dtype) for total, leaf in zip(sums, leaves, strict=True)]
+        return state._replace(acc_grads=jax.tree.unflatten(structure, means))
+
+    def _accumulated(self, transformation: optax.GradientTransformation) -> optax.GradientTransformation:
+        """``optax.MultiSteps`` over ``transformation`` when accumulating: the mean of every
+        ``accumulate_steps`` micro-steps' gradients updates the weights, as one device runs it."""
+        if self.steps == 1:
+            return transformation
+        return optax.MultiSteps(transformation, every_k_schedule=self.steps).gradient_transformation()
 
 
 def _check_count(saved: int, expected: int) -> None:

@@ -24,8 +24,10 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dp_core.keras import internals
+from jax_dp._accumulation import accumulates, merged, split, without_held_sum
 from jax_dp._distributed import agree, replicated_to_host, same_on_all_processes
-from jax_dp._mesh import put_replicated
+from jax_dp._layout import weight_shardings
+from jax_dp._mesh import put_replicated, put_sharded
 from jax_dp._metrics import metrics_on_mesh
 from jax_dp._optimizers import Optimizer
 
@@ -56,20 +58,24 @@ class TrainState(NamedTuple):
     optimizer: Any
     metrics: list[Any]
     counts: StepCounts
+    accumulated: Any = ()  # gradient accumulation's per-replica partial sums, sharded (``_accumulation``)
 
 
 def weights_on_mesh(model: keras.Model, mesh: Mesh) -> Weights:
-    """The model's values, process 0's, replicated on the mesh."""
+    """The model's values, process 0's, on the mesh: replicated, or split as its layout says (``_layout``)."""
+    placement = weight_shardings(model, mesh)
     return Weights(
-        trainable=variables_on_mesh(model.trainable_variables, mesh),
-        non_trainable=variables_on_mesh(model.non_trainable_variables, mesh),
+        trainable=variables_on_mesh(model.trainable_variables, mesh, placement.trainable),
+        non_trainable=variables_on_mesh(model.non_trainable_variables, mesh, placement.non_trainable),
     )
 
 
-def variables_on_mesh(variables: list[Any], mesh: Mesh) -> list[jax.Array]:
-    """The variables' values, process 0's, replicated on the mesh."""
+def variables_on_mesh(variables: list[Any], mesh: Mesh, shardings: list[Any] | None = None) -> list[jax.Array]:
+    """The variables' values, process 0's, on the mesh: replicated, or as ``shardings`` say."""
     values = same_on_all_processes([np.asarray(keras.ops.convert_to_numpy(v.value)) for v in variables])
-    return [put_replicated(value, mesh) for value in values]
+    if shardings is None:
+        return [put_replicated(value, mesh) for value in values]
+    return [put_sharded(value, sharding) for value, sharding in zip(values, shardings, strict=True)]
 
 
 def train_state_on_mesh(
@@ -80,17 +86,24 @@ def train_state_on_mesh(
     previous_optimizer_state: Any | None,
     metric_sums: list[np.ndarray] | None,
     whole_metrics: bool = False,
+    accumulate: bool = False,
 ) -> TrainState:
     """The state an epoch starts from: the model's, with ``metric_sums`` (None: reset metrics)
     when it continues a checkpointed epoch; ``whole_metrics``: the metric values replicated,
-    not per-replica stacks."""
+    not per-replica stacks; ``accumulate``: for Keras's train step, which accumulates gradients
+    per replica when the optimizer accumulates (``_accumulation``)."""
     trainable, non_trainable = weights_on_mesh(model, mesh)
+    optimizer_state = optimizer.initial_state(trainable, mesh, previous=previous_optimizer_state)
+    accumulated: Any = ()
+    if accumulate and accumulates(optimizer):
+        optimizer_state, accumulated = split(model, optimizer, optimizer_state, mesh)
     return TrainState(
         trainable=trainable,
         non_trainable=non_trainable,
-        optimizer=optimizer.initial_state(trainable, mesh, previous=previous_optimizer_state),
+        optimizer=optimizer_state,
         metrics=(metric_values_on_mesh if whole_metrics else metrics_on_mesh)(model, mesh, metric_sums),
         counts=StepCounts(*(put_replicated(np.int32(count), mesh) for count in (0, 0, -1))),
+        accumulated=accumulated,
     )
 
 
@@ -118,18 +131,31 @@ def step_taken(good: Any, new: TrainState, old: TrainState) -> TrainState:
     )
 
 
-def write_back(model: keras.Model, optimizer: Optimizer, state: TrainState, *, metrics: bool = False) -> list[Any]:
+def write_back(
+    model: keras.Model, optimizer: Optimizer, state: TrainState, *, metrics: bool = False, every_process: bool = True
+) -> list[Any]:
     """Trained values into the caller's model and optimizer (with ``metrics``, also replicated
     metric values into its metrics), as host copies (usable outside the mesh); returns the
-    model's values as written, for ``model_changed``."""
+    model's values as written, for ``model_changed``. The optimizer gets the gradients accumulated
+    so far summed over replicas, a collective: without ``every_process`` (one process alone
+    writes, with others), its accumulators keep what the state holds outside the partial sums."""
     pairs = [(model.trainable_variables, state.trainable), (model.non_trainable_variables, state.non_trainable)]
     if metrics:
         pairs.append((model.metrics_variables, state.metrics))
     for variables, values in pairs:
         for variable, value in zip(variables, replicated_to_host(values), strict=True):
             variable.assign(value)
-    optimizer.write_back(state.optimizer)
+    collective_ok = every_process or jax.process_count() == 1
+    optimizer.write_back(optimizer_state_of(model, optimizer, state) if collective_ok else state.optimizer)
     return model_values(model, metrics=metrics)
+
+
+def optimizer_state_of(model: keras.Model, optimizer: Optimizer, state: TrainState) -> Any:
+    """The optimizer state as one device holds it (with the gradients accumulated so far in the
+    window); a collective when the state accumulates per replica."""
+    if not state.accumulated:
+        return state.optimizer
+    return merged(model, optimizer, state.optimizer, state.accumulated, state.accumulated[0].sharding.mesh)
 
 
 def model_values(model: keras.Model, *, metrics: bool = False) -> list[Any]:
@@ -211,7 +237,9 @@ class ModelOnRequest:
     def _sync(self) -> None:
         self._requested = True
         if self._offered is not None and self._offered is not self._written_state:
-            self._written = write_back(self.model, self.optimizer, self._offered, metrics=self.metrics)
+            self._written = write_back(
+                self.model, self.optimizer, self._offered, metrics=self.metrics, every_process=False
+            )
             self._written_state = self._offered
 
 
@@ -221,10 +249,13 @@ def state_from_model(
     """``state`` with the model's current weights and optimizer variables (with ``metrics``, also
     its metric values, replicated; else the metrics are kept, as are the counts)."""
     trainable, non_trainable = weights_on_mesh(model, mesh)
+    optimizer_state = optimizer.initial_state(trainable, mesh, previous=state.optimizer)
+    if state.accumulated:  # the window's gradients stay in the partial sums
+        optimizer_state = without_held_sum(model, optimizer, optimizer_state, mesh)
     return state._replace(
         trainable=trainable,
         non_trainable=non_trainable,
-        optimizer=optimizer.initial_state(trainable, mesh, previous=state.optimizer),
+        optimizer=optimizer_state,
         metrics=variables_on_mesh(model.metrics_variables, mesh) if metrics else state.metrics,
     )
 

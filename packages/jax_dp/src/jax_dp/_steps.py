@@ -30,9 +30,11 @@ from jax.sharding import Mesh
 
 from dp_core import BatchNormMode
 from dp_core.keras import internals
+from jax_dp._accumulation import accumulated_shardings, accumulated_update, accumulates
 from jax_dp._batches import Batch, row_weights
 from jax_dp._compile_cache import held_weakly
-from jax_dp._mesh import batch_sharded, replicated
+from jax_dp._layout import weight_shardings
+from jax_dp._mesh import batch_sharded, num_replicas_of, replicated
 from jax_dp._metrics import Logs, make_metric_update, results_of, zero_states
 from jax_dp._optimizers import Optimizer
 from jax_dp._padding import computes_own_loss, padding_aware
@@ -82,7 +84,9 @@ def make_train_step(
     """One optimizer step on one global batch: ``(state, batch, padded) -> state``; the state
     argument is donated; ``padded`` (static) says whether any batch of the epoch is padded."""
     train_step = _train_step(model, optimizer, mesh, batch_norm=batch_norm, skip_nonfinite=skip_nonfinite)
-    return jax.jit(train_step, donate_argnums=0, static_argnums=2, out_shardings=_state_shardings(mesh))
+    return jax.jit(
+        train_step, donate_argnums=0, static_argnums=2, out_shardings=_state_shardings(model, optimizer, mesh)
+    )
 
 
 def make_reporting_train_step(
@@ -97,7 +101,7 @@ def make_reporting_train_step(
         state = train_step(state, batch, padded)
         return state, report_of(results_of(model_now(), state.metrics), state.counts.skipped)
 
-    shardings = (_state_shardings(mesh), replicated(mesh))
+    shardings = (_state_shardings(model, optimizer, mesh), replicated(mesh))
     return jax.jit(reporting_train_step, static_argnums=2, out_shardings=shardings)
 
 
@@ -111,12 +115,19 @@ def make_report(model: keras.Model, mesh: Mesh) -> Callable[[list[jax.Array], ja
     return jax.jit(report, out_shardings=replicated(mesh))
 
 
-def _state_shardings(mesh: Mesh) -> Any:
-    # A sharding in place of a field (a pytree prefix) applies to every array in it.
+def _state_shardings(model: keras.Model, optimizer: Optimizer, mesh: Mesh) -> Any:
+    # A sharding in place of a field (a pytree prefix) applies to every array in it. Weights and
+    # optimizer state lie as the model's layout says (replicated without one: ``_layout``).
     everywhere: Any = replicated(mesh)
     per_replica: Any = batch_sharded(mesh)
+    weights = weight_shardings(model, mesh)
     return TrainState(
-        trainable=everywhere, non_trainable=everywhere, optimizer=everywhere, metrics=per_replica, counts=everywhere
+        trainable=weights.trainable,
+        non_trainable=weights.non_trainable,
+        optimizer=optimizer.state_shardings(model, mesh),
+        metrics=per_replica,
+        counts=everywhere,
+        accumulated=accumulated_shardings(model, optimizer, mesh),
     )
 
 
@@ -132,7 +143,7 @@ def _train_step(
     The step keeps ``optimizer`` for its pure ``scale_loss``/``apply``: a later fit reuses it
     only with an optimizer traced from the same things (``Optimizer.traced_from``).
     """
-    num_replicas = mesh.size
+    num_replicas = num_replicas_of(mesh)
     model_now = held_weakly(model)
 
     def train_step(state: TrainState, batch: Batch, padded: bool) -> TrainState:
@@ -151,13 +162,28 @@ def _train_step(
                 loss, aux = _loss_and_updates(model, trainable, state.non_trainable, batch, training=True)
                 return optimizer.scale_loss(loss, state.optimizer), (loss, *aux)
 
-            (_, (loss, y_pred, non_trainable, increments)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-                state.trainable
-            )
-            trainable, optimizer_state = optimizer.apply(state.optimizer, grads, state.trainable)
+            accumulated = state.accumulated
+            if accumulates(optimizer):  # gradients summed per replica, all-reduced once per window
+                (loss, y_pred, non_trainable, increments), (trainable, optimizer_state, accumulated) = (
+                    accumulated_update(
+                        model,
+                        optimizer,
+                        mesh,
+                        state,
+                        batch,
+                        loss_and_updates=_loss_and_updates,
+                        per_replica=batch_norm == "global",
+                    )
+                )
+            else:
+                (_, (loss, y_pred, non_trainable, increments)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                    state.trainable
+                )
+                trainable, optimizer_state = optimizer.apply(state.optimizer, grads, state.trainable)
         metrics = update_metrics(state.metrics, increments, loss, batch, y_pred)
         good = jnp.isfinite(loss) if skip_nonfinite else jnp.isfinite(loss) & (state.counts.skipped == 0)
-        return step_taken(good, TrainState(trainable, non_trainable, optimizer_state, metrics, state.counts), state)
+        new = TrainState(trainable, non_trainable, optimizer_state, metrics, state.counts, accumulated)
+        return step_taken(good, new, state)
 
     return train_step
 
@@ -198,14 +224,19 @@ def _loss_and_updates(
     batch: Batch,
     *,
     training: bool,
+    call: Callable[[list[Any], list[Any], Any], tuple[Any, list[Any], list[Any]]] | None = None,
 ) -> tuple[Any, tuple[Any, list[Any], list[Any]]]:
     """Keras's ``compute_loss_and_updates`` on the padded batch (see the module's docstring).
 
-    The metric states returned are this batch's increments (per-output loss trackers).
+    The metric states returned are this batch's increments (per-output loss trackers). ``call``
+    replaces the model's ``stateless_call`` (``_accumulation``'s per-replica forward).
     """
-    y_pred, non_trainable, losses = cast(Any, model.stateless_call)(
-        trainable, non_trainable, batch.x, return_losses=True, **internals.training_kwargs(model, training)
-    )
+    if call is not None:
+        y_pred, non_trainable, losses = call(trainable, non_trainable, batch.x)
+    else:
+        y_pred, non_trainable, losses = cast(Any, model.stateless_call)(
+            trainable, non_trainable, batch.x, return_losses=True, **internals.training_kwargs(model, training)
+        )
     with internals.forward_losses(model, losses):
         loss, (_, non_trainable, metrics) = model.stateless_compute_loss(
             trainable,

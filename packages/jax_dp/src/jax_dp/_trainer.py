@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, final
 
@@ -9,7 +10,7 @@ import keras
 import optax
 from jax.sharding import Mesh
 
-from dp_core import BatchNormMode, LearningRateScaling, NonFiniteLoss, Verbose
+from dp_core import BatchNormMode, LearningRateScaling, NonFiniteLoss, ScalingReport, Verbose, scaling_report_folder
 from dp_core.keras import (
     BatchSource,
     CheckpointWriter,
@@ -25,6 +26,7 @@ from dp_core.keras import (
     internals,
     require_backend,
 )
+from jax_dp._accumulation import check_accumulate_steps
 from jax_dp._batches import Plan
 from jax_dp._checkpoints import resume
 from jax_dp._compile_cache import CompileCache, TracedFrom, compile_state, model_structure
@@ -39,11 +41,13 @@ from jax_dp._custom_steps import (
     overrides,
 )
 from jax_dp._distributed import ends_the_run_on_failure, is_primary
+from jax_dp._layout import Layout, place
 from jax_dp._loop import EpochTrainer, Evaluator, evaluate_loop, fit_loop, keras_epochs, predict_loop
-from jax_dp._mesh import check_mesh, make_mesh, replica_layout
+from jax_dp._mesh import check_mesh, make_mesh, num_replicas_of, replica_layout
 from jax_dp._metrics import make_results
 from jax_dp._optimizers import KerasOptimizer, OptaxOptimizer, Optimizer
 from jax_dp._preemption import PreemptionNotice
+from jax_dp._profile import FitProfile, finish_report
 from jax_dp._sources import epoch_plan
 from jax_dp._steps import (
     Steps,
@@ -63,12 +67,20 @@ class Trainer:
 
     ``num_replicas=None`` uses every device jax sees (on a CPU host, as many as
     ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` made); ``mesh=`` takes an
-    explicit 1-D ``("batch",)`` mesh instead. ``optimizer=`` an optax
+    explicit 1-D ``("batch",)`` mesh instead, or a 2-D ``("batch", "model")`` one with
+    ``layout=`` rules (``{variable path regex: partition spec}`` or a
+    ``keras.distribution.LayoutMap``) that split variables over ``"model"``: model parallel,
+    with each row of the mesh one replica (``_layout``). ``optimizer=`` an optax
     ``GradientTransformation`` replaces the model's compiled optimizer.
     ``batch_norm="per_replica"`` normalizes each replica's rows on their own.
     ``on_nonfinite_loss="stop"`` raises ``NonFiniteLossError`` naming the first step whose
     loss is NaN or infinite, leaving the model as it was before that step; ``"skip"``
     leaves such steps out (with a warning) and trains on.
+
+    ``profile=True`` (or a folder path; True is ``./scaling-report``) times each training step's
+    input, step and callbacks, splits the step into forward+backward, all-reduce and optimizer
+    by timing those pieces apart after the fit (labelled as estimated), prints one line and
+    writes ``scaling_report.json`` and ``.png`` there; ``trainer.scaling_report`` holds it.
 
     A trainer keeps the steps it compiles for a model and reuses them in later calls with
     that model, until the model is compiled again or what the steps were traced from
@@ -89,27 +101,36 @@ class Trainer:
         num_replicas: int | None = None,
         *,
         mesh: Mesh | None = None,
+        layout: Mapping[str, Any] | keras.distribution.LayoutMap | None = None,
         optimizer: optax.GradientTransformation | None = None,
         batch_norm: BatchNormMode = "global",
         on_nonfinite_loss: NonFiniteLoss = "stop",
+        profile: bool | str | os.PathLike[str] = False,
     ) -> None:
         require_backend("jax", PACKAGE)
         self.on_nonfinite_loss: NonFiniteLoss = check_nonfinite_mode(on_nonfinite_loss)
         check_batch_norm_mode(batch_norm)
-        if mesh is not None and num_replicas is not None and num_replicas != mesh.size:
-            raise ValueError(f"num_replicas={num_replicas} disagrees with the mesh's {mesh.size} devices; pass one.")
         self.mesh = make_mesh(num_replicas) if mesh is None else check_mesh(mesh)
+        if mesh is not None and num_replicas is not None and num_replicas != num_replicas_of(mesh):
+            raise ValueError(
+                f"num_replicas={num_replicas} disagrees with the mesh's {num_replicas_of(mesh)} replicas (its "
+                "'batch' axis); pass one."
+            )
         self.layout = replica_layout(self.mesh)
+        self.variable_layout = Layout(layout)
+        self.variable_layout.check_axes(self.mesh)
         self.batch_norm: BatchNormMode = batch_norm
         self._optax = optimizer
         self._compile_cache = CompileCache()
+        self.profile = scaling_report_folder(profile)
+        self.scaling_report: ScalingReport | None = None  # the last profiled fit's, on process 0
         if optimizer is not None:
             OptaxOptimizer(optimizer)  # type check now, not at the first fit
 
     @property
     def num_replicas(self) -> int:
-        """Devices on the mesh's ``"batch"`` axis, over every process."""
-        return self.mesh.size
+        """Devices (rows of a 2-D mesh) on the mesh's ``"batch"`` axis, over every process."""
+        return num_replicas_of(self.mesh)
 
     @ends_the_run_on_failure
     def fit(
@@ -138,11 +159,21 @@ class Trainer:
         warmup_steps: int = 0,
         checkpoint_dir: str | None = None,
         checkpoint_every_steps: int | None = None,
+        accumulate_steps: int | None = None,
     ) -> keras.callbacks.History:
         """Train like ``model.fit``; returns the History, whose ``.model`` holds the trained weights.
 
         ``checkpoint_dir`` gets a checkpoint at every epoch end and, with
         ``checkpoint_every_steps``, every that many steps; a fit pointed at one resumes.
+
+        Gradient accumulation: each replica sums its own gradients over the window and they are
+        all-reduced once per update, not at every step. With the model's Keras optimizer, set
+        ``gradient_accumulation_steps`` on it (``keras.optimizers.Adam(1e-3,
+        gradient_accumulation_steps=4)``); ``accumulate_steps`` may repeat that number, any other
+        is a ``ValueError``. With an optax optimizer (``Trainer(optimizer=...)``),
+        ``accumulate_steps=k`` updates every ``k`` steps with the mean of their gradients, as
+        ``optax.MultiSteps(optimizer, every_k_schedule=k)``. A window runs across epoch ends, and
+        a checkpoint taken inside one holds the gradients summed so far, as one device would.
         """
         global_batch_size = global_batch_size_of(batch_size, global_batch_size, x)
         model, inputs = self._check(
@@ -178,8 +209,12 @@ class Trainer:
             checkpoint_every_steps=checkpoint_every_steps,
             verbose=verbose,
         )
-        optimizer = KerasOptimizer(model) if self._optax is None else OptaxOptimizer(self._optax)
+        steps = check_accumulate_steps(accumulate_steps, model.optimizer, optax=self._optax is not None)
+        optimizer = (
+            KerasOptimizer(model) if self._optax is None else OptaxOptimizer(self._optax, accumulate_steps=steps)
+        )
         build_model(model, inputs)
+        place(model, self.mesh, self.variable_layout)
         with optimizer.learning_rate_policy(
             global_batch_size=global_batch_size, lr_scaling=lr_scaling, warmup_steps=warmup_steps
         ) as policy:
@@ -201,17 +236,33 @@ class Trainer:
                     num_replicas=self.num_replicas,
                     lr_policy=policy,
                 )
+            profile = None if self.profile is None else FitProfile()
             with PreemptionNotice():
-                return fit_loop(
+                history = fit_loop(
                     model,
                     arguments,
                     optimizer=optimizer,
-                    train_epoch=self._epochs(model, optimizer, checkpoints),
+                    train_epoch=self._epochs(model, optimizer, checkpoints, profile),
                     evaluate=self._evaluator(model),
                     layout=self.layout,
                     start=start,
                     checkpoints=checkpoints,
                 )
+            if profile is not None and self.profile is not None:
+                traced_from = model_structure(model) + compile_state(model) + optimizer.traced_from()
+                traced_from += TracedFrom(values=[self.mesh, self.batch_norm])
+                self.scaling_report = finish_report(
+                    profile,
+                    model,
+                    optimizer,
+                    self.mesh,
+                    global_batch_size=global_batch_size,
+                    batch_norm=self.batch_norm,
+                    folder=str(self.profile),
+                    cached=lambda build: self._compile_cache.step(model, "profile", traced_from, build),
+                )
+                history.scaling_report = self.scaling_report  # pyright: ignore[reportAttributeAccessIssue]
+            return history
 
     @ends_the_run_on_failure
     def evaluate(
@@ -236,6 +287,7 @@ class Trainer:
         if isinstance(inputs, BatchSource):  # its batches are the global batches
             global_batch_size = inputs.global_batch_size
         build_model(model, inputs)
+        place(model, self.mesh, self.variable_layout)
         plan = epoch_plan(inputs, layout=self.layout, global_batch_size=global_batch_size)
         hooks = callback_list(
             callbacks, model, is_primary=is_primary(), verbose=verbose, steps=plan.steps, history=False
@@ -265,12 +317,13 @@ class Trainer:
         if isinstance(inputs, BatchSource):  # its batches are the global batches
             global_batch_size = inputs.global_batch_size
         build_model(model, inputs, for_predict=True)
+        place(model, self.mesh, self.variable_layout)
         plan = epoch_plan(inputs, layout=self.layout, global_batch_size=global_batch_size)
         hooks = callback_list(
             callbacks, model, is_primary=is_primary(), verbose=verbose, steps=plan.steps, history=False
         )
         hooks.on_predict_begin()
-        mesh, traced_from = self.mesh, model_structure(model) + TracedFrom(values=[self.mesh])
+        mesh, traced_from = self.mesh, model_structure(model) + TracedFrom(values=[self.mesh, self.variable_layout])
         if overrides(model, "predict_step"):
             custom_step = self._compile_cache.step(
                 model, "custom_predict", traced_from, lambda: make_custom_predict_step(model, mesh)
@@ -302,6 +355,11 @@ class Trainer:
         if not isinstance(model, keras.Model) and callable(model):
             model = model()
         custom = tuple(name for name in step_names if isinstance(model, keras.Model) and overrides(model, name))
+        if custom and self.variable_layout:
+            raise ValueError(
+                f"The model overrides {', '.join(custom)}, which runs with its state replicated; layout= needs "
+                "Keras's own steps. Drop layout= (a 2-D mesh without it replicates every variable), or the override."
+            )
         if custom:
             check_custom_steps(
                 model, custom, compiled=compiled, optax=self._optax is not None, batch_norm=self.batch_norm
@@ -319,7 +377,13 @@ class Trainer:
             **options,
         )
 
-    def _epochs(self, model: keras.Model, optimizer: Optimizer, checkpoints: CheckpointWriter | None) -> EpochTrainer:
+    def _epochs(
+        self,
+        model: keras.Model,
+        optimizer: Optimizer,
+        checkpoints: CheckpointWriter | None,
+        profile: FitProfile | None = None,
+    ) -> EpochTrainer:
         """How one fit trains an epoch: with the model's own ``train_step`` or Keras's."""
         stop_on_nonfinite = self.on_nonfinite_loss == "stop"
         if overrides(model, "train_step"):
@@ -338,6 +402,7 @@ class Trainer:
             mesh=self.mesh,
             checkpoints=checkpoints,
             stop_on_nonfinite=stop_on_nonfinite,
+            profile=profile,
         )
 
     def _evaluator(self, model: keras.Model) -> Evaluator:
@@ -381,7 +446,7 @@ class Trainer:
         """The jitted steps of one fit (without ``optimizer``: of evaluate alone), from the
         compile cache when they were traced from the same model, compile state and options."""
         mesh = self.mesh
-        evaluation = model_structure(model) + compile_state(model) + TracedFrom(values=[mesh])
+        evaluation = model_structure(model) + compile_state(model) + TracedFrom(values=[mesh, self.variable_layout])
         recipes: dict[str, tuple[TracedFrom, Callable[[], Any]]] = {
             "test": (evaluation, lambda: make_test_step(model, mesh)),
             "results": (evaluation, lambda: make_results(model, mesh)),

@@ -1,0 +1,221 @@
+"""Model parallel: which mesh axes split each variable (``Trainer(layout=...)``).
+
+A layout maps regular expressions over a Keras variable's ``.path`` to a partition spec,
+one entry per dimension of the variable: ``None`` (whole), a mesh axis name, or a tuple of
+axis names. ``{"dense.*kernel": (None, "model")}`` splits every matching kernel's columns
+over the ``"model"`` axis. A dict's first rule whose pattern ``re.search``-es the path wins;
+a ``keras.distribution.LayoutMap`` is looked up as Keras looks it up (its own ``[path]``).
+Variables no rule matches are replicated.
+
+A model's variables, its Keras optimizer's slots (each slot like the variable it was made
+for: Keras names a slot after its variable's path) and an optax state's per-parameter leaves
+lie on the mesh as ``NamedSharding(mesh, P(*spec))``; the jitted steps keep them so, and
+XLA's SPMD partitioner adds the collectives over ``"model"``. ``place`` checks a model's
+rules against the mesh before anything runs and records them for the model, so every
+placement of its state during the call (``weight_shardings``, ``optimizer_shardings``)
+follows them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import weakref
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import keras
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+Spec = tuple[Any, ...]
+
+
+class Layout:
+    """Parsed ``layout=`` rules; equal layouts compile the same steps (``_compile_cache``)."""
+
+    def __init__(self, rules: Any = None) -> None:
+        self._keras_map: keras.distribution.LayoutMap | None = None
+        if rules is None:
+            self.rules: tuple[tuple[str, Spec], ...] = ()
+        elif isinstance(rules, keras.distribution.LayoutMap):
+            self._keras_map = rules
+            self.rules = tuple((pattern, _spec_of(rules[pattern], pattern)) for pattern in rules)
+        elif isinstance(rules, Mapping):
+            self.rules = tuple((str(pattern), _spec_of(spec, pattern)) for pattern, spec in rules.items())
+            for pattern, _ in self.rules:
+                try:
+                    re.compile(pattern)
+                except re.error as error:
+                    raise ValueError(f"layout rule {pattern!r} is not a regular expression: {error}.") from None
+        else:
+            raise TypeError(
+                "layout must be a dict of {variable path regex: partition spec} (e.g. {'dense.*kernel': "
+                f"(None, 'model')}}) or a keras.distribution.LayoutMap, got {type(rules).__name__}."
+            )
+
+    def __bool__(self) -> bool:
+        return bool(self.rules)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Layout) and self.identity() == other.identity()
+
+    def __hash__(self) -> int:
+        return hash(self.identity())
+
+    def identity(self) -> tuple[Any, ...]:
+        return (self._keras_map is not None, self.rules)
+
+    def spec_for(self, path: str) -> Spec | None:
+        """The spec of the variable at ``path`` (None: replicated)."""
+        if self._keras_map is not None:
+            found = self._keras_map[path]
+            return None if found is None else tuple(found.axes)
+        for pattern, spec in self.rules:
+            if re.search(pattern, path):
+                return spec
+        return None
+
+    def check_axes(self, mesh: Mesh) -> None:
+        """Every axis a rule names is one of the mesh's."""
+        for pattern, spec in self.rules:
+            for axis in _axes_of(spec):
+                if axis not in mesh.axis_names:
+                    raise ValueError(
+                        f"layout rule {pattern!r}: {spec} names the axis {axis!r}, but the mesh's axes are "
+                        f"{mesh.axis_names} (sizes {dict(mesh.shape)}). Use a 2-D mesh with axes ('batch', 'model'), "
+                        "e.g. jax.make_mesh((2, 2), ('batch', 'model')), and name only its axes."
+                    )
+
+
+def _spec_of(value: Any, pattern: str) -> Spec:
+    axes = getattr(value, "axes", value)  # a TensorLayout holds its spec in .axes
+    if isinstance(axes, str) or axes is None:
+        axes = (axes,)
+    if not isinstance(axes, (tuple, list, P)):
+        raise TypeError(
+            f"layout rule {pattern!r}: expected a partition spec (a tuple of None, axis names or tuples of "
+            f"axis names, one per dimension), got {value!r}."
+        )
+    return tuple(tuple(entry) if isinstance(entry, list) else entry for entry in axes)
+
+
+def _axes_of(spec: Spec) -> list[str]:
+    return [axis for entry in spec if entry is not None for axis in (entry if isinstance(entry, tuple) else (entry,))]
+
+
+class Placement(NamedTuple):
+    """One model's shardings, in ``trainable_variables``/``non_trainable_variables`` order."""
+
+    trainable: list[NamedSharding]
+    non_trainable: list[NamedSharding]
+
+
+# The layout each model was last placed with (by the trainer call that runs it), and the
+# Keras optimizer each model steps with, so the optimizer's slots follow the model's layout.
+_PLACED: weakref.WeakKeyDictionary[keras.Model, tuple[Mesh, Layout]] = weakref.WeakKeyDictionary()
+_OPTIMIZER_OF: weakref.WeakKeyDictionary[Any, weakref.ref[keras.Model]] = weakref.WeakKeyDictionary()
+
+
+def place(model: keras.Model, mesh: Mesh, layout: Layout) -> None:
+    """Check ``layout`` against ``model``'s variables on ``mesh`` (a clear error for a rule that does
+    not fit) and record it: the model's state is placed by it until the next call places it again."""
+    for variable in [*model.trainable_variables, *model.non_trainable_variables]:
+        _checked_sharding(variable, layout, mesh)
+    _PLACED[model] = (mesh, layout)
+    if getattr(model, "optimizer", None) is not None:
+        _OPTIMIZER_OF[model.optimizer] = weakref.ref(model)
+
+
+def layout_of(model: keras.Model, mesh: Mesh) -> Layout:
+    """The layout ``model`` was placed with on ``mesh`` (none: replicated)."""
+    placed = _PLACED.get(model)
+    return placed[1] if placed is not None and placed[0] == mesh else Layout()
+
+
+def weight_shardings(model: keras.Model, mesh: Mesh) -> Placement:
+    """Where each of the model's variables lies on ``mesh``."""
+    layout = layout_of(model, mesh)
+    return Placement(
+        trainable=[_checked_sharding(v, layout, mesh) for v in model.trainable_variables],
+        non_trainable=[_checked_sharding(v, layout, mesh) for v in model.non_trainable_variables],
+    )
+
+
+def _checked_sharding(variable: Any, layout: Layout, mesh: Mesh) -> NamedSharding:
+    spec = layout.spec_for(variable.path) if layout else None
+    if spec is None:
+        return NamedSharding(mesh, P())
+    shape = tuple(variable.shape)
+    where = f"layout puts the variable {variable.path!r} (shape {shape}) as {spec} on the mesh {dict(mesh.shape)}"
+    if len(spec) > len(shape):
+        raise ValueError(
+            f"{where}, but the spec has {len(spec)} entries for {len(shape)} dimension(s). Give at most one "
+            "entry per dimension (None keeps a dimension whole), or narrow the rule's pattern."
+        )
+    for dimension, entry in enumerate(spec):
+        axes = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+        for axis in axes:
+            if axis not in mesh.axis_names:
+                raise ValueError(f"{where}, but the mesh has no axis {axis!r}. Name only {mesh.axis_names}.")
+        parts = math.prod(mesh.shape[axis] for axis in axes)
+        if shape[dimension] % parts:
+            raise ValueError(
+                f"{where}, but dimension {dimension} of size {shape[dimension]} does not divide into the "
+                f"{parts} part(s) of {entry!r}. Choose a mesh whose axis size divides {shape[dimension]}, "
+                "change the layer's size, or leave that dimension whole (None)."
+            )
+    return NamedSharding(mesh, P(*spec))
+
+
+def optimizer_shardings(optimizer: keras.optimizers.Optimizer, mesh: Mesh) -> list[NamedSharding]:
+    """Where each of a Keras optimizer's variables lies: a slot like the variable it was made
+    for, the rest (iterations, learning rate, loss scale) replicated.
+
+    Keras names a slot ``{variable.path with '/' as '_'}_{slot}`` with the variable's shape
+    (``add_variable_from_reference``); the longest such variable path wins."""
+    replicated = NamedSharding(mesh, P())
+    model_ref = _OPTIMIZER_OF.get(optimizer)
+    model = None if model_ref is None else model_ref()
+    if model is None or not layout_of(model, mesh):
+        return [replicated] * len(optimizer.variables)
+    placement = weight_shardings(model, mesh)
+    owners = sorted(
+        zip(model.trainable_variables, placement.trainable, strict=True),
+        key=lambda pair: -len(pair[0].path),
+    )
+    shardings = []
+    for slot in optimizer.variables:
+        sharding = replicated
+        for variable, variable_sharding in owners:
+            if slot.name.startswith(variable.path.replace("/", "_") + "_") and tuple(slot.shape) == tuple(
+                variable.shape
+            ):
+                sharding = variable_sharding
+                break
+        shardings.append(sharding)
+    return shardings
+
+
+def optax_state_shardings(transformation: optax.GradientTransformation, params: list[Any], mesh: Mesh) -> Any:
+    """Where each leaf of ``transformation``'s state over ``params`` (arrays or ``ShapeDtypeStruct``
+    with shardings) lies: a per-parameter leaf like its parameter, the rest replicated."""
+    shapes = jax.eval_shape(transformation.init, params)
+    return optax.tree_map_params(
+        transformation,
+        lambda _, param: param.sharding,
+        shapes,
+        params,
+        transform_non_params=lambda _: NamedSharding(mesh, P()),
+    )
+
+
+def abstract_trainable(model: keras.Model, mesh: Mesh) -> list[jax.ShapeDtypeStruct]:
+    """The model's trainable variables as the shapes, dtypes and shardings the steps see."""
+    shardings = weight_shardings(model, mesh).trainable
+    return [
+        jax.ShapeDtypeStruct(tuple(v.shape), v.dtype, sharding=s)
+        for v, s in zip(model.trainable_variables, shardings, strict=True)
+    ]

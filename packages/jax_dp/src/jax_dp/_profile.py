@@ -1,0 +1,206 @@
+"""``Trainer(profile=...)`` on jax: host timers around the fused step, and its split, estimated.
+
+The train step is one XLA program: gradients, their all-reduce and the optimizer update are
+fused, so host timers see only the input, the whole step and the callbacks. The loop laps
+``input`` while the step runs (the host prepares the next batch then, as without profiling)
+and ``step`` once it is done. After the fit, three separately jitted pieces run a few times on
+the first batch of the fit: each device's gradient on its own rows (``shard_map``, no reduction),
+the all-reduce of those gradients alone (``psum``), and the optimizer update alone. Their times
+split the measured step in proportion, and the report labels those three phases "estimated from
+separately timed parts". A timed ``psum`` of a few MB gives the link's bandwidth.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple, final
+
+import jax
+import jax.numpy as jnp
+import keras
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dp_core import (
+    ESTIMATED_FROM_PARTS,
+    BatchNormMode,
+    Phase,
+    ScalingReport,
+    StepTimer,
+    bus_bandwidth,
+    write_scaling_report,
+)
+from jax_dp._batches import Batch
+from jax_dp._compile_cache import held_weakly
+from jax_dp._distributed import is_primary
+from jax_dp._mesh import BATCH_AXIS
+from jax_dp._optimizers import Optimizer
+from jax_dp._padding import padding_aware
+from jax_dp._state import TrainState, train_state_on_mesh
+from jax_dp._steps import _loss_and_updates
+
+PROBE_BYTES = 4 * 2**20  # the timed psum: large enough to be bandwidth-bound, small enough to be quick
+ROUNDS = 3  # timed runs of each piece, after one that compiles it
+STEP = "step"  # the fused step's lap, split into the report's three phases at the end
+SPLIT = ("forward_backward", "all_reduce", "optimizer")
+
+
+@final
+class FitProfile:
+    """One fit's timer and the first batch it trained on (the split's pieces run on it)."""
+
+    def __init__(self) -> None:
+        self.timer = StepTimer()
+        self.batch: Batch | None = None
+
+    def trained_on(self, batch: Batch) -> None:
+        if self.batch is None:
+            self.batch = batch
+
+
+def _timed(run: Callable[[], Any]) -> float:
+    """Median seconds of ``run()`` until its outputs are ready, after a first run that compiles it."""
+    jax.block_until_ready(run())
+    times = []
+    for _ in range(ROUNDS):
+        start = time.perf_counter()
+        jax.block_until_ready(run())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+class Pieces(NamedTuple):
+    """The separately jitted parts of a train step, and the link probe; built once per model,
+    optimizer and mesh (the trainer's compile cache keeps them between fits)."""
+
+    gradients: Callable[..., Any]  # (trainable, non_trainable, optimizer state, x, y, weights, mask) -> per device
+    all_reduce: Callable[[Any], Any]
+    apply: Callable[[Any, Any, Any], Any]
+    probe: Callable[[jax.Array], jax.Array]
+
+
+def make_pieces(model: keras.Model, optimizer: Optimizer, mesh: Mesh, batch_norm: BatchNormMode) -> Pieces:
+    """Each device's gradient on its own rows (``shard_map``, nothing summed), the all-reduce of
+    those gradients alone, the optimizer update alone, and a ``psum`` of the probe."""
+    model_now = held_weakly(model)
+    replicated, sharded = P(), P(BATCH_AXIS)
+
+    def local_gradients(trainable: Any, non_trainable: Any, optimizer_state: Any, *rows: Any) -> Any:
+        x, y, sample_weight, mask = rows
+        model = model_now()
+        real_rows = jnp.sum(mask)
+        batch = Batch(x, y, sample_weight, mask, real_rows)
+        with padding_aware(model, mask, real_rows=real_rows, padded=False, batch_norm=batch_norm):
+
+            def loss_fn(variables: list[Any]) -> Any:
+                loss, _ = _loss_and_updates(model, variables, non_trainable, batch, training=True)
+                return optimizer.scale_loss(loss, optimizer_state)
+
+            gradients = jax.grad(loss_fn)(trainable)
+        return [gradient[None] for gradient in gradients]  # one row per device: nothing summed
+
+    def shard_mapped(function: Callable[..., Any], in_specs: Any, out_specs: Any) -> Callable[..., Any]:
+        return jax.jit(jax.shard_map(function, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
+
+    return Pieces(
+        gradients=shard_mapped(local_gradients, (replicated,) * 3 + (sharded,) * 4, sharded),
+        all_reduce=shard_mapped(lambda parts: [jax.lax.psum(p[0], BATCH_AXIS) for p in parts], sharded, replicated),
+        apply=jax.jit(optimizer.apply),
+        probe=shard_mapped(lambda part: jax.lax.psum(part, BATCH_AXIS), sharded, replicated),
+    )
+
+
+def link_bandwidth(pieces: Pieces, mesh: Mesh) -> float | None:
+    """Bytes per second a ring all-reduce moves per replica, from a timed ``psum`` of ``PROBE_BYTES``."""
+    replicas = _replicas(mesh)
+    if replicas <= 1:
+        return None
+    probe = jax.device_put(jnp.ones((replicas, PROBE_BYTES // 4), jnp.float32), NamedSharding(mesh, P(BATCH_AXIS)))
+    return bus_bandwidth(PROBE_BYTES, replicas, _timed(lambda: pieces.probe(probe)))
+
+
+def _replicas(mesh: Mesh) -> int:
+    return int(mesh.shape[BATCH_AXIS])
+
+
+def _split_parts(pieces: Pieces, mesh: Mesh, state: TrainState, batch: Batch) -> tuple[float, float, float]:
+    """Seconds of each device's gradient on its own rows, of their all-reduce, and of the update."""
+    arguments = (state.trainable, state.non_trainable, state.optimizer, batch.x, batch.y, batch.sample_weight)
+    per_device = pieces.gradients(*arguments, batch.mask)
+    summed = pieces.all_reduce(per_device)
+    # Each piece runs as a program of its own, which the fused step does not pay for: the time
+    # of launching an empty program on the mesh is taken off each.
+    counter = jax.device_put(jnp.zeros((), jnp.float32), NamedSharding(mesh, P()))
+    launch = _timed(lambda: _increment(counter))
+    parts = [
+        _timed(lambda: pieces.gradients(*arguments, batch.mask)),
+        _timed(lambda: pieces.all_reduce(per_device)) if _replicas(mesh) > 1 else launch,  # one replica sums nothing
+        _timed(lambda: pieces.apply(state.optimizer, summed, state.trainable)),
+    ]
+    gradient_seconds, all_reduce_seconds, optimizer_seconds = (max(part - launch, 0.0) for part in parts)
+    return gradient_seconds, all_reduce_seconds, optimizer_seconds
+
+
+@jax.jit
+def _increment(value: jax.Array) -> jax.Array:
+    return value + 1
+
+
+def finish_report(
+    profile: FitProfile,
+    model: keras.Model,
+    optimizer: Optimizer,
+    mesh: Mesh,
+    *,
+    global_batch_size: int,
+    batch_norm: BatchNormMode,
+    folder: str,
+    cached: Callable[[Callable[[], Pieces]], Pieces] = lambda build: build(),
+) -> ScalingReport | None:
+    """After the fit, on every process (the pieces run on the whole mesh): process 0 writes the
+    report into ``folder``, prints its line and returns it; the others return None. ``cached``
+    keeps the pieces between fits (the trainer's compile cache)."""
+    laps, step_seconds, steps = profile.timer.counted(phases=("input", STEP, "callbacks"))
+    if steps == 0 or profile.batch is None:
+        if is_primary():
+            print("scaling report: no step was timed (a model's own train_step is not profiled)", flush=True)
+        return None
+    phases = {name: Phase(laps[name]) for name in ("input", "callbacks")}
+    state = train_state_on_mesh(model, optimizer, mesh, previous_optimizer_state=None, metric_sums=None)
+    pieces = cached(lambda: make_pieces(model, optimizer, mesh, batch_norm))
+    if mesh.axis_names == (BATCH_AXIS,):
+        parts = _split_parts(pieces, mesh, state, profile.batch)
+        scale = laps[STEP] / sum(parts) if sum(parts) > 0 else 0.0
+        phases.update(
+            {name: Phase(part * scale, ESTIMATED_FROM_PARTS) for name, part in zip(SPLIT, parts, strict=True)}
+        )
+    else:  # a model-parallel mesh: the pieces above assume replicated variables
+        phases.update({name: Phase(0.0, "not split on a model-parallel mesh") for name in SPLIT})
+        phases["forward_backward"] = Phase(laps[STEP], "measured: the whole step, not split on a model-parallel mesh")
+    bandwidth = link_bandwidth(pieces, mesh)
+    if not is_primary():
+        return None
+    report = ScalingReport(
+        backend="jax",
+        num_replicas=_replicas(mesh),
+        model=model.name,
+        parameters=int(model.count_params()),
+        global_batch_size=global_batch_size,
+        steps=steps,
+        step_seconds=step_seconds,
+        phases={name: phases[name] for name in ("input", *SPLIT, "callbacks")},
+        gradient_bytes=sum(int(value.nbytes) for value in state.trainable),
+        link_bytes_per_second=bandwidth,
+        straggler_note=(
+            "not applicable: one controller runs every device in lock-step"
+            if jax.process_count() == 1
+            else "not measured per process"
+        ),
+        architecture=ScalingReport.architecture_of(type(model).__name__, [tuple(w.shape) for w in model.weights]),
+    )
+    report, line = write_scaling_report(report, Path(folder))
+    print(line, flush=True)
+    return report

@@ -1,0 +1,64 @@
+"""``Trainer(profile=...)`` on forced host devices: the report of 1 and 2 replicas in one folder,
+the fused step split into phases by separately timed parts, labelled as estimated."""
+
+import json
+
+import numpy as np
+import pytest
+from jax_dp_helpers import dense_bn_model
+
+import jax_dp
+from dp_core import ESTIMATED_FROM_PARTS, SCALING_PHASES
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("report")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 5)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    one = jax_dp.Trainer(num_replicas=1, profile=str(folder))
+    one.fit(dense_bn_model(), x, y, global_batch_size=32, epochs=2, verbose=0)
+    two = jax_dp.Trainer(num_replicas=2, profile=str(folder))
+    history = two.fit(dense_bn_model(), x, y, global_batch_size=32, epochs=2, verbose=0)
+    return folder, one, two, history
+
+
+def test_phases_sum_to_the_measured_step_time_and_the_split_is_labelled(profiled):
+    _, one, two, history = profiled
+    for trainer in (one, two):
+        report = trainer.scaling_report
+        assert report is not None and list(report.phases) == list(SCALING_PHASES)
+        assert report.backend == "jax" and report.steps == 2 * 8 - 1  # the first (compiling) step left out
+        total = sum(phase.seconds for phase in report.phases.values())
+        assert total == pytest.approx(report.step_seconds, rel=0.05)
+        for name in ("forward_backward", "all_reduce", "optimizer"):
+            assert report.phases[name].how == ESTIMATED_FROM_PARTS
+        assert report.phases["input"].how == "measured" and report.phases["callbacks"].how == "measured"
+        assert report.phases["forward_backward"].seconds > 0
+    assert history.scaling_report is two.scaling_report
+
+
+def test_two_devices_have_a_bound_and_no_straggler_spread(profiled):
+    folder, one, two, _ = profiled
+    report = two.scaling_report
+    assert report.num_replicas == 2 and report.phases["all_reduce"].seconds > 0
+    assert report.link_bytes_per_second is not None and report.link_bytes_per_second > 0
+    assert report.gradient_bytes == 4 * (5 * 8 + 8 * 2 + 8 + 1)  # float32 trainable weights
+    assert report.straggler_spread_seconds is None and report.straggler_note.startswith("not applicable")
+    assert report.speedup_how == "measured"
+    assert report.speedup == pytest.approx(one.scaling_report.step_seconds / report.step_seconds)
+    document = json.loads((folder / "scaling_report.json").read_text())
+    assert sorted(document["reports"]) == ["1", "2"]
+    assert document["reports"]["2"]["phases"]["all_reduce"]["how"] == ESTIMATED_FROM_PARTS
+    assert (folder / "scaling_report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_line_says_the_all_reduce_is_estimated(tmp_path, capsys):
+    x = np.ones((64, 5), "float32")
+    trainer = jax_dp.Trainer(num_replicas=2, profile=str(tmp_path))
+    trainer.fit(dense_bn_model(), x, x[:, :1], global_batch_size=32, epochs=1, verbose=0)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "one replica" in line]
+    assert len(lines) == 1
+    assert lines[0].startswith("2 replicas: ") and "x one replica (estimated: compute phases only)" in lines[0]
+    assert "% of a step (estimated; bound " in lines[0] and ", input " in lines[0]
