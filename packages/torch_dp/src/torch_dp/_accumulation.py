@@ -60,7 +60,7 @@ from torch_dp._steps import (
     _flag,
     _learning_rate_variable,
     _state_to_undo,
-    _undo,
+    act_on_decisions,
     local_gradients,
 )
 
@@ -165,16 +165,9 @@ class Window:
         anyone_nonfinite, anyone_preempted, *decided = torch.cat(values).tolist()
         if timer is not None:
             timer.lap("all_reduce")
-        if anyone_preempted:
-            _undo(model, before)
-            return Trained(False, preempted=True)
-        if decided:
-            stopped, learning_rate = decided
-            if stopped:
-                _undo(model, before)
-                return Trained(False, stopped=True)
-            if rate is not None and not replica.is_primary:
-                rate.assign(learning_rate)
+        ended = act_on_decisions(model, before, replica, rate, anyone_preempted=anyone_preempted, decided=decided)
+        if ended is not None:
+            return ended
         metric_sums = summed[len(payload) + 1 : -1] if sum_metrics else None
         if not last:
             self._accumulate(model, local, trainable, nonfinite)

@@ -174,16 +174,9 @@ def train_step(
     finite, anyone_preempted, *decided = _read_on_host(summed_loss, preempted, summed[-1] if decisions else None)
     if timer is not None:  # the host read waited for the all-reduce, and so for the slowest replica
         timer.lap("all_reduce")
-    if anyone_preempted:
-        _undo(model, before)
-        return Trained(False, preempted=True)
-    if decided:
-        stopped, learning_rate = decided
-        if stopped:
-            _undo(model, before)
-            return Trained(False, stopped=True)
-        if rate is not None and not replica.is_primary:
-            rate.assign(learning_rate)
+    ended = act_on_decisions(model, before, replica, rate, anyone_preempted=anyone_preempted, decided=decided)
+    if ended is not None:
+        return ended
     if not finite:
         _undo(model, before)
         return Trained(False)
@@ -232,6 +225,30 @@ def local_gradients(
         with contextlib.nullcontext() if buckets is None else buckets.reducing(trainable):
             model.optimizer.scale_loss(loss / replica.num_replicas).backward()
     return LocalGradients(loss, trainable, [v.value.grad for v in trainable])
+
+
+def act_on_decisions(
+    model: keras.Model,
+    before: list[tuple[keras.Variable, torch.Tensor]],
+    replica: Replica,
+    rate: keras.Variable | None,
+    *,
+    anyone_preempted: float,
+    decided: list[float],
+) -> Trained | None:
+    """What every replica does with a step's shared flags: a preemption notice or rank 0's stop
+    undoes the step (the ``Trained`` to return); otherwise rank 0's learning rate is taken, None."""
+    if anyone_preempted:
+        _undo(model, before)
+        return Trained(False, preempted=True)
+    if decided:
+        stopped, learning_rate = decided
+        if stopped:
+            _undo(model, before)
+            return Trained(False, stopped=True)
+        if rate is not None and not replica.is_primary:
+            rate.assign(learning_rate)
+    return None
 
 
 def _read_on_host(summed_loss: torch.Tensor, preempted: torch.Tensor, decisions: torch.Tensor | None) -> list[float]:
