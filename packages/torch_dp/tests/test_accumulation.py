@@ -63,17 +63,26 @@ def _assert_like_keras(model, history, reference, expected):
 
 
 class _GradientAllReduces:
-    """Counts this process's (rank 0's) all-reduces of at least ``size`` elements: gradients, not
-    the BatchNorm moments, flags or metric states that travel in small ones."""
+    """Counts this process's (rank 0's) sums over replicas of at least ``size`` elements: gradients,
+    not the BatchNorm moments, flags or metric states that travel in small ones. A small sum is an
+    all-gather (``_comm.sum_in_place``), a large one an all-reduce: both are counted."""
 
     def __init__(self, size: int) -> None:
         self.size, self.count = size, 0
         self._all_reduce = torch.distributed.all_reduce
+        self._all_gather = torch.distributed.all_gather
 
-    def __call__(self, tensor, *args, **kwargs):
-        if tensor.numel() >= self.size:
-            self.count += 1
+    def all_reduce(self, tensor, *args, **kwargs):
+        self.count += tensor.numel() >= self.size
         return self._all_reduce(tensor, *args, **kwargs)
+
+    def all_gather(self, parts, tensor, *args, **kwargs):
+        self.count += tensor.numel() >= self.size
+        return self._all_gather(parts, tensor, *args, **kwargs)
+
+    def install(self, patch: pytest.MonkeyPatch) -> None:
+        patch.setattr(torch.distributed, "all_reduce", self.all_reduce)
+        patch.setattr(torch.distributed, "all_gather", self.all_gather)
 
 
 _fits: dict[tuple[str, int], tuple] = {}
@@ -88,7 +97,7 @@ def _fit_counting(trainer, optimizer: str, steps: int, monkeypatch):
         model.set_weights(start)
         counter = _GradientAllReduces(sum(int(np.prod(v.shape)) for v in model.trainable_weights))
         with monkeypatch.context() as patched:
-            patched.setattr(torch.distributed, "all_reduce", counter)
+            counter.install(patched)
             x, y = testing.data()
             history = trainer.fit(
                 model, x, y, global_batch_size=GLOBAL_BATCH_SIZE, epochs=EPOCHS, shuffle=False, verbose=0
@@ -152,7 +161,7 @@ def test_a_stop_mid_window_leaves_its_steps_accumulated_as_keras_does(trainer, m
     model = _model("sgd", 3, seed=1)
     model.set_weights(start)
     counter = _GradientAllReduces(sum(int(np.prod(v.shape)) for v in model.trainable_weights))
-    monkeypatch.setattr(torch.distributed, "all_reduce", counter)
+    counter.install(monkeypatch)
     history = trainer.fit(
         model,
         x,

@@ -1,5 +1,6 @@
-"""Batches read one ahead in the background: the same batches in the same order as the plain
-reader, errors that arrive as themselves, no thread left behind, pinned memory only for GPUs."""
+"""Batches read one ahead in the background (on accelerators): the same batches in the same order
+as the plain reader, errors that arrive as themselves, no thread left behind, pinned memory only
+for GPUs, no reading ahead on a CPU replica."""
 
 import threading
 import time
@@ -12,9 +13,10 @@ import torch_dp_testing as testing
 
 import torch_dp
 from dp_core.keras import Inputs
+from torch_dp import _batches
 from torch_dp._batches import even_batches, replica_batches
 from torch_dp._comm import Replica
-from torch_dp._prefetch import THREAD_NAME, pins_memory, prefetched, to_device
+from torch_dp._prefetch import THREAD_NAME, pins_memory, prefetched, reads_ahead, to_device
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -125,7 +127,7 @@ class _DatasetFailingAt:
 
 def test_an_error_while_reading_ahead_reaches_the_caller_as_itself():
     dataset = _DatasetFailingAt(bad=25)  # in global batch 2 of 10 rows
-    batches = replica_batches(Inputs(dataset), Replica(0, 1), global_batch_size=10)
+    batches = replica_batches(Inputs(dataset), Replica(0, 1), global_batch_size=10, prefetch=True)
     assert next(batches).x[3, 0].item() == 3.0
     assert next(batches).x[0, 0].item() == 10.0
     with pytest.raises(_UnreadableRowError, match="row 25 is unreadable"):
@@ -134,7 +136,16 @@ def test_an_error_while_reading_ahead_reaches_the_caller_as_itself():
     assert _no_prefetch_thread_within(5)
 
 
-def test_no_thread_is_left_after_a_fit_a_stopped_fit_or_a_failed_one():
+def test_a_cpu_replica_reads_each_batch_itself_and_an_accelerator_reads_ahead():
+    assert not reads_ahead("cpu") and not reads_ahead(torch.device("cpu"))
+    assert reads_ahead("cuda:1") and reads_ahead(torch.device("cuda", 0))
+    dataset = _DatasetFailingAt(bad=-1)
+    assert len(list(replica_batches(Inputs(dataset), Replica(0, 1), global_batch_size=10))) == 4
+    assert dataset.threads == {threading.current_thread().name}
+
+
+def test_no_thread_is_left_after_a_fit_a_stopped_fit_or_a_failed_one(monkeypatch):
+    monkeypatch.setattr(_batches, "reads_ahead", lambda device: True)  # as on a GPU
     x, y = testing.data()
     model = testing.dense_batchnorm_model()
     trainer = torch_dp.Trainer(num_replicas=1)

@@ -4,9 +4,9 @@ Arrays handed to ``fit`` are written once to ``.npy`` files and memory-mapped by
 worker replica, so the workers share one copy through the page cache instead of
 unpickling one each; the caller (rank 0) reads its own arrays.
 
-An array input's batches are read one ahead in the background (``_prefetch``): rows are
-indexed and converted on the host (into pinned memory for a GPU) while the step before
-computes, then copied to the replica's device without blocking the host.
+On an accelerator, an array input's batches are read one ahead in the background
+(``_prefetch``): rows are indexed and converted on the host (into pinned memory for a GPU)
+while the step before computes, then copied to the replica's device without blocking the host.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from dp_core import epoch_order, num_steps, split_indices
 from dp_core.keras import BatchSource, Inputs, batch_rows, map_structure, padded_batch_size, replica_part
 from torch_dp._comm import Replica
-from torch_dp._prefetch import pinned, pins_memory, prefetched, to_device
+from torch_dp._prefetch import pinned, pins_memory, prefetched, reads_ahead, to_device
 
 
 @dataclass(frozen=True)
@@ -190,10 +190,13 @@ def replica_batches(
     seed: int = 0,
     shuffle: bool = False,
     first_step: int = 0,
-    prefetch: bool = True,
+    prefetch: bool | None = None,
 ) -> Iterator[Batch]:
     """This replica's batches of one epoch from ``first_step`` on; every replica gets the same number.
-    With ``prefetch`` an array input's next batch is read in the background (the same batches)."""
+    With ``prefetch`` (None: on an accelerator, ``reads_ahead``) an array input's next batch is read
+    in the background (the same batches)."""
+    if prefetch is None:
+        prefetch = reads_ahead(replica.device)
     if not isinstance(inputs, Inputs):
         yield from _source_batches(inputs, replica, global_batch_size, epoch, seed, shuffle, first_step)
         return
@@ -358,10 +361,12 @@ def even_batches(
     seed: int = 0,
     shuffle: bool = False,
     first_step: int = 0,
-    prefetch: bool = True,
+    prefetch: bool | None = None,
 ) -> Iterator[EvenBatch]:
     """This replica's ``EvenBatch`` of each global batch of one epoch from ``first_step`` on
     (the same global batches, in the same order, as ``replica_batches``, read ahead likewise)."""
+    if prefetch is None:
+        prefetch = reads_ahead(replica.device)
     if not isinstance(inputs, Inputs):
         for batch in _global_source_batches(inputs, replica, epoch, seed, shuffle, first_step):
             real = batch_rows(batch)

@@ -22,12 +22,11 @@ from typing import Any, cast
 
 import keras
 import torch
-import torch.distributed as dist
 
 from dp_core import BatchNormMode
 from dp_core.keras import check_batch_norm_mode, internals
 from torch_dp import _fused_batchnorm
-from torch_dp._comm import Replica
+from torch_dp._comm import Replica, sum_in_place
 
 _current = threading.local()
 
@@ -63,7 +62,7 @@ class _SumOverReplicas(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
         ctx.weight = getattr(_current, "weight", 1.0)
         summed = tensor.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(summed)
+        sum_in_place(summed)
         return summed
 
     @staticmethod
@@ -72,7 +71,7 @@ class _SumOverReplicas(torch.autograd.Function):
         summed = grad_outputs[0].clone(memory_format=torch.contiguous_format)
         if weight != 1.0:
             summed.mul_(weight)
-        dist.all_reduce(summed)
+        sum_in_place(summed)
         if weight == 1.0:
             return summed
         # a replica of weight 0 holds no real row: nothing of its own reaches the statistics

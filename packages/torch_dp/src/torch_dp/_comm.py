@@ -56,6 +56,29 @@ def started_by_torchrun() -> bool:
     return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
 
 
+# Gloo's all-reduce takes two exchanges between replicas even for two of them (a reduce-scatter,
+# then an all-gather); an all-gather takes one. For small buffers, which latency dominates (the
+# BatchNorm statistics of every layer, a small model's gradients), gathering every replica's
+# buffer and summing here takes about half the time on CPU (0.6 ms against 1.4 ms for 49k floats
+# on 2 replicas); past a MiB gathered, the ring's lower traffic wins. NCCL keeps its all-reduce.
+GATHER_AT_MOST_BYTES = 1 << 20
+
+
+def sum_in_place(tensor: torch.Tensor) -> None:
+    """``tensor`` replaced by its element-wise sum over the replicas of the default group.
+
+    The sum is in rank order, the same on every replica; every replica takes the same path, as
+    the choice depends only on the tensor's size, dtype and device, which the replicas share.
+    """
+    world_size = dist.get_world_size()
+    if tensor.device.type != "cpu" or tensor.numel() * tensor.element_size() * world_size > GATHER_AT_MOST_BYTES:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return
+    parts = [torch.empty_like(tensor) for _ in range(world_size)]
+    dist.all_gather(parts, tensor.contiguous())
+    torch.sum(torch.stack(parts), dim=0, out=tensor)
+
+
 def _groups_by_dtype(tensors: Sequence[torch.Tensor]) -> dict[torch.dtype, list[int]]:
     groups: dict[torch.dtype, list[int]] = {}
     for index, tensor in enumerate(tensors):
@@ -79,7 +102,7 @@ def all_reduce_sum(tensors: Sequence[torch.Tensor], replica: Replica) -> list[to
     if not replica.distributed:
         return list(tensors)
     _entering()
-    return _coalesced(tensors, lambda flat: dist.all_reduce(flat, op=dist.ReduceOp.SUM))
+    return _coalesced(tensors, sum_in_place)
 
 
 def broadcast_from_primary(tensors: Sequence[torch.Tensor], replica: Replica) -> list[torch.Tensor]:

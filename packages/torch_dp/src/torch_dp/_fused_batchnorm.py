@@ -1,5 +1,5 @@
 """A BatchNormalization layer's training step as one autograd function, the statistics summed
-over replicas with one all-reduce forward and one backward (what ``torch.nn.SyncBatchNorm``
+over replicas with one collective forward and one backward (what ``torch.nn.SyncBatchNorm``
 does on GPUs, here for the channels-last rows Keras lays out on any device).
 
 Keras's own step builds the moments and the normalization from a dozen tensor operations,
@@ -17,9 +17,9 @@ from typing import Any
 
 import keras
 import torch
-import torch.distributed as dist
 
 from dp_core.keras import internals
+from torch_dp._comm import sum_in_place
 
 
 def applies(layer: keras.layers.BatchNormalization, inputs: Any, training: Any) -> bool:
@@ -65,7 +65,7 @@ class _Normalized(torch.autograd.Function):
         count = rows.new_full((1,), float(rows.shape[0]))
         stats = torch.cat([rows.sum(0), (rows * rows).sum(0), count])
         if synchronized:
-            dist.all_reduce(stats)
+            sum_in_place(stats)
         total, squares, count = stats.split([channels, channels, 1])
         count = count.clamp_min(1.0)
         mean = total / count
@@ -89,7 +89,7 @@ class _Normalized(torch.autograd.Function):
         grad_beta = sum_dy if ctx.has_beta else None
         shared = torch.cat([sum_dy, sum_dy_xmu])
         if ctx.synchronized:
-            dist.all_reduce(shared)
+            sum_in_place(shared)
         mean_dy, mean_dy_xmu = (shared / count).split(centered.shape[1])
         # scale * (dy - mean_dy - (x - mean) * invstd^2 * mean_dy_xmu)
         grad_rows = torch.addcmul(-scale * mean_dy, grad, scale).addcmul_(

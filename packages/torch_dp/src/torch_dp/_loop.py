@@ -74,6 +74,11 @@ def _initial_epoch(model: keras.Model, initial_epoch: int, replica: Replica) -> 
     return int(chosen)
 
 
+def _has_progress_bar(callbacks: Any) -> bool:
+    """A ``ProgbarLogger`` the caller passed shows batches even with ``verbose=0``, as in Keras."""
+    return any(isinstance(callback, keras.callbacks.ProgbarLogger) for callback in callbacks or [])
+
+
 def _log_now(step: int, steps: int | None, every: int) -> bool:
     return every > 0 and ((step + 1) % every == 0 or step + 1 == steps)
 
@@ -148,6 +153,7 @@ def fit_loop(
                 callbacks,
                 log_every=every,
                 decide_each_step=batch_logs,
+                batch_hooks=batch_logs or progress or _has_progress_bar(arguments.callbacks),
                 first_step=first_step,
                 checkpoints=checkpoints,
                 notice=notice,
@@ -192,6 +198,7 @@ def _train_epoch(
     *,
     log_every: int,
     decide_each_step: bool,
+    batch_hooks: bool = True,
     first_step: int = 0,
     checkpoints: CheckpointWriter | None = None,
     notice: PreemptionWatch | None = None,
@@ -201,7 +208,9 @@ def _train_epoch(
     """One epoch of steps from ``first_step``; logs synced every ``log_every`` steps (0: never),
     or at every step with rank 0's decisions (``decide_each_step``), checkpoints written as asked.
     A stop at the last batch end reaches the other replicas through the epoch's end. With a
-    gradient accumulation ``window`` each step is one of its steps (``_accumulation``)."""
+    gradient accumulation ``window`` each step is one of its steps (``_accumulation``). Without
+    ``batch_hooks`` (no callback acts at a batch, no progress bar) none is called: Keras would hand
+    each step's ``on_train_batch_end`` to a thread of its own for nothing."""
     model.train()
     arguments = job.arguments
     steps = steps_of(job.inputs, arguments.global_batch_size)
@@ -231,7 +240,8 @@ def _train_epoch(
             # which every replica then undoes (the callbacks do not see this step)
             take(model, batch, replica, sum_metrics=True, stop=True)
             return
-        callbacks.on_train_batch_begin(step)
+        if batch_hooks:
+            callbacks.on_train_batch_begin(step)
         if timer is not None:
             timer.lap("callbacks")
         asked = notice is not None and notice.requested is not None
@@ -247,7 +257,8 @@ def _train_epoch(
             logs = logs_of(model, trained.metric_sums) if replica.is_primary else {}
         elif _log_now(step, steps, log_every) and not decide_each_step:  # a skipped step keeps its logs
             logs = global_logs(model, replica)
-        callbacks.on_train_batch_end(step, logs)
+        if batch_hooks:
+            callbacks.on_train_batch_end(step, logs)
         if checkpoints is not None and checkpoints.due(step + 1, steps):
             save(checkpoints, model, replica, epoch=epoch, step=step + 1, window=window)
         if timer is not None:  # logs, hooks and checkpoints

@@ -66,6 +66,14 @@ def prefetched(items: Iterator[T]) -> Iterator[T]:
         reading.join()  # a caller that stops early waits for the one batch in flight, no more
 
 
+def reads_ahead(device: str | torch.device) -> bool:
+    """Whether a replica on ``device`` reads its next batch in the background: only on an
+    accelerator, which computes while the host reads. A CPU replica's host is its device: a
+    thread reading ahead takes a core from the step (and from the other replicas, which then
+    wait for it in the next collective), so it reads each batch when it needs it."""
+    return torch.device(device).type != "cpu"
+
+
 def pins_memory(device: str | torch.device) -> bool:
     """Whether batches for ``device`` are staged in pinned (page-locked) host memory: only for a
     CUDA device, where it lets the copy to the GPU run without blocking the host."""

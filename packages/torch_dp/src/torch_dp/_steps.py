@@ -79,7 +79,7 @@ def _weigh_losses_by_real_rows(model: keras.Model, batch: Batch, replica: Replic
 def _update_metrics(model: keras.Model, batch: Batch, y_pred: Any) -> None:
     """Metrics over this replica's real rows only (plain ``metrics=`` ignore sample weights)."""
     if not batch.partial:
-        model.compute_metrics(batch.x, batch.y, y_pred, sample_weight=batch.sample_weight)
+        _compute_metrics(model, batch.x, batch.y, y_pred, batch.sample_weight)
         return
     if batch.real_rows == 0:
         return
@@ -87,7 +87,16 @@ def _update_metrics(model: keras.Model, batch: Batch, y_pred: Any) -> None:
         map_structure(lambda t: _with_mask_of(t, t[: batch.real_rows]), part)
         for part in (batch.x, batch.y, y_pred, batch.sample_weight)
     )
-    model.compute_metrics(x, y, y_pred, sample_weight=weight)
+    _compute_metrics(model, x, y, y_pred, weight)
+
+
+def _compute_metrics(model: keras.Model, x: Any, y: Any, y_pred: Any, sample_weight: Any) -> None:
+    """``model.compute_metrics``, which Keras's step calls; Keras's own only updates the compiled
+    metrics and then reads every result, which a step does not use (logs are read when needed)."""
+    if type(model).compute_metrics is not keras.Model.compute_metrics:  # the model's own runs as written
+        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+    elif (compiled := internals.compile_metrics(model)) is not None:
+        compiled.update_state(y, y_pred, sample_weight=sample_weight)
 
 
 def _with_mask_of(tensor: Any, part: Any) -> Any:
