@@ -224,10 +224,11 @@ def main(argv: list[str] | None = None) -> dict:
         mode: torch_dp.Trainer(num_replicas=2, threads_per_replica=1, batch_norm=mode)
         for mode in ("global", "per_replica")
     }
-    loops = {kind: LoopPair(kind) for kind in ("syncbn", "guide")}
+    loops = {kind: LoopPair(kind) for kind in ("guide_syncbn", "syncbn", "guide")}
     contenders = {
         "torch_dp": lambda: run_torch_dp(trainers["global"], num_samples, epochs),
         "torch_dp_per_replica": lambda: run_torch_dp(trainers["per_replica"], num_samples, epochs),
+        "guide_syncbn": lambda: loops["guide_syncbn"].run(num_samples, epochs),
         "ddp_syncbn": lambda: loops["syncbn"].run(num_samples, epochs),
         "guide_loop": lambda: loops["guide"].run(num_samples, epochs),
     }
@@ -240,11 +241,16 @@ def main(argv: list[str] | None = None) -> dict:
                 runs[name].append(run())
                 print(f"round {round_index} {name}: {runs[name][-1]}", flush=True)
         torch_dp_ms = torch_dp_collectives(num_samples, epochs)
-        collectives = {"torch_dp": torch_dp_ms, "ddp_syncbn": loops["syncbn"].run(num_samples, epochs, clocked=True)}
+        collectives = {
+            "torch_dp": torch_dp_ms,
+            "guide_syncbn": loops["guide_syncbn"].run(num_samples, epochs, clocked=True),
+            "ddp_syncbn": loops["syncbn"].run(num_samples, epochs, clocked=True),
+        }
     finally:
         for closeable in (*trainers.values(), *loops.values()):
             closeable.close()
     ratios = {
+        "torch_dp_vs_guide_syncbn": _per_round(runs, "torch_dp", "guide_syncbn"),
         "torch_dp_vs_ddp_syncbn": _per_round(runs, "torch_dp", "ddp_syncbn"),
         "torch_dp_vs_guide_loop": _per_round(runs, "torch_dp", "guide_loop"),
         "torch_dp_vs_per_replica": _per_round(runs, "torch_dp", "torch_dp_per_replica"),

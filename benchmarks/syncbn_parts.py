@@ -30,19 +30,19 @@ BN_EPSILON = 1e-3  # Keras's default; torch's is 1e-5
 BN_MOMENTUM = 0.01  # Keras's momentum 0.99, as torch counts it
 
 
-def guide_convnet() -> keras.Model:
+def guide_convnet(batch_norm: type[keras.layers.BatchNormalization] = keras.layers.BatchNormalization) -> keras.Model:
     """The convnet of keras.io/guides/distributed_training_with_torch (logits out), seeded."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input(shape=(28, 28, 1))
     x = keras.layers.Rescaling(1.0 / 255.0)(inputs)
     x = keras.layers.Conv2D(filters=12, kernel_size=3, padding="same", use_bias=False)(x)
-    x = keras.layers.BatchNormalization(scale=False, center=True)(x)
+    x = batch_norm(scale=False, center=True)(x)
     x = keras.layers.ReLU()(x)
     x = keras.layers.Conv2D(filters=24, kernel_size=6, use_bias=False, strides=2)(x)
-    x = keras.layers.BatchNormalization(scale=False, center=True)(x)
+    x = batch_norm(scale=False, center=True)(x)
     x = keras.layers.ReLU()(x)
     x = keras.layers.Conv2D(filters=32, kernel_size=6, padding="same", strides=2, use_bias=False)(x)
-    x = keras.layers.BatchNormalization(scale=False, center=True)(x)
+    x = batch_norm(scale=False, center=True)(x)
     x = keras.layers.ReLU()(x)
     x = keras.layers.GlobalAveragePooling2D()(x)
     x = keras.layers.Dense(256, activation="relu")(x)
@@ -120,6 +120,31 @@ class SyncBatchNormOnCpu(nn.BatchNorm2d):
             self.momentum,
             dist.get_world_size(),
         )
+
+
+class SyncBatchNormalization(keras.layers.BatchNormalization):
+    """A Keras BatchNormalization whose training-mode call is ``SyncBatchNormOnCpu``'s: what a
+    user of the guide's loop writes to synchronize the statistics of its Keras model (torch's
+    ``convert_sync_batchnorm`` knows only torch modules). Keras's channels-last rows are handed
+    to torch's kernels as a channels-first view (``permute``, no copy)."""
+
+    def call(self, inputs, training=None, mask=None):
+        if not training or not dist.is_initialized():
+            return super().call(inputs, training=training, mask=mask)
+        channels = inputs.shape[-1]
+        weight = self.gamma.value if self.scale else torch.ones(channels)
+        bias = self.beta.value if self.center else torch.zeros(channels)
+        outputs = _SyncBatchNormFunction.apply(
+            inputs.permute(0, 3, 1, 2),
+            weight,
+            bias,
+            self.moving_mean.value,
+            self.moving_variance.value,
+            self.epsilon,
+            1.0 - self.momentum,
+            dist.get_world_size(),
+        )
+        return outputs.permute(0, 2, 3, 1)
 
 
 def _batch_norm(channels: int) -> nn.Module:
@@ -224,8 +249,11 @@ def loop_worker(rank: int, port: int, kind: str, commands: Any, results: Any) ->
     ``(num_samples, global_batch_size, epochs, clocked)`` on ``commands[rank]`` trains a fresh
     model, and rank 0 puts the epoch timestamps (with ``clocked``, the time of each BN layer's
     collectives too) on ``results``; None ends it. ``kind`` "syncbn" trains ``GuideConvnet``
-    (synchronized BatchNorm, training mode, torch Adam and cross-entropy); "guide" is the guide's
-    own loop, its Keras model called as ``model(inputs)`` (BatchNorm and Dropout in inference mode)."""
+    (torch modules, synchronized BatchNorm, training mode, torch Adam and cross-entropy); "guide"
+    is the guide's own loop, its Keras model called as ``model(inputs)`` (BatchNorm and Dropout in
+    inference mode); "guide_syncbn" is the guide's loop on the same Keras model in training mode,
+    ``model(inputs, training=True)``, with ``SyncBatchNormalization`` layers: the same work as
+    torch-dp's global BatchNorm."""
     _init_group(rank, port)
     while (command := commands[rank].get(timeout=900)) is not None:
         times = _train_in_loop(rank, kind, *command)
@@ -246,10 +274,16 @@ def _train_in_loop(
     dataset = torch.utils.data.TensorDataset(images, torch.from_numpy(y))
     sampler = torch.utils.data.distributed.DistributedSampler(dataset, num_replicas=2, rank=rank, shuffle=True)
     loader = torch.utils.data.DataLoader(dataset, batch_size=global_batch_size // 2, sampler=sampler)
-    model = GuideConvnet() if kind == "syncbn" else guide_convnet()
+    models = {
+        "syncbn": GuideConvnet,
+        "guide": guide_convnet,
+        "guide_syncbn": lambda: guide_convnet(SyncBatchNormalization),
+    }
+    model = models[kind]()
     model.train()
     # Synchronized running statistics are the same on every replica: nothing to broadcast.
     ddp_model = DistributedDataParallel(model, forward_sync_buffers=kind != "syncbn")
+    call_options = {"training": True} if kind == "guide_syncbn" else {}
     optimizer = torch.optim.Adam(ddp_model.parameters(), lr=1e-3)
     loss_fn = nn.CrossEntropyLoss()
     clock = CollectiveClock((12, 24, 32))
@@ -263,7 +297,7 @@ def _train_in_loop(
             times["epoch_begin"].append(time.time())
             times["epoch_begin_cpu"].append(time.thread_time())
             for inputs, targets in loader:
-                loss = loss_fn(ddp_model(inputs), targets)
+                loss = loss_fn(ddp_model(inputs, **call_options), targets)
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()

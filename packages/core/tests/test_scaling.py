@@ -7,7 +7,7 @@ import time
 import pytest
 
 import dp_core
-from dp_core import ESTIMATED_FROM_PARTS, SCALING_PHASES, Phase, ScalingReport, StepTimer
+from dp_core import ESTIMATED_FROM_PARTS, SCALING_PHASES, BatchNormSync, Phase, ScalingReport, StepTimer
 
 
 def _report(num_replicas=2, step_ms=100.0, *, input_ms=3.0, all_reduce_ms=7.0, model="convnet", batch=64, **extra):
@@ -61,6 +61,20 @@ def test_summary_line_says_measured_or_estimated():
     assert dp_core.scaling_summary(bucketed).endswith("(bound 4%; 75% of it during backward), input 3%")
     single = dp_core.scaling_summary(_report(1, speedup=1.0, speedup_how="measured", all_reduce_ms=0.0))
     assert single == "1 replica: 1.00x one replica (measured), all-reduce 0% of a step, input 3%"
+
+
+def test_batchnorm_layers_add_their_share_to_the_line_and_survive_the_json(tmp_path):
+    layers = [BatchNormSync("bn_a", 0.006, 0.004), BatchNormSync("bn_b", 0.001, 0.001)]
+    report = _report(speedup=1.82, speedup_how="measured", batch_norm_sync=layers)
+    line = dp_core.scaling_summary(report)  # 12 ms of a 100 ms step
+    assert line.endswith("(bound 4%), input 3%, BatchNorm statistics 12% (2 layers)")
+    dp_core.write_scaling_report(report, tmp_path)
+    read = dp_core.read_scaling_reports(tmp_path)[2]
+    assert read.batch_norm_sync == layers and read.batch_norm_note == ""
+    none = _report(speedup=1.82, speedup_how="measured", batch_norm_note="not timed per layer")
+    dp_core.write_scaling_report(none, tmp_path)
+    assert dp_core.read_scaling_reports(tmp_path)[2].batch_norm_sync is None
+    assert "BatchNorm" not in dp_core.scaling_summary(none)
 
 
 def test_folder_keeps_one_entry_per_replica_count_and_measures_against_one_replica(tmp_path, monkeypatch):

@@ -123,4 +123,4 @@ def test_num_samples_must_be_positive():
 def test_public_names_import():
     for name in dp_core.__all__:
         assert getattr(dp_core, name) is not None
-    assert dp_core.__version__ == "0.5.0"
+    assert dp_core.__version__ == "0.6.0"

@@ -21,7 +21,7 @@ def test_every_public_name_imports():
     ]
     for name in jax_dp.__all__:
         assert getattr(jax_dp, name) is not None
-    assert jax_dp.__version__ == "0.6.0"
+    assert jax_dp.__version__ == "0.6.1"
 
 
 def test_trainer_implements_the_dp_core_protocol():

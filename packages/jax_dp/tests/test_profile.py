@@ -46,6 +46,8 @@ def test_two_devices_have_a_bound_and_no_straggler_spread(profiled):
     assert report.link_bytes_per_second is not None and report.link_bytes_per_second > 0
     assert report.gradient_bytes == 4 * (5 * 8 + 8 * 2 + 8 + 1)  # float32 trainable weights
     assert report.straggler_spread_seconds is None and report.straggler_note.startswith("not applicable")
+    # BatchNorm's statistics are summed inside the compiled step: said, not timed per layer
+    assert report.batch_norm_sync is None and report.batch_norm_note.startswith("not timed per layer: XLA")
     assert report.speedup_how == "measured"
     assert report.speedup == pytest.approx(one.scaling_report.step_seconds / report.step_seconds)
     document = json.loads((folder / "scaling_report.json").read_text())

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch_dp_testing as testing
 
+import dp_core
 import torch_dp
 from dp_core import SCALING_PHASES
 from torch_dp._buckets import BUCKET_BYTES, GradientBuckets
@@ -54,6 +55,22 @@ def test_two_replicas_measure_the_link_and_the_stragglers(profiled):
     # a 1-replica report of the same model and batch is in the folder: the speedup is measured
     assert report.speedup_how == "measured"
     assert report.speedup == pytest.approx(one.scaling_report.step_seconds / report.step_seconds)
+
+
+def test_each_batchnorm_layers_collectives_are_timed_on_two_replicas(profiled):
+    folder, one, two, _ = profiled
+    assert one.scaling_report.batch_norm_sync == []  # one replica: nothing to synchronize
+    report = two.scaling_report
+    (layer,) = report.batch_norm_sync  # the model's one BatchNormalization layer
+    assert layer.layer.startswith("batch_normalization")
+    assert layer.forward_seconds > 0 and layer.backward_seconds > 0
+    assert layer.seconds < report.phases["forward_backward"].seconds  # a part of that phase
+    document = json.loads((folder / "scaling_report.json").read_text())
+    assert document["reports"]["2"]["batch_norm_sync"] == [
+        {"layer": layer.layer, "forward_seconds": layer.forward_seconds, "backward_seconds": layer.backward_seconds}
+    ]
+    share = layer.seconds / report.step_seconds
+    assert dp_core.scaling_summary(report).endswith(f", BatchNorm statistics {share:.0%} (1 layer)")
 
 
 def test_folder_holds_both_counts_and_a_png(profiled):

@@ -33,6 +33,7 @@ from dp_core._preemption import Preempted as Preempted
 from dp_core._preemption import PreemptionWatch as PreemptionWatch
 from dp_core._scaling import ESTIMATED_FROM_PARTS as ESTIMATED_FROM_PARTS
 from dp_core._scaling import SCALING_PHASES as SCALING_PHASES
+from dp_core._scaling import BatchNormSync as BatchNormSync
 from dp_core._scaling import Phase as Phase
 from dp_core._scaling import ScalingReport as ScalingReport
 from dp_core._scaling import StepTimer as StepTimer
@@ -56,6 +57,7 @@ __all__ = [
     "ESTIMATED_FROM_PARTS",
     "SCALING_PHASES",
     "BatchNormMode",
+    "BatchNormSync",
     "Checkpoint",
     "CheckpointError",
     "Constant",

@@ -110,6 +110,21 @@ class Phase:
 
 
 @dataclass
+class BatchNormSync:
+    """Mean seconds per step that one BatchNormalization layer spent summing its statistics over
+    the replicas, waiting for the slowest included: ``forward`` (the batch mean and variance) and
+    ``backward`` (their gradients). Part of the ``forward_backward`` phase."""
+
+    layer: str
+    forward_seconds: float
+    backward_seconds: float
+
+    @property
+    def seconds(self) -> float:
+        return self.forward_seconds + self.backward_seconds
+
+
+@dataclass
 class ScalingReport:
     """One fit's scaling report (one replica count). ``phases`` are mean seconds per step; their sum
     is close to ``step_seconds``, the measured wall time per step. ``link_bytes_per_second`` is the
@@ -118,7 +133,9 @@ class ScalingReport:
     fastest (None where not applicable: ``straggler_note`` says why). ``overlapped_seconds``: per
     step, how long gradient all-reduces started during the backward pass were in flight before it
     ended (None: the gradients were summed after backward); the ``all_reduce`` phase is then the
-    wait after backward only."""
+    wait after backward only. ``batch_norm_sync``: each BatchNormalization layer's time in its
+    statistics' collectives per step, in the order the layers ran (None where not timed per layer:
+    ``batch_norm_note`` says why; empty when no layer synchronizes)."""
 
     backend: str
     num_replicas: int
@@ -136,6 +153,8 @@ class ScalingReport:
     per_replica_compute_seconds: list[float] | None = None
     speedup: float | None = None
     speedup_how: str = ""
+    batch_norm_sync: list[BatchNormSync] | None = None
+    batch_norm_note: str = ""
     architecture: str = ""  # ``architecture_of`` the model: what makes two reports the same model
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
@@ -177,6 +196,8 @@ class ScalingReport:
         names = set(cls.__dataclass_fields__)
         values = {key: value for key, value in entry.items() if key in names}
         values["phases"] = {name: Phase(**phase) for name, phase in entry["phases"].items()}
+        if values.get("batch_norm_sync") is not None:
+            values["batch_norm_sync"] = [BatchNormSync(**layer) for layer in values["batch_norm_sync"]]
         return cls(**values)
 
 
@@ -227,7 +248,8 @@ def with_speedup(report: ScalingReport, baseline: ScalingReport | None) -> Scali
 
 def scaling_summary(report: ScalingReport) -> str:
     """The one line a fit prints, e.g. ``2 replicas: 1.82x one replica (measured), all-reduce 7% of
-    a step (bound 2%), input 3%``."""
+    a step (bound 2%), input 3%``, and with synchronized BatchNorm layers timed, their collectives'
+    share (``, BatchNorm statistics 12% (3 layers)``)."""
     replicas = f"{report.num_replicas} replica{'s' if report.num_replicas != 1 else ''}"
     how = "measured" if report.speedup_how == MEASURED else "estimated: compute phases only"
     speedup = f"{report.speedup or 0.0:.2f}x one replica ({how})"
@@ -241,7 +263,12 @@ def scaling_summary(report: ScalingReport) -> str:
         notes.append(f"{hidden:.0%} of it during backward")
     if notes:
         all_reduce += f" ({'; '.join(notes)})"
-    return f"{replicas}: {speedup}, {all_reduce}, input {report.share('input'):.0%}"
+    line = f"{replicas}: {speedup}, {all_reduce}, input {report.share('input'):.0%}"
+    if report.batch_norm_sync and report.step_seconds > 0:
+        synced = sum(layer.seconds for layer in report.batch_norm_sync) / report.step_seconds
+        layers = len(report.batch_norm_sync)
+        line += f", BatchNorm statistics {synced:.0%} ({layers} layer{'s' if layers != 1 else ''})"
+    return line
 
 
 def read_scaling_reports(folder: str | os.PathLike[str]) -> dict[int, ScalingReport]:

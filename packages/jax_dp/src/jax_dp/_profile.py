@@ -33,6 +33,7 @@ from dp_core import (
     bus_bandwidth,
     write_scaling_report,
 )
+from dp_core.keras import internals
 from jax_dp._batches import Batch
 from jax_dp._compile_cache import held_weakly
 from jax_dp._distributed import is_primary
@@ -149,6 +150,15 @@ def _increment(value: jax.Array) -> jax.Array:
     return value + 1
 
 
+def _batch_norm_note(model: keras.Model, batch_norm: BatchNormMode) -> str:
+    """Why the report has no per-layer BatchNorm times (empty for a model without BatchNorm)."""
+    if not any(isinstance(layer, keras.layers.BatchNormalization) for layer in internals.flatten_layers(model)):
+        return ""
+    if batch_norm == "per_replica":
+        return "not applicable: batch_norm='per_replica' sums no statistics over replicas"
+    return "not timed per layer: XLA sums the statistics inside the compiled step (part of forward_backward)"
+
+
 def finish_report(
     profile: FitProfile,
     model: keras.Model,
@@ -199,6 +209,7 @@ def finish_report(
             if jax.process_count() == 1
             else "not measured per process"
         ),
+        batch_norm_note=_batch_norm_note(model, batch_norm),
         architecture=ScalingReport.architecture_of(type(model).__name__, [tuple(w.shape) for w in model.weights]),
     )
     report, line = write_scaling_report(report, Path(folder))

@@ -26,7 +26,8 @@ import torch
 from dp_core import BatchNormMode
 from dp_core.keras import check_batch_norm_mode, internals
 from torch_dp import _fused_batchnorm
-from torch_dp._comm import Replica, sum_in_place
+from torch_dp._comm import Replica
+from torch_dp._profile import sum_batch_norm_statistics
 
 _current = threading.local()
 
@@ -59,23 +60,23 @@ class _SumOverReplicas(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
-        ctx.weight = getattr(_current, "weight", 1.0)
+    def forward(ctx: Any, tensor: torch.Tensor, layer: str) -> torch.Tensor:
+        ctx.weight, ctx.layer = getattr(_current, "weight", 1.0), layer
         summed = tensor.clone(memory_format=torch.contiguous_format)
-        sum_in_place(summed)
+        sum_batch_norm_statistics(summed, layer, "forward")
         return summed
 
     @staticmethod
-    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> torch.Tensor:
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor, None]:
         weight = ctx.weight
         summed = grad_outputs[0].clone(memory_format=torch.contiguous_format)
         if weight != 1.0:
             summed.mul_(weight)
-        sum_in_place(summed)
+        sum_batch_norm_statistics(summed, ctx.layer, "backward")
         if weight == 1.0:
-            return summed
+            return summed, None
         # a replica of weight 0 holds no real row: nothing of its own reaches the statistics
-        return summed.div_(weight) if weight else summed.zero_()
+        return (summed.div_(weight) if weight else summed.zero_()), None
 
 
 def _moments(layer: Any, inputs: torch.Tensor, mask: Any, *, synchronized: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,7 +93,7 @@ def _moments(layer: Any, inputs: torch.Tensor, mask: Any, *, synchronized: bool)
         count = weights.expand_as(inputs).sum(axes)
     stats = torch.stack([total, squares, count])
     if synchronized:
-        stats = _SumOverReplicas.apply(stats)
+        stats = _SumOverReplicas.apply(stats, layer.name)
     total, squares, count = stats.unbind(0)
     count = count.clamp_min(1.0)  # a replica, or a whole batch, may hold no real row
     mean = total / count

@@ -19,7 +19,7 @@ import keras
 import torch
 
 from dp_core.keras import internals
-from torch_dp._comm import sum_in_place
+from torch_dp._profile import sum_batch_norm_statistics
 
 
 def applies(layer: keras.layers.BatchNormalization, inputs: Any, training: Any) -> bool:
@@ -46,7 +46,7 @@ def batch_norm(layer: keras.layers.BatchNormalization, inputs: torch.Tensor, *, 
     gamma = norm.gamma.value if norm.scale else None
     beta = norm.beta.value if norm.center else None
     rows = inputs.reshape(-1, channels)
-    outputs, mean, variance = _Normalized.apply(rows, gamma, beta, norm.epsilon, synchronized)
+    outputs, mean, variance = _Normalized.apply(rows, gamma, beta, norm.epsilon, synchronized, norm.name)
     momentum = norm.momentum
     moving_mean, moving_variance = norm.moving_mean, norm.moving_variance
     moving_mean.assign(moving_mean.value * momentum + mean * (1.0 - momentum))
@@ -59,13 +59,13 @@ class _Normalized(torch.autograd.Function):
     + beta``, and the batch mean and variance (not differentiable: Keras only averages them)."""
 
     @staticmethod
-    def forward(ctx: Any, rows, gamma, beta, epsilon, synchronized):
+    def forward(ctx: Any, rows, gamma, beta, epsilon, synchronized, layer):
         channels = rows.shape[1]
         # [sum, sum of squares, count]: the count rides along for free, whatever the replicas' shapes
         count = rows.new_full((1,), float(rows.shape[0]))
         stats = torch.cat([rows.sum(0), (rows * rows).sum(0), count])
         if synchronized:
-            sum_in_place(stats)
+            sum_batch_norm_statistics(stats, layer, "forward")
         total, squares, count = stats.split([channels, channels, 1])
         count = count.clamp_min(1.0)
         mean = total / count
@@ -75,7 +75,7 @@ class _Normalized(torch.autograd.Function):
         centered = rows - mean
         outputs = centered * scale if beta is None else torch.addcmul(beta, centered, scale)
         ctx.save_for_backward(centered, invstd, scale, count)
-        ctx.synchronized = synchronized
+        ctx.synchronized, ctx.layer = synchronized, layer
         ctx.has_gamma, ctx.has_beta = gamma is not None, beta is not None
         ctx.mark_non_differentiable(mean, variance)
         return outputs, mean, variance
@@ -89,10 +89,10 @@ class _Normalized(torch.autograd.Function):
         grad_beta = sum_dy if ctx.has_beta else None
         shared = torch.cat([sum_dy, sum_dy_xmu])
         if ctx.synchronized:
-            sum_in_place(shared)
+            sum_batch_norm_statistics(shared, ctx.layer, "backward")
         mean_dy, mean_dy_xmu = (shared / count).split(centered.shape[1])
         # scale * (dy - mean_dy - (x - mean) * invstd^2 * mean_dy_xmu)
         grad_rows = torch.addcmul(-scale * mean_dy, grad, scale).addcmul_(
             centered, -scale * invstd * invstd * mean_dy_xmu
         )
-        return grad_rows, grad_gamma, grad_beta, None, None
+        return grad_rows, grad_gamma, grad_beta, None, None, None

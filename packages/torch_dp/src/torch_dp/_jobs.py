@@ -30,7 +30,7 @@ from torch_dp._checkpoints import resume_from
 from torch_dp._comm import Replica, all_gather_rows, all_gather_varying_rows
 from torch_dp._custom import custom_steps
 from torch_dp._loop import evaluate_loop, fit_loop, predict_loop
-from torch_dp._profile import finish_report, step_timer
+from torch_dp._profile import finish_report, step_timer, timing_batch_norm
 from torch_dp._transfer import in_batch_order, in_even_order, in_input_order
 
 
@@ -73,9 +73,10 @@ class FitJob:
                     lr_policy=None if self.lr_policy is None else self.lr_policy.config(),
                 )
             timer = None if self.profile is None else step_timer(replica)
-            history = fit_loop(
-                model, self, replica, start=start, checkpoints=writer, custom=custom, notice=notice, timer=timer
-            )
+            with timing_batch_norm(timer):
+                history = fit_loop(
+                    model, self, replica, start=start, checkpoints=writer, custom=custom, notice=notice, timer=timer
+                )
             if timer is not None and self.profile is not None:
                 report = finish_report(
                     timer, model, replica, global_batch_size=self.arguments.global_batch_size, folder=self.profile

@@ -2,25 +2,77 @@
 (laps in ``_loop`` and ``_steps``; on CUDA the device is synchronised at each lap, only when
 profiling), and after the fit the replicas exchange what the report needs once: each one's
 compute time per step (the straggler spread) and a timed all-reduce of a few MB (the link's
-bandwidth). Rank 0 writes the report and prints its line.
+bandwidth). Each synchronized BatchNormalization layer's collectives are timed where they run
+(``sum_batch_norm_statistics``). Rank 0 writes the report and prints its line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import keras
 import torch
 import torch.distributed as dist
 
-from dp_core import Phase, ScalingReport, StepTimer, bus_bandwidth, write_scaling_report
-from torch_dp._comm import Replica, all_gather_rows
+from dp_core import BatchNormSync, Phase, ScalingReport, StepTimer, bus_bandwidth, write_scaling_report
+from torch_dp._comm import Replica, all_gather_rows, sum_in_place
 
 PROBE_BYTES = 4 * 2**20  # the timed all-reduce: large enough to be bandwidth-bound, small enough to be quick
 PROBE_ROUNDS = 5
 OVERLAPPED = "all_reduce_overlapped"  # noted by ``train_step``: seconds of a bucketed all-reduce during backward
+
+
+BATCH_NORM = "batch_norm/"  # noted per step: "batch_norm/<layer>/forward" and ".../backward"
+
+# The timer of the fit being profiled in this process. A module global, not a thread's: on a GPU
+# the backward pass, and with it half of BatchNorm's collectives, runs in autograd's device thread.
+_batch_norm_timer: StepTimer | None = None
+
+
+@contextlib.contextmanager
+def timing_batch_norm(timer: StepTimer | None) -> Iterator[None]:
+    """Within the block, ``sum_batch_norm_statistics`` notes each layer's collective time in ``timer``."""
+    global _batch_norm_timer
+    previous, _batch_norm_timer = _batch_norm_timer, timer
+    try:
+        yield
+    finally:
+        _batch_norm_timer = previous
+
+
+def sum_batch_norm_statistics(tensor: torch.Tensor, layer: str, direction: str) -> None:
+    """``sum_in_place(tensor)`` for BatchNorm ``layer``'s statistics (``direction``: forward or
+    backward), timed, waiting for the slowest replica included, while a fit is profiled."""
+    timer = _batch_norm_timer
+    if timer is None:
+        sum_in_place(tensor)
+        return
+    if tensor.is_cuda:  # what was queued before is not the collective's time
+        torch.cuda.synchronize(tensor.device)
+    start = time.perf_counter()
+    sum_in_place(tensor)
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
+    timer.note(f"{BATCH_NORM}{layer}/{direction}", time.perf_counter() - start)
+
+
+def _batch_norm_sync(timer: StepTimer) -> list[BatchNormSync]:
+    """Each BatchNorm layer's collective seconds per step, in the order the layers first ran."""
+    names = list(dict.fromkeys(name for step in timer.per_step for name in step if name.startswith(BATCH_NORM)))
+    means = timer.counted(phases=names)[0]
+    layers = dict.fromkeys(name[len(BATCH_NORM) :].rsplit("/", 1)[0] for name in names)
+    return [
+        BatchNormSync(
+            layer,
+            forward_seconds=means.get(f"{BATCH_NORM}{layer}/forward", 0.0),
+            backward_seconds=means.get(f"{BATCH_NORM}{layer}/backward", 0.0),
+        )
+        for layer in layers
+    ]
 
 
 def step_timer(replica: Replica) -> StepTimer:
@@ -83,6 +135,7 @@ def finish_report(
         straggler_spread_seconds=max(per_replica) - min(per_replica),
         straggler_note="slowest minus fastest replica's forward+backward+optimizer per step",
         per_replica_compute_seconds=per_replica,
+        batch_norm_sync=_batch_norm_sync(timer),
         architecture=ScalingReport.architecture_of(type(model).__name__, [tuple(w.shape) for w in model.weights]),
     )
     report, line = write_scaling_report(report, Path(folder))
