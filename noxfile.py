@@ -286,6 +286,23 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/report.py", "--results", results, "--output", page)
 
 
+@nox.session(python="3.11")
+def bench_features(session: nox.Session) -> None:
+    """The benchmarks of what goes beyond a data-parallel ``fit``, each writing its own section of
+    docs/benchmarks.md: gradient accumulation, the scaling report's overhead, synchronized BatchNorm
+    against torch's, model-parallel memory per device (about 15 minutes on 2 idle cores;
+    ``-- --quick`` is a smoke run of each that writes nothing under docs/)."""
+    _install_everything(session, "psutil>=5.9", "matplotlib>=3.8")
+    quick = "--quick" in session.posargs
+    scratch = session.create_tmp()
+    session.run("python", "benchmarks/bench_accumulation.py", *(["--quick"] if quick else []))
+    session.run("python", "benchmarks/bench_profile.py", *(["--quick"] if quick else []))
+    syncbn = os.path.join(scratch, "syncbn.json") if quick else "docs/benchmarks/syncbn.json"
+    session.run("python", "benchmarks/bench_syncbn.py", "--output", syncbn, *(["--quick"] if quick else []))
+    memory = ["--output", os.path.join(scratch, "model_parallel.json"), "--no-page"] if quick else []
+    session.run("python", "benchmarks/model_parallel_memory.py", *memory, env={"KERAS_BACKEND": "jax"})
+
+
 def _fault_tests() -> dict[str, tuple[str, list[str]]]:
     """The tests of the fault matrix (tests/reliability/matrix.py), by group: its Keras backend and node ids."""
     spec = importlib.util.spec_from_file_location("reliability_matrix", "tests/reliability/matrix.py")

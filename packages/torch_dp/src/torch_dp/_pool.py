@@ -199,7 +199,7 @@ class ReplicaPool:
                     pool_worker,
                     (rank, self.num_replicas, rendezvous, theirs, os.getpid(), self._ensure_directory(), self._entered),
                     name=f"torch_dp-replica-{rank}",
-                    environment=self._environment(),
+                    environment=self._environment(rank),
                     parent=os.getpid(),
                     directory=self._ensure_directory(),
                 )
@@ -312,16 +312,20 @@ class ReplicaPool:
             )
         return gpus == 0
 
-    def _environment(self) -> dict[str, str]:
+    def _environment(self, rank: int) -> dict[str, str]:
+        """What worker ``rank`` starts with. On GPUs, Keras's default device is the worker's own
+        GPU (``device_for``'s): a ``KERAS_TORCH_DEVICE=cuda:0`` of the caller's would otherwise put
+        every worker's variables on GPU 0, since Keras reads it once, when it is imported."""
         environment = {
             "OMP_NUM_THREADS": str(self.threads),
             "MKL_NUM_THREADS": str(self.threads),
             "KERAS_BACKEND": "torch",
         }
         if self._on_cpu():  # gloo over loopback, and no GPU for Keras to pick up by default
-            environment.update({"GLOO_SOCKET_IFNAME": "lo", "CUDA_VISIBLE_DEVICES": ""})
+            environment.update({"GLOO_SOCKET_IFNAME": "lo", "CUDA_VISIBLE_DEVICES": "", "KERAS_TORCH_DEVICE": "cpu"})
         else:  # one host: NCCL's bootstrap sockets on loopback too
             environment["NCCL_SOCKET_IFNAME"] = "lo"
+            environment["KERAS_TORCH_DEVICE"] = f"cuda:{rank % torch.cuda.device_count()}"
         return environment
 
 
