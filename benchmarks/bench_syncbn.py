@@ -192,7 +192,14 @@ def _page(results: dict) -> str:
         row('torch-dp with `batch_norm="per_replica"`', "torch_dp_vs_per_replica"),
         "",
         f"Target: global BatchNorm at {SYNCBN_TARGET:.1f}x or more of the guide's loop on the same model with "
-        "synchronized BatchNorm: " + ("**met**." if met else "**not met**."),
+        "synchronized BatchNorm: "
+        + ("**met**" if met else "**not met**")
+        + (
+            ", by a small margin: single rounds spread as the table shows, so a rerun may land a few percent "
+            "either side of 1.0x."
+            if abs(ratios["torch_dp_vs_guide_syncbn"] - SYNCBN_TARGET) < 0.05
+            else "."
+        ),
         "",
         "The synchronized loops run `torch.nn.SyncBatchNorm`'s algorithm with CPU kernels (it accepts only "
         "accelerator tensors; `benchmarks/syncbn_parts.py`): one `all_gather` of per-replica mean, inverse "
