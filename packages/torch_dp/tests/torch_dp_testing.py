@@ -8,10 +8,14 @@ import os
 import signal
 import socket
 import time
+from typing import Any
 
 import keras
 import numpy as np
+import torch
 import torch.distributed as dist
+
+from torch_dp import _comm
 
 NUM_SAMPLES = 99  # not a multiple of the global batch: the last batch is padded
 GLOBAL_BATCH_SIZE = 32
@@ -352,3 +356,35 @@ class RowDataset:
 
     def __getitem__(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         return self.x[index], self.y[index]
+
+
+SUM_SIZES = (1000, _comm.GATHER_AT_MOST_BYTES // 4)  # float32: 8 KB and 2 MiB gathered over 2 replicas
+
+
+def sums_over_two_replicas(rank: int, port: int, results: Any) -> None:
+    """``test_comm``'s replica: ``_comm.sum_in_place`` of a few tensors, with the collectives each used."""
+    torch.set_num_threads(1)
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # this process's own: the group stays on loopback
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        used = []
+        for name in ("all_reduce", "all_gather"):
+            original = getattr(dist, name)
+            setattr(
+                dist,
+                name,
+                lambda *args, _name=name, _original=original, **kw: used.append(_name) or _original(*args, **kw),
+            )
+        sums = {}
+        for label, tensor in {
+            "small": torch.arange(SUM_SIZES[0], dtype=torch.float32) * (rank + 1),
+            "large": torch.arange(SUM_SIZES[1], dtype=torch.float32) * (rank + 1),
+            "counts": torch.tensor([3, 2**40], dtype=torch.int64) * (rank + 1),
+            "float64": torch.tensor([0.1, 1e-12], dtype=torch.float64) * (rank + 1),
+        }.items():
+            used.clear()
+            _comm.sum_in_place(tensor)
+            sums[label] = (tensor.clone(), list(used))
+        results.put((rank, sums))
+    finally:
+        dist.destroy_process_group()
