@@ -159,3 +159,23 @@ def test_model_checkpoint_and_terminate_on_nan_work_from_the_trainer(tmp_path):
     assert (
         int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 4 + 3 * 3
     )  # the first fit, then 3 of 4 steps per epoch
+
+
+class _CountingProgbar(keras.callbacks.ProgbarLogger):
+    def __init__(self):
+        super().__init__()
+        self.batch_ends = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batch_ends += 1
+        super().on_train_batch_end(batch, logs)
+
+
+def test_a_progress_bar_passed_with_verbose_0_still_sees_every_batch_as_in_keras():
+    """No batch hook runs when no callback needs one; a ProgbarLogger the caller passes does."""
+    x, y = testing.data()
+    theirs, mine = _CountingProgbar(), _CountingProgbar()
+    testing.dense_batchnorm_model().fit(x, y, batch_size=32, epochs=2, callbacks=[theirs], verbose=0)
+    trainer = torch_dp.Trainer(num_replicas=1)
+    trainer.fit(testing.dense_batchnorm_model(), x, y, global_batch_size=32, epochs=2, callbacks=[mine], verbose=0)
+    assert mine.batch_ends == theirs.batch_ends == 2 * 4  # 99 rows in batches of 32

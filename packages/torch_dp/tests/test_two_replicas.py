@@ -130,6 +130,23 @@ def test_adam_sample_weights_and_a_stop_mid_epoch_equal_keras():
     assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 6
 
 
+def test_a_models_own_compute_metrics_runs_on_every_replica_as_in_keras():
+    """A model that redefines ``compute_metrics`` (here: a metric of its own) keeps it; its
+    metric counts each of the 99 real rows once per epoch, the padded last batch's padding not."""
+    x, y = testing.data()
+    reference = testing.row_counting_model()
+    expected = reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    assert expected.history["rows_seen"] == [99.0, 99.0]
+    with torch_dp.Trainer(num_replicas=2, timeout=60) as trainer:
+        history = trainer.fit(
+            testing.row_counting_model, x, y, global_batch_size=32, epochs=2, shuffle=False, verbose=0
+        )
+    assert set(history.history) == set(expected.history)
+    for name, values in expected.history.items():
+        np.testing.assert_allclose(history.history[name], values, rtol=1e-5, atol=1e-6, err_msg=name)
+    _assert_weights_equal(history.model, reference)
+
+
 def test_a_failing_replica_stops_all_promptly_and_names_its_rank(tmp_path, monkeypatch):
     scratch = tmp_path / "scratch"
     scratch.mkdir()

@@ -388,3 +388,28 @@ def sums_over_two_replicas(rank: int, port: int, results: Any) -> None:
         results.put((rank, sums))
     finally:
         dist.destroy_process_group()
+
+
+class RowCountingModel(keras.Sequential):
+    """A model whose own ``compute_metrics`` adds a metric: the rows it saw (every real row once)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rows_seen = keras.metrics.Sum(name="rows_seen")
+
+    def compute_metrics(self, x: Any, y: Any, y_pred: Any, sample_weight: Any = None) -> dict[str, Any]:
+        results = super().compute_metrics(x, y, y_pred, sample_weight)
+        self.rows_seen.update_state(keras.ops.ones_like(y_pred[:, 0]))
+        results["rows_seen"] = self.rows_seen.result()
+        return results
+
+
+def row_counting_model() -> keras.Model:
+    """``dense_batchnorm_model``'s layers, optimizer and metrics in a ``RowCountingModel``."""
+    keras.utils.set_random_seed(0)
+    model = RowCountingModel(
+        [layer.__class__.from_config(layer.get_config()) for layer in dense_batchnorm_model().layers]
+    )
+    model.build((None, 5))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
