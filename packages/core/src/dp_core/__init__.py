@@ -32,8 +32,10 @@ from dp_core._options import BatchNormMode as BatchNormMode
 from dp_core._preemption import Preempted as Preempted
 from dp_core._preemption import PreemptionWatch as PreemptionWatch
 from dp_core._scaling import ESTIMATED_FROM_PARTS as ESTIMATED_FROM_PARTS
+from dp_core._scaling import NO_STEP_TIMER as NO_STEP_TIMER
 from dp_core._scaling import SCALING_PHASES as SCALING_PHASES
 from dp_core._scaling import BatchNormSync as BatchNormSync
+from dp_core._scaling import NoStepTimer as NoStepTimer
 from dp_core._scaling import Phase as Phase
 from dp_core._scaling import ScalingReport as ScalingReport
 from dp_core._scaling import StepTimer as StepTimer
@@ -55,6 +57,7 @@ __version__ = _version("dp-core")
 
 __all__ = [
     "ESTIMATED_FROM_PARTS",
+    "NO_STEP_TIMER",
     "SCALING_PHASES",
     "BatchNormMode",
     "BatchNormSync",
@@ -65,6 +68,7 @@ __all__ = [
     "EquivalenceReport",
     "LearningRateScaling",
     "ModelFactory",
+    "NoStepTimer",
     "NonFiniteLoss",
     "NonFiniteLossError",
     "Phase",
