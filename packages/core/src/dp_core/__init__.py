@@ -14,6 +14,12 @@ from dp_core._checkpoint import latest_checkpoint as latest_checkpoint
 from dp_core._checkpoint import list_checkpoints as list_checkpoints
 from dp_core._checkpoint import load_checkpoint as load_checkpoint
 from dp_core._checkpoint import save_checkpoint as save_checkpoint
+from dp_core._cluster import JobId as JobId
+from dp_core._cluster import Launch as Launch
+from dp_core._cluster import job_id_of as job_id_of
+from dp_core._cluster import launch_of as launch_of
+from dp_core._cluster import slurm_hosts as slurm_hosts
+from dp_core._cluster import slurm_port as slurm_port
 from dp_core._equivalence import EquivalenceReport as EquivalenceReport
 from dp_core._layout import ReplicaLayout as ReplicaLayout
 from dp_core._lr import Constant as Constant
@@ -66,6 +72,8 @@ __all__ = [
     "Constant",
     "CosineDecay",
     "EquivalenceReport",
+    "JobId",
+    "Launch",
     "LearningRateScaling",
     "ModelFactory",
     "NoStepTimer",
@@ -86,7 +94,9 @@ __all__ = [
     "bus_bandwidth",
     "check_compatible",
     "epoch_order",
+    "job_id_of",
     "latest_checkpoint",
+    "launch_of",
     "learning_rate_policy",
     "linear_scaling",
     "list_checkpoints",
@@ -99,6 +109,8 @@ __all__ = [
     "scaling_report_folder",
     "scaling_summary",
     "schedule_from_config",
+    "slurm_hosts",
+    "slurm_port",
     "split_indices",
     "sqrt_scaling",
     "write_scaling_report",
