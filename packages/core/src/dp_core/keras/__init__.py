@@ -5,8 +5,61 @@ building, the learning-rate policy, callbacks and logs, checkpoints and resume, 
 ``internals``) every private Keras attribute keras-dp relies on. A backend package imports
 these names and implements ``dp_core.Trainer`` on its own collectives and loop; see
 docs/architecture.md. ``import dp_core`` alone never imports this module, nor keras.
+
+The contract, what a backend calls on the way from the user's call to its step:
+
+- the call: ``checked_call`` (every check before anything starts; a ``CheckedCall``, the
+  backend's ``OwnStepsCheck`` for a model's own steps), then ``fit_arguments`` (``FitArguments``);
+- the inputs: ``Inputs`` (arrays and map-style datasets, read by row), ``BatchSource``
+  (batch-yielding sources, each batch a global batch);
+- the model: ``build_model``;
+- the step's loss: ``replica_losses``, ``check_losses_split``;
+- the epoch: ``callback_list``, ``needs_every_batch``, ``python_logs``;
+- the learning rate: ``plan_learning_rate``, ``learning_rate_policy_installed``
+  (``LearningRatePolicy``);
+- checkpoints: ``CheckpointWriter``, ``resumable_checkpoint``, ``restore_model``, ``start_of``
+  (``Start``).
+
+Helpers, for what a backend does its own way:
+
+- the checks ``checked_call`` is made of: ``global_batch_size_of``, ``checked_model_and_inputs``,
+  ``resolve_model``, ``require_backend``, ``require_compiled``, ``overrides``;
+- inputs: ``validation_inputs``, ``FirstRows``, ``batch_source``, ``is_batch_source``,
+  ``replica_part``, ``batch_rows``, ``padded_batch_size``, ``flatten``, ``map_structure``;
+- losses and the learning rate: ``ReplicaRows``, ``activity_regularizer_divides_by_batch_size``,
+  ``KerasSchedule``;
+- callbacks and checkpoints: ``verbosity``, ``model_checkpoint``;
+- options: ``BATCH_NORM_MODES``, ``check_batch_norm_mode``, ``check_nonfinite_mode``,
+  ``nonfinite_loss_stopped``, ``skipped_message``;
+- tools: ``compare_replica_counts``, ``run_check_command``;
+- ``internals``: every private Keras attribute, with its reason.
 """
 
+# the contract
+from dp_core.keras._arguments import FitArguments as FitArguments
+from dp_core.keras._arguments import fit_arguments as fit_arguments
+from dp_core.keras._call import CheckedCall as CheckedCall
+from dp_core.keras._call import OwnStepsCheck as OwnStepsCheck
+from dp_core.keras._call import checked_call as checked_call
+from dp_core.keras._callbacks import callback_list as callback_list
+from dp_core.keras._callbacks import needs_every_batch as needs_every_batch
+from dp_core.keras._checkpoints import CheckpointWriter as CheckpointWriter
+from dp_core.keras._checkpoints import Start as Start
+from dp_core.keras._checkpoints import restore_model as restore_model
+from dp_core.keras._checkpoints import resumable_checkpoint as resumable_checkpoint
+from dp_core.keras._checkpoints import start_of as start_of
+from dp_core.keras._inputs import Inputs as Inputs
+from dp_core.keras._learning_rate import LearningRatePolicy as LearningRatePolicy
+from dp_core.keras._learning_rate import learning_rate_policy_installed as learning_rate_policy_installed
+from dp_core.keras._learning_rate import plan_learning_rate as plan_learning_rate
+from dp_core.keras._logs import python_logs as python_logs
+from dp_core.keras._losses import check_losses_split as check_losses_split
+from dp_core.keras._losses import replica_losses as replica_losses
+from dp_core.keras._model import build_model as build_model
+from dp_core.keras._sources import BatchSource as BatchSource
+
+# isort: split
+# helpers
 from dp_core._data import flatten as flatten
 from dp_core._data import map_structure as map_structure
 from dp_core._nonfinite import check_nonfinite_mode as check_nonfinite_mode
@@ -15,41 +68,24 @@ from dp_core._nonfinite import stopped as nonfinite_loss_stopped
 from dp_core._options import BATCH_NORM_MODES as BATCH_NORM_MODES
 from dp_core._options import check_batch_norm_mode as check_batch_norm_mode
 from dp_core.keras import _internals as internals
-from dp_core.keras._arguments import FitArguments as FitArguments
 from dp_core.keras._arguments import batch_source as batch_source
 from dp_core.keras._arguments import checked_model_and_inputs as checked_model_and_inputs
-from dp_core.keras._arguments import fit_arguments as fit_arguments
 from dp_core.keras._arguments import global_batch_size_of as global_batch_size_of
-from dp_core.keras._callbacks import callback_list as callback_list
-from dp_core.keras._callbacks import needs_every_batch as needs_every_batch
 from dp_core.keras._callbacks import verbosity as verbosity
 from dp_core.keras._check_command import run_check_command as run_check_command
-from dp_core.keras._checkpoints import CheckpointWriter as CheckpointWriter
-from dp_core.keras._checkpoints import Start as Start
 from dp_core.keras._checkpoints import model_checkpoint as model_checkpoint
-from dp_core.keras._checkpoints import restore_model as restore_model
-from dp_core.keras._checkpoints import resumable_checkpoint as resumable_checkpoint
-from dp_core.keras._checkpoints import start_of as start_of
 from dp_core.keras._equivalence import compare_replica_counts as compare_replica_counts
 from dp_core.keras._inputs import FirstRows as FirstRows
-from dp_core.keras._inputs import Inputs as Inputs
 from dp_core.keras._inputs import validation_inputs as validation_inputs
 from dp_core.keras._learning_rate import KerasSchedule as KerasSchedule
-from dp_core.keras._learning_rate import LearningRatePolicy as LearningRatePolicy
-from dp_core.keras._learning_rate import learning_rate_policy_installed as learning_rate_policy_installed
-from dp_core.keras._learning_rate import plan_learning_rate as plan_learning_rate
-from dp_core.keras._logs import python_logs as python_logs
 from dp_core.keras._losses import ReplicaRows as ReplicaRows
 from dp_core.keras._losses import (
     activity_regularizer_divides_by_batch_size as activity_regularizer_divides_by_batch_size,
 )
-from dp_core.keras._losses import check_losses_split as check_losses_split
-from dp_core.keras._losses import replica_losses as replica_losses
-from dp_core.keras._model import build_model as build_model
+from dp_core.keras._model import overrides as overrides
 from dp_core.keras._model import require_backend as require_backend
 from dp_core.keras._model import require_compiled as require_compiled
 from dp_core.keras._model import resolve_model as resolve_model
-from dp_core.keras._sources import BatchSource as BatchSource
 from dp_core.keras._sources import batch_rows as batch_rows
 from dp_core.keras._sources import is_batch_source as is_batch_source
 from dp_core.keras._sources import padded_batch_size as padded_batch_size
@@ -58,12 +94,14 @@ from dp_core.keras._sources import replica_part as replica_part
 __all__ = [
     "BATCH_NORM_MODES",
     "BatchSource",
+    "CheckedCall",
     "CheckpointWriter",
     "FirstRows",
     "FitArguments",
     "Inputs",
     "KerasSchedule",
     "LearningRatePolicy",
+    "OwnStepsCheck",
     "ReplicaRows",
     "Start",
     "activity_regularizer_divides_by_batch_size",
@@ -74,6 +112,7 @@ __all__ = [
     "check_batch_norm_mode",
     "check_losses_split",
     "check_nonfinite_mode",
+    "checked_call",
     "checked_model_and_inputs",
     "compare_replica_counts",
     "fit_arguments",
@@ -86,6 +125,7 @@ __all__ = [
     "model_checkpoint",
     "needs_every_batch",
     "nonfinite_loss_stopped",
+    "overrides",
     "padded_batch_size",
     "plan_learning_rate",
     "python_logs",

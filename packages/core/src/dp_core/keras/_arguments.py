@@ -116,15 +116,41 @@ def checked_model_and_inputs(
     require_backend(backend, package)
     keras_model = resolve_model(model, compiled=compiled)
     require_keras_steps(keras_model, keras_steps, package)
+    inputs = checked_inputs(
+        x,
+        y,
+        sample_weight,
+        global_batch_size=global_batch_size,
+        num_replicas=num_replicas,
+        class_weight=class_weight,
+        steps=steps,
+        steps_name=steps_name,
+    )
+    if compiled and isinstance(inputs, Inputs):
+        warn_added_losses_see_padding(keras_model, inputs, num_samples=inputs.num_samples, batch_size=global_batch_size)
+    return keras_model, inputs
+
+
+def checked_inputs(
+    x: Any,
+    y: Any,
+    sample_weight: Any,
+    *,
+    global_batch_size: int,
+    num_replicas: int,
+    class_weight: Mapping[int, float] | None,
+    steps: int | None,
+    steps_name: str,
+) -> Inputs | BatchSource:
+    """A batch source, or arrays whose global batch divides over the replicas and that take no
+    ``steps`` (a pass over every sample is the epoch)."""
     if is_batch_source(x):
         # its batches need not divide over the replicas: each is padded up to a multiple (``padded_batch_size``)
-        return keras_model, batch_source(x, y, sample_weight, steps=steps, class_weight=class_weight)
+        return batch_source(x, y, sample_weight, steps=steps, class_weight=class_weight)
     per_replica_batch_size(global_batch_size, num_replicas)
     inputs = Inputs(x, y, sample_weight, class_weight=class_weight)
     _check_no_steps(steps, steps_name)
-    if compiled:
-        warn_added_losses_see_padding(keras_model, inputs, num_samples=inputs.num_samples, batch_size=global_batch_size)
-    return keras_model, inputs
+    return inputs
 
 
 def batch_source(

@@ -58,7 +58,7 @@ def require_keras_steps(model: keras.Model, step_names: tuple[str, ...], package
     """A clear error before anything starts for a model that overrides the Keras step a call
     would run (``train_step``, ``test_step``, ``predict_step``): the trainers run Keras's own
     step split over the replicas, so an override would be silently ignored."""
-    overridden = [name for name in step_names if getattr(type(model), name) is not getattr(keras.Model, name)]
+    overridden = [name for name in step_names if overrides(model, name)]
     if overridden:
         raise NotImplementedError(
             f"{type(model).__name__} overrides {', '.join(overridden)}; {package} runs Keras's own step on every "
@@ -66,6 +66,12 @@ def require_keras_steps(model: keras.Model, step_names: tuple[str, ...], package
             "override would be ignored. Move custom loss logic into compute_loss (which is honoured), or train this "
             "model with model.fit on one device."
         )
+
+
+def overrides(model: keras.Model, step_name: str) -> bool:
+    """Whether the model's class defines its own Keras ``step_name`` (``train_step``,
+    ``test_step`` or ``predict_step``)."""
+    return getattr(type(model), step_name) is not getattr(keras.Model, step_name)
 
 
 def build_model(model: keras.Model, inputs: FirstRows, *, rows: int = 2, for_predict: bool = False) -> None:

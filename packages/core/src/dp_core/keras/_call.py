@@ -1,0 +1,104 @@
+"""The checks every ``fit``, ``evaluate`` and ``predict`` of a trainer makes before anything
+starts, written once: ``checked_call``.
+
+A backend passes what differs between backends: its Keras backend and package name, the
+Keras steps the call runs, and what it asks of a model that overrides one of them (its own
+``check_own_steps``). Each check raises the same error, with the same message, whichever
+backend calls it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple, Protocol
+
+import keras
+
+from dp_core.keras._arguments import checked_inputs, global_batch_size_of
+from dp_core.keras._inputs import Inputs
+from dp_core.keras._losses import warn_added_losses_see_padding
+from dp_core.keras._model import overrides, require_backend, require_compiled, require_keras_steps, resolve_model
+from dp_core.keras._sources import BatchSource
+
+
+class OwnStepsCheck(Protocol):
+    """A backend's errors for a model that overrides ``step_names`` (the ones the call runs and
+    the model defines itself); ``compiled`` when the call needs ``model.compile``."""
+
+    def __call__(self, model: keras.Model, step_names: tuple[str, ...], *, compiled: bool) -> None: ...
+
+
+class CheckedCall(NamedTuple):
+    """What a call works on once every check passed: the Keras model (a factory's, called
+    once), the inputs, and the global batch size (a batch source's own)."""
+
+    model: keras.Model
+    inputs: Inputs | BatchSource
+    global_batch_size: int
+
+
+def checked_call(
+    model: Any,
+    x: Any,
+    y: Any = None,
+    sample_weight: Any = None,
+    *,
+    batch_size: Any,
+    global_batch_size: Any,
+    backend: str,
+    package: str,
+    num_replicas: int,
+    step_names: tuple[str, ...],
+    compiled: bool = True,
+    check_own_steps: OwnStepsCheck | None = None,
+    warn_added_losses: bool = True,
+    class_weight: Mapping[int, float] | None = None,
+    steps: int | None = None,
+    steps_name: str = "steps",
+) -> CheckedCall:
+    """Every check of a call that needs no device, in this order, so the first mistake is the
+    one reported:
+
+    1. one global batch size from ``batch_size`` and ``global_batch_size`` (``global_batch_size_of``);
+    2. Keras runs on ``backend`` (``require_backend``, naming ``package``);
+    3. a ``keras.Model``, or a zero-argument factory's (called once);
+    4. the steps of ``step_names`` the model overrides: ``check_own_steps`` gets them (with
+       ``compiled``); without one, an override is an error (``require_keras_steps``);
+    5. when ``compiled`` (not for ``predict``) and a Keras step of ``step_names`` runs, a model
+       compiled with a loss (``require_compiled``), and, with ``warn_added_losses``, a warning
+       when a row-dependent ``add_loss`` term will see a padded last batch;
+    6. the inputs: a batch source (``steps`` its batches per epoch), or arrays whose global
+       batch divides over ``num_replicas`` and that take no ``steps`` (named ``steps_name``).
+
+    A batch source's batches are the global batches: its ``global_batch_size`` is returned.
+
+    >>> call = checked_call(model, x, y, batch_size=64, global_batch_size=None, backend="jax",  # doctest: +SKIP
+    ...                     package="jax_dp", num_replicas=8, step_names=("test_step",))
+    >>> call.model, call.inputs, call.global_batch_size  # doctest: +SKIP
+    """
+    size = global_batch_size_of(batch_size, global_batch_size, x)
+    require_backend(backend, package)
+    keras_model = resolve_model(model, compiled=False)
+    own = tuple(name for name in step_names if overrides(keras_model, name))
+    if own and check_own_steps is None:
+        require_keras_steps(keras_model, own, package)
+    elif own and check_own_steps is not None:
+        check_own_steps(keras_model, own, compiled=compiled)
+    keras_step_runs = compiled and len(own) < len(step_names)
+    if keras_step_runs:
+        require_compiled(keras_model)
+    inputs = checked_inputs(
+        x,
+        y,
+        sample_weight,
+        global_batch_size=size,
+        num_replicas=num_replicas,
+        class_weight=class_weight,
+        steps=steps,
+        steps_name=steps_name,
+    )
+    if isinstance(inputs, BatchSource):
+        return CheckedCall(keras_model, inputs, inputs.global_batch_size)
+    if keras_step_runs and warn_added_losses:
+        warn_added_losses_see_padding(keras_model, inputs, num_samples=inputs.num_samples, batch_size=size)
+    return CheckedCall(keras_model, inputs, size)

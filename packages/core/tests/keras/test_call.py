@@ -1,0 +1,171 @@
+"""``checked_call``: the checks before a trainer's call, in their order, with the values they give."""
+
+import re
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+from dp_core.keras import BatchSource, CheckedCall, Inputs, checked_call, overrides
+
+X, Y = np.zeros((8, 3), "float32"), np.zeros((8, 1), "float32")
+
+
+def compiled_model(**compile_options):
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse", **compile_options)
+    return model
+
+
+class OwnTrainStep(keras.Sequential):
+    def train_step(self, *args, **kwargs):
+        raise AssertionError("never run here")
+
+
+def own_train_step_model(loss=None):
+    model = OwnTrainStep([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss=loss)
+    return model
+
+
+class Batches(keras.utils.PyDataset):
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, index):
+        return np.zeros((6, 3), "float32"), np.zeros((6, 1), "float32")
+
+
+def call(model, x=X, y=Y, **options):
+    given = {
+        "batch_size": None,
+        "global_batch_size": 4,
+        "backend": keras.backend.backend(),
+        "package": "a_dp",
+        "num_replicas": 2,
+        "step_names": ("train_step",),
+    }
+    return checked_call(model, x, y, **{**given, **options})
+
+
+class Seen:
+    """An ``OwnStepsCheck`` that records what it was given."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, model, step_names, *, compiled):
+        self.calls.append((model, step_names, compiled))
+
+
+def test_arrays_give_the_model_the_inputs_and_the_global_batch_size():
+    model = compiled_model()
+    checked = call(model, batch_size=4, global_batch_size=None)
+    assert isinstance(checked, CheckedCall) and checked.model is model and checked.global_batch_size == 4
+    assert isinstance(checked.inputs, Inputs) and checked.inputs.num_samples == 8
+
+
+def test_a_factory_is_called_once_and_its_model_returned():
+    built = []
+
+    def factory():
+        built.append(compiled_model())
+        return built[-1]
+
+    checked = call(factory)
+    assert len(built) == 1 and checked.model is built[0]
+
+
+def test_a_batch_source_gives_its_own_global_batch_size():
+    checked = call(compiled_model(), Batches(), None, global_batch_size=None, steps=2, steps_name="steps_per_epoch")
+    assert isinstance(checked.inputs, BatchSource) and checked.global_batch_size == 6
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "said"),
+    [
+        ({"batch_size": 4, "global_batch_size": 8}, ValueError, "batch_size=4 and global_batch_size=8 name the same"),
+        ({"backend": "tensorflow"}, RuntimeError, "a_dp needs the Keras 'tensorflow' backend, but Keras is running"),
+        ({"global_batch_size": 3}, ValueError, "3"),
+        ({"steps": 2, "steps_name": "steps_per_epoch"}, ValueError, "steps_per_epoch=2: with arrays"),
+    ],
+)
+def test_each_check_raises_its_own_error(options, error, said):
+    with pytest.raises(error, match=re.escape(said)):
+        call(compiled_model(), **options)
+
+
+def test_the_batch_size_is_checked_before_the_backend_and_the_backend_before_the_model():
+    with pytest.raises(ValueError, match="name the same thing"):
+        call("not a model", batch_size=4, global_batch_size=8, backend="tensorflow")
+    with pytest.raises(RuntimeError, match="a_dp needs the Keras 'tensorflow' backend"):
+        call("not a model", backend="tensorflow")
+    with pytest.raises(
+        TypeError, match="model must be a keras.Model or a zero-argument callable returning one, got str"
+    ):
+        call("not a model")
+
+
+def test_a_call_that_runs_a_keras_step_needs_a_compiled_model_with_a_loss():
+    uncompiled = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    with pytest.raises(ValueError, match=r"Model '.*' is not compiled: the trainer uses the optimizer, loss"):
+        call(uncompiled)
+    call(uncompiled, compiled=False, step_names=("predict_step",))  # predict needs no compile
+    with pytest.raises(ValueError, match="steps_per_execution=2"):
+        call(compiled_model(steps_per_execution=2))
+
+
+def test_a_models_own_steps_go_to_the_backends_check_and_need_no_compiled_loss():
+    seen = Seen()
+    model = own_train_step_model()  # no loss: its own train_step computes one
+    assert overrides(model, "train_step") and not overrides(model, "test_step")
+    assert call(model, check_own_steps=seen).model is model
+    assert seen.calls == [(model, ("train_step",), True)]
+    call(model, check_own_steps=seen, compiled=False, step_names=("train_step", "predict_step"))
+    assert seen.calls[-1] == (model, ("train_step",), False)
+
+
+def test_a_keras_step_beside_an_own_one_still_needs_the_compiled_loss():
+    seen = Seen()
+    with pytest.raises(ValueError, match=r"was compiled without a loss; pass `loss=` to `model.compile`"):
+        call(own_train_step_model(), check_own_steps=seen, step_names=("train_step", "test_step"))
+    assert [names for _, names, _ in seen.calls] == [("train_step",)]  # the backend's check comes first
+
+
+def test_a_backends_check_of_own_steps_raises_before_the_compiled_check():
+    def refuse(model, step_names, *, compiled):
+        raise ValueError(f"no {step_names} here (compiled={compiled})")
+
+    uncompiled = OwnTrainStep([keras.Input((3,)), keras.layers.Dense(1)])
+    with pytest.raises(ValueError, match=re.escape("no ('train_step',) here (compiled=True)")):
+        call(uncompiled, check_own_steps=refuse, step_names=("train_step", "test_step"))
+
+
+def test_without_a_check_of_its_own_an_overridden_step_is_refused():
+    with pytest.raises(NotImplementedError, match="OwnTrainStep overrides train_step; a_dp runs Keras's own step"):
+        call(own_train_step_model(loss="mse"))
+    call(own_train_step_model(loss="mse"), step_names=("test_step",))  # not a step this call runs
+
+
+class _Penalty(keras.layers.Layer):
+    def call(self, inputs):
+        self.add_loss(0.1 * keras.ops.mean(keras.ops.square(inputs)))
+        return inputs
+
+
+def with_penalty():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), _Penalty()])
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def test_a_row_dependent_added_loss_is_warned_of_unless_the_backend_says_not():
+    x = np.random.default_rng(0).normal(size=(10, 3)).astype("float32")
+    y = np.zeros((10, 2), "float32")
+    with pytest.warns(UserWarning, match=r"holds 2 of 4 rows \(10 samples\)"):
+        call(with_penalty(), x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        call(with_penalty(), x, y, warn_added_losses=False)
+        call(with_penalty(), x, y, compiled=False, step_names=("predict_step",))
