@@ -7,13 +7,13 @@ never imported from here.
 from importlib.metadata import version as _version
 
 from dp_core._batch import per_replica_batch_size as per_replica_batch_size
-from dp_core._checkpoint import Checkpoint as Checkpoint
-from dp_core._checkpoint import CheckpointError as CheckpointError
-from dp_core._checkpoint import check_compatible as check_compatible
-from dp_core._checkpoint import latest_checkpoint as latest_checkpoint
-from dp_core._checkpoint import list_checkpoints as list_checkpoints
-from dp_core._checkpoint import load_checkpoint as load_checkpoint
 from dp_core._checkpoint import save_checkpoint as save_checkpoint
+from dp_core._checkpoint_format import Checkpoint as Checkpoint
+from dp_core._checkpoint_format import CheckpointError as CheckpointError
+from dp_core._checkpoint_format import check_compatible as check_compatible
+from dp_core._checkpoint_read import latest_checkpoint as latest_checkpoint
+from dp_core._checkpoint_read import list_checkpoints as list_checkpoints
+from dp_core._checkpoint_read import load_checkpoint as load_checkpoint
 from dp_core._cluster import JobId as JobId
 from dp_core._cluster import Launch as Launch
 from dp_core._cluster import job_id_of as job_id_of

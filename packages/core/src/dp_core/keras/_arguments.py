@@ -17,7 +17,7 @@ import keras
 import numpy as np
 
 from dp_core._batch import per_replica_batch_size
-from dp_core._checkpoint import check_checkpoint_arguments
+from dp_core._checkpoint_format import check_checkpoint_arguments
 from dp_core._data import map_structure
 from dp_core._options import check_epochs, check_integer
 from dp_core._trainer import Verbose

@@ -22,7 +22,9 @@ from typing import Any, TypeGuard
 import keras
 import numpy as np
 
-from dp_core._checkpoint import Checkpoint, CheckpointError, check_compatible, latest_checkpoint, save_checkpoint
+from dp_core._checkpoint import save_checkpoint
+from dp_core._checkpoint_format import Checkpoint, CheckpointError, check_compatible
+from dp_core._checkpoint_read import latest_checkpoint
 
 # keras.ops is typed for every backend at once; treat it as untyped here.
 ops: Any = keras.ops
