@@ -101,10 +101,10 @@ def test_the_batch_size_is_checked_before_the_backend_and_the_backend_before_the
         call("not a model", batch_size=4, global_batch_size=8, backend="tensorflow")
     with pytest.raises(RuntimeError, match="a_dp needs the Keras 'tensorflow' backend"):
         call("not a model", backend="tensorflow")
-    with pytest.raises(
-        TypeError, match="model must be a keras.Model or a zero-argument callable returning one, got str"
-    ):
+    with pytest.raises(TypeError, match="model must be a compiled keras.Model or a zero-argument callable returning"):
         call("not a model")
+    with pytest.raises(TypeError, match="model must be a keras.Model or a zero-argument callable returning one, got"):
+        call(lambda: "not a model", compiled=False, step_names=("predict_step",))
 
 
 def test_a_call_that_runs_a_keras_step_needs_a_compiled_model_with_a_loss():

@@ -17,7 +17,7 @@ import keras
 from dp_core.keras._arguments import checked_inputs, global_batch_size_of
 from dp_core.keras._inputs import Inputs
 from dp_core.keras._losses import warn_added_losses_see_padding
-from dp_core.keras._model import overrides, require_backend, require_compiled, require_keras_steps, resolve_model
+from dp_core.keras._model import overrides, require_backend, require_keras_steps, resolve_model
 from dp_core.keras._sources import BatchSource
 
 
@@ -61,12 +61,13 @@ def checked_call(
 
     1. one global batch size from ``batch_size`` and ``global_batch_size`` (``global_batch_size_of``);
     2. Keras runs on ``backend`` (``require_backend``, naming ``package``);
-    3. a ``keras.Model``, or a zero-argument factory's (called once);
+    3. a zero-argument factory is called (once);
     4. the steps of ``step_names`` the model overrides: ``check_own_steps`` gets them (with
        ``compiled``); without one, an override is an error (``require_keras_steps``);
-    5. when ``compiled`` (not for ``predict``) and a Keras step of ``step_names`` runs, a model
-       compiled with a loss (``require_compiled``), and, with ``warn_added_losses``, a warning
-       when a row-dependent ``add_loss`` term will see a padded last batch;
+    5. a ``keras.Model`` (``resolve_model``) and, when ``compiled`` (not for ``predict``) and a
+       Keras step of ``step_names`` runs, one compiled with a loss (``require_compiled``); then,
+       with ``warn_added_losses``, a warning when a row-dependent ``add_loss`` term will see a
+       padded last batch;
     6. the inputs: a batch source (``steps`` its batches per epoch), or arrays whose global
        batch divides over ``num_replicas`` and that take no ``steps`` (named ``steps_name``).
 
@@ -78,15 +79,15 @@ def checked_call(
     """
     size = global_batch_size_of(batch_size, global_batch_size, x)
     require_backend(backend, package)
-    keras_model = resolve_model(model, compiled=False)
-    own = tuple(name for name in step_names if overrides(keras_model, name))
+    if not isinstance(model, keras.Model) and callable(model):
+        model = model()  # a factory is called once, here
+    own = tuple(name for name in step_names if isinstance(model, keras.Model) and overrides(model, name))
     if own and check_own_steps is None:
-        require_keras_steps(keras_model, own, package)
+        require_keras_steps(model, own, package)
     elif own and check_own_steps is not None:
-        check_own_steps(keras_model, own, compiled=compiled)
+        check_own_steps(model, own, compiled=compiled)
     keras_step_runs = compiled and len(own) < len(step_names)
-    if keras_step_runs:
-        require_compiled(keras_model)
+    keras_model = resolve_model(model, compiled=keras_step_runs)  # not a model: a TypeError
     inputs = checked_inputs(
         x,
         y,
