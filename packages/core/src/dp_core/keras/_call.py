@@ -73,9 +73,13 @@ def checked_call(
 
     A batch source's batches are the global batches: its ``global_batch_size`` is returned.
 
-    >>> call = checked_call(model, x, y, batch_size=64, global_batch_size=None, backend="jax",  # doctest: +SKIP
-    ...                     package="jax_dp", num_replicas=8, step_names=("test_step",))
-    >>> call.model, call.inputs, call.global_batch_size  # doctest: +SKIP
+    >>> import numpy as np
+    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> call = checked_call(model, np.zeros((8, 3)), np.zeros((8, 1)), batch_size=4, global_batch_size=None,
+    ...                     backend=keras.backend.backend(), package="a_dp", num_replicas=2, step_names=("train_step",))
+    >>> call.model is model, call.inputs.num_samples, call.global_batch_size
+    (True, 8, 4)
     """
     size = global_batch_size_of(batch_size, global_batch_size, x)
     require_backend(backend, package)
