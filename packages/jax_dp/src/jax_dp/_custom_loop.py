@@ -47,7 +47,7 @@ from jax_dp._state import (
     weights_on_mesh,
     write_back,
 )
-from jax_dp._steps_ahead import report_on_host
+from jax_dp._steps import report_on_host
 
 
 def custom_epochs(

@@ -41,7 +41,7 @@ from jax_dp._compile_cache import held_weakly
 from jax_dp._mesh import batch_sharded, replicated
 from jax_dp._metrics import Logs
 from jax_dp._state import TrainState, Weights, step_taken
-from jax_dp._steps_ahead import Report, report_of
+from jax_dp._steps import Report, report_of
 
 
 class EvaluationState(NamedTuple):

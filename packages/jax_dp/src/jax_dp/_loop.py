@@ -53,8 +53,8 @@ from jax_dp._state import (
     weights_on_mesh,
     write_back,
 )
-from jax_dp._steps import Steps
-from jax_dp._steps_ahead import report_on_host, stepper
+from jax_dp._steps import Steps, report_on_host
+from jax_dp._steps_ahead import stepper
 
 PROGRESS_SECONDS = 0.2  # progress-bar refresh: often enough to watch, rarely enough not to stall the devices
 STOP_CHECK_STEPS = 16  # with several processes, how often a mid-epoch stop decision is exchanged

@@ -1,4 +1,5 @@
-"""The jitted stateless steps: ``(state, batch) -> state``, and ``Steps``, those of one fit.
+"""The jitted stateless steps: ``(state, batch) -> state``; ``Steps``, those of one fit; and
+``Report``, a step's logs for the host in one array (``_steps_ahead`` runs the steps that report).
 
 Model and optimizer state are replicated on every device and the batch is sharded over
 ``"batch"``, so XLA's SPMD partitioner turns the single-device program into a
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, cast, final
+from typing import Any, NamedTuple, cast, final
 
 import jax
 import jax.numpy as jnp
@@ -29,19 +30,47 @@ import keras
 from jax.sharding import Mesh
 
 from dp_core import BatchNormMode
-from dp_core.keras import internals
+from dp_core.keras import internals, python_logs
 from jax_dp._accumulation import accumulated_shardings, accumulated_update, accumulates
 from jax_dp._batches import Batch, row_weights
 from jax_dp._compile_cache import held_weakly
+from jax_dp._distributed import replicated_to_host
 from jax_dp._layout import weight_shardings
 from jax_dp._mesh import batch_sharded, num_replicas_of, replicated
 from jax_dp._metrics import Logs, make_metric_update, results_of, zero_states
 from jax_dp._optimizers import Optimizer
 from jax_dp._padding import computes_own_loss, padding_aware
 from jax_dp._state import TrainState, Weights, step_taken
-from jax_dp._steps_ahead import Report, ReportingStep, report_of
+
+
+class Report(NamedTuple):
+    """A step's logs for the host in one array to read: ``values`` holds the count of skipped
+    steps, then every log value as float32 (exact for counts below 2**24); ``logs`` (never
+    read) gives their names, shapes and dtypes."""
+
+    logs: Logs
+    values: jax.Array
+
+
+def report_of(logs: Logs, skipped: Any) -> Report:
+    """The report of ``logs`` and the skipped-step count, inside a jitted step."""
+    parts = [jnp.reshape(skipped, (1,)), *(jnp.ravel(value) for value in jax.tree.leaves(logs))]
+    return Report(logs, jnp.concatenate([part.astype(jnp.float32) for part in parts]))
+
+
+def report_on_host(report: Report) -> tuple[int, dict[str, Any]]:
+    """The skipped-step count and the logs as ``model.fit`` hands them to callbacks (waits for the step)."""
+    values = replicated_to_host(report.values)
+    leaves, structure = jax.tree.flatten(report.logs)
+    parts, at = [], 1
+    for leaf in leaves:
+        parts.append(values[at : at + leaf.size].reshape(leaf.shape).astype(leaf.dtype))
+        at += leaf.size
+    return int(values[0]), python_logs(jax.tree.unflatten(structure, parts))
+
 
 TrainStep = Callable[[TrainState, Batch, bool], TrainState]
+ReportingStep = Callable[[TrainState, Any, bool], tuple[TrainState, Report]]
 TestStep = Callable[[Weights, list[Any], Batch, bool], list[Any]]
 
 
