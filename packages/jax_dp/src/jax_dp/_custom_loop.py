@@ -1,19 +1,16 @@
-"""The host-side loops around a model's own steps (``_custom_steps``), as Keras's ``JAXTrainer``
-runs them.
+"""The host-side evaluate and predict loops around a model's own steps (``_custom_steps``), as
+Keras's ``JAXTrainer`` runs them.
 
-What Keras does around an override, and so these loops: metrics reset before each epoch (and each
-evaluation); the state read from the model when an epoch starts and after a callback read it
-(``jax_state_sync``: ``ModelOnRequest`` here, which writes it only when a callback asks and reads
-it back only if the callback changed it); batch callbacks get each step's own logs; at the end
-the state, metric variables included, goes back into the model, and the epoch's logs are the
-model's metric results when the step's logs name exactly those metrics, else the last step's
-logs (Keras's ``_get_metrics_result_or_logs``). The epochs, validation, History, checkpoints and
-stop decisions are ``_loop``'s, shared with Keras's own steps.
+What Keras does around an override, and so these loops: metrics reset before each evaluation;
+the state written into the model when a callback reads it (``jax_state_sync``) and read back
+only if the callback changed it; batch callbacks get each step's own logs; at the end the state,
+metric variables included, goes back into the model, and the logs are the model's metric results
+when the step's logs name exactly those metrics, else the last step's logs (Keras's
+``_get_metrics_result_or_logs``). Its train step runs in the one epoch skeleton (``_epochs``).
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any, final
 
@@ -22,177 +19,24 @@ import keras
 import numpy as np
 from jax.sharding import Mesh
 
-from dp_core.keras import CheckpointWriter, Start, internals, python_logs
-from jax_dp import _preemption as preemption
+from dp_core.keras import internals
 from jax_dp._batches import Plan
-from jax_dp._checkpoints import save
 from jax_dp._custom_steps import (
     CustomPredictStep,
     CustomTestStep,
-    CustomTrainStep,
     EvaluationState,
     step_data,
 )
 from jax_dp._distributed import agree, replicated_to_host, rows_to_host
-from jax_dp._loop import BatchEndReporter, EpochTrainer, build_for_predict, check_skipped, host_logs, stop_requested
-from jax_dp._optimizers import Optimizer
+from jax_dp._hooks import BatchEndReporter, host_logs, metrics_result_or_logs
+from jax_dp._loop import build_for_predict
 from jax_dp._state import (
-    ModelOnRequest,
-    TrainState,
     metric_values_on_mesh,
     model_changed,
     model_values,
-    train_state_on_mesh,
     variables_on_mesh,
     weights_on_mesh,
-    write_back,
 )
-from jax_dp._steps import report_on_host
-
-
-def custom_epochs(
-    model: keras.Model,
-    *,
-    train_step: CustomTrainStep,
-    optimizer: Optimizer,
-    mesh: Mesh,
-    checkpoints: CheckpointWriter | None,
-    stop_on_nonfinite: bool,
-) -> EpochTrainer:
-    """Epochs of the model's own ``train_step``."""
-
-    def train_epoch(
-        plan: Plan, callbacks: keras.callbacks.CallbackList, *, start: Start, optimizer_state: Any | None
-    ) -> tuple[dict[str, Any], None]:
-        del optimizer_state  # a Keras optimizer's: read from the model every epoch
-        return _train_epoch(
-            model,
-            plan,
-            callbacks,
-            start=start,
-            train_step=train_step,
-            optimizer=optimizer,
-            mesh=mesh,
-            checkpoints=checkpoints,
-            stop_on_nonfinite=stop_on_nonfinite,
-        ), None
-
-    return train_epoch
-
-
-def _train_epoch(
-    model: keras.Model,
-    plan: Plan,
-    callbacks: keras.callbacks.CallbackList,
-    *,
-    start: Start,
-    train_step: CustomTrainStep,
-    optimizer: Optimizer,
-    mesh: Mesh,
-    checkpoints: CheckpointWriter | None,
-    stop_on_nonfinite: bool,
-) -> dict[str, Any]:
-    """One epoch from ``start.step``; the model holds its state afterwards. Returns its logs."""
-    state = train_state_on_mesh(
-        model,
-        optimizer,
-        mesh,
-        previous_optimizer_state=None,
-        metric_sums=start.metric_variables if start.step else None,
-        whole_metrics=True,
-    )
-
-    def checkpoint(state: TrainState, steps_done: int) -> None:
-        assert checkpoints is not None
-        write_back(model, optimizer, state, metrics=True)
-        metric_variables = list(replicated_to_host(state.metrics))
-        save(checkpoints, model, optimizer, None, epoch=start.epoch, step=steps_done, metric_variables=metric_variables)
-
-    try:
-        state, last_logs = _train_steps(
-            train_step,
-            state,
-            plan,
-            mesh,
-            model,
-            callbacks,
-            optimizer=optimizer,
-            start=start.step,
-            stop_on_nonfinite=stop_on_nonfinite,
-            checkpoint=None if checkpoints is None else checkpoint,
-            checkpoint_due=None if checkpoints is None else lambda done: checkpoints.due(done, plan.steps),
-        )
-    except preemption.StoppedAt as stop:
-        raise preemption.preempted(
-            stop,
-            epoch=start.epoch,
-            write_back=lambda state: write_back(model, optimizer, state, metrics=True),
-            checkpoint=None if checkpoints is None else checkpoint,
-            directory=None if checkpoints is None else checkpoints.directory,
-        ) from None
-    write_back(model, optimizer, state, metrics=True)
-    check_skipped(state, start, stop_on_nonfinite=stop_on_nonfinite)
-    return metrics_result_or_logs(model, last_logs)
-
-
-def _train_steps(
-    train_step: CustomTrainStep,
-    state: TrainState,
-    plan: Plan,
-    mesh: Mesh,
-    model: keras.Model,
-    callbacks: keras.callbacks.CallbackList,
-    *,
-    optimizer: Optimizer,
-    start: int,
-    stop_on_nonfinite: bool,
-    checkpoint: Callable[[TrainState, int], None] | None,
-    checkpoint_due: Callable[[int], bool] | None,
-) -> tuple[TrainState, Any]:
-    """Steps ``start..`` of one epoch, as ``_loop._train_steps`` runs Keras's (one at a time);
-    returns the state and the last step's logs (on the devices; None when no step ran)."""
-    reporter = BatchEndReporter(callbacks, "train", plan.steps)
-    on_request = ModelOnRequest(model, optimizer, mesh, state, metrics=True) if reporter.every_step else None
-
-    def call(state: TrainState, hook: Callable[..., None], *arguments: Any) -> TrainState:
-        if on_request is None:
-            hook(*arguments)
-            return state
-        return on_request.around(state, hook, *arguments)
-
-    last_logs = None
-    with contextlib.nullcontext() if on_request is None else on_request.installed():
-        for step, data in enumerate(step_data(plan, mesh, start=start), start=start):
-            state = call(state, callbacks.on_train_batch_begin, step)
-            state, report = train_step(state, data)
-            last_logs = report.logs
-            done = step + 1
-            reporting = reporter.due(step)
-            saving = checkpoint is not None and checkpoint_due is not None and checkpoint_due(done)
-            logs: dict[str, Any] = {}
-            if reporting or (saving and stop_on_nonfinite):
-                skipped, logs = report_on_host(report)
-                if skipped and stop_on_nonfinite:
-                    break
-            if reporting:  # before a checkpoint writes the state back over what a hook changed
-                state = call(state, callbacks.on_train_batch_end, step, logs)
-            if saving and checkpoint is not None:
-                checkpoint(state, done)
-                if on_request is not None:
-                    on_request.written_back(state)
-            preemption.check(done, state)
-            if stop_requested(model, done, plan.steps):
-                break
-    return state, last_logs
-
-
-def metrics_result_or_logs(model: keras.Model, last_logs: Any) -> dict[str, Any]:
-    """The logs ``model.fit`` and ``model.evaluate`` end with (Keras's ``_get_metrics_result_or_logs``):
-    the model's metric results when the last step's logs name exactly them, else those logs."""
-    results = model.get_metrics_result()
-    if isinstance(last_logs, dict) and set(last_logs) == set(results):
-        return python_logs(results)
-    return host_logs(last_logs)
 
 
 def custom_evaluate_loop(

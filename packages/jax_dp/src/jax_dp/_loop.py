@@ -5,15 +5,12 @@ Callbacks and the progress bar run on process 0 only; every decision process 0 m
 during an epoch and in the caller's model around the callbacks that end it (``_state``).
 
 ``fit_loop`` is the loop over epochs for any step: it takes how an epoch trains
-(``EpochTrainer``) and how validation runs (``Evaluator``): Keras's own steps here
-(``keras_epochs``, ``evaluate_loop``), a model's own in ``_custom_loop``.
+(``EpochTrainer``, ``_epochs``) and how validation runs (``Evaluator``): Keras's own steps here
+(``evaluate_loop``), a model's own in ``_custom_loop``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import time
-import warnings
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -30,82 +27,17 @@ from dp_core.keras import (
     Start,
     callback_list,
     internals,
-    needs_every_batch,
-    nonfinite_loss_stopped,
-    python_logs,
-    skipped_message,
 )
-from jax_dp import _preemption as preemption
 from jax_dp._batches import Plan, device_batches
 from jax_dp._checkpoints import save
-from jax_dp._distributed import agree, is_primary, replicated_to_host, rows_to_host, same_on_all_processes
-from jax_dp._metrics import Logs, metrics_on_mesh, summed_to_host
+from jax_dp._distributed import agree, is_primary, rows_to_host, same_on_all_processes
+from jax_dp._epochs import EpochTrainer
+from jax_dp._hooks import BatchEndReporter, host_logs
+from jax_dp._metrics import metrics_on_mesh
 from jax_dp._optimizers import Optimizer
-from jax_dp._profile import STEP, FitProfile
 from jax_dp._sources import epoch_plan, steps_per_epoch
-from jax_dp._state import (
-    ModelOnRequest,
-    TrainState,
-    Weights,
-    counts_on_host,
-    optimizer_state_of,
-    train_state_on_mesh,
-    weights_on_mesh,
-    write_back,
-)
-from jax_dp._steps import Steps, report_on_host
-from jax_dp._steps_ahead import stepper
-
-PROGRESS_SECONDS = 0.2  # progress-bar refresh: often enough to watch, rarely enough not to stall the devices
-STOP_CHECK_STEPS = 16  # with several processes, how often a mid-epoch stop decision is exchanged
-
-
-class BatchEndReporter:
-    """Calls batch-end callbacks every step only if a callback needs every step.
-
-    Otherwise (progress bar only) at most every ``PROGRESS_SECONDS`` and at the last
-    step, because each report sums the metric states and waits for the devices. With
-    several processes that sum is a collective, so every process reports at the same
-    steps: every step if process 0 needs it, else every ``STOP_CHECK_STEPS``.
-    """
-
-    def __init__(self, callbacks: keras.callbacks.CallbackList, mode: str, steps: int | None) -> None:
-        self.callbacks = callbacks
-        self.steps = steps
-        self.every_step = needs_every_batch(callbacks.callbacks, mode)  # type: ignore[arg-type]
-        progress = any(isinstance(c, keras.callbacks.ProgbarLogger) for c in callbacks.callbacks)
-        self.several_processes = jax.process_count() > 1
-        if self.several_processes:
-            self.every_step = agree(self.every_step)
-        self.enabled = self.every_step or progress or self.several_processes
-        self.last = 0.0
-
-    def due(self, step: int) -> bool:
-        if not self.enabled:
-            return False
-        if self.every_step or (self.steps is not None and step == self.steps - 1):
-            return True
-        if self.several_processes:
-            return (step + 1) % STOP_CHECK_STEPS == 0
-        if time.monotonic() - self.last >= PROGRESS_SECONDS:
-            self.last = time.monotonic()
-            return True
-        return False
-
-
-def host_logs(logs: Logs | None) -> dict[str, Any]:
-    """Device logs as ``model.fit`` gives them: Python floats, numpy arrays for vector metrics."""
-    return python_logs(replicated_to_host(logs)) if logs else {}
-
-
-class EpochTrainer(Protocol):
-    """Trains one epoch's ``plan`` from ``start`` (its epoch, and the step a checkpoint left it at);
-    returns the epoch's logs and the optimizer state to start the next epoch from (None: read it
-    from the model). The model holds the trained state afterwards."""
-
-    def __call__(
-        self, plan: Plan, callbacks: keras.callbacks.CallbackList, *, start: Start, optimizer_state: Any | None
-    ) -> tuple[dict[str, Any], Any | None]: ...
+from jax_dp._state import Weights, weights_on_mesh
+from jax_dp._steps import Steps
 
 
 class Evaluator(Protocol):
@@ -188,206 +120,6 @@ def _initial_epoch(model: keras.Model, initial_epoch: int) -> int:
     (``BackupAndRestore`` restoring an interrupted run), else ``initial_epoch``; process 0's."""
     chosen = internals.initial_epoch_override(model) or initial_epoch
     return int(same_on_all_processes([np.asarray(chosen)])[0])
-
-
-def keras_epochs(
-    model: keras.Model,
-    *,
-    optimizer: Optimizer,
-    steps: Steps,
-    mesh: Mesh,
-    checkpoints: CheckpointWriter | None,
-    stop_on_nonfinite: bool,
-    profile: FitProfile | None = None,
-) -> EpochTrainer:
-    """Epochs of Keras's own train step (``_steps``); ``profile`` times their phases."""
-
-    def train_epoch(
-        plan: Plan, callbacks: keras.callbacks.CallbackList, *, start: Start, optimizer_state: Any | None
-    ) -> tuple[dict[str, Any], Any]:
-        return _train_epoch(
-            model,
-            plan,
-            callbacks,
-            start=start,
-            optimizer=optimizer,
-            optimizer_state=optimizer_state,
-            steps=steps,
-            mesh=mesh,
-            checkpoints=checkpoints,
-            stop_on_nonfinite=stop_on_nonfinite,
-            profile=profile,
-        )
-
-    return train_epoch
-
-
-def _train_epoch(
-    model: keras.Model,
-    plan: Plan,
-    callbacks: keras.callbacks.CallbackList,
-    *,
-    start: Start,
-    optimizer: Optimizer,
-    optimizer_state: Any | None,
-    steps: Steps,
-    mesh: Mesh,
-    checkpoints: CheckpointWriter | None,
-    stop_on_nonfinite: bool,
-    profile: FitProfile | None = None,
-) -> tuple[dict[str, Any], Any]:
-    """One epoch on the mesh from ``start.step``: its logs and the optimizer state it ends with.
-
-    The model holds the trained weights afterwards, for the callbacks; the rest of the
-    state is let go, so validation does not hold a second copy of the weights on the devices.
-    """
-    state = train_state_on_mesh(
-        model,
-        optimizer,
-        mesh,
-        previous_optimizer_state=optimizer_state,
-        metric_sums=start.metric_variables if start.step else None,
-        accumulate=True,
-    )
-
-    def checkpoint(state: TrainState, steps_done: int) -> None:
-        assert checkpoints is not None
-        sums = summed_to_host(state.metrics, mesh)  # a collective: every process
-        write_back(model, optimizer, state)
-        optimizer_state = optimizer_state_of(model, optimizer, state)  # mid-window: one device's accumulators
-        save(checkpoints, model, optimizer, optimizer_state, epoch=start.epoch, step=steps_done, metric_variables=sums)
-
-    try:
-        state = _train_steps(
-            steps,
-            state,
-            plan,
-            mesh,
-            model,
-            callbacks,
-            optimizer=optimizer,
-            start=start.step,
-            stop_on_nonfinite=stop_on_nonfinite,
-            checkpoint=None if checkpoints is None else checkpoint,
-            checkpoint_due=None if checkpoints is None else lambda done: checkpoints.due(done, plan.steps),
-            profile=profile,
-        )
-    except preemption.StoppedAt as stop:
-        raise preemption.preempted(
-            stop,
-            epoch=start.epoch,
-            write_back=lambda state: write_back(model, optimizer, state),
-            checkpoint=None if checkpoints is None else checkpoint,
-            directory=None if checkpoints is None else checkpoints.directory,
-        ) from None
-    write_back(model, optimizer, state)
-    check_skipped(state, start, stop_on_nonfinite=stop_on_nonfinite)
-    return host_logs(steps.results(state.metrics)), optimizer_state_of(model, optimizer, state)
-
-
-def check_skipped(state: TrainState, start: Start, *, stop_on_nonfinite: bool) -> None:
-    """At an epoch's end: raise for a step with a non-finite loss (``stop_on_nonfinite``), else warn
-    once how many were skipped."""
-    counts = counts_on_host(state)
-    if counts.skipped and stop_on_nonfinite:
-        raise nonfinite_loss_stopped(start.epoch, start.step + counts.first_skipped, "jax_dp")
-    if counts.skipped and is_primary():
-        message = skipped_message(start.epoch, start.step + counts.first_skipped, counts.skipped)
-        warnings.warn(message, RuntimeWarning, stacklevel=5)  # at the trainer's fit
-
-
-def _train_steps(
-    steps: Steps,
-    state: TrainState,
-    plan: Plan,
-    mesh: Mesh,
-    model: keras.Model,
-    callbacks: keras.callbacks.CallbackList,
-    *,
-    optimizer: Optimizer,
-    start: int,
-    stop_on_nonfinite: bool,
-    checkpoint: Callable[[TrainState, int], None] | None,
-    checkpoint_due: Callable[[int], bool] | None,
-    profile: FitProfile | None = None,
-) -> TrainState:
-    """Steps ``start..`` of one epoch; returns the state.
-
-    With ``stop_on_nonfinite`` the loop ends at the first report or checkpoint after a
-    step with a non-finite loss (the steps after it changed nothing); the caller then
-    raises. ``checkpoint(state, steps_done)`` runs after the steps ``checkpoint_due`` asks for.
-
-    When a callback acts at every batch, the model holds the current state when a batch hook
-    reads it (as in ``model.fit``), what the hook changes (weights, learning rate) is read back
-    before the next step (``ModelOnRequest``), and a small state's next step starts while the
-    hooks run (``StepsAhead``).
-    """
-    reporter = BatchEndReporter(callbacks, "train", plan.steps)
-    on_request = ModelOnRequest(model, optimizer, mesh, state) if reporter.every_step else None
-    steps_run = stepper(steps, state, plan.padded, every_batch=on_request is not None)
-
-    def call(state: TrainState, hook: Callable[..., None], *arguments: Any) -> TrainState:
-        if on_request is None:
-            hook(*arguments)
-            return state
-        return on_request.around(state, hook, *arguments)
-
-    batches = enumerate(device_batches(plan, mesh, start=start), start=start)
-    upcoming = next(batches, None)
-    timer = None if profile is None else profile.timer
-    if timer is not None:
-        timer.start()
-    with contextlib.nullcontext() if on_request is None else on_request.installed():
-        try:
-            while upcoming is not None:
-                step, batch = upcoming
-                state = call(state, callbacks.on_train_batch_begin, step)
-                if timer is not None:
-                    timer.lap("callbacks")
-                done = step + 1
-                reporting = reporter.due(step)
-                saving = checkpoint is not None and checkpoint_due is not None and checkpoint_due(done)
-                state, report = steps_run.run(state, batch, report=reporting or (saving and stop_on_nonfinite))
-                if profile is not None:
-                    profile.trained_on(batch)
-                    profile.timer.lap(STEP)
-                upcoming = next(batches, None)  # prepared while the devices run the step
-                if profile is not None:  # the host's time for the next batch, then the rest of the step
-                    profile.timer.lap("input")
-                    jax.block_until_ready(state)
-                    profile.timer.lap(STEP)
-                if upcoming is not None:
-                    steps_run.start(state, upcoming[1])
-                skipped, logs = (0, {}) if report is None else report_on_host(report)
-                if skipped and stop_on_nonfinite:
-                    break
-                if reporting:  # before a checkpoint writes the state back over what a hook changed
-                    state = call(state, callbacks.on_train_batch_end, step, logs)
-                if saving and checkpoint is not None:
-                    steps_run.settle()
-                    checkpoint(state, done)
-                    if on_request is not None:
-                        on_request.written_back(state)
-                preemption.check(done, state)
-                if timer is not None:  # logs, hooks and checkpoints
-                    timer.lap("callbacks")
-                    timer.end_step()
-                if stop_requested(model, done, plan.steps):
-                    break
-        finally:
-            steps_run.settle()
-    return state
-
-
-def stop_requested(model: keras.Model, done: int, steps: int | None) -> bool:
-    """Whether a callback stopped training; with several processes every process must stop at the
-    same step, so process 0's decision is exchanged at fixed steps."""
-    if jax.process_count() == 1:
-        return bool(model.stop_training)
-    if done % STOP_CHECK_STEPS == 0 and (steps is None or done < steps) and agree(bool(model.stop_training)):
-        model.stop_training = True
-        return True
-    return False
 
 
 def evaluate_loop(

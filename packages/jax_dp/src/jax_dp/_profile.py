@@ -51,15 +51,21 @@ SPLIT = ("forward_backward", "all_reduce", "optimizer")
 
 @final
 class FitProfile:
-    """One fit's timer and the first batch it trained on (the split's pieces run on it)."""
+    """One fit's timer and the first batch it trained on (the split's pieces run on it). The
+    timer's synced lap waits for the step the epoch's loop ran last (``epoch_timer``)."""
 
     def __init__(self) -> None:
-        self.timer = StepTimer()
+        self._stepped: Callable[[], Any] = lambda: None
+        self.timer = StepTimer(sync=lambda: jax.block_until_ready(self._stepped()))
         self.batch: Batch | None = None
 
-    def trained_on(self, batch: Batch) -> None:
+    def epoch_timer(self, first_batch: Batch | None, stepped: Callable[[], Any]) -> StepTimer:
+        """The timer for an epoch's steps: ``first_batch`` is kept if none was (the fit's first
+        batch), and a synced lap waits for ``stepped()``, what the last step returned."""
         if self.batch is None:
-            self.batch = batch
+            self.batch = first_batch
+        self._stepped = stepped
+        return self.timer
 
 
 def _timed(run: Callable[[], Any]) -> float:

@@ -30,7 +30,7 @@ from jax_dp._accumulation import check_accumulate_steps
 from jax_dp._batches import Plan
 from jax_dp._checkpoints import resume
 from jax_dp._compile_cache import CompileCache, TracedFrom, compile_state, model_structure
-from jax_dp._custom_loop import custom_epochs, custom_evaluate_loop, custom_predict_loop
+from jax_dp._custom_loop import custom_evaluate_loop, custom_predict_loop
 from jax_dp._custom_steps import (
     CustomTestStep,
     CustomTrainStep,
@@ -41,8 +41,9 @@ from jax_dp._custom_steps import (
     overrides,
 )
 from jax_dp._distributed import ends_the_run_on_failure, is_primary
+from jax_dp._epochs import CustomSteps, EpochTrainer, KerasSteps, epochs_of
 from jax_dp._layout import Layout, place
-from jax_dp._loop import EpochTrainer, Evaluator, evaluate_loop, fit_loop, keras_epochs, predict_loop
+from jax_dp._loop import Evaluator, evaluate_loop, fit_loop, predict_loop
 from jax_dp._mesh import check_mesh, make_mesh, num_replicas_of, replica_layout
 from jax_dp._metrics import make_results
 from jax_dp._optimizers import KerasOptimizer, OptaxOptimizer, Optimizer
@@ -387,23 +388,10 @@ class Trainer:
         """How one fit trains an epoch: with the model's own ``train_step`` or Keras's."""
         stop_on_nonfinite = self.on_nonfinite_loss == "stop"
         if overrides(model, "train_step"):
-            return custom_epochs(
-                model,
-                train_step=self._custom_train_step(model, optimizer),
-                optimizer=optimizer,
-                mesh=self.mesh,
-                checkpoints=checkpoints,
-                stop_on_nonfinite=stop_on_nonfinite,
-            )
-        return keras_epochs(
-            model,
-            optimizer=optimizer,
-            steps=self._steps(model, optimizer),
-            mesh=self.mesh,
-            checkpoints=checkpoints,
-            stop_on_nonfinite=stop_on_nonfinite,
-            profile=profile,
-        )
+            kind = CustomSteps(model, optimizer, self._custom_train_step(model, optimizer), self.mesh)
+            return epochs_of(kind, checkpoints=checkpoints, stop_on_nonfinite=stop_on_nonfinite)
+        kind = KerasSteps(model, optimizer, self._steps(model, optimizer), self.mesh, profile)
+        return epochs_of(kind, checkpoints=checkpoints, stop_on_nonfinite=stop_on_nonfinite)
 
     def _evaluator(self, model: keras.Model) -> Evaluator:
         """How ``evaluate`` and validation run: with the model's own ``test_step`` or Keras's."""
