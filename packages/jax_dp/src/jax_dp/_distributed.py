@@ -22,8 +22,8 @@ from jax.experimental import multihost_utils
 
 from dp_core import NonFiniteLossError, Preempted
 from jax_dp import _handshake as handshake
+from jax_dp._launchers import JobId, Placement, placement
 from jax_dp._launchers import job_id as job_id_of
-from jax_dp._launchers import placement
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -91,16 +91,7 @@ def initialize(
     options.setdefault("coordinator_bind_address", place.coordinator_address)
     # CPU processes talk through gloo; without it cross-process CPU collectives fail.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if place.process_id == 0:
-        handshake.admit(
-            options["coordinator_bind_address"],
-            place.coordinator_address,
-            place.num_processes,
-            job,
-            initialization_timeout,
-        )
-    else:
-        handshake.join(place.coordinator_address, place.process_id, place.num_processes, job, initialization_timeout)
+    _admitted(place, job, options["coordinator_bind_address"], initialization_timeout)
     try:
         jax.distributed.initialize(
             coordinator_address=place.coordinator_address,
@@ -116,6 +107,15 @@ def initialize(
         raise
     if place.num_processes > 1:
         _end_together(jax_distributed.global_state.client, place.process_id, place.num_processes)
+
+
+def _admitted(place: Placement, job: JobId, bind_address: str, timeout: float) -> None:
+    """Before jax's coordinator starts: process 0 admits each other process of the job once, and
+    each other process joins it (``_handshake``)."""
+    if place.process_id == 0:
+        handshake.admit(bind_address, place.coordinator_address, place.num_processes, job, timeout)
+    else:
+        handshake.join(place.coordinator_address, place.process_id, place.num_processes, job, timeout)
 
 
 class _Run:

@@ -242,7 +242,7 @@ def check_skipped(state: TrainState, start: Start, *, stop_on_nonfinite: bool) -
         raise nonfinite_loss_stopped(start.epoch, start.step + counts.first_skipped, "jax_dp")
     if counts.skipped and is_primary():
         message = skipped_message(start.epoch, start.step + counts.first_skipped, counts.skipped)
-        warnings.warn(message, RuntimeWarning, stacklevel=5)  # at the trainer's fit
+        warnings.warn(message, RuntimeWarning, stacklevel=6)  # at the trainer's fit
 
 
 @final

@@ -1,18 +1,17 @@
-"""The host-side evaluate and predict loops around a model's own steps (``_custom_steps``), as
-Keras's ``JAXTrainer`` runs them.
+"""The evaluate and predict loops, over Keras's own steps and over a model's own.
 
-What Keras does around an override, and so these loops: metrics reset before each evaluation;
-the state written into the model when a callback reads it (``jax_state_sync``) and read back
-only if the callback changed it; batch callbacks get each step's own logs; at the end the state,
-metric variables included, goes back into the model, and the logs are the model's metric results
-when the step's logs name exactly those metrics, else the last step's logs (Keras's
-``_get_metrics_result_or_logs``). Its train step runs in the one epoch skeleton (``_epochs``).
+Around a model's own ``test_step``/``predict_step`` (``_custom_steps``) they do what Keras's
+``JAXTrainer`` does: metrics reset before each evaluation; the state written into the model when
+a callback reads it (``jax_state_sync``) and read back only if the callback changed it; batch
+callbacks get each step's own logs; at the end the state, metric variables included, goes back
+into the model, and the logs are the model's metric results when the step's logs name exactly
+those metrics, else the last step's logs (Keras's ``_get_metrics_result_or_logs``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, final
+from typing import Any, Protocol, final
 
 import jax
 import keras
@@ -20,23 +19,83 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dp_core.keras import internals
-from jax_dp._batches import Plan
-from jax_dp._custom_steps import (
-    CustomPredictStep,
-    CustomTestStep,
-    EvaluationState,
-    step_data,
-)
+from jax_dp._batches import Plan, device_batches
+from jax_dp._custom_steps import CustomPredictStep, CustomTestStep, EvaluationState, step_data
 from jax_dp._distributed import agree, replicated_to_host, rows_to_host
 from jax_dp._hooks import BatchEndReporter, host_logs, metrics_result_or_logs
-from jax_dp._loop import build_for_predict
+from jax_dp._metrics import metrics_on_mesh
 from jax_dp._state import (
+    Weights,
     metric_values_on_mesh,
     model_changed,
     model_values,
     variables_on_mesh,
     weights_on_mesh,
 )
+from jax_dp._steps import Steps
+
+
+class Evaluator(Protocol):
+    """Loss and metrics of the model's current weights over every batch of ``plan``, as
+    ``model.evaluate`` logs them; batch-end ``callbacks`` as ``model.evaluate`` calls them."""
+
+    def __call__(self, plan: Plan, callbacks: keras.callbacks.CallbackList | None) -> dict[str, Any]: ...
+
+
+def evaluate_loop(
+    model: keras.Model,
+    steps: Steps,
+    plan: Plan,
+    mesh: Mesh,
+    callbacks: keras.callbacks.CallbackList | None = None,
+) -> dict[str, Any]:
+    """Loss and metrics of the model's current weights over every sample of the plan (running
+    means over real rows); batch-end ``callbacks`` as ``model.evaluate`` calls them."""
+    weights = weights_on_mesh(model, mesh)
+    metrics = metrics_on_mesh(model, mesh)
+    reporter = None if callbacks is None else BatchEndReporter(callbacks, "test", plan.steps)
+    for step, batch in enumerate(device_batches(plan, mesh)):
+        metrics = steps.test(weights, metrics, batch, plan.padded)
+        if reporter is not None and callbacks is not None and reporter.due(step):
+            callbacks.on_test_batch_end(step, host_logs(steps.results(metrics)))
+    return host_logs(steps.results(metrics))
+
+
+def predict_loop(
+    predict_step: Callable[[Weights, Any], Any],
+    model: keras.Model,
+    plan: Plan,
+    mesh: Mesh,
+    callbacks: keras.callbacks.CallbackList,
+) -> Any:
+    """The model's outputs for every sample, in the plan's (input) order, padding dropped."""
+    build_for_predict(model, plan)
+    weights = weights_on_mesh(model, mesh)
+    reporter = BatchEndReporter(callbacks, "predict", plan.steps)
+    outputs = []
+    for step, batch in enumerate(device_batches(plan, mesh)):
+        outputs.append(predict_step(weights, batch.x))
+        if reporter.due(step):
+            real = plan.real_rows(step)  # the batch's outputs as model.predict hands them over: no padding
+            batch_outputs = jax.tree.map(lambda output, real=real: output[:real], outputs[-1])
+            callbacks.on_predict_batch_end(step, {"outputs": batch_outputs})
+    # Pulled at the end, not per batch, so the devices never wait for the host.
+    host = [_real_rows_to_host(output, plan.real_rows(step)) for step, output in enumerate(outputs)]
+    return jax.tree.map(lambda *parts: np.concatenate(parts), *host)
+
+
+def build_for_predict(model: keras.Model, plan: Plan) -> None:
+    """A model whose layers are not all built (a subclassed model after ``build(shape)``) is
+    called once on the first rows, as ``model.predict`` does, so no variable is created inside
+    the jitted step."""
+    if not all(layer.built for layer in internals.flatten_layers(model, include_self=True)):
+        x, _, _ = plan.inputs.first_rows()
+        with keras.StatelessScope():  # creates the variables, changes no state
+            model(x)
+
+
+def _real_rows_to_host(output: Any, real_rows: int) -> Any:
+    return jax.tree.map(lambda leaf: rows_to_host(leaf)[:real_rows], output)
 
 
 def custom_evaluate_loop(
