@@ -29,7 +29,7 @@ import numpy as np
 from page_sections import write_section
 
 import jax_dp
-from jax_dp import _epochs  # the state the jitted step returns passes through its write-back
+from jax_dp._loop import epochs as _epochs  # the state the jitted step returns passes through its write-back
 
 HEADING = "## Model parallel: memory per device"
 INPUT_FEATURES, WIDTH = 1024, 2048

@@ -68,7 +68,7 @@ def test_malformed_validation_data(data):
 
 def test_checks_run_before_any_compile(data, monkeypatch):
     x, _, _, _ = data
-    import jax_dp._recipes as recipes_module
+    import jax_dp._step.recipes as recipes_module
 
     def no_compile(*args, **kwargs):
         raise AssertionError("compiled before checking the input")

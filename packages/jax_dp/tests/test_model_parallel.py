@@ -20,8 +20,9 @@ from jax_dp_helpers import GLOBAL_BATCH, NUM_SAMPLES, Run, assert_same_run, kera
 
 import dp_core
 import jax_dp
-from jax_dp import _epochs, _state
-from jax_dp._mesh import replica_layout
+from jax_dp._loop import epochs as _epochs
+from jax_dp._mesh.mesh import replica_layout
+from jax_dp._step import state as _state
 
 EPOCHS = 2
 SEED = 3

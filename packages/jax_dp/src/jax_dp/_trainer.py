@@ -26,25 +26,26 @@ from dp_core.keras import (
     internals,
     require_backend,
 )
-from jax_dp._accumulation import check_accumulate_steps
-from jax_dp._batches import Plan
-from jax_dp._checkpoints import resume_and_writer
-from jax_dp._compile_cache import CompileCache
-from jax_dp._custom_steps import (
+from jax_dp._comm.hosts import is_primary
+from jax_dp._data.batches import Plan
+from jax_dp._data.sources import epoch_plan
+from jax_dp._loop.checkpoints import resume_and_writer
+from jax_dp._loop.epochs import CustomSteps, EpochTrainer, KerasSteps, epochs_of
+from jax_dp._loop.evaluate import Evaluator, custom_evaluate_loop, custom_predict_loop, evaluate_loop, predict_loop
+from jax_dp._loop.fit import fit_loop
+from jax_dp._loop.preemption import PreemptionNotice
+from jax_dp._mesh.layout import Layout, place
+from jax_dp._mesh.mesh import check_mesh, make_mesh, num_replicas_of, replica_layout
+from jax_dp._processes.group import ends_the_run_on_failure
+from jax_dp._step.accumulation import check_accumulate_steps
+from jax_dp._step.compile_cache import CompileCache
+from jax_dp._step.custom import (
     check_custom_steps,
     overrides,
 )
-from jax_dp._distributed import ends_the_run_on_failure, is_primary
-from jax_dp._epochs import CustomSteps, EpochTrainer, KerasSteps, epochs_of
-from jax_dp._evaluate import Evaluator, custom_evaluate_loop, custom_predict_loop, evaluate_loop, predict_loop
-from jax_dp._fit import fit_loop
-from jax_dp._layout import Layout, place
-from jax_dp._mesh import check_mesh, make_mesh, num_replicas_of, replica_layout
-from jax_dp._optimizers import KerasOptimizer, OptaxOptimizer, Optimizer
-from jax_dp._preemption import PreemptionNotice
-from jax_dp._profile import FitProfile, finish_report
-from jax_dp._recipes import Recipes
-from jax_dp._sources import epoch_plan
+from jax_dp._step.optimizers import KerasOptimizer, OptaxOptimizer, Optimizer
+from jax_dp._step.profile import FitProfile, finish_report
+from jax_dp._step.recipes import Recipes
 
 PACKAGE = "jax_dp"
 
@@ -58,7 +59,7 @@ class Trainer:
     explicit 1-D ``("batch",)`` mesh instead, or a 2-D ``("batch", "model")`` one with
     ``layout=`` rules (``{variable path regex: partition spec}`` or a
     ``keras.distribution.LayoutMap``) that split variables over ``"model"``: model parallel,
-    with each row of the mesh one replica (``_layout``). ``optimizer=`` an optax
+    with each row of the mesh one replica (``_mesh.layout``). ``optimizer=`` an optax
     ``GradientTransformation`` replaces the model's compiled optimizer.
     ``batch_norm="per_replica"`` normalizes each replica's rows on their own.
     ``on_nonfinite_loss="stop"`` raises ``NonFiniteLossError`` naming the first step whose
@@ -78,7 +79,7 @@ class Trainer:
     jax signatures) is trained, evaluated or predicted with its own step, as ``model.fit`` runs
     it: one program over the mesh, state replicated, batch sharded, so whatever it computes over
     the batch is what it computes on one device; a last batch that does not divide over the
-    devices is given to every device whole (``_custom_steps``).
+    devices is given to every device whole (``_step.custom``).
 
     >>> trainer = jax_dp.Trainer(num_replicas=2)  # doctest: +SKIP
     >>> history = trainer.fit(model, x, y, global_batch_size=64, epochs=3)  # doctest: +SKIP

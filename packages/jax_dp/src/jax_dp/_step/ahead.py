@@ -1,5 +1,5 @@
 """How an epoch's train steps run for the host: one at a time, or started ahead, so the next
-step runs while the host reads the last one's logs (a ``Report``, ``_steps``).
+step runs while the host reads the last one's logs (a ``Report``, ``_step.steps``).
 
 A callback that acts at every batch needs each step's logs on the host before its hooks run,
 and the next step must wait for those hooks, which may change the model or stop training.
@@ -22,8 +22,8 @@ from typing import Any, Protocol, final
 
 import jax
 
-from jax_dp._state import TrainState
-from jax_dp._steps import Report, ReportingStep, Steps
+from jax_dp._step.state import TrainState
+from jax_dp._step.steps import Report, ReportingStep, Steps
 
 AHEAD_MAX_STATE_BYTES = 256 * 2**20
 

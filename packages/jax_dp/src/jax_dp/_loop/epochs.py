@@ -7,7 +7,7 @@ it (with ``stop_on_nonfinite``, a non-finite loss ends the loop there); the batc
 before a checkpoint writes the state back over what a hook changed; the checkpoint; the
 preemption check (the same step on every process); the stop decision (process 0's, exchanged
 at fixed steps). The state lives on the mesh during an epoch and in the caller's model around
-the callbacks that end it (``_state``).
+the callbacks that end it (``_step.state``).
 
 A step kind brings how the epoch's state is read from the model, how its batches reach the
 step and the step runs (``EpochRun``), how a checkpoint is taken, and the epoch's logs.
@@ -26,16 +26,17 @@ from jax.sharding import Mesh
 
 from dp_core import NO_STEP_TIMER, NoStepTimer, StepTimer
 from dp_core.keras import CheckpointWriter, Start, nonfinite_loss_stopped, skipped_message
-from jax_dp import _preemption as preemption
-from jax_dp._batches import Plan, device_batches
-from jax_dp._checkpoints import save
-from jax_dp._custom_steps import CustomTrainStep, step_data
-from jax_dp._distributed import agree, is_primary, replicated_to_host
-from jax_dp._hooks import STOP_CHECK_STEPS, BatchEndReporter, host_logs, metrics_result_or_logs
-from jax_dp._metrics import summed_to_host
-from jax_dp._optimizers import Optimizer
-from jax_dp._profile import STEP, FitProfile
-from jax_dp._state import (
+from jax_dp._comm.hosts import agree, is_primary, replicated_to_host
+from jax_dp._data.batches import Plan, device_batches
+from jax_dp._loop import preemption
+from jax_dp._loop.checkpoints import save
+from jax_dp._loop.hooks import STOP_CHECK_STEPS, BatchEndReporter, host_logs, metrics_result_or_logs
+from jax_dp._step.ahead import stepper
+from jax_dp._step.custom import CustomTrainStep, step_data
+from jax_dp._step.metrics import summed_to_host
+from jax_dp._step.optimizers import Optimizer
+from jax_dp._step.profile import STEP, FitProfile
+from jax_dp._step.state import (
     ModelOnRequest,
     TrainState,
     counts_on_host,
@@ -43,8 +44,7 @@ from jax_dp._state import (
     train_state_on_mesh,
     write_back,
 )
-from jax_dp._steps import Report, Steps, report_on_host
-from jax_dp._steps_ahead import stepper
+from jax_dp._step.steps import Report, Steps, report_on_host
 
 
 class EpochTrainer(Protocol):
@@ -247,7 +247,7 @@ def check_skipped(state: TrainState, start: Start, *, stop_on_nonfinite: bool) -
 
 @final
 class KerasSteps:
-    """Keras's own train step (``_steps``) in the skeleton; ``profile`` times its phases."""
+    """Keras's own train step (``_step.steps``) in the skeleton; ``profile`` times its phases."""
 
     metrics = False
 
@@ -318,7 +318,7 @@ class _KerasRun:
 
 @final
 class CustomSteps:
-    """The model's own ``train_step`` (``_custom_steps``) in the skeleton, as Keras's ``JAXTrainer``
+    """The model's own ``train_step`` (``_step.custom``) in the skeleton, as Keras's ``JAXTrainer``
     runs it: the metric values go with the state; the epoch's logs are the model's metric results
     when the step's logs name exactly those metrics, else the last step's logs."""
 

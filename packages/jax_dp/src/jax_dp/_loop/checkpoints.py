@@ -21,8 +21,8 @@ import numpy as np
 
 from dp_core import Checkpoint
 from dp_core.keras import CheckpointWriter, FitArguments, Start, resumable_checkpoint, start_of
-from jax_dp._distributed import is_primary, same_on_all_processes, text_from_primary
-from jax_dp._optimizers import Optimizer
+from jax_dp._comm.hosts import is_primary, same_on_all_processes, text_from_primary
+from jax_dp._step.optimizers import Optimizer
 
 
 def resume_and_writer(

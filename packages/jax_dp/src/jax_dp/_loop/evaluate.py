@@ -1,6 +1,6 @@
 """The evaluate and predict loops, over Keras's own steps and over a model's own.
 
-Around a model's own ``test_step``/``predict_step`` (``_custom_steps``) they do what Keras's
+Around a model's own ``test_step``/``predict_step`` (``_step.custom``) they do what Keras's
 ``JAXTrainer`` does: metrics reset before each evaluation; the state written into the model when
 a callback reads it (``jax_state_sync``) and read back only if the callback changed it; batch
 callbacks get each step's own logs; at the end the state, metric variables included, goes back
@@ -19,12 +19,12 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dp_core.keras import internals
-from jax_dp._batches import Plan, device_batches
-from jax_dp._custom_steps import CustomPredictStep, CustomTestStep, EvaluationState, step_data
-from jax_dp._distributed import agree, replicated_to_host, rows_to_host
-from jax_dp._hooks import BatchEndReporter, host_logs, metrics_result_or_logs
-from jax_dp._metrics import metrics_on_mesh
-from jax_dp._state import (
+from jax_dp._comm.hosts import agree, replicated_to_host, rows_to_host
+from jax_dp._data.batches import Plan, device_batches
+from jax_dp._loop.hooks import BatchEndReporter, host_logs, metrics_result_or_logs
+from jax_dp._step.custom import CustomPredictStep, CustomTestStep, EvaluationState, step_data
+from jax_dp._step.metrics import metrics_on_mesh
+from jax_dp._step.state import (
     Weights,
     metric_values_on_mesh,
     model_changed,
@@ -32,7 +32,7 @@ from jax_dp._state import (
     variables_on_mesh,
     weights_on_mesh,
 )
-from jax_dp._steps import Steps
+from jax_dp._step.steps import Steps
 
 
 class Evaluator(Protocol):

@@ -1,13 +1,13 @@
 """The jitted stateless steps: ``(state, batch) -> state``; ``Steps``, those of one fit; and
-``Report``, a step's logs for the host in one array (``_steps_ahead`` runs the steps that report).
+``Report``, a step's logs for the host in one array (``_step.ahead`` runs the steps that report).
 
 Model and optimizer state are replicated on every device and the batch is sharded over
 ``"batch"``, so XLA's SPMD partitioner turns the single-device program into a
 data-parallel one: it all-reduces gradients and BatchNormalization moments over the
-global batch. Metric states stay per replica (``_metrics``); logs are read apart.
+global batch. Metric states stay per replica (``_step.metrics``); logs are read apart.
 
 Exact loss: when the epoch's last batch is padded, each compiled loss's values carry the
-padding as a Keras mask (``_padding``), so Keras's own reduction divides by the real rows'
+padding as a Keras mask (``_data.padding``), so Keras's own reduction divides by the real rows'
 values (or valid mask positions), exactly what single-device Keras computes on its smaller
 last batch; the user's sample weights pass through unchanged. A model that overrides
 ``compute_loss`` gets ``sample_weight * mask * B / real_rows`` instead, which is exact for
@@ -15,7 +15,7 @@ a per-row loss with ``sum_over_batch_size``. Metrics get ``sample_weight * mask`
 per-batch scale would tilt the epoch's running means).
 
 ``padded`` is static: a step compiles once for padded and once for unpadded epochs. The
-trainer keeps the steps between calls (``_compile_cache``), so each holds its model weakly.
+trainer keeps the steps between calls (``_step.compile_cache``), so each holds its model weakly.
 """
 
 from __future__ import annotations
@@ -31,16 +31,16 @@ from jax.sharding import Mesh
 
 from dp_core import BatchNormMode
 from dp_core.keras import internals, python_logs
-from jax_dp._accumulation import accumulated_shardings, accumulated_update, accumulates
-from jax_dp._batches import Batch, row_weights
-from jax_dp._compile_cache import held_weakly
-from jax_dp._distributed import replicated_to_host
-from jax_dp._layout import weight_shardings
-from jax_dp._mesh import batch_sharded, num_replicas_of, replicated
-from jax_dp._metrics import Logs, make_metric_update, results_of, zero_states
-from jax_dp._optimizers import Optimizer
-from jax_dp._padding import computes_own_loss, padding_aware
-from jax_dp._state import TrainState, Weights, step_taken
+from jax_dp._comm.hosts import replicated_to_host
+from jax_dp._data.batches import Batch, row_weights
+from jax_dp._data.padding import computes_own_loss, padding_aware
+from jax_dp._mesh.layout import weight_shardings
+from jax_dp._mesh.mesh import batch_sharded, num_replicas_of, replicated
+from jax_dp._step.accumulation import accumulated_shardings, accumulated_update, accumulates
+from jax_dp._step.compile_cache import held_weakly
+from jax_dp._step.metrics import Logs, make_metric_update, results_of, zero_states
+from jax_dp._step.optimizers import Optimizer
+from jax_dp._step.state import TrainState, Weights, step_taken
 
 
 class Report(NamedTuple):
@@ -89,7 +89,7 @@ class Steps:
 
     @functools.cached_property
     def train_reporting(self) -> ReportingStep:
-        """Started ahead when a callback reads every batch's logs (``_steps_ahead``)."""
+        """Started ahead when a callback reads every batch's logs (``_step.ahead``)."""
         return self._fetch("train_reporting")
 
     @functools.cached_property
@@ -122,7 +122,7 @@ def make_reporting_train_step(
     model: keras.Model, optimizer: Optimizer, mesh: Mesh, *, batch_norm: BatchNormMode, skip_nonfinite: bool
 ) -> ReportingStep:
     """``make_train_step``'s step with its report (logs and skipped count, replicated) and without
-    donating its state, so it can start before the hooks after the previous step (``_steps_ahead``)."""
+    donating its state, so it can start before the hooks after the previous step (``_step.ahead``)."""
     train_step = _train_step(model, optimizer, mesh, batch_norm=batch_norm, skip_nonfinite=skip_nonfinite)
     model_now = held_weakly(model)
 
@@ -146,7 +146,7 @@ def make_report(model: keras.Model, mesh: Mesh) -> Callable[[list[jax.Array], ja
 
 def _state_shardings(model: keras.Model, optimizer: Optimizer, mesh: Mesh) -> Any:
     # A sharding in place of a field (a pytree prefix) applies to every array in it. Weights and
-    # optimizer state lie as the model's layout says (replicated without one: ``_layout``).
+    # optimizer state lie as the model's layout says (replicated without one: ``_mesh.layout``).
     everywhere: Any = replicated(mesh)
     per_replica: Any = batch_sharded(mesh)
     weights = weight_shardings(model, mesh)
@@ -258,7 +258,7 @@ def _loss_and_updates(
     """Keras's ``compute_loss_and_updates`` on the padded batch (see the module's docstring).
 
     The metric states returned are this batch's increments (per-output loss trackers). ``call``
-    replaces the model's ``stateless_call`` (``_accumulation``'s per-replica forward).
+    replaces the model's ``stateless_call`` (``_step.accumulation``'s per-replica forward).
     """
     if call is not None:
         y_pred, non_trainable, losses = call(trainable, non_trainable, batch.x)

@@ -13,8 +13,8 @@ import jax
 import keras
 
 from dp_core.keras import needs_every_batch, python_logs
-from jax_dp._distributed import agree, replicated_to_host
-from jax_dp._metrics import Logs
+from jax_dp._comm.hosts import agree, replicated_to_host
+from jax_dp._step.metrics import Logs
 
 PROGRESS_SECONDS = 0.2  # progress-bar refresh: often enough to watch, rarely enough not to stall the devices
 STOP_CHECK_STEPS = 16  # with several processes, how often a mid-epoch stop decision is exchanged

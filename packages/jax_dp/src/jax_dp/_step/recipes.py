@@ -1,6 +1,6 @@
 """A trainer's step recipes: how each jitted step is built, and its compile-cache key.
 
-A step is taken from the trainer's compile cache (``_compile_cache``) while everything its trace
+A step is taken from the trainer's compile cache (``_step.compile_cache``) while everything its trace
 read from Python is the same (``TracedFrom``); the key of each kind of step lists exactly that:
 the model's structure, what ``model.compile`` made, the optimizer as traced, the mesh and the
 trainer's options that reach the step.
@@ -15,8 +15,9 @@ import keras
 from jax.sharding import Mesh
 
 from dp_core import BatchNormMode
-from jax_dp._compile_cache import CompileCache, TracedFrom, compile_state, model_structure
-from jax_dp._custom_steps import (
+from jax_dp._mesh.layout import Layout
+from jax_dp._step.compile_cache import CompileCache, TracedFrom, compile_state, model_structure
+from jax_dp._step.custom import (
     CustomPredictStep,
     CustomTestStep,
     CustomTrainStep,
@@ -24,12 +25,11 @@ from jax_dp._custom_steps import (
     make_custom_test_step,
     make_custom_train_step,
 )
-from jax_dp._layout import Layout
-from jax_dp._metrics import make_results
-from jax_dp._optimizers import Optimizer
-from jax_dp._profile import Pieces
-from jax_dp._state import Weights
-from jax_dp._steps import (
+from jax_dp._step.metrics import make_results
+from jax_dp._step.optimizers import Optimizer
+from jax_dp._step.profile import Pieces
+from jax_dp._step.state import Weights
+from jax_dp._step.steps import (
     Steps,
     make_predict_step,
     make_report,

@@ -2,7 +2,7 @@
 
 Callbacks and the progress bar run on process 0 only; every decision process 0 makes
 (stop) reaches every process at a step all of them agree on. ``fit_loop`` takes how an epoch
-trains (``EpochTrainer``, ``_epochs``) and how validation runs (``Evaluator``, ``_evaluate``).
+trains (``EpochTrainer``, ``_loop.epochs``) and how validation runs (``Evaluator``, ``_loop.evaluate``).
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import numpy as np
 
 from dp_core import ReplicaLayout
 from dp_core.keras import BatchSource, CheckpointWriter, FitArguments, Start, callback_list, internals
-from jax_dp._checkpoints import save
-from jax_dp._distributed import agree, is_primary, same_on_all_processes
-from jax_dp._epochs import EpochTrainer
-from jax_dp._evaluate import Evaluator
-from jax_dp._optimizers import Optimizer
-from jax_dp._sources import epoch_plan, steps_per_epoch
+from jax_dp._comm.hosts import agree, is_primary, same_on_all_processes
+from jax_dp._data.sources import epoch_plan, steps_per_epoch
+from jax_dp._loop.checkpoints import save
+from jax_dp._loop.epochs import EpochTrainer
+from jax_dp._loop.evaluate import Evaluator
+from jax_dp._step.optimizers import Optimizer
 
 
 def fit_loop(
