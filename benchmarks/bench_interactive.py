@@ -269,9 +269,9 @@ def trainer_parts(backend: str) -> dict[str, tuple[Any, str]]:
         from torch_dp import _loop
 
         return {**parts, "trainer_logs_ms": (_loop, "logs_of"), "train_step_ms": (_loop, "train_step")}
-    from jax_dp import _loop
+    from jax_dp._loop import epochs as _epochs
 
-    return {**parts, "trainer_logs_ms": (_loop, "report_on_host")}
+    return {**parts, "trainer_logs_ms": (_epochs, "report_on_host")}
 
 
 def _versions(backend: str) -> dict[str, str]:

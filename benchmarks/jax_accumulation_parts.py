@@ -65,12 +65,12 @@ def measure(k: int, num_samples: int) -> dict[str, Any]:
 
 def _all_reduced_bytes(trainer: Any, model: keras.Model, x: Any, y: Any) -> tuple[int, int]:
     """Bytes the compiled train step all-reduces at every step, and in the branch that ends a window."""
-    from jax_dp._batches import device_batches
-    from jax_dp._hlo import all_reduces
-    from jax_dp._optimizers import KerasOptimizer
-    from jax_dp._sources import epoch_plan
-    from jax_dp._state import train_state_on_mesh
-    from jax_dp._steps import make_train_step
+    from jax_dp._data.batches import device_batches
+    from jax_dp._data.sources import epoch_plan
+    from jax_dp._step.hlo import all_reduces
+    from jax_dp._step.optimizers import KerasOptimizer
+    from jax_dp._step.state import train_state_on_mesh
+    from jax_dp._step.steps import make_train_step
 
     _, inputs = trainer._check(model, x, y, None, GLOBAL_BATCH_SIZE, step_names=("train_step",))
     optimizer = KerasOptimizer(model)

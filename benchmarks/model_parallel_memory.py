@@ -29,7 +29,7 @@ import numpy as np
 from page_sections import write_section
 
 import jax_dp
-from jax_dp import _loop  # the state the jitted step returns passes through its write-back
+from jax_dp._loop import epochs as _epochs  # the state the jitted step returns passes through its write-back
 
 HEADING = "## Model parallel: memory per device"
 INPUT_FEATURES, WIDTH = 1024, 2048
@@ -61,20 +61,20 @@ def wide_mlp() -> keras.Model:
 def measure(shape: tuple[int, ...], axes: tuple[str, ...]) -> dict[str, Any]:
     """One train step on the mesh; bytes per device of the state it returned."""
     states: list[Any] = []
-    write_back = _loop.write_back
+    write_back = _epochs.write_back
 
     def keep(model: Any, optimizer: Any, state: Any, **options: Any) -> Any:
         states.append(state)
         return write_back(model, optimizer, state, **options)
 
-    _loop.write_back = keep
+    _epochs.write_back = keep
     try:
         mesh = jax.make_mesh(shape, axes)
         trainer = jax_dp.Trainer(mesh=mesh, layout=LAYOUT if "model" in axes else None)
         x = np.ones((8, INPUT_FEATURES), "float32")
         trainer.fit(wide_mlp(), x, np.zeros((8, WIDTH), "float32"), global_batch_size=8, epochs=1, verbose=0)
     finally:
-        _loop.write_back = write_back
+        _epochs.write_back = write_back
     state = states[-1]
     parameters = _per_device(state.trainable + state.non_trainable)
     optimizer = _per_device(state.optimizer)

@@ -19,12 +19,12 @@ from jax_dp_helpers import assert_history_close, assert_weights_close
 import dp_core
 import jax_dp
 from dp_core.keras import build_model
-from jax_dp._batches import device_batches
-from jax_dp._hlo import all_reduces
-from jax_dp._optimizers import KerasOptimizer
-from jax_dp._sources import epoch_plan
-from jax_dp._state import train_state_on_mesh
-from jax_dp._steps import make_train_step
+from jax_dp._data.batches import device_batches
+from jax_dp._data.sources import epoch_plan
+from jax_dp._step.hlo import all_reduces
+from jax_dp._step.optimizers import KerasOptimizer
+from jax_dp._step.state import train_state_on_mesh
+from jax_dp._step.steps import make_train_step
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -68,12 +68,12 @@ def test_malformed_validation_data(data):
 
 def test_checks_run_before_any_compile(data, monkeypatch):
     x, _, _, _ = data
-    import jax_dp._trainer as trainer_module
+    import jax_dp._step.recipes as recipes_module
 
     def no_compile(*args, **kwargs):
         raise AssertionError("compiled before checking the input")
 
-    monkeypatch.setattr(trainer_module, "make_train_step", no_compile)
-    monkeypatch.setattr(trainer_module, "make_test_step", no_compile)
+    monkeypatch.setattr(recipes_module, "make_train_step", no_compile)
+    monkeypatch.setattr(recipes_module, "make_test_step", no_compile)
     with pytest.raises(ValueError, match="same number of rows"):
         jax_dp.Trainer(2).fit(dense_bn_model(), x, np.zeros((3, 1)), global_batch_size=GLOBAL_BATCH)

@@ -12,7 +12,7 @@ from jax_dp_helpers import GLOBAL_BATCH, assert_history_close, assert_weights_cl
 
 import dp_core
 import jax_dp
-import jax_dp._steps_ahead
+import jax_dp._step.ahead
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(240)
 @pytest.fixture(params=["steps ahead", "one step at a time"])
 def stepping(request, monkeypatch):
     if request.param == "one step at a time":  # as for a state too large to keep twice
-        monkeypatch.setattr(jax_dp._steps_ahead, "AHEAD_MAX_STATE_BYTES", 0)
+        monkeypatch.setattr(jax_dp._step.ahead, "AHEAD_MAX_STATE_BYTES", 0)
     return request.param
 
 

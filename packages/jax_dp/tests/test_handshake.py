@@ -15,8 +15,8 @@ import pytest
 from jax_dp_helpers import free_port
 
 import jax_dp
-from jax_dp._handshake import ANSWER_S, admit, join
-from jax_dp._launchers import SLURM_VARIABLES, TORCHRUN_VARIABLES, JobId, job_id, placement
+from jax_dp._processes.handshake import ANSWER_S, admit, join
+from jax_dp._processes.launchers import SLURM_VARIABLES, TORCHRUN_VARIABLES, JobId, job_id, placement
 
 JOB = JobId("job-a", "job_id=")
 SCHEDULER_VARIABLES = ("TORCHELASTIC_RUN_ID", "SLURM_STEP_ID", "PBS_JOBID", "LSB_JOBID", "JAX_COORDINATOR_PORT")

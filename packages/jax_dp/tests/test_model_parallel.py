@@ -20,8 +20,9 @@ from jax_dp_helpers import GLOBAL_BATCH, NUM_SAMPLES, Run, assert_same_run, kera
 
 import dp_core
 import jax_dp
-from jax_dp import _loop, _state
-from jax_dp._mesh import replica_layout
+from jax_dp._loop import epochs as _epochs
+from jax_dp._mesh.mesh import replica_layout
+from jax_dp._step import state as _state
 
 EPOCHS = 2
 SEED = 3
@@ -88,8 +89,8 @@ def test_2d_mesh_trains_evaluates_and_predicts_as_one_device(inputs, single_devi
         states.append(state)
         return write_back(model, optimizer, state, **options)
 
-    write_back = _loop.write_back
-    monkeypatch.setattr(_loop, "write_back", keep_state)
+    write_back = _epochs.write_back
+    monkeypatch.setattr(_epochs, "write_back", keep_state)
     model = build()
     model.set_weights(initial)
     trainer = jax_dp.Trainer(mesh=mesh_of(shape), layout=LAYOUT)
@@ -153,9 +154,9 @@ def test_optax_state_follows_the_layout_and_resumes_on_another_mesh(inputs, tmp_
 
     one_device = fit(jax_dp.Trainer(num_replicas=1, optimizer=optax.adam(0.01)), EPOCHS)
     states = []
-    write_back = _loop.write_back
+    write_back = _epochs.write_back
     monkeypatch.setattr(
-        _loop, "write_back", lambda m, o, state, **k: states.append(state) or write_back(m, o, state, **k)
+        _epochs, "write_back", lambda m, o, state, **k: states.append(state) or write_back(m, o, state, **k)
     )
     fit(jax_dp.Trainer(mesh=mesh_of((2, 2)), layout=LAYOUT, optimizer=optax.adam(0.01)), 1, str(tmp_path))
     kernel = [short(v.path) for v in one_device.trainable_variables].index("dense_in/kernel")

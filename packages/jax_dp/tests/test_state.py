@@ -9,9 +9,9 @@ import numpy as np
 from jax_dp_helpers import dense_bn_model
 
 from dp_core.keras import Inputs, build_model
-from jax_dp._mesh import make_mesh
-from jax_dp._optimizers import KerasOptimizer
-from jax_dp._state import train_state_on_mesh, write_back
+from jax_dp._mesh.mesh import make_mesh
+from jax_dp._step.optimizers import KerasOptimizer
+from jax_dp._step.state import train_state_on_mesh, write_back
 
 
 def test_variables_written_back_outlive_the_next_donating_step(data):

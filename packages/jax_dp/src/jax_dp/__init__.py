@@ -5,8 +5,8 @@ from importlib.metadata import version as _version
 from dp_core import EquivalenceReport as EquivalenceReport
 from dp_core import NonFiniteLossError as NonFiniteLossError
 from dp_core import Preempted as Preempted
-from jax_dp._distributed import initialize as initialize
 from jax_dp._equivalence import check_equivalence as check_equivalence
+from jax_dp._processes.group import initialize as initialize
 from jax_dp._trainer import Trainer as Trainer
 
 __version__ = _version("jax-dp")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, final
 
 import keras
@@ -14,8 +14,8 @@ from dp_core import BatchNormMode, LearningRateScaling, NonFiniteLoss, ScalingRe
 from dp_core.keras import (
     BatchSource,
     CheckpointWriter,
+    FitArguments,
     Inputs,
-    Start,
     build_model,
     callback_list,
     check_batch_norm_mode,
@@ -26,37 +26,26 @@ from dp_core.keras import (
     internals,
     require_backend,
 )
-from jax_dp._accumulation import check_accumulate_steps
-from jax_dp._batches import Plan
-from jax_dp._checkpoints import resume
-from jax_dp._compile_cache import CompileCache, TracedFrom, compile_state, model_structure
-from jax_dp._custom_loop import custom_epochs, custom_evaluate_loop, custom_predict_loop
-from jax_dp._custom_steps import (
-    CustomTestStep,
-    CustomTrainStep,
+from jax_dp._comm.hosts import is_primary
+from jax_dp._data.batches import Plan
+from jax_dp._data.sources import epoch_plan
+from jax_dp._loop.checkpoints import resume_and_writer
+from jax_dp._loop.epochs import CustomSteps, EpochTrainer, KerasSteps, epochs_of
+from jax_dp._loop.evaluate import Evaluator, custom_evaluate_loop, custom_predict_loop, evaluate_loop, predict_loop
+from jax_dp._loop.fit import fit_loop
+from jax_dp._loop.preemption import PreemptionNotice
+from jax_dp._mesh.layout import Layout, place
+from jax_dp._mesh.mesh import check_mesh, make_mesh, num_replicas_of, replica_layout
+from jax_dp._processes.group import ends_the_run_on_failure
+from jax_dp._step.accumulation import check_accumulate_steps
+from jax_dp._step.compile_cache import CompileCache
+from jax_dp._step.custom import (
     check_custom_steps,
-    make_custom_predict_step,
-    make_custom_test_step,
-    make_custom_train_step,
     overrides,
 )
-from jax_dp._distributed import ends_the_run_on_failure, is_primary
-from jax_dp._layout import Layout, place
-from jax_dp._loop import EpochTrainer, Evaluator, evaluate_loop, fit_loop, keras_epochs, predict_loop
-from jax_dp._mesh import check_mesh, make_mesh, num_replicas_of, replica_layout
-from jax_dp._metrics import make_results
-from jax_dp._optimizers import KerasOptimizer, OptaxOptimizer, Optimizer
-from jax_dp._preemption import PreemptionNotice
-from jax_dp._profile import FitProfile, finish_report
-from jax_dp._sources import epoch_plan
-from jax_dp._steps import (
-    Steps,
-    make_predict_step,
-    make_report,
-    make_reporting_train_step,
-    make_test_step,
-    make_train_step,
-)
+from jax_dp._step.optimizers import KerasOptimizer, OptaxOptimizer, Optimizer
+from jax_dp._step.profile import FitProfile, finish_report
+from jax_dp._step.recipes import Recipes
 
 PACKAGE = "jax_dp"
 
@@ -70,7 +59,7 @@ class Trainer:
     explicit 1-D ``("batch",)`` mesh instead, or a 2-D ``("batch", "model")`` one with
     ``layout=`` rules (``{variable path regex: partition spec}`` or a
     ``keras.distribution.LayoutMap``) that split variables over ``"model"``: model parallel,
-    with each row of the mesh one replica (``_layout``). ``optimizer=`` an optax
+    with each row of the mesh one replica (``_mesh.layout``). ``optimizer=`` an optax
     ``GradientTransformation`` replaces the model's compiled optimizer.
     ``batch_norm="per_replica"`` normalizes each replica's rows on their own.
     ``on_nonfinite_loss="stop"`` raises ``NonFiniteLossError`` naming the first step whose
@@ -90,7 +79,7 @@ class Trainer:
     jax signatures) is trained, evaluated or predicted with its own step, as ``model.fit`` runs
     it: one program over the mesh, state replicated, batch sharded, so whatever it computes over
     the batch is what it computes on one device; a last batch that does not divide over the
-    devices is given to every device whole (``_custom_steps``).
+    devices is given to every device whole (``_step.custom``).
 
     >>> trainer = jax_dp.Trainer(num_replicas=2)  # doctest: +SKIP
     >>> history = trainer.fit(model, x, y, global_batch_size=64, epochs=3)  # doctest: +SKIP
@@ -192,23 +181,26 @@ class Trainer:
         if isinstance(inputs, BatchSource):  # its batches are the global batches
             global_batch_size = inputs.global_batch_size
         arguments = fit_arguments(
-            inputs,
-            global_batch_size=global_batch_size,
-            num_replicas=self.num_replicas,
-            epochs=epochs,
-            initial_epoch=initial_epoch,
-            validation_split=validation_split,
-            validation_data=validation_data,
-            validation_batch_size=validation_batch_size,
-            validation_freq=validation_freq,
-            validation_steps=validation_steps,
-            callbacks=callbacks,
-            shuffle=shuffle,
-            seed=seed,
-            checkpoint_dir=checkpoint_dir,
-            checkpoint_every_steps=checkpoint_every_steps,
-            verbose=verbose,
-        )
+            inputs, global_batch_size=global_batch_size, num_replicas=self.num_replicas, epochs=epochs,
+            initial_epoch=initial_epoch, validation_split=validation_split, validation_data=validation_data,
+            validation_batch_size=validation_batch_size, validation_freq=validation_freq,
+            validation_steps=validation_steps, callbacks=callbacks, shuffle=shuffle, seed=seed,
+            checkpoint_dir=checkpoint_dir, checkpoint_every_steps=checkpoint_every_steps, verbose=verbose,
+        )  # fmt: skip
+        return self._train(model, inputs, arguments, global_batch_size, lr_scaling, warmup_steps, accumulate_steps)
+
+    def _train(
+        self,
+        model: keras.Model,
+        inputs: Inputs | BatchSource,
+        arguments: FitArguments,
+        global_batch_size: int,
+        lr_scaling: LearningRateScaling | None,
+        warmup_steps: int,
+        accumulate_steps: int | None,
+    ) -> keras.callbacks.History:
+        """``fit`` after its checks: the optimizer and learning-rate policy, resuming, the epochs
+        within a preemption notice, and the scaling report."""
         steps = check_accumulate_steps(accumulate_steps, model.optimizer, optax=self._optax is not None)
         optimizer = (
             KerasOptimizer(model) if self._optax is None else OptaxOptimizer(self._optax, accumulate_steps=steps)
@@ -218,24 +210,14 @@ class Trainer:
         with optimizer.learning_rate_policy(
             global_batch_size=global_batch_size, lr_scaling=lr_scaling, warmup_steps=warmup_steps
         ) as policy:
-            start, checkpoints = Start(), None
-            if arguments.checkpoint_dir is not None:
-                start = resume(
-                    arguments.checkpoint_dir,
-                    model,
-                    optimizer,
-                    seed=seed,
-                    global_batch_size=global_batch_size,
-                    shuffle=shuffle,
-                )
-                checkpoints = CheckpointWriter(
-                    arguments.checkpoint_dir,
-                    checkpoint_every_steps,
-                    seed=seed,
-                    global_batch_size=global_batch_size,
-                    num_replicas=self.num_replicas,
-                    lr_policy=policy,
-                )
+            start, checkpoints = resume_and_writer(
+                arguments,
+                model,
+                optimizer,
+                global_batch_size=global_batch_size,
+                num_replicas=self.num_replicas,
+                policy=policy,
+            )
             profile = None if self.profile is None else FitProfile()
             with PreemptionNotice():
                 history = fit_loop(
@@ -249,8 +231,6 @@ class Trainer:
                     checkpoints=checkpoints,
                 )
             if profile is not None and self.profile is not None:
-                traced_from = model_structure(model) + compile_state(model) + optimizer.traced_from()
-                traced_from += TracedFrom(values=[self.mesh, self.batch_norm])
                 self.scaling_report = finish_report(
                     profile,
                     model,
@@ -259,7 +239,7 @@ class Trainer:
                     global_batch_size=global_batch_size,
                     batch_norm=self.batch_norm,
                     folder=str(self.profile),
-                    cached=lambda build: self._compile_cache.step(model, "profile", traced_from, build),
+                    cached=self._recipes().profile_pieces(model, optimizer),
                 )
                 history.scaling_report = self.scaling_report  # pyright: ignore[reportAttributeAccessIssue]
             return history
@@ -323,17 +303,11 @@ class Trainer:
             callbacks, model, is_primary=is_primary(), verbose=verbose, steps=plan.steps, history=False
         )
         hooks.on_predict_begin()
-        mesh, traced_from = self.mesh, model_structure(model) + TracedFrom(values=[self.mesh, self.variable_layout])
+        mesh, recipes = self.mesh, self._recipes()
         if overrides(model, "predict_step"):
-            custom_step = self._compile_cache.step(
-                model, "custom_predict", traced_from, lambda: make_custom_predict_step(model, mesh)
-            )
-            outputs = custom_predict_loop(custom_step, model, plan, mesh, hooks)
+            outputs = custom_predict_loop(recipes.custom_predict_step(model), model, plan, mesh, hooks)
         else:
-            predict_step = self._compile_cache.step(
-                model, "predict", traced_from, lambda: make_predict_step(model, mesh)
-            )
-            outputs = predict_loop(predict_step, model, plan, mesh, hooks)
+            outputs = predict_loop(recipes.predict_step(model), model, plan, mesh, hooks)
         hooks.on_predict_end()
         return outputs
 
@@ -385,84 +359,36 @@ class Trainer:
         profile: FitProfile | None = None,
     ) -> EpochTrainer:
         """How one fit trains an epoch: with the model's own ``train_step`` or Keras's."""
-        stop_on_nonfinite = self.on_nonfinite_loss == "stop"
+        stop_on_nonfinite, recipes = self.on_nonfinite_loss == "stop", self._recipes()
         if overrides(model, "train_step"):
-            return custom_epochs(
-                model,
-                train_step=self._custom_train_step(model, optimizer),
-                optimizer=optimizer,
-                mesh=self.mesh,
-                checkpoints=checkpoints,
-                stop_on_nonfinite=stop_on_nonfinite,
-            )
-        return keras_epochs(
-            model,
-            optimizer=optimizer,
-            steps=self._steps(model, optimizer),
-            mesh=self.mesh,
-            checkpoints=checkpoints,
-            stop_on_nonfinite=stop_on_nonfinite,
-            profile=profile,
-        )
+            kind = CustomSteps(model, optimizer, recipes.custom_train_step(model, optimizer), self.mesh)
+            return epochs_of(kind, checkpoints=checkpoints, stop_on_nonfinite=stop_on_nonfinite)
+        kind = KerasSteps(model, optimizer, recipes.steps(model, optimizer), self.mesh, profile)
+        return epochs_of(kind, checkpoints=checkpoints, stop_on_nonfinite=stop_on_nonfinite)
 
     def _evaluator(self, model: keras.Model) -> Evaluator:
         """How ``evaluate`` and validation run: with the model's own ``test_step`` or Keras's."""
         mesh = self.mesh
         if overrides(model, "test_step"):
-            test_step = self._custom_test_step(model)
+            test_step = self._recipes().custom_test_step(model)
 
             def evaluate_custom(plan: Plan, callbacks: keras.callbacks.CallbackList | None) -> dict[str, Any]:
                 return custom_evaluate_loop(model, test_step, plan, mesh, callbacks)
 
             return evaluate_custom
-        steps = self._steps(model)
+        steps = self._recipes().steps(model)
 
         def evaluate(plan: Plan, callbacks: keras.callbacks.CallbackList | None) -> dict[str, Any]:
             return evaluate_loop(model, steps, plan, mesh, callbacks)
 
         return evaluate
 
-    def _custom_test_step(self, model: keras.Model) -> CustomTestStep:
-        mesh = self.mesh
-        traced_from = model_structure(model) + compile_state(model) + TracedFrom(values=[mesh])
-        return self._compile_cache.step(model, "custom_test", traced_from, lambda: make_custom_test_step(model, mesh))
-
-    def _custom_train_step(self, model: keras.Model, optimizer: Optimizer) -> CustomTrainStep:
-        mesh, skip_nonfinite = self.mesh, self.on_nonfinite_loss == "skip"
-        traced_from = (
-            model_structure(model)
-            + compile_state(model)
-            + optimizer.traced_from()
-            + TracedFrom(values=[mesh, skip_nonfinite])
+    def _recipes(self) -> Recipes:
+        """The steps' recipes for the trainer's mesh, layout and options as they are now."""
+        return Recipes(
+            self._compile_cache,
+            self.mesh,
+            self.variable_layout,
+            batch_norm=self.batch_norm,
+            skip_nonfinite=self.on_nonfinite_loss == "skip",
         )
-        return self._compile_cache.step(
-            model,
-            "custom_train",
-            traced_from,
-            lambda: make_custom_train_step(model, mesh, skip_nonfinite=skip_nonfinite),
-        )
-
-    def _steps(self, model: keras.Model, optimizer: Optimizer | None = None) -> Steps:
-        """The jitted steps of one fit (without ``optimizer``: of evaluate alone), from the
-        compile cache when they were traced from the same model, compile state and options."""
-        mesh = self.mesh
-        evaluation = model_structure(model) + compile_state(model) + TracedFrom(values=[mesh, self.variable_layout])
-        recipes: dict[str, tuple[TracedFrom, Callable[[], Any]]] = {
-            "test": (evaluation, lambda: make_test_step(model, mesh)),
-            "results": (evaluation, lambda: make_results(model, mesh)),
-            "report": (evaluation, lambda: make_report(model, mesh)),
-        }
-        if optimizer is not None:
-            options = {"batch_norm": self.batch_norm, "skip_nonfinite": self.on_nonfinite_loss == "skip"}
-            training = evaluation + optimizer.traced_from() + TracedFrom(values=list(options.values()))
-            recipes["train"] = (training, lambda: make_train_step(model, optimizer, mesh, **options))
-            recipes["train_reporting"] = (
-                training,
-                lambda: make_reporting_train_step(model, optimizer, mesh, **options),
-            )
-
-        def fetch(kind: str) -> Any:
-            traced_from, build = recipes[kind]
-            return self._compile_cache.step(model, kind, traced_from, build)
-
-        return Steps(fetch)

@@ -38,9 +38,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dp_core.keras import internals
-from jax_dp._layout import weight_shardings
-from jax_dp._mesh import BATCH_AXIS, batch_sharded, num_replicas_of
-from jax_dp._optimizers import Optimizer
+from jax_dp._mesh.layout import weight_shardings
+from jax_dp._mesh.mesh import BATCH_AXIS, batch_sharded, num_replicas_of
+from jax_dp._step.optimizers import Optimizer
 
 Forward = Callable[[list[Any], list[Any], Any], tuple[Any, list[Any], list[Any]]]
 """``(trainable, non_trainable, x) -> (y_pred, non_trainable, losses)``, as ``stateless_call``."""

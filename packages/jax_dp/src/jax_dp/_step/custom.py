@@ -36,12 +36,12 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dp_core.keras import map_structure
-from jax_dp._batches import PREFETCH, HostBatch, Plan
-from jax_dp._compile_cache import held_weakly
-from jax_dp._mesh import batch_sharded, replicated
-from jax_dp._metrics import Logs
-from jax_dp._state import TrainState, Weights, step_taken
-from jax_dp._steps_ahead import Report, report_of
+from jax_dp._data.batches import PREFETCH, HostBatch, Plan
+from jax_dp._mesh.mesh import batch_sharded, replicated
+from jax_dp._step.compile_cache import held_weakly
+from jax_dp._step.metrics import Logs
+from jax_dp._step.state import TrainState, Weights, step_taken
+from jax_dp._step.steps import Report, report_of
 
 
 class EvaluationState(NamedTuple):
@@ -104,7 +104,7 @@ def make_custom_train_step(model: keras.Model, mesh: Mesh, *, skip_nonfinite: bo
     state donated and replicated, the report (the step's logs and the skipped-step count)
     replicated. A step whose logs' ``"loss"`` is not finite changes nothing but the counts
     (and, unless ``skip_nonfinite``, neither does any later step of the epoch), as Keras's
-    own step does in ``_steps``."""
+    own step does in ``_step.steps``."""
     model_now = held_weakly(model)
 
     def train_step(state: TrainState, data: Any) -> tuple[TrainState, Report]:
@@ -181,7 +181,7 @@ def _loss_is_finite(logs: Any) -> Any:
 
 def step_data(plan: Plan, mesh: Mesh, *, start: int = 0) -> Iterator[Any]:
     """The plan's global batches from ``start`` as the steps take them, ``PREFETCH`` ahead (see
-    ``_batches.device_batches``): each the real rows of the whole batch, sharded over ``"batch"``
+    ``_data.batches.device_batches``): each the real rows of the whole batch, sharded over ``"batch"``
     when they divide over the replicas, else replicated. Every process reads whole batches."""
     ahead: collections.deque[Any] = collections.deque()
     for host in plan.every_replica().host_batches(start):

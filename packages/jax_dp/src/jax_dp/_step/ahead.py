@@ -1,5 +1,5 @@
 """How an epoch's train steps run for the host: one at a time, or started ahead, so the next
-step runs while the host reads the last one's logs; and ``Report``, the logs it reads.
+step runs while the host reads the last one's logs (a ``Report``, ``_step.steps``).
 
 A callback that acts at every batch needs each step's logs on the host before its hooks run,
 and the next step must wait for those hooks, which may change the model or stop training.
@@ -18,50 +18,14 @@ anything else runs on the mesh.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, final
+from typing import Any, Protocol, final
 
 import jax
-import jax.numpy as jnp
 
-from dp_core.keras import python_logs
-from jax_dp._distributed import replicated_to_host
-from jax_dp._metrics import Logs
-from jax_dp._state import TrainState
-
-if TYPE_CHECKING:  # _steps builds its reports with this module
-    from jax_dp._steps import Steps
+from jax_dp._step.state import TrainState
+from jax_dp._step.steps import Report, ReportingStep, Steps
 
 AHEAD_MAX_STATE_BYTES = 256 * 2**20
-
-
-class Report(NamedTuple):
-    """A step's logs for the host in one array to read: ``values`` holds the count of skipped
-    steps, then every log value as float32 (exact for counts below 2**24); ``logs`` (never
-    read) gives their names, shapes and dtypes."""
-
-    logs: Logs
-    values: jax.Array
-
-
-def report_of(logs: Logs, skipped: Any) -> Report:
-    """The report of ``logs`` and the skipped-step count, inside a jitted step."""
-    parts = [jnp.reshape(skipped, (1,)), *(jnp.ravel(value) for value in jax.tree.leaves(logs))]
-    return Report(logs, jnp.concatenate([part.astype(jnp.float32) for part in parts]))
-
-
-def report_on_host(report: Report) -> tuple[int, dict[str, Any]]:
-    """The skipped-step count and the logs as ``model.fit`` hands them to callbacks (waits for the step)."""
-    values = replicated_to_host(report.values)
-    leaves, structure = jax.tree.flatten(report.logs)
-    parts, at = [], 1
-    for leaf in leaves:
-        parts.append(values[at : at + leaf.size].reshape(leaf.shape).astype(leaf.dtype))
-        at += leaf.size
-    return int(values[0]), python_logs(jax.tree.unflatten(structure, parts))
-
-
-ReportingStep = Callable[[TrainState, Any, bool], tuple[TrainState, Report]]
 
 
 class Stepper(Protocol):

@@ -34,14 +34,14 @@ from dp_core import (
     write_scaling_report,
 )
 from dp_core.keras import internals
-from jax_dp._batches import Batch
-from jax_dp._compile_cache import held_weakly
-from jax_dp._distributed import is_primary
-from jax_dp._mesh import BATCH_AXIS
-from jax_dp._optimizers import Optimizer
-from jax_dp._padding import padding_aware
-from jax_dp._state import TrainState, train_state_on_mesh
-from jax_dp._steps import _loss_and_updates
+from jax_dp._comm.hosts import is_primary
+from jax_dp._data.batches import Batch
+from jax_dp._data.padding import padding_aware
+from jax_dp._mesh.mesh import BATCH_AXIS
+from jax_dp._step.compile_cache import held_weakly
+from jax_dp._step.optimizers import Optimizer
+from jax_dp._step.state import TrainState, train_state_on_mesh
+from jax_dp._step.steps import _loss_and_updates
 
 PROBE_BYTES = 4 * 2**20  # the timed psum: large enough to be bandwidth-bound, small enough to be quick
 ROUNDS = 3  # timed runs of each piece, after one that compiles it
@@ -51,15 +51,21 @@ SPLIT = ("forward_backward", "all_reduce", "optimizer")
 
 @final
 class FitProfile:
-    """One fit's timer and the first batch it trained on (the split's pieces run on it)."""
+    """One fit's timer and the first batch it trained on (the split's pieces run on it). The
+    timer's synced lap waits for the step the epoch's loop ran last (``epoch_timer``)."""
 
     def __init__(self) -> None:
-        self.timer = StepTimer()
+        self._stepped: Callable[[], Any] = lambda: None
+        self.timer = StepTimer(sync=lambda: jax.block_until_ready(self._stepped()))
         self.batch: Batch | None = None
 
-    def trained_on(self, batch: Batch) -> None:
+    def epoch_timer(self, first_batch: Batch | None, stepped: Callable[[], Any]) -> StepTimer:
+        """The timer for an epoch's steps: ``first_batch`` is kept if none was (the fit's first
+        batch), and a synced lap waits for ``stepped()``, what the last step returned."""
         if self.batch is None:
-            self.batch = batch
+            self.batch = first_batch
+        self._stepped = stepped
+        return self.timer
 
 
 def _timed(run: Callable[[], Any]) -> float:

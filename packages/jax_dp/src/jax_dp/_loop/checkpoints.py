@@ -20,9 +20,37 @@ import keras
 import numpy as np
 
 from dp_core import Checkpoint
-from dp_core.keras import CheckpointWriter, Start, resumable_checkpoint, start_of
-from jax_dp._distributed import is_primary, same_on_all_processes, text_from_primary
-from jax_dp._optimizers import Optimizer
+from dp_core.keras import CheckpointWriter, FitArguments, Start, resumable_checkpoint, start_of
+from jax_dp._comm.hosts import is_primary, same_on_all_processes, text_from_primary
+from jax_dp._step.optimizers import Optimizer
+
+
+def resume_and_writer(
+    arguments: FitArguments,
+    model: keras.Model,
+    optimizer: Optimizer,
+    *,
+    global_batch_size: int,
+    num_replicas: int,
+    policy: dict[str, Any] | None,
+) -> tuple[Start, CheckpointWriter | None]:
+    """Where a fit starts (a checkpoint's place, restored, or the beginning), and what writes its
+    checkpoints (None without ``checkpoint_dir``); ``policy``: the learning-rate policy's config."""
+    if arguments.checkpoint_dir is None:
+        return Start(), None
+    seed, shuffle = arguments.seed, arguments.shuffle
+    start = resume(
+        arguments.checkpoint_dir, model, optimizer, seed=seed, global_batch_size=global_batch_size, shuffle=shuffle
+    )
+    writer = CheckpointWriter(
+        arguments.checkpoint_dir,
+        arguments.checkpoint_every_steps,
+        seed=seed,
+        global_batch_size=global_batch_size,
+        num_replicas=num_replicas,
+        lr_policy=policy,
+    )
+    return start, writer
 
 
 def resume(

@@ -7,7 +7,7 @@ policy, the state an epoch starts from, writing back, checkpoints). ``KerasOptim
 asks which optimizer it has.
 
 An ``Optimizer`` serves one fit, but the step compiled with it may serve later fits
-(``_compile_cache``): it holds no model, and what its pure pieces trace never changes after
+(``_step.compile_cache``): it holds no model, and what its pure pieces trace never changes after
 its learning-rate policy is in place.
 """
 
@@ -27,10 +27,10 @@ from jax.sharding import Mesh
 
 from dp_core import Checkpoint, CheckpointError, LearningRateScaling, learning_rate_policy
 from dp_core.keras import KerasSchedule, internals, learning_rate_policy_installed, plan_learning_rate, restore_model
-from jax_dp._compile_cache import TracedFrom, config_value, keras_optimizer_state
-from jax_dp._distributed import replicated_to_host, same_on_all_processes
-from jax_dp._layout import abstract_trainable, optax_state_shardings, optimizer_shardings
-from jax_dp._mesh import put_sharded
+from jax_dp._comm.hosts import replicated_to_host, same_on_all_processes
+from jax_dp._mesh.layout import abstract_trainable, optax_state_shardings, optimizer_shardings
+from jax_dp._mesh.mesh import put_sharded
+from jax_dp._step.compile_cache import TracedFrom, config_value, keras_optimizer_state
 
 
 class Optimizer(abc.ABC):
@@ -56,7 +56,7 @@ class Optimizer(abc.ABC):
     @abc.abstractmethod
     def state_shardings(self, model: keras.Model, mesh: Mesh) -> Any:
         """Where the state's arrays lie on ``mesh`` (a pytree like the state): a per-variable
-        array like its variable (``_layout``), the rest replicated."""
+        array like its variable (``_mesh.layout``), the rest replicated."""
 
     @abc.abstractmethod
     def scale_loss(self, loss: Any, state: Any) -> Any:
@@ -82,7 +82,7 @@ class Optimizer(abc.ABC):
     def checkpoint_variables(self, state: Any) -> list[np.ndarray] | None:
         """The optimizer variables a checkpoint stores (None: the model's compiled optimizer's)."""
 
-    # Gradient accumulation (``_accumulation``): the state holds the gradients summed so far in
+    # Gradient accumulation (``_step.accumulation``): the state holds the gradients summed so far in
     # the window, as one device holds them; these read and replace that sum, jitted or not.
 
     @property
@@ -134,7 +134,7 @@ class KerasOptimizer(Optimizer):
         return [put_sharded(v, sharding) for v, sharding in zip(values, shardings, strict=True)]
 
     def state_shardings(self, model: keras.Model, mesh: Mesh) -> list[Any]:
-        del model  # the optimizer knows the model it was placed with (``_layout.place``)
+        del model  # the optimizer knows the model it was placed with (``_mesh.layout.place``)
         return optimizer_shardings(self.optimizer, mesh)
 
     def scale_loss(self, loss: Any, state: list[Any]) -> Any:

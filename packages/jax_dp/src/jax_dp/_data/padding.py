@@ -93,7 +93,7 @@ def masked_metrics(model: keras.Model, mask: jnp.ndarray) -> Iterator[None]:
 
 def computes_own_loss(model: keras.Model) -> bool:
     """Whether the model overrides ``compute_loss``: its own loss may not use the compiled
-    losses, so it gets the padding as sample weights instead (see ``_steps``)."""
+    losses, so it gets the padding as sample weights instead (see ``_step.steps``)."""
     return type(model).compute_loss is not keras.Model.compute_loss
 
 

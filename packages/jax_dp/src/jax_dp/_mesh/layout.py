@@ -34,7 +34,7 @@ Spec = tuple[Any, ...]
 
 
 class Layout:
-    """Parsed ``layout=`` rules; equal layouts compile the same steps (``_compile_cache``)."""
+    """Parsed ``layout=`` rules; equal layouts compile the same steps (``_step.compile_cache``)."""
 
     def __init__(self, rules: Any = None) -> None:
         self._keras_map: keras.distribution.LayoutMap | None = None

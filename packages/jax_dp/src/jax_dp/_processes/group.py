@@ -1,11 +1,17 @@
-"""Several processes (hosts): joining them, ending them together, and the few values they must agree on."""
+"""How the processes of a multi-process run join and end together: ``initialize`` (the handshake,
+then ``jax.distributed.initialize``), and a failure in any process ending every process.
+
+Process-global state: ``_Run`` holds this process's place in the run once ``initialize`` joined
+it, and the failure it reported; a process that failed refuses further training
+(``check_not_failed``). Every failure is recorded once, and ends the process at exit without
+waiting for the others.
+"""
 
 from __future__ import annotations
 
 import atexit
 import contextlib
 import functools
-import itertools
 import math
 import os
 import sys
@@ -16,14 +22,12 @@ from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
 import jax
-import numpy as np
 from jax._src import distributed as jax_distributed  # the client jax.distributed keeps; no public accessor
-from jax.experimental import multihost_utils
 
 from dp_core import NonFiniteLossError, Preempted
-from jax_dp import _handshake as handshake
-from jax_dp._launchers import job_id as job_id_of
-from jax_dp._launchers import placement
+from jax_dp._processes import handshake
+from jax_dp._processes.launchers import JobId, Placement, placement
+from jax_dp._processes.launchers import job_id as job_id_of
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -91,16 +95,7 @@ def initialize(
     options.setdefault("coordinator_bind_address", place.coordinator_address)
     # CPU processes talk through gloo; without it cross-process CPU collectives fail.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if place.process_id == 0:
-        handshake.admit(
-            options["coordinator_bind_address"],
-            place.coordinator_address,
-            place.num_processes,
-            job,
-            initialization_timeout,
-        )
-    else:
-        handshake.join(place.coordinator_address, place.process_id, place.num_processes, job, initialization_timeout)
+    _admitted(place, job, options["coordinator_bind_address"], initialization_timeout)
     try:
         jax.distributed.initialize(
             coordinator_address=place.coordinator_address,
@@ -116,6 +111,15 @@ def initialize(
         raise
     if place.num_processes > 1:
         _end_together(jax_distributed.global_state.client, place.process_id, place.num_processes)
+
+
+def _admitted(place: Placement, job: JobId, bind_address: str, timeout: float) -> None:
+    """Before jax's coordinator starts: process 0 admits each other process of the job once, and
+    each other process joins it (``_processes.handshake``)."""
+    if place.process_id == 0:
+        handshake.admit(bind_address, place.coordinator_address, place.num_processes, job, timeout)
+    else:
+        handshake.join(place.coordinator_address, place.process_id, place.num_processes, job, timeout)
 
 
 class _Run:
@@ -227,71 +231,3 @@ def _exit_now() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1)
-
-
-_texts = itertools.count()  # every process asks in the same order: the same key on each
-
-
-def text_from_primary(name: str, text: str | None) -> str:
-    """Process 0's ``text`` on every process (``text`` is ignored elsewhere), through jax's key-value store."""
-    key = f"{name}/{next(_texts)}"
-    if jax.process_count() == 1:
-        assert text is not None
-        return text
-    client: Any = jax_distributed.global_state.client
-    if is_primary():
-        assert text is not None
-        client.key_value_set(key, text)
-        return text
-    return client.blocking_key_value_get(key, 10 * 60 * 1000)  # process 0 may be reading a large checkpoint
-
-
-def is_primary() -> bool:
-    """Process 0 runs callbacks, prints, and writes files."""
-    return jax.process_index() == 0
-
-
-def agree(flag: bool) -> bool:
-    """Process 0's ``flag`` on every process (a stop decision must reach all of them)."""
-    if jax.process_count() == 1:
-        return flag
-    return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
-
-
-def same_on_all_processes(values: list[np.ndarray]) -> list[np.ndarray]:
-    """Process 0's copy of host values, so every process starts from the same weights."""
-    if jax.process_count() == 1:
-        return values
-    return [np.asarray(v) for v in multihost_utils.broadcast_one_to_all(values)]
-
-
-def replicated_to_host(tree: Any) -> Any:
-    """Host numpy copies of replicated arrays, or of arrays split over the ``"model"`` axis (a
-    layout's), whole on every process: each process reads its own devices, which hold at least
-    one whole replica (a row of the mesh), so no collective runs."""
-    return jax.tree.map(_whole_on_host, tree)
-
-
-def _whole_on_host(array: jax.Array) -> np.ndarray:
-    if array.sharding.is_fully_replicated:
-        return np.asarray(array.addressable_data(0))
-    if array.is_fully_addressable:
-        return np.asarray(array)
-    whole = np.empty(array.shape, array.dtype)
-    covered = np.zeros(array.shape, bool)
-    for shard in array.addressable_shards:
-        whole[shard.index] = np.asarray(shard.data)
-        covered[shard.index] = True
-    if not covered.all():
-        raise ValueError(
-            f"Process {jax.process_index()}'s devices hold only part of an array of shape {array.shape} "
-            f"({array.sharding}): each process's devices must cover whole rows of the mesh."
-        )
-    return whole
-
-
-def rows_to_host(array: jax.Array) -> np.ndarray:
-    """Every row of a batch-sharded array, on every process."""
-    if array.is_fully_addressable:
-        return np.asarray(array)
-    return np.asarray(multihost_utils.process_allgather(array, tiled=True))

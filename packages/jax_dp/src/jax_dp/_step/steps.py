@@ -1,12 +1,13 @@
-"""The jitted stateless steps: ``(state, batch) -> state``, and ``Steps``, those of one fit.
+"""The jitted stateless steps: ``(state, batch) -> state``; ``Steps``, those of one fit; and
+``Report``, a step's logs for the host in one array (``_step.ahead`` runs the steps that report).
 
 Model and optimizer state are replicated on every device and the batch is sharded over
 ``"batch"``, so XLA's SPMD partitioner turns the single-device program into a
 data-parallel one: it all-reduces gradients and BatchNormalization moments over the
-global batch. Metric states stay per replica (``_metrics``); logs are read apart.
+global batch. Metric states stay per replica (``_step.metrics``); logs are read apart.
 
 Exact loss: when the epoch's last batch is padded, each compiled loss's values carry the
-padding as a Keras mask (``_padding``), so Keras's own reduction divides by the real rows'
+padding as a Keras mask (``_data.padding``), so Keras's own reduction divides by the real rows'
 values (or valid mask positions), exactly what single-device Keras computes on its smaller
 last batch; the user's sample weights pass through unchanged. A model that overrides
 ``compute_loss`` gets ``sample_weight * mask * B / real_rows`` instead, which is exact for
@@ -14,14 +15,14 @@ a per-row loss with ``sum_over_batch_size``. Metrics get ``sample_weight * mask`
 per-batch scale would tilt the epoch's running means).
 
 ``padded`` is static: a step compiles once for padded and once for unpadded epochs. The
-trainer keeps the steps between calls (``_compile_cache``), so each holds its model weakly.
+trainer keeps the steps between calls (``_step.compile_cache``), so each holds its model weakly.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, cast, final
+from typing import Any, NamedTuple, cast, final
 
 import jax
 import jax.numpy as jnp
@@ -29,19 +30,47 @@ import keras
 from jax.sharding import Mesh
 
 from dp_core import BatchNormMode
-from dp_core.keras import internals
-from jax_dp._accumulation import accumulated_shardings, accumulated_update, accumulates
-from jax_dp._batches import Batch, row_weights
-from jax_dp._compile_cache import held_weakly
-from jax_dp._layout import weight_shardings
-from jax_dp._mesh import batch_sharded, num_replicas_of, replicated
-from jax_dp._metrics import Logs, make_metric_update, results_of, zero_states
-from jax_dp._optimizers import Optimizer
-from jax_dp._padding import computes_own_loss, padding_aware
-from jax_dp._state import TrainState, Weights, step_taken
-from jax_dp._steps_ahead import Report, ReportingStep, report_of
+from dp_core.keras import internals, python_logs
+from jax_dp._comm.hosts import replicated_to_host
+from jax_dp._data.batches import Batch, row_weights
+from jax_dp._data.padding import computes_own_loss, padding_aware
+from jax_dp._mesh.layout import weight_shardings
+from jax_dp._mesh.mesh import batch_sharded, num_replicas_of, replicated
+from jax_dp._step.accumulation import accumulated_shardings, accumulated_update, accumulates
+from jax_dp._step.compile_cache import held_weakly
+from jax_dp._step.metrics import Logs, make_metric_update, results_of, zero_states
+from jax_dp._step.optimizers import Optimizer
+from jax_dp._step.state import TrainState, Weights, step_taken
+
+
+class Report(NamedTuple):
+    """A step's logs for the host in one array to read: ``values`` holds the count of skipped
+    steps, then every log value as float32 (exact for counts below 2**24); ``logs`` (never
+    read) gives their names, shapes and dtypes."""
+
+    logs: Logs
+    values: jax.Array
+
+
+def report_of(logs: Logs, skipped: Any) -> Report:
+    """The report of ``logs`` and the skipped-step count, inside a jitted step."""
+    parts = [jnp.reshape(skipped, (1,)), *(jnp.ravel(value) for value in jax.tree.leaves(logs))]
+    return Report(logs, jnp.concatenate([part.astype(jnp.float32) for part in parts]))
+
+
+def report_on_host(report: Report) -> tuple[int, dict[str, Any]]:
+    """The skipped-step count and the logs as ``model.fit`` hands them to callbacks (waits for the step)."""
+    values = replicated_to_host(report.values)
+    leaves, structure = jax.tree.flatten(report.logs)
+    parts, at = [], 1
+    for leaf in leaves:
+        parts.append(values[at : at + leaf.size].reshape(leaf.shape).astype(leaf.dtype))
+        at += leaf.size
+    return int(values[0]), python_logs(jax.tree.unflatten(structure, parts))
+
 
 TrainStep = Callable[[TrainState, Batch, bool], TrainState]
+ReportingStep = Callable[[TrainState, Any, bool], tuple[TrainState, Report]]
 TestStep = Callable[[Weights, list[Any], Batch, bool], list[Any]]
 
 
@@ -60,7 +89,7 @@ class Steps:
 
     @functools.cached_property
     def train_reporting(self) -> ReportingStep:
-        """Started ahead when a callback reads every batch's logs (``_steps_ahead``)."""
+        """Started ahead when a callback reads every batch's logs (``_step.ahead``)."""
         return self._fetch("train_reporting")
 
     @functools.cached_property
@@ -93,7 +122,7 @@ def make_reporting_train_step(
     model: keras.Model, optimizer: Optimizer, mesh: Mesh, *, batch_norm: BatchNormMode, skip_nonfinite: bool
 ) -> ReportingStep:
     """``make_train_step``'s step with its report (logs and skipped count, replicated) and without
-    donating its state, so it can start before the hooks after the previous step (``_steps_ahead``)."""
+    donating its state, so it can start before the hooks after the previous step (``_step.ahead``)."""
     train_step = _train_step(model, optimizer, mesh, batch_norm=batch_norm, skip_nonfinite=skip_nonfinite)
     model_now = held_weakly(model)
 
@@ -117,7 +146,7 @@ def make_report(model: keras.Model, mesh: Mesh) -> Callable[[list[jax.Array], ja
 
 def _state_shardings(model: keras.Model, optimizer: Optimizer, mesh: Mesh) -> Any:
     # A sharding in place of a field (a pytree prefix) applies to every array in it. Weights and
-    # optimizer state lie as the model's layout says (replicated without one: ``_layout``).
+    # optimizer state lie as the model's layout says (replicated without one: ``_mesh.layout``).
     everywhere: Any = replicated(mesh)
     per_replica: Any = batch_sharded(mesh)
     weights = weight_shardings(model, mesh)
@@ -229,7 +258,7 @@ def _loss_and_updates(
     """Keras's ``compute_loss_and_updates`` on the padded batch (see the module's docstring).
 
     The metric states returned are this batch's increments (per-output loss trackers). ``call``
-    replaces the model's ``stateless_call`` (``_accumulation``'s per-replica forward).
+    replaces the model's ``stateless_call`` (``_step.accumulation``'s per-replica forward).
     """
     if call is not None:
         y_pred, non_trainable, losses = call(trainable, non_trainable, batch.x)

@@ -24,12 +24,12 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dp_core.keras import internals
-from jax_dp._accumulation import accumulates, merged, split, without_held_sum
-from jax_dp._distributed import agree, replicated_to_host, same_on_all_processes
-from jax_dp._layout import weight_shardings
-from jax_dp._mesh import put_replicated, put_sharded
-from jax_dp._metrics import metrics_on_mesh
-from jax_dp._optimizers import Optimizer
+from jax_dp._comm.hosts import agree, replicated_to_host, same_on_all_processes
+from jax_dp._mesh.layout import weight_shardings
+from jax_dp._mesh.mesh import put_replicated, put_sharded
+from jax_dp._step.accumulation import accumulates, merged, split, without_held_sum
+from jax_dp._step.metrics import metrics_on_mesh
+from jax_dp._step.optimizers import Optimizer
 
 
 class Weights(NamedTuple):
@@ -50,7 +50,7 @@ class StepCounts(NamedTuple):
 
 class TrainState(NamedTuple):
     """Everything a train step reads and replaces; all replicated but ``metrics``, which holds
-    per-replica stacks (see ``_metrics``), or for a model's own ``train_step`` one model's
+    per-replica stacks (see ``_step.metrics``), or for a model's own ``train_step`` one model's
     metric values, replicated."""
 
     trainable: list[Any]
@@ -58,11 +58,11 @@ class TrainState(NamedTuple):
     optimizer: Any
     metrics: list[Any]
     counts: StepCounts
-    accumulated: Any = ()  # gradient accumulation's per-replica partial sums, sharded (``_accumulation``)
+    accumulated: Any = ()  # gradient accumulation's per-replica partial sums, sharded (``_step.accumulation``)
 
 
 def weights_on_mesh(model: keras.Model, mesh: Mesh) -> Weights:
-    """The model's values, process 0's, on the mesh: replicated, or split as its layout says (``_layout``)."""
+    """The model's values, process 0's, on the mesh: replicated, or split as its layout says (``_mesh.layout``)."""
     placement = weight_shardings(model, mesh)
     return Weights(
         trainable=variables_on_mesh(model.trainable_variables, mesh, placement.trainable),
@@ -91,7 +91,7 @@ def train_state_on_mesh(
     """The state an epoch starts from: the model's, with ``metric_sums`` (None: reset metrics)
     when it continues a checkpointed epoch; ``whole_metrics``: the metric values replicated,
     not per-replica stacks; ``accumulate``: for Keras's train step, which accumulates gradients
-    per replica when the optimizer accumulates (``_accumulation``)."""
+    per replica when the optimizer accumulates (``_step.accumulation``)."""
     trainable, non_trainable = weights_on_mesh(model, mesh)
     optimizer_state = optimizer.initial_state(trainable, mesh, previous=previous_optimizer_state)
     accumulated: Any = ()

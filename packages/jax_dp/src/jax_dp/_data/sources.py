@@ -14,7 +14,7 @@ import numpy as np
 
 from dp_core import ReplicaLayout, num_steps
 from dp_core.keras import BatchSource, Inputs, batch_rows, padded_batch_size, replica_part
-from jax_dp._batches import EpochPlan, HostBatch, Plan, all_replicas_local
+from jax_dp._data.batches import EpochPlan, HostBatch, Plan, all_replicas_local
 
 
 def epoch_plan(

@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from dp_core import ReplicaLayout, num_steps, split_indices
 from dp_core.keras import BatchSource, Inputs, map_structure
-from jax_dp._mesh import batch_sharded, put_replicated
+from jax_dp._mesh.mesh import batch_sharded, put_replicated
 
 PREFETCH = 2  # batches prepared ahead: enough to hide the host's gather behind a step
 
@@ -39,7 +39,7 @@ class Batch(NamedTuple):
 
 
 def row_weights(batch: Batch, *, scale_to_real_rows: bool) -> Any:
-    """``sample_weight * mask``, times ``B / real_rows`` for the loss (see ``_steps``)."""
+    """``sample_weight * mask``, times ``B / real_rows`` for the loss (see ``_step.steps``)."""
     weights = batch.mask
     if scale_to_real_rows:
         weights = weights * (batch.mask.shape[0] / batch.real_rows)
@@ -126,7 +126,7 @@ class HostBatch(NamedTuple):
 
 class Plan(Protocol):
     """One epoch's global batches: of rows (``EpochPlan``) or of a batch-yielding source
-    (``_sources.SourcePlan``, whose step count may be unknown)."""
+    (``_data.sources.SourcePlan``, whose step count may be unknown)."""
 
     @property
     def inputs(self) -> Inputs | BatchSource: ...

@@ -1,7 +1,7 @@
 """The device mesh: which devices are replicas, and how state and batches lie on them.
 
 The mesh is 1-D ``("batch",)``, or 2-D ``("batch", "model")`` for model parallel
-(``_layout``). Replica ``r`` is the ``r``-th index of the ``"batch"`` axis: one device, or on
+(``_mesh.layout``). Replica ``r`` is the ``r``-th index of the ``"batch"`` axis: one device, or on
 a 2-D mesh one row of devices, every one of which sees the same rows of the batch and holds
 its part of each variable the layout splits over ``"model"``. A process feeds the replicas
 on its own devices, which must be whole rows forming a contiguous block (jax lists devices

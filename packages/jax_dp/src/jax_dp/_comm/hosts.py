@@ -1,0 +1,83 @@
+"""The few values the processes of a run must agree on, and host copies of arrays on the mesh.
+
+Outside a step's own program: process 0 decides (``agree``, ``same_on_all_processes``,
+``text_from_primary``) and its decision reaches every process; ``replicated_to_host`` reads
+each process's own devices, ``rows_to_host`` gathers a batch's rows from every process.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import jax
+import numpy as np
+from jax._src import distributed as jax_distributed  # the client jax.distributed keeps; no public accessor
+from jax.experimental import multihost_utils
+
+_texts = itertools.count()  # every process asks in the same order: the same key on each
+
+
+def text_from_primary(name: str, text: str | None) -> str:
+    """Process 0's ``text`` on every process (``text`` is ignored elsewhere), through jax's key-value store."""
+    key = f"{name}/{next(_texts)}"
+    if jax.process_count() == 1:
+        assert text is not None
+        return text
+    client: Any = jax_distributed.global_state.client
+    if is_primary():
+        assert text is not None
+        client.key_value_set(key, text)
+        return text
+    return client.blocking_key_value_get(key, 10 * 60 * 1000)  # process 0 may be reading a large checkpoint
+
+
+def is_primary() -> bool:
+    """Process 0 runs callbacks, prints, and writes files."""
+    return jax.process_index() == 0
+
+
+def agree(flag: bool) -> bool:
+    """Process 0's ``flag`` on every process (a stop decision must reach all of them)."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
+
+
+def same_on_all_processes(values: list[np.ndarray]) -> list[np.ndarray]:
+    """Process 0's copy of host values, so every process starts from the same weights."""
+    if jax.process_count() == 1:
+        return values
+    return [np.asarray(v) for v in multihost_utils.broadcast_one_to_all(values)]
+
+
+def replicated_to_host(tree: Any) -> Any:
+    """Host numpy copies of replicated arrays, or of arrays split over the ``"model"`` axis (a
+    layout's), whole on every process: each process reads its own devices, which hold at least
+    one whole replica (a row of the mesh), so no collective runs."""
+    return jax.tree.map(_whole_on_host, tree)
+
+
+def _whole_on_host(array: jax.Array) -> np.ndarray:
+    if array.sharding.is_fully_replicated:
+        return np.asarray(array.addressable_data(0))
+    if array.is_fully_addressable:
+        return np.asarray(array)
+    whole = np.empty(array.shape, array.dtype)
+    covered = np.zeros(array.shape, bool)
+    for shard in array.addressable_shards:
+        whole[shard.index] = np.asarray(shard.data)
+        covered[shard.index] = True
+    if not covered.all():
+        raise ValueError(
+            f"Process {jax.process_index()}'s devices hold only part of an array of shape {array.shape} "
+            f"({array.sharding}): each process's devices must cover whole rows of the mesh."
+        )
+    return whole
+
+
+def rows_to_host(array: jax.Array) -> np.ndarray:
+    """Every row of a batch-sharded array, on every process."""
+    if array.is_fully_addressable:
+        return np.asarray(array)
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))

@@ -1,0 +1,374 @@
+"""The one epoch skeleton: an epoch's train steps, whatever the step, in one fixed order.
+
+Keras's own train step (``KerasSteps``) and a model's own ``train_step`` (``CustomSteps``) plug
+into ``train_epoch``, which alone decides what happens around each step, and in which order:
+the batch-begin hook; the step; its report read on the host when a hook or a checkpoint needs
+it (with ``stop_on_nonfinite``, a non-finite loss ends the loop there); the batch-end hook,
+before a checkpoint writes the state back over what a hook changed; the checkpoint; the
+preemption check (the same step on every process); the stop decision (process 0's, exchanged
+at fixed steps). The state lives on the mesh during an epoch and in the caller's model around
+the callbacks that end it (``_step.state``).
+
+A step kind brings how the epoch's state is read from the model, how its batches reach the
+step and the step runs (``EpochRun``), how a checkpoint is taken, and the epoch's logs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol, final
+
+import jax
+import keras
+from jax.sharding import Mesh
+
+from dp_core import NO_STEP_TIMER, NoStepTimer, StepTimer
+from dp_core.keras import CheckpointWriter, Start, nonfinite_loss_stopped, skipped_message
+from jax_dp._comm.hosts import agree, is_primary, replicated_to_host
+from jax_dp._data.batches import Plan, device_batches
+from jax_dp._loop import preemption
+from jax_dp._loop.checkpoints import save
+from jax_dp._loop.hooks import STOP_CHECK_STEPS, BatchEndReporter, host_logs, metrics_result_or_logs
+from jax_dp._step.ahead import stepper
+from jax_dp._step.custom import CustomTrainStep, step_data
+from jax_dp._step.metrics import summed_to_host
+from jax_dp._step.optimizers import Optimizer
+from jax_dp._step.profile import STEP, FitProfile
+from jax_dp._step.state import (
+    ModelOnRequest,
+    TrainState,
+    counts_on_host,
+    optimizer_state_of,
+    train_state_on_mesh,
+    write_back,
+)
+from jax_dp._step.steps import Report, Steps, report_on_host
+
+
+class EpochTrainer(Protocol):
+    """Trains one epoch's ``plan`` from ``start`` (its epoch, and the step a checkpoint left it at);
+    returns the epoch's logs and the optimizer state to start the next epoch from (None: read it
+    from the model). The model holds the trained state afterwards."""
+
+    def __call__(
+        self, plan: Plan, callbacks: keras.callbacks.CallbackList, *, start: Start, optimizer_state: Any | None
+    ) -> tuple[dict[str, Any], Any | None]: ...
+
+
+class EpochRun(Protocol):
+    """One epoch's steps of one kind: its ``batches()`` from the epoch's start step, ``run`` the
+    step on one (its report only when asked for), ``settle`` before anything else uses the mesh,
+    and the epoch's ``logs`` with the optimizer state it ends with (None: read it from the model)."""
+
+    @property
+    def timer(self) -> StepTimer | NoStepTimer:
+        """Times the steps; ``dp_core.NO_STEP_TIMER`` when no scaling report is asked for."""
+        ...
+
+    def batches(self) -> Iterator[tuple[int, Any]]: ...
+
+    def run(self, state: TrainState, batch: Any, *, report: bool) -> tuple[TrainState, Report | None]: ...
+
+    def settle(self) -> None: ...
+
+    def logs(self, state: TrainState) -> tuple[dict[str, Any], Any | None]: ...
+
+
+class StepKind(Protocol):
+    """A kind of train step, as the skeleton runs it for one fit. ``metrics``: the model's metric
+    values go back and forth with the state (a model's own step, as Keras's ``jax_state_sync``)."""
+
+    model: keras.Model
+    optimizer: Optimizer
+    mesh: Mesh
+    metrics: bool
+
+    def state_on_mesh(self, start: Start, optimizer_state: Any | None) -> TrainState: ...
+
+    def epoch(self, plan: Plan, state: TrainState, *, start: int, every_batch: bool) -> EpochRun: ...
+
+    def checkpoint(self, writer: CheckpointWriter, state: TrainState, *, epoch: int, step: int) -> None: ...
+
+
+def epochs_of(kind: StepKind, *, checkpoints: CheckpointWriter | None, stop_on_nonfinite: bool) -> EpochTrainer:
+    """How a fit trains each epoch with ``kind``'s step."""
+
+    def train_epoch_of_kind(
+        plan: Plan, callbacks: keras.callbacks.CallbackList, *, start: Start, optimizer_state: Any | None
+    ) -> tuple[dict[str, Any], Any | None]:
+        return train_epoch(
+            kind,
+            plan,
+            callbacks,
+            start=start,
+            optimizer_state=optimizer_state,
+            checkpoints=checkpoints,
+            stop_on_nonfinite=stop_on_nonfinite,
+        )
+
+    return train_epoch_of_kind
+
+
+def train_epoch(
+    kind: StepKind,
+    plan: Plan,
+    callbacks: keras.callbacks.CallbackList,
+    *,
+    start: Start,
+    optimizer_state: Any | None,
+    checkpoints: CheckpointWriter | None,
+    stop_on_nonfinite: bool,
+) -> tuple[dict[str, Any], Any | None]:
+    """One epoch on the mesh from ``start.step``: its logs and the optimizer state it ends with.
+
+    The model holds the trained state afterwards, for the callbacks; the rest of the state is let
+    go, so validation does not hold a second copy of the weights on the devices. A preemption
+    notice writes the state of the step every process stops at back, checkpoints it, and raises
+    ``dp_core.Preempted``.
+    """
+    model, optimizer = kind.model, kind.optimizer
+    state = kind.state_on_mesh(start, optimizer_state)
+
+    def checkpoint(state: TrainState, steps_done: int) -> None:
+        assert checkpoints is not None
+        kind.checkpoint(checkpoints, state, epoch=start.epoch, step=steps_done)
+
+    try:
+        state, run = _train_steps(
+            kind,
+            state,
+            plan,
+            callbacks,
+            start=start.step,
+            stop_on_nonfinite=stop_on_nonfinite,
+            checkpoint=None if checkpoints is None else checkpoint,
+            checkpoint_due=None if checkpoints is None else lambda done: checkpoints.due(done, plan.steps),
+        )
+    except preemption.StoppedAt as stop:
+        raise preemption.preempted(
+            stop,
+            epoch=start.epoch,
+            write_back=lambda state: write_back(model, optimizer, state, metrics=kind.metrics),
+            checkpoint=None if checkpoints is None else checkpoint,
+            directory=None if checkpoints is None else checkpoints.directory,
+        ) from None
+    write_back(model, optimizer, state, metrics=kind.metrics)
+    check_skipped(state, start, stop_on_nonfinite=stop_on_nonfinite)
+    return run.logs(state)
+
+
+def _train_steps(
+    kind: StepKind,
+    state: TrainState,
+    plan: Plan,
+    callbacks: keras.callbacks.CallbackList,
+    *,
+    start: int,
+    stop_on_nonfinite: bool,
+    checkpoint: Callable[[TrainState, int], None] | None,
+    checkpoint_due: Callable[[int], bool] | None,
+) -> tuple[TrainState, EpochRun]:
+    """Steps ``start..`` of one epoch; returns the state and the run that took them.
+
+    With ``stop_on_nonfinite`` the loop ends at the first report or checkpoint after a
+    step with a non-finite loss (the steps after it changed nothing); the caller then
+    raises. ``checkpoint(state, steps_done)`` runs after the steps ``checkpoint_due`` asks for.
+
+    When a callback acts at every batch, the model holds the current state when a batch hook
+    reads it (as in ``model.fit``), and what the hook changes (weights, learning rate) is read
+    back before the next step (``ModelOnRequest``).
+    """
+    reporter = BatchEndReporter(callbacks, "train", plan.steps)
+    on_request = None
+    if reporter.every_step:
+        on_request = ModelOnRequest(kind.model, kind.optimizer, kind.mesh, state, metrics=kind.metrics)
+    run = kind.epoch(plan, state, start=start, every_batch=on_request is not None)
+
+    def call(state: TrainState, hook: Callable[..., None], *arguments: Any) -> TrainState:
+        if on_request is None:
+            hook(*arguments)
+            return state
+        return on_request.around(state, hook, *arguments)
+
+    timer = run.timer
+    timer.start()
+    with contextlib.nullcontext() if on_request is None else on_request.installed():
+        try:
+            for step, batch in run.batches():
+                state = call(state, callbacks.on_train_batch_begin, step)
+                timer.lap("callbacks")
+                done = step + 1
+                reporting = reporter.due(step)
+                saving = checkpoint is not None and checkpoint_due is not None and checkpoint_due(done)
+                state, report = run.run(state, batch, report=reporting or (saving and stop_on_nonfinite))
+                skipped, logs = (0, {}) if report is None else report_on_host(report)
+                if skipped and stop_on_nonfinite:
+                    break
+                if reporting:  # before a checkpoint writes the state back over what a hook changed
+                    state = call(state, callbacks.on_train_batch_end, step, logs)
+                if saving and checkpoint is not None:
+                    run.settle()
+                    checkpoint(state, done)
+                    if on_request is not None:
+                        on_request.written_back(state)
+                preemption.check(done, state)
+                timer.lap("callbacks")  # logs, hooks and checkpoints
+                timer.end_step()
+                if stop_requested(kind.model, done, plan.steps):
+                    break
+        finally:
+            run.settle()
+    return state, run
+
+
+def stop_requested(model: keras.Model, done: int, steps: int | None) -> bool:
+    """Whether a callback stopped training; with several processes every process must stop at the
+    same step, so process 0's decision is exchanged at fixed steps."""
+    if jax.process_count() == 1:
+        return bool(model.stop_training)
+    if done % STOP_CHECK_STEPS == 0 and (steps is None or done < steps) and agree(bool(model.stop_training)):
+        model.stop_training = True
+        return True
+    return False
+
+
+def check_skipped(state: TrainState, start: Start, *, stop_on_nonfinite: bool) -> None:
+    """At an epoch's end: raise for a step with a non-finite loss (``stop_on_nonfinite``), else warn
+    once how many were skipped."""
+    counts = counts_on_host(state)
+    if counts.skipped and stop_on_nonfinite:
+        raise nonfinite_loss_stopped(start.epoch, start.step + counts.first_skipped, "jax_dp")
+    if counts.skipped and is_primary():
+        message = skipped_message(start.epoch, start.step + counts.first_skipped, counts.skipped)
+        warnings.warn(message, RuntimeWarning, stacklevel=6)  # at the trainer's fit
+
+
+@final
+class KerasSteps:
+    """Keras's own train step (``_step.steps``) in the skeleton; ``profile`` times its phases."""
+
+    metrics = False
+
+    def __init__(
+        self, model: keras.Model, optimizer: Optimizer, steps: Steps, mesh: Mesh, profile: FitProfile | None
+    ) -> None:
+        self.model, self.optimizer, self.steps, self.mesh, self.profile = model, optimizer, steps, mesh, profile
+
+    def state_on_mesh(self, start: Start, optimizer_state: Any | None) -> TrainState:
+        return train_state_on_mesh(
+            self.model,
+            self.optimizer,
+            self.mesh,
+            previous_optimizer_state=optimizer_state,
+            metric_sums=start.metric_variables if start.step else None,
+            accumulate=True,
+        )
+
+    def epoch(self, plan: Plan, state: TrainState, *, start: int, every_batch: bool) -> _KerasRun:
+        return _KerasRun(self, plan, state, start=start, every_batch=every_batch)
+
+    def checkpoint(self, writer: CheckpointWriter, state: TrainState, *, epoch: int, step: int) -> None:
+        model, optimizer = self.model, self.optimizer
+        sums = summed_to_host(state.metrics, self.mesh)  # a collective: every process
+        write_back(model, optimizer, state)
+        optimizer_state = optimizer_state_of(model, optimizer, state)  # mid-window: one device's accumulators
+        save(writer, model, optimizer, optimizer_state, epoch=epoch, step=step, metric_variables=sums)
+
+
+@final
+class _KerasRun:
+    """One epoch of Keras's step: the next batch is prepared while the devices run a step, and
+    when a callback reads every batch a small state's next step starts while the hooks run
+    (``StepsAhead``)."""
+
+    def __init__(self, kind: KerasSteps, plan: Plan, state: TrainState, *, start: int, every_batch: bool) -> None:
+        self.kind = kind
+        self._stepper = stepper(kind.steps, state, plan.padded, every_batch=every_batch)
+        self._batches = enumerate(device_batches(plan, kind.mesh, start=start), start=start)
+        self._upcoming = next(self._batches, None)
+        self._state = state  # what the last step returned: a profile's synced lap waits for it
+        first = None if self._upcoming is None else self._upcoming[1]
+        profile = kind.profile
+        self.timer = NO_STEP_TIMER if profile is None else profile.epoch_timer(first, lambda: self._state)
+
+    def batches(self) -> Iterator[tuple[int, Any]]:
+        while self._upcoming is not None:  # the next one is taken in ``run``
+            yield self._upcoming
+
+    def run(self, state: TrainState, batch: Any, *, report: bool) -> tuple[TrainState, Report | None]:
+        state, step_report = self._stepper.run(state, batch, report=report)
+        self._state = state
+        self.timer.lap(STEP)
+        self._upcoming = next(self._batches, None)  # prepared while the devices run the step
+        self.timer.lap("input")  # the host's time for the next batch, then the rest of the step
+        self.timer.lap(STEP, sync=True)
+        if self._upcoming is not None:
+            self._stepper.start(state, self._upcoming[1])
+        return state, step_report
+
+    def settle(self) -> None:
+        self._stepper.settle()
+
+    def logs(self, state: TrainState) -> tuple[dict[str, Any], Any]:
+        kind = self.kind
+        return host_logs(kind.steps.results(state.metrics)), optimizer_state_of(kind.model, kind.optimizer, state)
+
+
+@final
+class CustomSteps:
+    """The model's own ``train_step`` (``_step.custom``) in the skeleton, as Keras's ``JAXTrainer``
+    runs it: the metric values go with the state; the epoch's logs are the model's metric results
+    when the step's logs name exactly those metrics, else the last step's logs."""
+
+    metrics = True
+
+    def __init__(self, model: keras.Model, optimizer: Optimizer, train_step: CustomTrainStep, mesh: Mesh) -> None:
+        self.model, self.optimizer, self.train_step, self.mesh = model, optimizer, train_step, mesh
+
+    def state_on_mesh(self, start: Start, optimizer_state: Any | None) -> TrainState:
+        del optimizer_state  # a Keras optimizer's: read from the model every epoch
+        return train_state_on_mesh(
+            self.model,
+            self.optimizer,
+            self.mesh,
+            previous_optimizer_state=None,
+            metric_sums=start.metric_variables if start.step else None,
+            whole_metrics=True,
+        )
+
+    def epoch(self, plan: Plan, state: TrainState, *, start: int, every_batch: bool) -> _CustomRun:
+        return _CustomRun(self, plan, start=start)
+
+    def checkpoint(self, writer: CheckpointWriter, state: TrainState, *, epoch: int, step: int) -> None:
+        write_back(self.model, self.optimizer, state, metrics=True)
+        metric_variables = list(replicated_to_host(state.metrics))
+        save(writer, self.model, self.optimizer, None, epoch=epoch, step=step, metric_variables=metric_variables)
+
+
+@final
+class _CustomRun:
+    """One epoch of the model's own step, one at a time; not profiled."""
+
+    def __init__(self, kind: CustomSteps, plan: Plan, *, start: int) -> None:
+        self.kind, self.plan, self.start = kind, plan, start
+        self.last_logs: Any = None  # the last step's, on the devices; None when no step ran
+
+    @property
+    def timer(self) -> NoStepTimer:
+        return NO_STEP_TIMER
+
+    def batches(self) -> Iterator[tuple[int, Any]]:
+        return enumerate(step_data(self.plan, self.kind.mesh, start=self.start), start=self.start)
+
+    def run(self, state: TrainState, batch: Any, *, report: bool) -> tuple[TrainState, Report | None]:
+        state, step_report = self.kind.train_step(state, batch)
+        self.last_logs = step_report.logs
+        return state, step_report if report else None
+
+    def settle(self) -> None:
+        pass
+
+    def logs(self, state: TrainState) -> tuple[dict[str, Any], None]:
+        return metrics_result_or_logs(self.kind.model, self.last_logs), None

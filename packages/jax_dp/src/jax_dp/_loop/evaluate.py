@@ -1,0 +1,201 @@
+"""The evaluate and predict loops, over Keras's own steps and over a model's own.
+
+Around a model's own ``test_step``/``predict_step`` (``_step.custom``) they do what Keras's
+``JAXTrainer`` does: metrics reset before each evaluation; the state written into the model when
+a callback reads it (``jax_state_sync``) and read back only if the callback changed it; batch
+callbacks get each step's own logs; at the end the state, metric variables included, goes back
+into the model, and the logs are the model's metric results when the step's logs name exactly
+those metrics, else the last step's logs (Keras's ``_get_metrics_result_or_logs``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, final
+
+import jax
+import keras
+import numpy as np
+from jax.sharding import Mesh
+
+from dp_core.keras import internals
+from jax_dp._comm.hosts import agree, replicated_to_host, rows_to_host
+from jax_dp._data.batches import Plan, device_batches
+from jax_dp._loop.hooks import BatchEndReporter, host_logs, metrics_result_or_logs
+from jax_dp._step.custom import CustomPredictStep, CustomTestStep, EvaluationState, step_data
+from jax_dp._step.metrics import metrics_on_mesh
+from jax_dp._step.state import (
+    Weights,
+    metric_values_on_mesh,
+    model_changed,
+    model_values,
+    variables_on_mesh,
+    weights_on_mesh,
+)
+from jax_dp._step.steps import Steps
+
+
+class Evaluator(Protocol):
+    """Loss and metrics of the model's current weights over every batch of ``plan``, as
+    ``model.evaluate`` logs them; batch-end ``callbacks`` as ``model.evaluate`` calls them."""
+
+    def __call__(self, plan: Plan, callbacks: keras.callbacks.CallbackList | None) -> dict[str, Any]: ...
+
+
+def evaluate_loop(
+    model: keras.Model,
+    steps: Steps,
+    plan: Plan,
+    mesh: Mesh,
+    callbacks: keras.callbacks.CallbackList | None = None,
+) -> dict[str, Any]:
+    """Loss and metrics of the model's current weights over every sample of the plan (running
+    means over real rows); batch-end ``callbacks`` as ``model.evaluate`` calls them."""
+    weights = weights_on_mesh(model, mesh)
+    metrics = metrics_on_mesh(model, mesh)
+    reporter = None if callbacks is None else BatchEndReporter(callbacks, "test", plan.steps)
+    for step, batch in enumerate(device_batches(plan, mesh)):
+        metrics = steps.test(weights, metrics, batch, plan.padded)
+        if reporter is not None and callbacks is not None and reporter.due(step):
+            callbacks.on_test_batch_end(step, host_logs(steps.results(metrics)))
+    return host_logs(steps.results(metrics))
+
+
+def predict_loop(
+    predict_step: Callable[[Weights, Any], Any],
+    model: keras.Model,
+    plan: Plan,
+    mesh: Mesh,
+    callbacks: keras.callbacks.CallbackList,
+) -> Any:
+    """The model's outputs for every sample, in the plan's (input) order, padding dropped."""
+    build_for_predict(model, plan)
+    weights = weights_on_mesh(model, mesh)
+    reporter = BatchEndReporter(callbacks, "predict", plan.steps)
+    outputs = []
+    for step, batch in enumerate(device_batches(plan, mesh)):
+        outputs.append(predict_step(weights, batch.x))
+        if reporter.due(step):
+            real = plan.real_rows(step)  # the batch's outputs as model.predict hands them over: no padding
+            batch_outputs = jax.tree.map(lambda output, real=real: output[:real], outputs[-1])
+            callbacks.on_predict_batch_end(step, {"outputs": batch_outputs})
+    # Pulled at the end, not per batch, so the devices never wait for the host.
+    host = [_real_rows_to_host(output, plan.real_rows(step)) for step, output in enumerate(outputs)]
+    return jax.tree.map(lambda *parts: np.concatenate(parts), *host)
+
+
+def build_for_predict(model: keras.Model, plan: Plan) -> None:
+    """A model whose layers are not all built (a subclassed model after ``build(shape)``) is
+    called once on the first rows, as ``model.predict`` does, so no variable is created inside
+    the jitted step."""
+    if not all(layer.built for layer in internals.flatten_layers(model, include_self=True)):
+        x, _, _ = plan.inputs.first_rows()
+        with keras.StatelessScope():  # creates the variables, changes no state
+            model(x)
+
+
+def _real_rows_to_host(output: Any, real_rows: int) -> Any:
+    return jax.tree.map(lambda leaf: rows_to_host(leaf)[:real_rows], output)
+
+
+def custom_evaluate_loop(
+    model: keras.Model,
+    test_step: CustomTestStep,
+    plan: Plan,
+    mesh: Mesh,
+    callbacks: keras.callbacks.CallbackList | None = None,
+) -> dict[str, Any]:
+    """The model's own ``test_step`` over every batch of ``plan``, as ``model.evaluate`` runs it:
+    metrics reset first, the state (metric variables included) written back at the end."""
+    state = EvaluationState(*weights_on_mesh(model, mesh), metric_values_on_mesh(model, mesh))
+    reporter = None if callbacks is None else BatchEndReporter(callbacks, "test", plan.steps)
+    last_logs = None
+    with _EvaluationOnRequest(model, mesh) as on_request:
+        for step, data in enumerate(step_data(plan, mesh)):
+            if reporter is not None and callbacks is not None and reporter.every_step:
+                state = on_request.around(state, callbacks.on_test_batch_begin, step)
+            state, last_logs = test_step(state, data)
+            if reporter is not None and callbacks is not None and reporter.due(step):
+                state = on_request.around(state, callbacks.on_test_batch_end, step, host_logs(last_logs))
+        _write_evaluation(model, state)
+    return metrics_result_or_logs(model, last_logs)
+
+
+@final
+class _EvaluationOnRequest:
+    """During an evaluation, Keras's ``jax_state_sync`` (a callback reading ``self.model``) writes
+    the current state into the model, and a state the callback changed is read back before the
+    next step: ``ModelOnRequest`` for an evaluation's state."""
+
+    def __init__(self, model: keras.Model, mesh: Mesh) -> None:
+        self.model = model
+        self.mesh = mesh
+        self._offered: EvaluationState | None = None
+        self._written: list[Any] | None = None
+
+    def __enter__(self) -> _EvaluationOnRequest:
+        self._restore = internals.override(self.model, "jax_state_sync", self._sync)
+        return self
+
+    def __exit__(self, *exception: object) -> None:
+        self._restore()
+
+    def around(self, state: EvaluationState, hook: Callable[..., None], *arguments: Any) -> EvaluationState:
+        """Runs ``hook(*arguments)`` with ``state`` as what the model holds when read; returns
+        ``state``, or the model's values where a callback changed them (process 0's decision;
+        every process calls this at the same steps)."""
+        self._offered, self._written = state, None
+        try:
+            hook(*arguments)
+        finally:
+            self._offered = None
+        changed = self._written is not None and model_changed(self.model, self._written, metrics=True)
+        if jax.process_count() > 1:
+            changed = agree(changed)
+        if not changed:
+            return state
+        return EvaluationState(
+            *weights_on_mesh(self.model, self.mesh), variables_on_mesh(self.model.metrics_variables, self.mesh)
+        )
+
+    def _sync(self) -> None:
+        if self._offered is not None and self._written is None:
+            _write_evaluation(self.model, self._offered)
+            self._written = model_values(self.model, metrics=True)
+
+
+def _write_evaluation(model: keras.Model, state: EvaluationState) -> None:
+    """The state into the model as host copies, as Keras's ``jax_state_sync`` after ``evaluate``."""
+    pairs = (
+        (model.trainable_variables, state.trainable),
+        (model.non_trainable_variables, state.non_trainable),
+        (model.metrics_variables, state.metrics),
+    )
+    for variables, values in pairs:
+        for variable, value in zip(variables, replicated_to_host(values), strict=True):
+            variable.assign(value)
+
+
+def custom_predict_loop(
+    predict_step: CustomPredictStep,
+    model: keras.Model,
+    plan: Plan,
+    mesh: Mesh,
+    callbacks: keras.callbacks.CallbackList,
+) -> Any:
+    """The model's own ``predict_step`` on every batch, outputs concatenated in input order as
+    ``model.predict`` does; the non-trainable values it returns end in the model, as in Keras."""
+    build_for_predict(model, plan)
+    weights = weights_on_mesh(model, mesh)
+    reporter = BatchEndReporter(callbacks, "predict", plan.steps)
+    outputs = []
+    for step, data in enumerate(step_data(plan, mesh)):
+        weights, batch_outputs = predict_step(weights, data)
+        outputs.append(batch_outputs)
+        if reporter.due(step):
+            callbacks.on_predict_batch_end(step, {"outputs": batch_outputs})
+    for variable, value in zip(model.non_trainable_variables, replicated_to_host(weights.non_trainable), strict=True):
+        variable.assign(value)
+    # Pulled at the end, not per batch, so the devices never wait for the host.
+    host = [jax.tree.map(rows_to_host, batch_outputs) for batch_outputs in outputs]
+    return jax.tree.map(lambda *parts: np.concatenate(parts), *host)

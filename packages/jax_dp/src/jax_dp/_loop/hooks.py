@@ -1,0 +1,68 @@
+"""What the loops hand Keras's callbacks: when batch-end hooks run, and the logs they get.
+
+Callbacks and the progress bar run on process 0 only; with several processes a batch-end
+report sums the metric states in a collective, so every process reports at the same steps.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+import keras
+
+from dp_core.keras import needs_every_batch, python_logs
+from jax_dp._comm.hosts import agree, replicated_to_host
+from jax_dp._step.metrics import Logs
+
+PROGRESS_SECONDS = 0.2  # progress-bar refresh: often enough to watch, rarely enough not to stall the devices
+STOP_CHECK_STEPS = 16  # with several processes, how often a mid-epoch stop decision is exchanged
+
+
+class BatchEndReporter:
+    """Calls batch-end callbacks every step only if a callback needs every step.
+
+    Otherwise (progress bar only) at most every ``PROGRESS_SECONDS`` and at the last
+    step, because each report sums the metric states and waits for the devices. With
+    several processes that sum is a collective, so every process reports at the same
+    steps: every step if process 0 needs it, else every ``STOP_CHECK_STEPS``.
+    """
+
+    def __init__(self, callbacks: keras.callbacks.CallbackList, mode: str, steps: int | None) -> None:
+        self.callbacks = callbacks
+        self.steps = steps
+        self.every_step = needs_every_batch(callbacks.callbacks, mode)  # type: ignore[arg-type]
+        progress = any(isinstance(c, keras.callbacks.ProgbarLogger) for c in callbacks.callbacks)
+        self.several_processes = jax.process_count() > 1
+        if self.several_processes:
+            self.every_step = agree(self.every_step)
+        self.enabled = self.every_step or progress or self.several_processes
+        self.last = 0.0
+
+    def due(self, step: int) -> bool:
+        if not self.enabled:
+            return False
+        if self.every_step or (self.steps is not None and step == self.steps - 1):
+            return True
+        if self.several_processes:
+            return (step + 1) % STOP_CHECK_STEPS == 0
+        if time.monotonic() - self.last >= PROGRESS_SECONDS:
+            self.last = time.monotonic()
+            return True
+        return False
+
+
+def host_logs(logs: Logs | None) -> dict[str, Any]:
+    """Device logs as ``model.fit`` gives them: Python floats, numpy arrays for vector metrics."""
+    return python_logs(replicated_to_host(logs)) if logs else {}
+
+
+def metrics_result_or_logs(model: keras.Model, last_logs: Any) -> dict[str, Any]:
+    """The logs ``model.fit`` and ``model.evaluate`` end with around a model's own step (Keras's
+    ``_get_metrics_result_or_logs``): the model's metric results when the last step's logs name
+    exactly them, else those logs."""
+    results = model.get_metrics_result()
+    if isinstance(last_logs, dict) and set(last_logs) == set(results):
+        return python_logs(results)
+    return host_logs(last_logs)
