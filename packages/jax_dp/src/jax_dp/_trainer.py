@@ -20,10 +20,10 @@ from dp_core.keras import (
     callback_list,
     check_batch_norm_mode,
     check_nonfinite_mode,
-    checked_model_and_inputs,
+    checked_call,
     fit_arguments,
-    global_batch_size_of,
     internals,
+    overrides,
     require_backend,
 )
 from jax_dp._comm.hosts import is_primary
@@ -39,10 +39,7 @@ from jax_dp._mesh.mesh import check_mesh, make_mesh, num_replicas_of, replica_la
 from jax_dp._processes.group import ends_the_run_on_failure
 from jax_dp._step.accumulation import check_accumulate_steps
 from jax_dp._step.compile_cache import CompileCache
-from jax_dp._step.custom import (
-    check_custom_steps,
-    overrides,
-)
+from jax_dp._step.custom import check_custom_steps
 from jax_dp._step.optimizers import KerasOptimizer, OptaxOptimizer, Optimizer
 from jax_dp._step.profile import FitProfile, finish_report
 from jax_dp._step.recipes import Recipes
@@ -164,22 +161,21 @@ class Trainer:
         ``optax.MultiSteps(optimizer, every_k_schedule=k)``. A window runs across epoch ends, and
         a checkpoint taken inside one holds the gradients summed so far, as one device would.
         """
-        global_batch_size = global_batch_size_of(batch_size, global_batch_size, x)
-        model, inputs = self._check(
+        model, inputs, global_batch_size = checked_call(
             model,
             x,
             y,
             sample_weight,
-            global_batch_size,
-            class_weight=class_weight,
-            steps=steps_per_epoch,
-            steps_name="steps_per_epoch",
+            batch_size=batch_size,
+            global_batch_size=global_batch_size,
             step_names=("train_step", "test_step")
             if validation_data is not None or validation_split
             else ("train_step",),
+            class_weight=class_weight,
+            steps=steps_per_epoch,
+            steps_name="steps_per_epoch",
+            **self._call_checks,
         )
-        if isinstance(inputs, BatchSource):  # its batches are the global batches
-            global_batch_size = inputs.global_batch_size
         arguments = fit_arguments(
             inputs, global_batch_size=global_batch_size, num_replicas=self.num_replicas, epochs=epochs,
             initial_epoch=initial_epoch, validation_split=validation_split, validation_data=validation_data,
@@ -260,12 +256,17 @@ class Trainer:
         return_dict: bool = False,
     ) -> Any:
         """Loss and metrics over every sample, as single-device ``model.evaluate`` computes them."""
-        global_batch_size = global_batch_size_of(batch_size, global_batch_size, x)
-        model, inputs = self._check(
-            model, x, y, sample_weight, global_batch_size, steps=steps, step_names=("test_step",)
+        model, inputs, global_batch_size = checked_call(
+            model,
+            x,
+            y,
+            sample_weight,
+            batch_size=batch_size,
+            global_batch_size=global_batch_size,
+            step_names=("test_step",),
+            steps=steps,
+            **self._call_checks,
         )
-        if isinstance(inputs, BatchSource):  # its batches are the global batches
-            global_batch_size = inputs.global_batch_size
         build_model(model, inputs)
         place(model, self.mesh, self.variable_layout)
         plan = epoch_plan(inputs, layout=self.layout, global_batch_size=global_batch_size)
@@ -290,12 +291,16 @@ class Trainer:
         callbacks: Sequence[keras.callbacks.Callback] | None = None,
     ) -> Any:
         """The model's outputs for every row of ``x``, in input order, as numpy."""
-        global_batch_size = global_batch_size_of(batch_size, global_batch_size, x)
-        model, inputs = self._check(
-            model, x, None, None, global_batch_size, compiled=False, steps=steps, step_names=("predict_step",)
+        model, inputs, global_batch_size = checked_call(
+            model,
+            x,
+            batch_size=batch_size,
+            global_batch_size=global_batch_size,
+            step_names=("predict_step",),
+            compiled=False,
+            steps=steps,
+            **self._call_checks,
         )
-        if isinstance(inputs, BatchSource):  # its batches are the global batches
-            global_batch_size = inputs.global_batch_size
         build_model(model, inputs, for_predict=True)
         place(model, self.mesh, self.variable_layout)
         plan = epoch_plan(inputs, layout=self.layout, global_batch_size=global_batch_size)
@@ -311,44 +316,25 @@ class Trainer:
         hooks.on_predict_end()
         return outputs
 
-    def _check(
-        self,
-        model: Any,
-        x: Any,
-        y: Any,
-        sample_weight: Any,
-        global_batch_size: int,
-        *,
-        step_names: tuple[str, ...],
-        compiled: bool = True,
-        **options: Any,
-    ) -> tuple[keras.Model, Inputs | BatchSource]:
-        """The model (a factory called once) and inputs, after every check that can fail on user
-        input, before anything compiles. ``step_names``: the Keras steps the call runs; those the
-        model overrides run as its own, which need ``model.compile`` but not a compiled loss."""
-        if not isinstance(model, keras.Model) and callable(model):
-            model = model()
-        custom = tuple(name for name in step_names if isinstance(model, keras.Model) and overrides(model, name))
-        if custom and self.variable_layout:
+    @property
+    def _call_checks(self) -> dict[str, Any]:
+        """What jax_dp's calls pass to ``checked_call``."""
+        return {
+            "backend": "jax",
+            "package": PACKAGE,
+            "num_replicas": self.num_replicas,
+            "check_own_steps": self._check_own_steps,
+        }
+
+    def _check_own_steps(self, model: keras.Model, step_names: tuple[str, ...], *, compiled: bool) -> None:
+        """What a model's own steps (``step_names``, among those the call runs) cannot do here."""
+        if self.variable_layout:
             raise ValueError(
-                f"The model overrides {', '.join(custom)}, which runs with its state replicated; layout= needs "
+                f"The model overrides {', '.join(step_names)}, which runs with its state replicated; layout= needs "
                 "Keras's own steps. Drop layout= (a 2-D mesh without it replicates every variable), or the override."
             )
-        if custom:
-            check_custom_steps(
-                model, custom, compiled=compiled, optax=self._optax is not None, batch_norm=self.batch_norm
-            )
-        return checked_model_and_inputs(
-            model,
-            x,
-            y,
-            sample_weight,
-            backend="jax",
-            package=PACKAGE,
-            global_batch_size=global_batch_size,
-            num_replicas=self.num_replicas,
-            compiled=compiled and len(custom) < len(step_names),  # a Keras step with the compiled loss runs
-            **options,
+        check_custom_steps(
+            model, step_names, compiled=compiled, optax=self._optax is not None, batch_norm=self.batch_norm
         )
 
     def _epochs(

@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Any
 
-from jax_dp._processes.launchers import JobId
+from dp_core import JobId
 
 TAG = b"jax_dp-handshake/1 "
 ANSWER_S = 5.0  # process 0 answers a joiner at once: silence or anything else means no handshake there

@@ -14,6 +14,8 @@ from typing import NamedTuple
 
 from jax._src import clusters  # jax's cluster detection; no public accessor
 
+from dp_core import JobId, job_id_of, launch_of
+
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 SLURM_VARIABLES = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NODELIST")
 
@@ -27,13 +29,6 @@ class Placement(NamedTuple):
     local_device_ids: Sequence[int] | None
 
 
-class JobId(NamedTuple):
-    """The id every process of one job shares, and where it came from (for messages)."""
-
-    value: str | None
-    source: str
-
-
 def placement(
     coordinator_address: str | None,
     num_processes: int | None,
@@ -44,14 +39,17 @@ def placement(
     """The arguments given, with the ones left out read from torchrun's or SLURM's variables."""
     if coordinator_address is not None and num_processes is not None and process_id is not None:
         return Placement(coordinator_address, num_processes, process_id, local_device_ids)
-    if all(name in os.environ for name in TORCHRUN_VARIABLES):  # first: torchrun may run inside a SLURM step
-        port = os.environ.get("JAX_COORDINATOR_PORT") or str(int(os.environ["MASTER_PORT"]) + 1)
-        local_rank = os.environ.get("LOCAL_RANK")
+    launch = launch_of() if all(name in os.environ for name in TORCHRUN_VARIABLES) else None
+    if launch is not None:  # first: torchrun may run inside a SLURM step
+        assert launch.address is not None and launch.port is not None
+        assert launch.num_processes is not None and launch.rank is not None
+        port = os.environ.get("JAX_COORDINATOR_PORT") or str(launch.port + 1)
         detected = Placement(
-            f"{os.environ['MASTER_ADDR']}:{port}",
-            int(os.environ["WORLD_SIZE"]),
-            int(os.environ["RANK"]),
-            [int(local_rank)] if local_rank is not None else None,  # one device per process, like jax under SLURM
+            f"{launch.address}:{port}",
+            launch.num_processes,
+            launch.rank,
+            # one device per process, like jax under SLURM
+            [launch.local_rank] if launch.local_rank is not None else None,
         )
     elif clusters.SlurmCluster.is_env_present():
         address, count, index, devices = clusters.ClusterEnv.auto_detect_unset_distributed_params(
@@ -91,13 +89,5 @@ def job_id(given: str | None) -> JobId:
     """``given``, else the scheduler's id of this job (the same in each of its processes), else none."""
     if given is not None:
         return JobId(str(given), "job_id=")
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run_id and run_id != "none":  # torchrun's default --rdzv-id is "none": shared by every job
-        return JobId(run_id, "TORCHELASTIC_RUN_ID")
-    if slurm_job := os.environ.get("SLURM_JOB_ID"):
-        step = os.environ.get("SLURM_STEP_ID")  # two steps of one allocation are two jobs here
-        return JobId(f"{slurm_job}.{step}" if step else slurm_job, "SLURM_JOB_ID" + (".SLURM_STEP_ID" if step else ""))
-    for name in ("PBS_JOBID", "LSB_JOBID"):
-        if value := os.environ.get(name):
-            return JobId(value, name)
-    return JobId(None, "no job_id= and no scheduler's job id")
+    job = job_id_of()
+    return job if job.value is not None else JobId(None, "no job_id= and no scheduler's job id")

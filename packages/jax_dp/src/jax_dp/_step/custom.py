@@ -58,12 +58,6 @@ CustomTestStep = Callable[[EvaluationState, Any], tuple[EvaluationState, Logs]]
 CustomPredictStep = Callable[[Weights, Any], tuple[Weights, Any]]
 
 
-def overrides(model: keras.Model, step_name: str) -> bool:
-    """Whether the model's class overrides Keras's ``step_name`` (``train_step``, ``test_step`` or
-    ``predict_step``)."""
-    return getattr(type(model), step_name) is not getattr(keras.Model, step_name)
-
-
 def check_custom_steps(
     model: keras.Model, step_names: tuple[str, ...], *, compiled: bool, optax: bool, batch_norm: str
 ) -> None:
