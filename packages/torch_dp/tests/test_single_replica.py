@@ -108,7 +108,7 @@ def test_lr_scaling_and_warmup_reach_the_optimizer_and_are_undone():
 
 def test_replicas_draw_different_dropout_masks_and_rank_0_keeps_the_callers():
     from torch_dp._comm import Replica
-    from torch_dp._worker import decorrelate_randomness
+    from torch_dp._run import decorrelate_randomness
 
     def dropout_model():
         keras.utils.set_random_seed(0)

@@ -23,8 +23,8 @@ from torch_dp._cluster import Cluster, cluster_of
 from torch_dp._comm import Replica
 from torch_dp._jobs import Job
 from torch_dp._pool import ReplicaPool, close_active_pool
-from torch_dp._processes import Timeouts, join_cluster_group
-from torch_dp._worker import device_for, run_job
+from torch_dp._processes import Timeouts, device_for, join_cluster_group
+from torch_dp._run import run_job
 
 atexit.register(close_active_pool)
 

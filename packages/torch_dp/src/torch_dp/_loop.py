@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import keras
 import numpy as np
@@ -35,10 +35,8 @@ from torch_dp._buckets import gradient_buckets
 from torch_dp._checkpoints import check_same_start, restore_metrics, save
 from torch_dp._comm import Replica, all_reduce_sum, broadcast_floats, same_state_as_primary
 from torch_dp._custom import CustomSteps, optimizers_of
+from torch_dp._jobs import FitJob
 from torch_dp._steps import global_logs, logs_of, predict_step, test_step, train_step
-
-if TYPE_CHECKING:  # _jobs imports this module
-    from torch_dp._jobs import FitJob
 
 
 def _share_decisions(model: keras.Model, replica: Replica, *, stopped: bool | None = None) -> bool:

@@ -40,9 +40,11 @@ from torch_dp._comm import Replica, count_collectives_in
 from torch_dp._internals import version
 from torch_dp._jobs import FitJob, Job, for_workers
 from torch_dp._processes import (
+    Rendezvous,
     Timeouts,
     WorkerError,
     bound_collectives_by,
+    device_for,
     environment_variables,
     failure_of,
     is_stopped,
@@ -55,8 +57,9 @@ from torch_dp._processes import (
     timed_out,
     vanished,
 )
-from torch_dp._transfer import KerasSettings, ship_model
-from torch_dp._worker import Rendezvous, Request, build, check_losses, device_for, pool_worker, run_job, trainable_flags
+from torch_dp._run import build, check_losses, run_job
+from torch_dp._transfer import KerasSettings, Request, ship_model, trainable_flags
+from torch_dp._worker import pool_worker
 
 # Raised in the caller as their own type when a worker raises them.
 DOCUMENTED = (NonFiniteLossError, Preempted)

@@ -21,18 +21,20 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing import resource_tracker, spawn
 from multiprocessing.connection import Connection
 from typing import Any
 
 import cloudpickle
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed import PrefixStore, TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
 from torch_dp._cluster import Cluster
+from torch_dp._comm import Replica
 from torch_dp._internals import set_collective_timeout
 
 
@@ -176,6 +178,43 @@ def join_cluster_group(cluster: Cluster, backend: str, timeout: float, collectiv
     )
     if collective_timeout is not None:
         bound_collectives_by(collective_timeout)
+
+
+def device_for(local_rank: int) -> str:
+    """This process's device: GPU ``local_rank`` modulo the visible GPUs (a scheduler that gives
+    each process one GPU, as SLURM's ``--gpus-per-task=1``, makes it GPU 0 for every rank)."""
+    if torch.cuda.is_available():
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return f"cuda:{index}"
+    return "cpu"
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """How a worker joins the caller's group: the store's port on 127.0.0.1, the job's token
+    (the group's keys live under it, so no other job or stray client can join), and the timeouts."""
+
+    port: int
+    token: str = field(repr=False)
+    timeouts: Timeouts
+
+
+def join_group(rank: int, num_replicas: int, rendezvous: Rendezvous) -> Replica:
+    """Join the group through the store the caller serves, under the job's token."""
+    device = device_for(rank)
+    store = TCPStore(
+        "127.0.0.1", rendezvous.port, is_master=False, timeout=timedelta(seconds=rendezvous.timeouts.rendezvous)
+    )
+    dist.init_process_group(
+        "nccl" if device.startswith("cuda") else "gloo",
+        store=PrefixStore(rendezvous.token, store),
+        rank=rank,
+        world_size=num_replicas,
+        timeout=timedelta(seconds=rendezvous.timeouts.rendezvous),
+    )
+    bound_collectives_by(rendezvous.timeouts.collective)
+    return Replica(rank, num_replicas, device)
 
 
 def available_cores() -> int:

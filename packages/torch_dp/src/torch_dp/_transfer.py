@@ -17,6 +17,7 @@ import numpy as np
 from dp_core import split_indices
 from dp_core.keras import internals
 from torch_dp._batches import even_part
+from torch_dp._jobs import Job
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,23 @@ def receive_model(source: ModelSource) -> keras.Model:
             keras.config.set_dtype_policy(policy)
     assert source.factory is not None
     return source.factory()
+
+
+@dataclass(frozen=True)
+class Request:
+    """One call, as a worker replica receives it: the caller's Keras settings, the model to
+    build when it changed (``None``: keep the one from the last call), the layers' trainable
+    flags, the job, and whether to take rank 0's state first."""
+
+    settings: KerasSettings
+    model: ModelSource | None
+    trainable: tuple[bool, ...]
+    job: Job
+    sync: bool
+
+
+def trainable_flags(model: keras.Model) -> tuple[bool, ...]:
+    return tuple(layer.trainable for layer in internals.flatten_layers(model, include_self=True))
 
 
 def in_input_order(parts: list[list[np.ndarray]], num_samples: int, global_batch_size: int) -> list[np.ndarray]:
