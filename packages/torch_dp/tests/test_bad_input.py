@@ -8,7 +8,7 @@ import torch_dp_testing as testing
 
 import torch_dp
 import torch_dp._pool
-from torch_dp._processes import device_for
+from torch_dp._group import device_for
 
 
 @pytest.fixture(autouse=True)

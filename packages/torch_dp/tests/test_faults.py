@@ -21,8 +21,8 @@ import torch_dp_testing as testing
 
 import dp_core
 import torch_dp
+import torch_dp._group
 import torch_dp._pool
-import torch_dp._processes
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -119,11 +119,11 @@ def test_rendezvous_binds_loopback_and_moves_off_a_busy_first_choice():
         busy.listen()
         taken = busy.getsockname()[1]
         with pytest.warns(RuntimeWarning, match=f"Rendezvous port {taken}"):
-            chosen = torch_dp._processes.bind_loopback(taken)
+            chosen = torch_dp._group.bind_loopback(taken)
         with chosen:
             host, port = chosen.getsockname()
             assert host == "127.0.0.1" and port != taken
-    with torch_dp._processes.bind_loopback() as free:
+    with torch_dp._group.bind_loopback() as free:
         assert free.getsockname()[0] == "127.0.0.1"
 
 

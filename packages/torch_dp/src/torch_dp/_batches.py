@@ -1,8 +1,5 @@
-"""What each replica feeds its model at each step, and how arrays reach the workers.
-
-Arrays handed to ``fit`` are written once to ``.npy`` files and memory-mapped by every
-worker replica, so the workers share one copy through the page cache instead of
-unpickling one each; the caller (rank 0) reads its own arrays.
+"""What each replica feeds its model at each step. (How arrays reach the worker replicas, written
+once and memory-mapped: ``_transfer``.)
 
 On an accelerator, an array input's batches are read one ahead in the background
 (``_prefetch``): rows are indexed and converted on the host (into pinned memory for a GPU)
@@ -11,12 +8,7 @@ while the step before computes, then copied to the replica's device without bloc
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import hashlib
-import mmap
-import os
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, cast
@@ -30,108 +22,6 @@ from dp_core import epoch_order, num_steps, split_indices
 from dp_core.keras import BatchSource, Inputs, batch_rows, map_structure, padded_batch_size, replica_part
 from torch_dp._comm import Replica
 from torch_dp._prefetch import pinned, pins_memory, prefetched, reads_ahead, to_device
-
-
-@dataclass(frozen=True)
-class SharedArray:
-    """A placeholder for an array leaf saved to ``path``; workers map it read-only."""
-
-    path: str
-
-
-@dataclass(frozen=True)
-class MappedFile:
-    """A caller's memory map of a whole file region, which the workers map read-only in turn
-    (a ``np.memmap`` opened ``"r"`` or ``"r+"``, or ``np.load(..., mmap_mode=...)``): a
-    dataset larger than memory is neither copied nor written again. Its writes are shared
-    (``MAP_SHARED``), so the workers see what the caller wrote before each call."""
-
-    path: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
-    fortran: bool
-
-    @classmethod
-    def of(cls, leaf: Any) -> MappedFile | None:
-        """The file region ``leaf`` maps, when it is a whole contiguous ``np.memmap`` whose
-        writes are shared (a slice, or a copy-on-write ``"c"`` map, is copied instead)."""
-        if not isinstance(leaf, np.memmap) or leaf.filename is None or getattr(leaf, "mode", None) not in ("r", "r+"):
-            return None
-        if not isinstance(leaf.base, mmap.mmap) or not (leaf.flags.c_contiguous or leaf.flags.f_contiguous):
-            return None  # a view into a larger map: its own offset is not recorded
-        whole = len(leaf.base) - (leaf.offset % mmap.ALLOCATIONGRANULARITY)
-        if leaf.nbytes != whole and leaf.ndim:  # numpy maps exactly the array's bytes
-            return None
-        fortran = bool(leaf.flags.f_contiguous and not leaf.flags.c_contiguous)
-        return cls(os.fspath(leaf.filename), leaf.dtype.str, tuple(leaf.shape), int(leaf.offset), fortran)
-
-    def open(self) -> np.memmap:
-        order = "F" if self.fortran else "C"
-        dtype = np.dtype(self.dtype)
-        return np.memmap(self.path, dtype=dtype, mode="r", offset=self.offset, shape=self.shape, order=order)
-
-
-class SharedArrays:
-    """The caller's arrays as ``.npy`` files under ``directory``, each written once: a later call
-    with the same array (same object, same contents) maps the same file. A file is removed
-    when its array is garbage-collected, and with the directory when the replicas close.
-
-    Contents are compared by a digest, so an array changed in place is written again; a
-    read-only array (such as a memory map opened ``"r"``) is trusted by identity alone.
-    """
-
-    def __init__(self, directory: str) -> None:
-        self.directory = directory
-        self._files: dict[int, tuple[weakref.ref[Any] | None, str, str]] = {}
-        self._count = 0
-
-    def share(self, inputs: Inputs) -> Inputs:
-        """``inputs`` with every array leaf replaced by a ``SharedArray`` (a dataset travels as it is)."""
-        return inputs.map_arrays(self._shared)
-
-    def _shared(self, leaf: Any) -> SharedArray | MappedFile:
-        mapped = MappedFile.of(leaf)
-        if mapped is not None:  # the workers map the same file: nothing to write
-            return mapped
-        array = leaf.detach().cpu().numpy() if isinstance(leaf, torch.Tensor) else np.asarray(leaf)
-        digest = "" if not array.flags.writeable else _digest(array)
-        known = self._files.get(id(leaf))
-        if known is not None and known[0] is not None and known[0]() is leaf and known[1] == digest:
-            return SharedArray(known[2])
-        path = os.path.join(self.directory, f"array_{self._count}.npy")
-        self._count += 1
-        np.save(path, array, allow_pickle=False)
-        key = id(leaf)
-        try:
-            ref: weakref.ref[Any] | None = weakref.ref(leaf, lambda _: self._forget(key, path))
-        except TypeError:  # cannot be watched (a plain list): written again at each call
-            ref = None
-        self._files[key] = (ref, digest, path)
-        return SharedArray(path)
-
-    def _forget(self, key: int, path: str) -> None:
-        if self._files.get(key, (None, "", ""))[2] == path:
-            del self._files[key]
-        with contextlib.suppress(OSError):
-            os.remove(path)
-
-
-def _digest(array: np.ndarray) -> str:
-    data = np.ascontiguousarray(array)
-    contents = hashlib.blake2b(data.reshape(-1).view(np.uint8).data, digest_size=16)
-    return f"{data.dtype.str}{data.shape}{contents.hexdigest()}"
-
-
-def open_shared(inputs: Inputs) -> Inputs:
-    """``inputs`` with each ``SharedArray`` memory-mapped (no copy until rows are read)."""
-
-    def load(leaf: Any) -> Any:
-        if isinstance(leaf, MappedFile):
-            return leaf.open()
-        return np.load(leaf.path, mmap_mode="r", allow_pickle=False) if isinstance(leaf, SharedArray) else leaf
-
-    return inputs.map_arrays(load)
 
 
 @dataclass

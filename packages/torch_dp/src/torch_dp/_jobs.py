@@ -1,21 +1,20 @@
 """What the replicas run for one call: a ``FitJob``, an ``EvaluateJob`` or a ``PredictJob``.
 
 Each job is plain data that can travel to a worker replica (its arrays as memory-mapped
-files, see ``_batches``; its callbacks stay with the caller, rank 0, which alone runs
+files, see ``_transfer``; its callbacks stay with the caller, rank 0, which alone runs
 them); ``_run.run_job`` runs one on a replica and returns that replica's result.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import keras
 
 from dp_core import BatchNormMode, NonFiniteLoss, Verbose
-from dp_core.keras import BatchSource, FitArguments, Inputs, LearningRatePolicy
-from torch_dp._batches import Readable, SourceOnPrimary, open_shared
+from dp_core.keras import FitArguments, LearningRatePolicy
+from torch_dp._batches import Readable
 
 
 @dataclass(frozen=True)
@@ -62,35 +61,3 @@ class PredictJob:
 
 
 Job = FitJob | EvaluateJob | PredictJob
-
-
-def for_workers(job: Job, share: Callable[[Inputs], Inputs]) -> Job:
-    """What the worker replicas get of ``job``: its arrays shared (``share``), a batch-yielding
-    input as its stand-in (rank 0 reads it and broadcasts each batch) and no callbacks (rank 0
-    runs them, in the caller; the loops broadcast what they decide)."""
-
-    def stand_in(inputs: Readable) -> Readable:
-        if isinstance(inputs, BatchSource):
-            return SourceOnPrimary(inputs.first_rows(2), inputs.num_batches)
-        return share(inputs) if isinstance(inputs, Inputs) else inputs
-
-    if isinstance(job, FitJob):
-        # a stand-in does not know its batches' size: the workers are told rank 0's
-        validation_batch_size = job.arguments.validation_global_batch_size if job.validation is not None else None
-        arguments = dataclasses.replace(job.arguments, callbacks=(), validation_batch_size=validation_batch_size)
-        return _map_inputs(dataclasses.replace(job, arguments=arguments), stand_in)
-    job = _map_inputs(job, stand_in)
-    return dataclasses.replace(job, callbacks=())
-
-
-def opened(job: Job) -> Job:
-    """A shared job (in a worker) with its arrays memory-mapped."""
-    return _map_inputs(job, lambda inputs: open_shared(inputs) if isinstance(inputs, Inputs) else inputs)
-
-
-def _map_inputs(job: Job, fn: Callable[[Readable], Readable]) -> Job:
-    if not isinstance(job, FitJob):
-        return dataclasses.replace(job, inputs=fn(job.inputs))
-    validation = None if job.validation is None else fn(job.validation)
-    arguments = dataclasses.replace(job.arguments, inputs=fn(job.inputs), validation=validation)
-    return dataclasses.replace(job, arguments=arguments)

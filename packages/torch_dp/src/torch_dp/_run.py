@@ -35,9 +35,9 @@ from torch_dp._comm import (
 from torch_dp._custom import custom_steps, overrides
 from torch_dp._jobs import EvaluateJob, FitJob, Job, PredictJob
 from torch_dp._loop import evaluate_loop, fit_loop, predict_loop
+from torch_dp._order import in_batch_order, in_even_order, in_input_order
 from torch_dp._placement import check_placement
 from torch_dp._profile import finish_report, step_timer, timing_batch_norm
-from torch_dp._transfer import in_batch_order, in_even_order, in_input_order
 
 
 def build(model: keras.Model, job: Job) -> None:

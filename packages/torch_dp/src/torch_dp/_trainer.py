@@ -28,9 +28,9 @@ from dp_core.keras import (
 )
 from torch_dp._cluster import is_primary_process
 from torch_dp._custom import optimizers_of, overrides
+from torch_dp._group import Timeouts
 from torch_dp._jobs import EvaluateJob, FitJob, PredictJob
 from torch_dp._launch import Launcher, choose_launcher
-from torch_dp._processes import Timeouts
 
 
 @final

@@ -1,23 +1,36 @@
-"""What crosses from the caller (rank 0) to the worker replicas: how to rebuild the model
-(Keras's own ``.keras`` format, or the user's factory), the caller's Keras settings, and
-how predictions gathered from every replica are put back in input order. State (weights,
-optimizer) never travels as a pickle: replicas take rank 0's by broadcast."""
+"""What crosses from the caller (rank 0) to the worker replicas: a call's ``Request`` (by value,
+with cloudpickle: ``shippable``), how to rebuild the model (Keras's own ``.keras`` format, or the
+user's factory), the caller's Keras settings, and the job made ready for the workers
+(``for_workers``) and opened in one (``opened``). State (weights, optimizer) never travels as a
+pickle: replicas take rank 0's by broadcast.
+
+Arrays handed to ``fit`` are written once to ``.npy`` files and memory-mapped by every
+worker replica (``SharedArrays``, ``open_shared``), so the workers share one copy through the
+page cache instead of unpickling one each; the caller (rank 0) reads its own arrays. A
+memory map of the caller's own travels as the file it maps (``MappedFile``)."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import hashlib
+import io
+import mmap
 import os
 import sys
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+import cloudpickle
 import keras
 import numpy as np
+import torch
 
-from dp_core import split_indices
-from dp_core.keras import internals
-from torch_dp._batches import even_part
-from torch_dp._jobs import Job
+from dp_core.keras import BatchSource, Inputs, internals
+from torch_dp._batches import Readable, SourceOnPrimary
+from torch_dp._jobs import FitJob, Job
 
 
 @dataclass(frozen=True)
@@ -174,52 +187,160 @@ def trainable_flags(model: keras.Model) -> tuple[bool, ...]:
     return tuple(layer.trainable for layer in internals.flatten_layers(model, include_self=True))
 
 
-def in_input_order(parts: list[list[np.ndarray]], num_samples: int, global_batch_size: int) -> list[np.ndarray]:
-    """Each replica's shard outputs (padding included) put back in input order, padding dropped."""
-    num_replicas = len(parts)
-    merged = []
-    for leaf in range(len(parts[0])):
-        first = parts[0][leaf]
-        out = np.empty((num_samples, *first.shape[1:]), dtype=first.dtype)
-        for rank, part in enumerate(parts):
-            shard = split_indices(
-                num_samples,
-                num_shards=num_replicas,
-                shard_index=rank,
-                global_batch_size=global_batch_size,
-                shuffle=False,
-            )
-            out[shard.indices[shard.mask]] = part[leaf][shard.mask]
-        merged.append(out)
-    return merged
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle, with ``torch.ops`` saved by name. A function sent by value (a ``train_step``
+    defined in ``__main__`` or a notebook) whose code names ``ops`` (``keras.ops.mean``) and uses
+    a global ``torch`` makes cloudpickle save ``torch.ops`` as a submodule it needs, but
+    ``torch.ops`` is no module and cannot be pickled."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if obj is torch.ops:
+            return getattr, (torch, "ops")
+        return super().reducer_override(obj)
 
 
-def in_batch_order(parts: list[list[np.ndarray]], real_rows: list[int], global_batch_size: int) -> list[np.ndarray]:
-    """A batch-yielding input's outputs: each global batch's replica parts side by side (replica
-    ``r`` holds the ``r``-th contiguous part), its padding dropped, batches in order."""
-    per_replica = -(-global_batch_size // len(parts))  # a batch that does not divide was padded up
-    merged = []
-    for leaf in range(len(parts[0])):
-        batches = [
-            np.concatenate([part[leaf][step * per_replica : (step + 1) * per_replica] for part in parts])[:real]
-            for step, real in enumerate(real_rows)
-        ]
-        merged.append(np.concatenate(batches))
-    return merged
+def shippable(request: Request) -> bytes:
+    try:
+        buffer = io.BytesIO()
+        _Pickler(buffer).dump(request)
+        return buffer.getvalue()
+    except Exception as error:
+        raise TypeError(
+            f"torch_dp sends the call's inputs and the model factory to its worker processes by value (cloudpickle), "
+            f"and that failed: {type(error).__name__}: {error}. A dataset or factory that holds an open file, a "
+            "lock or a connection cannot travel; open such things inside __getitem__ or the factory instead."
+        ) from error
 
 
-def in_even_order(parts: list[list[np.ndarray]], real_rows: list[int]) -> list[np.ndarray]:
-    """Outputs of a model's own ``predict_step``: replica ``r`` holds its ``even_part`` of each
-    global batch (no padding), batch after batch; put back in batch order."""
-    num_replicas = len(parts)
-    merged = []
-    for leaf in range(len(parts[0])):
-        offsets = [0] * num_replicas
-        pieces = []
-        for real in real_rows:
-            for rank, part in enumerate(parts):
-                _, count = even_part(real, num_replicas, rank)
-                pieces.append(part[leaf][offsets[rank] : offsets[rank] + count])
-                offsets[rank] += count
-        merged.append(np.concatenate(pieces))
-    return merged
+@dataclass(frozen=True)
+class SharedArray:
+    """A placeholder for an array leaf saved to ``path``; workers map it read-only."""
+
+    path: str
+
+
+@dataclass(frozen=True)
+class MappedFile:
+    """A caller's memory map of a whole file region, which the workers map read-only in turn
+    (a ``np.memmap`` opened ``"r"`` or ``"r+"``, or ``np.load(..., mmap_mode=...)``): a
+    dataset larger than memory is neither copied nor written again. Its writes are shared
+    (``MAP_SHARED``), so the workers see what the caller wrote before each call."""
+
+    path: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    fortran: bool
+
+    @classmethod
+    def of(cls, leaf: Any) -> MappedFile | None:
+        """The file region ``leaf`` maps, when it is a whole contiguous ``np.memmap`` whose
+        writes are shared (a slice, or a copy-on-write ``"c"`` map, is copied instead)."""
+        if not isinstance(leaf, np.memmap) or leaf.filename is None or getattr(leaf, "mode", None) not in ("r", "r+"):
+            return None
+        if not isinstance(leaf.base, mmap.mmap) or not (leaf.flags.c_contiguous or leaf.flags.f_contiguous):
+            return None  # a view into a larger map: its own offset is not recorded
+        whole = len(leaf.base) - (leaf.offset % mmap.ALLOCATIONGRANULARITY)
+        if leaf.nbytes != whole and leaf.ndim:  # numpy maps exactly the array's bytes
+            return None
+        fortran = bool(leaf.flags.f_contiguous and not leaf.flags.c_contiguous)
+        return cls(os.fspath(leaf.filename), leaf.dtype.str, tuple(leaf.shape), int(leaf.offset), fortran)
+
+    def open(self) -> np.memmap:
+        order = "F" if self.fortran else "C"
+        dtype = np.dtype(self.dtype)
+        return np.memmap(self.path, dtype=dtype, mode="r", offset=self.offset, shape=self.shape, order=order)
+
+
+class SharedArrays:
+    """The caller's arrays as ``.npy`` files under ``directory``, each written once: a later call
+    with the same array (same object, same contents) maps the same file. A file is removed
+    when its array is garbage-collected, and with the directory when the replicas close.
+
+    Contents are compared by a digest, so an array changed in place is written again; a
+    read-only array (such as a memory map opened ``"r"``) is trusted by identity alone.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self._files: dict[int, tuple[weakref.ref[Any] | None, str, str]] = {}
+        self._count = 0
+
+    def share(self, inputs: Inputs) -> Inputs:
+        """``inputs`` with every array leaf replaced by a ``SharedArray`` (a dataset travels as it is)."""
+        return inputs.map_arrays(self._shared)
+
+    def _shared(self, leaf: Any) -> SharedArray | MappedFile:
+        mapped = MappedFile.of(leaf)
+        if mapped is not None:  # the workers map the same file: nothing to write
+            return mapped
+        array = leaf.detach().cpu().numpy() if isinstance(leaf, torch.Tensor) else np.asarray(leaf)
+        digest = "" if not array.flags.writeable else _digest(array)
+        known = self._files.get(id(leaf))
+        if known is not None and known[0] is not None and known[0]() is leaf and known[1] == digest:
+            return SharedArray(known[2])
+        path = os.path.join(self.directory, f"array_{self._count}.npy")
+        self._count += 1
+        np.save(path, array, allow_pickle=False)
+        key = id(leaf)
+        try:
+            ref: weakref.ref[Any] | None = weakref.ref(leaf, lambda _: self._forget(key, path))
+        except TypeError:  # cannot be watched (a plain list): written again at each call
+            ref = None
+        self._files[key] = (ref, digest, path)
+        return SharedArray(path)
+
+    def _forget(self, key: int, path: str) -> None:
+        if self._files.get(key, (None, "", ""))[2] == path:
+            del self._files[key]
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+
+def _digest(array: np.ndarray) -> str:
+    data = np.ascontiguousarray(array)
+    contents = hashlib.blake2b(data.reshape(-1).view(np.uint8).data, digest_size=16)
+    return f"{data.dtype.str}{data.shape}{contents.hexdigest()}"
+
+
+def open_shared(inputs: Inputs) -> Inputs:
+    """``inputs`` with each ``SharedArray`` memory-mapped (no copy until rows are read)."""
+
+    def load(leaf: Any) -> Any:
+        if isinstance(leaf, MappedFile):
+            return leaf.open()
+        return np.load(leaf.path, mmap_mode="r", allow_pickle=False) if isinstance(leaf, SharedArray) else leaf
+
+    return inputs.map_arrays(load)
+
+
+def for_workers(job: Job, share: Callable[[Inputs], Inputs]) -> Job:
+    """What the worker replicas get of ``job``: its arrays shared (``share``), a batch-yielding
+    input as its stand-in (rank 0 reads it and broadcasts each batch) and no callbacks (rank 0
+    runs them, in the caller; the loops broadcast what they decide)."""
+
+    def stand_in(inputs: Readable) -> Readable:
+        if isinstance(inputs, BatchSource):
+            return SourceOnPrimary(inputs.first_rows(2), inputs.num_batches)
+        return share(inputs) if isinstance(inputs, Inputs) else inputs
+
+    if isinstance(job, FitJob):
+        # a stand-in does not know its batches' size: the workers are told rank 0's
+        validation_batch_size = job.arguments.validation_global_batch_size if job.validation is not None else None
+        arguments = dataclasses.replace(job.arguments, callbacks=(), validation_batch_size=validation_batch_size)
+        return _map_inputs(dataclasses.replace(job, arguments=arguments), stand_in)
+    job = _map_inputs(job, stand_in)
+    return dataclasses.replace(job, callbacks=())
+
+
+def opened(job: Job) -> Job:
+    """A shared job (in a worker) with its arrays memory-mapped."""
+    return _map_inputs(job, lambda inputs: open_shared(inputs) if isinstance(inputs, Inputs) else inputs)
+
+
+def _map_inputs(job: Job, fn: Callable[[Readable], Readable]) -> Job:
+    if not isinstance(job, FitJob):
+        return dataclasses.replace(job, inputs=fn(job.inputs))
+    validation = None if job.validation is None else fn(job.validation)
+    arguments = dataclasses.replace(job.arguments, inputs=fn(job.inputs), validation=validation)
+    return dataclasses.replace(job, arguments=arguments)

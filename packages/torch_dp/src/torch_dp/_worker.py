@@ -12,14 +12,14 @@ from typing import Any
 import cloudpickle
 import keras
 import torch
-import torch.distributed as dist
 
 from dp_core.keras import internals
 from torch_dp._comm import count_collectives_in
-from torch_dp._jobs import opened
-from torch_dp._processes import Rendezvous, caller_gone, exit_with_parent, join_group, report_failure
+from torch_dp._failures import report_failure
+from torch_dp._group import Rendezvous, join_group, leave_group
 from torch_dp._run import run_job
-from torch_dp._transfer import Request, receive_model
+from torch_dp._spawn import caller_gone, exit_with_parent
+from torch_dp._transfer import Request, opened, receive_model
 
 
 def pool_worker(
@@ -55,7 +55,7 @@ def pool_worker(
             set_trainable(model, request.trainable)
             run_job(model, opened(request.job), replica, sync=request.sync)
             connection.send(("done",))
-        dist.destroy_process_group()
+        leave_group()
         os._exit(0)  # nothing left to tear down that the caller should wait for
     except EOFError:  # the caller's end of the pipe closed: it is gone
         caller_gone(leftovers)
