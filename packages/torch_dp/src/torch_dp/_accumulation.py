@@ -45,12 +45,11 @@ import contextlib
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import keras
 import torch
 
-from dp_core import NonFiniteLoss
+from dp_core import NO_STEP_TIMER, NonFiniteLoss, NoStepTimer, StepTimer
 from dp_core.keras import internals, nonfinite_loss_stopped, skipped_message
 from torch_dp._batches import Batch
 from torch_dp._comm import Replica, all_reduce_sum
@@ -63,9 +62,6 @@ from torch_dp._steps import (
     act_on_decisions,
     local_gradients,
 )
-
-if TYPE_CHECKING:
-    from dp_core import StepTimer
 
 Saved = list[tuple[keras.Variable, torch.Tensor]]
 
@@ -138,7 +134,7 @@ class Window:
         sum_metrics: bool = False,
         stop: bool = False,
         preempt: bool = False,
-        timer: StepTimer | None = None,
+        timer: StepTimer | NoStepTimer = NO_STEP_TIMER,
     ) -> Trained:
         """``_steps.train_step`` for step ``step`` of ``epoch`` inside a window: its gradient share
         accumulates locally, and the window's sum is all-reduced and applied on its last step.
@@ -149,8 +145,7 @@ class Window:
         exchange = last or sum_metrics  # something must travel: the gradients, or every batch's logs
         before = _state_to_undo(model) if exchange else []
         loss, trainable, local = local_gradients(model, batch, replica)
-        if timer is not None:
-            timer.lap("forward_backward", sync=True)
+        timer.lap("forward_backward", sync=True)
         nonfinite = (~torch.isfinite(torch.as_tensor(loss).detach().reshape(1))).to(torch.float32)
         if not exchange:
             self._accumulate(model, local, trainable, nonfinite)
@@ -163,8 +158,7 @@ class Window:
         summed = all_reduce_sum([*payload, control, *states, *decisions], replica)
         values = [summed[len(payload)], *([summed[-1]] if decisions else [])]
         anyone_nonfinite, anyone_preempted, *decided = torch.cat(values).tolist()
-        if timer is not None:
-            timer.lap("all_reduce")
+        timer.lap("all_reduce")
         ended = act_on_decisions(model, before, replica, rate, anyone_preempted=anyone_preempted, decided=decided)
         if ended is not None:
             return ended
@@ -176,8 +170,7 @@ class Window:
             self._leave_out(model)
             return Trained(False)
         self._apply(model, local, trainable, payload_sums=summed[: len(payload)])
-        if timer is not None:
-            timer.lap("optimizer", sync=True)
+        timer.lap("optimizer", sync=True)
         return Trained(True, metric_sums=metric_sums)
 
     def settle(self, model: keras.Model, replica: Replica) -> None:

@@ -8,16 +8,16 @@ each step instead of riding on the gradients' all-reduce, which the user's step 
 
 from __future__ import annotations
 
-import functools
 import warnings
-from collections.abc import Sequence
-from typing import Any, NoReturn
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn, Protocol
 
 import keras
 import numpy as np
 import torch
 
-from dp_core import NonFiniteLoss, Preempted, PreemptionWatch, StepTimer, list_checkpoints
+from dp_core import NO_STEP_TIMER, NonFiniteLoss, NoStepTimer, Preempted, PreemptionWatch, StepTimer, list_checkpoints
 from dp_core.keras import (
     BatchSource,
     CheckpointWriter,
@@ -30,13 +30,13 @@ from dp_core.keras import (
     verbosity,
 )
 from torch_dp._accumulation import Window, accumulation_window
-from torch_dp._batches import EvenBatch, Readable, even_batches, replica_batches, steps_of
+from torch_dp._batches import Batch, EvenBatch, Readable, even_batches, replica_batches, steps_of
 from torch_dp._buckets import gradient_buckets
 from torch_dp._checkpoints import check_same_start, restore_metrics, save
 from torch_dp._comm import Replica, all_reduce_sum, broadcast_floats, same_state_as_primary
 from torch_dp._custom import CustomSteps, optimizers_of
 from torch_dp._jobs import FitJob
-from torch_dp._steps import global_logs, logs_of, predict_step, test_step, train_step
+from torch_dp._steps import Trained, global_logs, logs_of, predict_step, test_step, train_step
 
 
 def _share_decisions(model: keras.Model, replica: Replica, *, stopped: bool | None = None) -> bool:
@@ -77,7 +77,7 @@ def _has_progress_bar(callbacks: Any) -> bool:
     return any(isinstance(callback, keras.callbacks.ProgbarLogger) for callback in callbacks or [])
 
 
-def _log_now(step: int, steps: int | None, every: int) -> bool:
+def logs_due(step: int, steps: int | None, every: int) -> bool:
     return every > 0 and ((step + 1) % every == 0 or step + 1 == steps)
 
 
@@ -90,7 +90,7 @@ def fit_loop(
     checkpoints: CheckpointWriter | None = None,
     custom: CustomSteps | None = None,
     notice: PreemptionWatch | None = None,
-    timer: StepTimer | None = None,
+    timer: StepTimer | NoStepTimer = NO_STEP_TIMER,
 ) -> keras.callbacks.History:
     """Train on this replica's shard of every epoch from ``start``; returns this replica's History.
     ``custom`` runs the model's own ``train_step``/``test_step`` where it has them. A preemption
@@ -129,36 +129,24 @@ def fit_loop(
         if _share_decisions(model, replica):
             break
         if custom is not None and custom.train:
-            returned = _train_epoch_custom(
-                model,
-                job,
-                epoch,
-                replica,
-                callbacks,
-                custom,
-                log_every=every,
-                first_step=first_step,
-                checkpoints=checkpoints,
-                notice=notice,
-            )
-            epoch_logs = custom.logs(returned)
+            kind: EpochSteps = OwnSteps(model, replica, custom, log_every=every)
         else:
-            _train_epoch(
-                model,
-                job,
-                epoch,
-                replica,
-                callbacks,
-                log_every=every,
-                decide_each_step=batch_logs,
-                batch_hooks=batch_logs or progress or _has_progress_bar(arguments.callbacks),
-                first_step=first_step,
-                checkpoints=checkpoints,
-                notice=notice,
-                timer=timer,
-                window=window,
+            batch_hooks = batch_logs or progress or _has_progress_bar(arguments.callbacks)
+            kind = KerasSteps(
+                model, replica, window, log_every=every, decide_each_step=batch_logs, batch_hooks=batch_hooks
             )
-            epoch_logs = global_logs(model, replica)
+        epoch_logs = train_epoch(
+            model,
+            job,
+            epoch,
+            replica,
+            callbacks,
+            kind,
+            first_step=first_step,
+            checkpoints=checkpoints,
+            notice=notice,
+            timer=timer if isinstance(kind, KerasSteps) else NO_STEP_TIMER,  # a model's own step is not timed
+        )
         model.eval()
         if arguments.validates_after(epoch):
             assert job.validation is not None
@@ -187,129 +175,199 @@ def fit_loop(
     return model.history
 
 
-def _train_epoch(
+# Where rank 0's stop (and learning rates) reach the other replicas during an epoch:
+WITH_THE_STEP = "with the step"  # on the gradients' all-reduce, which every replica then undoes on a stop
+BEFORE_THE_STEP = "before the step"  # a broadcast of their own, after ``on_train_batch_begin``
+AT_THE_EPOCH_END = "at the epoch end"  # no callback acts at a batch: a batch-end stop waits for the epoch's end
+
+
+class EpochSteps(Protocol):
+    """A kind of training step, as ``train_epoch`` runs it: Keras's own (``KerasSteps``) or the
+    model's own ``train_step`` (``OwnSteps``)."""
+
+    decisions: str  # WITH_THE_STEP, BEFORE_THE_STEP or AT_THE_EPOCH_END
+    batch_hooks: bool  # whether the batch hooks are called (else no callback acts at a batch)
+    window: Window | None  # a gradient accumulation window, summed into checkpoints
+
+    def batches(self, job: FitJob, epoch: int, first_step: int) -> Iterator[Any]: ...
+
+    def take(
+        self, batch: Any, epoch: int, step: int, *, preempt: bool, stop: bool, timer: StepTimer | NoStepTimer
+    ) -> Trained:
+        """One step on every replica; ``preempt``: this replica got a notice (anyone's stops all)."""
+        ...
+
+    def logs(self, trained: Trained, step: int, steps: int | None, logs: dict[str, Any]) -> dict[str, Any]:
+        """The logs the batch-end hook gets after ``trained`` (``logs``: the last ones)."""
+        ...
+
+    def epoch_logs(self) -> dict[str, Any]: ...
+
+
+@dataclass
+class KerasSteps:
+    """Keras's own train step (``_steps.train_step``, or a gradient accumulation ``window``'s), on
+    padded batches. With ``decide_each_step`` (callbacks act at every batch) every step sums the
+    metric states and rank 0's decisions with the gradients; else logs are synced every
+    ``log_every`` steps (0: never). Without ``batch_hooks`` (no callback acts at a batch, no
+    progress bar) none is called: Keras would hand each step's ``on_train_batch_end`` to a thread
+    of its own for nothing."""
+
+    model: keras.Model
+    replica: Replica
+    window: Window | None
+    log_every: int
+    decide_each_step: bool
+    batch_hooks: bool = True
+
+    def __post_init__(self) -> None:
+        self.decisions = WITH_THE_STEP if self.decide_each_step else AT_THE_EPOCH_END
+        # large gradients: summed in buckets during backward (a window sums its own)
+        self.buckets = gradient_buckets(self.model, self.replica) if self.window is None else None
+
+    def batches(self, job: FitJob, epoch: int, first_step: int) -> Iterator[Batch]:
+        return replica_batches(job.inputs, self.replica, first_step=first_step, **_epoch_order(job, epoch))
+
+    def take(
+        self, batch: Batch, epoch: int, step: int, *, preempt: bool, stop: bool, timer: StepTimer | NoStepTimer
+    ) -> Trained:
+        model, replica, sum_metrics = self.model, self.replica, self.decide_each_step
+        if self.window is None:
+            return train_step(
+                model,
+                batch,
+                replica,
+                sum_metrics=sum_metrics,
+                stop=stop,
+                preempt=preempt,
+                timer=timer,
+                buckets=self.buckets,
+            )
+        return self.window.train_step(
+            model,
+            batch,
+            replica,
+            epoch=epoch,
+            step=step,
+            sum_metrics=sum_metrics,
+            stop=stop,
+            preempt=preempt,
+            timer=timer,
+        )
+
+    def logs(self, trained: Trained, step: int, steps: int | None, logs: dict[str, Any]) -> dict[str, Any]:
+        if trained.metric_sums is not None:  # summed with the gradients: only rank 0 reads them
+            return logs_of(self.model, trained.metric_sums) if self.replica.is_primary else {}
+        if logs_due(step, steps, self.log_every) and not self.decide_each_step:  # a skipped step keeps its logs
+            return global_logs(self.model, self.replica)
+        return logs
+
+    def epoch_logs(self) -> dict[str, Any]:
+        return global_logs(self.model, self.replica)
+
+
+@dataclass
+class OwnSteps:
+    """The model's own ``train_step`` (``_custom``), on ``even_batches``; the epoch's logs come from
+    what its last step returned, as in Keras. Rank 0's decisions (stop, learning rates) are
+    broadcast before every step, after ``on_train_batch_begin``, where a callback may set them."""
+
+    model: keras.Model
+    replica: Replica
+    custom: CustomSteps
+    log_every: int
+    decisions: str = BEFORE_THE_STEP
+    batch_hooks: bool = True
+    window: Window | None = None  # its optimizers sum their gradients at every step
+    returned: Any = None  # what the last step returned
+
+    def batches(self, job: FitJob, epoch: int, first_step: int) -> Iterator[EvenBatch]:
+        return even_batches(job.inputs, self.replica, first_step=first_step, **_epoch_order(job, epoch))
+
+    def take(
+        self, batch: EvenBatch, epoch: int, step: int, *, preempt: bool, stop: bool, timer: StepTimer | NoStepTimer
+    ) -> Trained:
+        # anyone's notice, in a small all-reduce of its own: the user's step owns the gradients' one
+        if all_reduce_sum([torch.tensor([float(preempt)], device=self.replica.device)], self.replica)[0].item():
+            return Trained(False, preempted=True)
+        self.returned = self.custom.train_step(batch)
+        return Trained(True)
+
+    def logs(self, trained: Trained, step: int, steps: int | None, logs: dict[str, Any]) -> dict[str, Any]:
+        return self.custom.logs(self.returned) if logs_due(step, steps, self.log_every) else logs
+
+    def epoch_logs(self) -> dict[str, Any]:
+        return self.custom.logs(self.returned)
+
+
+def _epoch_order(job: FitJob, epoch: int) -> dict[str, Any]:
+    arguments = job.arguments
+    return {
+        "global_batch_size": arguments.global_batch_size,
+        "epoch": epoch,
+        "seed": arguments.seed,
+        "shuffle": arguments.shuffle,
+    }
+
+
+def train_epoch(
     model: keras.Model,
     job: FitJob,
     epoch: int,
     replica: Replica,
     callbacks: keras.callbacks.CallbackList,
+    kind: EpochSteps,
     *,
-    log_every: int,
-    decide_each_step: bool,
-    batch_hooks: bool = True,
     first_step: int = 0,
     checkpoints: CheckpointWriter | None = None,
     notice: PreemptionWatch | None = None,
-    timer: StepTimer | None = None,
-    window: Window | None = None,
-) -> None:
-    """One epoch of steps from ``first_step``; logs synced every ``log_every`` steps (0: never),
-    or at every step with rank 0's decisions (``decide_each_step``), checkpoints written as asked.
-    A stop at the last batch end reaches the other replicas through the epoch's end. With a
-    gradient accumulation ``window`` each step is one of its steps (``_accumulation``). Without
-    ``batch_hooks`` (no callback acts at a batch, no progress bar) none is called: Keras would hand
-    each step's ``on_train_batch_end`` to a thread of its own for nothing."""
+    timer: StepTimer | NoStepTimer = NO_STEP_TIMER,
+) -> dict[str, Any]:
+    """One epoch of ``kind``'s steps from ``first_step``, checkpoints written as asked; returns the
+    epoch's logs. The one order of every epoch (``kind`` says where rank 0's decisions travel):
+
+    rank 0's stop from the last batch end acted on (no hook for a step not taken) ->
+    ``on_train_batch_begin`` -> rank 0's decisions, when they travel before the step -> the step,
+    which carries this replica's preemption notice (any replica's stops all at this step boundary:
+    a checkpoint, then ``Preempted``) -> a stop that rode on it, a non-finite loss -> the logs ->
+    ``on_train_batch_end`` -> a checkpoint when due.
+    """
     model.train()
-    arguments = job.arguments
-    steps = steps_of(job.inputs, arguments.global_batch_size)
-    batches = replica_batches(
-        job.inputs,
-        replica,
-        global_batch_size=arguments.global_batch_size,
-        epoch=epoch,
-        seed=arguments.seed,
-        shuffle=arguments.shuffle,
-        first_step=first_step,
-    )
+    steps = steps_of(job.inputs, job.arguments.global_batch_size)
+    batches = kind.batches(job, epoch, first_step)
     logs: dict[str, Any] = {}
-    buckets = gradient_buckets(model, replica) if window is None else None  # large gradients: during backward
-    if timer is not None:
-        timer.start()
+    timer.start()
     for step, batch in enumerate(batches, start=first_step):
-        if timer is not None:
-            timer.lap("input")
-        take = (
-            functools.partial(train_step, buckets=buckets)
-            if window is None
-            else functools.partial(window.train_step, epoch=epoch, step=step)
-        )
-        if decide_each_step and model.stop_training:
-            # rank 0 stopped at the last batch end: the stop rides on this step's all-reduce,
-            # which every replica then undoes (the callbacks do not see this step)
-            take(model, batch, replica, sum_metrics=True, stop=True)
-            return
-        if batch_hooks:
+        timer.lap("input")
+        stopped = bool(model.stop_training)  # rank 0 stopped at the last batch end
+        ends = stopped and kind.decisions != AT_THE_EPOCH_END
+        if ends and kind.decisions == WITH_THE_STEP:
+            # the stop rides on this step's all-reduce, which every replica then undoes (the callbacks
+            # do not see this step)
+            kind.take(batch, epoch, step, preempt=False, stop=True, timer=NO_STEP_TIMER)
+            return kind.epoch_logs()
+        if kind.batch_hooks and not ends:
             callbacks.on_train_batch_begin(step)
-        if timer is not None:
-            timer.lap("callbacks")
+        timer.lap("callbacks")
+        if kind.decisions == BEFORE_THE_STEP and _share_decisions(model, replica, stopped=stopped):
+            return kind.epoch_logs()
         asked = notice is not None and notice.requested is not None
-        trained = take(model, batch, replica, sum_metrics=decide_each_step, preempt=asked, timer=timer)
+        trained = kind.take(batch, epoch, step, preempt=asked, stop=False, timer=timer)
         if trained.preempted:
-            _preempted(model, replica, notice, checkpoints, epoch=epoch, step=step, window=window)
+            _preempted(model, replica, notice, checkpoints, epoch=epoch, step=step, window=kind.window)
         if trained.stopped:
             model.stop_training = True
-            return
+            return kind.epoch_logs()
         if not trained.applied:
             _nonfinite_loss(job.on_nonfinite_loss, epoch, step, replica)
-        if trained.metric_sums is not None:  # summed with the gradients: only rank 0 reads them
-            logs = logs_of(model, trained.metric_sums) if replica.is_primary else {}
-        elif _log_now(step, steps, log_every) and not decide_each_step:  # a skipped step keeps its logs
-            logs = global_logs(model, replica)
-        if batch_hooks:
+        logs = kind.logs(trained, step, steps, logs)
+        if kind.batch_hooks:
             callbacks.on_train_batch_end(step, logs)
         if checkpoints is not None and checkpoints.due(step + 1, steps):
-            save(checkpoints, model, replica, epoch=epoch, step=step + 1, window=window)
-        if timer is not None:  # logs, hooks and checkpoints
-            timer.lap("callbacks")
-            timer.end_step()
-
-
-def _train_epoch_custom(
-    model: keras.Model,
-    job: FitJob,
-    epoch: int,
-    replica: Replica,
-    callbacks: keras.callbacks.CallbackList,
-    custom: CustomSteps,
-    *,
-    log_every: int,
-    first_step: int = 0,
-    checkpoints: CheckpointWriter | None = None,
-    notice: PreemptionWatch | None = None,
-) -> Any:
-    """``_train_epoch`` for a model's own ``train_step``; returns what its last step returned
-    (the epoch's logs come from it, as in Keras). Rank 0's decisions (stop, learning rates) are
-    broadcast before every step, after ``on_train_batch_begin``, where a callback may set them."""
-    arguments = job.arguments
-    steps = steps_of(job.inputs, arguments.global_batch_size)
-    batches = even_batches(
-        job.inputs,
-        replica,
-        global_batch_size=arguments.global_batch_size,
-        epoch=epoch,
-        seed=arguments.seed,
-        shuffle=arguments.shuffle,
-        first_step=first_step,
-    )
-    model.train()
-    logs: dict[str, Any] = {}
-    returned: Any = None
-    for step, batch in enumerate(batches, start=first_step):
-        stopped = bool(model.stop_training)  # rank 0 stopped at the last batch end: no hook for a step not taken
-        if not stopped:
-            callbacks.on_train_batch_begin(step)
-        if _share_decisions(model, replica, stopped=stopped):
-            return returned
-        asked = notice is not None and notice.requested is not None
-        if all_reduce_sum([torch.tensor([float(asked)], device=replica.device)], replica)[0].item():  # anyone's
-            _preempted(model, replica, notice, checkpoints, epoch=epoch, step=step)
-        returned = custom.train_step(batch)
-        if _log_now(step, steps, log_every):
-            logs = custom.logs(returned)
-        callbacks.on_train_batch_end(step, logs)
-        if checkpoints is not None and checkpoints.due(step + 1, steps):
-            save(checkpoints, model, replica, epoch=epoch, step=step + 1)
-    return returned
+            save(checkpoints, model, replica, epoch=epoch, step=step + 1, window=kind.window)
+        timer.lap("callbacks")  # logs, hooks and checkpoints
+        timer.end_step()
+    return kind.epoch_logs()
 
 
 def _preempted(
@@ -377,7 +435,7 @@ def evaluate_loop(
         for step, batch in enumerate(even_batches(inputs, replica, global_batch_size=global_batch_size)):
             hooks.on_test_batch_begin(step)
             returned = custom.test_step(batch)
-            if _log_now(step, steps, every):
+            if logs_due(step, steps, every):
                 logs = custom.logs(returned)
             hooks.on_test_batch_end(step, logs)
         logs = custom.logs(returned)
@@ -386,7 +444,7 @@ def evaluate_loop(
     for step, batch in enumerate(replica_batches(inputs, replica, global_batch_size=global_batch_size)):
         hooks.on_test_batch_begin(step)
         test_step(model, batch, replica)
-        if _log_now(step, steps, every):
+        if logs_due(step, steps, every):
             logs = global_logs(model, replica)
         hooks.on_test_batch_end(step, logs)
     logs = global_logs(model, replica)

@@ -18,7 +18,7 @@ import keras
 import torch
 import torch.distributed as dist
 
-from dp_core import BatchNormSync, Phase, ScalingReport, StepTimer, bus_bandwidth, write_scaling_report
+from dp_core import BatchNormSync, NoStepTimer, Phase, ScalingReport, StepTimer, bus_bandwidth, write_scaling_report
 from torch_dp._comm import Replica, all_gather_rows, sum_in_place
 
 PROBE_BYTES = 4 * 2**20  # the timed all-reduce: large enough to be bandwidth-bound, small enough to be quick
@@ -34,10 +34,11 @@ _batch_norm_timer: StepTimer | None = None
 
 
 @contextlib.contextmanager
-def timing_batch_norm(timer: StepTimer | None) -> Iterator[None]:
-    """Within the block, ``sum_batch_norm_statistics`` notes each layer's collective time in ``timer``."""
+def timing_batch_norm(timer: StepTimer | NoStepTimer) -> Iterator[None]:
+    """Within the block, ``sum_batch_norm_statistics`` notes each layer's collective time in ``timer``
+    (none with a timer that records nothing: timing waits for the device, which only a report pays)."""
     global _batch_norm_timer
-    previous, _batch_norm_timer = _batch_norm_timer, timer
+    previous, _batch_norm_timer = _batch_norm_timer, (timer if isinstance(timer, StepTimer) else None)
     try:
         yield
     finally:

@@ -13,7 +13,7 @@ from typing import Any
 import keras
 import torch
 
-from dp_core import PreemptionWatch
+from dp_core import NO_STEP_TIMER, PreemptionWatch, StepTimer
 from dp_core.keras import (
     CheckpointWriter,
     Inputs,
@@ -122,12 +122,12 @@ def run_fit(model: keras.Model, job: FitJob, replica: Replica) -> keras.callback
                 num_replicas=replica.num_replicas,
                 lr_policy=None if job.lr_policy is None else job.lr_policy.config(),
             )
-        timer = None if job.profile is None else step_timer(replica)
+        timer = NO_STEP_TIMER if job.profile is None else step_timer(replica)
         with timing_batch_norm(timer):
             history = fit_loop(
                 model, job, replica, start=start, checkpoints=writer, custom=custom, notice=notice, timer=timer
             )
-        if timer is not None and job.profile is not None:
+        if isinstance(timer, StepTimer) and job.profile is not None:
             report = finish_report(
                 timer, model, replica, global_batch_size=job.arguments.global_batch_size, folder=job.profile
             )

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import keras
 import torch
 
-from dp_core import StepTimer
+from dp_core import NO_STEP_TIMER, NoStepTimer, StepTimer
 from dp_core.keras import ReplicaRows, internals, map_structure, python_logs, replica_losses
 from torch_dp._batches import Batch
 from torch_dp._batchnorm import real_rows
@@ -132,7 +132,7 @@ def train_step(
     sum_metrics: bool = False,
     stop: bool = False,
     preempt: bool = False,
-    timer: StepTimer | None = None,
+    timer: StepTimer | NoStepTimer = NO_STEP_TIMER,
     buckets: GradientBuckets | None = None,
 ) -> Trained:
     """Forward, exact global-batch gradient, Keras optimizer update, metric update.
@@ -156,7 +156,8 @@ def train_step(
     and the optimizer untouched on every replica, and Keras's optimizer cannot be told on the
     device to leave a step out. Everything else (logs, metrics) stays on the device until read.
 
-    ``timer`` (``Trainer(profile=...)``) gets laps for forward+backward, the all-reduce and the optimizer.
+    ``timer`` (``Trainer(profile=...)``; else one that records nothing) gets laps for forward+backward,
+    the all-reduce and the optimizer.
     With ``buckets`` (large gradients, ``_buckets``) the gradients are summed in buckets started during
     backward, and the few floats above travel in a small all-reduce of their own after it.
     """
@@ -168,8 +169,7 @@ def train_step(
     states = [v.value.detach() for v in model.metrics_variables] if shared else []
     rate = _learning_rate_variable(model)
     decisions = [_decisions(rate, replica, stop)] if shared else []
-    if timer is not None:
-        timer.lap("forward_backward", sync=True)
+    timer.lap("forward_backward", sync=True)
     # Zeros keep the buffer the same size on every replica; a variable with no gradient
     # here is still skipped by the optimizer, as in Keras.
     gradients = [torch.zeros_like(v.value) if g is None else g for v, g in zip(trainable, local, strict=True)]
@@ -177,12 +177,10 @@ def train_step(
         summed = all_reduce_sum([*gradients, local_loss, *states, *decisions], replica)
     else:
         summed = [*buckets.summed(trainable), *all_reduce_sum([local_loss, *states, *decisions], replica)]
-        if timer is not None:
-            timer.note("all_reduce_overlapped", buckets.overlapped)
+        timer.note("all_reduce_overlapped", buckets.overlapped)
     summed_gradients, (summed_loss, preempted) = summed[: len(gradients)], summed[len(gradients)]
     finite, anyone_preempted, *decided = _read_on_host(summed_loss, preempted, summed[-1] if decisions else None)
-    if timer is not None:  # the host read waited for the all-reduce, and so for the slowest replica
-        timer.lap("all_reduce")
+    timer.lap("all_reduce")  # the host read waited for the all-reduce, and so for the slowest replica
     ended = act_on_decisions(model, before, replica, rate, anyone_preempted=anyone_preempted, decided=decided)
     if ended is not None:
         return ended
@@ -194,8 +192,7 @@ def train_step(
             model.optimizer.apply(
                 [None if g is None else a for g, a in zip(local, summed_gradients, strict=True)], trainable
             )
-    if timer is not None:
-        timer.lap("optimizer", sync=True)
+    timer.lap("optimizer", sync=True)
     if not sum_metrics:
         return Trained(True)
     if not shared:  # one replica: its own states are the global ones
