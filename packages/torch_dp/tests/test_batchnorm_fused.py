@@ -8,7 +8,7 @@ import torch
 
 from torch_dp import _fused_batchnorm
 from torch_dp._batchnorm import masked_batch_norm, real_rows
-from torch_dp._comm import Replica
+from torch_dp._replica import Replica
 
 
 def _convnet(scale: bool, center: bool) -> keras.Model:

@@ -23,7 +23,7 @@ import dp_core
 import torch_dp
 from dp_core.keras import Start
 from torch_dp import _checkpoints
-from torch_dp._comm import Replica
+from torch_dp._replica import Replica
 
 pytestmark = pytest.mark.timeout(180)
 HERE = os.path.dirname(__file__)

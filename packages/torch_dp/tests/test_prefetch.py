@@ -15,8 +15,8 @@ import torch_dp
 from dp_core.keras import Inputs
 from torch_dp import _batches
 from torch_dp._batches import even_batches, replica_batches
-from torch_dp._comm import Replica
 from torch_dp._prefetch import THREAD_NAME, pins_memory, prefetched, reads_ahead, to_device
+from torch_dp._replica import Replica
 
 pytestmark = pytest.mark.timeout(120)
 

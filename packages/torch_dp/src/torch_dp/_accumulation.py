@@ -52,7 +52,8 @@ import torch
 from dp_core import NO_STEP_TIMER, NonFiniteLoss, NoStepTimer, StepTimer
 from dp_core.keras import internals, nonfinite_loss_stopped, skipped_message
 from torch_dp._batches import Batch
-from torch_dp._comm import Replica, all_reduce_sum
+from torch_dp._collectives import all_reduce_sum
+from torch_dp._replica import Replica
 from torch_dp._steps import (
     Trained,
     _decisions,

@@ -16,12 +16,12 @@ from typing import Any, cast
 import keras
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from dp_core import epoch_order, num_steps, split_indices
 from dp_core.keras import BatchSource, Inputs, batch_rows, map_structure, padded_batch_size, replica_part
-from torch_dp._comm import Replica
 from torch_dp._prefetch import pinned, pins_memory, prefetched, reads_ahead, to_device
+from torch_dp._replica import Replica
+from torch_dp._sources import Readable, SourceOnPrimary, global_batches
 
 
 @dataclass
@@ -46,29 +46,6 @@ class Batch:
     @property
     def partial(self) -> bool:
         return self.global_real_rows < self.global_batch_size
-
-
-@dataclass(frozen=True)
-class SourceOnPrimary:
-    """A worker's stand-in for a batch-yielding input, which rank 0 alone reads (once per global
-    batch) and broadcasts: its first rows, to build the model, and its batches per epoch."""
-
-    first: tuple[Any, Any, Any]
-    num_batches: int | None
-
-    def first_rows(self, count: int = 2) -> tuple[Any, Any, Any]:
-        x, y, sample_weight = (map_structure(lambda leaf: leaf[:count], part) for part in self.first)
-        return x, y, sample_weight
-
-
-Readable = Inputs | BatchSource | SourceOnPrimary
-
-
-def steps_of(inputs: Readable, global_batch_size: int) -> int | None:
-    """Global batches an epoch (None: a source that does not say)."""
-    if isinstance(inputs, Inputs):
-        return num_steps(inputs.num_samples, global_batch_size)
-    return inputs.num_batches
 
 
 def replica_batches(
@@ -124,33 +101,8 @@ def _source_batches(
 ) -> Iterator[Batch]:
     """A source's global batches, each replica keeping its contiguous part, padded and masked
     as an array input's."""
-    for batch in _global_source_batches(source, replica, epoch, seed, shuffle, first_step):
+    for batch in global_batches(source, replica, epoch, seed, shuffle, first_step):
         yield _part(batch, replica, global_batch_size)
-
-
-def _global_source_batches(
-    source: BatchSource | SourceOnPrimary, replica: Replica, epoch: int, seed: int, shuffle: bool, first_step: int
-) -> Iterator[tuple[Any, Any, Any]]:
-    """A source's whole global batches from ``first_step`` on, read by rank 0 and broadcast
-    (``None`` ends the epoch)."""
-    if isinstance(source, BatchSource):
-        batches: Iterator[Any] = source.epoch(epoch, shuffle=shuffle, seed=seed)
-        for step, batch in enumerate(batches):
-            if step >= first_step:
-                yield _shared_from_primary(batch, replica)
-        _shared_from_primary(None, replica)
-        return
-    while (batch := _shared_from_primary(None, replica)) is not None:
-        yield batch
-
-
-def _shared_from_primary(batch: Any, replica: Replica) -> Any:
-    """Rank 0's ``batch`` on every replica (numpy arrays, pickled: rank 0's own data)."""
-    if not replica.distributed:
-        return batch
-    message = [batch]
-    dist.broadcast_object_list(message, src=0)
-    return message[0]
 
 
 def _part(batch: tuple[Any, Any, Any], replica: Replica, global_batch_size: int) -> Batch:
@@ -258,7 +210,7 @@ def even_batches(
     if prefetch is None:
         prefetch = reads_ahead(replica.device)
     if not isinstance(inputs, Inputs):
-        for batch in _global_source_batches(inputs, replica, epoch, seed, shuffle, first_step):
+        for batch in global_batches(inputs, replica, epoch, seed, shuffle, first_step):
             real = batch_rows(batch)
             start, count = even_part(real, replica.num_replicas, replica.rank)
             rows = slice(start, start + count) if count else slice(0, 1)

@@ -26,8 +26,8 @@ import torch
 from dp_core import BatchNormMode
 from dp_core.keras import check_batch_norm_mode, internals
 from torch_dp import _fused_batchnorm
-from torch_dp._comm import Replica
 from torch_dp._profile import sum_batch_norm_statistics
+from torch_dp._replica import Replica
 
 _current = threading.local()
 

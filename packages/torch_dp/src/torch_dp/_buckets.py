@@ -26,7 +26,8 @@ import keras
 import torch
 import torch.distributed as dist
 
-from torch_dp._comm import Replica, _entering
+from torch_dp._collectives import _entering
+from torch_dp._replica import Replica
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
 

@@ -23,7 +23,9 @@ import torch.distributed as dist
 
 from dp_core import Checkpoint, load_checkpoint
 from dp_core.keras import CheckpointWriter, Start, restore_model, start_of
-from torch_dp._comm import Replica, all_gather_rows, all_reduce_sum, same_state_as_primary
+from torch_dp._collectives import all_gather_rows, all_reduce_sum
+from torch_dp._replica import Replica
+from torch_dp._state import same_state_as_primary
 
 if TYPE_CHECKING:
     from torch_dp._accumulation import Window

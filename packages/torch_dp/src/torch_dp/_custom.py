@@ -51,8 +51,10 @@ import torch
 from dp_core.keras import internals, python_logs
 from torch_dp._batches import EvenBatch
 from torch_dp._batchnorm import real_rows
-from torch_dp._comm import Replica, all_reduce_sum, broadcast_from_primary, check_same_optimizer_variables
-from torch_dp._steps import logs_of
+from torch_dp._collectives import all_reduce_sum, broadcast_from_primary
+from torch_dp._metrics import logs_of
+from torch_dp._replica import Replica
+from torch_dp._state import check_same_optimizer_variables
 
 STEPS = ("train_step", "test_step", "predict_step")
 

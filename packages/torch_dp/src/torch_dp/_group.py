@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
 from torch_dp._cluster import Cluster
-from torch_dp._comm import Replica
 from torch_dp._internals import set_collective_timeout
+from torch_dp._replica import Replica
 from torch_dp._spawn import environment_variables
 
 RENDEZVOUS_TIMEOUT = 60.0

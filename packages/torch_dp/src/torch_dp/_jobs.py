@@ -14,7 +14,7 @@ import keras
 
 from dp_core import BatchNormMode, NonFiniteLoss, Verbose
 from dp_core.keras import FitArguments, LearningRatePolicy
-from torch_dp._batches import Readable
+from torch_dp._sources import Readable
 
 
 @dataclass(frozen=True)

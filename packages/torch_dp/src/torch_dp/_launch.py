@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 
 from torch_dp._cluster import Cluster, cluster_of
-from torch_dp._comm import Replica
 from torch_dp._group import Timeouts, device_for, join_cluster_group, leave_group
 from torch_dp._jobs import Job
 from torch_dp._pool import ReplicaPool, close_active_pool
+from torch_dp._replica import Replica
 from torch_dp._run import run_job
 
 atexit.register(close_active_pool)

@@ -16,8 +16,9 @@ import keras
 import torch
 
 from dp_core.keras import internals
-from torch_dp._comm import Replica, all_gather_rows
+from torch_dp._collectives import all_gather_rows
 from torch_dp._custom import optimizers_of
+from torch_dp._replica import Replica
 
 
 def check_placement(model: keras.Model, replica: Replica) -> None:

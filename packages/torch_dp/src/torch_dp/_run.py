@@ -22,22 +22,19 @@ from dp_core.keras import (
     internals,
     learning_rate_policy_installed,
 )
-from torch_dp._batches import Readable
 from torch_dp._batchnorm import masked_batch_norm
 from torch_dp._checkpoints import resume_from
-from torch_dp._comm import (
-    Replica,
-    all_gather_rows,
-    all_gather_varying_rows,
-    check_same_variables,
-    same_state_as_primary,
-)
+from torch_dp._collectives import all_gather_rows, all_gather_varying_rows
 from torch_dp._custom import custom_steps, overrides
+from torch_dp._evaluate import evaluate_loop, predict_loop
+from torch_dp._fit import fit_loop
 from torch_dp._jobs import EvaluateJob, FitJob, Job, PredictJob
-from torch_dp._loop import evaluate_loop, fit_loop, predict_loop
 from torch_dp._order import in_batch_order, in_even_order, in_input_order
 from torch_dp._placement import check_placement
 from torch_dp._profile import finish_report, step_timer, timing_batch_norm
+from torch_dp._replica import Replica
+from torch_dp._sources import Readable
+from torch_dp._state import check_same_variables, same_state_as_primary
 
 
 def build(model: keras.Model, job: Job) -> None:

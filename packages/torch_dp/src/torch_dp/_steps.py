@@ -24,11 +24,12 @@ import keras
 import torch
 
 from dp_core import NO_STEP_TIMER, NoStepTimer, StepTimer
-from dp_core.keras import ReplicaRows, internals, map_structure, python_logs, replica_losses
+from dp_core.keras import ReplicaRows, internals, map_structure, replica_losses
 from torch_dp._batches import Batch
 from torch_dp._batchnorm import real_rows
 from torch_dp._buckets import GradientBuckets
-from torch_dp._comm import Replica, all_reduce_sum
+from torch_dp._collectives import all_reduce_sum
+from torch_dp._replica import Replica
 
 
 def _forward(model: keras.Model, x: Any, training: bool) -> Any:
@@ -301,7 +302,7 @@ def _undo(model: keras.Model, before: list[tuple[keras.Variable, torch.Tensor]])
 
 
 def test_step(model: keras.Model, batch: Batch, replica: Replica) -> None:
-    """Loss and metrics of one batch, accumulated locally (synced by ``global_logs``)."""
+    """Loss and metrics of one batch, accumulated locally (synced by ``_metrics.global_logs``)."""
     with torch.no_grad(), replica_losses(model, _replica_rows(batch, replica)):
         y_pred = _forward(model, batch.x, training=False)
         with _weigh_losses_by_real_rows(model, batch, replica):
@@ -315,30 +316,3 @@ def predict_step(model: keras.Model, batch: Batch) -> Any:
     with torch.no_grad():
         y_pred = _forward(model, batch.x, training=False)
     return keras.tree.map_structure(keras.ops.convert_to_numpy, y_pred)
-
-
-def global_logs(model: keras.Model, replica: Replica) -> dict[str, Any]:
-    """Metric results over every replica's rows, in one coalesced all-reduce.
-
-    Keras metric states are sums (totals, counts, confusion matrices), so summing them
-    over replicas gives the states of one model that saw every row.
-    """
-    variables = model.metrics_variables
-    if not replica.distributed or not variables:
-        return python_logs(model.get_metrics_result())
-    # float64 so that summed counts stay exact past 2**24 rows
-    summed = all_reduce_sum([v.value.detach().to(torch.float64) for v in variables], replica)
-    return logs_of(model, summed)
-
-
-def logs_of(model: keras.Model, metric_sums: list[torch.Tensor]) -> dict[str, Any]:
-    """Metric results for summed states: put in place, read, and the local states put back so
-    accumulation continues per replica."""
-    variables = model.metrics_variables
-    local = [v.value.detach().clone() for v in variables]
-    for variable, value in zip(variables, metric_sums, strict=True):
-        variable.assign(value.to(variable.value.dtype))
-    logs = python_logs(model.get_metrics_result())
-    for variable, value in zip(variables, local, strict=True):
-        variable.assign(value)
-    return logs

@@ -14,7 +14,7 @@ import keras
 import torch
 
 from dp_core.keras import internals
-from torch_dp._comm import count_collectives_in
+from torch_dp._collectives import count_collectives_in
 from torch_dp._failures import report_failure
 from torch_dp._group import Rendezvous, join_group, leave_group
 from torch_dp._run import run_job
