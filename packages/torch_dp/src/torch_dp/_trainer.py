@@ -27,11 +27,11 @@ from dp_core.keras import (
     resolve_model,
     resumable_checkpoint,
 )
-from torch_dp._cluster import is_primary_process
-from torch_dp._custom import optimizers_of, overrides
-from torch_dp._group import Timeouts
-from torch_dp._jobs import EvaluateJob, FitJob, PredictJob
-from torch_dp._launch import Launcher, choose_launcher
+from torch_dp._loop.jobs import EvaluateJob, FitJob, PredictJob
+from torch_dp._processes.cluster import is_primary_process
+from torch_dp._processes.group import Timeouts
+from torch_dp._processes.launchers import Launcher, choose_launcher
+from torch_dp._step.custom import optimizers_of, overrides
 
 
 @final

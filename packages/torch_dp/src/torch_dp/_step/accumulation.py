@@ -33,7 +33,7 @@ What happens inside a window (all replicas agree on it, so none waits for anothe
 
 Steps keep their per-step collectives that are not gradients: the synchronized BatchNorm
 moments (``batch_norm="global"``) and, for losses normalized by sample weights or masks, their
-global sums. A model's own ``train_step`` (``_custom``) and these optimizers keep summing
+global sums. A model's own ``train_step`` (``_step.custom``) and these optimizers keep summing
 gradients at every step, with the same updates as ``model.fit``: a ``LossScaleOptimizer``
 (``mixed_float16``; its loss scale is decided on every step's global gradient) and variables
 with ``overwrite_with_gradient`` (float8 training).
@@ -51,10 +51,10 @@ import torch
 
 from dp_core import NO_STEP_TIMER, NonFiniteLoss, NoStepTimer, StepTimer
 from dp_core.keras import internals, nonfinite_loss_stopped, skipped_message
-from torch_dp._batches import Batch
-from torch_dp._collectives import all_reduce_sum
-from torch_dp._replica import Replica
-from torch_dp._steps import (
+from torch_dp._comm.collectives import all_reduce_sum
+from torch_dp._comm.replica import Replica
+from torch_dp._data.batches import Batch
+from torch_dp._step.steps import (
     Trained,
     _decisions,
     _flag,
@@ -137,7 +137,7 @@ class Window:
         preempt: bool = False,
         timer: StepTimer | NoStepTimer = NO_STEP_TIMER,
     ) -> Trained:
-        """``_steps.train_step`` for step ``step`` of ``epoch`` inside a window: its gradient share
+        """``_step.steps.train_step`` for step ``step`` of ``epoch`` inside a window: its gradient share
         accumulates locally, and the window's sum is all-reduced and applied on its last step.
         ``applied`` is False on a stop, a preemption, or a last step whose window had a
         non-finite loss (left out on every replica)."""

@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from dp_core.keras import BatchSource, Inputs, internals
-from torch_dp._jobs import FitJob, Job
-from torch_dp._sources import Readable, SourceOnPrimary
+from torch_dp._data.sources import Readable, SourceOnPrimary
+from torch_dp._loop.jobs import FitJob, Job
 
 
 @dataclass(frozen=True)

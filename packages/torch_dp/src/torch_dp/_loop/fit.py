@@ -1,6 +1,6 @@
 """The fit loop every replica runs: Keras's ``fit`` (callbacks, epochs, validation, checkpoints
-at each epoch end), each epoch's steps run by ``_epochs.train_epoch``. Callbacks and the
-progress bar run on rank 0 only; its decisions reach every replica (``_epochs.share_decisions``).
+at each epoch end), each epoch's steps run by ``_loop.epochs.train_epoch``. Callbacks and the
+progress bar run on rank 0 only; its decisions reach every replica (``_loop.epochs.share_decisions``).
 """
 
 from __future__ import annotations
@@ -11,16 +11,16 @@ import keras
 
 from dp_core import NO_STEP_TIMER, NoStepTimer, PreemptionWatch, StepTimer
 from dp_core.keras import BatchSource, CheckpointWriter, Start, callback_list, internals, needs_every_batch, verbosity
-from torch_dp._accumulation import accumulation_window
-from torch_dp._checkpoints import check_same_start, restore_metrics, save
-from torch_dp._collectives import broadcast_floats
-from torch_dp._custom import CustomSteps
-from torch_dp._epochs import EpochSteps, KerasSteps, OwnSteps, share_decisions, train_epoch
-from torch_dp._evaluate import evaluate_loop
-from torch_dp._jobs import FitJob
-from torch_dp._replica import Replica
-from torch_dp._sources import steps_of
-from torch_dp._state import same_state_as_primary
+from torch_dp._comm.collectives import broadcast_floats
+from torch_dp._comm.replica import Replica
+from torch_dp._data.sources import steps_of
+from torch_dp._loop.checkpoints import check_same_start, restore_metrics, save
+from torch_dp._loop.epochs import EpochSteps, KerasSteps, OwnSteps, share_decisions, train_epoch
+from torch_dp._loop.evaluate import evaluate_loop
+from torch_dp._loop.jobs import FitJob
+from torch_dp._step.accumulation import accumulation_window
+from torch_dp._step.custom import CustomSteps
+from torch_dp._step.state import same_state_as_primary
 
 
 def fit_loop(

@@ -24,7 +24,7 @@ from typing import Any
 import cloudpickle
 
 from dp_core import NonFiniteLossError, Preempted
-from torch_dp._spawn import Worker, caller_gone, is_stopped
+from torch_dp._processes.spawn import Worker, caller_gone, is_stopped
 
 # Raised in the caller as their own type when a worker raises them.
 DOCUMENTED = (NonFiniteLossError, Preempted)

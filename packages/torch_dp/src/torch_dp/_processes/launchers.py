@@ -2,9 +2,9 @@
 
 - ``ThisProcess``: one replica, the caller's own process and model.
 - ``ClusterProcess``: this process is one of those torchrun (or another ``env://`` launcher)
-  or SLURM's ``srun`` started (``_cluster``); it joins their group on first use and trains
+  or SLURM's ``srun`` started (``_processes.cluster``); it joins their group on first use and trains
   the caller's model as its replica.
-- ``ReplicaPool`` (``_pool``): this process as rank 0 with N-1 spawned workers, kept
+- ``ReplicaPool`` (``_processes.pool``): this process as rank 0 with N-1 spawned workers, kept
   between calls.
 
 Each answers "run this job" (``run``) and "let go of what you hold" (``close``).
@@ -19,12 +19,12 @@ import keras
 import torch
 import torch.distributed as dist
 
-from torch_dp._cluster import Cluster, cluster_of
-from torch_dp._group import Timeouts, device_for, join_cluster_group, leave_group
-from torch_dp._jobs import Job
-from torch_dp._pool import ReplicaPool, close_active_pool
-from torch_dp._replica import Replica
-from torch_dp._run import run_job
+from torch_dp._comm.replica import Replica
+from torch_dp._loop.jobs import Job
+from torch_dp._loop.run import run_job
+from torch_dp._processes.cluster import Cluster, cluster_of
+from torch_dp._processes.group import Timeouts, device_for, join_cluster_group, leave_group
+from torch_dp._processes.pool import ReplicaPool, close_active_pool
 
 atexit.register(close_active_pool)
 

@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
-from torch_dp._cluster import Cluster
+from torch_dp._comm.replica import Replica
 from torch_dp._internals import set_collective_timeout
-from torch_dp._replica import Replica
-from torch_dp._spawn import environment_variables
+from torch_dp._processes.cluster import Cluster
+from torch_dp._processes.spawn import environment_variables
 
 RENDEZVOUS_TIMEOUT = 60.0
 COLLECTIVE_TIMEOUT = 1800.0  # torch's own default for a process group

@@ -2,7 +2,7 @@
 variables on this replica's device, rank 0's state everywhere), then the job's loop.
 
 ``run_job`` serves every replica: the caller's own process (one replica, rank 0 of spawned
-replicas, or one of torchrun's) and each spawned worker. Jobs are data (``_jobs``); what each
+replicas, or one of torchrun's) and each spawned worker. Jobs are data (``_loop.jobs``); what each
 kind of job does on a replica is here (``run_fit``, ``run_evaluate``, ``run_predict``).
 """
 
@@ -22,19 +22,19 @@ from dp_core.keras import (
     internals,
     learning_rate_policy_installed,
 )
-from torch_dp._batchnorm import masked_batch_norm
-from torch_dp._checkpoints import resume_from
-from torch_dp._collectives import all_gather_rows, all_gather_varying_rows
-from torch_dp._custom import custom_steps, overrides
-from torch_dp._evaluate import evaluate_loop, predict_loop
-from torch_dp._fit import fit_loop
-from torch_dp._jobs import EvaluateJob, FitJob, Job, PredictJob
-from torch_dp._order import in_batch_order, in_even_order, in_input_order
-from torch_dp._placement import check_placement
-from torch_dp._profile import finish_report, step_timer, timing_batch_norm
-from torch_dp._replica import Replica
-from torch_dp._sources import Readable
-from torch_dp._state import check_same_variables, same_state_as_primary
+from torch_dp._comm.collectives import all_gather_rows, all_gather_varying_rows
+from torch_dp._comm.replica import Replica
+from torch_dp._data.order import in_batch_order, in_even_order, in_input_order
+from torch_dp._data.sources import Readable
+from torch_dp._loop.checkpoints import resume_from
+from torch_dp._loop.evaluate import evaluate_loop, predict_loop
+from torch_dp._loop.fit import fit_loop
+from torch_dp._loop.jobs import EvaluateJob, FitJob, Job, PredictJob
+from torch_dp._step.batchnorm import masked_batch_norm
+from torch_dp._step.custom import custom_steps, overrides
+from torch_dp._step.placement import check_placement
+from torch_dp._step.profile import finish_report, step_timer, timing_batch_norm
+from torch_dp._step.state import check_same_variables, same_state_as_primary
 
 
 def build(model: keras.Model, job: Job) -> None:

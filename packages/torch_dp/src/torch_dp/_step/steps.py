@@ -25,11 +25,11 @@ import torch
 
 from dp_core import NO_STEP_TIMER, NoStepTimer, StepTimer
 from dp_core.keras import ReplicaRows, internals, map_structure, replica_losses
-from torch_dp._batches import Batch
-from torch_dp._batchnorm import real_rows
-from torch_dp._buckets import GradientBuckets
-from torch_dp._collectives import all_reduce_sum
-from torch_dp._replica import Replica
+from torch_dp._comm.collectives import all_reduce_sum
+from torch_dp._comm.replica import Replica
+from torch_dp._data.batches import Batch
+from torch_dp._step.batchnorm import real_rows
+from torch_dp._step.buckets import GradientBuckets
 
 
 def _forward(model: keras.Model, x: Any, training: bool) -> Any:
@@ -159,7 +159,7 @@ def train_step(
 
     ``timer`` (``Trainer(profile=...)``; else one that records nothing) gets laps for forward+backward,
     the all-reduce and the optimizer.
-    With ``buckets`` (large gradients, ``_buckets``) the gradients are summed in buckets started during
+    With ``buckets`` (large gradients, ``_step.buckets``) the gradients are summed in buckets started during
     backward, and the few floats above travel in a small all-reduce of their own after it.
     """
     before = _state_to_undo(model)
@@ -214,7 +214,7 @@ def local_gradients(
     model: keras.Model, batch: Batch, replica: Replica, *, buckets: GradientBuckets | None = None
 ) -> LocalGradients:
     """Forward, loss, metric update and backward on this replica's rows; no collective but the
-    synchronized BatchNorm moments (``_batchnorm``) and, with ``buckets``, the gradients' own
+    synchronized BatchNorm moments (``_step.batchnorm``) and, with ``buckets``, the gradients' own
     all-reduces, started during backward (``GradientBuckets.summed`` collects them)."""
     with replica_losses(model, _replica_rows(batch, replica)):  # activity regularizers run in the forward pass
         with real_rows(batch.mask):
@@ -302,7 +302,7 @@ def _undo(model: keras.Model, before: list[tuple[keras.Variable, torch.Tensor]])
 
 
 def test_step(model: keras.Model, batch: Batch, replica: Replica) -> None:
-    """Loss and metrics of one batch, accumulated locally (synced by ``_metrics.global_logs``)."""
+    """Loss and metrics of one batch, accumulated locally (synced by ``_step.metrics.global_logs``)."""
     with torch.no_grad(), replica_losses(model, _replica_rows(batch, replica)):
         y_pred = _forward(model, batch.x, training=False)
         with _weigh_losses_by_real_rows(model, batch, replica):

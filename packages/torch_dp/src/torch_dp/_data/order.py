@@ -1,5 +1,5 @@
 """Predictions gathered from every replica, put back in input order: each replica's rows of each
-global batch (``_batches``: a padded shard of an array input, a contiguous part of a source's
+global batch (``_data.batches``: a padded shard of an array input, a contiguous part of a source's
 batch, or an even part for a model's own ``predict_step``), merged and their padding dropped."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from dp_core import split_indices
-from torch_dp._batches import even_part
+from torch_dp._data.batches import even_part
 
 
 def in_input_order(parts: list[list[np.ndarray]], num_samples: int, global_batch_size: int) -> list[np.ndarray]:

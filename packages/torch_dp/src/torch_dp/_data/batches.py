@@ -1,8 +1,8 @@
 """What each replica feeds its model at each step. (How arrays reach the worker replicas, written
-once and memory-mapped: ``_transfer``.)
+once and memory-mapped: ``_processes.transfer``.)
 
 On an accelerator, an array input's batches are read one ahead in the background
-(``_prefetch``): rows are indexed and converted on the host (into pinned memory for a GPU)
+(``_data.prefetch``): rows are indexed and converted on the host (into pinned memory for a GPU)
 while the step before computes, then copied to the replica's device without blocking the host.
 """
 
@@ -19,9 +19,9 @@ import torch
 
 from dp_core import epoch_order, num_steps, split_indices
 from dp_core.keras import BatchSource, Inputs, batch_rows, map_structure, padded_batch_size, replica_part
-from torch_dp._prefetch import pinned, pins_memory, prefetched, reads_ahead, to_device
-from torch_dp._replica import Replica
-from torch_dp._sources import Readable, SourceOnPrimary, global_batches
+from torch_dp._comm.replica import Replica
+from torch_dp._data.prefetch import pinned, pins_memory, prefetched, reads_ahead, to_device
+from torch_dp._data.sources import Readable, SourceOnPrimary, global_batches
 
 
 @dataclass

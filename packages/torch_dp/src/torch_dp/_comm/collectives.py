@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torch_dp._replica import Replica
+from torch_dp._comm.replica import Replica
 
 # Spawned replicas count the collectives each has entered, in memory they all share: after a
 # collective times out, the replica that entered the fewest is the one the others waited for.

@@ -1,5 +1,5 @@
 """The evaluate and predict loops every replica runs: Keras's ``evaluate``/``predict`` with the
-test and predict hooks on rank 0 only; a model's own ``test_step``/``predict_step`` (``_custom``)
+test and predict hooks on rank 0 only; a model's own ``test_step``/``predict_step`` (``_step.custom``)
 runs on ``even_batches`` (unpadded rows).
 """
 
@@ -12,13 +12,13 @@ import keras
 import numpy as np
 
 from dp_core.keras import callback_list, needs_every_batch, verbosity
-from torch_dp._batches import EvenBatch, even_batches, replica_batches
-from torch_dp._collectives import broadcast_floats
-from torch_dp._custom import CustomSteps
-from torch_dp._metrics import global_logs, logs_due
-from torch_dp._replica import Replica
-from torch_dp._sources import Readable, steps_of
-from torch_dp._steps import predict_step, test_step
+from torch_dp._comm.collectives import broadcast_floats
+from torch_dp._comm.replica import Replica
+from torch_dp._data.batches import EvenBatch, even_batches, replica_batches
+from torch_dp._data.sources import Readable, steps_of
+from torch_dp._step.custom import CustomSteps
+from torch_dp._step.metrics import global_logs, logs_due
+from torch_dp._step.steps import predict_step, test_step
 
 
 def evaluate_loop(

@@ -1,5 +1,5 @@
 """A spawned worker replica's entry point (``pool_worker``), kept alive between calls: it joins
-the caller's group, then runs each call the caller sends (``_run.run_job``) until told to stop.
+the caller's group, then runs each call the caller sends (``_loop.run.run_job``) until told to stop.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import keras
 import torch
 
 from dp_core.keras import internals
-from torch_dp._collectives import count_collectives_in
-from torch_dp._failures import report_failure
-from torch_dp._group import Rendezvous, join_group, leave_group
-from torch_dp._run import run_job
-from torch_dp._spawn import caller_gone, exit_with_parent
-from torch_dp._transfer import Request, opened, receive_model
+from torch_dp._comm.collectives import count_collectives_in
+from torch_dp._loop.run import run_job
+from torch_dp._processes.failures import report_failure
+from torch_dp._processes.group import Rendezvous, join_group, leave_group
+from torch_dp._processes.spawn import caller_gone, exit_with_parent
+from torch_dp._processes.transfer import Request, opened, receive_model
 
 
 def pool_worker(

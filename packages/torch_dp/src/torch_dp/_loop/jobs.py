@@ -1,8 +1,8 @@
 """What the replicas run for one call: a ``FitJob``, an ``EvaluateJob`` or a ``PredictJob``.
 
 Each job is plain data that can travel to a worker replica (its arrays as memory-mapped
-files, see ``_transfer``; its callbacks stay with the caller, rank 0, which alone runs
-them); ``_run.run_job`` runs one on a replica and returns that replica's result.
+files, see ``_processes.transfer``; its callbacks stay with the caller, rank 0, which alone runs
+them); ``_loop.run.run_job`` runs one on a replica and returns that replica's result.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import keras
 
 from dp_core import BatchNormMode, NonFiniteLoss, Verbose
 from dp_core.keras import FitArguments, LearningRatePolicy
-from torch_dp._sources import Readable
+from torch_dp._data.sources import Readable
 
 
 @dataclass(frozen=True)
 class FitJob:
-    """``fit``'s checked arguments and the trainer's options (run: ``_run.run_fit``, this replica's History)."""
+    """``fit``'s checked arguments and the trainer's options (run: ``_loop.run.run_fit``, this replica's History)."""
 
     arguments: FitArguments
     batch_norm: BatchNormMode
@@ -40,7 +40,7 @@ class FitJob:
 
 @dataclass(frozen=True)
 class EvaluateJob:
-    """``evaluate``'s arguments (run: ``_run.run_evaluate``, the logs over every replica's rows)."""
+    """``evaluate``'s arguments (run: ``_loop.run.run_evaluate``, the logs over every replica's rows)."""
 
     inputs: Readable
     global_batch_size: int
@@ -52,7 +52,7 @@ class EvaluateJob:
 
 @dataclass(frozen=True)
 class PredictJob:
-    """``predict``'s arguments (run: ``_run.run_predict``, every row's outputs in input order)."""
+    """``predict``'s arguments (run: ``_loop.run.run_predict``, every row's outputs in input order)."""
 
     inputs: Readable
     global_batch_size: int

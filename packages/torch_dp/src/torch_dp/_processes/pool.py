@@ -10,8 +10,8 @@ recompiled), and rank 0's state when it changed since the last call.
 This module holds process-global state. The invariants a change must keep:
 
 - **One pool per process.** ``_active`` is the pool holding this process's default
-  ``torch.distributed`` group and ``_collectives``' counters; starting a pool closes any
-  other, and ``close_active_pool`` (registered with ``atexit`` by ``_launch``) closes the one
+  ``torch.distributed`` group and ``_comm.collectives``' counters; starting a pool closes any
+  other, and ``close_active_pool`` (registered with ``atexit`` by ``_processes.launchers``) closes the one
   left at interpreter exit.
 - **Close on every failure.** Any exception while the workers start or during a call closes
   the pool (workers ended, group destroyed, shared files removed) before it is raised, and the
@@ -42,15 +42,15 @@ import keras
 import torch
 import torch.distributed as dist
 
-from torch_dp._collectives import count_collectives_in
-from torch_dp._failures import DOCUMENTED, blame, failure_of, raised, stopped_worker, unanswered, vanished
-from torch_dp._group import Rendezvous, Timeouts, device_for, leave_group, loopback_store, serve_group
+from torch_dp._comm.collectives import count_collectives_in
+from torch_dp._comm.replica import Replica
 from torch_dp._internals import version
-from torch_dp._jobs import FitJob, Job
-from torch_dp._replica import Replica
-from torch_dp._run import build, check_losses, run_job
-from torch_dp._spawn import Worker, start_process, stop_processes, threads_per_replica, torch_threads
-from torch_dp._transfer import (
+from torch_dp._loop.jobs import FitJob, Job
+from torch_dp._loop.run import build, check_losses, run_job
+from torch_dp._processes.failures import DOCUMENTED, blame, failure_of, raised, stopped_worker, unanswered, vanished
+from torch_dp._processes.group import Rendezvous, Timeouts, device_for, leave_group, loopback_store, serve_group
+from torch_dp._processes.spawn import Worker, start_process, stop_processes, threads_per_replica, torch_threads
+from torch_dp._processes.transfer import (
     KerasSettings,
     Request,
     SharedArrays,
@@ -59,7 +59,7 @@ from torch_dp._transfer import (
     shippable,
     trainable_flags,
 )
-from torch_dp._worker import pool_worker
+from torch_dp._processes.worker import pool_worker
 
 _active: ReplicaPool | None = None  # the pool holding this process's default group
 DIRECTORY_PREFIX = "torch_dp_"  # then the caller's pid: a directory whose caller is gone is stale

@@ -1,7 +1,7 @@
 """Where a call's rows come from (``Readable``): arrays (``Inputs``), a batch-yielding input
 (``BatchSource``: a PyDataset, generator, DataLoader...), or, in a worker replica, the stand-in for
 one (``SourceOnPrimary``). A batch-yielding input is read by rank 0 alone, once per global batch,
-and each batch broadcast (``global_batches``); every replica then keeps its own rows (``_batches``).
+and each batch broadcast (``global_batches``); every replica then keeps its own rows (``_data.batches``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from dp_core import num_steps
 from dp_core.keras import BatchSource, Inputs, map_structure
-from torch_dp._replica import Replica
+from torch_dp._comm.replica import Replica
 
 
 @dataclass(frozen=True)

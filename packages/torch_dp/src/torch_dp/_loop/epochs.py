@@ -5,7 +5,7 @@ rank 0 makes (stop, learning rate) reaches all replicas at the point Keras would
 
 The two kinds of step differ in where those decisions travel (``EpochSteps.decisions``): Keras's
 step carries them on its gradients' all-reduce when a callback acts at every batch (else a stop at
-a batch end waits for the epoch's end); a model's own ``train_step`` (``_custom``) runs on
+a batch end waits for the epoch's end); a model's own ``train_step`` (``_step.custom``) runs on
 ``even_batches`` (unpadded rows), and its decisions travel in a small broadcast before each step,
 since the user's step owns the gradients' all-reduce.
 """
@@ -23,17 +23,17 @@ import torch
 
 from dp_core import NO_STEP_TIMER, NonFiniteLoss, NoStepTimer, Preempted, PreemptionWatch, StepTimer, list_checkpoints
 from dp_core.keras import CheckpointWriter, internals, nonfinite_loss_stopped, skipped_message
-from torch_dp._accumulation import Window
-from torch_dp._batches import Batch, EvenBatch, even_batches, replica_batches
-from torch_dp._buckets import gradient_buckets
-from torch_dp._checkpoints import save
-from torch_dp._collectives import all_reduce_sum, broadcast_floats
-from torch_dp._custom import CustomSteps, optimizers_of
-from torch_dp._jobs import FitJob
-from torch_dp._metrics import global_logs, logs_due, logs_of
-from torch_dp._replica import Replica
-from torch_dp._sources import steps_of
-from torch_dp._steps import Trained, train_step
+from torch_dp._comm.collectives import all_reduce_sum, broadcast_floats
+from torch_dp._comm.replica import Replica
+from torch_dp._data.batches import Batch, EvenBatch, even_batches, replica_batches
+from torch_dp._data.sources import steps_of
+from torch_dp._loop.checkpoints import save
+from torch_dp._loop.jobs import FitJob
+from torch_dp._step.accumulation import Window
+from torch_dp._step.buckets import gradient_buckets
+from torch_dp._step.custom import CustomSteps, optimizers_of
+from torch_dp._step.metrics import global_logs, logs_due, logs_of
+from torch_dp._step.steps import Trained, train_step
 
 
 def share_decisions(model: keras.Model, replica: Replica, *, stopped: bool | None = None) -> bool:
@@ -90,7 +90,7 @@ class EpochSteps(Protocol):
 
 @dataclass
 class KerasSteps:
-    """Keras's own train step (``_steps.train_step``, or a gradient accumulation ``window``'s), on
+    """Keras's own train step (``_step.steps.train_step``, or a gradient accumulation ``window``'s), on
     padded batches. With ``decide_each_step`` (callbacks act at every batch) every step sums the
     metric states and rank 0's decisions with the gradients; else logs are synced every
     ``log_every`` steps (0: never). Without ``batch_hooks`` (no callback acts at a batch, no
@@ -152,7 +152,7 @@ class KerasSteps:
 
 @dataclass
 class OwnSteps:
-    """The model's own ``train_step`` (``_custom``), on ``even_batches``; the epoch's logs come from
+    """The model's own ``train_step`` (``_step.custom``), on ``even_batches``; the epoch's logs come from
     what its last step returned, as in Keras. Rank 0's decisions (stop, learning rates) are
     broadcast before every step, after ``on_train_batch_begin``, where a callback may set them."""
 

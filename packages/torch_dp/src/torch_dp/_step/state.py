@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from torch_dp._collectives import all_reduce_sum, broadcast_floats, broadcast_from_primary
-from torch_dp._replica import Replica
+from torch_dp._comm.collectives import all_reduce_sum, broadcast_floats, broadcast_from_primary
+from torch_dp._comm.replica import Replica
 
 
 def same_state_as_primary(model: Any, replica: Replica, *, optimizer: bool) -> None:

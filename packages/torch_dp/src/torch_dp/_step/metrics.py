@@ -13,8 +13,8 @@ import keras
 import torch
 
 from dp_core.keras import python_logs
-from torch_dp._collectives import all_reduce_sum
-from torch_dp._replica import Replica
+from torch_dp._comm.collectives import all_reduce_sum
+from torch_dp._comm.replica import Replica
 
 
 def logs_due(step: int, steps: int | None, every: int) -> bool:
