@@ -266,7 +266,7 @@ def trainer_parts(backend: str) -> dict[str, tuple[Any, str]]:
 
     parts = {"callbacks_ms": (keras.callbacks.CallbackList, "on_train_batch_end")}
     if backend == "torch":
-        from torch_dp import _loop
+        from torch_dp._loop import epochs as _loop
 
         return {**parts, "trainer_logs_ms": (_loop, "logs_of"), "train_step_ms": (_loop, "train_step")}
     from jax_dp._loop import epochs as _epochs

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from guide_convnet import compiled_convnet, synthetic_mnist
 
 import torch_dp
-from torch_dp import _loop, _steps
+from torch_dp._loop import epochs as _loop
+from torch_dp._step import steps as _steps
 
 NUM_SAMPLES, GLOBAL_BATCH_SIZE = 3072, 128
 

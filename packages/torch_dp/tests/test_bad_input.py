@@ -7,8 +7,8 @@ import torch
 import torch_dp_testing as testing
 
 import torch_dp
-import torch_dp._pool
-from torch_dp._worker import device_for
+import torch_dp._processes.pool
+from torch_dp._processes.group import device_for
 
 
 @pytest.fixture(autouse=True)
@@ -16,7 +16,7 @@ def no_spawning(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a worker process was started before the input was checked")
 
-    monkeypatch.setattr(torch_dp._pool, "start_process", refuse)
+    monkeypatch.setattr(torch_dp._processes.pool, "start_process", refuse)
 
 
 def test_global_batch_not_divisible():

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from torch_dp import _fused_batchnorm
-from torch_dp._batchnorm import masked_batch_norm, real_rows
-from torch_dp._comm import Replica
+from torch_dp._comm.replica import Replica
+from torch_dp._step import fused_batchnorm as _fused_batchnorm
+from torch_dp._step.batchnorm import masked_batch_norm, real_rows
 
 
 def _convnet(scale: bool, center: bool) -> keras.Model:

@@ -22,8 +22,8 @@ import torch_dp_testing as testing
 import dp_core
 import torch_dp
 from dp_core.keras import Start
-from torch_dp import _checkpoints
-from torch_dp._comm import Replica
+from torch_dp._comm.replica import Replica
+from torch_dp._loop import checkpoints as _checkpoints
 
 pytestmark = pytest.mark.timeout(180)
 HERE = os.path.dirname(__file__)

@@ -7,14 +7,13 @@ import torch
 import torch_dp_testing as testing
 
 import torch_dp
-from torch_dp import _placement
-from torch_dp._cluster import Cluster, cluster_of, slurm_hosts, slurm_port
-from torch_dp._comm import Replica
-from torch_dp._launch import make_local_device_current
-from torch_dp._placement import check_placement, misplaced_variable
-from torch_dp._pool import ReplicaPool
-from torch_dp._processes import Timeouts
-from torch_dp._worker import device_for
+from torch_dp._comm.replica import Replica
+from torch_dp._processes.cluster import Cluster, cluster_of, slurm_hosts, slurm_port
+from torch_dp._processes.group import Timeouts, device_for
+from torch_dp._processes.launchers import make_local_device_current
+from torch_dp._processes.pool import ReplicaPool
+from torch_dp._step import placement as _placement
+from torch_dp._step.placement import check_placement, misplaced_variable
 
 TORCHRUN = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "node01", "MASTER_PORT": "29500"}
 SLURM = {

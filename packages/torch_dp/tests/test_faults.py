@@ -21,8 +21,8 @@ import torch_dp_testing as testing
 
 import dp_core
 import torch_dp
-import torch_dp._pool
-import torch_dp._processes
+import torch_dp._processes.group
+import torch_dp._processes.pool
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -119,16 +119,16 @@ def test_rendezvous_binds_loopback_and_moves_off_a_busy_first_choice():
         busy.listen()
         taken = busy.getsockname()[1]
         with pytest.warns(RuntimeWarning, match=f"Rendezvous port {taken}"):
-            chosen = torch_dp._processes.bind_loopback(taken)
+            chosen = torch_dp._processes.group.bind_loopback(taken)
         with chosen:
             host, port = chosen.getsockname()
             assert host == "127.0.0.1" and port != taken
-    with torch_dp._processes.bind_loopback() as free:
+    with torch_dp._processes.group.bind_loopback() as free:
         assert free.getsockname()[0] == "127.0.0.1"
 
 
 def test_a_busy_port_under_torchrun_is_a_clear_error(monkeypatch):
-    torch_dp._pool.close_active_pool()  # an earlier test's replicas hold this process's group
+    torch_dp._processes.pool.close_active_pool()  # an earlier test's replicas hold this process's group
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -147,7 +147,7 @@ def test_a_busy_port_under_torchrun_is_a_clear_error(monkeypatch):
 
 
 def _worker_pids():
-    pool = torch_dp._pool._active
+    pool = torch_dp._processes.pool._active
     return [] if pool is None else [worker.process.pid for worker in pool._workers]
 
 
@@ -274,7 +274,7 @@ class _ForeignJoinAtFirstStep(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         if self.outcome is None:
-            port = torch_dp._pool._active._store.port
+            port = torch_dp._processes.pool._active._store.port
             started = time.monotonic()
             foreign = subprocess.run(
                 [sys.executable, "-c", FOREIGN_JOIN.format(port=port)],

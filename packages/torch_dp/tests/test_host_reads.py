@@ -9,9 +9,9 @@ import torch
 import torch_dp_testing as testing
 
 from dp_core.keras import Inputs
-from torch_dp._batches import replica_batches
-from torch_dp._comm import Replica
-from torch_dp._steps import _decisions, _read_on_host, train_step
+from torch_dp._comm.replica import Replica
+from torch_dp._data.batches import replica_batches
+from torch_dp._step.steps import _decisions, _read_on_host, train_step
 
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "numpy", "cpu")
 

@@ -18,7 +18,7 @@ import pytest
 import torch_dp_testing as testing
 
 import torch_dp
-import torch_dp._pool
+import torch_dp._processes.pool
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 HERE = os.path.dirname(__file__)
@@ -31,7 +31,7 @@ def trainer():
 
 
 def _workers():
-    pool = torch_dp._pool._active
+    pool = torch_dp._processes.pool._active
     return [] if pool is None else [worker.process.pid for worker in pool._workers]
 
 
@@ -170,12 +170,12 @@ def test_a_killed_worker_tears_the_pool_down_and_the_next_call_works():
 
 
 def test_what_cannot_travel_is_a_clear_error_before_any_worker_starts(monkeypatch):
-    torch_dp._pool.close_active_pool()
+    torch_dp._processes.pool.close_active_pool()
 
     def refuse(*args, **kwargs):
         raise AssertionError("a worker process was started")
 
-    monkeypatch.setattr(torch_dp._pool, "start_process", refuse)
+    monkeypatch.setattr(torch_dp._processes.pool, "start_process", refuse)
     x, y = testing.data()
 
     class Locked(testing.RowDataset):
@@ -301,7 +301,7 @@ def test_a_caller_killed_while_its_replicas_start_leaves_no_process_and_no_file(
     record_property("fault_seconds", time.monotonic() - died)
     script.communicate(timeout=60)
     assert not (tmp_path / "started").exists()  # killed before any step
-    torch_dp._pool.remove_stale_directories(str(tmp_path))  # what the next run does first
+    torch_dp._processes.pool.remove_stale_directories(str(tmp_path))  # what the next run does first
     assert list(tmp_path.iterdir()) == []
 
 
@@ -368,5 +368,5 @@ def test_directories_left_by_runs_killed_outright_are_removed_by_the_next(tmp_pa
     for directory in (stale, mine, unrelated):
         directory.mkdir()
         (directory / "array_0.npy").write_bytes(b"x")
-    assert torch_dp._pool.remove_stale_directories(str(tmp_path)) == [str(stale)]
+    assert torch_dp._processes.pool.remove_stale_directories(str(tmp_path)) == [str(stale)]
     assert not stale.exists() and mine.exists() and unrelated.exists()

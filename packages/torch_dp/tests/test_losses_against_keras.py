@@ -17,10 +17,10 @@ import pytest
 import torch_dp_testing as testing
 
 import torch_dp
-import torch_dp._launch
+import torch_dp._processes.launchers
 from dp_core import epoch_order
 from dp_core.keras import Inputs, build_model, check_losses_split
-from torch_dp._transfer import KerasSettings
+from torch_dp._processes.transfer import KerasSettings
 
 SEED = 5
 EPOCHS = 2
@@ -216,7 +216,7 @@ def _over_the_batch(y_true, y_pred):
 def test_a_loss_over_the_batch_axis_is_refused_before_any_process_starts(loss, named, monkeypatch):
     x = np.random.default_rng(0).uniform(size=(64, 4, 4, 1)).astype("float32")
     y = (x > 0.5).astype("float32")
-    monkeypatch.setattr(torch_dp._pool, "start_process", None)  # a start would fail on calling None
+    monkeypatch.setattr(torch_dp._processes.pool, "start_process", None)  # a start would fail on calling None
     trainer = torch_dp.Trainer(num_replicas=2)
     with pytest.raises(ValueError, match=r"reduces over the batch axis") as raised:
         trainer.fit(_dice_model(loss), x, y, global_batch_size=32, verbose=0)

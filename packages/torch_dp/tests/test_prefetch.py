@@ -13,10 +13,10 @@ import torch_dp_testing as testing
 
 import torch_dp
 from dp_core.keras import Inputs
-from torch_dp import _batches
-from torch_dp._batches import even_batches, replica_batches
-from torch_dp._comm import Replica
-from torch_dp._prefetch import THREAD_NAME, pins_memory, prefetched, reads_ahead, to_device
+from torch_dp._comm.replica import Replica
+from torch_dp._data import batches as _batches
+from torch_dp._data.batches import even_batches, replica_batches
+from torch_dp._data.prefetch import THREAD_NAME, pins_memory, prefetched, reads_ahead, to_device
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,7 +10,7 @@ import torch_dp_testing as testing
 import dp_core
 import torch_dp
 from dp_core import SCALING_PHASES
-from torch_dp._buckets import BUCKET_BYTES, GradientBuckets
+from torch_dp._step.buckets import BUCKET_BYTES, GradientBuckets
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 

@@ -4,7 +4,7 @@ import types
 
 import keras
 
-from torch_dp._worker import decorrelate_randomness
+from torch_dp._loop.run import decorrelate_randomness
 
 
 def torch_seeds(rank: int, num_replicas: int, draws: int) -> list[int]:

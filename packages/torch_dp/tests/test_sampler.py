@@ -3,7 +3,7 @@ import pytest
 import torch.utils.data
 
 import torch_dp
-import torch_dp._pool
+import torch_dp._processes.pool
 from dp_core import epoch_order
 
 
@@ -62,6 +62,6 @@ def test_usable_in_a_dataloader():
 
 
 def test_needs_replicas_without_a_process_group():
-    torch_dp._pool.close_active_pool()  # an earlier test's replicas hold this process's group
+    torch_dp._processes.pool.close_active_pool()  # an earlier test's replicas hold this process's group
     with pytest.raises(ValueError, match="num_replicas and rank"):
         torch_dp.Sampler(10, global_batch_size=4)

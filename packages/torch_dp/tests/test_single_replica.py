@@ -8,8 +8,8 @@ import torch_dp_testing as testing
 
 import torch_dp
 from dp_core import epoch_order
-from torch_dp._batchnorm import masked_batch_norm, real_rows
-from torch_dp._comm import Replica
+from torch_dp._comm.replica import Replica
+from torch_dp._step.batchnorm import masked_batch_norm, real_rows
 
 
 def _same_start(optimizer):
@@ -107,8 +107,8 @@ def test_lr_scaling_and_warmup_reach_the_optimizer_and_are_undone():
 
 
 def test_replicas_draw_different_dropout_masks_and_rank_0_keeps_the_callers():
-    from torch_dp._comm import Replica
-    from torch_dp._worker import decorrelate_randomness
+    from torch_dp._comm.replica import Replica
+    from torch_dp._loop.run import decorrelate_randomness
 
     def dropout_model():
         keras.utils.set_random_seed(0)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from torch_dp import _comm
+from torch_dp._comm import collectives as _comm
 
 NUM_SAMPLES = 99  # not a multiple of the global batch: the last batch is padded
 GLOBAL_BATCH_SIZE = 32

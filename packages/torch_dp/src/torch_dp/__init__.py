@@ -10,9 +10,9 @@ from dp_core import BatchNormMode as BatchNormMode
 from dp_core import EquivalenceReport as EquivalenceReport
 from dp_core import NonFiniteLossError as NonFiniteLossError
 from dp_core import Preempted as Preempted
+from torch_dp._data.sampler import Sampler as Sampler
 from torch_dp._equivalence import check_equivalence as check_equivalence
-from torch_dp._processes import WorkerError as WorkerError
-from torch_dp._sampler import Sampler as Sampler
+from torch_dp._processes.failures import WorkerError as WorkerError
 from torch_dp._trainer import Trainer as Trainer
 
 __version__ = _version("torch-dp")

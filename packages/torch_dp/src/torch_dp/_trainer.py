@@ -12,6 +12,7 @@ import keras
 from dp_core import BatchNormMode, LearningRateScaling, NonFiniteLoss, ScalingReport, Verbose, scaling_report_folder
 from dp_core.keras import (
     BatchSource,
+    FitArguments,
     Inputs,
     build_model,
     check_batch_norm_mode,
@@ -26,11 +27,11 @@ from dp_core.keras import (
     resolve_model,
     resumable_checkpoint,
 )
-from torch_dp._cluster import is_primary_process
-from torch_dp._custom import optimizers_of, overrides
-from torch_dp._jobs import EvaluateJob, FitJob, PredictJob
-from torch_dp._launch import Launcher, choose_launcher
-from torch_dp._processes import Timeouts
+from torch_dp._loop.jobs import EvaluateJob, FitJob, PredictJob
+from torch_dp._processes.cluster import is_primary_process
+from torch_dp._processes.group import Timeouts
+from torch_dp._processes.launchers import Launcher, choose_launcher
+from torch_dp._step.custom import optimizers_of, overrides
 
 
 @final
@@ -180,20 +181,15 @@ class Trainer:
             checkpoint_every_steps=checkpoint_every_steps,
             verbose=verbose,
         )
-        policy = plan_learning_rate(
-            keras_model.optimizer, global_batch_size=global_batch_size, lr_scaling=lr_scaling, warmup_steps=warmup_steps
-        )
-        resume = None
-        # chosen and checked here, so a bad one fails before any worker starts; in a cluster, by rank 0 for all
-        if arguments.checkpoint_dir is not None and is_primary_process():
-            build_model(keras_model, inputs)
-            found = resumable_checkpoint(
-                arguments.checkpoint_dir, keras_model, seed=seed, global_batch_size=global_batch_size, shuffle=shuffle
-            )
-            resume = None if found is None else os.path.join(arguments.checkpoint_dir, found.name)
-        profile = None if self.profile is None else str(self.profile)
-        job = FitJob(
-            arguments, self.batch_norm, self.log_every_steps, self.on_nonfinite_loss, policy, resume, profile=profile
+        job = self._fit_job(
+            arguments,
+            keras_model,
+            inputs,
+            global_batch_size=global_batch_size,
+            seed=seed,
+            shuffle=shuffle,
+            lr_scaling=lr_scaling,
+            warmup_steps=warmup_steps,
         )
         history = self._launcher.run(job, keras_model, model)
         self.scaling_report = getattr(history, "scaling_report", None)
@@ -244,6 +240,31 @@ class Trainer:
             PredictJob(inputs, global_batch_size, verbose, list(callbacks or [])), keras_model, model
         )
 
+    def _fit_job(
+        self,
+        arguments: FitArguments,
+        model: keras.Model,
+        inputs: Inputs | BatchSource,
+        *,
+        global_batch_size: int,
+        seed: int,
+        shuffle: bool,
+        lr_scaling: LearningRateScaling | None,
+        warmup_steps: int,
+    ) -> FitJob:
+        """A checked fit's job: its learning-rate plan made, the checkpoint to resume from chosen, and
+        the trainer's options."""
+        policy = plan_learning_rate(
+            model.optimizer, global_batch_size=global_batch_size, lr_scaling=lr_scaling, warmup_steps=warmup_steps
+        )
+        resume = _checkpoint_to_resume(
+            arguments.checkpoint_dir, model, inputs, seed=seed, global_batch_size=global_batch_size, shuffle=shuffle
+        )
+        profile = None if self.profile is None else str(self.profile)
+        return FitJob(
+            arguments, self.batch_norm, self.log_every_steps, self.on_nonfinite_loss, policy, resume, profile=profile
+        )
+
     def _check(
         self,
         model: Any,
@@ -279,6 +300,24 @@ class Trainer:
             **options,
         )
         return keras_model, inputs
+
+
+def _checkpoint_to_resume(
+    checkpoint_dir: str | None,
+    model: keras.Model,
+    inputs: Inputs | BatchSource,
+    *,
+    seed: int,
+    global_batch_size: int,
+    shuffle: bool,
+) -> str | None:
+    """The checkpoint in ``checkpoint_dir`` a fit resumes from (None: it starts afresh), chosen and
+    checked here, so a bad one fails before any worker starts; in a cluster, by rank 0 for all."""
+    if checkpoint_dir is None or not is_primary_process():
+        return None
+    build_model(model, inputs)
+    found = resumable_checkpoint(checkpoint_dir, model, seed=seed, global_batch_size=global_batch_size, shuffle=shuffle)
+    return None if found is None else os.path.join(checkpoint_dir, found.name)
 
 
 def _require_compiled_for_own_step(model: keras.Model, *, trains: bool) -> None:

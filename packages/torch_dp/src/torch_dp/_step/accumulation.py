@@ -33,7 +33,7 @@ What happens inside a window (all replicas agree on it, so none waits for anothe
 
 Steps keep their per-step collectives that are not gradients: the synchronized BatchNorm
 moments (``batch_norm="global"``) and, for losses normalized by sample weights or masks, their
-global sums. A model's own ``train_step`` (``_custom``) and these optimizers keep summing
+global sums. A model's own ``train_step`` (``_step.custom``) and these optimizers keep summing
 gradients at every step, with the same updates as ``model.fit``: a ``LossScaleOptimizer``
 (``mixed_float16``; its loss scale is decided on every step's global gradient) and variables
 with ``overwrite_with_gradient`` (float8 training).
@@ -45,16 +45,16 @@ import contextlib
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import keras
 import torch
 
-from dp_core import NonFiniteLoss
+from dp_core import NO_STEP_TIMER, NonFiniteLoss, NoStepTimer, StepTimer
 from dp_core.keras import internals, nonfinite_loss_stopped, skipped_message
-from torch_dp._batches import Batch
-from torch_dp._comm import Replica, all_reduce_sum
-from torch_dp._steps import (
+from torch_dp._comm.collectives import all_reduce_sum
+from torch_dp._comm.replica import Replica
+from torch_dp._data.batches import Batch
+from torch_dp._step.steps import (
     Trained,
     _decisions,
     _flag,
@@ -63,9 +63,6 @@ from torch_dp._steps import (
     act_on_decisions,
     local_gradients,
 )
-
-if TYPE_CHECKING:
-    from dp_core import StepTimer
 
 Saved = list[tuple[keras.Variable, torch.Tensor]]
 
@@ -138,9 +135,9 @@ class Window:
         sum_metrics: bool = False,
         stop: bool = False,
         preempt: bool = False,
-        timer: StepTimer | None = None,
+        timer: StepTimer | NoStepTimer = NO_STEP_TIMER,
     ) -> Trained:
-        """``_steps.train_step`` for step ``step`` of ``epoch`` inside a window: its gradient share
+        """``_step.steps.train_step`` for step ``step`` of ``epoch`` inside a window: its gradient share
         accumulates locally, and the window's sum is all-reduced and applied on its last step.
         ``applied`` is False on a stop, a preemption, or a last step whose window had a
         non-finite loss (left out on every replica)."""
@@ -149,8 +146,7 @@ class Window:
         exchange = last or sum_metrics  # something must travel: the gradients, or every batch's logs
         before = _state_to_undo(model) if exchange else []
         loss, trainable, local = local_gradients(model, batch, replica)
-        if timer is not None:
-            timer.lap("forward_backward", sync=True)
+        timer.lap("forward_backward", sync=True)
         nonfinite = (~torch.isfinite(torch.as_tensor(loss).detach().reshape(1))).to(torch.float32)
         if not exchange:
             self._accumulate(model, local, trainable, nonfinite)
@@ -163,8 +159,7 @@ class Window:
         summed = all_reduce_sum([*payload, control, *states, *decisions], replica)
         values = [summed[len(payload)], *([summed[-1]] if decisions else [])]
         anyone_nonfinite, anyone_preempted, *decided = torch.cat(values).tolist()
-        if timer is not None:
-            timer.lap("all_reduce")
+        timer.lap("all_reduce")
         ended = act_on_decisions(model, before, replica, rate, anyone_preempted=anyone_preempted, decided=decided)
         if ended is not None:
             return ended
@@ -176,8 +171,7 @@ class Window:
             self._leave_out(model)
             return Trained(False)
         self._apply(model, local, trainable, payload_sums=summed[: len(payload)])
-        if timer is not None:
-            timer.lap("optimizer", sync=True)
+        timer.lap("optimizer", sync=True)
         return Trained(True, metric_sums=metric_sums)
 
     def settle(self, model: keras.Model, replica: Replica) -> None:

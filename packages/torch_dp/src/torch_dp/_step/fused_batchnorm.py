@@ -7,7 +7,7 @@ each kept for the backward pass; this one makes about five passes over the input
 (sums of values and of squares, ``(x - mean) * scale + beta``) and five backward, and keeps
 one tensor for it. The statistics are Keras's (``E[x^2] - E[x]^2``, biased, torch's sums),
 the moving averages are updated by Keras's formula, and the gradients are those of Keras's
-step on the whole global batch. ``_batchnorm`` uses it only where nothing is left out: no
+step on the whole global batch. ``_step.batchnorm`` uses it only where nothing is left out: no
 padded row, no Keras mask.
 """
 
@@ -19,7 +19,7 @@ import keras
 import torch
 
 from dp_core.keras import internals
-from torch_dp._profile import sum_batch_norm_statistics
+from torch_dp._step.profile import sum_batch_norm_statistics
 
 
 def applies(layer: keras.layers.BatchNormalization, inputs: Any, training: Any) -> bool:

@@ -1,5 +1,5 @@
 """``Trainer(profile=...)`` on torch: each replica times its steps with a ``dp_core.StepTimer``
-(laps in ``_loop`` and ``_steps``; on CUDA the device is synchronised at each lap, only when
+(laps in ``_loop.epochs`` and ``_step.steps``; on CUDA the device is synchronised at each lap, only when
 profiling), and after the fit the replicas exchange what the report needs once: each one's
 compute time per step (the straggler spread) and a timed all-reduce of a few MB (the link's
 bandwidth). Each synchronized BatchNormalization layer's collectives are timed where they run
@@ -18,8 +18,9 @@ import keras
 import torch
 import torch.distributed as dist
 
-from dp_core import BatchNormSync, Phase, ScalingReport, StepTimer, bus_bandwidth, write_scaling_report
-from torch_dp._comm import Replica, all_gather_rows, sum_in_place
+from dp_core import BatchNormSync, NoStepTimer, Phase, ScalingReport, StepTimer, bus_bandwidth, write_scaling_report
+from torch_dp._comm.collectives import all_gather_rows, sum_in_place
+from torch_dp._comm.replica import Replica
 
 PROBE_BYTES = 4 * 2**20  # the timed all-reduce: large enough to be bandwidth-bound, small enough to be quick
 PROBE_ROUNDS = 5
@@ -34,10 +35,11 @@ _batch_norm_timer: StepTimer | None = None
 
 
 @contextlib.contextmanager
-def timing_batch_norm(timer: StepTimer | None) -> Iterator[None]:
-    """Within the block, ``sum_batch_norm_statistics`` notes each layer's collective time in ``timer``."""
+def timing_batch_norm(timer: StepTimer | NoStepTimer) -> Iterator[None]:
+    """Within the block, ``sum_batch_norm_statistics`` notes each layer's collective time in ``timer``
+    (none with a timer that records nothing: timing waits for the device, which only a report pays)."""
     global _batch_norm_timer
-    previous, _batch_norm_timer = _batch_norm_timer, timer
+    previous, _batch_norm_timer = _batch_norm_timer, (timer if isinstance(timer, StepTimer) else None)
     try:
         yield
     finally:
@@ -116,7 +118,7 @@ def finish_report(
     )
     per_replica = [float(part.item()) for part in all_gather_rows(compute, replica)]
     bandwidth = link_bandwidth(replica)
-    bucketed = any(OVERLAPPED in step for step in timer.per_step)  # gradients summed in buckets (``_buckets``)
+    bucketed = any(OVERLAPPED in step for step in timer.per_step)  # gradients summed in buckets (``_step.buckets``)
     overlapped = timer.counted(phases=(OVERLAPPED,))[0][OVERLAPPED] if bucketed else None
     if not replica.is_primary:
         return None

@@ -2,9 +2,9 @@
 
 - ``ThisProcess``: one replica, the caller's own process and model.
 - ``ClusterProcess``: this process is one of those torchrun (or another ``env://`` launcher)
-  or SLURM's ``srun`` started (``_cluster``); it joins their group on first use and trains
+  or SLURM's ``srun`` started (``_processes.cluster``); it joins their group on first use and trains
   the caller's model as its replica.
-- ``ReplicaPool`` (``_pool``): this process as rank 0 with N-1 spawned workers, kept
+- ``ReplicaPool`` (``_processes.pool``): this process as rank 0 with N-1 spawned workers, kept
   between calls.
 
 Each answers "run this job" (``run``) and "let go of what you hold" (``close``).
@@ -19,12 +19,12 @@ import keras
 import torch
 import torch.distributed as dist
 
-from torch_dp._cluster import Cluster, cluster_of
-from torch_dp._comm import Replica
-from torch_dp._jobs import Job
-from torch_dp._pool import ReplicaPool, close_active_pool
-from torch_dp._processes import Timeouts, join_cluster_group
-from torch_dp._worker import device_for, run_job
+from torch_dp._comm.replica import Replica
+from torch_dp._loop.jobs import Job
+from torch_dp._loop.run import run_job
+from torch_dp._processes.cluster import Cluster, cluster_of
+from torch_dp._processes.group import Timeouts, device_for, join_cluster_group, leave_group
+from torch_dp._processes.pool import ReplicaPool, close_active_pool
 
 atexit.register(close_active_pool)
 
@@ -95,8 +95,7 @@ class ClusterProcess:
     def replica(self) -> Replica:
         if not dist.is_initialized():
             device_for(self.cluster.local_rank)  # current again, in case the caller changed it
-            backend = "nccl" if self.device.startswith("cuda") else "gloo"
-            join_cluster_group(self.cluster, backend, self.timeouts.rendezvous, self.timeouts.collective)
+            join_cluster_group(self.cluster, self.device, self.timeouts)
             atexit.register(_leave_group)
         return Replica(dist.get_rank(), self.num_replicas, self.device)
 
@@ -111,8 +110,7 @@ def _leave_group() -> None:
     """Destroy the group this process joined before the interpreter shuts down, as torch asks: a
     gloo group left to the C++ runtime's teardown at exit can abort the process (SIGABRT, "terminate
     called without an active exception") after its work is done, which torchrun counts as a failure."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    leave_group()
 
 
 def choose_launcher(num_replicas: int | None, *, threads: int | None, timeouts: Timeouts) -> Launcher:

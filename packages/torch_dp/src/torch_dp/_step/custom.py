@@ -1,7 +1,7 @@
 """A model's own ``train_step``, ``test_step`` and ``predict_step``, run on every replica.
 
 ``model.fit`` calls an overridden ``train_step(data)`` once per batch; here every replica
-calls it on its rows of the global batch (``_batches.even_batches``), and ``CustomSteps``
+calls it on its rows of the global batch (``_data.batches.even_batches``), and ``CustomSteps``
 makes the N calls add up to the one ``model.fit`` makes:
 
 - **Gradients.** While a step runs, ``apply`` (and ``apply_gradients``) of every optimizer
@@ -31,7 +31,7 @@ makes the N calls add up to the one ``model.fit`` makes:
   step applies it to where a replica's copy is not built: a factory may build it or not, and a
   model rebuilt from its ``.keras`` file (which does not hold such an optimizer) starts equal.
 - **BatchNormalization** inside the step uses the statistics of the whole global batch under
-  ``batch_norm="global"`` (``_batchnorm``), the gradient through them weighted by ``w_r`` too.
+  ``batch_norm="global"`` (``_step.batchnorm``), the gradient through them weighted by ``w_r`` too.
 
 Every replica must call each optimizer as often, and in the same order, as the others (the
 same code on equally shaped rows does): a step that applies on some replicas only leaves the
@@ -49,10 +49,12 @@ import numpy as np
 import torch
 
 from dp_core.keras import internals, python_logs
-from torch_dp._batches import EvenBatch
-from torch_dp._batchnorm import real_rows
-from torch_dp._comm import Replica, all_reduce_sum, broadcast_from_primary, check_same_optimizer_variables
-from torch_dp._steps import logs_of
+from torch_dp._comm.collectives import all_reduce_sum, broadcast_from_primary
+from torch_dp._comm.replica import Replica
+from torch_dp._data.batches import EvenBatch
+from torch_dp._step.batchnorm import real_rows
+from torch_dp._step.metrics import logs_of
+from torch_dp._step.state import check_same_optimizer_variables
 
 STEPS = ("train_step", "test_step", "predict_step")
 

@@ -23,12 +23,13 @@ from typing import Any, NamedTuple
 import keras
 import torch
 
-from dp_core import StepTimer
-from dp_core.keras import ReplicaRows, internals, map_structure, python_logs, replica_losses
-from torch_dp._batches import Batch
-from torch_dp._batchnorm import real_rows
-from torch_dp._buckets import GradientBuckets
-from torch_dp._comm import Replica, all_reduce_sum
+from dp_core import NO_STEP_TIMER, NoStepTimer, StepTimer
+from dp_core.keras import ReplicaRows, internals, map_structure, replica_losses
+from torch_dp._comm.collectives import all_reduce_sum
+from torch_dp._comm.replica import Replica
+from torch_dp._data.batches import Batch
+from torch_dp._step.batchnorm import real_rows
+from torch_dp._step.buckets import GradientBuckets
 
 
 def _forward(model: keras.Model, x: Any, training: bool) -> Any:
@@ -132,7 +133,7 @@ def train_step(
     sum_metrics: bool = False,
     stop: bool = False,
     preempt: bool = False,
-    timer: StepTimer | None = None,
+    timer: StepTimer | NoStepTimer = NO_STEP_TIMER,
     buckets: GradientBuckets | None = None,
 ) -> Trained:
     """Forward, exact global-batch gradient, Keras optimizer update, metric update.
@@ -156,8 +157,9 @@ def train_step(
     and the optimizer untouched on every replica, and Keras's optimizer cannot be told on the
     device to leave a step out. Everything else (logs, metrics) stays on the device until read.
 
-    ``timer`` (``Trainer(profile=...)``) gets laps for forward+backward, the all-reduce and the optimizer.
-    With ``buckets`` (large gradients, ``_buckets``) the gradients are summed in buckets started during
+    ``timer`` (``Trainer(profile=...)``; else one that records nothing) gets laps for forward+backward,
+    the all-reduce and the optimizer.
+    With ``buckets`` (large gradients, ``_step.buckets``) the gradients are summed in buckets started during
     backward, and the few floats above travel in a small all-reduce of their own after it.
     """
     before = _state_to_undo(model)
@@ -168,8 +170,7 @@ def train_step(
     states = [v.value.detach() for v in model.metrics_variables] if shared else []
     rate = _learning_rate_variable(model)
     decisions = [_decisions(rate, replica, stop)] if shared else []
-    if timer is not None:
-        timer.lap("forward_backward", sync=True)
+    timer.lap("forward_backward", sync=True)
     # Zeros keep the buffer the same size on every replica; a variable with no gradient
     # here is still skipped by the optimizer, as in Keras.
     gradients = [torch.zeros_like(v.value) if g is None else g for v, g in zip(trainable, local, strict=True)]
@@ -177,12 +178,10 @@ def train_step(
         summed = all_reduce_sum([*gradients, local_loss, *states, *decisions], replica)
     else:
         summed = [*buckets.summed(trainable), *all_reduce_sum([local_loss, *states, *decisions], replica)]
-        if timer is not None:
-            timer.note("all_reduce_overlapped", buckets.overlapped)
+        timer.note("all_reduce_overlapped", buckets.overlapped)
     summed_gradients, (summed_loss, preempted) = summed[: len(gradients)], summed[len(gradients)]
     finite, anyone_preempted, *decided = _read_on_host(summed_loss, preempted, summed[-1] if decisions else None)
-    if timer is not None:  # the host read waited for the all-reduce, and so for the slowest replica
-        timer.lap("all_reduce")
+    timer.lap("all_reduce")  # the host read waited for the all-reduce, and so for the slowest replica
     ended = act_on_decisions(model, before, replica, rate, anyone_preempted=anyone_preempted, decided=decided)
     if ended is not None:
         return ended
@@ -194,8 +193,7 @@ def train_step(
             model.optimizer.apply(
                 [None if g is None else a for g, a in zip(local, summed_gradients, strict=True)], trainable
             )
-    if timer is not None:
-        timer.lap("optimizer", sync=True)
+    timer.lap("optimizer", sync=True)
     if not sum_metrics:
         return Trained(True)
     if not shared:  # one replica: its own states are the global ones
@@ -216,7 +214,7 @@ def local_gradients(
     model: keras.Model, batch: Batch, replica: Replica, *, buckets: GradientBuckets | None = None
 ) -> LocalGradients:
     """Forward, loss, metric update and backward on this replica's rows; no collective but the
-    synchronized BatchNorm moments (``_batchnorm``) and, with ``buckets``, the gradients' own
+    synchronized BatchNorm moments (``_step.batchnorm``) and, with ``buckets``, the gradients' own
     all-reduces, started during backward (``GradientBuckets.summed`` collects them)."""
     with replica_losses(model, _replica_rows(batch, replica)):  # activity regularizers run in the forward pass
         with real_rows(batch.mask):
@@ -304,7 +302,7 @@ def _undo(model: keras.Model, before: list[tuple[keras.Variable, torch.Tensor]])
 
 
 def test_step(model: keras.Model, batch: Batch, replica: Replica) -> None:
-    """Loss and metrics of one batch, accumulated locally (synced by ``global_logs``)."""
+    """Loss and metrics of one batch, accumulated locally (synced by ``_step.metrics.global_logs``)."""
     with torch.no_grad(), replica_losses(model, _replica_rows(batch, replica)):
         y_pred = _forward(model, batch.x, training=False)
         with _weigh_losses_by_real_rows(model, batch, replica):
@@ -318,30 +316,3 @@ def predict_step(model: keras.Model, batch: Batch) -> Any:
     with torch.no_grad():
         y_pred = _forward(model, batch.x, training=False)
     return keras.tree.map_structure(keras.ops.convert_to_numpy, y_pred)
-
-
-def global_logs(model: keras.Model, replica: Replica) -> dict[str, Any]:
-    """Metric results over every replica's rows, in one coalesced all-reduce.
-
-    Keras metric states are sums (totals, counts, confusion matrices), so summing them
-    over replicas gives the states of one model that saw every row.
-    """
-    variables = model.metrics_variables
-    if not replica.distributed or not variables:
-        return python_logs(model.get_metrics_result())
-    # float64 so that summed counts stay exact past 2**24 rows
-    summed = all_reduce_sum([v.value.detach().to(torch.float64) for v in variables], replica)
-    return logs_of(model, summed)
-
-
-def logs_of(model: keras.Model, metric_sums: list[torch.Tensor]) -> dict[str, Any]:
-    """Metric results for summed states: put in place, read, and the local states put back so
-    accumulation continues per replica."""
-    variables = model.metrics_variables
-    local = [v.value.detach().clone() for v in variables]
-    for variable, value in zip(variables, metric_sums, strict=True):
-        variable.assign(value.to(variable.value.dtype))
-    logs = python_logs(model.get_metrics_result())
-    for variable, value in zip(variables, local, strict=True):
-        variable.assign(value)
-    return logs

@@ -1,22 +1,14 @@
-"""What each replica feeds its model at each step, and how arrays reach the workers.
-
-Arrays handed to ``fit`` are written once to ``.npy`` files and memory-mapped by every
-worker replica, so the workers share one copy through the page cache instead of
-unpickling one each; the caller (rank 0) reads its own arrays.
+"""What each replica feeds its model at each step. (How arrays reach the worker replicas, written
+once and memory-mapped: ``_processes.transfer``.)
 
 On an accelerator, an array input's batches are read one ahead in the background
-(``_prefetch``): rows are indexed and converted on the host (into pinned memory for a GPU)
+(``_data.prefetch``): rows are indexed and converted on the host (into pinned memory for a GPU)
 while the step before computes, then copied to the replica's device without blocking the host.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import hashlib
-import mmap
-import os
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, cast
@@ -24,114 +16,12 @@ from typing import Any, cast
 import keras
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from dp_core import epoch_order, num_steps, split_indices
 from dp_core.keras import BatchSource, Inputs, batch_rows, map_structure, padded_batch_size, replica_part
-from torch_dp._comm import Replica
-from torch_dp._prefetch import pinned, pins_memory, prefetched, reads_ahead, to_device
-
-
-@dataclass(frozen=True)
-class SharedArray:
-    """A placeholder for an array leaf saved to ``path``; workers map it read-only."""
-
-    path: str
-
-
-@dataclass(frozen=True)
-class MappedFile:
-    """A caller's memory map of a whole file region, which the workers map read-only in turn
-    (a ``np.memmap`` opened ``"r"`` or ``"r+"``, or ``np.load(..., mmap_mode=...)``): a
-    dataset larger than memory is neither copied nor written again. Its writes are shared
-    (``MAP_SHARED``), so the workers see what the caller wrote before each call."""
-
-    path: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
-    fortran: bool
-
-    @classmethod
-    def of(cls, leaf: Any) -> MappedFile | None:
-        """The file region ``leaf`` maps, when it is a whole contiguous ``np.memmap`` whose
-        writes are shared (a slice, or a copy-on-write ``"c"`` map, is copied instead)."""
-        if not isinstance(leaf, np.memmap) or leaf.filename is None or getattr(leaf, "mode", None) not in ("r", "r+"):
-            return None
-        if not isinstance(leaf.base, mmap.mmap) or not (leaf.flags.c_contiguous or leaf.flags.f_contiguous):
-            return None  # a view into a larger map: its own offset is not recorded
-        whole = len(leaf.base) - (leaf.offset % mmap.ALLOCATIONGRANULARITY)
-        if leaf.nbytes != whole and leaf.ndim:  # numpy maps exactly the array's bytes
-            return None
-        fortran = bool(leaf.flags.f_contiguous and not leaf.flags.c_contiguous)
-        return cls(os.fspath(leaf.filename), leaf.dtype.str, tuple(leaf.shape), int(leaf.offset), fortran)
-
-    def open(self) -> np.memmap:
-        order = "F" if self.fortran else "C"
-        dtype = np.dtype(self.dtype)
-        return np.memmap(self.path, dtype=dtype, mode="r", offset=self.offset, shape=self.shape, order=order)
-
-
-class SharedArrays:
-    """The caller's arrays as ``.npy`` files under ``directory``, each written once: a later call
-    with the same array (same object, same contents) maps the same file. A file is removed
-    when its array is garbage-collected, and with the directory when the replicas close.
-
-    Contents are compared by a digest, so an array changed in place is written again; a
-    read-only array (such as a memory map opened ``"r"``) is trusted by identity alone.
-    """
-
-    def __init__(self, directory: str) -> None:
-        self.directory = directory
-        self._files: dict[int, tuple[weakref.ref[Any] | None, str, str]] = {}
-        self._count = 0
-
-    def share(self, inputs: Inputs) -> Inputs:
-        """``inputs`` with every array leaf replaced by a ``SharedArray`` (a dataset travels as it is)."""
-        return inputs.map_arrays(self._shared)
-
-    def _shared(self, leaf: Any) -> SharedArray | MappedFile:
-        mapped = MappedFile.of(leaf)
-        if mapped is not None:  # the workers map the same file: nothing to write
-            return mapped
-        array = leaf.detach().cpu().numpy() if isinstance(leaf, torch.Tensor) else np.asarray(leaf)
-        digest = "" if not array.flags.writeable else _digest(array)
-        known = self._files.get(id(leaf))
-        if known is not None and known[0] is not None and known[0]() is leaf and known[1] == digest:
-            return SharedArray(known[2])
-        path = os.path.join(self.directory, f"array_{self._count}.npy")
-        self._count += 1
-        np.save(path, array, allow_pickle=False)
-        key = id(leaf)
-        try:
-            ref: weakref.ref[Any] | None = weakref.ref(leaf, lambda _: self._forget(key, path))
-        except TypeError:  # cannot be watched (a plain list): written again at each call
-            ref = None
-        self._files[key] = (ref, digest, path)
-        return SharedArray(path)
-
-    def _forget(self, key: int, path: str) -> None:
-        if self._files.get(key, (None, "", ""))[2] == path:
-            del self._files[key]
-        with contextlib.suppress(OSError):
-            os.remove(path)
-
-
-def _digest(array: np.ndarray) -> str:
-    data = np.ascontiguousarray(array)
-    contents = hashlib.blake2b(data.reshape(-1).view(np.uint8).data, digest_size=16)
-    return f"{data.dtype.str}{data.shape}{contents.hexdigest()}"
-
-
-def open_shared(inputs: Inputs) -> Inputs:
-    """``inputs`` with each ``SharedArray`` memory-mapped (no copy until rows are read)."""
-
-    def load(leaf: Any) -> Any:
-        if isinstance(leaf, MappedFile):
-            return leaf.open()
-        return np.load(leaf.path, mmap_mode="r", allow_pickle=False) if isinstance(leaf, SharedArray) else leaf
-
-    return inputs.map_arrays(load)
+from torch_dp._comm.replica import Replica
+from torch_dp._data.prefetch import pinned, pins_memory, prefetched, reads_ahead, to_device
+from torch_dp._data.sources import Readable, SourceOnPrimary, global_batches
 
 
 @dataclass
@@ -156,29 +46,6 @@ class Batch:
     @property
     def partial(self) -> bool:
         return self.global_real_rows < self.global_batch_size
-
-
-@dataclass(frozen=True)
-class SourceOnPrimary:
-    """A worker's stand-in for a batch-yielding input, which rank 0 alone reads (once per global
-    batch) and broadcasts: its first rows, to build the model, and its batches per epoch."""
-
-    first: tuple[Any, Any, Any]
-    num_batches: int | None
-
-    def first_rows(self, count: int = 2) -> tuple[Any, Any, Any]:
-        x, y, sample_weight = (map_structure(lambda leaf: leaf[:count], part) for part in self.first)
-        return x, y, sample_weight
-
-
-Readable = Inputs | BatchSource | SourceOnPrimary
-
-
-def steps_of(inputs: Readable, global_batch_size: int) -> int | None:
-    """Global batches an epoch (None: a source that does not say)."""
-    if isinstance(inputs, Inputs):
-        return num_steps(inputs.num_samples, global_batch_size)
-    return inputs.num_batches
 
 
 def replica_batches(
@@ -234,33 +101,8 @@ def _source_batches(
 ) -> Iterator[Batch]:
     """A source's global batches, each replica keeping its contiguous part, padded and masked
     as an array input's."""
-    for batch in _global_source_batches(source, replica, epoch, seed, shuffle, first_step):
+    for batch in global_batches(source, replica, epoch, seed, shuffle, first_step):
         yield _part(batch, replica, global_batch_size)
-
-
-def _global_source_batches(
-    source: BatchSource | SourceOnPrimary, replica: Replica, epoch: int, seed: int, shuffle: bool, first_step: int
-) -> Iterator[tuple[Any, Any, Any]]:
-    """A source's whole global batches from ``first_step`` on, read by rank 0 and broadcast
-    (``None`` ends the epoch)."""
-    if isinstance(source, BatchSource):
-        batches: Iterator[Any] = source.epoch(epoch, shuffle=shuffle, seed=seed)
-        for step, batch in enumerate(batches):
-            if step >= first_step:
-                yield _shared_from_primary(batch, replica)
-        _shared_from_primary(None, replica)
-        return
-    while (batch := _shared_from_primary(None, replica)) is not None:
-        yield batch
-
-
-def _shared_from_primary(batch: Any, replica: Replica) -> Any:
-    """Rank 0's ``batch`` on every replica (numpy arrays, pickled: rank 0's own data)."""
-    if not replica.distributed:
-        return batch
-    message = [batch]
-    dist.broadcast_object_list(message, src=0)
-    return message[0]
 
 
 def _part(batch: tuple[Any, Any, Any], replica: Replica, global_batch_size: int) -> Batch:
@@ -368,7 +210,7 @@ def even_batches(
     if prefetch is None:
         prefetch = reads_ahead(replica.device)
     if not isinstance(inputs, Inputs):
-        for batch in _global_source_batches(inputs, replica, epoch, seed, shuffle, first_step):
+        for batch in global_batches(inputs, replica, epoch, seed, shuffle, first_step):
             real = batch_rows(batch)
             start, count = even_part(real, replica.num_replicas, replica.rank)
             rows = slice(start, start + count) if count else slice(0, 1)

@@ -23,10 +23,12 @@ import torch.distributed as dist
 
 from dp_core import Checkpoint, load_checkpoint
 from dp_core.keras import CheckpointWriter, Start, restore_model, start_of
-from torch_dp._comm import Replica, all_gather_rows, all_reduce_sum, same_state_as_primary
+from torch_dp._comm.collectives import all_gather_rows, all_reduce_sum
+from torch_dp._comm.replica import Replica
+from torch_dp._step.state import same_state_as_primary
 
 if TYPE_CHECKING:
-    from torch_dp._accumulation import Window
+    from torch_dp._step.accumulation import Window
 
 
 def resume_from(path: str | None, model: keras.Model, replica: Replica) -> Start:

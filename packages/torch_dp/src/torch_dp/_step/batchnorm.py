@@ -7,7 +7,7 @@ over replicas with the autograd-aware all-reduce, so the gradient through the ba
 mean and variance is the single-device one too.
 
 On a batch with nothing to leave out (no padded row, no Keras mask), float32 channels-last
-inputs are normalized by ``_fused_batchnorm`` instead: the same statistics and gradients in
+inputs are normalized by ``_step.fused_batchnorm`` instead: the same statistics and gradients in
 one autograd step, as ``torch.nn.SyncBatchNorm`` computes them, with one all-reduce forward
 and one backward.
 """
@@ -25,9 +25,9 @@ import torch
 
 from dp_core import BatchNormMode
 from dp_core.keras import check_batch_norm_mode, internals
-from torch_dp import _fused_batchnorm
-from torch_dp._comm import Replica
-from torch_dp._profile import sum_batch_norm_statistics
+from torch_dp._comm.replica import Replica
+from torch_dp._step import fused_batchnorm
+from torch_dp._step.profile import sum_batch_norm_statistics
 
 _current = threading.local()
 
@@ -37,7 +37,7 @@ def real_rows(mask: torch.Tensor | None, *, gradient_weight: float = 1.0) -> Ite
     """Within the block, BN layers count only rows where ``mask`` (shape ``(rows,)``) is 1.
 
     ``gradient_weight`` is what this replica's gradients will be multiplied by before they are
-    averaged (a model's own ``train_step`` on an uneven last batch, see ``_custom``): the
+    averaged (a model's own ``train_step`` on an uneven last batch, see ``_step.custom``): the
     gradient that flows back through the shared statistics is weighted to match.
     """
     previous = getattr(_current, "mask", None), getattr(_current, "weight", 1.0)
@@ -121,8 +121,8 @@ def _call(
     all, an uneven one weighs every replica's gradient other than 1), so their collectives match."""
     left_out = mask is not None or getattr(_current, "mask", None) is not None
     even = getattr(_current, "weight", 1.0) == 1.0
-    if not left_out and even and _fused_batchnorm.applies(layer, inputs, training):
-        return _fused_batchnorm.batch_norm(layer, inputs, synchronized=synchronized)
+    if not left_out and even and fused_batchnorm.applies(layer, inputs, training):
+        return fused_batchnorm.batch_norm(layer, inputs, synchronized=synchronized)
     return keras_call(inputs, training=training, mask=mask)
 
 

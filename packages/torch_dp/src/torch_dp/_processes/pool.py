@@ -7,67 +7,62 @@ start at the first call and stay for the next: a later call sends them only the 
 (arrays already shared are not written again), the model when it is another one (or was
 recompiled), and rank 0's state when it changed since the last call.
 
-One pool per process holds the process's default ``torch.distributed`` group; starting
-one closes any other. A failure anywhere closes the pool, and the next call starts a
-fresh one.
+This module holds process-global state. The invariants a change must keep:
+
+- **One pool per process.** ``_active`` is the pool holding this process's default
+  ``torch.distributed`` group and ``_comm.collectives``' counters; starting a pool closes any
+  other, and ``close_active_pool`` (registered with ``atexit`` by ``_processes.launchers``) closes the one
+  left at interpreter exit.
+- **Close on every failure.** Any exception while the workers start or during a call closes
+  the pool (workers ended, group destroyed, shared files removed) before it is raised, and the
+  next call starts a fresh one: no call inherits workers a failed call left in an unknown state.
+- **The version-counter sync.** After a call the pool remembers which model the workers hold
+  (``_holds``: the same object, compiled the same) and rank 0's state as (tensor identity,
+  in-place version) pairs (``_state_of``, ``_internals.version``). A worker then skips rank 0's
+  state at the next call when the pairs are unchanged: Keras assigns variables in place, so an
+  unchanged pair is an unchanged value. What breaks it: a write that bypasses the version counter
+  (through ``.data``, or a numpy view of a CPU tensor), a call after which a worker's state differs
+  from rank 0's with rank 0's own unchanged (``batch_norm="per_replica"``, whose statistics are
+  each replica's: ``_remember`` forgets the state then), and a worker that outlives a failure
+  (hence the rule above).
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import secrets
 import shutil
 import tempfile
-import time
 import weakref
-from collections.abc import Iterator
-from dataclasses import dataclass
-from datetime import timedelta
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from typing import Any, final
 
-import cloudpickle
 import keras
 import torch
 import torch.distributed as dist
-from torch.distributed import PrefixStore  # pyright: ignore[reportPrivateImportUsage]
 
-from dp_core import NonFiniteLossError, Preempted
-from torch_dp._batches import SharedArrays
-from torch_dp._comm import Replica, count_collectives_in
+from torch_dp._comm.collectives import count_collectives_in
+from torch_dp._comm.replica import Replica
 from torch_dp._internals import version
-from torch_dp._jobs import FitJob, Job, for_workers
-from torch_dp._processes import (
-    Timeouts,
-    WorkerError,
-    bound_collectives_by,
-    environment_variables,
-    failure_of,
-    is_stopped,
-    loopback_store,
-    silent,
-    start_process,
-    stop_processes,
-    stopped,
-    threads_per_replica,
-    timed_out,
-    vanished,
+from torch_dp._loop.jobs import FitJob, Job
+from torch_dp._loop.run import build, check_losses, run_job
+from torch_dp._processes.failures import DOCUMENTED, blame, failure_of, raised, stopped_worker, unanswered, vanished
+from torch_dp._processes.group import Rendezvous, Timeouts, device_for, leave_group, loopback_store, serve_group
+from torch_dp._processes.spawn import Worker, start_process, stop_processes, threads_per_replica, torch_threads
+from torch_dp._processes.transfer import (
+    KerasSettings,
+    Request,
+    SharedArrays,
+    for_workers,
+    ship_model,
+    shippable,
+    trainable_flags,
 )
-from torch_dp._transfer import KerasSettings, ship_model
-from torch_dp._worker import Rendezvous, Request, build, check_losses, device_for, pool_worker, run_job, trainable_flags
+from torch_dp._processes.worker import pool_worker
 
-# Raised in the caller as their own type when a worker raises them.
-DOCUMENTED = (NonFiniteLossError, Preempted)
 _active: ReplicaPool | None = None  # the pool holding this process's default group
 DIRECTORY_PREFIX = "torch_dp_"  # then the caller's pid: a directory whose caller is gone is stale
-
-
-@dataclass
-class _Worker:
-    process: Any
-    connection: Connection
 
 
 @final
@@ -81,7 +76,7 @@ class ReplicaPool:
         self.threads = threads or threads_per_replica(num_replicas)
         self.timeouts = timeouts
         self.start_timeout = start_timeout
-        self._workers: list[_Worker] = []
+        self._workers: list[Worker] = []
         self._store: Any = None
         self._entered: Any = None  # collectives each replica entered, shared with the workers
         self._directory: tempfile.TemporaryDirectory[str] | None = None
@@ -115,30 +110,21 @@ class ReplicaPool:
             for_workers(job, self._arrays.share),
             sync,
         )
-        payload = _shippable(request)  # a pickling error is raised here, before any worker starts
+        payload = shippable(request)  # a pickling error is raised here, before any worker starts
         self._start()
         for worker in self._workers:
             worker.connection.send_bytes(payload)
         try:
-            with _threads(self.threads):
+            with torch_threads(self.threads):
                 result = run_job(model, job, self._replica, sync=sync)
             self._wait_for_workers()
         except BaseException as error:
-            # a stopped replica first: the others' collectives timed out waiting for it, and the
-            # first of them to report would otherwise be blamed
-            failure = self._stopped_worker() or self._worker_failure(
-                wait_s=2.0 if isinstance(error, RuntimeError) else 0.0
-            )
-            if failure is None or _timed_out(failure):  # a complaint about someone else: who fell behind?
-                failure = self._silent_worker() or failure
+            failure = blame(error, self._workers, self._entered, self.num_replicas, self.timeouts.collective)
             self.close(graceful=False)
-            if not _is_collective_error(error):
+            to_raise = raised(error, failure, self.num_replicas, self.timeouts.collective)
+            if to_raise is error:
                 raise
-            if failure is not None:  # the cause: rank 0 only saw a peer vanish, or timed out waiting for it
-                raise _explained(failure, self.num_replicas, self.timeouts) from error
-            if timed_out(str(error)):
-                raise _explained(WorkerError(str(error), rank=0), self.num_replicas, self.timeouts) from error
-            raise
+            raise to_raise from error
         self._remember(model, job)
         return result
 
@@ -157,8 +143,7 @@ class ReplicaPool:
         if _active is self:
             _active = None
             count_collectives_in(None, 0)
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            leave_group()
         self._store, self._entered = None, None
         self._model, self._compiled, self._state = None, (), None
         if self._directory is not None:
@@ -204,20 +189,10 @@ class ReplicaPool:
                     directory=self._ensure_directory(),
                 )
                 theirs.close()
-                self._workers.append(_Worker(process, mine))
+                self._workers.append(Worker(process, mine))
             self._wait_for_workers(expect="ready", timeout=self.start_timeout)
             self._replica = Replica(0, self.num_replicas, device_for(0))
-            # one host: every replica's sockets stay on loopback (gloo's, and NCCL's bootstrap)
-            loopback = {"GLOO_SOCKET_IFNAME": "lo"} if self._on_cpu() else {"NCCL_SOCKET_IFNAME": "lo"}
-            with environment_variables(loopback):
-                dist.init_process_group(
-                    "gloo" if self._replica.device == "cpu" else "nccl",
-                    store=PrefixStore(token, self._store),
-                    rank=0,
-                    world_size=self.num_replicas,
-                    timeout=timedelta(seconds=self.timeouts.rendezvous),
-                )
-            bound_collectives_by(self.timeouts.collective)
+            serve_group(self._store, token, self._replica, self.timeouts, on_cpu=self._on_cpu())
             count_collectives_in(self._entered, 0)
             _active = self
         except BaseException:
@@ -231,15 +206,10 @@ class ReplicaPool:
         while waiting:
             ready = wait([*waiting, *(w.process.sentinel for w in waiting.values())], timeout=deadline)
             if not ready:
-                silent = self._stopped_worker()
+                silent = stopped_worker(self._workers, self.num_replicas, self.timeouts.collective)
                 if silent is not None:
                     raise silent
-                ranks = sorted(self._workers.index(worker) + 1 for worker in waiting.values())
-                raise WorkerError(
-                    f"torch_dp replicas {ranks} did not answer within {deadline:.0f} s (stuck). "
-                    "Raise Trainer(collective_timeout=...) if a step legitimately takes longer.",
-                    rank=ranks[0],
-                )
+                raise unanswered(sorted(self._workers.index(worker) + 1 for worker in waiting.values()), deadline)
             for worker in [w for w in waiting.values() if w.connection in ready]:
                 message = self._receive(worker)
                 if message[0] == "failed":
@@ -249,46 +219,12 @@ class ReplicaPool:
                 if worker.process.sentinel in ready and not worker.connection.poll():
                     raise vanished(self._workers.index(worker) + 1, self.num_replicas, worker.process.exitcode)
 
-    def _receive(self, worker: _Worker) -> tuple[Any, ...]:
+    def _receive(self, worker: Worker) -> tuple[Any, ...]:
         try:
             return worker.connection.recv()
         except (EOFError, OSError):
             worker.process.join(5.0)
             raise vanished(self._workers.index(worker) + 1, self.num_replicas, worker.process.exitcode) from None
-
-    def _worker_failure(self, wait_s: float) -> BaseException | None:
-        """The first failure a worker reported (waiting up to ``wait_s`` for one), if any."""
-        deadline = time.monotonic() + wait_s
-        for worker in self._workers:
-            try:
-                if worker.connection.poll(max(0.0, deadline - time.monotonic())):
-                    message = worker.connection.recv()
-                    if message[0] == "failed":
-                        return failure_of(message, self.num_replicas, DOCUMENTED)
-            except (EOFError, OSError):  # its end of the pipe closed: the process is ending
-                worker.process.join(5.0)
-            if worker.process.exitcode not in (0, None):
-                return vanished(self._workers.index(worker) + 1, self.num_replicas, worker.process.exitcode)
-        return None
-
-    def _stopped_worker(self) -> WorkerError | None:
-        """The error naming a worker that is stopped (SIGSTOP, a debugger, Ctrl-Z), if one is."""
-        for rank, worker in enumerate(self._workers, start=1):
-            if worker.process.pid is not None and is_stopped(worker.process.pid):
-                return stopped(rank, self.num_replicas, worker.process.pid, self.timeouts.collective)
-        return None
-
-    def _silent_worker(self) -> WorkerError | None:
-        """The error naming the worker that entered the fewest collectives, when the others are
-        ahead of it (rank 0 behind is the caller's own slowness: named by the others' reports)."""
-        if self._entered is None:
-            return None
-        entered = list(self._entered)
-        behind = [rank for rank, count in enumerate(entered) if count == min(entered)]
-        if min(entered) == max(entered) or 0 in behind:
-            return None
-        pid = self._workers[behind[0] - 1].process.pid
-        return silent(behind[0], self.num_replicas, pid, entered, self.timeouts.collective)
 
     def _holds(self, model: keras.Model) -> bool:
         """Whether the workers hold this model, compiled as it is now."""
@@ -346,31 +282,6 @@ def _state_of(model: keras.Model, job: Job) -> tuple[tuple[int, int], ...]:
     return tuple((id(v.value), version(v.value)) for v in variables)
 
 
-class _Pickler(cloudpickle.Pickler):
-    """cloudpickle, with ``torch.ops`` saved by name. A function sent by value (a ``train_step``
-    defined in ``__main__`` or a notebook) whose code names ``ops`` (``keras.ops.mean``) and uses
-    a global ``torch`` makes cloudpickle save ``torch.ops`` as a submodule it needs, but
-    ``torch.ops`` is no module and cannot be pickled."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        if obj is torch.ops:
-            return getattr, (torch, "ops")
-        return super().reducer_override(obj)
-
-
-def _shippable(request: Request) -> bytes:
-    try:
-        buffer = io.BytesIO()
-        _Pickler(buffer).dump(request)
-        return buffer.getvalue()
-    except Exception as error:
-        raise TypeError(
-            f"torch_dp sends the call's inputs and the model factory to its worker processes by value (cloudpickle), "
-            f"and that failed: {type(error).__name__}: {error}. A dataset or factory that holds an open file, a "
-            "lock or a connection cannot travel; open such things inside __getitem__ or the factory instead."
-        ) from error
-
-
 def remove_stale_directories(parent: str | None = None) -> list[str]:
     """Remove the replicas' directories (a copy of the data) that runs killed outright left: those
     of this user whose process no longer exists. Returns what was removed."""
@@ -397,38 +308,3 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # another user's process holds that pid now
         return True
     return True
-
-
-def _timed_out(failure: BaseException) -> bool:
-    return isinstance(failure, WorkerError) and timed_out(f"{failure}\n{failure.worker_traceback}")
-
-
-def _explained(failure: BaseException, num_replicas: int, timeouts: Timeouts) -> BaseException:
-    """A replica's failure; when it is a collective's timeout, said in the trainer's words."""
-    if not isinstance(failure, WorkerError) or not _timed_out(failure):
-        return failure
-    return WorkerError(
-        f"torch_dp replica {failure.rank} of {num_replicas} waited more than "
-        f"collective_timeout={timeouts.collective:g} s in a collective for another replica, and gave up. "
-        "Another replica was busy that long (rank 0 alone in a callback or writing a checkpoint), stuck, "
-        "or stopped. If that wait is legitimate, raise "
-        f"Trainer(collective_timeout=...).\n{failure}",
-        rank=failure.rank,
-        worker_traceback=failure.worker_traceback,
-    )
-
-
-def _is_collective_error(error: BaseException) -> bool:
-    """Whether rank 0 failed only because a peer vanished or failed (gloo/NCCL errors)."""
-    return isinstance(error, RuntimeError) and not isinstance(error, DOCUMENTED)
-
-
-@contextlib.contextmanager
-def _threads(count: int) -> Iterator[None]:
-    """The caller's torch threads while it is a replica: its share of the cores, not all of them."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)

@@ -2,7 +2,7 @@
 
 Keras's torch backend creates a variable on the *current* CUDA device. A process of a cluster
 makes its own GPU current when torch_dp is imported and when its ``Trainer`` is created
-(``_launch``); a model built before that sits on GPU 0 whatever the process's GPU, and its
+(``_processes.launchers``); a model built before that sits on GPU 0 whatever the process's GPU, and its
 first step would fail deep inside torch, or every process would crowd GPU 0.
 """
 
@@ -16,8 +16,9 @@ import keras
 import torch
 
 from dp_core.keras import internals
-from torch_dp._comm import Replica, all_gather_rows
-from torch_dp._custom import optimizers_of
+from torch_dp._comm.collectives import all_gather_rows
+from torch_dp._comm.replica import Replica
+from torch_dp._step.custom import optimizers_of
 
 
 def check_placement(model: keras.Model, replica: Replica) -> None:

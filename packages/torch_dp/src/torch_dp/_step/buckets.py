@@ -1,7 +1,7 @@
 """Gradients all-reduced in buckets during the backward pass, when they are large.
 
 A step's gradients are summed over replicas after ``backward`` in one coalesced all-reduce
-(``_steps``). When the trainable gradients exceed one bucket (``BUCKET_BYTES``, DDP's default
+(``_step.steps``). When the trainable gradients exceed one bucket (``BUCKET_BYTES``, DDP's default
 25 MiB), the replicas would idle while that all-reduce runs; so they are split into buckets
 (variables in reverse order, which is roughly the order backward produces their gradients; one
 dtype each) and each bucket's all-reduce is started asynchronously from
@@ -11,7 +11,7 @@ before it) and those whose variables got no gradient start after backward with z
 replica issues the same collectives in the same order. The sums are the same sums.
 
 Only ``train_step`` asks for them: a gradient-accumulation step that is not the last of its
-window (``_accumulation``) runs backward without buckets and sends nothing.
+window (``_step.accumulation``) runs backward without buckets and sends nothing.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ import keras
 import torch
 import torch.distributed as dist
 
-from torch_dp._comm import Replica, _entering
+from torch_dp._comm.collectives import _entering
+from torch_dp._comm.replica import Replica
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
 

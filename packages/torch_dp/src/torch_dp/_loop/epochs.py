@@ -1,0 +1,282 @@
+"""THE epoch of training steps every replica runs (``train_epoch``): one skeleton for Keras's own
+step and a model's own ``train_step``, so the order of hooks, rank 0's decisions, preemption and
+checkpoints is written once. Callbacks and the progress bar run on rank 0 only; every decision
+rank 0 makes (stop, learning rate) reaches all replicas at the point Keras would act on it.
+
+The two kinds of step differ in where those decisions travel (``EpochSteps.decisions``): Keras's
+step carries them on its gradients' all-reduce when a callback acts at every batch (else a stop at
+a batch end waits for the epoch's end); a model's own ``train_step`` (``_step.custom``) runs on
+``even_batches`` (unpadded rows), and its decisions travel in a small broadcast before each step,
+since the user's step owns the gradients' all-reduce.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, NoReturn, Protocol
+
+import keras
+import numpy as np
+import torch
+
+from dp_core import NO_STEP_TIMER, NonFiniteLoss, NoStepTimer, Preempted, PreemptionWatch, StepTimer, list_checkpoints
+from dp_core.keras import CheckpointWriter, internals, nonfinite_loss_stopped, skipped_message
+from torch_dp._comm.collectives import all_reduce_sum, broadcast_floats
+from torch_dp._comm.replica import Replica
+from torch_dp._data.batches import Batch, EvenBatch, even_batches, replica_batches
+from torch_dp._data.sources import steps_of
+from torch_dp._loop.checkpoints import save
+from torch_dp._loop.jobs import FitJob
+from torch_dp._step.accumulation import Window
+from torch_dp._step.buckets import gradient_buckets
+from torch_dp._step.custom import CustomSteps, optimizers_of
+from torch_dp._step.metrics import global_logs, logs_due, logs_of
+from torch_dp._step.steps import Trained, train_step
+
+
+def share_decisions(model: keras.Model, replica: Replica, *, stopped: bool | None = None) -> bool:
+    """Rank 0's ``stop_training`` and learning rates (callbacks may change them: the model's
+    optimizer's, and any other optimizer the model holds) on every replica; returns the stop.
+
+    ``stopped`` is rank 0's stop as it was before the hook just called: one a hook sets now takes
+    effect after the coming step, as in Keras, and is kept for the next call."""
+    rates = [internals.learning_rate_object(optimizer) for optimizer in optimizers_of(model)]
+    variables = [rate for rate in rates if isinstance(rate, keras.Variable)]
+    mine = [
+        float(bool(model.stop_training if stopped is None else stopped)),
+        *(np.asarray(keras.ops.convert_to_numpy(rate)).item() for rate in variables),
+    ]
+    stop, *learning_rates = broadcast_floats(mine, replica)
+    if not replica.is_primary:
+        for rate, learning_rate in zip(variables, learning_rates, strict=True):
+            rate.assign(learning_rate)
+    if stopped is None:
+        model.stop_training = bool(stop)
+        return model.stop_training
+    model.stop_training = bool(stop) or bool(model.stop_training)
+    return bool(stop)
+
+
+# Where rank 0's stop (and learning rates) reach the other replicas during an epoch:
+WITH_THE_STEP = "with the step"  # on the gradients' all-reduce, which every replica then undoes on a stop
+BEFORE_THE_STEP = "before the step"  # a broadcast of their own, after ``on_train_batch_begin``
+AT_THE_EPOCH_END = "at the epoch end"  # no callback acts at a batch: a batch-end stop waits for the epoch's end
+
+
+class EpochSteps(Protocol):
+    """A kind of training step, as ``train_epoch`` runs it: Keras's own (``KerasSteps``) or the
+    model's own ``train_step`` (``OwnSteps``)."""
+
+    decisions: str  # WITH_THE_STEP, BEFORE_THE_STEP or AT_THE_EPOCH_END
+    batch_hooks: bool  # whether the batch hooks are called (else no callback acts at a batch)
+    window: Window | None  # a gradient accumulation window, summed into checkpoints
+
+    def batches(self, job: FitJob, epoch: int, first_step: int) -> Iterator[Any]: ...
+
+    def take(
+        self, batch: Any, epoch: int, step: int, *, preempt: bool, stop: bool, timer: StepTimer | NoStepTimer
+    ) -> Trained:
+        """One step on every replica; ``preempt``: this replica got a notice (anyone's stops all)."""
+        ...
+
+    def logs(self, trained: Trained, step: int, steps: int | None, logs: dict[str, Any]) -> dict[str, Any]:
+        """The logs the batch-end hook gets after ``trained`` (``logs``: the last ones)."""
+        ...
+
+    def epoch_logs(self) -> dict[str, Any]: ...
+
+
+@dataclass
+class KerasSteps:
+    """Keras's own train step (``_step.steps.train_step``, or a gradient accumulation ``window``'s), on
+    padded batches. With ``decide_each_step`` (callbacks act at every batch) every step sums the
+    metric states and rank 0's decisions with the gradients; else logs are synced every
+    ``log_every`` steps (0: never). Without ``batch_hooks`` (no callback acts at a batch, no
+    progress bar) none is called: Keras would hand each step's ``on_train_batch_end`` to a thread
+    of its own for nothing."""
+
+    model: keras.Model
+    replica: Replica
+    window: Window | None
+    log_every: int
+    decide_each_step: bool
+    batch_hooks: bool = True
+
+    def __post_init__(self) -> None:
+        self.decisions = WITH_THE_STEP if self.decide_each_step else AT_THE_EPOCH_END
+        # large gradients: summed in buckets during backward (a window sums its own)
+        self.buckets = gradient_buckets(self.model, self.replica) if self.window is None else None
+
+    def batches(self, job: FitJob, epoch: int, first_step: int) -> Iterator[Batch]:
+        return replica_batches(job.inputs, self.replica, first_step=first_step, **_epoch_order(job, epoch))
+
+    def take(
+        self, batch: Batch, epoch: int, step: int, *, preempt: bool, stop: bool, timer: StepTimer | NoStepTimer
+    ) -> Trained:
+        model, replica, sum_metrics = self.model, self.replica, self.decide_each_step
+        if self.window is None:
+            return train_step(
+                model,
+                batch,
+                replica,
+                sum_metrics=sum_metrics,
+                stop=stop,
+                preempt=preempt,
+                timer=timer,
+                buckets=self.buckets,
+            )
+        return self.window.train_step(
+            model,
+            batch,
+            replica,
+            epoch=epoch,
+            step=step,
+            sum_metrics=sum_metrics,
+            stop=stop,
+            preempt=preempt,
+            timer=timer,
+        )
+
+    def logs(self, trained: Trained, step: int, steps: int | None, logs: dict[str, Any]) -> dict[str, Any]:
+        if trained.metric_sums is not None:  # summed with the gradients: only rank 0 reads them
+            return logs_of(self.model, trained.metric_sums) if self.replica.is_primary else {}
+        if logs_due(step, steps, self.log_every) and not self.decide_each_step:  # a skipped step keeps its logs
+            return global_logs(self.model, self.replica)
+        return logs
+
+    def epoch_logs(self) -> dict[str, Any]:
+        return global_logs(self.model, self.replica)
+
+
+@dataclass
+class OwnSteps:
+    """The model's own ``train_step`` (``_step.custom``), on ``even_batches``; the epoch's logs come from
+    what its last step returned, as in Keras. Rank 0's decisions (stop, learning rates) are
+    broadcast before every step, after ``on_train_batch_begin``, where a callback may set them."""
+
+    model: keras.Model
+    replica: Replica
+    custom: CustomSteps
+    log_every: int
+    decisions: str = BEFORE_THE_STEP
+    batch_hooks: bool = True
+    window: Window | None = None  # its optimizers sum their gradients at every step
+    returned: Any = None  # what the last step returned
+
+    def batches(self, job: FitJob, epoch: int, first_step: int) -> Iterator[EvenBatch]:
+        return even_batches(job.inputs, self.replica, first_step=first_step, **_epoch_order(job, epoch))
+
+    def take(
+        self, batch: EvenBatch, epoch: int, step: int, *, preempt: bool, stop: bool, timer: StepTimer | NoStepTimer
+    ) -> Trained:
+        # anyone's notice, in a small all-reduce of its own: the user's step owns the gradients' one
+        if all_reduce_sum([torch.tensor([float(preempt)], device=self.replica.device)], self.replica)[0].item():
+            return Trained(False, preempted=True)
+        self.returned = self.custom.train_step(batch)
+        return Trained(True)
+
+    def logs(self, trained: Trained, step: int, steps: int | None, logs: dict[str, Any]) -> dict[str, Any]:
+        return self.custom.logs(self.returned) if logs_due(step, steps, self.log_every) else logs
+
+    def epoch_logs(self) -> dict[str, Any]:
+        return self.custom.logs(self.returned)
+
+
+def _epoch_order(job: FitJob, epoch: int) -> dict[str, Any]:
+    arguments = job.arguments
+    return {
+        "global_batch_size": arguments.global_batch_size,
+        "epoch": epoch,
+        "seed": arguments.seed,
+        "shuffle": arguments.shuffle,
+    }
+
+
+def train_epoch(
+    model: keras.Model,
+    job: FitJob,
+    epoch: int,
+    replica: Replica,
+    callbacks: keras.callbacks.CallbackList,
+    kind: EpochSteps,
+    *,
+    first_step: int = 0,
+    checkpoints: CheckpointWriter | None = None,
+    notice: PreemptionWatch | None = None,
+    timer: StepTimer | NoStepTimer = NO_STEP_TIMER,
+) -> dict[str, Any]:
+    """One epoch of ``kind``'s steps from ``first_step``, checkpoints written as asked; returns the
+    epoch's logs. The one order of every epoch (``kind`` says where rank 0's decisions travel):
+
+    rank 0's stop from the last batch end acted on (no hook for a step not taken) ->
+    ``on_train_batch_begin`` -> rank 0's decisions, when they travel before the step -> the step,
+    which carries this replica's preemption notice (any replica's stops all at this step boundary:
+    a checkpoint, then ``Preempted``) -> a stop that rode on it, a non-finite loss -> the logs ->
+    ``on_train_batch_end`` -> a checkpoint when due.
+    """
+    model.train()
+    steps = steps_of(job.inputs, job.arguments.global_batch_size)
+    batches = kind.batches(job, epoch, first_step)
+    logs: dict[str, Any] = {}
+    timer.start()
+    for step, batch in enumerate(batches, start=first_step):
+        timer.lap("input")
+        stopped = bool(model.stop_training)  # rank 0 stopped at the last batch end
+        ends = stopped and kind.decisions != AT_THE_EPOCH_END
+        if ends and kind.decisions == WITH_THE_STEP:
+            # the stop rides on this step's all-reduce, which every replica then undoes (the callbacks
+            # do not see this step)
+            kind.take(batch, epoch, step, preempt=False, stop=True, timer=NO_STEP_TIMER)
+            return kind.epoch_logs()
+        if kind.batch_hooks and not ends:
+            callbacks.on_train_batch_begin(step)
+        timer.lap("callbacks")
+        if kind.decisions == BEFORE_THE_STEP and share_decisions(model, replica, stopped=stopped):
+            return kind.epoch_logs()
+        asked = notice is not None and notice.requested is not None
+        trained = kind.take(batch, epoch, step, preempt=asked, stop=False, timer=timer)
+        if trained.preempted:
+            _preempted(model, replica, notice, checkpoints, epoch=epoch, step=step, window=kind.window)
+        if trained.stopped:
+            model.stop_training = True
+            return kind.epoch_logs()
+        if not trained.applied:
+            _nonfinite_loss(job.on_nonfinite_loss, epoch, step, replica)
+        logs = kind.logs(trained, step, steps, logs)
+        if kind.batch_hooks:
+            callbacks.on_train_batch_end(step, logs)
+        if checkpoints is not None and checkpoints.due(step + 1, steps):
+            save(checkpoints, model, replica, epoch=epoch, step=step + 1, window=kind.window)
+        timer.lap("callbacks")  # logs, hooks and checkpoints
+        timer.end_step()
+    return kind.epoch_logs()
+
+
+def _preempted(
+    model: keras.Model,
+    replica: Replica,
+    notice: PreemptionWatch | None,
+    checkpoints: CheckpointWriter | None,
+    *,
+    epoch: int,
+    step: int,
+    window: Window | None = None,
+) -> NoReturn:
+    """Every replica stops before ``step`` of ``epoch``: a checkpoint of that boundary, then ``Preempted``."""
+    path = None
+    if checkpoints is not None:
+        save(checkpoints, model, replica, epoch=epoch, step=step, window=window)
+        written = list_checkpoints(checkpoints.directory) if replica.is_primary else []
+        path = str(written[-1]) if written else checkpoints.directory
+    signal_name = notice.requested if notice is not None and notice.requested else "a notice to another replica"
+    raise Preempted(signal_name=signal_name, epoch=epoch, step=step, checkpoint=path)
+
+
+def _nonfinite_loss(mode: NonFiniteLoss, epoch: int, step: int, replica: Replica) -> None:
+    """Every replica gets here at the same step (the check is global): stop all, or skip."""
+    if mode == "stop":
+        raise nonfinite_loss_stopped(epoch, step, "torch_dp")
+    if replica.is_primary:
+        warnings.warn(skipped_message(epoch, step), RuntimeWarning, stacklevel=2)

@@ -1,0 +1,112 @@
+"""The evaluate and predict loops every replica runs: Keras's ``evaluate``/``predict`` with the
+test and predict hooks on rank 0 only; a model's own ``test_step``/``predict_step`` (``_step.custom``)
+runs on ``even_batches`` (unpadded rows).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import numpy as np
+
+from dp_core.keras import callback_list, needs_every_batch, verbosity
+from torch_dp._comm.collectives import broadcast_floats
+from torch_dp._comm.replica import Replica
+from torch_dp._data.batches import EvenBatch, even_batches, replica_batches
+from torch_dp._data.sources import Readable, steps_of
+from torch_dp._step.custom import CustomSteps
+from torch_dp._step.metrics import global_logs, logs_due
+from torch_dp._step.steps import predict_step, test_step
+
+
+def evaluate_loop(
+    model: keras.Model,
+    inputs: Readable,
+    global_batch_size: int,
+    replica: Replica,
+    *,
+    callbacks: Sequence[keras.callbacks.Callback] = (),
+    verbose: Any = 0,
+    log_every_steps: int = 10,
+    in_fit: keras.callbacks.CallbackList | None = None,
+    custom: CustomSteps | None = None,
+) -> dict[str, Any]:
+    """Loss and metrics over every sample, accumulated per replica and summed once.
+
+    ``callbacks`` get the test hooks, as from ``model.evaluate``; validation inside ``fit``
+    passes the fit's own list as ``in_fit`` (Keras calls its test hooks there too, and its
+    progress bar stays on the epoch). ``custom`` runs the model's own ``test_step`` if it has one.
+    """
+    steps = steps_of(inputs, global_batch_size)
+    hooks = in_fit
+    if hooks is None:
+        hooks = callback_list(
+            callbacks, model, is_primary=replica.is_primary, verbose=verbose, steps=steps, history=False
+        )
+    # rank 0's needs decide when logs are synced (only it holds the callbacks)
+    wants = [needs_every_batch(callbacks, "test"), in_fit is None and verbosity(verbose) == 1]
+    batch_logs, progress = (bool(flag) for flag in broadcast_floats(wants, replica))
+    every = 1 if batch_logs else (log_every_steps if progress else 0)
+    model.eval()
+    model.reset_metrics()
+    hooks.on_test_begin()
+    logs: dict[str, Any] = {}
+    if custom is not None and custom.test:
+        returned: Any = None
+        for step, batch in enumerate(even_batches(inputs, replica, global_batch_size=global_batch_size)):
+            hooks.on_test_batch_begin(step)
+            returned = custom.test_step(batch)
+            if logs_due(step, steps, every):
+                logs = custom.logs(returned)
+            hooks.on_test_batch_end(step, logs)
+        logs = custom.logs(returned)
+        hooks.on_test_end(logs)
+        return logs
+    for step, batch in enumerate(replica_batches(inputs, replica, global_batch_size=global_batch_size)):
+        hooks.on_test_batch_begin(step)
+        test_step(model, batch, replica)
+        if logs_due(step, steps, every):
+            logs = global_logs(model, replica)
+        hooks.on_test_batch_end(step, logs)
+    logs = global_logs(model, replica)
+    hooks.on_test_end(logs)
+    return logs
+
+
+def predict_loop(
+    model: keras.Model,
+    inputs: Readable,
+    global_batch_size: int,
+    replica: Replica,
+    *,
+    callbacks: Sequence[keras.callbacks.Callback] = (),
+    verbose: Any = 0,
+    custom: CustomSteps | None = None,
+) -> tuple[Any, list[int]]:
+    """This replica's predictions for its shard (padding rows included; with the model's own
+    ``predict_step``, its ``even_batches`` rows), leaves concatenated, and each global batch's
+    real rows; rank 0's ``callbacks`` see its own rows' outputs at each batch end."""
+    steps = steps_of(inputs, global_batch_size)
+    hooks = callback_list(callbacks, model, is_primary=replica.is_primary, verbose=verbose, steps=steps, history=False)
+    model.eval()
+    hooks.on_predict_begin()
+    outputs: list[Any] = []
+    real_rows: list[int] = []
+    batches = (
+        even_batches(inputs, replica, global_batch_size=global_batch_size)
+        if custom is not None and custom.predict
+        else replica_batches(inputs, replica, global_batch_size=global_batch_size)
+    )
+    for step, batch in enumerate(batches):
+        hooks.on_predict_batch_begin(step)
+        if isinstance(batch, EvenBatch):
+            assert custom is not None
+            outputs.append(custom.predict_step(batch))
+        else:
+            outputs.append(predict_step(model, batch))
+        real_rows.append(batch.global_real_rows)
+        hooks.on_predict_batch_end(step, {"outputs": outputs[-1]})
+    hooks.on_predict_end()
+    return keras.tree.map_structure(lambda *parts: np.concatenate(parts), *outputs), real_rows

@@ -1,0 +1,152 @@
+"""The fit loop every replica runs: Keras's ``fit`` (callbacks, epochs, validation, checkpoints
+at each epoch end), each epoch's steps run by ``_loop.epochs.train_epoch``. Callbacks and the
+progress bar run on rank 0 only; its decisions reach every replica (``_loop.epochs.share_decisions``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+from dp_core import NO_STEP_TIMER, NoStepTimer, PreemptionWatch, StepTimer
+from dp_core.keras import BatchSource, CheckpointWriter, Start, callback_list, internals, needs_every_batch, verbosity
+from torch_dp._comm.collectives import broadcast_floats
+from torch_dp._comm.replica import Replica
+from torch_dp._data.sources import steps_of
+from torch_dp._loop.checkpoints import check_same_start, restore_metrics, save
+from torch_dp._loop.epochs import EpochSteps, KerasSteps, OwnSteps, share_decisions, train_epoch
+from torch_dp._loop.evaluate import evaluate_loop
+from torch_dp._loop.jobs import FitJob
+from torch_dp._step.accumulation import accumulation_window
+from torch_dp._step.custom import CustomSteps
+from torch_dp._step.state import same_state_as_primary
+
+
+def fit_loop(
+    model: keras.Model,
+    job: FitJob,
+    replica: Replica,
+    *,
+    start: Start,
+    checkpoints: CheckpointWriter | None = None,
+    custom: CustomSteps | None = None,
+    notice: PreemptionWatch | None = None,
+    timer: StepTimer | NoStepTimer = NO_STEP_TIMER,
+) -> keras.callbacks.History:
+    """Train on this replica's shard of every epoch from ``start``; returns this replica's History.
+    ``custom`` runs the model's own ``train_step``/``test_step`` where it has them. A preemption
+    ``notice`` to any replica stops all at the next step: a checkpoint, then ``Preempted``. ``timer``
+    (``Trainer(profile=...)``) times the phases of Keras's own train steps."""
+    arguments = job.arguments
+    steps = steps_of(job.inputs, arguments.global_batch_size)
+    callbacks = callback_list(
+        arguments.callbacks,
+        model,
+        is_primary=replica.is_primary,
+        verbose=arguments.verbose,
+        epochs=arguments.epochs,
+        steps=steps,
+    )
+    # Every replica must agree on when metrics are synced, so rank 0's needs are shared.
+    wants = [needs_every_batch(arguments.callbacks), verbosity(arguments.verbose) == 1]
+    batch_logs, progress = (bool(flag) for flag in broadcast_floats(wants, replica))
+    every = 1 if batch_logs else (job.log_every_steps if progress else 0)
+    batch_hooks = batch_logs or progress or _has_progress_bar(arguments.callbacks)
+    start = _begin(model, callbacks, start, arguments.initial_epoch, replica)
+    # gradient accumulation: one gradient all-reduce per window (None: one per step)
+    window = None if custom is not None and custom.train else accumulation_window(model, replica, job.on_nonfinite_loss)
+    epoch_logs: dict[str, Any] = {}
+    for epoch in range(start.epoch, arguments.epochs):
+        model.reset_metrics()
+        first_step = start.step if epoch == start.epoch else 0
+        if first_step:
+            restore_metrics(model, start, replica)
+        callbacks.on_epoch_begin(epoch)
+        if share_decisions(model, replica):
+            break
+        if custom is not None and custom.train:
+            kind: EpochSteps = OwnSteps(model, replica, custom, log_every=every)
+        else:
+            kind = KerasSteps(model, replica, window, every, decide_each_step=batch_logs, batch_hooks=batch_hooks)
+        timed = timer if isinstance(kind, KerasSteps) else NO_STEP_TIMER  # a model's own step is not timed
+        epoch_logs = train_epoch(
+            model,
+            job,
+            epoch,
+            replica,
+            callbacks,
+            kind,
+            first_step=first_step,
+            checkpoints=checkpoints,
+            notice=notice,
+            timer=timed,
+        )
+        model.eval()
+        if arguments.validates_after(epoch):
+            epoch_logs.update(_validation_logs(model, job, replica, callbacks, custom))
+        callbacks.on_epoch_end(epoch, epoch_logs)
+        if checkpoints is not None:
+            save(checkpoints, model, replica, epoch=epoch + 1, step=0, window=window)
+        if isinstance(job.inputs, BatchSource) and job.inputs.exhausted:
+            model.stop_training = True  # an iterator that ran out ends training, as in Keras (rank 0 reads it)
+        if share_decisions(model, replica):
+            break
+    if window is not None:  # the caller's model holds the accumulators as one device would
+        window.settle(model, replica)
+    if arguments.epochs > start.epoch:
+        model.optimizer.finalize_variable_values(model.trainable_weights)
+    callbacks.on_train_end(logs=epoch_logs)
+    return model.history
+
+
+def _begin(
+    model: keras.Model, callbacks: keras.callbacks.CallbackList, start: Start, initial_epoch: int, replica: Replica
+) -> Start:
+    """``on_train_begin``, then where training starts on every replica: the checkpoint's place (the
+    History continues from it), or the first epoch (``_initial_epoch``)."""
+    model.stop_training = False
+    callbacks.on_train_begin()
+    if start.epoch or start.step:  # History continues from the checkpoint
+        model.history.epoch, model.history.history = list(range(start.epoch)), dict(start.history)
+    else:
+        start = Start(epoch=_initial_epoch(model, initial_epoch, replica))
+    check_same_start(start, replica)  # rank 0 chose for all (``resume_from``); a last check before any step
+    return start
+
+
+def _validation_logs(
+    model: keras.Model,
+    job: FitJob,
+    replica: Replica,
+    callbacks: keras.callbacks.CallbackList,
+    custom: CustomSteps | None,
+) -> dict[str, Any]:
+    """The validation data's logs at an epoch end, named ``val_...``; the fit's callbacks get the test hooks."""
+    assert job.validation is not None
+    arguments = job.arguments
+    val_logs = evaluate_loop(
+        model,
+        job.validation,
+        arguments.validation_global_batch_size,
+        replica,
+        callbacks=arguments.callbacks,
+        in_fit=callbacks,
+        custom=custom,
+    )
+    return {f"val_{name}": value for name, value in val_logs.items()}
+
+
+def _initial_epoch(model: keras.Model, initial_epoch: int, replica: Replica) -> int:
+    """The first epoch, as ``model.fit`` reads it after ``on_train_begin``: one a callback set
+    (``BackupAndRestore`` restoring an interrupted run), else ``initial_epoch``. Callbacks run on
+    rank 0 and may have loaded weights there, so every replica takes rank 0's state."""
+    chosen = internals.initial_epoch_override(model) or initial_epoch
+    (chosen,) = broadcast_floats([chosen], replica)
+    same_state_as_primary(model, replica, optimizer=True)
+    return int(chosen)
+
+
+def _has_progress_bar(callbacks: Any) -> bool:
+    """A ``ProgbarLogger`` the caller passed shows batches even with ``verbose=0``, as in Keras."""
+    return any(isinstance(callback, keras.callbacks.ProgbarLogger) for callback in callbacks or [])

@@ -1,0 +1,177 @@
+"""Running a job on one replica: the caller's model made ready (built, its losses checked, its
+variables on this replica's device, rank 0's state everywhere), then the job's loop.
+
+``run_job`` serves every replica: the caller's own process (one replica, rank 0 of spawned
+replicas, or one of torchrun's) and each spawned worker. Jobs are data (``_loop.jobs``); what each
+kind of job does on a replica is here (``run_fit``, ``run_evaluate``, ``run_predict``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import torch
+
+from dp_core import NO_STEP_TIMER, PreemptionWatch, StepTimer
+from dp_core.keras import (
+    CheckpointWriter,
+    Inputs,
+    build_model,
+    check_losses_split,
+    internals,
+    learning_rate_policy_installed,
+)
+from torch_dp._comm.collectives import all_gather_rows, all_gather_varying_rows
+from torch_dp._comm.replica import Replica
+from torch_dp._data.order import in_batch_order, in_even_order, in_input_order
+from torch_dp._data.sources import Readable
+from torch_dp._loop.checkpoints import resume_from
+from torch_dp._loop.evaluate import evaluate_loop, predict_loop
+from torch_dp._loop.fit import fit_loop
+from torch_dp._loop.jobs import EvaluateJob, FitJob, Job, PredictJob
+from torch_dp._step.batchnorm import masked_batch_norm
+from torch_dp._step.custom import custom_steps, overrides
+from torch_dp._step.placement import check_placement
+from torch_dp._step.profile import finish_report, step_timer, timing_batch_norm
+from torch_dp._step.state import check_same_variables, same_state_as_primary
+
+
+def build(model: keras.Model, job: Job) -> None:
+    """Create every variable the job needs (model, metrics, optimizer) from a couple of rows."""
+    build_model(model, job.inputs, for_predict=isinstance(job, PredictJob))
+
+
+def check_losses(model: keras.Model, job: Job, num_replicas: int) -> None:
+    """Before any step: a compiled loss that reduces over the batch axis cannot be split over
+    replicas or padded rows, a clear error (``dp_core.keras.check_losses_split``). A model's
+    own step computes its loss itself, on its replica's rows, unpadded: nothing to check."""
+    if isinstance(job, FitJob):
+        arguments = job.arguments
+        scored = [] if overrides(model, "train_step") else [(arguments.inputs, arguments.global_batch_size)]
+        if arguments.validation is not None and not overrides(model, "test_step"):
+            scored.append((arguments.validation, arguments.validation_global_batch_size))
+    elif isinstance(job, EvaluateJob) and not overrides(model, "test_step"):
+        scored = [(job.inputs, job.global_batch_size)]
+    else:
+        return
+    if scored and (num_replicas > 1 or any(_padded(inputs, size) for inputs, size in scored)):
+        check_losses_split(model, scored[0][0])
+
+
+def _padded(inputs: Readable, global_batch_size: int) -> bool:
+    """Whether a batch of ``inputs`` will be padded (a source's last batch may be short)."""
+    return not isinstance(inputs, Inputs) or inputs.num_samples % global_batch_size != 0
+
+
+def run_job(model: keras.Model, job: Job, replica: Replica, *, sync: bool = True) -> Any:
+    """Run ``job`` on ``model`` as ``replica``. With ``sync`` every replica first takes rank 0's
+    state (a persistent worker whose model already equals rank 0's skips it)."""
+    build(model, job)
+    check_losses(model, job, replica.num_replicas)
+    check_placement(model, replica)  # a collective: every replica stops if one's variables are elsewhere
+    if replica.distributed and sync:  # the same start on every replica, whatever built the model
+        check_same_variables(model, replica, optimizer=isinstance(job, FitJob))
+        same_state_as_primary(model, replica, optimizer=isinstance(job, FitJob))
+        decorrelate_randomness(model, replica)
+    if isinstance(job, FitJob):
+        return run_fit(model, job, replica)
+    if isinstance(job, EvaluateJob):
+        return run_evaluate(model, job, replica)
+    return run_predict(model, job, replica)
+
+
+def decorrelate_randomness(model: keras.Model, replica: Replica) -> None:
+    """Give each replica its own dropout (and other random layer) streams.
+
+    Identical seed states would draw the same dropout mask on every replica. Keras's torch
+    backend seeds each draw with ``(seed + counter) mod 2**32``, so rank ``r`` moves the seed
+    by ``r`` times ``2**32 / num_replicas``: the replicas' draws stay apart for that many steps
+    (a smaller offset would give rank ``r`` rank 0's masks a few thousand draws later). Rank 0
+    keeps the caller's stream, so one replica draws exactly what ``model.fit`` would.
+    """
+    spacing = 2**32 // replica.num_replicas
+    for layer in internals.flatten_layers(model, include_self=True):
+        for generator in internals.seed_generators(layer):
+            seed, counter = (int(v) for v in generator.state.value.tolist())
+            moved = ((seed & 0xFFFFFFFF) + replica.rank * spacing) & 0xFFFFFFFF
+            if generator.state.value.dtype == torch.int32:  # Keras's seed dtype on torch: uint32 bits as int32
+                moved = (moved ^ 0x80000000) - 0x80000000
+            generator.state.assign(torch.tensor([moved, counter], dtype=generator.state.value.dtype))
+
+
+def run_fit(model: keras.Model, job: FitJob, replica: Replica) -> keras.callbacks.History:
+    """``fit`` on this replica; returns its History (with the scaling report when profiled)."""
+    with (
+        masked_batch_norm(model, job.batch_norm, replica),
+        learning_rate_policy_installed(model.optimizer, job.lr_policy),
+        custom_steps(model, replica, ("train_step", "test_step")) as custom,
+        PreemptionWatch() as notice,
+    ):
+        start = resume_from(job.resume_from, model, replica)  # after the policy: the checkpoint's rate wins
+        writer = None
+        if job.arguments.checkpoint_dir is not None:
+            writer = CheckpointWriter(
+                job.arguments.checkpoint_dir,
+                job.arguments.checkpoint_every_steps,
+                seed=job.arguments.seed,
+                global_batch_size=job.arguments.global_batch_size,
+                num_replicas=replica.num_replicas,
+                lr_policy=None if job.lr_policy is None else job.lr_policy.config(),
+            )
+        timer = NO_STEP_TIMER if job.profile is None else step_timer(replica)
+        with timing_batch_norm(timer):
+            history = fit_loop(
+                model, job, replica, start=start, checkpoints=writer, custom=custom, notice=notice, timer=timer
+            )
+        if isinstance(timer, StepTimer) and job.profile is not None:
+            report = finish_report(
+                timer, model, replica, global_batch_size=job.arguments.global_batch_size, folder=job.profile
+            )
+            history.scaling_report = report  # pyright: ignore[reportAttributeAccessIssue]
+        return history
+
+
+def run_evaluate(model: keras.Model, job: EvaluateJob, replica: Replica) -> dict[str, Any]:
+    """``evaluate`` on this replica; returns the logs over every replica's rows."""
+    with (
+        masked_batch_norm(model, job.batch_norm, replica),
+        custom_steps(model, replica, ("test_step",)) as custom,
+    ):
+        return evaluate_loop(
+            model,
+            job.inputs,
+            job.global_batch_size,
+            replica,
+            callbacks=job.callbacks,
+            verbose=job.verbose,
+            log_every_steps=job.log_every_steps,
+            custom=custom,
+        )
+
+
+def run_predict(model: keras.Model, job: PredictJob, replica: Replica) -> Any:
+    """``predict`` on this replica; returns every row's outputs, in input order, in the
+    structure the model's (or its own ``predict_step``'s) outputs have."""
+    with custom_steps(model, replica, ("predict_step",)) as custom:
+        outputs, real_rows = predict_loop(
+            model,
+            job.inputs,
+            job.global_batch_size,
+            replica,
+            callbacks=job.callbacks,
+            verbose=job.verbose,
+            custom=custom,
+        )
+    local = keras.tree.flatten(outputs)
+    # gathered on every replica: one collective, and no replica needs to know which one reports
+    gather = all_gather_varying_rows if custom.predict else all_gather_rows
+    parts = [[p.cpu().numpy() for p in gather(torch.as_tensor(leaf, device=replica.device), replica)] for leaf in local]
+    by_rank = [[parts[leaf][rank] for leaf in range(len(local))] for rank in range(replica.num_replicas)]
+    if custom.predict:  # no padding: each global batch's rows split evenly
+        leaves = in_even_order(by_rank, real_rows)
+    elif isinstance(job.inputs, Inputs):
+        leaves = in_input_order(by_rank, job.inputs.num_samples, job.global_batch_size)
+    else:
+        leaves = in_batch_order(by_rank, real_rows, job.global_batch_size)
+    return keras.tree.pack_sequence_as(outputs, leaves)

@@ -1,0 +1,346 @@
+"""What crosses from the caller (rank 0) to the worker replicas: a call's ``Request`` (by value,
+with cloudpickle: ``shippable``), how to rebuild the model (Keras's own ``.keras`` format, or the
+user's factory), the caller's Keras settings, and the job made ready for the workers
+(``for_workers``) and opened in one (``opened``). State (weights, optimizer) never travels as a
+pickle: replicas take rank 0's by broadcast.
+
+Arrays handed to ``fit`` are written once to ``.npy`` files and memory-mapped by every
+worker replica (``SharedArrays``, ``open_shared``), so the workers share one copy through the
+page cache instead of unpickling one each; the caller (rank 0) reads its own arrays. A
+memory map of the caller's own travels as the file it maps (``MappedFile``)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import io
+import mmap
+import os
+import sys
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import cloudpickle
+import keras
+import numpy as np
+import torch
+
+from dp_core.keras import BatchSource, Inputs, internals
+from torch_dp._data.sources import Readable, SourceOnPrimary
+from torch_dp._loop.jobs import FitJob, Job
+
+
+@dataclass(frozen=True)
+class KerasSettings:
+    """The caller's global Keras settings, which a spawned worker (a fresh interpreter) would
+    otherwise read from its defaults: the dtype policy (``mixed_float16`` set with
+    ``keras.mixed_precision.set_global_policy``), ``floatx``, ``epsilon`` and the image format.
+    A factory builds the model, and ``Inputs.rows`` casts floats, under them."""
+
+    dtype_policy: str
+    floatx: str
+    epsilon: float
+    image_data_format: str
+
+    @classmethod
+    def of_this_process(cls) -> KerasSettings:
+        return cls(
+            keras.config.dtype_policy().name,
+            keras.config.floatx(),
+            keras.config.epsilon(),
+            keras.config.image_data_format(),
+        )
+
+    def apply(self) -> None:
+        """Make them this process's settings (before any model is built)."""
+        keras.config.set_floatx(self.floatx)
+        keras.config.set_dtype_policy(self.dtype_policy)
+        keras.config.set_epsilon(self.epsilon)
+        keras.config.set_image_data_format(self.image_data_format)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """How a worker rebuilds the caller's model (its weights come after, by broadcast from
+    rank 0): a ``.keras`` file plus the custom classes and functions its config names, or the
+    user's factory. Both travel by value (cloudpickle), so classes and factories defined in
+    ``__main__`` or a notebook cell reach the workers."""
+
+    keras_file: str | None = None
+    custom_objects: dict[str, Any] = field(default_factory=dict)
+    factory: Callable[[], keras.Model] | None = None
+    loss_scaled: bool = False  # compiled under mixed_float16: its optimizer is a LossScaleOptimizer
+
+
+def ship_model(model_argument: Any, model: keras.Model, directory: str, *, trains: bool = False) -> ModelSource:
+    """What a worker needs to rebuild ``model``, written to ``directory`` and checked here: a
+    model that cannot be saved or loaded back (or, when the call ``trains``, whose optimizer
+    comes back with other variables) fails in the caller, before a worker sees it."""
+    if not isinstance(model_argument, keras.Model):
+        return ModelSource(factory=model_argument)
+    path = os.path.join(directory, "model.keras")
+    try:
+        custom_objects = _custom_objects(model)
+        model.save(path)
+        loaded = keras.saving.load_model(path, custom_objects=custom_objects, compile=True)
+    except Exception as error:
+        raise TypeError(
+            f"torch_dp rebuilds the model in its worker processes from model.save(), and saving or loading "
+            f"'{model.name}' failed: {type(error).__name__}: {error}. Pass a zero-argument function that builds "
+            "and compiles the model instead (trainer.fit(make_model, ...)); it may be defined anywhere, a notebook "
+            "cell included. Or give custom layers a get_config() that returns their constructor arguments."
+        ) from error
+    if trains:
+        _check_optimizer_rebuilt(model, cast(keras.Model, loaded))
+    loss_scaled = isinstance(getattr(model, "optimizer", None), keras.optimizers.LossScaleOptimizer)
+    return ModelSource(keras_file=path, custom_objects=custom_objects, loss_scaled=loss_scaled)
+
+
+def _check_optimizer_rebuilt(model: keras.Model, loaded: keras.Model) -> None:
+    """Keras's loader builds ``model.optimizer`` over every trainable variable: an optimizer
+    the caller built over some of them (a GAN's, applied to the discriminator only) comes back
+    with other variables, and rank 0's state could not be copied to the workers."""
+
+    def layout(optimizer: Any) -> list[tuple[tuple[int, ...], str]]:
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):  # the file does not say (see receive_model)
+            optimizer = optimizer.inner_optimizer
+        return [(tuple(v.shape), str(v.dtype)) for v in optimizer.variables]
+
+    mine, theirs = getattr(model, "optimizer", None), getattr(loaded, "optimizer", None)
+    if mine is None or theirs is None or not mine.built or layout(mine) == layout(theirs):
+        return
+    raise TypeError(
+        f"torch_dp rebuilds the model in its worker processes from model.save(), and Keras's loader builds "
+        f"model.optimizer over all of '{model.name}''s trainable variables: {len(layout(theirs))} optimizer variables "
+        f"there against {len(layout(mine))} here (built over some of the variables, as a GAN's optimizer for its "
+        "discriminator is). Pass a zero-argument function that builds, compiles and builds the optimizer as you "
+        "do (trainer.fit(make_model, ...)); it may be defined anywhere, a notebook cell included."
+    )
+
+
+def _custom_objects(model: keras.Model) -> dict[str, Any]:
+    """The classes and functions outside Keras that ``model``'s config (compile config included)
+    names, by the names Keras looks them up by when loading: the layers' own classes, and what
+    the config names by module (no module, as Keras writes for ``__main__``, means ``__main__``)."""
+    found: dict[str, Any] = {}
+
+    def add(obj: Any, *names: Any) -> None:
+        for name in {str(name) for name in names if name}:
+            found[name] = obj
+
+    for layer in internals.flatten_layers(model, include_self=True):
+        kind = type(layer)
+        if not kind.__module__.startswith("keras"):
+            add(kind, kind.__name__, keras.saving.get_registered_name(kind))
+
+    def visit(node: Any) -> None:
+        if isinstance(node, dict):
+            module = node.get("module") or "__main__"
+            if isinstance(module, str) and not module.startswith("keras") and "class_name" in node:
+                name = node["config"] if node["class_name"] == "function" else node["class_name"]
+                obj = getattr(sys.modules.get(module), str(name), None)
+                if obj is not None:
+                    add(obj, name, node.get("registered_name"))
+            for value in node.values():
+                visit(value)
+        elif isinstance(node, list | tuple):
+            for value in node:
+                visit(value)
+
+    visit(keras.saving.serialize_keras_object(model))
+    return found
+
+
+def receive_model(source: ModelSource) -> keras.Model:
+    """The worker's copy of the caller's model (its weights are rank 0's broadcast, later)."""
+    if source.keras_file is not None:
+        # compile() wraps the optimizer in a LossScaleOptimizer only under a mixed_float16 policy,
+        # which the file does not record: load under it when the caller's model had one
+        policy = keras.config.dtype_policy()
+        if source.loss_scaled:
+            keras.config.set_dtype_policy("mixed_float16")
+        try:
+            return cast(keras.Model, keras.saving.load_model(source.keras_file, custom_objects=source.custom_objects))
+        finally:
+            keras.config.set_dtype_policy(policy)
+    assert source.factory is not None
+    return source.factory()
+
+
+@dataclass(frozen=True)
+class Request:
+    """One call, as a worker replica receives it: the caller's Keras settings, the model to
+    build when it changed (``None``: keep the one from the last call), the layers' trainable
+    flags, the job, and whether to take rank 0's state first."""
+
+    settings: KerasSettings
+    model: ModelSource | None
+    trainable: tuple[bool, ...]
+    job: Job
+    sync: bool
+
+
+def trainable_flags(model: keras.Model) -> tuple[bool, ...]:
+    return tuple(layer.trainable for layer in internals.flatten_layers(model, include_self=True))
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle, with ``torch.ops`` saved by name. A function sent by value (a ``train_step``
+    defined in ``__main__`` or a notebook) whose code names ``ops`` (``keras.ops.mean``) and uses
+    a global ``torch`` makes cloudpickle save ``torch.ops`` as a submodule it needs, but
+    ``torch.ops`` is no module and cannot be pickled."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if obj is torch.ops:
+            return getattr, (torch, "ops")
+        return super().reducer_override(obj)
+
+
+def shippable(request: Request) -> bytes:
+    try:
+        buffer = io.BytesIO()
+        _Pickler(buffer).dump(request)
+        return buffer.getvalue()
+    except Exception as error:
+        raise TypeError(
+            f"torch_dp sends the call's inputs and the model factory to its worker processes by value (cloudpickle), "
+            f"and that failed: {type(error).__name__}: {error}. A dataset or factory that holds an open file, a "
+            "lock or a connection cannot travel; open such things inside __getitem__ or the factory instead."
+        ) from error
+
+
+@dataclass(frozen=True)
+class SharedArray:
+    """A placeholder for an array leaf saved to ``path``; workers map it read-only."""
+
+    path: str
+
+
+@dataclass(frozen=True)
+class MappedFile:
+    """A caller's memory map of a whole file region, which the workers map read-only in turn
+    (a ``np.memmap`` opened ``"r"`` or ``"r+"``, or ``np.load(..., mmap_mode=...)``): a
+    dataset larger than memory is neither copied nor written again. Its writes are shared
+    (``MAP_SHARED``), so the workers see what the caller wrote before each call."""
+
+    path: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    fortran: bool
+
+    @classmethod
+    def of(cls, leaf: Any) -> MappedFile | None:
+        """The file region ``leaf`` maps, when it is a whole contiguous ``np.memmap`` whose
+        writes are shared (a slice, or a copy-on-write ``"c"`` map, is copied instead)."""
+        if not isinstance(leaf, np.memmap) or leaf.filename is None or getattr(leaf, "mode", None) not in ("r", "r+"):
+            return None
+        if not isinstance(leaf.base, mmap.mmap) or not (leaf.flags.c_contiguous or leaf.flags.f_contiguous):
+            return None  # a view into a larger map: its own offset is not recorded
+        whole = len(leaf.base) - (leaf.offset % mmap.ALLOCATIONGRANULARITY)
+        if leaf.nbytes != whole and leaf.ndim:  # numpy maps exactly the array's bytes
+            return None
+        fortran = bool(leaf.flags.f_contiguous and not leaf.flags.c_contiguous)
+        return cls(os.fspath(leaf.filename), leaf.dtype.str, tuple(leaf.shape), int(leaf.offset), fortran)
+
+    def open(self) -> np.memmap:
+        order = "F" if self.fortran else "C"
+        dtype = np.dtype(self.dtype)
+        return np.memmap(self.path, dtype=dtype, mode="r", offset=self.offset, shape=self.shape, order=order)
+
+
+class SharedArrays:
+    """The caller's arrays as ``.npy`` files under ``directory``, each written once: a later call
+    with the same array (same object, same contents) maps the same file. A file is removed
+    when its array is garbage-collected, and with the directory when the replicas close.
+
+    Contents are compared by a digest, so an array changed in place is written again; a
+    read-only array (such as a memory map opened ``"r"``) is trusted by identity alone.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self._files: dict[int, tuple[weakref.ref[Any] | None, str, str]] = {}
+        self._count = 0
+
+    def share(self, inputs: Inputs) -> Inputs:
+        """``inputs`` with every array leaf replaced by a ``SharedArray`` (a dataset travels as it is)."""
+        return inputs.map_arrays(self._shared)
+
+    def _shared(self, leaf: Any) -> SharedArray | MappedFile:
+        mapped = MappedFile.of(leaf)
+        if mapped is not None:  # the workers map the same file: nothing to write
+            return mapped
+        array = leaf.detach().cpu().numpy() if isinstance(leaf, torch.Tensor) else np.asarray(leaf)
+        digest = "" if not array.flags.writeable else _digest(array)
+        known = self._files.get(id(leaf))
+        if known is not None and known[0] is not None and known[0]() is leaf and known[1] == digest:
+            return SharedArray(known[2])
+        path = os.path.join(self.directory, f"array_{self._count}.npy")
+        self._count += 1
+        np.save(path, array, allow_pickle=False)
+        key = id(leaf)
+        try:
+            ref: weakref.ref[Any] | None = weakref.ref(leaf, lambda _: self._forget(key, path))
+        except TypeError:  # cannot be watched (a plain list): written again at each call
+            ref = None
+        self._files[key] = (ref, digest, path)
+        return SharedArray(path)
+
+    def _forget(self, key: int, path: str) -> None:
+        if self._files.get(key, (None, "", ""))[2] == path:
+            del self._files[key]
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+
+def _digest(array: np.ndarray) -> str:
+    data = np.ascontiguousarray(array)
+    contents = hashlib.blake2b(data.reshape(-1).view(np.uint8).data, digest_size=16)
+    return f"{data.dtype.str}{data.shape}{contents.hexdigest()}"
+
+
+def open_shared(inputs: Inputs) -> Inputs:
+    """``inputs`` with each ``SharedArray`` memory-mapped (no copy until rows are read)."""
+
+    def load(leaf: Any) -> Any:
+        if isinstance(leaf, MappedFile):
+            return leaf.open()
+        return np.load(leaf.path, mmap_mode="r", allow_pickle=False) if isinstance(leaf, SharedArray) else leaf
+
+    return inputs.map_arrays(load)
+
+
+def for_workers(job: Job, share: Callable[[Inputs], Inputs]) -> Job:
+    """What the worker replicas get of ``job``: its arrays shared (``share``), a batch-yielding
+    input as its stand-in (rank 0 reads it and broadcasts each batch) and no callbacks (rank 0
+    runs them, in the caller; the loops broadcast what they decide)."""
+
+    def stand_in(inputs: Readable) -> Readable:
+        if isinstance(inputs, BatchSource):
+            return SourceOnPrimary(inputs.first_rows(2), inputs.num_batches)
+        return share(inputs) if isinstance(inputs, Inputs) else inputs
+
+    if isinstance(job, FitJob):
+        # a stand-in does not know its batches' size: the workers are told rank 0's
+        validation_batch_size = job.arguments.validation_global_batch_size if job.validation is not None else None
+        arguments = dataclasses.replace(job.arguments, callbacks=(), validation_batch_size=validation_batch_size)
+        return _map_inputs(dataclasses.replace(job, arguments=arguments), stand_in)
+    job = _map_inputs(job, stand_in)
+    return dataclasses.replace(job, callbacks=())
+
+
+def opened(job: Job) -> Job:
+    """A shared job (in a worker) with its arrays memory-mapped."""
+    return _map_inputs(job, lambda inputs: open_shared(inputs) if isinstance(inputs, Inputs) else inputs)
+
+
+def _map_inputs(job: Job, fn: Callable[[Readable], Readable]) -> Job:
+    if not isinstance(job, FitJob):
+        return dataclasses.replace(job, inputs=fn(job.inputs))
+    validation = None if job.validation is None else fn(job.validation)
+    arguments = dataclasses.replace(job.arguments, inputs=fn(job.inputs), validation=validation)
+    return dataclasses.replace(job, arguments=arguments)

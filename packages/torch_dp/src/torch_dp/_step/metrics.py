@@ -1,0 +1,46 @@
+"""Metric states and the logs read from them.
+
+Each replica accumulates its own metric states during an epoch; logs (progress bar, callbacks,
+epoch end) come from the states summed over replicas: Keras's metric states are sums (totals,
+counts, confusion matrices), so the sum is the states of one model that saw every row.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import torch
+
+from dp_core.keras import python_logs
+from torch_dp._comm.collectives import all_reduce_sum
+from torch_dp._comm.replica import Replica
+
+
+def logs_due(step: int, steps: int | None, every: int) -> bool:
+    """Whether the logs are read after ``step`` of ``steps``: every ``every`` steps (0: never) and at the last."""
+    return every > 0 and ((step + 1) % every == 0 or step + 1 == steps)
+
+
+def global_logs(model: keras.Model, replica: Replica) -> dict[str, Any]:
+    """Metric results over every replica's rows, in one coalesced all-reduce."""
+    variables = model.metrics_variables
+    if not replica.distributed or not variables:
+        return python_logs(model.get_metrics_result())
+    # float64 so that summed counts stay exact past 2**24 rows
+    summed = all_reduce_sum([v.value.detach().to(torch.float64) for v in variables], replica)
+    return logs_of(model, summed)
+
+
+def logs_of(model: keras.Model, metric_sums: list[torch.Tensor]) -> dict[str, Any]:
+    """Metric results for summed states: put in place, read, and the local states put back (also
+    when reading fails) so accumulation continues per replica."""
+    variables = model.metrics_variables
+    local = [v.value.detach().clone() for v in variables]
+    try:
+        for variable, value in zip(variables, metric_sums, strict=True):
+            variable.assign(value.to(variable.value.dtype))
+        return python_logs(model.get_metrics_result())
+    finally:
+        for variable, value in zip(variables, local, strict=True):
+            variable.assign(value)
