@@ -8,7 +8,7 @@ import torch_dp_testing as testing
 
 import torch_dp
 from torch_dp._comm.replica import Replica
-from torch_dp._processes.cluster import Cluster, cluster_of, slurm_hosts, slurm_port
+from torch_dp._processes.cluster import Cluster, cluster_of
 from torch_dp._processes.group import Timeouts, device_for
 from torch_dp._processes.launchers import make_local_device_current
 from torch_dp._processes.pool import ReplicaPool
@@ -25,32 +25,6 @@ SLURM = {
     "SLURM_JOB_NODELIST": "gpu[01-09]",
 }
 LAUNCH_VARIABLES = {*TORCHRUN, *SLURM, "TORCHELASTIC_RESTART_COUNT", "SLURM_NODELIST"}
-
-
-@pytest.mark.parametrize(
-    ("node_list", "hosts"),
-    [
-        ("node01", ["node01"]),
-        ("127.0.0.1", ["127.0.0.1"]),
-        ("node[01-03,7],gpu5", ["node01", "node02", "node03", "node7", "gpu5"]),
-        ("a[8-10]", ["a8", "a9", "a10"]),
-        ("gpu5,node[001-002]", ["gpu5", "node001", "node002"]),
-        ("rack[1-2]-n[1,3]", ["rack1-n1", "rack1-n3", "rack2-n1", "rack2-n3"]),
-    ],
-)
-def test_slurm_host_lists_expand_as_slurm_writes_them(node_list, hosts):
-    assert slurm_hosts(node_list) == hosts
-
-
-@pytest.mark.parametrize("node_list", ["node[01-03", "node[a-b]", "a,,b"])
-def test_a_malformed_slurm_host_list_is_an_error_that_shows_it(node_list):
-    with pytest.raises(ValueError, match="SLURM host list"):
-        slurm_hosts(node_list)
-
-
-def test_the_slurm_port_is_derived_from_the_job_id_as_jax_does():
-    assert slurm_port(123456) == 123456 % 4096 + 61440 == 62016
-    assert 61440 <= slurm_port(4095) == 65535
 
 
 def test_torchrun_variables_are_torchruns_group():
@@ -74,6 +48,10 @@ def test_srun_tasks_meet_at_the_first_host_of_the_step_on_the_job_id_port():
 
 def test_torchrun_inside_slurm_is_torchruns_group_and_one_slurm_task_is_no_cluster():
     assert cluster_of({**SLURM, **TORCHRUN}).launcher == "torchrun"
+    # the job's id is the scheduler's whatever formed the group: torchrun's default run id names none
+    assert cluster_of({**SLURM, **TORCHRUN, "TORCHELASTIC_RUN_ID": "none"}).keys == "torch_dp/123456/attempt_0"
+    # a Ray Train worker joins the env:// group Ray's torch backend describes
+    assert cluster_of({**TORCHRUN, "RAY_RAYLET_PID": "4321"}) == cluster_of(TORCHRUN)
     assert cluster_of({**SLURM, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) is None
     assert cluster_of({**SLURM, "RANK": "0", "WORLD_SIZE": "1"}) is None  # a launcher of its own
     assert cluster_of({}) is None

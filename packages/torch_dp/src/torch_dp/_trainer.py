@@ -17,21 +17,17 @@ from dp_core.keras import (
     build_model,
     check_batch_norm_mode,
     check_nonfinite_mode,
-    checked_model_and_inputs,
+    checked_call,
     fit_arguments,
-    global_batch_size_of,
     internals,
     plan_learning_rate,
-    require_backend,
-    require_compiled,
-    resolve_model,
     resumable_checkpoint,
 )
 from torch_dp._loop.jobs import EvaluateJob, FitJob, PredictJob
 from torch_dp._processes.cluster import is_primary_process
 from torch_dp._processes.group import Timeouts
 from torch_dp._processes.launchers import Launcher, choose_launcher
-from torch_dp._step.custom import optimizers_of, overrides
+from torch_dp._step.custom import optimizers_of
 
 
 @final
@@ -147,22 +143,21 @@ class Trainer:
         and every ``checkpoint_every_steps`` steps, and a directory that already holds one
         resumes from the newest valid checkpoint, continuing the same data order.
         """
-        global_batch_size = global_batch_size_of(batch_size, global_batch_size, x)
-        keras_model, inputs = self._check(
+        keras_model, inputs, global_batch_size = checked_call(
             model,
             x,
             y,
             sample_weight,
-            global_batch_size,
+            batch_size=batch_size,
+            global_batch_size=global_batch_size,
+            step_names=("train_step",),
             class_weight=class_weight,
             steps=steps_per_epoch,
             steps_name="steps_per_epoch",
-            trains=True,
+            **self._call_checks,
         )
         if checkpoint_dir is not None:
             _require_checkpointable(keras_model)
-        if isinstance(inputs, BatchSource):  # its batches are the global batches
-            global_batch_size = inputs.global_batch_size
         arguments = fit_arguments(
             inputs,
             global_batch_size=global_batch_size,
@@ -210,10 +205,17 @@ class Trainer:
         return_dict: bool = False,
     ) -> Any:
         """Loss and metrics over every sample, as single-device ``model.evaluate`` gives them."""
-        global_batch_size = global_batch_size_of(batch_size, global_batch_size, x)
-        keras_model, inputs = self._check(model, x, y, sample_weight, global_batch_size, steps=steps)
-        if isinstance(inputs, BatchSource):  # its batches are the global batches
-            global_batch_size = inputs.global_batch_size
+        keras_model, inputs, global_batch_size = checked_call(
+            model,
+            x,
+            y,
+            sample_weight,
+            batch_size=batch_size,
+            global_batch_size=global_batch_size,
+            step_names=("test_step",),
+            steps=steps,
+            **self._call_checks,
+        )
         job = EvaluateJob(
             inputs, global_batch_size, self.batch_norm, verbose, self.log_every_steps, list(callbacks or [])
         )
@@ -232,10 +234,16 @@ class Trainer:
         callbacks: Sequence[keras.callbacks.Callback] | None = None,
     ) -> Any:
         """Predictions for every row of ``x``, in input order, like ``model.predict``."""
-        global_batch_size = global_batch_size_of(batch_size, global_batch_size, x)
-        keras_model, inputs = self._check(model, x, None, None, global_batch_size, compiled=False, steps=steps)
-        if isinstance(inputs, BatchSource):  # its batches are the global batches
-            global_batch_size = inputs.global_batch_size
+        keras_model, inputs, global_batch_size = checked_call(
+            model,
+            x,
+            batch_size=batch_size,
+            global_batch_size=global_batch_size,
+            step_names=("predict_step",),
+            compiled=False,
+            steps=steps,
+            **self._call_checks,
+        )
         return self._launcher.run(
             PredictJob(inputs, global_batch_size, verbose, list(callbacks or [])), keras_model, model
         )
@@ -265,41 +273,23 @@ class Trainer:
             arguments, self.batch_norm, self.log_every_steps, self.on_nonfinite_loss, policy, resume, profile=profile
         )
 
-    def _check(
-        self,
-        model: Any,
-        x: Any,
-        y: Any,
-        sample_weight: Any,
-        global_batch_size: int,
-        *,
-        compiled: bool = True,
-        trains: bool = False,
-        **options: Any,
-    ) -> tuple[keras.Model, Inputs | BatchSource]:
-        """Every error we can raise before a process starts. A model with its own ``train_step``
-        (``trains``) or ``test_step`` needs no compiled loss: its step computes its own, as in Keras."""
-        require_backend("torch", "torch_dp")
-        keras_model = resolve_model(model, compiled=False)  # a factory is called once, here
-        if compiled:
-            own_step = overrides(keras_model, "train_step" if trains else "test_step")
-            if not own_step:
-                require_compiled(keras_model)
-            else:
-                _require_compiled_for_own_step(keras_model, trains=trains)
-        keras_model, inputs = checked_model_and_inputs(
-            keras_model,
-            x,
-            y,
-            sample_weight,
-            backend="torch",
-            package="torch_dp",
-            global_batch_size=global_batch_size,
-            num_replicas=self.num_replicas,
-            compiled=False,  # checked above
-            **options,
-        )
-        return keras_model, inputs
+    @property
+    def _call_checks(self) -> dict[str, Any]:
+        """What torch_dp's calls pass to ``checked_call``: no added-loss warning (as before)."""
+        return {
+            "backend": "torch",
+            "package": "torch_dp",
+            "num_replicas": self.num_replicas,
+            "check_own_steps": _check_own_steps,
+            "warn_added_losses": False,
+        }
+
+
+def _check_own_steps(model: keras.Model, step_names: tuple[str, ...], *, compiled: bool) -> None:
+    """A model with its own ``train_step`` or ``test_step`` needs no compiled loss: its step
+    computes its own, as in Keras."""
+    if compiled:
+        _require_compiled_for_own_step(model, trains="train_step" in step_names)
 
 
 def _checkpoint_to_resume(
