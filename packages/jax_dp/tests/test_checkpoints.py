@@ -192,7 +192,8 @@ def test_a_preemption_notice_stops_at_a_step_with_a_checkpoint_and_a_rerun_resum
     match = re.search(rf"Preempted: Training was preempted \({name}\) and stopped at epoch (\d+), step (\d+)", stderr)
     assert match, stderr[-3000:]
     newest = dp_core.latest_checkpoint(checkpoints)
-    assert (newest.epoch, newest.step) == (int(match.group(1)), int(match.group(2))) >= (1, 2)
+    # the notice went once step 1 of epoch 1 was saved: the stop is at that boundary or a later one
+    assert (newest.epoch, newest.step) == (int(match.group(1)), int(match.group(2))) >= (1, 1)
     assert f"A checkpoint of that step is at {checkpoints / newest.name}" in stderr
     assert not output.exists()
 

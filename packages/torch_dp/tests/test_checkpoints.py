@@ -289,7 +289,8 @@ def test_sigterm_stops_every_replica_at_a_step_with_a_checkpoint_and_a_rerun_res
     assert match, stderr[-3000:]
     stopped_at = (int(match.group(1)), int(match.group(2)))
     newest = dp_core.latest_checkpoint(checkpoints)
-    assert (newest.epoch, newest.step) == stopped_at >= (1, 2)  # the step boundary it stopped at, saved
+    # the step boundary it stopped at, saved: the notice went once step 1 of epoch 1 was, so that one or later
+    assert (newest.epoch, newest.step) == stopped_at >= (1, 1)
     assert f"A checkpoint of that step is at {checkpoints / newest.name}" in stderr
     assert not output.exists()
     deadline = time.monotonic() + 5

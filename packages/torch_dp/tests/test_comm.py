@@ -20,7 +20,11 @@ def test_sums_are_exact_and_small_cpu_buffers_travel_in_one_all_gather():
         testing.sums_over_two_replicas, args=(testing.free_port(), results), nprocs=2, start_method="spawn", join=False
     )
     try:
-        got = dict(results.get(timeout=90) for _ in range(2))
+        # numpy arrays by value (see sums_over_two_replicas), made tensors again here
+        got = {
+            rank: {label: (torch.from_numpy(value), used) for label, (value, used) in sums.items()}
+            for rank, sums in (results.get(timeout=90) for _ in range(2))
+        }
         deadline = time.monotonic() + 30
         while not processes.join(timeout=5):  # True once every process has ended well
             assert time.monotonic() < deadline, "a replica did not end"

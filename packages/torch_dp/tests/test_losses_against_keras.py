@@ -27,6 +27,22 @@ EPOCHS = 2
 pytestmark = pytest.mark.timeout(300)
 
 
+@pytest.fixture(scope="module")
+def trainers():
+    """``trainers(n)``: the module's Trainer of ``n`` replicas, made at first use; the 2-replica one
+    keeps its replicas between the module's fits (the Keras settings travel with each call)."""
+    made: dict[int, torch_dp.Trainer] = {}
+
+    def trainer(num_replicas: int) -> torch_dp.Trainer:
+        if num_replicas not in made:
+            made[num_replicas] = torch_dp.Trainer(num_replicas=num_replicas, timeout=60)
+        return made[num_replicas]
+
+    yield trainer
+    for started in made.values():
+        started.close()
+
+
 def _rows(structure, order):
     return None if structure is None else keras.tree.map_structure(lambda array: array[order], structure)
 
@@ -90,7 +106,7 @@ def _assert_logs(mine, theirs, rtol=1e-5):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("num_replicas", [1, 2])
-def test_per_timestep_outputs_integer_weights_and_a_shape_1_metric_equal_keras(num_replicas, tmp_path):
+def test_per_timestep_outputs_integer_weights_and_a_shape_1_metric_equal_keras(trainers, num_replicas, tmp_path):
     """Labels (N, T) over outputs (N, T, C) with integer per-timestep weights, beside a sigmoid
     unit with F1Score (result shape (1,), checkpointed with the History) and integer per-row
     weights; validated unweighted."""
@@ -99,7 +115,7 @@ def test_per_timestep_outputs_integer_weights_and_a_shape_1_metric_equal_keras(n
     weights = {"binary": rng.integers(0, 4, size=len(x)), "tags": rng.integers(0, 3, size=y["tags"].shape)}
     validation = testing.tagger_data(40, seed=2)
     reference, expected = _keras_fit(testing.tagger_model, x, y, weights, validation)
-    trainer = torch_dp.Trainer(num_replicas=num_replicas, timeout=60)
+    trainer = trainers(num_replicas)
     history = _trainer_fit(trainer, testing.tagger_model, x, y, weights, validation, checkpoint_dir=str(tmp_path))
     # F1Score's (1,) result: an array in History where Keras's is one (numpy 2), a float where it is a float
     _assert_same(history, history.model, expected, reference)
@@ -112,27 +128,25 @@ def test_per_timestep_outputs_integer_weights_and_a_shape_1_metric_equal_keras(n
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("num_replicas", [1, 2])
-def test_per_pixel_outputs_equal_keras(num_replicas):
+def test_per_pixel_outputs_equal_keras(trainers, num_replicas):
     """Labels (N, H, W) over outputs (N, H, W, C): trained unweighted, validated with per-pixel weights."""
     x, y = testing.segmentation_data()
     xv, yv = testing.segmentation_data(37, seed=3)
     validation = (xv, yv, np.random.default_rng(4).uniform(0.0, 2.0, size=yv.shape).astype("float32"))
     reference, expected = _keras_fit(testing.segmentation_model, x, y, validation=validation)
-    history = _trainer_fit(
-        torch_dp.Trainer(num_replicas=num_replicas, timeout=60), testing.segmentation_model, x, y, validation=validation
-    )
+    history = _trainer_fit(trainers(num_replicas), testing.segmentation_model, x, y, validation=validation)
     _assert_same(history, history.model, expected, reference)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("num_replicas", [1, 2])
-def test_keras_masked_loss_and_activity_regularizer_equal_keras(num_replicas):
+def test_keras_masked_loss_and_activity_regularizer_equal_keras(trainers, num_replicas):
     """Keras divides a masked loss by the batch's valid positions: over replicas, the global count
     of real rows' valid positions; the activity regularizer counts real rows only."""
     x, y = testing.masked_sequence_data()
     validation = testing.masked_sequence_data(45, seed=6)
     reference, expected = _keras_fit(testing.masked_sequence_model, x, y, validation=validation)
-    trainer = torch_dp.Trainer(num_replicas=num_replicas, timeout=60)
+    trainer = trainers(num_replicas)
     history = _trainer_fit(trainer, testing.masked_sequence_model, x, y, validation=validation)
     _assert_same(history, history.model, expected, reference)
     if num_replicas == 1:  # on 2, predict is a function of the weights just compared (test_two_replicas runs it)
@@ -149,7 +163,7 @@ def test_keras_masked_loss_and_activity_regularizer_equal_keras(num_replicas):
 
 
 @pytest.mark.multiprocess
-def test_mixed_precision_reaches_the_workers_and_trains_as_keras(tmp_path):
+def test_mixed_precision_reaches_the_workers_and_trains_as_keras(trainers, tmp_path):
     """``set_global_policy("mixed_float16")`` in the caller: the spawned workers build the factory's
     model under it (float16 compute, LossScaleOptimizer) and train as Keras does, within fp16 noise."""
     x, y = testing.data()
@@ -160,7 +174,7 @@ def test_mixed_precision_reaches_the_workers_and_trains_as_keras(tmp_path):
     try:
         reference, expected = _keras_fit(testing.mixed_precision_model, x, y, validation=validation)
         history = _trainer_fit(
-            torch_dp.Trainer(num_replicas=2, timeout=60),
+            trainers(2),  # replicas that trained under float32 before: the caller's policy travels with the call
             testing.RecordsWorkerSettings(str(seen)),
             x,
             y,

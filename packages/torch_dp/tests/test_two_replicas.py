@@ -20,6 +20,13 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 HERE = os.path.dirname(__file__)
 
 
+@pytest.fixture(scope="module")
+def trainer():
+    """One 2-replica Trainer for the module's fits: its replicas start once and are kept between calls."""
+    with torch_dp.Trainer(num_replicas=2, timeout=60) as started:
+        yield started
+
+
 def _keras_reference(optimizer, epochs, validation=None, callbacks=None):
     x, y = testing.data()
     reference = testing.dense_batchnorm_model(optimizer)
@@ -39,7 +46,7 @@ def _stop_early():
     return keras.callbacks.EarlyStopping(monitor="loss", min_delta=10.0, patience=0)
 
 
-def test_sgd_fit_evaluate_predict_equal_keras_and_callbacks_run_once(tmp_path):
+def test_sgd_fit_evaluate_predict_equal_keras_and_callbacks_run_once(trainer, tmp_path):
     x, y = testing.data()
     xv, yv = testing.data(37, seed=1)
     # rank 0's LearningRateScheduler sets the rate; rank 1 must use it too for the weights to match
@@ -49,7 +56,6 @@ def test_sgd_fit_evaluate_predict_equal_keras_and_callbacks_run_once(tmp_path):
     model = testing.dense_batchnorm_model("sgd", seed=1)
     model.set_weights(start)
     lines, table = tmp_path / "epochs.txt", tmp_path / "log.csv"
-    trainer = torch_dp.Trainer(num_replicas=2, timeout=60)
     history = trainer.fit(
         model,
         x,
@@ -93,7 +99,7 @@ def test_sgd_fit_evaluate_predict_equal_keras_and_callbacks_run_once(tmp_path):
     )
 
 
-def test_adam_sample_weights_and_a_stop_mid_epoch_equal_keras():
+def test_adam_sample_weights_and_a_stop_mid_epoch_equal_keras(trainer):
     """Adam state, sample weights and a batch-level stop (epoch 1, after batch 1) against Keras doing the same."""
     x, y = testing.data()
     weights = np.random.default_rng(2).uniform(0.5, 2.0, size=len(x)).astype("float32")
@@ -111,7 +117,7 @@ def test_adam_sample_weights_and_a_stop_mid_epoch_equal_keras():
     )
     model = testing.dense_batchnorm_model("adam", seed=1)
     model.set_weights(start)
-    history = torch_dp.Trainer(num_replicas=2, timeout=60).fit(
+    history = trainer.fit(
         model,
         x,
         y,
@@ -130,17 +136,14 @@ def test_adam_sample_weights_and_a_stop_mid_epoch_equal_keras():
     assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 6
 
 
-def test_a_models_own_compute_metrics_runs_on_every_replica_as_in_keras():
+def test_a_models_own_compute_metrics_runs_on_every_replica_as_in_keras(trainer):
     """A model that redefines ``compute_metrics`` (here: a metric of its own) keeps it; its
     metric counts each of the 99 real rows once per epoch, the padded last batch's padding not."""
     x, y = testing.data()
     reference = testing.row_counting_model()
     expected = reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
     assert expected.history["rows_seen"] == [99.0, 99.0]
-    with torch_dp.Trainer(num_replicas=2, timeout=60) as trainer:
-        history = trainer.fit(
-            testing.row_counting_model, x, y, global_batch_size=32, epochs=2, shuffle=False, verbose=0
-        )
+    history = trainer.fit(testing.row_counting_model, x, y, global_batch_size=32, epochs=2, shuffle=False, verbose=0)
     assert set(history.history) == set(expected.history)
     for name, values in expected.history.items():
         np.testing.assert_allclose(history.history[name], values, rtol=1e-5, atol=1e-6, err_msg=name)

@@ -362,7 +362,10 @@ SUM_SIZES = (1000, _comm.GATHER_AT_MOST_BYTES // 4)  # float32: 8 KB and 2 MiB g
 
 
 def sums_over_two_replicas(rank: int, port: int, results: Any) -> None:
-    """``test_comm``'s replica: ``_comm.sum_in_place`` of a few tensors, with the collectives each used."""
+    """``test_comm``'s replica: ``_comm.sum_in_place`` of a few tensors, with the collectives each used.
+
+    The sums travel as numpy arrays: a torch tensor on a ``torch.multiprocessing`` queue goes by file
+    descriptor through this process's listener, which is gone once this replica has ended."""
     torch.set_num_threads(1)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # this process's own: the group stays on loopback
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -384,7 +387,7 @@ def sums_over_two_replicas(rank: int, port: int, results: Any) -> None:
         }.items():
             used.clear()
             _comm.sum_in_place(tensor)
-            sums[label] = (tensor.clone(), list(used))
+            sums[label] = (tensor.numpy().copy(), list(used))
         results.put((rank, sums))
     finally:
         dist.destroy_process_group()
