@@ -24,9 +24,9 @@ from typing import Any, ParamSpec, TypeVar
 import jax
 from jax._src import distributed as jax_distributed  # the client jax.distributed keeps; no public accessor
 
-from dp_core import NonFiniteLossError, Preempted
+from dp_core import JobId, NonFiniteLossError, Preempted
 from jax_dp._processes import handshake
-from jax_dp._processes.launchers import JobId, Placement, placement
+from jax_dp._processes.launchers import Placement, placement
 from jax_dp._processes.launchers import job_id as job_id_of
 
 P = ParamSpec("P")
