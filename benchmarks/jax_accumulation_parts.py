@@ -65,6 +65,7 @@ def measure(k: int, num_samples: int) -> dict[str, Any]:
 
 def _all_reduced_bytes(trainer: Any, model: keras.Model, x: Any, y: Any) -> tuple[int, int]:
     """Bytes the compiled train step all-reduces at every step, and in the branch that ends a window."""
+    from dp_core.keras import checked_call
     from jax_dp._data.batches import device_batches
     from jax_dp._data.sources import epoch_plan
     from jax_dp._step.hlo import all_reduces
@@ -72,7 +73,15 @@ def _all_reduced_bytes(trainer: Any, model: keras.Model, x: Any, y: Any) -> tupl
     from jax_dp._step.state import train_state_on_mesh
     from jax_dp._step.steps import make_train_step
 
-    _, inputs = trainer._check(model, x, y, None, GLOBAL_BATCH_SIZE, step_names=("train_step",))
+    _, inputs, _ = checked_call(
+        model,
+        x,
+        y,
+        batch_size=None,
+        global_batch_size=GLOBAL_BATCH_SIZE,
+        step_names=("train_step",),
+        **trainer._call_checks,
+    )
     optimizer = KerasOptimizer(model)
     step: Any = make_train_step(model, optimizer, trainer.mesh, batch_norm="global", skip_nonfinite=False)
     state = train_state_on_mesh(

@@ -18,7 +18,7 @@ from jax_dp_helpers import assert_history_close, assert_weights_close
 
 import dp_core
 import jax_dp
-from dp_core.keras import build_model
+from dp_core.keras import build_model, checked_call
 from jax_dp._data.batches import device_batches
 from jax_dp._data.sources import epoch_plan
 from jax_dp._step.hlo import all_reduces
@@ -124,13 +124,14 @@ def test_accumulate_steps_that_disagree_with_the_keras_optimizer_are_refused(dat
 def compiled_step(x: np.ndarray, y: np.ndarray, steps: int) -> str:
     """The compiled train step (HLO text) of a 2-replica fit with ``steps`` micro-steps a window."""
     trainer = jax_dp.Trainer(2)
-    model, inputs = trainer._check(
+    model, inputs, _ = checked_call(
         model_with(keras.optimizers.SGD(0.1, gradient_accumulation_steps=steps if steps > 1 else None)),
         x,
         y,
-        None,
-        GLOBAL_BATCH,
+        batch_size=None,
+        global_batch_size=GLOBAL_BATCH,
         step_names=("train_step",),
+        **trainer._call_checks,
     )
     build_model(model, inputs)
     optimizer = KerasOptimizer(model)

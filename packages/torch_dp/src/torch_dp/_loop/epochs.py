@@ -1,4 +1,4 @@
-"""THE epoch of training steps every replica runs (``train_epoch``): one skeleton for Keras's own
+"""The epoch of training steps every replica runs (``train_epoch``): one skeleton for Keras's own
 step and a model's own ``train_step``, so the order of hooks, rank 0's decisions, preemption and
 checkpoints is written once. Callbacks and the progress bar run on rank 0 only; every decision
 rank 0 makes (stop, learning rate) reaches all replicas at the point Keras would act on it.
