@@ -28,17 +28,26 @@ SAME_BACKEND = {"rtol": 1e-5, "atol": 5e-6}
 CROSS_BACKEND = {"rtol": 1e-5, "atol": 1e-5}
 
 
-def _run_backend(backend: str, directory: Path) -> tuple[dict, dict]:
-    output = directory / f"{backend}.npz"
+def _start(backend: str, directory: Path) -> subprocess.Popen[bytes]:
+    """One backend's scenarios in a fresh process; its output goes to a file (a pipe could fill and block it)."""
     env = dict(os.environ, KERAS_BACKEND=backend, XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    result = subprocess.run(
-        [sys.executable, str(RUNNER), "--replicas", *map(str, REPLICAS[backend]), "--output", str(output)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
-    assert result.returncode == 0, f"{backend} scenarios failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    command = [sys.executable, str(RUNNER), "--replicas", *map(str, REPLICAS[backend])]
+    with (directory / f"{backend}.log").open("wb") as log:
+        return subprocess.Popen(
+            [*command, "--output", str(directory / f"{backend}.npz")], stdout=log, stderr=subprocess.STDOUT, env=env
+        )
+
+
+def _finish(backend: str, process: subprocess.Popen[bytes], directory: Path) -> tuple[dict, dict]:
+    try:
+        returncode = process.wait(timeout=900)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        returncode = "killed after 900 s"
+    output = directory / f"{backend}.npz"
+    log = (directory / f"{backend}.log").read_text(errors="replace")
+    assert returncode == 0, f"{backend} scenarios failed ({returncode}):\n{log[-9000:]}"
     with np.load(output, allow_pickle=False) as arrays:
         loaded = dict(arrays)
     return loaded, json.loads(output.with_suffix(".json").read_text())
@@ -46,8 +55,10 @@ def _run_backend(backend: str, directory: Path) -> tuple[dict, dict]:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
+    """Every backend's results; the backends run at once, each in its own process."""
     directory = tmp_path_factory.mktemp("conformance")
-    return {backend: _run_backend(backend, directory) for backend in REPLICAS}
+    started = {backend: _start(backend, directory) for backend in REPLICAS}
+    return {backend: _finish(backend, process, directory) for backend, process in started.items()}
 
 
 def _arrays(results, backend, scenario, runner, kind):

@@ -30,17 +30,23 @@ TIMEOUT = 3600  # a whole backend; each side of a scenario has its own limit in 
 REUSE = os.environ.get("PARITY_RESULTS")
 
 
-def _run(backend: str, scenarios: list[str], directory: Path) -> dict[str, Any]:
-    if REUSE:
-        return {**json.loads((Path(REUSE) / f"{backend}.json").read_text()), "ended": f"read from {REUSE}"}
-    output = directory / f"{backend}.json"
+def _start(backend: str, scenarios: list[str], directory: Path) -> subprocess.Popen[bytes]:
+    """One backend's matrix in a fresh process; its output goes to a file (a pipe could fill and block it)."""
     env = dict(os.environ, KERAS_BACKEND=backend, XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    command = [sys.executable, str(RUNNER), "--output", str(output), "--scenarios", *scenarios]
+    command = [sys.executable, str(RUNNER), "--output", str(directory / f"{backend}.json"), "--scenarios", *scenarios]
+    with (directory / f"{backend}.log").open("wb") as log:
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def _finish(backend: str, process: subprocess.Popen[bytes], directory: Path) -> dict[str, Any]:
     try:
-        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=TIMEOUT)
-        ended = f"exit status {done.returncode}\n{done.stderr[-3000:]}"
+        ended = f"exit status {process.wait(timeout=TIMEOUT)}"
     except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
         ended = f"stopped after {TIMEOUT} s"
+    ended += "\n" + (directory / f"{backend}.log").read_text(errors="replace")[-3000:]
+    output = directory / f"{backend}.json"
     if not output.exists():
         pytest.fail(f"{backend}: the matrix wrote no results ({ended})")
     report = json.loads(output.read_text())
@@ -59,15 +65,33 @@ def _selected(session: pytest.Session, backend: str) -> list[str]:
     return [s.name for s in SCENARIOS if s.name in needed and backend in s.backends]
 
 
+def _needs(session: pytest.Session, backend: str) -> bool:
+    """Whether a selected test reads ``backend``'s results (its scenarios or its signatures)."""
+    for item in session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "matrix" in getattr(item, "fixturenames", ()) and params.get("backend", backend) == backend:
+            return True
+    return False
+
+
 @pytest.fixture(scope="module")
 def matrix(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict]:
-    """The results of one backend, run on first use, for the scenarios of the selected tests."""
+    """The results of each backend for the scenarios of the selected tests. The first use starts every
+    backend's run at once (each in its own process, so neither waits for the other's start-up,
+    compiles and single-device references) and waits for them all."""
     reports: dict[str, dict[str, Any]] = {}
 
     def results(backend: str) -> dict[str, Any]:
-        if backend not in reports:
-            directory = tmp_path_factory.mktemp(f"parity-{backend}")
-            reports[backend] = _run(backend, _selected(request.session, backend), directory)
+        if not reports:
+            if REUSE:
+                for name in BACKENDS:
+                    read = json.loads((Path(REUSE) / f"{name}.json").read_text())
+                    reports[name] = {**read, "ended": f"read from {REUSE}"}
+                return reports[backend]
+            directory = tmp_path_factory.mktemp("parity")
+            needed = [name for name in BACKENDS if _needs(request.session, name)]
+            started = {name: _start(name, _selected(request.session, name), directory) for name in needed}
+            reports.update({name: _finish(name, process, directory) for name, process in started.items()})
         return reports[backend]
 
     return results
