@@ -42,7 +42,7 @@ def timed(module: object, name: str, totals: dict[str, float]) -> None:
 
 
 PARTS = {  # the function or method timed -> its total in the results
-    "average_gradients": "all_reduce_s",
+    "all_reduce_sum": "all_reduce_s",
     "_compute_loss": "keras_loss_s",
     "apply": "keras_optimizer_s",
     "_update_metrics": "keras_metrics_s",
@@ -58,7 +58,7 @@ def main() -> None:
     totals = dict.fromkeys(PARTS, 0.0)
     x, y = synthetic_mnist(NUM_SAMPLES)
     model, trainer = compiled_convnet(), torch_dp.Trainer()
-    for owner, name in ((_steps, "average_gradients"), (_steps, "_update_metrics"), (_loop, "train_step")):
+    for owner, name in ((_steps, "all_reduce_sum"), (_steps, "_update_metrics"), (_loop, "train_step")):
         timed(owner, name, totals)
     timed(model, "_compute_loss", totals)  # the compiled loss forward (its backward is in backward())
     timed(model.optimizer, "apply", totals)
