@@ -9,7 +9,16 @@ from typing import Any, final
 
 import keras
 
-from dp_core import BatchNormMode, LearningRateScaling, NonFiniteLoss, ScalingReport, Verbose, scaling_report_folder
+from dp_core import (
+    BatchNormMode,
+    LearningRateScaling,
+    NonFiniteLoss,
+    OneCall,
+    ScalingReport,
+    Verbose,
+    one_call_at_a_time,
+    scaling_report_folder,
+)
 from dp_core.keras import (
     BatchSource,
     FitArguments,
@@ -28,6 +37,13 @@ from torch_dp._processes.cluster import is_primary_process
 from torch_dp._processes.group import Timeouts
 from torch_dp._processes.launchers import Launcher, choose_launcher
 from torch_dp._step.custom import optimizers_of
+
+# One process holds one group of replicas (torch.distributed's default group): a second Trainer
+# here would stop or share this one's, so concurrent work goes to another process.
+_CONCURRENT_WORK = (
+    "run it in another process (one process holds one torch_dp group of replicas at a time: another Trainer "
+    "starting its replicas here would stop the running call's)"
+)
 
 
 @final
@@ -69,6 +85,10 @@ class Trainer:
     the end of the interpreter and another Trainer starting its own. They form their group
     under a random token of their own, so no other job can join it; under torchrun the
     rendezvous is torchrun's (its ``--rdzv-id`` names the job).
+
+    A Trainer runs one call at a time: ``fit``, ``evaluate``, ``predict`` or ``close`` called while
+    another of its calls runs (from a callback, or from another thread) raises
+    ``dp_core.TrainerBusy`` at once, before it does anything, and the running call goes on.
     """
 
     def __init__(
@@ -94,11 +114,13 @@ class Trainer:
         self.timeout = timeouts.rendezvous  # for code that reads it: 60 s by default, or what timeout= set
         self.log_every_steps = log_every_steps
         self._launcher: Launcher = choose_launcher(num_replicas, threads=threads_per_replica, timeouts=timeouts)
+        self._one_call = OneCall("torch_dp.Trainer", concurrent_work=_CONCURRENT_WORK)
 
     @property
     def num_replicas(self) -> int:
         return self._launcher.num_replicas
 
+    @one_call_at_a_time
     def close(self) -> None:
         """Stop the worker replicas this trainer started (they stay between calls otherwise) and
         remove their shared files. A later call starts new ones; closing twice is harmless."""
@@ -110,6 +132,7 @@ class Trainer:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    @one_call_at_a_time
     def fit(
         self,
         model: Any,
@@ -190,6 +213,7 @@ class Trainer:
         self.scaling_report = getattr(history, "scaling_report", None)
         return history
 
+    @one_call_at_a_time
     def evaluate(
         self,
         model: Any,
@@ -222,6 +246,7 @@ class Trainer:
         logs = self._launcher.run(job, keras_model, model)
         return logs if return_dict else internals.metrics_in_order(keras_model, logs)
 
+    @one_call_at_a_time
     def predict(
         self,
         model: Any,
