@@ -116,3 +116,11 @@ def test_trainer_busy_survives_pickling_with_its_fields() -> None:
         False,
     )
     assert "TrainerBusy" in dp_core.__all__
+
+
+def test_a_guard_shared_by_trainers_names_the_other_trainer_as_the_holder() -> None:
+    shared = OneCall("toy.Trainer", holder="another toy.Trainer's")
+    with shared.call("fit"), pytest.raises(TrainerBusy) as refused, shared.call("predict"):
+        pass
+    assert str(refused.value).startswith("toy.Trainer.predict() was refused: another toy.Trainer's fit() is still")
+    assert shared.running is None

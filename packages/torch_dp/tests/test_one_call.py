@@ -157,3 +157,26 @@ def test_two_threads_one_fits_as_model_fit_and_the_other_is_refused_at_once(trai
     logs = trainer.evaluate(models[other], x, y, global_batch_size=32, return_dict=True, verbose=0)
     for name, value in expected.items():
         np.testing.assert_allclose(logs[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_another_trainers_call_from_a_callback_is_refused_but_one_replica_runs(trainer):
+    """Another Trainer of two replicas would stop the running call's replicas (one group per
+    process): refused at once. One of one replica trains in this process alone: it runs."""
+    x, y = testing.data()
+    reference, start = _reference(epochs=1)
+    model, alone = _model(start), _model(start)
+    with torch_dp.Trainer(num_replicas=2, collective_timeout=30) as other:
+        nested = CallsAtFirstEpochEnd(
+            {
+                "predict": lambda: other.predict(model, x, global_batch_size=32, verbose=0),
+                "alone": lambda: torch_dp.Trainer(num_replicas=1).predict(alone, x, global_batch_size=32, verbose=0),
+            }
+        )
+        trainer.fit(model, x, y, global_batch_size=32, epochs=1, shuffle=False, callbacks=[nested], verbose=0)
+    error, seconds = nested.outcomes["predict"]
+    assert isinstance(error, dp_core.TrainerBusy), error
+    assert (error.running, error.attempted, error.nested, seconds < REFUSED_WITHIN_S) == ("fit", "predict", True, True)
+    assert "predict() was refused: another torch_dp.Trainer's fit() is still running" in str(error)
+    predictions, _ = nested.outcomes["alone"]
+    np.testing.assert_allclose(predictions, alone.predict(x, batch_size=32, verbose=0), atol=1e-6)
+    _assert_weights_equal(model.get_weights(), reference.get_weights())

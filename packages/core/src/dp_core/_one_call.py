@@ -49,11 +49,16 @@ class _Running(NamedTuple):
 @final
 class OneCall:
     """The guard of one Trainer: ``owner`` names it in errors (``"torch_dp.Trainer"``), and
-    ``concurrent_work`` says where work that must run beside a call can go instead."""
+    ``concurrent_work`` says where work that must run beside a call can go instead. ``holder``
+    names whose call holds it: ``"this Trainer's"``, or for a guard that Trainers share (one per
+    process, say) ``"another torch_dp.Trainer's"``."""
 
-    def __init__(self, owner: str, *, concurrent_work: str = "use another Trainer") -> None:
+    def __init__(
+        self, owner: str, *, concurrent_work: str = "use another Trainer", holder: str = "this Trainer's"
+    ) -> None:
         self.owner = owner
         self.concurrent_work = concurrent_work
+        self.holder = holder
         self._lock = threading.Lock()  # guards _running only; never held while a call runs
         self._running: _Running | None = None
 
@@ -79,12 +84,12 @@ class OneCall:
 
     def _refusal(self, running: _Running, attempted: str, this: threading.Thread) -> TrainerBusy:
         owner, nested = self.owner, running.thread_id == this.ident
-        what = f"{owner}.{attempted}() was refused: this Trainer's {running.call}() is still running"
+        what = f"{owner}.{attempted}() was refused: {self.holder} {running.call}() is still running"
         if nested:
             message = (
                 f"{what}, and {attempted}() was called from inside it (the same thread: a callback, or code a "
-                f"callback runs). A Trainer runs one call at a time, and a call nested in another would wait on "
-                f"replicas that are busy with the running one. Call {attempted}() after {running.call}() returns: "
+                f"callback runs). A Trainer runs one call at a time: a call nested in another would wait on "
+                f"replicas busy with the running one, or stop them. Call {attempted}() after {running.call}() returns: "
                 f"from a callback, note what to do (e.g. set a flag in on_epoch_end) and do it after "
                 f"{running.call}() returns; to stop training early, set self.model.stop_training = True."
             )

@@ -3,9 +3,10 @@ then hands one job per call to the launcher chosen at construction."""
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Mapping, Sequence
-from typing import Any, final
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Concatenate, ParamSpec, TypeVar, final
 
 import keras
 
@@ -38,12 +39,31 @@ from torch_dp._processes.group import Timeouts
 from torch_dp._processes.launchers import Launcher, choose_launcher
 from torch_dp._step.custom import optimizers_of
 
+P = ParamSpec("P")
+R = TypeVar("R")
 # One process holds one group of replicas (torch.distributed's default group): a second Trainer
 # here would stop or share this one's, so concurrent work goes to another process.
 _CONCURRENT_WORK = (
     "run it in another process (one process holds one torch_dp group of replicas at a time: another Trainer "
     "starting its replicas here would stop the running call's)"
 )
+# Process-global state: the call that runs replicas in this process now, whichever Trainer's. A
+# Trainer of more than one replica holds it (after its own guard) for the whole of each call.
+_REPLICAS_CALL = OneCall("torch_dp.Trainer", concurrent_work=_CONCURRENT_WORK, holder="another torch_dp.Trainer's")
+
+
+def _one_replica_group_call(method: Callable[Concatenate[Trainer, P], R]) -> Callable[Concatenate[Trainer, P], R]:
+    """``method`` refused at once while another Trainer's call runs replicas in this process: its
+    replicas would stop that call's (a process holds one group), which then waits out its timeout."""
+
+    @functools.wraps(method)
+    def guarded(self: Trainer, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        if self.num_replicas == 1:  # trains in this process alone, without a group
+            return method(self, *args, **kwargs)
+        with _REPLICAS_CALL.call(method.__name__):
+            return method(self, *args, **kwargs)
+
+    return guarded
 
 
 @final
@@ -88,7 +108,9 @@ class Trainer:
 
     A Trainer runs one call at a time: ``fit``, ``evaluate``, ``predict`` or ``close`` called while
     another of its calls runs (from a callback, or from another thread) raises
-    ``dp_core.TrainerBusy`` at once, before it does anything, and the running call goes on.
+    ``dp_core.TrainerBusy`` at once, before it does anything, and the running call goes on; so
+    does a call of another Trainer of more than one replica in this process (one process holds
+    one group of replicas: it would stop the running call's).
     """
 
     def __init__(
@@ -133,6 +155,7 @@ class Trainer:
         self.close()
 
     @one_call_at_a_time
+    @_one_replica_group_call
     def fit(
         self,
         model: Any,
@@ -214,6 +237,7 @@ class Trainer:
         return history
 
     @one_call_at_a_time
+    @_one_replica_group_call
     def evaluate(
         self,
         model: Any,
@@ -247,6 +271,7 @@ class Trainer:
         return logs if return_dict else internals.metrics_in_order(keras_model, logs)
 
     @one_call_at_a_time
+    @_one_replica_group_call
     def predict(
         self,
         model: Any,
