@@ -34,6 +34,9 @@ from dp_core._lr import schedule_from_config as schedule_from_config
 from dp_core._lr import sqrt_scaling as sqrt_scaling
 from dp_core._nonfinite import NonFiniteLoss as NonFiniteLoss
 from dp_core._nonfinite import NonFiniteLossError as NonFiniteLossError
+from dp_core._one_call import OneCall as OneCall
+from dp_core._one_call import TrainerBusy as TrainerBusy
+from dp_core._one_call import one_call_at_a_time as one_call_at_a_time
 from dp_core._options import BatchNormMode as BatchNormMode
 from dp_core._preemption import Preempted as Preempted
 from dp_core._preemption import PreemptionWatch as PreemptionWatch
@@ -79,6 +82,7 @@ __all__ = [
     "NoStepTimer",
     "NonFiniteLoss",
     "NonFiniteLossError",
+    "OneCall",
     "Phase",
     "Preempted",
     "PreemptionWatch",
@@ -88,6 +92,7 @@ __all__ = [
     "Shard",
     "StepTimer",
     "Trainer",
+    "TrainerBusy",
     "Verbose",
     "Warmup",
     "all_reduce_bound",
@@ -102,6 +107,7 @@ __all__ = [
     "list_checkpoints",
     "load_checkpoint",
     "num_steps",
+    "one_call_at_a_time",
     "per_replica_batch_size",
     "read_scaling_reports",
     "save_checkpoint",

@@ -10,7 +10,16 @@ import keras
 import optax
 from jax.sharding import Mesh
 
-from dp_core import BatchNormMode, LearningRateScaling, NonFiniteLoss, ScalingReport, Verbose, scaling_report_folder
+from dp_core import (
+    BatchNormMode,
+    LearningRateScaling,
+    NonFiniteLoss,
+    OneCall,
+    ScalingReport,
+    Verbose,
+    one_call_at_a_time,
+    scaling_report_folder,
+)
 from dp_core.keras import (
     BatchSource,
     CheckpointWriter,
@@ -78,6 +87,9 @@ class Trainer:
     the batch is what it computes on one device; a last batch that does not divide over the
     devices is given to every device whole (``_step.custom``).
 
+    One call at a time: a call while another runs (from a callback or another thread) raises
+    ``dp_core.TrainerBusy`` at once, before it does anything; the running call goes on.
+
     >>> trainer = jax_dp.Trainer(num_replicas=2)  # doctest: +SKIP
     >>> history = trainer.fit(model, x, y, global_batch_size=64, epochs=3)  # doctest: +SKIP
     """
@@ -108,6 +120,7 @@ class Trainer:
         self.batch_norm: BatchNormMode = batch_norm
         self._optax = optimizer
         self._compile_cache = CompileCache()
+        self._one_call = OneCall("jax_dp.Trainer", concurrent_work="use another Trainer, each with its own model")
         self.profile = scaling_report_folder(profile)
         self.scaling_report: ScalingReport | None = None  # the last profiled fit's, on process 0
         if optimizer is not None:
@@ -118,6 +131,7 @@ class Trainer:
         """Devices (rows of a 2-D mesh) on the mesh's ``"batch"`` axis, over every process."""
         return num_replicas_of(self.mesh)
 
+    @one_call_at_a_time
     @ends_the_run_on_failure
     def fit(
         self,
@@ -240,6 +254,7 @@ class Trainer:
                 history.scaling_report = self.scaling_report  # pyright: ignore[reportAttributeAccessIssue]
             return history
 
+    @one_call_at_a_time
     @ends_the_run_on_failure
     def evaluate(
         self,
@@ -278,6 +293,7 @@ class Trainer:
         hooks.on_test_end(logs)
         return logs if return_dict else internals.metrics_in_order(model, logs)
 
+    @one_call_at_a_time
     @ends_the_run_on_failure
     def predict(
         self,

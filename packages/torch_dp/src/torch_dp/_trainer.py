@@ -3,13 +3,23 @@ then hands one job per call to the launcher chosen at construction."""
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Mapping, Sequence
-from typing import Any, final
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Concatenate, ParamSpec, TypeVar, final
 
 import keras
 
-from dp_core import BatchNormMode, LearningRateScaling, NonFiniteLoss, ScalingReport, Verbose, scaling_report_folder
+from dp_core import (
+    BatchNormMode,
+    LearningRateScaling,
+    NonFiniteLoss,
+    OneCall,
+    ScalingReport,
+    Verbose,
+    one_call_at_a_time,
+    scaling_report_folder,
+)
 from dp_core.keras import (
     BatchSource,
     FitArguments,
@@ -28,6 +38,32 @@ from torch_dp._processes.cluster import is_primary_process
 from torch_dp._processes.group import Timeouts
 from torch_dp._processes.launchers import Launcher, choose_launcher
 from torch_dp._step.custom import optimizers_of
+
+P = ParamSpec("P")
+R = TypeVar("R")
+# One process holds one group of replicas (torch.distributed's default group): a second Trainer
+# here would stop or share this one's, so concurrent work goes to another process.
+_CONCURRENT_WORK = (
+    "run it in another process (one process holds one torch_dp group of replicas at a time: another Trainer "
+    "starting its replicas here would stop the running call's)"
+)
+# Process-global state: the call that runs replicas in this process now, whichever Trainer's. A
+# Trainer of more than one replica holds it (after its own guard) for the whole of each call.
+_REPLICAS_CALL = OneCall("torch_dp.Trainer", concurrent_work=_CONCURRENT_WORK, holder="another torch_dp.Trainer's")
+
+
+def _one_replica_group_call(method: Callable[Concatenate[Trainer, P], R]) -> Callable[Concatenate[Trainer, P], R]:
+    """``method`` refused at once while another Trainer's call runs replicas in this process: its
+    replicas would stop that call's (a process holds one group), which then waits out its timeout."""
+
+    @functools.wraps(method)
+    def guarded(self: Trainer, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        if self.num_replicas == 1:  # trains in this process alone, without a group
+            return method(self, *args, **kwargs)
+        with _REPLICAS_CALL.call(method.__name__):
+            return method(self, *args, **kwargs)
+
+    return guarded
 
 
 @final
@@ -69,6 +105,12 @@ class Trainer:
     the end of the interpreter and another Trainer starting its own. They form their group
     under a random token of their own, so no other job can join it; under torchrun the
     rendezvous is torchrun's (its ``--rdzv-id`` names the job).
+
+    A Trainer runs one call at a time: ``fit``, ``evaluate``, ``predict`` or ``close`` called while
+    another of its calls runs (from a callback, or from another thread) raises
+    ``dp_core.TrainerBusy`` at once, before it does anything, and the running call goes on; so
+    does a call of another Trainer of more than one replica in this process (one process holds
+    one group of replicas: it would stop the running call's).
     """
 
     def __init__(
@@ -94,11 +136,13 @@ class Trainer:
         self.timeout = timeouts.rendezvous  # for code that reads it: 60 s by default, or what timeout= set
         self.log_every_steps = log_every_steps
         self._launcher: Launcher = choose_launcher(num_replicas, threads=threads_per_replica, timeouts=timeouts)
+        self._one_call = OneCall("torch_dp.Trainer", concurrent_work=_CONCURRENT_WORK)
 
     @property
     def num_replicas(self) -> int:
         return self._launcher.num_replicas
 
+    @one_call_at_a_time
     def close(self) -> None:
         """Stop the worker replicas this trainer started (they stay between calls otherwise) and
         remove their shared files. A later call starts new ones; closing twice is harmless."""
@@ -110,6 +154,8 @@ class Trainer:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    @one_call_at_a_time
+    @_one_replica_group_call
     def fit(
         self,
         model: Any,
@@ -190,6 +236,8 @@ class Trainer:
         self.scaling_report = getattr(history, "scaling_report", None)
         return history
 
+    @one_call_at_a_time
+    @_one_replica_group_call
     def evaluate(
         self,
         model: Any,
@@ -222,6 +270,8 @@ class Trainer:
         logs = self._launcher.run(job, keras_model, model)
         return logs if return_dict else internals.metrics_in_order(keras_model, logs)
 
+    @one_call_at_a_time
+    @_one_replica_group_call
     def predict(
         self,
         model: Any,
