@@ -5,6 +5,7 @@ from importlib.metadata import version as _version
 from dp_core import EquivalenceReport as EquivalenceReport
 from dp_core import NonFiniteLossError as NonFiniteLossError
 from dp_core import Preempted as Preempted
+from dp_core import TrainerBusy as TrainerBusy
 from jax_dp._equivalence import check_equivalence as check_equivalence
 from jax_dp._processes.group import initialize as initialize
 from jax_dp._trainer import Trainer as Trainer
@@ -16,6 +17,7 @@ __all__ = [
     "NonFiniteLossError",
     "Preempted",
     "Trainer",
+    "TrainerBusy",
     "check_equivalence",
     "initialize",
 ]

@@ -10,6 +10,7 @@ from dp_core import BatchNormMode as BatchNormMode
 from dp_core import EquivalenceReport as EquivalenceReport
 from dp_core import NonFiniteLossError as NonFiniteLossError
 from dp_core import Preempted as Preempted
+from dp_core import TrainerBusy as TrainerBusy
 from torch_dp._data.sampler import Sampler as Sampler
 from torch_dp._equivalence import check_equivalence as check_equivalence
 from torch_dp._processes.failures import WorkerError as WorkerError
@@ -24,6 +25,7 @@ __all__ = [
     "Preempted",
     "Sampler",
     "Trainer",
+    "TrainerBusy",
     "WorkerError",
     "check_equivalence",
 ]
