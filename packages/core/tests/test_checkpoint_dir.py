@@ -66,6 +66,8 @@ def test_a_second_writer_is_refused_naming_the_holder_until_the_holder_dies(tmp_
     holder = _python(HOLD, tmp_path)
     try:
         assert holder.stdout.readline().strip() == "held", holder.stderr.read()
+        with pytest.raises(CheckpointDirInUseError, match=f"process {holder.pid}"):
+            check_checkpoint_dir(tmp_path)  # the check before a fit starts says so too, holding nothing
         with pytest.raises(CheckpointDirInUseError) as refused:
             _claim(tmp_path)
         assert (refused.value.host, refused.value.pid) == (socket.gethostname(), holder.pid)
@@ -74,6 +76,7 @@ def test_a_second_writer_is_refused_naming_the_holder_until_the_holder_dies(tmp_
         assert "another checkpoint_dir" in message and f"kill {holder.pid}" in message
         holder.send_signal(signal.SIGKILL)  # the kernel releases its lock
         holder.wait(10)
+        assert check_checkpoint_dir(tmp_path) == tmp_path
         with claim_checkpoint_dir(tmp_path) as root:
             record = json.loads((root / ".keras-dp.lock").read_text())
             assert record["pid"] == os.getpid()

@@ -40,6 +40,7 @@ except ImportError:  # not POSIX: the record is the only guard
 
 LOCK_NAME = ".keras-dp.lock"
 _RECORD_LIMIT = 64 << 10
+_ATTEMPTS = 5  # a claim's tries, 10 ms apart, before another holder is believed
 
 
 class CheckpointDirError(CheckpointError):
@@ -69,10 +70,11 @@ _HELD_LOCK = threading.Lock()
 
 def check_checkpoint_dir(directory: str | os.PathLike[str]) -> Path:
     """``directory`` as a ``Path`` once it is known that a checkpoint can be written there: it
-    is a folder, or one can be made (no part of the path is a file), and a file can be created
-    in it. The probe creates and removes a file, so it answers for this process's user whatever
-    ``os.access`` says (root, ACLs, read-only mounts); nothing is left behind. A
-    ``CheckpointDirError`` names the path and the reason."""
+    is a folder, or one can be made (no part of the path is a file), a file can be created in
+    it, and no other run holds it (``CheckpointDirInUseError``). The probe creates and removes a
+    file, so it answers for this process's user whatever ``os.access`` says (root, ACLs,
+    read-only mounts); nothing is left behind. A ``CheckpointDirError`` names the path and the
+    reason. ``claim_checkpoint_dir`` checks it again, and holds it."""
     path = Path(os.path.abspath(os.fspath(directory)))
     existing = existing_folder_of(path)
     shown = f"{str(directory)!r} is not writable" if existing == path else f"{str(directory)!r} cannot be created"
@@ -86,7 +88,34 @@ def check_checkpoint_dir(directory: str | os.PathLike[str]) -> Path:
         ) from error
     os.close(fd)
     os.unlink(probe)
+    if existing == path:
+        _refuse_if_held(path)
     return path
+
+
+def _refuse_if_held(root: Path) -> None:
+    """A ``CheckpointDirInUseError`` when another process, or another thread here, holds ``root``.
+    Asked with a shared lock released at once, so nothing is held after; a claim made meanwhile
+    retries past it (``_lock``)."""
+    held = _HELD.get(os.path.realpath(root))
+    if held is not None:
+        if held.thread != threading.get_ident():
+            raise _in_use(root, _read_record(root), "another thread of this process")
+        return
+    if fcntl is None:
+        return
+    try:
+        fd = os.open(root / LOCK_NAME, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:  # none yet (or not a file: the claim says so)
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise _in_use(root, _wait_for_record(root), "another run") from None
+    except OSError:
+        pass  # no locks on this filesystem: the claim warns
+    finally:
+        os.close(fd)
 
 
 def existing_folder_of(path: Path) -> Path:
@@ -212,22 +241,31 @@ def _open_lock_file(root: Path) -> int:
 def _lock(fd: int, root: Path) -> None:
     if fcntl is None:
         return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        record = {}
-        for _ in range(20):  # the holder writes its record just after it locks
-            record = _read_record(root)
-            if record:
-                break
-            time.sleep(0.01)
-        raise _in_use(root, record, "another run") from None
-    except OSError as error:  # a filesystem without flock (ENOLCK, EINVAL): the record still guards
-        warnings.warn(
-            f"checkpoint_dir {str(root)!r}: its filesystem refuses file locks ({error.strerror or error}), so only "
-            "the lock file's record keeps a second run from writing there, at that run's next checkpoint.",
-            stacklevel=4,
-        )
+    for attempt in range(_ATTEMPTS):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if attempt == _ATTEMPTS - 1:
+                raise _in_use(root, _wait_for_record(root), "another run") from None
+            time.sleep(0.01)  # a check's shared lock lasts microseconds
+        except OSError as error:  # a filesystem without flock (ENOLCK, EINVAL): the record still guards
+            warnings.warn(
+                f"checkpoint_dir {str(root)!r}: its filesystem refuses file locks ({error.strerror or error}), so "
+                "only the lock file's record keeps a second run from writing there, at that run's next checkpoint.",
+                stacklevel=4,
+            )
+            return
+
+
+def _wait_for_record(root: Path) -> dict[str, Any]:
+    record: dict[str, Any] = {}
+    for _ in range(20):  # the holder writes its record just after it locks
+        record = _read_record(root)
+        if record:
+            break
+        time.sleep(0.01)
+    return record
 
 
 def _in_use(root: Path, record: dict[str, Any], who: str) -> CheckpointDirInUseError:

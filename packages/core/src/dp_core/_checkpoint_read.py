@@ -277,7 +277,12 @@ def _manifest(path: Path) -> dict[str, Any]:
             raise damaged(path, "manifest.json", f"{size} bytes, more than the {JSON_LIMIT} a manifest may have")
         manifest = _parse_json(path, "manifest.json", f.read(size + 1), unreadable=True)
     version = manifest.get("format_version")
-    if manifest.get("format") == FORMAT_NAME and _count(version) and version > FORMAT_VERSION:
+    if (
+        manifest.get("format") == FORMAT_NAME
+        and isinstance(version, int)
+        and _count(version)
+        and version > FORMAT_VERSION
+    ):
         raise CheckpointVersionError(
             f"{path}: format {FORMAT_NAME!r} version {version}, expected {FORMAT_NAME} version {FORMAT_VERSION}: it "
             "was written by a newer keras-dp. Upgrade keras-dp to read it, or point checkpoint_dir at another folder.",
