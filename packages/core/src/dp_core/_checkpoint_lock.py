@@ -145,8 +145,13 @@ def claim_checkpoint_dir(directory: str | os.PathLike[str]) -> Iterator[Path]:
     the kernel releases it if the process dies). Another holder is a ``CheckpointDirInUseError``
     naming its host and pid; the same thread may claim a folder it holds again.
 
-    >>> with claim_checkpoint_dir(folder) as root:  # doctest: +SKIP
-    ...     save_checkpoint(root, checkpoint)
+    >>> import tempfile
+    >>> folder = tempfile.mkdtemp()
+    >>> with claim_checkpoint_dir(folder) as root:  # a writer would save_checkpoint(root, ...) here
+    ...     os.listdir(root), json.loads((root / LOCK_NAME).read_text())["pid"] == os.getpid()
+    (['.keras-dp.lock'], True)
+    >>> (Path(folder) / LOCK_NAME).read_text()  # released
+    ''
     """
     claim = _acquire(check_checkpoint_dir(directory))
     try:
