@@ -175,15 +175,19 @@ def _acquire(root: Path) -> _Claim:
         if held is not None:
             raise _in_use(root, _read_record(root), "another thread of this process")
         fd = _open_lock_file(root)
+        claim = _Claim(root, fd, uuid.uuid4().hex, threading.get_ident())
         try:
             _lock(fd, root)
+            _warn_if_unreleased(root, _read_record(root))
+            _write_record(fd, _record_of(claim.token))
+        except OSError as error:  # the record cannot be written (a full disk): neither is a checkpoint
+            os.close(fd)
+            raise CheckpointDirError(
+                f"checkpoint_dir {str(root)!r}: its lock file cannot be written ({error.strerror or error})."
+            ) from error
         except BaseException:
             os.close(fd)
             raise
-        previous = _read_record(root)
-        _warn_if_unreleased(root, previous)
-        claim = _Claim(root, fd, uuid.uuid4().hex, threading.get_ident())
-        _write_record(fd, _record_of(claim.token))
         _HELD[key] = claim
         return claim
 
