@@ -3,6 +3,7 @@ continues the run exactly, after a SIGKILL too, on the same or another replica c
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -202,3 +203,85 @@ def test_a_preemption_notice_stops_at_a_step_with_a_checkpoint_and_a_rerun_resum
     weights, _ = _saved(output)
     for mine, theirs in zip(weights, uninterrupted[0], strict=True):
         np.testing.assert_array_equal(mine, theirs)  # bitwise
+
+
+class _Steps(keras.callbacks.Callback):
+    """Counts the train batches a fit began."""
+
+    def __init__(self):
+        super().__init__()
+        self.began = 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.began += 1
+
+
+_HOLD = (  # a run holding checkpoint_dir, as dp_core lets any writer do
+    "import sys, time, dp_core\n"
+    "with dp_core.claim_checkpoint_dir(sys.argv[1]):\n"
+    "    print('held', flush=True)\n"
+    "    time.sleep(60)\n"
+)
+
+
+def _fit(model, x, y, directory, **options):
+    arguments = {"global_batch_size": GLOBAL_BATCH, "seed": 1, "verbose": 0, **options}
+    return jax_dp.Trainer(2).fit(model, x, y, checkpoint_dir=str(directory), **arguments)
+
+
+def test_a_checkpoint_dir_another_run_holds_is_refused_before_anything_is_restored(data, tmp_path):
+    x, y, _, _ = data
+    _fit(dense_bn_model("adam"), x, y, tmp_path, epochs=1)  # a checkpoint the refused fit must not restore
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(tmp_path)], env=_environment(), stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        model, steps = dense_bn_model("adam", seed=9), _Steps()
+        before = model.get_weights()
+        with pytest.raises(dp_core.CheckpointDirInUseError, match=f"process {holder.pid} on host") as refused:
+            _fit(model, x, y, tmp_path, epochs=3, callbacks=[steps])
+        assert refused.value.pid == holder.pid and "another checkpoint_dir" in str(refused.value)
+        assert steps.began == 0 and [p.name for p in dp_core.list_checkpoints(tmp_path)] == ["step-000001-000000000"]
+        for mine, theirs in zip(model.get_weights(), before, strict=True):
+            np.testing.assert_array_equal(mine, theirs)  # not the other run's weights
+        holder.kill()  # the kernel releases its lock: the folder is free
+        holder.wait(10)
+        assert _fit(model, x, y, tmp_path, epochs=2).epoch == [0, 1]  # resumed from epoch 1
+        assert (tmp_path / ".keras-dp.lock").read_text() == ""  # released when the fit ended
+    finally:
+        holder.kill()
+        holder.wait(10)
+        holder.stdout.close()
+
+
+def test_checkpoints_of_a_newer_format_stop_fit_before_it_starts_and_are_never_pruned(data, tmp_path):
+    x, y, _, _ = data
+    _fit(dense_bn_model("adam"), x, y, tmp_path, epochs=3)
+    newer = dp_core.list_checkpoints(tmp_path)
+    assert len(newer) == 3
+    for path in newer:  # as a newer keras-dp would write them
+        manifest = json.loads((path / "manifest.json").read_text())
+        (path / "manifest.json").write_text(json.dumps({**manifest, "format_version": 2}))
+    model, steps = dense_bn_model("adam", seed=9), _Steps()
+    before = model.get_weights()
+    with pytest.raises(dp_core.CheckpointVersionError, match=r"format version 2 .*reads format version 1") as refused:
+        _fit(model, x, y, tmp_path, epochs=6, callbacks=[steps])
+    assert "Upgrade keras-dp" in str(refused.value) and "another folder" in str(refused.value)
+    assert steps.began == 0
+    assert dp_core.list_checkpoints(tmp_path) == newer  # none pruned, none added
+    for mine, theirs in zip(model.get_weights(), before, strict=True):
+        np.testing.assert_array_equal(mine, theirs)
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "a_file"])
+def test_a_checkpoint_dir_that_is_or_is_under_a_file_is_refused_before_anything_starts(data, tmp_path, where):
+    x, y, _, _ = data
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("not a folder")
+    directory = blocker / "run" if where == "under_a_file" else blocker
+    steps = _Steps()
+    with pytest.raises(dp_core.CheckpointDirError, match=re.escape(f"{directory}' is not a folder")) as refused:
+        _fit(dense_bn_model(), x, y, directory, epochs=1, callbacks=[steps])
+    assert "is a regular file, not a directory" in str(refused.value)
+    assert steps.began == 0 and blocker.read_text() == "not a folder"

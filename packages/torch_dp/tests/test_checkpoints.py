@@ -323,3 +323,82 @@ def test_sigusr1_to_a_worker_replica_stops_the_run_and_says_nothing_was_saved(tm
     assert ended < 5, f"the run took {ended:.1f} s to stop"
     assert "Preempted: Training was preempted (a notice to another replica)" in stderr, stderr[-3000:]
     assert "No checkpoint_dir was given" in stderr
+
+
+class _Steps(keras.callbacks.Callback):
+    """Counts the train batches a fit began."""
+
+    def __init__(self):
+        super().__init__()
+        self.began = 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.began += 1
+
+
+_HOLD = (  # a run holding checkpoint_dir, as dp_core lets any writer do
+    "import sys, time, dp_core\n"
+    "with dp_core.claim_checkpoint_dir(sys.argv[1]):\n"
+    "    print('held', flush=True)\n"
+    "    time.sleep(60)\n"
+)
+
+
+def test_a_checkpoint_dir_another_run_holds_stops_every_replica_before_the_first_step(tmp_path):
+    folder = tmp_path / "shared"
+    _fit_one_replica(testing.dense_batchnorm_model(), folder, epochs=1)  # one the refused fit must not restore
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(folder)], env=_environment(), stdout=subprocess.PIPE, text=True
+    )
+    x, y = testing.data()
+    trainer = torch_dp.Trainer(num_replicas=2, timeout=60)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        model, steps = testing.dense_batchnorm_model(seed=9), _Steps()
+        before = model.get_weights()
+        with pytest.raises(dp_core.CheckpointDirInUseError, match=f"process {holder.pid} on host") as refused:
+            trainer.fit(model, x, y, checkpoint_dir=str(folder), callbacks=[steps], **FIT)
+        assert refused.value.pid == holder.pid and "another checkpoint_dir" in str(refused.value)
+        assert steps.began == 0 and [p.name for p in dp_core.list_checkpoints(folder)] == ["step-000001-000000000"]
+        for mine, theirs in zip(model.get_weights(), before, strict=True):
+            np.testing.assert_array_equal(mine, theirs)  # not the other run's weights
+        holder.kill()  # the kernel releases its lock: the folder is free
+        holder.wait(10)
+        history = _fit_one_replica(model, folder, epochs=2)
+        assert history.epoch == [0, 1] and dp_core.latest_checkpoint(folder).epoch == 2  # resumed from epoch 1
+        assert (folder / ".keras-dp.lock").read_text() == ""  # released when the fit ended
+    finally:
+        trainer.close()
+        holder.kill()
+        holder.wait(10)
+        holder.stdout.close()
+
+
+def test_checkpoints_of_a_newer_format_stop_fit_before_it_starts_and_are_never_pruned(tmp_path):
+    _fit_one_replica(testing.dense_batchnorm_model("sgd"), tmp_path, epochs=3)
+    newer = dp_core.list_checkpoints(tmp_path)
+    assert len(newer) == 3
+    for path in newer:  # as a newer keras-dp would write them
+        manifest = json.loads((path / "manifest.json").read_text())
+        (path / "manifest.json").write_text(json.dumps({**manifest, "format_version": 2}))
+    model, steps = testing.dense_batchnorm_model("sgd", seed=5), _Steps()
+    before = model.get_weights()
+    with pytest.raises(dp_core.CheckpointVersionError, match=r"format version 2 .*reads format version 1") as refused:
+        _fit_one_replica(model, tmp_path, epochs=6, callbacks=[steps])
+    assert "Upgrade keras-dp" in str(refused.value) and "another folder" in str(refused.value)
+    assert steps.began == 0
+    assert dp_core.list_checkpoints(tmp_path) == newer  # none pruned, none added
+    for mine, theirs in zip(model.get_weights(), before, strict=True):
+        np.testing.assert_array_equal(mine, theirs)  # nothing trained or restored
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "a_file"])
+def test_a_checkpoint_dir_that_is_or_is_under_a_file_is_refused_before_anything_starts(tmp_path, where):
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("not a folder")
+    directory = blocker / "run" if where == "under_a_file" else blocker
+    steps = _Steps()
+    with pytest.raises(dp_core.CheckpointDirError, match=re.escape(f"{directory}' is not a folder")) as refused:
+        _fit_one_replica(testing.dense_batchnorm_model(), directory, epochs=1, callbacks=[steps])
+    assert "is a regular file, not a directory" in str(refused.value)
+    assert steps.began == 0 and blocker.read_text() == "not a folder"

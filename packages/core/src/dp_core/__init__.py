@@ -10,7 +10,12 @@ from dp_core._batch import per_replica_batch_size as per_replica_batch_size
 from dp_core._checkpoint import save_checkpoint as save_checkpoint
 from dp_core._checkpoint_format import Checkpoint as Checkpoint
 from dp_core._checkpoint_format import CheckpointError as CheckpointError
+from dp_core._checkpoint_format import CheckpointVersionError as CheckpointVersionError
 from dp_core._checkpoint_format import check_compatible as check_compatible
+from dp_core._checkpoint_lock import CheckpointDirError as CheckpointDirError
+from dp_core._checkpoint_lock import CheckpointDirInUseError as CheckpointDirInUseError
+from dp_core._checkpoint_lock import check_checkpoint_dir as check_checkpoint_dir
+from dp_core._checkpoint_lock import claim_checkpoint_dir as claim_checkpoint_dir
 from dp_core._checkpoint_read import latest_checkpoint as latest_checkpoint
 from dp_core._checkpoint_read import list_checkpoints as list_checkpoints
 from dp_core._checkpoint_read import load_checkpoint as load_checkpoint
@@ -71,7 +76,10 @@ __all__ = [
     "BatchNormMode",
     "BatchNormSync",
     "Checkpoint",
+    "CheckpointDirError",
+    "CheckpointDirInUseError",
     "CheckpointError",
+    "CheckpointVersionError",
     "Constant",
     "CosineDecay",
     "EquivalenceReport",
@@ -97,7 +105,9 @@ __all__ = [
     "Warmup",
     "all_reduce_bound",
     "bus_bandwidth",
+    "check_checkpoint_dir",
     "check_compatible",
+    "claim_checkpoint_dir",
     "epoch_order",
     "job_id_of",
     "latest_checkpoint",

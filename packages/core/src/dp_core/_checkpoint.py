@@ -5,6 +5,7 @@ checkpoint or none; older ones pruned after.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import os
@@ -12,6 +13,7 @@ import shutil
 import stat
 import tempfile
 import time
+import uuid
 import warnings
 from dataclasses import asdict
 from pathlib import Path
@@ -27,10 +29,12 @@ from dp_core._checkpoint_format import (
     JSON_LIMIT,
     NUMERIC_KINDS,
     Checkpoint,
+    CheckpointVersionError,
     kind_of,
     sha256_of,
 )
-from dp_core._checkpoint_read import list_checkpoints
+from dp_core._checkpoint_lock import verify_claim
+from dp_core._checkpoint_read import list_checkpoints, newer_format_version
 
 # A .tmp-* staging directory nobody wrote to for this long was left by a killed writer.
 _STALE_STAGING_SECONDS = 15 * 60
@@ -45,6 +49,7 @@ def save_checkpoint(directory: str | os.PathLike[str], checkpoint: Checkpoint, *
     """
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
+    verify_claim(root)  # where this process holds the folder, it still does
     _remove_stale_staging(root)
     final = root / checkpoint.name
     arrays = {
@@ -56,8 +61,7 @@ def save_checkpoint(directory: str | os.PathLike[str], checkpoint: Checkpoint, *
     try:
         staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
         _write_files(staging, checkpoint, arrays)
-        _make_room(final)
-        os.replace(staging, final)
+        _put_in_place(staging, final)
         _fsync_directory(root)
     except OSError as error:
         if staging is not None:
@@ -74,7 +78,9 @@ def save_checkpoint(directory: str | os.PathLike[str], checkpoint: Checkpoint, *
             shutil.rmtree(staging, ignore_errors=True)
         raise
     for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
-        if old != final:  # a checkpoint named later than this one (say, damaged, skipped) never evicts it
+        # a checkpoint named later than this one (say, damaged, skipped) never evicts it, and one
+        # of a newer format is never removed by a version that cannot read it
+        if old != final and newer_format_version(old) is None:
             shutil.rmtree(old, ignore_errors=True)
     return final
 
@@ -113,16 +119,55 @@ def _write_files(staging: Path, checkpoint: Checkpoint, arrays: dict[str, Any]) 
     _write_text(staging / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True))
 
 
-def _make_room(final: Path) -> None:
+def _put_in_place(staging: Path, final: Path) -> None:
+    """Rename the written ``staging`` to ``final``. The same step written again (a resumed run)
+    replaces the old one whole: swapped in one step where the kernel can (``renameat2``), so a
+    reader never finds the name missing, else moved aside first."""
     try:
         mode = os.lstat(final).st_mode
     except FileNotFoundError:
+        os.replace(staging, final)
         return
-    if stat.S_ISDIR(mode):  # same step written again (a resumed run): replace it whole
-        shutil.rmtree(final)
-    else:  # the entry itself goes, never what a symlink points to
+    if not stat.S_ISDIR(mode):  # the entry itself goes, never what a symlink points to
         warnings.warn(f"Replacing {final}: it was {kind_of(mode)}, not a checkpoint directory.", stacklevel=3)
         os.unlink(final)
+        os.replace(staging, final)
+        return
+    newer = newer_format_version(final)
+    if newer is not None:
+        raise CheckpointVersionError(
+            f"Not writing {final}: a checkpoint of format version {newer} (a newer keras-dp's) has that name, and "
+            f"this version writes version {FORMAT_VERSION}. Point checkpoint_dir at another folder.",
+            path=str(final),
+            version=newer,
+        )
+    if not _exchange(staging, final):
+        aside = final.parent / f".tmp-replaced-{uuid.uuid4().hex[:8]}"
+        os.replace(final, aside)
+        os.replace(staging, final)
+        staging = aside
+    shutil.rmtree(staging, ignore_errors=True)  # now the old checkpoint
+
+
+def _exchange(first: Path, second: Path) -> bool:
+    """Swap two directory entries atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where
+    the platform or filesystem cannot."""
+    renameat2 = getattr(_LIBC, "renameat2", None) if _LIBC is not None else None
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(first), at_fdcwd, os.fsencode(second), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV, errno.EPERM):
+        return False
+    raise OSError(code, os.strerror(code), str(second))
+
+
+try:
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
+except (OSError, TypeError):  # no C library to ask (Windows)
+    _LIBC = None
 
 
 def _remove_stale_staging(root: Path) -> None:

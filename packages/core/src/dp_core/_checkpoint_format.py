@@ -56,6 +56,15 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used: damaged, of another format, or another model."""
 
 
+class CheckpointVersionError(CheckpointError):
+    """A checkpoint of a newer format version than this dp-core reads (written by a newer
+    keras-dp). It is never skipped or pruned: reading the folder it is in raises this."""
+
+    def __init__(self, message: str, *, path: str, version: int) -> None:
+        super().__init__(message)
+        self.path, self.version = path, version
+
+
 def check_compatible(checkpoint: Checkpoint, weights: list[Any], *, model_name: str = "the model") -> None:
     """Fail clearly when a checkpoint belongs to another architecture."""
     saved = [tuple(w.shape) for w in checkpoint.weights]

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import jax
 import keras
 import numpy as np
 
-from dp_core import Checkpoint
+from dp_core import Checkpoint, check_checkpoint_dir, claim_checkpoint_dir
 from dp_core.keras import CheckpointWriter, FitArguments, Start, resumable_checkpoint, start_of
 from jax_dp._comm.hosts import is_primary, same_on_all_processes, text_from_primary
 from jax_dp._step.optimizers import Optimizer
@@ -38,6 +40,8 @@ def resume_and_writer(
     checkpoints (None without ``checkpoint_dir``); ``policy``: the learning-rate policy's config."""
     if arguments.checkpoint_dir is None:
         return Start(), None
+    if is_primary():  # before anything is read or restored: a folder this run can write, no other run's
+        check_checkpoint_dir(arguments.checkpoint_dir)
     seed, shuffle = arguments.seed, arguments.shuffle
     start = resume(
         arguments.checkpoint_dir, model, optimizer, seed=seed, global_batch_size=global_batch_size, shuffle=shuffle
@@ -51,6 +55,18 @@ def resume_and_writer(
         lr_policy=policy,
     )
     return start, writer
+
+
+@contextmanager
+def holding_checkpoint_dir(checkpoint_dir: str | None) -> Iterator[None]:
+    """Process 0, the writer, holds ``checkpoint_dir`` for the fit (``dp_core.claim_checkpoint_dir``),
+    from before the first step to the end, also on error; the kernel releases it if the process
+    dies. Another run's folder stops process 0, and so every process (``ends_the_run_on_failure``)."""
+    if checkpoint_dir is None or not is_primary():
+        yield
+        return
+    with claim_checkpoint_dir(checkpoint_dir):
+        yield
 
 
 def resume(

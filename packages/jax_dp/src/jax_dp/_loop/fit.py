@@ -16,7 +16,7 @@ from dp_core import ReplicaLayout
 from dp_core.keras import BatchSource, CheckpointWriter, FitArguments, Start, callback_list, internals
 from jax_dp._comm.hosts import agree, is_primary, same_on_all_processes
 from jax_dp._data.sources import epoch_plan, steps_per_epoch
-from jax_dp._loop.checkpoints import save
+from jax_dp._loop.checkpoints import holding_checkpoint_dir, save
 from jax_dp._loop.epochs import EpochTrainer
 from jax_dp._loop.evaluate import Evaluator
 from jax_dp._step.optimizers import Optimizer
@@ -33,7 +33,33 @@ def fit_loop(
     start: Start,
     checkpoints: CheckpointWriter | None,
 ) -> keras.callbacks.History:
-    """Every epoch from ``start``: train, validate, call back, checkpoint; returns the model's History."""
+    """Every epoch from ``start``: train, validate, call back, checkpoint; returns the model's History.
+    Process 0 holds ``checkpoint_dir`` throughout (``holding_checkpoint_dir``)."""
+    with holding_checkpoint_dir(arguments.checkpoint_dir):
+        return _fit_epochs(
+            model,
+            arguments,
+            optimizer=optimizer,
+            train_epoch=train_epoch,
+            evaluate=evaluate,
+            layout=layout,
+            start=start,
+            checkpoints=checkpoints,
+        )
+
+
+def _fit_epochs(
+    model: keras.Model,
+    arguments: FitArguments,
+    *,
+    optimizer: Optimizer,
+    train_epoch: EpochTrainer,
+    evaluate: Evaluator,
+    layout: ReplicaLayout,
+    start: Start,
+    checkpoints: CheckpointWriter | None,
+) -> keras.callbacks.History:
+    """``fit_loop`` once ``checkpoint_dir`` is held."""
     callbacks = callback_list(
         arguments.callbacks,
         model,

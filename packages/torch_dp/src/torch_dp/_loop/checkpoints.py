@@ -14,6 +14,9 @@ steps would silently train on different data, or wait on each other forever.
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING
 
 import keras
@@ -21,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dp_core import Checkpoint, load_checkpoint
+from dp_core import Checkpoint, check_checkpoint_dir, claim_checkpoint_dir, load_checkpoint
 from dp_core.keras import CheckpointWriter, Start, restore_model, start_of
 from torch_dp._comm.collectives import all_gather_rows, all_reduce_sum
 from torch_dp._comm.replica import Replica
@@ -38,12 +41,14 @@ def resume_from(path: str | None, model: keras.Model, replica: Replica) -> Start
     if not replica.distributed:
         if path is None:
             return Start()
+        check_checkpoint_dir(os.path.dirname(path))  # another run's folder: refused before anything is restored
         checkpoint = load_checkpoint(path)
         restore_model(checkpoint, model, metrics=False)
         return start_of(checkpoint)
     start, failure = Start(), None
     if replica.is_primary and path is not None:
         try:
+            check_checkpoint_dir(os.path.dirname(path))
             checkpoint = load_checkpoint(path)
             restore_model(checkpoint, model, metrics=False)
             start = start_of(checkpoint)
@@ -64,6 +69,30 @@ def resume_from(path: str | None, model: keras.Model, replica: Replica) -> Start
         return start
     stand_in = Checkpoint(chosen["epoch"], chosen["step"], 0, 0, 0, [], extra={"history": chosen["history"]})
     return start_of(stand_in)  # the metric states stay on rank 0 (``restore_metrics``)
+
+
+@contextmanager
+def holding_checkpoint_dir(checkpoint_dir: str | None, replica: Replica) -> Iterator[None]:
+    """Rank 0, the writer, holds ``checkpoint_dir`` for the fit (``dp_core.claim_checkpoint_dir``):
+    a folder another run holds, or one it cannot write, stops every replica before the first step.
+    Released when the block ends, also on error, and by the kernel if the process dies."""
+    if checkpoint_dir is None:
+        yield
+        return
+    with ExitStack() as held:
+        failure: Exception | None = None
+        if replica.is_primary:
+            try:
+                held.enter_context(claim_checkpoint_dir(checkpoint_dir))
+            except Exception as error:  # every replica must hear of it, or the others would wait for rank 0
+                failure = error
+        if replica.distributed:
+            told = text_from_primary("" if failure is None else f"{type(failure).__name__}: {failure}", replica)
+            if told and failure is None:
+                raise RuntimeError(f"torch_dp: rank 0 cannot write checkpoint_dir ({told}); every replica stops.")
+        if failure is not None:
+            raise failure
+        yield
 
 
 def _choice(path: str | None, start: Start, failure: Exception | None) -> str:

@@ -14,7 +14,7 @@ from dp_core.keras import BatchSource, CheckpointWriter, Start, callback_list, i
 from torch_dp._comm.collectives import broadcast_floats
 from torch_dp._comm.replica import Replica
 from torch_dp._data.sources import steps_of
-from torch_dp._loop.checkpoints import check_same_start, restore_metrics, save
+from torch_dp._loop.checkpoints import check_same_start, holding_checkpoint_dir, restore_metrics, save
 from torch_dp._loop.epochs import EpochSteps, KerasSteps, OwnSteps, share_decisions, train_epoch
 from torch_dp._loop.evaluate import evaluate_loop
 from torch_dp._loop.jobs import FitJob
@@ -37,7 +37,26 @@ def fit_loop(
     """Train on this replica's shard of every epoch from ``start``; returns this replica's History.
     ``custom`` runs the model's own ``train_step``/``test_step`` where it has them. A preemption
     ``notice`` to any replica stops all at the next step: a checkpoint, then ``Preempted``. ``timer``
-    (``Trainer(profile=...)``) times the phases of Keras's own train steps."""
+    (``Trainer(profile=...)``) times the phases of Keras's own train steps. Rank 0 holds
+    ``checkpoint_dir`` from before the first step to the end (``holding_checkpoint_dir``)."""
+    with holding_checkpoint_dir(job.arguments.checkpoint_dir, replica):
+        return _fit_epochs(
+            model, job, replica, start=start, checkpoints=checkpoints, custom=custom, notice=notice, timer=timer
+        )
+
+
+def _fit_epochs(
+    model: keras.Model,
+    job: FitJob,
+    replica: Replica,
+    *,
+    start: Start,
+    checkpoints: CheckpointWriter | None = None,
+    custom: CustomSteps | None = None,
+    notice: PreemptionWatch | None = None,
+    timer: StepTimer | NoStepTimer = NO_STEP_TIMER,
+) -> keras.callbacks.History:
+    """``fit_loop`` once ``checkpoint_dir`` is held."""
     arguments = job.arguments
     steps = steps_of(job.inputs, arguments.global_batch_size)
     callbacks = callback_list(
