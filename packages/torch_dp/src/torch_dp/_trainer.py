@@ -17,6 +17,7 @@ from dp_core import (
     OneCall,
     ScalingReport,
     Verbose,
+    check_checkpoint_dir,
     one_call_at_a_time,
     scaling_report_folder,
 )
@@ -355,6 +356,7 @@ def _checkpoint_to_resume(
     checked here, so a bad one fails before any worker starts; in a cluster, by rank 0 for all."""
     if checkpoint_dir is None or not is_primary_process():
         return None
+    check_checkpoint_dir(checkpoint_dir)  # writable, and held by no other run: refused before any replica starts
     build_model(model, inputs)
     found = resumable_checkpoint(checkpoint_dir, model, seed=seed, global_batch_size=global_batch_size, shuffle=shuffle)
     return None if found is None else os.path.join(checkpoint_dir, found.name)
