@@ -24,8 +24,9 @@ from typing import Any, ParamSpec, TypeVar
 import jax
 from jax._src import distributed as jax_distributed  # the client jax.distributed keeps; no public accessor
 
-from dp_core import JobId, NonFiniteLossError, Preempted
-from jax_dp._processes import handshake
+from dp_core import JOB_SECRET_VARIABLE, SET_JOB_SECRET, JobId, NonFiniteLossError, Preempted, job_secret_of
+from jax_dp._processes import handshake, local
+from jax_dp._processes.admission import Admission, admit, busy_port
 from jax_dp._processes.launchers import Placement, placement
 from jax_dp._processes.launchers import job_id as job_id_of
 
@@ -89,16 +90,18 @@ def initialize(
         raise RuntimeError("jax_dp.initialize was already called in this process: call it once per process.")
     place = placement(coordinator_address, num_processes, process_id, local_device_ids, initialization_timeout)
     job = job_id_of(job_id)
+    secret = _job_secret(place.coordinator_address)
     options.setdefault("heartbeat_timeout_seconds", math.ceil(timeout))
     # jax's coordinator listens on every interface unless told: listen on the address given only
-    # (127.0.0.1 keeps a single-host run off the network).
+    # (127.0.0.1 keeps a single-host run off the network; there it goes on a Unix socket).
+    own_socket = "coordinator_bind_address" not in options
     options.setdefault("coordinator_bind_address", place.coordinator_address)
     # CPU processes talk through gloo; without it cross-process CPU collectives fail.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    _admitted(place, job, options["coordinator_bind_address"], initialization_timeout)
+    admission, jax_address = _admitted(place, job, options, secret, initialization_timeout, own_socket)
     try:
         jax.distributed.initialize(
-            coordinator_address=place.coordinator_address,
+            coordinator_address=jax_address,
             num_processes=place.num_processes,
             process_id=place.process_id,
             local_device_ids=place.local_device_ids,
@@ -106,20 +109,73 @@ def initialize(
             **options,
         )
     except Exception as error:
+        if admission is not None:
+            admission.close()
         if place.process_id == 0 and "Failed to start RPC server" in str(error):  # taken since the handshake
-            raise handshake.busy_port(place.coordinator_address) from error
+            raise busy_port(place.coordinator_address) from error
         raise
+    # The address the job was given, as before; jax itself is connected through jax_address.
+    jax_distributed.global_state.coordinator_address = place.coordinator_address
     if place.num_processes > 1:
         _end_together(jax_distributed.global_state.client, place.process_id, place.num_processes)
+    if admission is not None:  # from now on a place claimed twice ends the job through jax's store
+        admission.on_conflict = _end_for_conflict
+        if admission.conflict is not None:
+            _end_for_conflict(admission.conflict)
 
 
-def _admitted(place: Placement, job: JobId, bind_address: str, timeout: float) -> None:
+def _job_secret(coordinator_address: str) -> bytes | None:
+    """``KERAS_DP_JOB_SECRET``; none is a clear error unless every process is on this host."""
+    secret = job_secret_of()
+    if secret is None and not local.is_loopback(handshake.split(coordinator_address)[0]):
+        raise RuntimeError(
+            f"jax_dp.initialize: the coordinator address {coordinator_address!r} is reachable from other hosts "
+            f"and {JOB_SECRET_VARIABLE} is not set. Process 0 admits only processes that prove they hold the "
+            "job's secret (jax's coordinator itself authenticates no one). Set one for the whole job, the same in "
+            f"every process, before they start (in an sbatch script: before srun):\n    {SET_JOB_SECRET}\n"
+            "(docs/multi-host.md, 'A job's secret'; a job on one host with 127.0.0.1 needs none)."
+        )
+    return secret
+
+
+def _admitted(
+    place: Placement, job: JobId, options: dict[str, Any], secret: bytes | None, timeout: float, own_socket: bool
+) -> tuple[Admission | None, str]:
     """Before jax's coordinator starts: process 0 admits each other process of the job once, and
-    each other process joins it (``_processes.handshake``)."""
-    if place.process_id == 0:
-        handshake.admit(bind_address, place.coordinator_address, place.num_processes, job, timeout)
-    else:
-        handshake.join(place.coordinator_address, place.process_id, place.num_processes, job, timeout)
+    each other process joins it (``_processes.admission``, ``_processes.handshake``). Returns
+    process 0's admission while it still listens, and the address jax's coordinator has: on one
+    host a Unix socket in this user's own folder (nobody else can reach it), else the port."""
+    address = place.coordinator_address
+    if place.process_id != 0:
+        return None, handshake.join(address, place.process_id, place.num_processes, job, timeout, secret) or address
+    host, port = handshake.split(address)
+    path = local.socket_path(port) if own_socket and local.is_loopback(host) else None
+    bind = options["coordinator_bind_address"]
+    admission = admit(bind, address, place.num_processes, job, timeout, secret, keep=path is not None)
+    if path is None:
+        admission.release(None)
+        return None, address
+    options["coordinator_bind_address"] = f"unix:{path}"
+    admission.cleanups.append(functools.partial(_unlink, path))
+    atexit.register(admission.close)  # runs before jax's exit-time shutdown (registered earlier)
+    admission.release(f"unix:{path}")
+    return admission, f"unix:{path}"
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _end_for_conflict(reason: str) -> None:
+    """Process 0 learned that a stranger may be in the job: end every process, with the reason."""
+    error = RuntimeError(f"jax_dp process 0 ends the job: {reason}.")
+    print(f"jax_dp: {error}", file=sys.stderr, flush=True)
+    if _Run.client is None:  # not started yet: initialize calls this again once it is
+        return
+    record_failure(error)
+    time.sleep(3 * _POLL_S)
+    _exit_now()
 
 
 class _Run:
