@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hmac
+import os
 import secrets
 import select
 import socket
@@ -195,11 +197,12 @@ def admit(
     job: JobId,
     timeout: float,
     secret: bytes | None,
-    keep: bool = False,
+    socket_path: str | None = None,
 ) -> Admission:
-    """Process 0: wait (at most ``timeout`` seconds) until every other process of the job joined.
-    ``secret`` ``None``: generate one for this user's processes (single host). ``keep``: go on
-    listening (refusing latecomers) until ``close()``; else the port is closed for jax's coordinator."""
+    """Process 0: wait (at most ``timeout`` seconds) until every other process of the job joined,
+    then tell them to go on. ``secret`` ``None``: generate one for this user's processes (single
+    host). ``socket_path``: where jax's coordinator will listen (the joiners learn it), and the
+    port stays held, refusing latecomers, until ``close()``; else it is closed for jax's coordinator."""
     deadline = time.monotonic() + timeout
     listener = _bind(bind_address, coordinator_address)
     cleanups: list[Callable[[], None]] = []
@@ -222,9 +225,18 @@ def admit(
     except BaseException:
         admission.close()
         raise
-    if not keep:
+    if socket_path is None:
         admission.close()
+        admission.release(None)
+    else:
+        admission.cleanups.append(functools.partial(_unlink, socket_path))
+        admission.release(f"unix:{socket_path}")
     return admission
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def _remover(path: Path, secret: bytes) -> Callable[[], None]:

@@ -150,21 +150,12 @@ def _admitted(
         return None, handshake.join(address, place.process_id, place.num_processes, job, timeout, secret) or address
     host, port = handshake.split(address)
     path = local.socket_path(port) if own_socket and local.is_loopback(host) else None
-    bind = options["coordinator_bind_address"]
-    admission = admit(bind, address, place.num_processes, job, timeout, secret, keep=path is not None)
+    admission = admit(options["coordinator_bind_address"], address, place.num_processes, job, timeout, secret, path)
     if path is None:
-        admission.release(None)
         return None, address
     options["coordinator_bind_address"] = f"unix:{path}"
-    admission.cleanups.append(functools.partial(_unlink, path))
     atexit.register(admission.close)  # runs before jax's exit-time shutdown (registered earlier)
-    admission.release(f"unix:{path}")
     return admission, f"unix:{path}"
-
-
-def _unlink(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
 
 
 def _end_for_conflict(reason: str) -> None:

@@ -20,6 +20,7 @@ Each message is one line of at most ``MAX_LINE`` bytes: the protocol's tag, then
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -130,6 +131,8 @@ def join(
         line = TAG + json.dumps(hello).encode()  # as sent: both proofs cover it
         secret = secret if secret is not None else _generated(coordinator_address, process_id)
         if not hmac.compare_digest(str(challenge.get("proof")), proof(secret, b"process 0", mine, theirs, line)):
+            with contextlib.suppress(OSError):  # so that process 0's log says who did not join
+                lines.send({"proof": None})
             raise RuntimeError(
                 f"jax_dp process {process_id}: the process 0 listening at {coordinator_address!r} does not hold this "
                 f"job's secret, so this process did not join it: it is another job's process 0 on the same address "
