@@ -60,11 +60,13 @@ def initialize(
     (the step's first node, a port derived from ``SLURM_JOB_ID``, ``SLURM_NTASKS``,
     ``SLURM_PROCID``, one device per task from ``SLURM_LOCALID``). Arguments given win.
 
-    Before jax's coordinator starts, process 0 admits each other process of this job once, on
-    the coordinator's own port: a process that brings another job id (``job_id``, else the
-    scheduler's: ``TORCHELASTIC_RUN_ID``, ``SLURM_JOB_ID``, ...) or an id already taken is refused
-    with the reason, and one that comes after the job started gets a clear error instead of
-    joining (and aborting) it. ``initialization_timeout`` bounds that wait, and then jax's own.
+    Before jax's coordinator starts, process 0 admits each other process of this job once, on the
+    coordinator's port: each proves it holds the job's secret (``KERAS_DP_JOB_SECRET``, one for the
+    whole job: needed off loopback; on ``127.0.0.1`` process 0 generates one only this user reads).
+    One without it, with another job id (``job_id``, else the scheduler's: ``TORCHELASTIC_RUN_ID``,
+    ``SLURM_JOB_ID``, ...) or an id already taken is refused with the reason; a latecomer gets a
+    clear error instead of aborting the job. On one host jax's coordinator then listens on a Unix
+    socket only this user reaches. ``initialization_timeout`` bounds that wait, and then jax's own.
 
     When one process dies the others exit non-zero too, instead of waiting for it
     forever inside a collective:
@@ -114,6 +116,11 @@ def initialize(
         if place.process_id == 0 and "Failed to start RPC server" in str(error):  # taken since the handshake
             raise busy_port(place.coordinator_address) from error
         raise
+    _started(place, admission)
+
+
+def _started(place: Placement, admission: Admission | None) -> None:
+    """Once jax started: a failure, or a place claimed twice, ends every process."""
     # The address the job was given, as before; jax itself is connected through jax_address.
     jax_distributed.global_state.coordinator_address = place.coordinator_address
     if place.num_processes > 1:

@@ -30,7 +30,7 @@ def is_loopback(host: str) -> bool:
     except ValueError:
         pass
     try:
-        found = {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+        found = {str(info[4][0]) for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
     except socket.gaierror:
         return False
     return bool(found) and all(ipaddress.ip_address(address.split("%")[0]).is_loopback for address in found)
