@@ -43,8 +43,6 @@ def as_stranger(code: str, *arguments: str, timeout: float = 120) -> subprocess.
     """``python -c code`` as another local user (created if absent), with a HOME of its own."""
     if os.geteuid() != 0:
         pytest.skip("needs root: it creates another local user and runs a process as that user (CI runs as root)")
-    if closed := closed_to_others():
-        pytest.skip(f"another user could not run this Python or import this checkout: {closed} is closed to others")
     try:
         user = pwd.getpwnam(STRANGER)
     except KeyError:
@@ -55,20 +53,18 @@ def as_stranger(code: str, *arguments: str, timeout: float = 120) -> subprocess.
     os.chown(home, user.pw_uid, user.pw_gid)
     become = ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups", "--"]
     env = {**ENV, "HOME": home, "TMPDIR": home}
+    if closed := closed_to_others(become, env, home):
+        pytest.skip(f"another local user cannot run this Python with jax and this checkout: {closed}")
     command = [*become, sys.executable, "-c", code, *arguments]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=home)
 
 
-def closed_to_others() -> str | None:
-    """The first folder or file on the way to this Python, jax or this checkout that others cannot use."""
-    import jax
-
-    for start in (Path(sys.executable).resolve(), Path(jax.__file__), Path(jax_dp.__file__), Path(local.__file__)):
-        for path in (start, *start.parents):
-            mode = path.stat().st_mode
-            if mode & (0o005 if path.is_dir() else 0o004) != (0o005 if path.is_dir() else 0o004):
-                return str(path)
-    return None
+def closed_to_others(become: list[str], env: dict[str, str], home: str) -> str | None:
+    """Why the other user cannot run this Python with jax and this checkout, or None."""
+    code = "import importlib.util as u; print(all(u.find_spec(m) for m in ('jax', 'jax_dp', 'dp_core', 'numpy')))"
+    probe = [*become, sys.executable, "-c", code]
+    done = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=60, cwd=home)
+    return None if done.stdout.strip() == "True" else (done.stderr.strip().splitlines() or ["no output"])[-1]
 
 
 class Thread(threading.Thread):
