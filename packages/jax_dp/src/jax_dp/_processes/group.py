@@ -168,7 +168,7 @@ def _admitted(
 def _end_for_conflict(reason: str) -> None:
     """Process 0 learned that a stranger may be in the job: end every process, with the reason."""
     error = RuntimeError(f"jax_dp process 0 ends the job: {reason}.")
-    print(f"jax_dp: {error}", file=sys.stderr, flush=True)
+    print(error, file=sys.stderr, flush=True)
     if _Run.client is None:  # not started yet: initialize calls this again once it is
         return
     record_failure(error)

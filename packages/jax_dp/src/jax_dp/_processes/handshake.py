@@ -143,6 +143,11 @@ def join(
         if answer.get("answer") == "wait":
             lines.deadline = deadline
             answer = _waited(lines, secret, (theirs, mine), coordinator_address, process_id, num_processes, timeout)
+    if answer.get("answer") == "started" and answer.get("stops"):
+        raise RuntimeError(
+            f"jax_dp process {process_id} came after the job at {coordinator_address!r} started, and process 0 "
+            f"stops that job now: {answer.get('reason')}."
+        )
     if answer.get("answer") == "started":
         raise _not_process_0(coordinator_address, process_id)
     if answer.get("answer") != "ok":
