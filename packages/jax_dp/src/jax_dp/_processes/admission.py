@@ -105,7 +105,7 @@ class Admission:
         nonces = (mine, theirs)
         with self._changed:
             kind, reason = self._decide(hello)
-            answer = {"answer": kind} if reason is None else {"answer": kind, "reason": reason}
+            answer: dict[str, Any] = {"answer": kind} if reason is None else {"answer": kind, "reason": reason}
             if kind == "started" and self.generated:
                 answer["stops"] = True  # the job ends: this process may be the real one, whose place was taken
             lines.send(seal(self.secret, nonces, answer))

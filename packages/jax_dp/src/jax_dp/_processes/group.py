@@ -162,6 +162,7 @@ def _admitted(
         return None, address
     options["coordinator_bind_address"] = f"unix:{path}"
     atexit.register(admission.close)  # runs before jax's exit-time shutdown (registered earlier)
+    _Run.admission = admission  # closed by _exit_now too, which skips atexit
     return admission, f"unix:{path}"
 
 
@@ -180,6 +181,7 @@ class _Run:
     """This process's place in a multi-process run, once ``initialize`` joined it."""
 
     client: Any = None
+    admission: Admission | None = None  # process 0's, on one host
     process_id = 0
     failure: str | None = None  # what this process reported to the others
 
@@ -282,6 +284,9 @@ def _end_together(client: Any, process_id: int, num_processes: int) -> None:
 
 def _exit_now() -> None:
     # os._exit skips jax's exit-time shutdown, whose barrier would wait for the failed process.
+    if _Run.admission is not None:
+        with contextlib.suppress(Exception):
+            _Run.admission.close()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1)

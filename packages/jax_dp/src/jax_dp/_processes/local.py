@@ -93,6 +93,14 @@ def remove_secret(path: Path, secret: bytes) -> None:
 
 def socket_path(port: int) -> str | None:
     """A new path for jax's coordinator in the user's folder, or ``None`` where it would be too
-    long for a Unix socket (a deep TMPDIR): jax's coordinator then listens on TCP."""
-    path = str(user_folder() / f"jax-{port}-{secrets.token_hex(4)}.sock")
+    long for a Unix socket (a deep TMPDIR): jax's coordinator then listens on TCP. Sockets that
+    killed jobs left there (nothing listens on them any more) are removed."""
+    folder = user_folder()
+    for left in folder.glob("jax-*.sock"):
+        with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as probe:
+            try:
+                probe.connect(str(left))
+            except ConnectionRefusedError:
+                left.unlink()
+    path = str(folder / f"jax-{port}-{secrets.token_hex(4)}.sock")
     return path if len(path.encode()) <= _MAX_SOCKET_PATH else None
