@@ -1,5 +1,5 @@
 """A single-host run of either backend listens on loopback only: nothing it opens is reachable
-from the network (torch_dp's rendezvous store and gloo, jax_dp's coordinator and gloo)."""
+from the network (torch_dp's rendezvous store and gloo, jax_dp's admission port and gloo)."""
 
 from __future__ import annotations
 
@@ -74,7 +74,8 @@ def test_jax_dp_processes_listen_on_loopback_only():
     for code, out, err in outputs:
         assert code == 0, err[-3000:]
         assert_loopback_only(reported(out))
-    # process 0 runs jax's coordinator on the port it was given, on loopback
+    # process 0 holds the port it was given, on loopback (its admission of the job's processes; jax's
+    # coordinator itself listens on a Unix socket only this user can reach)
     assert any(listener.endswith(f":{port}") for listener in reported(outputs[0][1])["listeners"])
 
 

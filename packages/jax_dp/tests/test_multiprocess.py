@@ -8,6 +8,7 @@ job ids).
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -132,8 +133,10 @@ def test_a_latecomer_gets_a_clear_error_and_the_running_job_finishes_right(
     tmp_path, one_process_of_four, record_property
 ):
     # A third process claims to be process 1 of a job on the running job's address: registering
-    # with jax's coordinator as task 1 would abort the job; it must stop on its own instead.
+    # with jax's coordinator as task 1 would abort the job; it must stop on its own instead. It holds
+    # the job's secret (a generated one would end the job: it cannot tell a latecomer from a stranger).
     port, go = free_port(), tmp_path / "go"
+    secret = {"KERAS_DP_JOB_SECRET": secrets.token_hex(16)}
     late: list[subprocess.CompletedProcess[str]] = []
 
     def latecomer(workers: list[subprocess.Popen[bytes]], log_paths: list[Path]) -> None:
@@ -143,12 +146,14 @@ def test_a_latecomer_gets_a_clear_error_and_the_running_job_finishes_right(
             assert time.monotonic() < deadline, "the job never started"
             time.sleep(0.2)
         code = LATECOMER.format(port=port)
-        late.append(subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=120))
+        late.append(
+            subprocess.run([sys.executable, "-c", code], env=ENV | secret, capture_output=True, text=True, timeout=120)
+        )
         assert [worker.poll() for worker in workers] == [None, None]  # the job still runs
         go.touch()
 
     output = str(tmp_path / "process0.npz")
-    hold = [{"JAX_DP_TEST_HOLD_UNTIL": str(go)}] * 2
+    hold = [{"JAX_DP_TEST_HOLD_UNTIL": str(go), **secret}] * 2
     run_two_processes(output, str(tmp_path), port=str(port), environments=hold, meanwhile=latecomer)
     assert_matches(output, one_process_of_four)
 

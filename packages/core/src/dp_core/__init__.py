@@ -59,6 +59,9 @@ from dp_core._scaling import read_scaling_reports as read_scaling_reports
 from dp_core._scaling import scaling_report_folder as scaling_report_folder
 from dp_core._scaling import scaling_summary as scaling_summary
 from dp_core._scaling import write_scaling_report as write_scaling_report
+from dp_core._secret import JOB_SECRET_VARIABLE as JOB_SECRET_VARIABLE
+from dp_core._secret import SET_JOB_SECRET as SET_JOB_SECRET
+from dp_core._secret import job_secret_of as job_secret_of
 from dp_core._split import Shard as Shard
 from dp_core._split import epoch_order as epoch_order
 from dp_core._split import num_steps as num_steps
@@ -71,8 +74,10 @@ __version__ = _version("dp-core")
 
 __all__ = [
     "ESTIMATED_FROM_PARTS",
+    "JOB_SECRET_VARIABLE",
     "NO_STEP_TIMER",
     "SCALING_PHASES",
+    "SET_JOB_SECRET",
     "BatchNormMode",
     "BatchNormSync",
     "Checkpoint",
@@ -110,6 +115,7 @@ __all__ = [
     "claim_checkpoint_dir",
     "epoch_order",
     "job_id_of",
+    "job_secret_of",
     "latest_checkpoint",
     "launch_of",
     "learning_rate_policy",

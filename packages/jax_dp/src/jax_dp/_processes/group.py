@@ -24,8 +24,9 @@ from typing import Any, ParamSpec, TypeVar
 import jax
 from jax._src import distributed as jax_distributed  # the client jax.distributed keeps; no public accessor
 
-from dp_core import JobId, NonFiniteLossError, Preempted
-from jax_dp._processes import handshake
+from dp_core import JOB_SECRET_VARIABLE, SET_JOB_SECRET, JobId, NonFiniteLossError, Preempted, job_secret_of
+from jax_dp._processes import handshake, local
+from jax_dp._processes.admission import Admission, admit, busy_port
 from jax_dp._processes.launchers import Placement, placement
 from jax_dp._processes.launchers import job_id as job_id_of
 
@@ -59,11 +60,13 @@ def initialize(
     (the step's first node, a port derived from ``SLURM_JOB_ID``, ``SLURM_NTASKS``,
     ``SLURM_PROCID``, one device per task from ``SLURM_LOCALID``). Arguments given win.
 
-    Before jax's coordinator starts, process 0 admits each other process of this job once, on
-    the coordinator's own port: a process that brings another job id (``job_id``, else the
-    scheduler's: ``TORCHELASTIC_RUN_ID``, ``SLURM_JOB_ID``, ...) or an id already taken is refused
-    with the reason, and one that comes after the job started gets a clear error instead of
-    joining (and aborting) it. ``initialization_timeout`` bounds that wait, and then jax's own.
+    Before jax's coordinator starts, process 0 admits each other process of this job once, on the
+    coordinator's port: each proves it holds the job's secret (``KERAS_DP_JOB_SECRET``, one for the
+    whole job: needed off loopback; on ``127.0.0.1`` process 0 generates one only this user reads).
+    One without it, with another job id (``job_id``, else the scheduler's: ``TORCHELASTIC_RUN_ID``,
+    ``SLURM_JOB_ID``, ...) or an id already taken is refused with the reason; a latecomer gets a
+    clear error instead of aborting the job. On one host jax's coordinator then listens on a Unix
+    socket only this user reaches. ``initialization_timeout`` bounds that wait, and then jax's own.
 
     When one process dies the others exit non-zero too, instead of waiting for it
     forever inside a collective:
@@ -89,16 +92,18 @@ def initialize(
         raise RuntimeError("jax_dp.initialize was already called in this process: call it once per process.")
     place = placement(coordinator_address, num_processes, process_id, local_device_ids, initialization_timeout)
     job = job_id_of(job_id)
+    secret = _job_secret(place.coordinator_address)
     options.setdefault("heartbeat_timeout_seconds", math.ceil(timeout))
     # jax's coordinator listens on every interface unless told: listen on the address given only
-    # (127.0.0.1 keeps a single-host run off the network).
+    # (127.0.0.1 keeps a single-host run off the network; there it goes on a Unix socket).
+    own_socket = "coordinator_bind_address" not in options
     options.setdefault("coordinator_bind_address", place.coordinator_address)
     # CPU processes talk through gloo; without it cross-process CPU collectives fail.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    _admitted(place, job, options["coordinator_bind_address"], initialization_timeout)
+    admission, jax_address = _admitted(place, job, options, secret, initialization_timeout, own_socket)
     try:
         jax.distributed.initialize(
-            coordinator_address=place.coordinator_address,
+            coordinator_address=jax_address,
             num_processes=place.num_processes,
             process_id=place.process_id,
             local_device_ids=place.local_device_ids,
@@ -106,26 +111,77 @@ def initialize(
             **options,
         )
     except Exception as error:
+        if admission is not None:
+            admission.close()
         if place.process_id == 0 and "Failed to start RPC server" in str(error):  # taken since the handshake
-            raise handshake.busy_port(place.coordinator_address) from error
+            raise busy_port(place.coordinator_address) from error
         raise
+    _started(place, admission)
+
+
+def _started(place: Placement, admission: Admission | None) -> None:
+    """Once jax started: a failure, or a place claimed twice, ends every process."""
+    # The address the job was given, as before; jax itself is connected through jax_address.
+    jax_distributed.global_state.coordinator_address = place.coordinator_address
     if place.num_processes > 1:
         _end_together(jax_distributed.global_state.client, place.process_id, place.num_processes)
+    if admission is not None:  # from now on a place claimed twice ends the job through jax's store
+        admission.on_conflict = _end_for_conflict
+        if admission.conflict is not None:
+            _end_for_conflict(admission.conflict)
 
 
-def _admitted(place: Placement, job: JobId, bind_address: str, timeout: float) -> None:
+def _job_secret(coordinator_address: str) -> bytes | None:
+    """``KERAS_DP_JOB_SECRET``; none is a clear error unless every process is on this host."""
+    secret = job_secret_of()
+    if secret is None and not local.is_loopback(handshake.split(coordinator_address)[0]):
+        raise RuntimeError(
+            f"jax_dp.initialize: the coordinator address {coordinator_address!r} is reachable from other hosts "
+            f"and {JOB_SECRET_VARIABLE} is not set. Process 0 admits only processes that prove they hold the "
+            "job's secret (jax's coordinator itself authenticates no one). Set one for the whole job, the same in "
+            f"every process, before they start (in an sbatch script: before srun):\n    {SET_JOB_SECRET}\n"
+            "(docs/multi-host.md, 'A job's secret'; a job on one host with 127.0.0.1 needs none)."
+        )
+    return secret
+
+
+def _admitted(
+    place: Placement, job: JobId, options: dict[str, Any], secret: bytes | None, timeout: float, own_socket: bool
+) -> tuple[Admission | None, str]:
     """Before jax's coordinator starts: process 0 admits each other process of the job once, and
-    each other process joins it (``_processes.handshake``)."""
-    if place.process_id == 0:
-        handshake.admit(bind_address, place.coordinator_address, place.num_processes, job, timeout)
-    else:
-        handshake.join(place.coordinator_address, place.process_id, place.num_processes, job, timeout)
+    each other process joins it (``_processes.admission``, ``_processes.handshake``). Returns
+    process 0's admission while it still listens, and the address jax's coordinator has: on one
+    host a Unix socket in this user's own folder (nobody else can reach it), else the port."""
+    address = place.coordinator_address
+    if place.process_id != 0:
+        return None, handshake.join(address, place.process_id, place.num_processes, job, timeout, secret) or address
+    host, port = handshake.split(address)
+    path = local.socket_path(port) if own_socket and local.is_loopback(host) else None
+    admission = admit(options["coordinator_bind_address"], address, place.num_processes, job, timeout, secret, path)
+    if path is None:
+        return None, address
+    options["coordinator_bind_address"] = f"unix:{path}"
+    atexit.register(admission.close)  # runs before jax's exit-time shutdown (registered earlier)
+    _Run.admission = admission  # closed by _exit_now too, which skips atexit
+    return admission, f"unix:{path}"
+
+
+def _end_for_conflict(reason: str) -> None:
+    """Process 0 learned that a stranger may be in the job: end every process, with the reason."""
+    error = RuntimeError(f"jax_dp process 0 ends the job: {reason}.")
+    print(error, file=sys.stderr, flush=True)
+    if _Run.client is None:  # not started yet: initialize calls this again once it is
+        return
+    record_failure(error)
+    time.sleep(3 * _POLL_S)
+    _exit_now()
 
 
 class _Run:
     """This process's place in a multi-process run, once ``initialize`` joined it."""
 
     client: Any = None
+    admission: Admission | None = None  # process 0's, on one host
     process_id = 0
     failure: str | None = None  # what this process reported to the others
 
@@ -228,6 +284,9 @@ def _end_together(client: Any, process_id: int, num_processes: int) -> None:
 
 def _exit_now() -> None:
     # os._exit skips jax's exit-time shutdown, whose barrier would wait for the failed process.
+    if _Run.admission is not None:
+        with contextlib.suppress(Exception):
+            _Run.admission.close()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1)
