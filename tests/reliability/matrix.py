@@ -54,6 +54,8 @@ JAX_CHECKPOINTS = "packages/jax_dp/tests/test_checkpoints.py"
 DAMAGE = "packages/core/tests/test_checkpoint_damage.py"
 PREEMPTION = "packages/core/tests/test_preemption.py"
 LISTENERS = "tests/network/test_listeners.py"
+JAX_HANDSHAKE = "packages/jax_dp/tests/test_handshake.py"
+JAX_STRANGERS = "packages/jax_dp/tests/test_strangers.py"
 CKPT_DIR = "packages/core/tests/test_checkpoint_dir.py"
 
 CRAFTED = f"{DAMAGE}::test_crafted_newest_falls_back_to_the_previous_in_bounded_time_and_memory"
@@ -137,6 +139,16 @@ ROWS: tuple[Row, ...] = (
     Row("SIGTERM or SIGUSR1 during a run", "both", "the notice is recorded instead of ending the process; a second notice gets the usual handling; the previous handler comes back", None, f"{PREEMPTION}::test_a_notice_is_recorded_and_the_previous_handler_comes_back"),
     Row("A notice arrives after the last step", "both", "the notice is passed on to the previous handler when the run ends", None, f"{PREEMPTION}::test_a_notice_the_run_did_not_act_on_is_sent_again_when_it_ends"),
     Row("A notice arrives, then another error ends the run first", "both", "the error is raised with a note that the notice was not acted on, instead of the process ending before the error is printed", None, f"{PREEMPTION}::test_an_error_that_overtook_a_notice_is_raised_with_a_note_instead_of_the_process_ending"),
+    # jax_dp: strangers on a shared host or network
+    Row("Another local user's process 1 (no job id, like the job's) reaches a single-host job's waiting process 0", "jax", "it cannot read the generated secret (PermissionError) and stops with status 1 saying that process 0 belongs to another user; process 0 keeps waiting and admits its own process 1", None, f"{JAX_STRANGERS}::test_another_user_can_neither_read_the_generated_secret_nor_join"),
+    Row("A same-user process with another job's secret joins first; then another user's plain `jax.distributed.initialize` as process 1 reaches the running job", "jax", "the first is refused (process 0 does not hold its secret; process 0 logs it); the second cannot reach jax's coordinator (Unix socket in a 0700 folder) and fails; the job keeps running and ends with the right weights, leaving no socket", None, f"{JAX_STRANGERS}::test_strangers_neither_join_nor_stop_a_running_job_that_trains_right"),
+    Row("A stranger sends process 0 a 3 KB '['*3000 line, a 900-deep array, non-UTF-8 bytes or HTTP", "jax", "each connection is dropped without an answer; process 0 admits the real process 1", None, f"{JAX_HANDSHAKE}::test_a_stranger_s_malformed_line_is_ignored_and_the_job_forms"),
+    Row("A stranger connects first and trickles one byte every 3 s", "jax", "the real process 1 is admitted within 2 s; process 0 drops the stranger at its 5 s deadline", 2, f"{JAX_HANDSHAKE}::test_a_stranger_trickling_bytes_delays_no_one"),
+    Row("A process with another secret, a reflected proof or a replayed proof tries to join", "jax", "refused; the joiner is told process 0 does not hold its secret, process 0 logs each refusal; the real process joins", None, (f"{JAX_HANDSHAKE}::test_a_process_without_the_job_s_secret_is_refused_and_the_real_one_joins", f"{JAX_HANDSHAKE}::test_neither_a_reflected_nor_a_replayed_proof_passes")),
+    Row("Two processes claim process 1 of a single-host job with a generated secret (two jobs of one user on one port)", "jax", "process 0 admits neither, raising with the cause and the line that sets a secret; both claimants are refused with it", None, f"{JAX_HANDSHAKE}::test_with_a_generated_secret_a_place_claimed_twice_stops_the_job"),
+    Row("After a single-host job formed: a second process 0 on its port, a latecomer with the secret, one without", "jax", "the second process 0 fails at once (port in use); the latecomer is told the job already started (with a generated secret: that the job stops, and the job is ended); the one without is told process 0 does not hold its secret; once closed, the port is free and the secret file gone", None, f"{JAX_HANDSHAKE}::test_once_formed_a_single_host_job_keeps_its_port_and_refuses_latecomers"),
+    Row("`jax_dp.initialize` on a coordinator other hosts reach without `KERAS_DP_JOB_SECRET`, or with one too short", "jax", "refused within 1 s in process 0 and process 1, with the line that sets one", 1, f"{JAX_HANDSHAKE}::test_a_coordinator_other_hosts_reach_needs_the_job_s_secret"),
+    Row("`KERAS_DP_JOB_SECRET` set but empty or shorter than 16 characters", "both", "`ValueError` naming the length and the line that sets one; that line sets a 32-hex-digit secret", None, ("packages/core/tests/test_secret.py::test_a_secret_set_but_too_short_is_an_error_naming_the_line_that_sets_one", "packages/core/tests/test_secret.py::test_the_line_that_sets_one_sets_one")),
     # a checkpoint folder: one writer, readable versions, checked first
     Row("A second writer claims a `checkpoint_dir` another process holds; then the holder is SIGKILLed", "both", "`CheckpointDirInUseError` names the holder's pid and host, another checkpoint_dir and `kill <pid>`; the check before a fit says so too; once the holder dies the folder is free and the lock file is emptied on release", None, f"{CKPT_DIR}::test_a_second_writer_is_refused_naming_the_holder_until_the_holder_dies"),
     Row("A claim's block raises; another thread claims the same folder meanwhile", "both", "the other thread is refused naming this process; after the error the folder is free again", None, f"{CKPT_DIR}::test_the_claim_ends_with_its_block_even_on_error_and_binds_one_thread"),
@@ -163,7 +175,7 @@ ROWS: tuple[Row, ...] = (
     Row("A Trainer call ends by return, exception, KeyboardInterrupt or Preempted", "both", "the one-call guard is released and the next call runs", None, "packages/core/tests/test_one_call.py::test_every_way_out_of_a_call_frees_the_trainer"),
     # the network
     Row("A host on the network tries to reach a single-host `torch_dp` run", "torch", "the caller and its replicas listen on loopback only (rendezvous store and gloo)", None, f"{LISTENERS}::test_torch_dp_replicas_listen_on_loopback_only"),
-    Row("A host on the network tries to reach a single-host, 2-process `jax_dp` run", "jax", "every process listens on loopback only; process 0's coordinator on the port it was given", None, f"{LISTENERS}::test_jax_dp_processes_listen_on_loopback_only"),
+    Row("A host on the network tries to reach a single-host, 2-process `jax_dp` run", "jax", "every process listens on loopback only; process 0 holds the port it was given, and jax's coordinator is on a Unix socket", None, f"{LISTENERS}::test_jax_dp_processes_listen_on_loopback_only"),
 )
 # fmt: on
 
