@@ -9,6 +9,7 @@ import fcntl
 import json
 import os
 import pwd
+import shlex
 import shutil
 import signal
 import subprocess
@@ -157,6 +158,50 @@ def test_a_folder_is_stale_only_when_its_lock_is_free_whatever_its_pid_says(tmp_
         holder.kill()
         holder.wait(timeout=30)
     assert torch_dp._processes.pool.remove_stale_directories(str(tmp_path)) == [str(held)]  # its owner died
+
+
+HOLD_A_FOLDER = """
+import os, sys, time
+os.environ["KERAS_BACKEND"] = "torch"
+import torch_dp._processes.group, torch_dp._processes.pool
+pool = torch_dp._processes.pool.ReplicaPool(2, threads=1, timeouts=torch_dp._processes.group.Timeouts())
+print(os.getpid(), pool._ensure_directory(), flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_live_folder_of_another_pid_namespace_is_kept(tmp_path):
+    """A real second namespace (``unshare --pid``): a pool's folder made there, whose owner's pid
+    is no process here, is kept while it lives and removed once it has died."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1), to make a pid namespace (CI runs as root)")
+    # the namespace's first pids: the holder takes the first one that no process has out here
+    target = next(pid for pid in range(3, 10_000) if not os.path.exists(f"/proc/{pid}"))
+    burn = f'n=1; while [ "$n" -lt {target - 1} ]; do /bin/true & n=$!; wait "$n"; done'
+    command = f"{burn}; {shlex.quote(sys.executable)} -c {shlex.quote(HOLD_A_FOLDER)} & wait"
+    environment = {**os.environ, "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    holder = subprocess.Popen(
+        ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "sh", "-c", command],
+        env=environment,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = holder.stdout.readline().split()
+        if not line and holder.wait(timeout=30) != 0:
+            pytest.skip(f"unshare --pid --fork did not run here (exit code {holder.returncode})")
+        pid, folder = int(line[0]), line[1]
+        assert not os.path.exists(f"/proc/{pid}"), f"pid {pid} is taken out here too: the test proves nothing"
+        assert torch_dp._processes.pool.remove_stale_directories(str(tmp_path)) == []
+        assert os.path.isdir(folder)
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    deadline = time.monotonic() + 10  # the namespace ends with its first process, the lock with its owner
+    while not (removed := torch_dp._processes.pool.remove_stale_directories(str(tmp_path))):
+        assert time.monotonic() < deadline, "the dead namespace's folder was never judged stale"
+        time.sleep(0.1)
+    assert removed == [folder]
 
 
 def test_a_pools_folder_is_locked_from_the_moment_it_appears(tmp_path):

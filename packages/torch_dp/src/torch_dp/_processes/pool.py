@@ -74,7 +74,6 @@ from torch_dp._processes.transfer import (
 from torch_dp._processes.worker import pool_worker
 
 _active: ReplicaPool | None = None  # the pool holding this process's default group
-__all__ = ["ReplicaPool", "close_active_pool", "remove_stale_directories"]
 STARTING_FOLDER = "TORCH_DP_STARTING_FOLDER"  # a starting worker's variable: its caller's folder
 UNGUARDED_MAIN = "unguarded_main"  # the file a worker writes there when it re-ran the script's fit
 
