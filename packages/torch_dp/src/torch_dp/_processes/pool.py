@@ -25,6 +25,9 @@ This module holds process-global state. The invariants a change must keep:
   from rank 0's with rank 0's own unchanged (``batch_norm="per_replica"``, whose statistics are
   each replica's: ``_remember`` forgets the state then), and a worker that outlives a failure
   (hence the rule above).
+- **The folder.** The pool's files (shared arrays, the model file, the rendezvous file) live in
+  a ``_processes.folder.PoolFolder`` that this process keeps locked while it holds it; one that
+  something else removed between calls is replaced at the next call, the workers kept.
 """
 
 from __future__ import annotations
