@@ -416,3 +416,43 @@ def row_counting_model() -> keras.Model:
     model.build((None, 5))
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     return model
+
+
+class TwoPartError(Exception):
+    """An exception whose class needs two arguments to be built, but keeps one (its message):
+    unpickling it in the caller fails."""
+
+    def __init__(self, left: str, right: str) -> None:
+        super().__init__(f"{left} and {right}")
+
+
+class _OutOfMemoryOnRank(keras.layers.Layer):
+    """Identity, except that its training calls on replica ``rank`` ask numpy for 8 TiB
+    (``_ArrayMemoryError``), which Keras re-raises as a ``RuntimeError`` from the layer."""
+
+    def __init__(self, rank: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.rank = rank
+
+    def call(self, x, training=False):
+        if training and dist.is_initialized() and dist.get_rank() == self.rank:
+            np.empty((2**40,), dtype=np.float64)
+        return x
+
+
+class RaisingOnRankFactory:
+    """A dense model whose replica ``rank`` fails: ``how="memory"`` in its first training step
+    (``_OutOfMemoryOnRank``), ``how="two-part"`` in the factory itself (``TwoPartError``)."""
+
+    def __init__(self, rank: int, how: str) -> None:
+        self.rank, self.how = rank, how
+
+    def __call__(self) -> keras.Model:
+        if self.how == "two-part" and dist.is_initialized() and dist.get_rank() == self.rank:
+            raise TwoPartError("left", "right")
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [keras.Input((5,)), _OutOfMemoryOnRank(self.rank), keras.layers.Dense(3, activation="softmax")]
+        )
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        return model

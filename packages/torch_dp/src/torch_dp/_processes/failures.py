@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import cloudpickle
+import torch
 
 from dp_core import NonFiniteLossError, Preempted
 from torch_dp._processes.spawn import Worker, caller_gone, is_stopped
@@ -55,7 +56,7 @@ def report_failure(
     except Exception:
         exception = None
     with contextlib.suppress(OSError, ValueError):
-        connection.send(("failed", rank, text, exception))
+        connection.send(("failed", rank, text, exception, what_failed(error)))
     print(f"torch_dp replica {rank} failed:\n{text}", file=sys.stderr, flush=True)
     deadline = time.monotonic() + 1.0
     while time.monotonic() < deadline:
@@ -68,16 +69,43 @@ def report_failure(
 def failure_of(
     report: tuple[Any, ...], num_replicas: int, documented: tuple[type[BaseException], ...]
 ) -> BaseException:
-    """The caller's exception for a worker's ``("failed", rank, traceback, exception)`` report:
-    a documented exception as its own type (``worker_traceback`` attached), else ``WorkerError``."""
-    _, rank, text, exception = report
+    """The caller's exception for a worker's ``("failed", rank, traceback, exception, what)``
+    report: a documented exception as its own type (``worker_traceback`` attached), else
+    ``WorkerError`` whose first line names what failed (``what_failed``'s words). An exception
+    that cannot be rebuilt here (its class needs other arguments than it keeps) arrives so too."""
+    _, rank, text, exception, (kind, out_of_memory) = report
     if exception is not None:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # rebuilding runs the class's own code, which may fail
             error = cloudpickle.loads(exception)
             if isinstance(error, documented):
                 error.worker_traceback = text  # type: ignore[attr-defined]
                 return error
-    return WorkerError(f"torch_dp replica {rank} of {num_replicas} failed:\n{text}", rank=rank, worker_traceback=text)
+    if out_of_memory:
+        message = (
+            f"torch_dp replica {rank} of {num_replicas} ran out of memory: {kind}. Each replica holds its own model, "
+            "optimizer state and batch: lower global_batch_size (or the model's size), or run fewer replicas on this "
+            "host."
+        )
+    else:
+        message = f"torch_dp replica {rank} of {num_replicas} failed: {kind}"
+    return WorkerError(f"{message}\n{text}", rank=rank, worker_traceback=text)
+
+
+def what_failed(error: BaseException) -> tuple[str, bool]:
+    """``"TypeName: message"`` of ``error`` and whether it is running out of memory (a
+    ``MemoryError``, numpy's ``_ArrayMemoryError`` among them, or ``torch.OutOfMemoryError``), in
+    ``error`` or its causes: Keras re-raises a layer's error as another type, the cause attached."""
+    seen: list[BaseException] = []
+    cause: BaseException | None = error
+    while cause is not None and cause not in seen and len(seen) < 20:
+        seen.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    memory = [cause for cause in seen if isinstance(cause, MemoryError | torch.OutOfMemoryError)]
+    # Keras's "Exception encountered when calling <layer>" stands in for the layer's own error
+    named = next((cause for cause in seen if not str(cause).startswith("Exception encountered")), seen[0])
+    named = memory[0] if memory else named
+    message = next(iter(str(named).splitlines()), "")
+    return f"{type(named).__qualname__}: {message}" if message else type(named).__qualname__, bool(memory)
 
 
 def vanished(rank: int, num_replicas: int, exitcode: int | None) -> WorkerError:
@@ -88,6 +116,24 @@ def vanished(rank: int, num_replicas: int, exitcode: int | None) -> WorkerError:
     return WorkerError(
         f"torch_dp replica {rank} of {num_replicas} {how} before it could report an error: a signal (SIGKILL, "
         "the out-of-memory killer) or a crash of the interpreter. Its stderr is above.",
+        rank=rank,
+    )
+
+
+def unguarded_main_advice(script: str) -> str:
+    """What to do when spawning a replica re-ran ``script``'s call to ``fit`` (no main guard)."""
+    return (
+        f"torch_dp starts its replica processes by spawning them, and each imports {script} as it starts; there "
+        "the call to fit (or evaluate, predict) ran again, because the script calls it outside a main guard. Put "
+        'the code that trains under `if __name__ == "__main__":` (definitions may stay at the top). See '
+        "docs/troubleshooting.md#torch-dp-a-script-without-the-main-guard."
+    )
+
+
+def unguarded_main(rank: int, num_replicas: int, script: str) -> WorkerError:
+    """The error for a worker that ended as it started, having re-run the caller's script's ``fit``."""
+    return WorkerError(
+        f"torch_dp replica {rank} of {num_replicas} ended while it started: {unguarded_main_advice(script)}",
         rank=rank,
     )
 

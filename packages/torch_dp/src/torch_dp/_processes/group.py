@@ -1,6 +1,7 @@
 """The replicas' process group: every ``init_process_group`` of torch-dp (a spawned worker's, the
 caller's as rank 0 of its pool, and a cluster process's), the choice of NCCL or gloo, the
-rendezvous store, and the timeouts the group forms and waits under.
+rendezvous store (a file in the pool's own folder on one host, the launcher's TCP store in a
+cluster), and the timeouts the group forms and waits under.
 
 A group is formed under the rendezvous timeout (gloo and NCCL wait for their peers' addresses
 under the group's own), then each collective is bounded by the collective timeout.
@@ -8,18 +9,14 @@ under the group's own), then each collective is bounded by the collective timeou
 
 from __future__ import annotations
 
-import errno
 import math
 import os
-import socket
-import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed import PrefixStore, TCPStore  # pyright: ignore[reportPrivateImportUsage]
+from torch.distributed import FileStore, PrefixStore, TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
 from torch_dp._comm.replica import Replica
 from torch_dp._internals import set_collective_timeout
@@ -81,73 +78,31 @@ def backend_for(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
 
 
-def bind_loopback(first_choice: int = 0) -> socket.socket:
-    """A listening socket on 127.0.0.1, on ``first_choice`` if free, else on a port the OS picks.
-
-    Binding (rather than probing a port and letting a worker bind it later) leaves no
-    moment in which another program can take the port.
-    """
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind(("127.0.0.1", first_choice))
-    except OSError as error:
-        if error.errno != errno.EADDRINUSE or first_choice == 0:
-            sock.close()
-            raise
-        warnings.warn(
-            f"Rendezvous port {first_choice} on 127.0.0.1 is in use (MASTER_PORT); torch_dp uses a free one instead.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
-    return sock
-
-
-def loopback_store(*, timeout: float) -> tuple[Any, int]:
-    """The workers' rendezvous store, served from this process on 127.0.0.1, and its port.
-
-    ``MASTER_PORT``, if set, is tried first. Only loopback is bound: a single-host run
-    opens nothing to the network. The store lives as long as the returned object.
-    """
-    sock = bind_loopback(int(os.environ.get("MASTER_PORT") or 0))
-    port = sock.getsockname()[1]
-    descriptor = sock.detach()  # the store owns and closes it from here on
-    try:
-        store = TCPStore(
-            "127.0.0.1",
-            port,
-            None,
-            True,
-            timeout=timedelta(seconds=timeout),
-            wait_for_workers=False,
-            master_listen_fd=descriptor,
-        )
-    except BaseException:
-        os.close(descriptor)
-        raise
-    return store, port
+def rendezvous_store(path: str, *, timeout: float) -> FileStore:
+    """A single-host pool's rendezvous store: torch's ``FileStore`` at ``path``, a file in the
+    pool's own folder, which only this user can read (0700). Nothing listens on a port: no
+    other user, and no process that does not know the folder, reaches the group's keys (the
+    gloo addresses). Each of the store's waits is bounded by ``timeout``."""
+    store = FileStore(path, -1)  # -1: no fixed number of users, the file goes with the folder
+    store.set_timeout(timedelta(seconds=timeout))
+    return store
 
 
 @dataclass(frozen=True)
 class Rendezvous:
-    """How a worker joins the caller's group: the store's port on 127.0.0.1, the job's token
-    (the group's keys live under it, so no other job or stray client can join), and the timeouts."""
+    """How a worker joins the caller's group: the rendezvous file in the pool's folder (its
+    path, sent through the start pipe, never the environment) and the timeouts."""
 
-    port: int
-    token: str = field(repr=False)
+    path: str = field(repr=False)
     timeouts: Timeouts
 
 
 def join_group(rank: int, num_replicas: int, rendezvous: Rendezvous) -> Replica:
-    """Join the group through the store the caller serves, under the job's token."""
+    """Join the caller's group through the pool's rendezvous file."""
     device = device_for(rank)
-    store = TCPStore(
-        "127.0.0.1", rendezvous.port, is_master=False, timeout=timedelta(seconds=rendezvous.timeouts.rendezvous)
-    )
     dist.init_process_group(
         backend_for(device),
-        store=PrefixStore(rendezvous.token, store),
+        store=rendezvous_store(rendezvous.path, timeout=rendezvous.timeouts.rendezvous),
         rank=rank,
         world_size=num_replicas,
         timeout=timedelta(seconds=rendezvous.timeouts.rendezvous),
@@ -156,19 +111,19 @@ def join_group(rank: int, num_replicas: int, rendezvous: Rendezvous) -> Replica:
     return Replica(rank, num_replicas, device)
 
 
-def serve_group(store: Any, token: str, replica: Replica, timeouts: Timeouts, *, on_cpu: bool) -> None:
-    """The caller joins its pool's group as rank 0, through the ``store`` it serves, under the job's
-    ``token``. One host: every replica's sockets stay on loopback (gloo's, and NCCL's bootstrap)."""
+def serve_group(rendezvous: Rendezvous, replica: Replica, *, on_cpu: bool) -> None:
+    """The caller joins its pool's group as rank 0, through the pool's rendezvous file. One host:
+    every replica's sockets stay on loopback (gloo's, and NCCL's bootstrap)."""
     loopback = {"GLOO_SOCKET_IFNAME": "lo"} if on_cpu else {"NCCL_SOCKET_IFNAME": "lo"}
     with environment_variables(loopback):
         dist.init_process_group(
             backend_for(replica.device),
-            store=PrefixStore(token, store),
+            store=rendezvous_store(rendezvous.path, timeout=rendezvous.timeouts.rendezvous),
             rank=0,
             world_size=replica.num_replicas,
-            timeout=timedelta(seconds=timeouts.rendezvous),
+            timeout=timedelta(seconds=rendezvous.timeouts.rendezvous),
         )
-    bound_collectives_by(timeouts.collective)
+    bound_collectives_by(rendezvous.timeouts.collective)
 
 
 def join_cluster_group(cluster: Cluster, device: str, timeouts: Timeouts) -> None:

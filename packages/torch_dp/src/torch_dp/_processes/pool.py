@@ -25,15 +25,18 @@ This module holds process-global state. The invariants a change must keep:
   from rank 0's with rank 0's own unchanged (``batch_norm="per_replica"``, whose statistics are
   each replica's: ``_remember`` forgets the state then), and a worker that outlives a failure
   (hence the rule above).
+- **The folder.** The pool's files (shared arrays, the model file, the rendezvous file) live in
+  a ``_processes.folder.PoolFolder`` that this process keeps locked while it holds it; one that
+  something else removed between calls is replaced at the next call, the workers kept.
 """
 
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
-import secrets
-import shutil
-import tempfile
+import sys
+import warnings
 import weakref
 from multiprocessing.connection import wait
 from typing import Any, final
@@ -47,8 +50,20 @@ from torch_dp._comm.replica import Replica
 from torch_dp._internals import version
 from torch_dp._loop.jobs import FitJob, Job
 from torch_dp._loop.run import build, check_losses, run_job
-from torch_dp._processes.failures import DOCUMENTED, blame, failure_of, raised, stopped_worker, unanswered, vanished
-from torch_dp._processes.group import Rendezvous, Timeouts, device_for, leave_group, loopback_store, serve_group
+from torch_dp._processes.failures import (
+    DOCUMENTED,
+    WorkerError,
+    blame,
+    failure_of,
+    raised,
+    stopped_worker,
+    unanswered,
+    unguarded_main,
+    unguarded_main_advice,
+    vanished,
+)
+from torch_dp._processes.folder import PoolFolder, remove_stale_directories
+from torch_dp._processes.group import Rendezvous, Timeouts, device_for, leave_group, serve_group
 from torch_dp._processes.spawn import Worker, start_process, stop_processes, threads_per_replica, torch_threads
 from torch_dp._processes.transfer import (
     KerasSettings,
@@ -62,7 +77,8 @@ from torch_dp._processes.transfer import (
 from torch_dp._processes.worker import pool_worker
 
 _active: ReplicaPool | None = None  # the pool holding this process's default group
-DIRECTORY_PREFIX = "torch_dp_"  # then the caller's pid: a directory whose caller is gone is stale
+STARTING_FOLDER = "TORCH_DP_STARTING_FOLDER"  # a starting worker's variable: its caller's folder
+UNGUARDED_MAIN = "unguarded_main"  # the file a worker writes there when it re-ran the script's fit
 
 
 @final
@@ -77,9 +93,10 @@ class ReplicaPool:
         self.timeouts = timeouts
         self.start_timeout = start_timeout
         self._workers: list[Worker] = []
-        self._store: Any = None
         self._entered: Any = None  # collectives each replica entered, shared with the workers
-        self._directory: tempfile.TemporaryDirectory[str] | None = None
+        self._directory: PoolFolder | None = None
+        self._calling = False  # a call runs (in some thread)
+        self._abandoned = False  # the interpreter ended during a call: see abandon
         self._arrays: SharedArrays | None = None
         self._replica = Replica(0, num_replicas)
         # what the workers hold: whose model, compiled how, and rank 0's state when they last agreed
@@ -93,6 +110,7 @@ class ReplicaPool:
 
     def run(self, job: Job, model: keras.Model, model_argument: Any) -> Any:
         """Run ``job`` on every replica, rank 0 here on ``model``; returns rank 0's result."""
+        refuse_while_starting()
         build(model, job)
         check_losses(model, job, self.num_replicas)  # here, before any process starts
         if self.started and not all(worker.process.is_alive() for worker in self._workers):
@@ -114,19 +132,39 @@ class ReplicaPool:
         self._start()
         for worker in self._workers:
             worker.connection.send_bytes(payload)
+        self._calling = True
         try:
             with torch_threads(self.threads):
                 result = run_job(model, job, self._replica, sync=sync)
             self._wait_for_workers()
         except BaseException as error:
+            if self._abandoned:  # the interpreter is ending under this call (a daemon thread's): quietly
+                raise SystemExit from None
             failure = blame(error, self._workers, self._entered, self.num_replicas, self.timeouts.collective)
             self.close(graceful=False)
             to_raise = raised(error, failure, self.num_replicas, self.timeouts.collective)
             if to_raise is error:
                 raise
             raise to_raise from error
+        finally:
+            self._calling = False
         self._remember(model, job)
         return result
+
+    def abandon(self) -> None:
+        """At interpreter exit with a call still running (``fit`` in a daemon thread): end the workers
+        at once, without a word (SIGKILL: no preemption notice, no traceback), and remove the folder.
+        The group is left as it is, in use by the call's thread; that thread ends quietly."""
+        global _active
+        self._abandoned = True
+        for worker in self._workers:
+            worker.process.kill()
+        for worker in self._workers:
+            worker.process.join(5.0)
+        if _active is self:
+            _active = None
+        if self._directory is not None:
+            self._directory.cleanup()
 
     def close(self, *, graceful: bool = True) -> None:
         """Stop the workers, leave the group, remove the shared files. The next call starts anew."""
@@ -144,16 +182,27 @@ class ReplicaPool:
             _active = None
             count_collectives_in(None, 0)
             leave_group()
-        self._store, self._entered = None, None
+        self._entered = None
         self._model, self._compiled, self._state = None, (), None
         if self._directory is not None:
             self._directory.cleanup()
             self._directory, self._arrays = None, None
 
     def _ensure_directory(self) -> str:
+        if self._directory is not None and not self._directory.intact():
+            warnings.warn(
+                f"torch_dp's folder {self._directory.name}, which this Trainer keeps for its replicas (a copy of the "
+                "arrays, the model file), was removed by something else while the Trainer held it (another job's "
+                "clean-up of the temporary directory, a tmp cleaner). torch_dp writes its files again, in a new "
+                "folder. If this recurs, give this job a temporary directory of its own (TMPDIR=...).",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            self._directory.cleanup()
+            self._directory = None
         if self._directory is None:
             remove_stale_directories()
-            self._directory = tempfile.TemporaryDirectory(prefix=f"{DIRECTORY_PREFIX}{os.getpid()}_")
+            self._directory = PoolFolder()
             self._arrays = SharedArrays(self._directory.name)
         return self._directory.name
 
@@ -171,11 +220,8 @@ class ReplicaPool:
                 "torch.distributed.destroy_process_group() first, or run under torchrun and pass num_replicas=None."
             )
         self._on_cpu()  # fewer GPUs than replicas: an error before anything starts
-        self._store, port = loopback_store(timeout=self.timeouts.rendezvous)
-        # the job's own key space on the store: a process without the token (another job, a
-        # stray client on the port) cannot join this group or overwrite its keys
-        token = secrets.token_hex(16)
-        rendezvous = Rendezvous(port, token, self.timeouts)  # sent through the start pipe, never the environment
+        # a file in the pool's own folder (0700): no port for another user or job to reach
+        rendezvous = Rendezvous(os.path.join(self._ensure_directory(), "rendezvous"), self.timeouts)
         self._entered = torch.multiprocessing.get_context("spawn").RawArray("q", self.num_replicas)
         try:
             for rank in range(1, self.num_replicas):
@@ -192,7 +238,7 @@ class ReplicaPool:
                 self._workers.append(Worker(process, mine))
             self._wait_for_workers(expect="ready", timeout=self.start_timeout)
             self._replica = Replica(0, self.num_replicas, device_for(0))
-            serve_group(self._store, token, self._replica, self.timeouts, on_cpu=self._on_cpu())
+            serve_group(rendezvous, self._replica, on_cpu=self._on_cpu())
             count_collectives_in(self._entered, 0)
             _active = self
         except BaseException:
@@ -217,14 +263,25 @@ class ReplicaPool:
                 del waiting[worker.connection]
             for worker in list(waiting.values()):
                 if worker.process.sentinel in ready and not worker.connection.poll():
-                    raise vanished(self._workers.index(worker) + 1, self.num_replicas, worker.process.exitcode)
+                    raise self._vanished(worker)
 
     def _receive(self, worker: Worker) -> tuple[Any, ...]:
         try:
             return worker.connection.recv()
         except (EOFError, OSError):
             worker.process.join(5.0)
-            raise vanished(self._workers.index(worker) + 1, self.num_replicas, worker.process.exitcode) from None
+            raise self._vanished(worker) from None
+
+    def _vanished(self, worker: Worker) -> WorkerError:
+        """The error for ``worker`` gone without a report; one that started by re-running the
+        caller's script up to its ``fit`` (no main guard) left a file saying so."""
+        rank = self._workers.index(worker) + 1
+        folder = self._directory.name if self._directory is not None else ""
+        marker = os.path.join(folder, f"{UNGUARDED_MAIN}_{worker.process.pid}")
+        if folder and os.path.exists(marker):
+            with open(marker) as f:
+                return unguarded_main(rank, self.num_replicas, f.read())
+        return vanished(rank, self.num_replicas, worker.process.exitcode)
 
     def _holds(self, model: keras.Model) -> bool:
         """Whether the workers hold this model, compiled as it is now."""
@@ -256,6 +313,7 @@ class ReplicaPool:
             "OMP_NUM_THREADS": str(self.threads),
             "MKL_NUM_THREADS": str(self.threads),
             "KERAS_BACKEND": "torch",
+            STARTING_FOLDER: self._ensure_directory(),
         }
         if self._on_cpu():  # gloo over loopback, and no GPU for Keras to pick up by default
             environment.update({"GLOO_SOCKET_IFNAME": "lo", "CUDA_VISIBLE_DEVICES": "", "KERAS_TORCH_DEVICE": "cpu"})
@@ -267,7 +325,9 @@ class ReplicaPool:
 
 def close_active_pool() -> None:
     """At interpreter exit: stop the workers and remove their files."""
-    if _active is not None:
+    if _active is not None and _active._calling:
+        _active.abandon()
+    elif _active is not None:
         _active.close()
 
 
@@ -282,29 +342,15 @@ def _state_of(model: keras.Model, job: Job) -> tuple[tuple[int, int], ...]:
     return tuple((id(v.value), version(v.value)) for v in variables)
 
 
-def remove_stale_directories(parent: str | None = None) -> list[str]:
-    """Remove the replicas' directories (a copy of the data) that runs killed outright left: those
-    of this user whose process no longer exists. Returns what was removed."""
-    parent = parent or tempfile.gettempdir()
-    removed = []
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(parent):
-            owner = entry.name[len(DIRECTORY_PREFIX) :].split("_", 1)[0]
-            ours = entry.name.startswith(DIRECTORY_PREFIX) and owner.isdigit()
-            if not ours or not entry.is_dir(follow_symlinks=False):
-                continue
-            if entry.stat(follow_symlinks=False).st_uid != os.getuid() or _alive(int(owner)):
-                continue
-            shutil.rmtree(entry.path, ignore_errors=True)
-            removed.append(entry.path)
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process holds that pid now
-        return True
-    return True
+def refuse_while_starting() -> None:
+    """In a worker that is still starting, a call means it is re-running the caller's script (spawn
+    imports it, and a call outside ``if __name__ == "__main__":`` runs again there): it tells its
+    caller so, through a file in the caller's folder, and ends, instead of starting workers of its own."""
+    if not getattr(multiprocessing.current_process(), "_inheriting", False):
+        return
+    script = getattr(sys.modules.get("__mp_main__"), "__file__", None) or "your script"
+    folder = os.environ.get(STARTING_FOLDER)
+    if folder is not None:
+        with contextlib.suppress(OSError), open(os.path.join(folder, f"{UNGUARDED_MAIN}_{os.getpid()}"), "w") as f:
+            f.write(script)
+    raise RuntimeError(unguarded_main_advice(script))

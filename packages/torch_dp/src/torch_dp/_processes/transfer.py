@@ -258,7 +258,8 @@ class SharedArrays:
     when its array is garbage-collected, and with the directory when the replicas close.
 
     Contents are compared by a digest, so an array changed in place is written again; a
-    read-only array (such as a memory map opened ``"r"``) is trusted by identity alone.
+    read-only array (such as a memory map opened ``"r"``) is trusted by identity alone. A file
+    that something else removed meanwhile is written again.
     """
 
     def __init__(self, directory: str) -> None:
@@ -277,7 +278,8 @@ class SharedArrays:
         array = leaf.detach().cpu().numpy() if isinstance(leaf, torch.Tensor) else np.asarray(leaf)
         digest = "" if not array.flags.writeable else _digest(array)
         known = self._files.get(id(leaf))
-        if known is not None and known[0] is not None and known[0]() is leaf and known[1] == digest:
+        same = known is not None and known[0] is not None and known[0]() is leaf and known[1] == digest
+        if known is not None and same and os.path.exists(known[2]):  # not removed by someone else meanwhile
             return SharedArray(known[2])
         path = os.path.join(self.directory, f"array_{self._count}.npy")
         self._count += 1
