@@ -1,5 +1,5 @@
 """A single-host run of either backend listens on loopback only: nothing it opens is reachable
-from the network (torch_dp's rendezvous store and gloo, jax_dp's admission port and gloo)."""
+from the network (torch_dp's gloo, its rendezvous being a file, jax_dp's admission port and gloo)."""
 
 from __future__ import annotations
 

@@ -104,8 +104,8 @@ class Trainer:
     call and kept for the next ones, so a later ``fit``, ``evaluate`` or ``predict`` starts
     at once. ``close()``, or ``with torch_dp.Trainer(...) as trainer:``, stops them; so do
     the end of the interpreter and another Trainer starting its own. They form their group
-    under a random token of their own, so no other job can join it; under torchrun the
-    rendezvous is torchrun's (its ``--rdzv-id`` names the job).
+    through a file in the pool's own 0700 folder, so no other job or user can join it or read
+    it; under torchrun the rendezvous is torchrun's (its ``--rdzv-id`` names the job).
 
     A Trainer runs one call at a time: ``fit``, ``evaluate``, ``predict`` or ``close`` called while
     another of its calls runs (from a callback, or from another thread) raises
