@@ -1,0 +1,43 @@
+"""What a first run shows: the progress bar's metrics from each epoch's first step, the line a
+resumed fit prints, and the error for a list of batches (issue 26)."""
+
+import os
+import shutil
+
+import keras
+import numpy as np
+import pytest
+import torch_dp_testing as testing
+
+import torch_dp
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _lines(text, prefix="torch_dp:"):
+    return [line for line in text.splitlines() if line.startswith(prefix)]
+
+
+def test_a_resumed_fit_says_where_it_starts_and_a_finished_one_that_nothing_is_left(tmp_path, capsys):
+    x, y = testing.data()  # 99 rows: 4 steps an epoch
+    trainer = torch_dp.Trainer(num_replicas=1)
+    model = testing.dense_batchnorm_model()
+    trainer.fit(model, x, y, global_batch_size=32, epochs=2, checkpoint_dir=tmp_path, checkpoint_every_steps=2)
+    assert _lines(capsys.readouterr().out) == []  # a fresh start says nothing
+
+    history = trainer.fit(model, x, y, global_batch_size=32, epochs=2, checkpoint_dir=tmp_path, verbose=2)
+    assert _lines(capsys.readouterr().out) == [
+        f"torch_dp: the checkpoint {tmp_path}/step-000002-000000000 is at epoch 2 of 2: nothing to train. "
+        "Pass epochs > 2 to train on, or an empty checkpoint_dir to start over."
+    ]
+    assert history.epoch == [0, 1]  # the finished run's History, as before
+
+    trainer.fit(model, x, y, global_batch_size=32, epochs=2, checkpoint_dir=tmp_path, verbose=0)
+    assert capsys.readouterr().out == ""  # verbose=0 prints nothing, this line included
+
+    shutil.rmtree(tmp_path / "step-000002-000000000")  # the newest left is 2 steps into the second epoch
+    assert os.path.isdir(tmp_path / "step-000001-000000002")
+    trainer.fit(model, x, y, global_batch_size=32, epochs=3, checkpoint_dir=tmp_path, verbose=2)
+    out = capsys.readouterr().out
+    assert _lines(out) == [f"torch_dp: resumed from {tmp_path}/step-000001-000000002 (epoch 2/3, step 2)"]
+    assert out.index("torch_dp: resumed from") < out.index("Epoch 2/3")  # before the epoch it resumes
