@@ -4,12 +4,59 @@ resumed fit prints, the error for a list of batches, and the note for one CPU de
 import os
 import shutil
 
+import keras
+import numpy as np
 import pytest
 from jax_dp_helpers import GLOBAL_BATCH, dense_bn_model
 
 import jax_dp
+from jax_dp._loop.hooks import STOP_CHECK_STEPS, BatchEndReporter
 
 pytestmark = pytest.mark.timeout(240)
+
+
+class FirstBatchLogs(keras.callbacks.ProgbarLogger):
+    """The progress bar, recording the logs it gets at each epoch's first batch end."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.batches = 0
+        super().on_epoch_begin(epoch, logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.batches == 0:
+            self.first.append(dict(logs or {}))
+        self.batches += 1
+        super().on_train_batch_end(batch, logs)
+
+
+def test_the_progress_bar_shows_the_metrics_from_the_first_step_of_every_epoch(data):
+    """As ``model.fit``'s does: its logs at each epoch's first batch name the loss and metrics."""
+    x, y, _, _ = data
+    keras_bar, bar = FirstBatchLogs(), FirstBatchLogs()
+    dense_bn_model().fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, callbacks=[keras_bar])
+    jax_dp.Trainer(2).fit(
+        dense_bn_model(), x, y, global_batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, callbacks=[bar]
+    )
+    assert [sorted(logs) for logs in keras_bar.first] == [["loss", "mae"]] * 2
+    assert [sorted(logs) for logs in bar.first] == [["loss", "mae"]] * 2
+    for got, want in zip(bar.first, keras_bar.first, strict=True):
+        np.testing.assert_allclose([got["loss"], got["mae"]], [want["loss"], want["mae"]], atol=1e-5)
+
+
+def test_with_several_processes_the_progress_bar_is_reported_at_the_first_step_too():
+    """Several processes report at the same steps (each report is a collective): the first, every
+    ``STOP_CHECK_STEPS`` and the last, so process 0's bar has metrics from the first step."""
+    callbacks = keras.callbacks.CallbackList(
+        [], add_progbar=True, model=dense_bn_model(), verbose=1, epochs=1, steps=40
+    )
+    reporter = BatchEndReporter(callbacks, "train", steps=40)
+    reporter.several_processes = True  # as jax.process_count() > 1 makes it; no collective is called
+    assert not reporter.every_step and STOP_CHECK_STEPS == 16
+    assert [step for step in range(40) if reporter.due(step)] == [0, 15, 31, 39]
 
 
 def _lines(text, prefix="jax_dp:"):

@@ -14,6 +14,56 @@ import torch_dp
 pytestmark = pytest.mark.timeout(240)
 
 
+@pytest.fixture(scope="module")
+def two_replicas():
+    """One 2-replica Trainer for the file's fits that start replicas."""
+    with torch_dp.Trainer(num_replicas=2, timeout=60) as started:
+        yield started
+
+
+class FirstBatchLogs(keras.callbacks.ProgbarLogger):
+    """The progress bar, recording the logs it gets at each epoch's first batch end."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.batches = 0
+        super().on_epoch_begin(epoch, logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.batches == 0:
+            self.first.append(dict(logs or {}))
+        self.batches += 1
+        super().on_train_batch_end(batch, logs)
+
+
+def _first_batch_logs(fit):
+    bar = FirstBatchLogs()
+    fit(bar)
+    return bar.first
+
+
+@pytest.mark.parametrize("num_replicas", [1, pytest.param(2, marks=pytest.mark.multiprocess)])
+def test_the_progress_bar_shows_the_metrics_from_the_first_step_of_every_epoch(num_replicas, request):
+    """As ``model.fit``'s does: its logs at each epoch's first batch name the loss and metrics."""
+    x, y = testing.data()  # 4 steps an epoch: fewer than log_every_steps=10
+    trainer = torch_dp.Trainer(num_replicas=1) if num_replicas == 1 else request.getfixturevalue("two_replicas")
+    keras_logs = _first_batch_logs(
+        lambda bar: testing.dense_batchnorm_model().fit(x, y, batch_size=32, epochs=2, shuffle=False, callbacks=[bar])
+    )
+    mine = _first_batch_logs(
+        lambda bar: trainer.fit(
+            testing.dense_batchnorm_model(), x, y, global_batch_size=32, epochs=2, shuffle=False, callbacks=[bar]
+        )
+    )
+    assert [sorted(logs) for logs in keras_logs] == [["accuracy", "loss"]] * 2
+    assert [sorted(logs) for logs in mine] == [["accuracy", "loss"]] * 2
+    for got, want in zip(mine, keras_logs, strict=True):
+        np.testing.assert_allclose([got["loss"], got["accuracy"]], [want["loss"], want["accuracy"]], atol=1e-5)
+
+
 def _lines(text, prefix="torch_dp:"):
     return [line for line in text.splitlines() if line.startswith(prefix)]
 
