@@ -23,7 +23,10 @@ def _said(result):
     return [line for line in result.stderr.splitlines() if "KERAS_BACKEND is not set" in line]
 
 
-LINE = "jax_dp: KERAS_BACKEND is not set, so jax_dp runs Keras on 'jax'. Set KERAS_BACKEND=jax before Python starts to say so yourself."
+LINE = (
+    "jax_dp: KERAS_BACKEND is not set, so jax_dp runs Keras on 'jax'. Set KERAS_BACKEND=jax before Python starts "
+    "to say so yourself."
+)
 
 
 def test_importing_jax_dp_with_no_backend_chosen_runs_keras_on_jax_and_says_so_once(tmp_path):
