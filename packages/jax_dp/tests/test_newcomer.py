@@ -3,6 +3,8 @@ resumed fit prints, the error for a list of batches, and the note for one CPU de
 
 import os
 import shutil
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -87,3 +89,36 @@ def test_a_resumed_fit_says_where_it_starts_and_a_finished_one_that_nothing_is_l
     out = capsys.readouterr().out
     assert _lines(out) == [f"jax_dp: resumed from {tmp_path}/step-000001-000000002 (epoch 2/3, step 2)"]
     assert out.index("jax_dp: resumed from") < out.index("Epoch 2/3")  # before the epoch it resumes
+
+
+def test_a_list_of_batches_says_what_was_passed_and_what_to_pass(data):
+    """``model.fit`` refuses it too ("None is not a valid value for jnp.array"): ours names it and the fix."""
+    x, y, _, _ = data
+    batches = [(x[:32], y[:32], np.ones(32)), (x[32:], y[32:], np.ones(67))]
+    with pytest.raises(
+        ValueError, match=r"x is a list of 2 \(x, y, sample_weight\) tuples of arrays: a list of batches"
+    ) as raised:
+        jax_dp.Trainer(2).fit(dense_bn_model(), batches, epochs=1)
+    assert "np.concatenate([b[0] for b in batches])" in str(raised.value)
+    assert "keras.utils.PyDataset" in str(raised.value)
+
+
+def _python(code):
+    """``code`` in a fresh interpreter on the CPU, with no forced host devices (XLA_FLAGS unset)."""
+    env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
+    env.update({"KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu"})
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=100)
+
+
+def test_one_cpu_device_says_once_how_to_get_more_replicas():
+    lines = ["import jax_dp", "for _ in range(2):", "    trainer = jax_dp.Trainer()", "print(trainer.num_replicas)"]
+    code = "\n".join([*lines, "jax_dp.Trainer(1)"])
+    result = _python(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1"]
+    said = [line for line in result.stderr.splitlines() if "xla_force_host_platform_device_count" in line]
+    assert said == [
+        "<string>:3: UserWarning: jax_dp: jax sees one CPU device, so Trainer() trains on 1 replica. For N replicas "
+        "on a CPU host, start Python with XLA_FLAGS=--xla_force_host_platform_device_count=N (set before jax is "
+        "imported; XLA_FLAGS is not set). Pass num_replicas=1 to mean one replica."
+    ]  # once, at the caller's line; num_replicas=1 says nothing

@@ -91,3 +91,13 @@ def test_a_resumed_fit_says_where_it_starts_and_a_finished_one_that_nothing_is_l
     out = capsys.readouterr().out
     assert _lines(out) == [f"torch_dp: resumed from {tmp_path}/step-000001-000000002 (epoch 2/3, step 2)"]
     assert out.index("torch_dp: resumed from") < out.index("Epoch 2/3")  # before the epoch it resumes
+
+
+def test_a_list_of_batches_says_what_was_passed_and_what_to_pass():
+    """``model.fit`` refuses it too ("Invalid dtype: object"): ours names it and the fix."""
+    x, y = testing.data()
+    batches = [(x[:32], y[:32]), (x[32:64], y[32:64]), (x[64:], y[64:])]
+    with pytest.raises(ValueError, match=r"x is a list of 3 \(x, y\) tuples of arrays: a list of batches") as raised:
+        torch_dp.Trainer(num_replicas=1).fit(testing.dense_batchnorm_model(), batches, epochs=1)
+    assert "np.concatenate([b[0] for b in batches])" in str(raised.value)
+    assert "keras.utils.PyDataset" in str(raised.value)
