@@ -2,8 +2,10 @@
 imported on another backend it raises the documented error (docs/troubleshooting.md)."""
 
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -39,3 +41,21 @@ def test_importing_torch_dp_after_keras_on_jax_raises_the_documented_error(tmp_p
         "RuntimeError: torch_dp needs the Keras 'torch' backend, but Keras is running on 'jax' (KERAS_BACKEND='jax')."
     ), result.stderr
     assert "Set KERAS_BACKEND=torch in the environment before Python starts" in last
+
+
+def test_every_launcher_snippet_of_the_multi_host_page_sets_keras_backend():
+    """What torchrun, srun and sbatch start imports keras on its own: the snippet says which backend."""
+    page = (Path(__file__).resolve().parents[3] / "docs" / "multi-host.md").read_text()
+    blocks = re.findall(r"```(\w+)\n(.*?)```", page, flags=re.DOTALL)
+    commands = [
+        text
+        for language, text in blocks
+        if language == "bash"
+        and any(line.split()[:1] in (["torchrun"], ["srun"]) for line in text.splitlines() if line.strip())
+    ]
+    scripts = [
+        text for language, text in blocks if language == "python" and re.search(r"^import (torch|jax)_dp", text, re.M)
+    ]
+    assert len(commands) >= 3 and len(scripts) >= 2  # torchrun, sbatch, jax's srun; torch's and jax's scripts
+    assert [text for text in commands if "export KERAS_BACKEND=" not in text] == []
+    assert [text for text in scripts if 'os.environ["KERAS_BACKEND"] = ' not in text] == []
