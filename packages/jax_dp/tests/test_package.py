@@ -16,6 +16,7 @@ def test_every_public_name_imports():
         "NonFiniteLossError",
         "Preempted",
         "Trainer",
+        "TrainerBusy",
         "check_equivalence",
         "initialize",
     ]

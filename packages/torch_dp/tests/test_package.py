@@ -11,6 +11,7 @@ def test_every_public_name_imports():
         "Preempted",
         "Sampler",
         "Trainer",
+        "TrainerBusy",
         "WorkerError",
         "check_equivalence",
     }

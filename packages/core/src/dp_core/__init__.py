@@ -26,6 +26,7 @@ from dp_core._cluster import launch_of as launch_of
 from dp_core._cluster import slurm_hosts as slurm_hosts
 from dp_core._cluster import slurm_port as slurm_port
 from dp_core._equivalence import EquivalenceReport as EquivalenceReport
+from dp_core._keras_backend import select_keras_backend as select_keras_backend
 from dp_core._layout import ReplicaLayout as ReplicaLayout
 from dp_core._lr import Constant as Constant
 from dp_core._lr import CosineDecay as CosineDecay
@@ -131,6 +132,7 @@ __all__ = [
     "scaling_report_folder",
     "scaling_summary",
     "schedule_from_config",
+    "select_keras_backend",
     "slurm_hosts",
     "slurm_port",
     "split_indices",

@@ -88,6 +88,11 @@ class Trainer:
     loss is NaN or infinite on any replica, naming its epoch and step; ``"skip"`` leaves
     that step's update out on every replica and continues.
 
+    ``log_every_steps`` (default 10): how often the progress bar's loss and metrics are summed
+    over the replicas (one small all-reduce each): at each epoch's first step, then every so many
+    steps and at the last, so the bar shows them from step 1, as ``model.fit``'s does. A callback
+    that reads the logs at every batch gets them at every step whatever this says.
+
     ``profile=True`` (or a folder path; True is ``./scaling-report``) times every training step's
     phases (input wait, forward+backward, all-reduce, optimizer, callbacks); after each ``fit``
     rank 0 prints one line and writes ``scaling_report.json`` and ``.png`` into the folder, and

@@ -18,7 +18,7 @@ The contract, what a backend calls on the way from the user's call to its step:
 - the learning rate: ``plan_learning_rate``, ``learning_rate_policy_installed``
   (``LearningRatePolicy``);
 - checkpoints: ``CheckpointWriter``, ``resumable_checkpoint``, ``restore_model``, ``start_of``
-  (``Start``).
+  (``Start``), ``print_resume`` (the line a resumed fit prints).
 
 Helpers, for what a backend does its own way:
 
@@ -45,6 +45,7 @@ from dp_core.keras._callbacks import callback_list as callback_list
 from dp_core.keras._callbacks import needs_every_batch as needs_every_batch
 from dp_core.keras._checkpoints import CheckpointWriter as CheckpointWriter
 from dp_core.keras._checkpoints import Start as Start
+from dp_core.keras._checkpoints import print_resume as print_resume
 from dp_core.keras._checkpoints import restore_model as restore_model
 from dp_core.keras._checkpoints import resumable_checkpoint as resumable_checkpoint
 from dp_core.keras._checkpoints import start_of as start_of
@@ -128,6 +129,7 @@ __all__ = [
     "overrides",
     "padded_batch_size",
     "plan_learning_rate",
+    "print_resume",
     "python_logs",
     "replica_losses",
     "replica_part",

@@ -16,6 +16,7 @@ other slots, is a ``CheckpointError`` naming both.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
@@ -25,6 +26,7 @@ import numpy as np
 from dp_core._checkpoint import save_checkpoint
 from dp_core._checkpoint_format import Checkpoint, CheckpointError, check_compatible
 from dp_core._checkpoint_read import latest_checkpoint
+from dp_core.keras._callbacks import verbosity
 
 # keras.ops is typed for every backend at once; treat it as untyped here.
 ops: Any = keras.ops
@@ -58,6 +60,45 @@ def start_of(checkpoint: Checkpoint) -> Start:
         for name, values in saved.items()
     }
     return Start(checkpoint.epoch, checkpoint.step, checkpoint.metric_variables, history)
+
+
+def print_resume(
+    checkpoint: str | os.PathLike[str] | None, start: Start, *, epochs: int, verbose: Any, package: str
+) -> None:
+    """One line before the first epoch of a fit that resumed from ``checkpoint`` (None: it did not),
+    printed as Keras prints its own ("Epoch 3/4"): stdout, or absl logging when Keras's interactive
+    logging is off, nothing with ``verbose=0``. Called by the primary process only. A checkpoint
+    at or past the last epoch says that nothing is left to train, as ``fit`` then returns at once.
+
+    >>> print_resume("ckpt/step-000002-000000060", Start(2, 60), epochs=4, verbose=1, package="torch_dp")
+    torch_dp: resumed from ckpt/step-000002-000000060 (epoch 3/4, step 60)
+    >>> print_resume("ckpt/step-000004-000000000", Start(4), epochs=4, verbose="auto", package="jax_dp")
+    ... # doctest: +NORMALIZE_WHITESPACE
+    jax_dp: the checkpoint ckpt/step-000004-000000000 is at epoch 4 of 4: nothing to train.
+    Pass epochs > 4 to train on, or an empty checkpoint_dir to start over.
+    """
+    if checkpoint is None or verbosity(verbose) == 0:
+        return
+    path = os.fspath(checkpoint)
+    if start.epoch >= epochs:
+        at = (
+            f"epoch {start.epoch} of {epochs}"
+            if start.epoch == epochs
+            else f"epoch {start.epoch}, past epochs={epochs}"
+        )
+        line = (
+            f"{package}: the checkpoint {path} is at {at}: nothing to train. Pass epochs > {start.epoch} to train on, "
+            "or an empty checkpoint_dir to start over."
+        )
+    else:
+        line = f"{package}: resumed from {path} (epoch {start.epoch + 1}/{epochs}, step {start.step})"
+    if keras.utils.is_interactive_logging_enabled():  # Keras's own print path (``io_utils.print_msg``)
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+    else:
+        from absl import logging as absl_logging  # Keras's dependency, where it logs when not interactive
+
+        absl_logging.info(line)
 
 
 def resumable_checkpoint(

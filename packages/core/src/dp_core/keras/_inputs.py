@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import keras
 import numpy as np
 
-from dp_core._data import flatten, is_map_dataset, map_structure, num_rows, take_rows
+from dp_core._data import flatten, is_array_like, is_map_dataset, map_structure, num_rows, take_rows
 
 
 class FirstRows(Protocol):
@@ -46,6 +46,8 @@ class Inputs:
         class_weight: Mapping[int, float] | None = None,
         name: str = "x",
     ) -> None:
+        if y is None and sample_weight is None:
+            _refuse_a_list_of_batches(x, name)
         try:
             self.num_samples = num_rows(x, y, sample_weight)
         except ValueError as error:
@@ -104,6 +106,33 @@ def validation_inputs(validation_data: Any) -> Inputs:
     raise ValueError(
         "validation_data must be (x_val, y_val), (x_val, y_val, sample_weight_val) or a map-style dataset, "
         f"got {type(validation_data).__name__}{length}."
+    )
+
+
+def _refuse_a_list_of_batches(x: Any, name: str) -> None:
+    """A list of ``(x, y)`` (or ``(x, y, sample_weight)``) tuples of arrays is a list of batches,
+    which ``model.fit`` refuses too, less clearly (``Invalid dtype: object`` on torch, ``None is
+    not a valid value for jnp.array`` on jax): it reads a list as the inputs of a multi-input model.
+
+    >>> batch = (np.zeros((4, 3)), np.zeros(4))
+    >>> Inputs([batch, batch])
+    Traceback (most recent call last):
+    ...
+    ValueError: x is a list of 2 (x, y) tuples of arrays: a list of batches, ...
+    """
+    if not isinstance(x, (list, tuple)) or not x:
+        return
+    if not all(isinstance(item, (list, tuple)) and len(item) in (2, 3) for item in x):
+        return
+    if not all(is_array_like(leaf) for item in x for leaf in item if leaf is not None):
+        return
+    kinds = sorted({"(x, y)" if len(item) == 2 else "(x, y, sample_weight)" for item in x})
+    raise ValueError(
+        f"{name} is a {type(x).__name__} of {len(x)} {' and '.join(kinds)} tuples of arrays: a list of batches, which "
+        "model.fit does not take either (it reads a list as the inputs of a multi-input model). Pass the arrays "
+        "whole, x=np.concatenate([b[0] for b in batches]), y=np.concatenate([b[1] for b in batches]), with "
+        "global_batch_size=, or something that yields the batches, each one a global batch: a keras.utils.PyDataset "
+        "whose __getitem__(i) returns batch i (every epoch), or a generator (one pass)."
     )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -22,7 +23,7 @@ import keras
 import numpy as np
 
 from dp_core import Checkpoint, check_checkpoint_dir, claim_checkpoint_dir
-from dp_core.keras import CheckpointWriter, FitArguments, Start, resumable_checkpoint, start_of
+from dp_core.keras import CheckpointWriter, FitArguments, Start, print_resume, resumable_checkpoint, start_of
 from jax_dp._comm.hosts import is_primary, same_on_all_processes, text_from_primary
 from jax_dp._step.optimizers import Optimizer
 
@@ -46,6 +47,9 @@ def resume_and_writer(
     start = resume(
         arguments.checkpoint_dir, model, optimizer, seed=seed, global_batch_size=global_batch_size, shuffle=shuffle
     )
+    if is_primary() and (start.epoch or start.step):  # a checkpoint's place: (0, 0) is never one
+        path = os.path.join(arguments.checkpoint_dir, _name_of(start))
+        print_resume(path, start, epochs=arguments.epochs, verbose=arguments.verbose, package="jax_dp")
     writer = CheckpointWriter(
         arguments.checkpoint_dir,
         arguments.checkpoint_every_steps,
@@ -55,6 +59,11 @@ def resume_and_writer(
         lr_policy=policy,
     )
     return start, writer
+
+
+def _name_of(start: Start) -> str:
+    """The folder name of the checkpoint at ``start`` (``dp_core.Checkpoint.name``)."""
+    return Checkpoint(start.epoch, start.step, 0, 0, 0, []).name
 
 
 @contextmanager

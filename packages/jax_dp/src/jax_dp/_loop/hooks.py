@@ -23,10 +23,11 @@ STOP_CHECK_STEPS = 16  # with several processes, how often a mid-epoch stop deci
 class BatchEndReporter:
     """Calls batch-end callbacks every step only if a callback needs every step.
 
-    Otherwise (progress bar only) at most every ``PROGRESS_SECONDS`` and at the last
-    step, because each report sums the metric states and waits for the devices. With
-    several processes that sum is a collective, so every process reports at the same
-    steps: every step if process 0 needs it, else every ``STOP_CHECK_STEPS``.
+    Otherwise (progress bar only) at the first step, then at most every ``PROGRESS_SECONDS``
+    and at the last step, because each report sums the metric states and waits for the devices:
+    the bar shows the metrics from the first step, as in ``model.fit``. With several processes
+    that sum is a collective, so every process reports at the same steps: every step if process
+    0 needs it, else the first and every ``STOP_CHECK_STEPS``.
     """
 
     def __init__(self, callbacks: keras.callbacks.CallbackList, mode: str, steps: int | None) -> None:
@@ -39,11 +40,14 @@ class BatchEndReporter:
             self.every_step = agree(self.every_step)
         self.enabled = self.every_step or progress or self.several_processes
         self.last = 0.0
+        self.first = True  # the epoch's first step (where a resumed epoch starts) is always reported
 
     def due(self, step: int) -> bool:
         if not self.enabled:
             return False
-        if self.every_step or (self.steps is not None and step == self.steps - 1):
+        first, self.first = self.first, False
+        if self.every_step or first or (self.steps is not None and step == self.steps - 1):
+            self.last = time.monotonic()
             return True
         if self.several_processes:
             return (step + 1) % STOP_CHECK_STEPS == 0

@@ -12,7 +12,9 @@ device count always is).
 from __future__ import annotations
 
 import collections
+import functools
 import os
+import warnings
 from typing import Any
 
 import jax
@@ -40,6 +42,8 @@ def make_mesh(num_replicas: int | None) -> Mesh:
 def _choose_devices(num_replicas: int | None) -> list[Any]:
     available = jax.devices()
     if num_replicas is None:
+        if len(available) == 1 and available[0].platform == "cpu":
+            _say_one_cpu_device()
         return available
     if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
         raise ValueError(f"num_replicas must be a positive integer or None (every device), got {num_replicas!r}.")
@@ -60,6 +64,21 @@ def _choose_devices(num_replicas: int | None) -> list[Any]:
         )
     per_process = num_replicas // len(by_process)
     return [device for process in sorted(by_process) for device in by_process[process][:per_process]]
+
+
+@functools.cache  # once a process: jax's device list is fixed when it starts
+def _say_one_cpu_device() -> None:
+    """``num_replicas=None`` on a CPU host whose jax was started without forced host devices: one
+    replica, which looks like data parallel and is not."""
+    flags = os.environ.get("XLA_FLAGS")
+    now = "XLA_FLAGS is not set" if flags is None else f"XLA_FLAGS is {flags!r}"
+    warnings.warn(
+        "jax_dp: jax sees one CPU device, so Trainer() trains on 1 replica. For N replicas on a CPU host, start "
+        f"Python with XLA_FLAGS=--xla_force_host_platform_device_count=N (set before jax is imported; {now}). "
+        "Pass num_replicas=1 to mean one replica.",
+        UserWarning,
+        stacklevel=5,  # at the caller's Trainer(): _choose_devices, make_mesh, Trainer.__init__
+    )
 
 
 def check_mesh(mesh: Mesh) -> Mesh:

@@ -71,6 +71,7 @@ class EpochSteps(Protocol):
 
     decisions: str  # WITH_THE_STEP, BEFORE_THE_STEP or AT_THE_EPOCH_END
     batch_hooks: bool  # whether the batch hooks are called (else no callback acts at a batch)
+    log_every: int  # logs are read at the epoch's first step, then every so many steps (0: never)
     window: Window | None  # a gradient accumulation window, summed into checkpoints
 
     def batches(self, job: FitJob, epoch: int, first_step: int) -> Iterator[Any]: ...
@@ -81,8 +82,9 @@ class EpochSteps(Protocol):
         """One step on every replica; ``preempt``: this replica got a notice (anyone's stops all)."""
         ...
 
-    def logs(self, trained: Trained, step: int, steps: int | None, logs: dict[str, Any]) -> dict[str, Any]:
-        """The logs the batch-end hook gets after ``trained`` (``logs``: the last ones)."""
+    def logs(self, trained: Trained, due: bool, logs: dict[str, Any]) -> dict[str, Any]:
+        """The logs the batch-end hook gets after ``trained``: read again when ``due`` (the same
+        steps on every replica), else ``logs``, the last ones."""
         ...
 
     def epoch_logs(self) -> dict[str, Any]: ...
@@ -92,10 +94,10 @@ class EpochSteps(Protocol):
 class KerasSteps:
     """Keras's own train step (``_step.steps.train_step``, or a gradient accumulation ``window``'s), on
     padded batches. With ``decide_each_step`` (callbacks act at every batch) every step sums the
-    metric states and rank 0's decisions with the gradients; else logs are synced every
-    ``log_every`` steps (0: never). Without ``batch_hooks`` (no callback acts at a batch, no
-    progress bar) none is called: Keras would hand each step's ``on_train_batch_end`` to a thread
-    of its own for nothing."""
+    metric states and rank 0's decisions with the gradients; else logs are synced at the epoch's
+    first step and every ``log_every`` steps (0: never), as ``logs_due_at`` says. Without
+    ``batch_hooks`` (no callback acts at a batch, no progress bar) none is called: Keras would hand
+    each step's ``on_train_batch_end`` to a thread of its own for nothing."""
 
     model: keras.Model
     replica: Replica
@@ -139,10 +141,10 @@ class KerasSteps:
             timer=timer,
         )
 
-    def logs(self, trained: Trained, step: int, steps: int | None, logs: dict[str, Any]) -> dict[str, Any]:
+    def logs(self, trained: Trained, due: bool, logs: dict[str, Any]) -> dict[str, Any]:
         if trained.metric_sums is not None:  # summed with the gradients: only rank 0 reads them
             return logs_of(self.model, trained.metric_sums) if self.replica.is_primary else {}
-        if logs_due(step, steps, self.log_every) and not self.decide_each_step:  # a skipped step keeps its logs
+        if due and not self.decide_each_step:  # a skipped step keeps its logs
             return global_logs(self.model, self.replica)
         return logs
 
@@ -177,11 +179,23 @@ class OwnSteps:
         self.returned = self.custom.train_step(batch)
         return Trained(True)
 
-    def logs(self, trained: Trained, step: int, steps: int | None, logs: dict[str, Any]) -> dict[str, Any]:
-        return self.custom.logs(self.returned) if logs_due(step, steps, self.log_every) else logs
+    def logs(self, trained: Trained, due: bool, logs: dict[str, Any]) -> dict[str, Any]:
+        return self.custom.logs(self.returned) if due else logs
 
     def epoch_logs(self) -> dict[str, Any]:
         return self.custom.logs(self.returned)
+
+
+def logs_due_at(step: int, steps: int | None, every: int, *, first_step: int = 0) -> bool:
+    """Whether the logs are read (summed over replicas) after ``step``: the progress bar shows the
+    metrics from the epoch's first step (``first_step``, where a resumed epoch starts), as in
+    ``model.fit``, then new values every ``every`` steps (``Trainer(log_every_steps=...)``) and at
+    the last; never with ``every=0`` (nothing shows them). One small all-reduce each.
+
+    >>> [step for step in range(25) if logs_due_at(step, 25, 10)]
+    [0, 9, 19, 24]
+    """
+    return every > 0 and (step == first_step or logs_due(step, steps, every))
 
 
 def _epoch_order(job: FitJob, epoch: int) -> dict[str, Any]:
@@ -244,7 +258,7 @@ def train_epoch(
             return kind.epoch_logs()
         if not trained.applied:
             _nonfinite_loss(job.on_nonfinite_loss, epoch, step, replica)
-        logs = kind.logs(trained, step, steps, logs)
+        logs = kind.logs(trained, logs_due_at(step, steps, kind.log_every, first_step=first_step), logs)
         if kind.batch_hooks:
             callbacks.on_train_batch_end(step, logs)
         if checkpoints is not None and checkpoints.due(step + 1, steps):

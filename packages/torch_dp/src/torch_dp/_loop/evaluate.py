@@ -16,8 +16,9 @@ from torch_dp._comm.collectives import broadcast_floats
 from torch_dp._comm.replica import Replica
 from torch_dp._data.batches import EvenBatch, even_batches, replica_batches
 from torch_dp._data.sources import Readable, steps_of
+from torch_dp._loop.epochs import logs_due_at
 from torch_dp._step.custom import CustomSteps
-from torch_dp._step.metrics import global_logs, logs_due
+from torch_dp._step.metrics import global_logs
 from torch_dp._step.steps import predict_step, test_step
 
 
@@ -58,7 +59,7 @@ def evaluate_loop(
         for step, batch in enumerate(even_batches(inputs, replica, global_batch_size=global_batch_size)):
             hooks.on_test_batch_begin(step)
             returned = custom.test_step(batch)
-            if logs_due(step, steps, every):
+            if logs_due_at(step, steps, every):
                 logs = custom.logs(returned)
             hooks.on_test_batch_end(step, logs)
         logs = custom.logs(returned)
@@ -67,7 +68,7 @@ def evaluate_loop(
     for step, batch in enumerate(replica_batches(inputs, replica, global_batch_size=global_batch_size)):
         hooks.on_test_batch_begin(step)
         test_step(model, batch, replica)
-        if logs_due(step, steps, every):
+        if logs_due_at(step, steps, every):
             logs = global_logs(model, replica)
         hooks.on_test_batch_end(step, logs)
     logs = global_logs(model, replica)

@@ -10,7 +10,16 @@ from typing import Any
 import keras
 
 from dp_core import NO_STEP_TIMER, NoStepTimer, PreemptionWatch, StepTimer
-from dp_core.keras import BatchSource, CheckpointWriter, Start, callback_list, internals, needs_every_batch, verbosity
+from dp_core.keras import (
+    BatchSource,
+    CheckpointWriter,
+    Start,
+    callback_list,
+    internals,
+    needs_every_batch,
+    print_resume,
+    verbosity,
+)
 from torch_dp._comm.collectives import broadcast_floats
 from torch_dp._comm.replica import Replica
 from torch_dp._data.sources import steps_of
@@ -73,6 +82,8 @@ def _fit_epochs(
     every = 1 if batch_logs else (job.log_every_steps if progress else 0)
     batch_hooks = batch_logs or progress or _has_progress_bar(arguments.callbacks)
     start = _begin(model, callbacks, start, arguments.initial_epoch, replica)
+    if replica.is_primary:  # rank 0's checkpoint, which every replica resumed from
+        print_resume(job.resume_from, start, epochs=arguments.epochs, verbose=arguments.verbose, package="torch_dp")
     # gradient accumulation: one gradient all-reduce per window (None: one per step)
     window = None if custom is not None and custom.train else accumulation_window(model, replica, job.on_nonfinite_loss)
     epoch_logs: dict[str, Any] = {}
