@@ -296,6 +296,8 @@ def bench(session: nox.Session) -> None:
         "python", "benchmarks/bench_interactive.py", "--output", f"{results}/interactive.json", *session.posargs
     )
     session.run("python", "benchmarks/report.py", "--results", results, "--output", page)
+    if "--quick" not in session.posargs:  # the READMEs state the new numbers (tests/test_readme_numbers.py)
+        session.run("python", "benchmarks/readme_numbers.py", "--results", results)
 
 
 @nox.session(python="3.11")
