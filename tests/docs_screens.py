@@ -6,8 +6,8 @@ Serves ``--site`` (``mkdocs build``'s output) on 127.0.0.1, opens every page in 
 Chromium through playwright (which downloads no browser of its own here) at a desktop and a
 narrow width, and measures each code block, inline code and table: content wider than its box
 that neither wraps nor scrolls with a scrollbar to see, or that runs past the window's edge, is
-cut off. Writes ``index.png`` and ``getting-started-torch.png`` (the desktop view of the index
-and of one guide page) and ``cut-off.json`` (what was found) into ``--output``; exits 1 naming
+cut off. Writes the ``SCREENSHOTS`` (the desktop view of the index, of one guide page and of
+the scaling report's longest code line) and ``cut-off.json`` (what was found) into ``--output``; exits 1 naming
 each element cut off. ``nox -s docs_screens`` builds the site and runs it.
 """
 
@@ -35,7 +35,12 @@ CHROMIUM_FLAGS = [
     "--no-first-run",
 ]
 WIDTHS = {"desktop": (1280, 900), "narrow": (760, 900)}
-SCREENSHOTS = {"index.png": "index.html", "getting-started-torch.png": "getting-started-torch/index.html"}
+# file: (page, what to show: None for the window at the top, else the first element with that text)
+SCREENSHOTS = {
+    "index.png": ("index.html", None),
+    "getting-started-torch.png": ("getting-started-torch/index.html", None),
+    "scaling-report.png": ("scaling-report/index.html", "SUSPECT"),  # its longest code line, wrapped
+}
 
 # Each element that shows less than it holds: wider than its box and not wrapping or visibly
 # scrolling, or reaching past the window. Returns [{page-independent description}].
@@ -124,9 +129,10 @@ def check(site: Path, output: Path, chromium: str) -> dict[str, list[dict[str, s
                     page.evaluate("document.fonts.ready")
                     if found := page.evaluate(MEASURE):
                         cut[f"{name} {path}"] = found
-                    if name == "desktop" and path in SCREENSHOTS.values():
-                        shot = next(file for file, page_path in SCREENSHOTS.items() if page_path == path)
-                        page.screenshot(path=str(output / shot))
+                    for file, (shown, text) in SCREENSHOTS.items():
+                        if name == "desktop" and path == shown:
+                            target = page if text is None else page.locator("pre", has_text=text).first
+                            target.screenshot(path=str(output / file))
         finally:
             browser.close()
     (output / "cut-off.json").write_text(json.dumps(cut, indent=2) + "\n")
