@@ -60,9 +60,13 @@ def test_the_plot_has_whole_epochs_and_says_the_lines_overlap_because_the_runs_a
         figure.canvas.draw()
         ticks = [tick for tick in axis.get_xticks() if 1 <= tick <= 3]
         assert ticks and all(float(tick).is_integer() for tick in ticks), ticks
+    for axis in figure.axes:  # the same curve of both runs in the same colour
+        solid, dashed = axis.lines[:2], axis.lines[2:]
+        assert [line.get_color() for line in solid] == [line.get_color() for line in dashed] == ["C0", "C1"]
+        assert {line.get_linestyle() for line in dashed} == {"--"}
     notes = [text.get_text() for text in figure.texts]  # the title, and the note under the plots
     assert notes[1:] == [
-        "The dashed 1-replica lines lie under the solid 2 replicas ones: the runs are equal "
+        "Each dashed line (1 replica) lies on the solid line of its colour (2 replicas): the runs are equal "
         "(largest weight difference after training 1.5e-06)."
     ]
     assert demo.plot_curves(runs, args, "2 replicas", 1.5e-6).read_bytes()[:4] == b"\x89PNG"
