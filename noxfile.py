@@ -147,6 +147,22 @@ def tests_core_keras(session: nox.Session) -> None:
     session.run("pytest", f"{CORE}/tests/keras", "--doctest-modules", f"{CORE}/src/dp_core/keras", *session.posargs)
 
 
+@nox.session(python="3.11", default=False)
+def quick(session: nox.Session) -> None:
+    """A newcomer's first check, a few minutes: dp-core's tests and torch-dp's fast ones.
+
+    torch-dp's fast tests are those in this process: not its 2-replica gloo runs (``multiprocess``)
+    nor its fault and checkpoint files, whose every test starts replicas and kills some. Not in bare
+    ``nox``: tests_core and tests_torch run all of these and the rest. ``-- -x`` stops at the first
+    failure."""
+    _install_torch(session)
+    session.install("-e", CORE, "-e", TORCH_DP, REPORT, *TEST_TOOLS)
+    session.run("pytest", f"{CORE}/tests", f"--ignore={CORE}/tests/keras", *session.posargs)
+    session.env["KERAS_BACKEND"] = "torch"
+    slow = [f"--ignore={TORCH_DP}/tests/{name}" for name in ("test_faults.py", "test_checkpoints.py")]
+    session.run("pytest", f"{TORCH_DP}/tests", "-m", "not multiprocess", *slow, *session.posargs)
+
+
 @nox.session(python="3.11")
 def tests_torch(session: nox.Session) -> None:
     """torch-dp on the CPU wheel, 2-process gloo runs included."""
@@ -163,9 +179,10 @@ JAX_SPLIT = {"3.11": "multiprocess", "3.13": "not multiprocess"}
 
 @nox.session(python=list(JAX_SPLIT))
 def tests_jax(session: nox.Session) -> None:
-    """jax-dp on forced host devices: the 2-process jax.distributed runs on 3.11 (the jax the oldest
-    interpreter gets, which conformance, parity and the notebooks also run), the single-process
-    tests on 3.13 (the newest jax). With arguments (``-s tests_jax-3.13 -- -x``) the whole suite runs."""
+    """jax-dp on forced host devices: its 2-process runs on 3.11, its single-process tests on 3.13.
+
+    3.11 gets the jax the oldest interpreter gets, which conformance, parity and the notebooks also
+    run; 3.13 the newest jax. With arguments (``-s tests_jax-3.13 -- -x``) the whole suite runs."""
     session.install("-e", CORE, "-e", JAX_DP, REPORT, *TEST_TOOLS)
     _jax_env(session)
     selection = [] if session.posargs else ["-m", JAX_SPLIT[str(session.python)]]
@@ -197,10 +214,11 @@ def _oldest_keras(allowed: SpecifierSet) -> str:
 @nox.session(python="3.11")
 @nox.parametrize("keras", ["oldest", "newest"])
 def conformance(session: nox.Session, keras: str) -> None:
-    """The cross-backend suite (one scenario, every backend, the same answer) under the oldest and the
-    newest Keras the packages allow, so a Keras release that moves a private attribute fails here first
-    (``-s "conformance(keras='oldest')"`` for one): with dp_core.keras and every package's imports under
-    the oldest, and the rest of tests/ (listeners, GPU check, fault matrix) under the newest."""
+    """The cross-backend suite (one scenario, every backend, the same answer) under the oldest or newest Keras.
+
+    A Keras release that moves a private attribute fails here first (``-s "conformance(keras='oldest')"``
+    for one): dp_core.keras and every package's imports run under the oldest Keras the packages allow,
+    the rest of tests/ (listeners, GPU check, fault matrix, READMEs' numbers, the demo) under the newest."""
     allowed = _keras_range()
     pinned = f"keras=={_oldest_keras(allowed)}" if keras == "oldest" else f"keras{allowed}"
     _install_everything(session, pinned, REPORT, *TEST_TOOLS)
@@ -217,15 +235,19 @@ def conformance(session: nox.Session, keras: str) -> None:
         session.run("pytest", "tests/test_conformance.py", "tests/test_packages.py", *session.posargs)
         session.run("pytest", f"{CORE}/tests/keras", *session.posargs, env={"KERAS_BACKEND": "jax"})
     else:  # dp_core.keras under the newest Keras is tests_core_keras's
-        session.run("pytest", "tests", "--ignore=tests/parity", "--ignore=tests/ray", *session.posargs)
+        # the getting-started pages' code (a minute) runs in the docs session
+        skip = ["--ignore=tests/parity", "--ignore=tests/ray", "--ignore=tests/test_doc_snippets.py"]
+        session.run("pytest", "tests", *skip, *session.posargs)
 
 
 @nox.session(python="3.11")
 def parity(session: nox.Session) -> None:
-    """The Keras parity matrix (tests/parity): every scenario under plain Keras and under each backend's
-    Trainer(num_replicas=2), compared on weights, History, evaluate and predict, and docs/keras-compatibility.md
-    checked against the scenarios (about 5 minutes on 2 cores; ``-- -k torch`` for one backend,
-    ``-- -k class_weight`` for one scenario)."""
+    """The Keras parity matrix (tests/parity): each scenario under model.fit and each Trainer, compared.
+
+    Every scenario runs under plain Keras and under each backend's Trainer(num_replicas=2), compared
+    on weights, History, evaluate and predict, and docs/keras-compatibility.md is checked against the
+    scenarios (about 5 minutes on 2 cores; ``-- -k torch`` for one backend, ``-- -k class_weight`` for
+    one scenario)."""
     pinned = f"keras{_keras_range()}"
     _install_everything(session, pinned, *TEST_TOOLS)
     session.install("--upgrade", pinned)
@@ -258,8 +280,9 @@ def build(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def notebooks(session: nox.Session) -> None:
-    """The example notebooks, each run top to bottom by a Jupyter kernel on this session's Python
-    (``examples/run_notebooks.py``; ``-- examples/notebook_jax.ipynb`` for one)."""
+    """The example notebooks, each run top to bottom by a Jupyter kernel on this session's Python.
+
+    ``examples/run_notebooks.py`` runs them; ``-- examples/notebook_jax.ipynb`` runs one."""
     _install_everything(session, "scikit-learn>=1.3", "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29")
     notebooks = session.posargs or ["examples/notebook_torch.ipynb", "examples/notebook_jax.ipynb"]
     session.run("python", "examples/run_notebooks.py", "--timeout", "300", *notebooks)
@@ -274,8 +297,10 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def bench(session: nox.Session) -> None:
-    """Throughput, weak scaling, start-up and memory against what a user would otherwise write
-    (about 23 minutes on 2 idle cores); ``-- --quick`` is a smoke run that writes under .nox, not docs/."""
+    """Throughput, weak scaling, start-up and memory against what a user would otherwise write.
+
+    About 23 minutes on 2 idle cores; writes docs/benchmarks/*.json, docs/benchmarks.md and the
+    READMEs' numbers. ``-- --quick`` is a smoke run that writes under .nox, not docs/."""
     _install_everything(session, "psutil>=5.9", "matplotlib>=3.8")
     results, page = "docs/benchmarks", "docs/benchmarks.md"
     if "--quick" in session.posargs:
@@ -296,14 +321,17 @@ def bench(session: nox.Session) -> None:
         "python", "benchmarks/bench_interactive.py", "--output", f"{results}/interactive.json", *session.posargs
     )
     session.run("python", "benchmarks/report.py", "--results", results, "--output", page)
+    if "--quick" not in session.posargs:  # the READMEs state the new numbers (tests/test_readme_numbers.py)
+        session.run("python", "benchmarks/readme_numbers.py", "--results", results)
 
 
 @nox.session(python="3.11")
 def bench_features(session: nox.Session) -> None:
-    """The benchmarks of what goes beyond a data-parallel ``fit``, each writing its own section of
-    docs/benchmarks.md: gradient accumulation, the scaling report's overhead, synchronized BatchNorm
-    against torch's, model-parallel memory per device (about 15 minutes on 2 idle cores;
-    ``-- --quick`` is a smoke run of each that writes nothing under docs/)."""
+    """The benchmarks of what goes beyond a data-parallel ``fit``, each into its section of docs/benchmarks.md.
+
+    Gradient accumulation, the scaling report's overhead, synchronized BatchNorm against torch's,
+    model-parallel memory per device (about 15 minutes on 2 idle cores; ``-- --quick`` is a smoke
+    run of each that writes nothing under docs/)."""
     _install_everything(session, "psutil>=5.9", "matplotlib>=3.8")
     quick = "--quick" in session.posargs
     scratch = session.create_tmp()
@@ -327,9 +355,11 @@ def _fault_tests() -> dict[str, tuple[str, list[str]]]:
 
 @nox.session(python="3.11")
 def reliability(session: nox.Session) -> None:
-    """The fault matrix: every test tests/reliability/matrix.py names, each group under its backend, then
-    docs/reliability.md from their junit XML (about 20 minutes on 2 cores). A row whose test is not named
-    yet stops it before the tests run; ``-- --without-pending`` leaves such rows off the page."""
+    """The fault matrix: every test tests/reliability/matrix.py names, then docs/reliability.md from them.
+
+    Each group runs under its backend, and the page is written from their junit XML (about 20 minutes
+    on 2 cores). A row whose test is not named yet stops it before the tests run;
+    ``-- --without-pending`` leaves such rows off the page."""
     _install_everything(session, *TEST_TOOLS)
     report = ("python", "tests/reliability/report.py", *session.posargs)
     session.run(*report, "--check-rows")
@@ -348,8 +378,9 @@ def reliability(session: nox.Session) -> None:
 
 @nox.session(python="3.11", default=False)
 def gpu(session: nox.Session) -> None:
-    """Only on a machine with NVIDIA GPUs, run on purpose: torch-dp and jax-dp against ``model.fit``
-    on the GPUs (weights, step time, 2 GPUs, mixed_float16, peak memory) into docs/benchmarks.md.
+    """Only on a machine with NVIDIA GPUs: torch-dp and jax-dp against ``model.fit`` on the GPUs.
+
+    Run on purpose: weights, step time, 2 GPUs, mixed_float16, peak memory, into docs/benchmarks.md.
     Installs the CUDA builds (several GB), in this session's own virtualenv: torch 2.13.0's default
     PyPI wheel is the CUDA one, and ``jax[cuda12]``. Exits with 1, the page untouched, without a GPU."""
     _install_torch(session)
@@ -359,20 +390,44 @@ def gpu(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def ray(session: nox.Session) -> None:
-    """torch-dp inside Ray Train: a local Ray cluster of 2 CPU workers runs ``torch_dp.Trainer().fit`` in
-    the process group Ray formed, compared with ``model.fit`` on one process (docs/multi-host.md)."""
+    """torch-dp inside Ray Train, compared with ``model.fit`` on one process.
+
+    A local Ray cluster of 2 CPU workers runs ``torch_dp.Trainer().fit`` in the process group Ray
+    formed (docs/multi-host.md)."""
     _install_torch(session)
     session.install("-e", CORE, "-e", TORCH_DP, "ray[train]", *TEST_TOOLS)
     session.env["KERAS_BACKEND"] = "torch"
     session.run("pytest", "tests/ray", *session.posargs)
 
 
+DOCS = ["mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"]
+
+
 @nox.session(python="3.11")
 def docs(session: nox.Session) -> None:
-    """The user guide and API reference, built with warnings as errors (``-- serve`` to preview)."""
-    _install_everything(session, "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26")
+    """The user guide and API reference, built with warnings as errors, and the getting-started code run.
+
+    The getting-started pages' Python blocks run as written on tiny data (tests/test_doc_snippets.py,
+    about a minute); ``-- serve`` previews the site instead."""
+    _install_everything(session, *DOCS, *TEST_TOOLS)
     session.env["NO_MKDOCS_2_WARNING"] = "1"
     if session.posargs[:1] == ["serve"]:
         session.run("mkdocs", "serve")
     else:
         session.run("mkdocs", "build", "--strict", "--site-dir", "site")
+        session.run("pytest", "tests/test_doc_snippets.py", *session.posargs)  # the getting-started code
+
+
+@nox.session(python="3.11", default=False)
+def docs_screens(session: nox.Session) -> None:
+    """The built docs in a headless Chromium: screenshots, and a failure if any page cuts code off.
+
+    Needs Debian's Chromium (``apt-get install -y chromium``; ``-- --chromium PATH`` for another),
+    which playwright drives without downloading a browser. Every page at a desktop and a narrow
+    width (``tests/docs_screens.py``); the screenshots of the index and a guide page go to
+    docs-screens/ (about a minute once installed)."""
+    session.install(*DOCS, "playwright>=1.40")  # mkdocstrings reads the sources from mkdocs.yml's paths
+    session.env["NO_MKDOCS_2_WARNING"] = "1"
+    site = os.path.join(session.create_tmp(), "site")
+    session.run("mkdocs", "build", "--strict", "--site-dir", site)
+    session.run("python", "tests/docs_screens.py", "--site", site, "--output", "docs-screens", *session.posargs)

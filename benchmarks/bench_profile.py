@@ -38,9 +38,20 @@ def measure(backend: str, rounds: int, num_samples: int, report_folder: str | No
     package = __import__(f"{backend}_dp")
     x, y = synthetic_mnist(num_samples)
     options = {"timeout": 120} if backend == "torch" else {}
-    if report_folder is not None:
-        one = package.Trainer(num_replicas=1, profile=report_folder)
-        one.fit(compiled_convnet(), x, y, global_batch_size=GLOBAL_BATCH_SIZE, epochs=1, verbose=0)
+    if report_folder is not None:  # the reference of the speedup: on the threads each replica gets
+        if backend == "torch":
+            import torch
+
+            from dp_core import threads_per_replica
+
+            threads, before = threads_per_replica(REPLICAS), torch.get_num_threads()
+            torch.set_num_threads(threads)
+            one = package.Trainer(num_replicas=1, threads_per_replica=threads, profile=report_folder)
+            one.fit(compiled_convnet(), x, y, global_batch_size=GLOBAL_BATCH_SIZE, epochs=1, verbose=0)
+            torch.set_num_threads(before)
+        else:  # one XLA thread pool serves every device of the process: the same threads either way
+            one = package.Trainer(num_replicas=1, profile=report_folder)
+            one.fit(compiled_convnet(), x, y, global_batch_size=GLOBAL_BATCH_SIZE, epochs=1, verbose=0)
     trainer = package.Trainer(num_replicas=REPLICAS, **options)
     model = compiled_convnet()
     trainer.profile = scaling_report_folder(scratch)  # start-up, and every program compiled, before timing

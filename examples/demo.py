@@ -8,15 +8,24 @@ parallel instead: R replicas, each a row of C devices that split the convolution
 the Dense layer's kernel between them (``MESH_LAYOUT``). Prints the held-out accuracy, the throughput and the
 exactness check (the largest weight difference between the two trained models), and writes
 a PNG of both runs' loss and accuracy curves.
+
+The 1-replica run is the reference of the speedup, so it runs on the threads each of the N
+replicas gets (``dp_core.threads_per_replica``): torch's default for one process is every core,
+and on a small or busy CPU that makes its steps slower, and the speedup one that cannot be true.
+Throughput is samples per second over the epochs after the first (which starts the replicas and
+compiles); a speedup above N is printed as suspect, with its likely cause.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
+import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +64,13 @@ def main() -> int:
     sys.path.insert(0, str(Path(__file__).parent))
     example = importlib.import_module(f"digits_{args.backend}")
     package = importlib.import_module(f"{args.backend}_dp")
+    import dp_core
+
     data = example.load_data()
     initial_weights = example.build_model().get_weights()
+    threads = dp_core.threads_per_replica(args.replicas)
+    if crowded := dp_core.oversubscription(args.replicas):  # jax: one device per replica, the same cores
+        print(f"warning: {crowded}")
 
     main_name = f"{args.replicas} replicas" if mesh_shape is None else f"a {args.mesh} mesh"
     runs = {}
@@ -64,16 +78,20 @@ def main() -> int:
         print(f"\n== {args.backend}_dp: {name}, global batch {GLOBAL_BATCH_SIZE}, {args.epochs} epochs ==")
         if mesh_shape is not None and name == main_name:  # model parallel; the 1-replica run stays plain
             trainer = model_parallel_trainer(package, mesh_shape)
-        else:
+        elif args.backend == "torch":  # the reference on each replica's threads, not every core
+            trainer = package.Trainer(num_replicas=replicas, threads_per_replica=threads)
+        else:  # one process's XLA thread pool serves every device: the same threads either way
             trainer = package.Trainer(num_replicas=replicas)
-        runs[name] = run(trainer, example, initial_weights, data, args.epochs, "auto" if name == main_name else 2)
+        with replica_threads(args.backend, threads):
+            result = run(trainer, example, initial_weights, data, args.epochs, "auto" if name == main_name else 2)
+        runs[name] = result
     main_run, single = runs[main_name], runs["1 replica"]
     difference = max_difference(main_run["weights"], single["weights"])
-    samples_per_second = args.epochs * len(data[0]) / main_run["seconds"]
-    plot = plot_curves(runs, args, main_name)
+    plot = plot_curves(runs, args, main_name, difference)
 
     print(f"\nheld-out accuracy: {main_run['accuracy']:.4f} on {main_name}, {single['accuracy']:.4f} on 1 replica")
-    print(f"throughput: {samples_per_second:,.0f} samples/s on {main_name}, over the whole fit call")
+    for line in throughput_lines(runs, main_name, len(data[0]), args.replicas):
+        print(line)
     print(f"exactness: largest weight difference, {main_name} vs 1 replica, after training: {difference:.2e}")
     print(f"curves: {plot}")
     failures = []
@@ -104,18 +122,95 @@ def model_parallel_trainer(package: Any, mesh_shape: tuple[int, int]) -> Any:
     return package.Trainer(mesh=jax.make_mesh(mesh_shape, ("batch", "model")), layout=MESH_LAYOUT)
 
 
+@contextlib.contextmanager
+def replica_threads(backend: str, threads: int) -> Iterator[None]:
+    """This process's torch threads while a run trains: each replica's share of the cores (a
+    1-replica run trains here; with N, replica 0 does). jax: unchanged (its XLA pool is per process)."""
+    if backend != "torch":
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+class EpochTimes:
+    """A Keras callback's hooks (added to ``keras.callbacks.Callback`` by ``epoch_timer``): each
+    epoch's wall seconds, and the torch threads of the process that trains (None on jax)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seconds: list[float] = []
+        self.threads: int | None = None
+        self._start = 0.0
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        if "torch" in sys.modules:
+            self.threads = sys.modules["torch"].get_num_threads()
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        self._start = time.perf_counter()
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        self.seconds.append(time.perf_counter() - self._start)
+
+
+def epoch_timer() -> Any:
+    import keras
+
+    class EpochTimer(EpochTimes, keras.callbacks.Callback):
+        pass
+
+    return EpochTimer()
+
+
 def run(trainer: Any, example: Any, initial_weights: list, data: tuple, epochs: int, verbose: Any) -> dict[str, Any]:
     x_train, x_test, y_train, y_test = data
     model = example.build_model()
     model.set_weights(initial_weights)
-    start = time.perf_counter()
+    timer = epoch_timer()
     history = trainer.fit(
         model, x_train, y_train, global_batch_size=GLOBAL_BATCH_SIZE, epochs=epochs,
-        validation_data=(x_test, y_test), seed=0, verbose=verbose,
+        validation_data=(x_test, y_test), seed=0, verbose=verbose, callbacks=[timer],
     )  # fmt: skip
-    seconds = time.perf_counter() - start
     results = trainer.evaluate(model, x_test, y_test, global_batch_size=GLOBAL_BATCH_SIZE, return_dict=True, verbose=0)
-    return {"history": history.history, "weights": model.get_weights(), "seconds": seconds, **results}
+    return {
+        "history": history.history, "weights": model.get_weights(), "epoch_seconds": timer.seconds,
+        "threads": timer.threads, **results,
+    }  # fmt: skip
+
+
+def throughput_lines(runs: dict[str, dict[str, Any]], main_name: str, samples: int, replicas: int) -> list[str]:
+    """Both runs' samples/s (median epoch after the first, which starts replicas and compiles), the
+    speedup, and why it cannot be true when it is above ``replicas``."""
+    import dp_core
+
+    def rate(result: dict[str, Any]) -> float:
+        timed = result["epoch_seconds"][1:] or result["epoch_seconds"]
+        return samples / statistics.median(timed)
+
+    main_rate, single_rate = rate(runs[main_name]), rate(runs["1 replica"])
+    speedup = main_rate / single_rate
+    threads = {name: result["threads"] for name, result in runs.items()}
+    each = "" if threads[main_name] is None else f", {threads[main_name]} thread(s) each"
+    lines = [
+        f"throughput: {main_rate:,.0f} samples/s on {main_name}{each}; {single_rate:,.0f} samples/s on 1 replica"
+        + ("" if threads["1 replica"] is None else f", {threads['1 replica']} thread(s)")
+        + " (median epoch after the first)",
+        f"speedup: {speedup:.2f}x on {main_name} over 1 replica",
+    ]
+    suspect = dp_core.suspect_speedup(
+        speedup, replicas, threads=threads[main_name], reference_threads=threads["1 replica"],
+        cores=dp_core.available_cores(),
+    )  # fmt: skip
+    if suspect:
+        lines.append(f"SUSPECT: {suspect}")
+    return lines
 
 
 def max_difference(left: list, right: list) -> float:
@@ -124,23 +219,39 @@ def max_difference(left: list, right: list) -> float:
     return max(float(np.max(np.abs(a - b))) for a, b in zip(left, right, strict=True))
 
 
-def plot_curves(runs: dict, args: argparse.Namespace, main_name: str) -> Path:
+def curves_figure(runs: dict, args: argparse.Namespace, main_name: str, difference: float) -> Any:
+    """Both runs' loss and accuracy per epoch (whole epochs on the axis), saying that the
+    1-replica lines lie under the N-replica ones because the runs are equal."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.6))
     for name, result in runs.items():
         style = "-" if name == main_name else "--"
         for axis, metric in zip(axes, ("loss", "accuracy"), strict=True):
             epochs = range(1, len(result["history"][metric]) + 1)
-            axis.plot(epochs, result["history"][metric], style, label=f"train, {name}")
-            axis.plot(epochs, result["history"][f"val_{metric}"], style, label=f"held-out, {name}")
+            # one colour per curve, one line style per run: equal runs draw dashed over solid
+            axis.plot(epochs, result["history"][metric], style, color="C0", label=f"train, {name}")
+            axis.plot(epochs, result["history"][f"val_{metric}"], style, color="C1", label=f"held-out, {name}")
             axis.set(xlabel="epoch", ylabel=metric, title=metric)
+            axis.xaxis.set_major_locator(MaxNLocator(integer=True))
             axis.legend()
     fig.suptitle(f"{args.backend}_dp on scikit-learn digits: {main_name} vs 1 replica, same data order")
-    fig.tight_layout()
+    fig.text(
+        0.5, 0.01,
+        f"Each dashed line (1 replica) lies on the solid line of its colour ({main_name}): the runs are equal "
+        f"(largest weight difference after training {difference:.1e}).",
+        ha="center", fontsize=9,
+    )  # fmt: skip
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    return fig
+
+
+def plot_curves(runs: dict, args: argparse.Namespace, main_name: str, difference: float) -> Path:
+    fig = curves_figure(runs, args, main_name, difference)
     args.output.mkdir(parents=True, exist_ok=True)
     suffix = f"{args.replicas}_replicas" if args.mesh is None else f"mesh_{args.mesh}"
     path = args.output / f"digits_{args.backend}_{suffix}.png"

@@ -2,11 +2,13 @@
 the fused step split into phases by separately timed parts, labelled as estimated."""
 
 import json
+import os
 
 import numpy as np
 import pytest
 from jax_dp_helpers import dense_bn_model
 
+import dp_core
 import jax_dp
 from dp_core import ESTIMATED_FROM_PARTS, SCALING_PHASES
 
@@ -65,3 +67,15 @@ def test_the_line_says_the_all_reduce_is_estimated(tmp_path, capsys):
     assert len(lines) == 1
     assert lines[0].startswith("2 replicas: ") and "x one replica (estimated: compute phases only)" in lines[0]
     assert "% of a step (estimated; bound " in lines[0] and ", input " in lines[0]
+
+
+def test_more_replicas_than_cores_is_one_line_before_the_report(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)  # a 2-core host
+    x = np.ones((64, 5), "float32")
+    trainer = jax_dp.Trainer(num_replicas=4, profile=str(tmp_path))
+    trainer.fit(dense_bn_model(), x, x[:, :1], global_batch_size=32, epochs=1, verbose=0)
+    report, out = trainer.scaling_report, capsys.readouterr().out.splitlines()
+    assert report.cores == 2 and report.threads_per_replica is None  # one XLA thread pool for every device
+    warned = [line for line in out if line.startswith("scaling report: 4 replicas on 2 cores")]
+    assert warned == [f"scaling report: {dp_core.oversubscription(4, cores=2)}"]
+    assert out.index(warned[0]) == next(i for i, line in enumerate(out) if "x one replica" in line) - 1

@@ -21,7 +21,10 @@ def profiled(tmp_path_factory):
     and the lines printed."""
     folder = tmp_path_factory.mktemp("report")
     x, y = testing.data(256)
-    with torch_dp.Trainer(num_replicas=1, profile=str(folder)) as one:
+    # the reference runs on the threads each of the 2 replicas gets (torch's default is every core)
+    with torch_dp.Trainer(
+        num_replicas=1, threads_per_replica=dp_core.threads_per_replica(2), profile=str(folder)
+    ) as one:
         one.fit(testing.dense_batchnorm_model("sgd"), x, y, global_batch_size=32, epochs=2, verbose=0)
     with torch_dp.Trainer(num_replicas=2, timeout=60, profile=str(folder)) as two:
         history = two.fit(testing.dense_batchnorm_model("sgd"), x, y, global_batch_size=32, epochs=2, verbose=0)
@@ -55,6 +58,15 @@ def test_two_replicas_measure_the_link_and_the_stragglers(profiled):
     # a 1-replica report of the same model and batch is in the folder: the speedup is measured
     assert report.speedup_how == "measured"
     assert report.speedup == pytest.approx(one.scaling_report.step_seconds / report.step_seconds)
+
+
+def test_the_reference_ran_on_the_replicas_threads(profiled, capfd):
+    _, one, two, _ = profiled
+    replicas, reference = two.scaling_report, one.scaling_report
+    assert replicas.threads_per_replica == dp_core.threads_per_replica(2) == max(1, dp_core.available_cores() // 2)
+    assert reference.threads_per_replica == replicas.threads_per_replica
+    assert replicas.cores == dp_core.available_cores()
+    assert "ran with" not in replicas.speedup_suspect  # the same threads: no mismatch to report
 
 
 def test_each_batchnorm_layers_collectives_are_timed_on_two_replicas(profiled):

@@ -60,6 +60,12 @@ from dp_core._scaling import read_scaling_reports as read_scaling_reports
 from dp_core._scaling import scaling_report_folder as scaling_report_folder
 from dp_core._scaling import scaling_summary as scaling_summary
 from dp_core._scaling import write_scaling_report as write_scaling_report
+from dp_core._scaling_checks import ReplicasOverCoresWarning as ReplicasOverCoresWarning
+from dp_core._scaling_checks import available_cores as available_cores
+from dp_core._scaling_checks import oversubscription as oversubscription
+from dp_core._scaling_checks import suspect_speedup as suspect_speedup
+from dp_core._scaling_checks import threads_per_replica as threads_per_replica
+from dp_core._scaling_checks import warn_oversubscribed as warn_oversubscribed
 from dp_core._secret import JOB_SECRET_VARIABLE as JOB_SECRET_VARIABLE
 from dp_core._secret import SET_JOB_SECRET as SET_JOB_SECRET
 from dp_core._secret import job_secret_of as job_secret_of
@@ -101,6 +107,7 @@ __all__ = [
     "Preempted",
     "PreemptionWatch",
     "ReplicaLayout",
+    "ReplicasOverCoresWarning",
     "ScalingReport",
     "Schedule",
     "Shard",
@@ -110,6 +117,7 @@ __all__ = [
     "Verbose",
     "Warmup",
     "all_reduce_bound",
+    "available_cores",
     "bus_bandwidth",
     "check_checkpoint_dir",
     "check_compatible",
@@ -125,6 +133,7 @@ __all__ = [
     "load_checkpoint",
     "num_steps",
     "one_call_at_a_time",
+    "oversubscription",
     "per_replica_batch_size",
     "read_scaling_reports",
     "save_checkpoint",
@@ -137,5 +146,8 @@ __all__ = [
     "slurm_port",
     "split_indices",
     "sqrt_scaling",
+    "suspect_speedup",
+    "threads_per_replica",
+    "warn_oversubscribed",
     "write_scaling_report",
 ]

@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dp_core._scaling_checks import suspect_speedup
+
 SCALING_PHASES = ("input", "forward_backward", "all_reduce", "optimizer", "callbacks")
 MEASURED = "measured"
 ESTIMATED_FROM_PARTS = "estimated from separately timed parts"
@@ -163,7 +165,9 @@ class ScalingReport:
     ended (None: the gradients were summed after backward); the ``all_reduce`` phase is then the
     wait after backward only. ``batch_norm_sync``: each BatchNormalization layer's time in its
     statistics' collectives per step, in the order the layers ran (None where not timed per layer:
-    ``batch_norm_note`` says why; empty when no layer synchronizes)."""
+    ``batch_norm_note`` says why; empty when no layer synchronizes). ``threads_per_replica``: each
+    replica's CPU threads (None where not per replica), ``cores`` this host's; ``speedup_suspect``
+    says why a measured speedup is not to be believed ("" when nothing does)."""
 
     backend: str
     num_replicas: int
@@ -183,6 +187,9 @@ class ScalingReport:
     speedup_how: str = ""
     batch_norm_sync: list[BatchNormSync] | None = None
     batch_norm_note: str = ""
+    threads_per_replica: int | None = None
+    cores: int | None = None
+    speedup_suspect: str = ""
     architecture: str = ""  # ``architecture_of`` the model: what makes two reports the same model
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
@@ -268,6 +275,13 @@ def with_speedup(report: ScalingReport, baseline: ScalingReport | None) -> Scali
     elif baseline is not None and baseline.num_replicas == 1 and report.same_run_as(baseline):
         report.speedup = baseline.step_seconds / report.step_seconds if report.step_seconds > 0 else 0.0
         report.speedup_how = MEASURED
+        report.speedup_suspect = suspect_speedup(
+            report.speedup,
+            report.num_replicas,
+            threads=report.threads_per_replica,
+            reference_threads=baseline.threads_per_replica,
+            cores=report.cores,
+        )
     else:
         report.speedup = estimated_speedup(report)
         report.speedup_how = "estimated from compute phases (no 1-replica report of this model in the folder)"
@@ -276,7 +290,8 @@ def with_speedup(report: ScalingReport, baseline: ScalingReport | None) -> Scali
 
 def scaling_summary(report: ScalingReport) -> str:
     """The one line a fit prints, e.g. ``2 replicas: 1.82x one replica (measured), all-reduce 7% of
-    a step (bound 2%), input 3%``, and with synchronized BatchNorm layers timed, their collectives'
+    a step (bound 2%), input 3%``, ending in ``; SUSPECT: ...`` when ``speedup_suspect`` says why
+    the speedup is not to be believed, and with synchronized BatchNorm layers timed, their collectives'
     share (``, BatchNorm statistics 12% (3 layers)``)."""
     replicas = f"{report.num_replicas} replica{'s' if report.num_replicas != 1 else ''}"
     how = "measured" if report.speedup_how == MEASURED else "estimated: compute phases only"
@@ -296,7 +311,7 @@ def scaling_summary(report: ScalingReport) -> str:
         synced = sum(layer.seconds for layer in report.batch_norm_sync) / report.step_seconds
         layers = len(report.batch_norm_sync)
         line += f", BatchNorm statistics {synced:.0%} ({layers} layer{'s' if layers != 1 else ''})"
-    return line
+    return line + (f"; SUSPECT: {report.speedup_suspect}" if report.speedup_suspect else "")
 
 
 def read_scaling_reports(folder: str | os.PathLike[str]) -> dict[int, ScalingReport]:

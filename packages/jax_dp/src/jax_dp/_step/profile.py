@@ -30,7 +30,9 @@ from dp_core import (
     Phase,
     ScalingReport,
     StepTimer,
+    available_cores,
     bus_bandwidth,
+    oversubscription,
     write_scaling_report,
 )
 from dp_core.keras import internals
@@ -216,8 +218,11 @@ def finish_report(
             else "not measured per process"
         ),
         batch_norm_note=_batch_norm_note(model, batch_norm),
+        cores=available_cores(),  # threads_per_replica None: one XLA thread pool serves every device of a process
         architecture=ScalingReport.architecture_of(type(model).__name__, [tuple(w.shape) for w in model.weights]),
     )
     report, line = write_scaling_report(report, Path(folder))
+    if jax.default_backend() == "cpu" and (crowded := oversubscription(len(mesh.local_devices))):
+        print(f"scaling report: {crowded}", flush=True)
     print(line, flush=True)
     return report

@@ -25,6 +25,7 @@ from torch_dp._loop.run import run_job
 from torch_dp._processes.cluster import Cluster, cluster_of
 from torch_dp._processes.group import Timeouts, device_for, join_cluster_group, leave_group
 from torch_dp._processes.pool import ReplicaPool, close_active_pool
+from torch_dp._processes.spawn import torch_threads
 
 atexit.register(close_active_pool)
 
@@ -60,13 +61,20 @@ class Launcher(Protocol):
 
 @final
 class ThisProcess:
-    """One replica: the caller's process trains the caller's model."""
+    """One replica: the caller's process trains the caller's model, on ``threads`` torch threads
+    while it runs when given (the threads each of N replicas gets, for a fair reference run)."""
 
     num_replicas = 1
     replica = Replica(0, 1)
 
+    def __init__(self, threads: int | None = None) -> None:
+        self.threads = threads
+
     def run(self, job: Job, model: keras.Model, model_argument: Any) -> Any:
-        return run_job(model, job, self.replica)
+        if self.threads is None:
+            return run_job(model, job, self.replica)
+        with torch_threads(self.threads):
+            return run_job(model, job, self.replica)
 
     def close(self) -> None:
         pass
@@ -131,5 +139,5 @@ def choose_launcher(num_replicas: int | None, *, threads: int | None, timeouts: 
     if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
         raise ValueError(f"num_replicas must be a positive integer or None, got {num_replicas!r}.")
     if num_replicas == 1:
-        return ThisProcess()
+        return ThisProcess(threads)
     return ReplicaPool(num_replicas, threads=threads, timeouts=timeouts)

@@ -9,6 +9,7 @@ bandwidth). Each synchronized BatchNormalization layer's collectives are timed w
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import time
 from collections.abc import Iterator
@@ -18,7 +19,17 @@ import keras
 import torch
 import torch.distributed as dist
 
-from dp_core import BatchNormSync, NoStepTimer, Phase, ScalingReport, StepTimer, bus_bandwidth, write_scaling_report
+from dp_core import (
+    BatchNormSync,
+    NoStepTimer,
+    Phase,
+    ScalingReport,
+    StepTimer,
+    available_cores,
+    bus_bandwidth,
+    oversubscription,
+    write_scaling_report,
+)
 from torch_dp._comm.collectives import all_gather_rows, sum_in_place
 from torch_dp._comm.replica import Replica
 
@@ -138,8 +149,13 @@ def finish_report(
         straggler_note="slowest minus fastest replica's forward+backward+optimizer per step",
         per_replica_compute_seconds=per_replica,
         batch_norm_sync=_batch_norm_sync(timer),
+        threads_per_replica=torch.get_num_threads(),  # this replica's; a pool gives each the same
+        cores=available_cores(),
         architecture=ScalingReport.architecture_of(type(model).__name__, [tuple(w.shape) for w in model.weights]),
     )
     report, line = write_scaling_report(report, Path(folder))
+    here = int(os.environ.get("LOCAL_WORLD_SIZE", replica.num_replicas))  # this host's replicas (torchrun sets it)
+    if replica.device == "cpu" and (crowded := oversubscription(here, threads=torch.get_num_threads())):
+        print(f"scaling report: {crowded}", flush=True)
     print(line, flush=True)
     return report

@@ -1,0 +1,74 @@
+"""The sessions as a newcomer meets them: ``nox -l`` descriptions that end at a sentence, a quick
+session outside bare ``nox``, and README's tables naming every session with its time."""
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _sessions():
+    """Each ``@nox.session`` function of noxfile.py: name -> (its docstring, the decorator's keywords)."""
+    tree = ast.parse((ROOT / "noxfile.py").read_text())
+    found = {}
+    for node in tree.body:
+        if not isinstance(node, ast.FunctionDef):
+            continue
+        for decorator in node.decorator_list:
+            call = decorator if isinstance(decorator, ast.Call) else None
+            target = call.func if call else decorator
+            if isinstance(target, ast.Attribute) and target.attr == "session":
+                keywords = {
+                    k.arg: ast.literal_eval(k.value) for k in (call.keywords if call else []) if k.arg == "default"
+                }
+                found[node.name] = (ast.get_docstring(node) or "", keywords)
+    return found
+
+
+def _default_sessions():
+    tree = ast.parse((ROOT / "noxfile.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "nox.options.sessions":
+            return ast.literal_eval(node.value)
+    raise AssertionError("noxfile.py sets no nox.options.sessions")
+
+
+def test_each_session_description_nox_lists_is_a_whole_sentence():
+    """``nox -l`` shows a docstring's first line: it must end a sentence, with its brackets closed."""
+    cut = {}
+    for name, (docstring, _) in _sessions().items():
+        first = docstring.splitlines()[0]
+        whole = (
+            first.endswith((".", ".)", "``.")) and first.count("(") == first.count(")") and first.count("`") % 2 == 0
+        )
+        if not whole or len(first) > 115:
+            cut[name] = first
+    assert cut == {}
+
+
+def test_quick_is_on_request_and_its_tests_are_a_part_of_the_default_sessions():
+    sessions = _sessions()
+    assert sessions["quick"][1] == {"default": False}
+    defaults = _default_sessions()
+    assert "quick" not in defaults and {"tests_core", "tests_torch"} <= set(defaults)
+    source = ast.get_source_segment((ROOT / "noxfile.py").read_text(), _function("quick"))
+    assert '"not multiprocess"' in source and "test_faults.py" in source and "test_checkpoints.py" in source
+
+
+def _function(name):
+    tree = ast.parse((ROOT / "noxfile.py").read_text())
+    return next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == name)
+
+
+def test_readme_gives_every_session_a_row_with_its_minutes():
+    readme = (ROOT / "README.md").read_text()
+    development = readme[readme.index("## Development") :]
+    rows = [line for line in development.splitlines() if line.startswith("| `")]
+    named = {name for row in rows for name in re.findall(r"`([a-z_]+)(?:[-(][^`]*)?`", row.split("|")[1])}
+    missing = set(_sessions()) - named - {"gpu"}  # gpu: a GPU machine's, not timed on 2 cores
+    assert missing == set(), f"add a row (session, what it runs, minutes) to README's Development tables: {missing}"
+    for row in rows:
+        minutes = row.split("|")[3].strip()
+        assert re.match(r"\*?\*?\d", minutes), row
+    assert "nox -s quick" in development
