@@ -31,7 +31,7 @@ def test_every_number_a_readme_states_is_its_json_value():
     stated = {
         m["name"]: m["text"] for readme in numbers.READMES for m in numbers.MARKER.finditer((ROOT / readme).read_text())
     }
-    # the numbers of issue 26, which docs/benchmarks.md states too
+    # the numbers docs/benchmarks.md states too
     assert stated["torch-vs-ddp-loop"] == "0.93x" and stated["torch-vs-keras-fit"] == "1.07x"
     assert sorted(stated) == sorted(numbers.NUMBERS)  # every row is stated somewhere
 

@@ -1,5 +1,5 @@
 """What a first run shows: the progress bar's metrics from each epoch's first step, the line a
-resumed fit prints, the error for a list of batches, and the note for one CPU device (issue 26)."""
+resumed fit prints, the error for a list of batches, and the note for one CPU device."""
 
 import os
 import shutil

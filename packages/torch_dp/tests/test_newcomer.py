@@ -1,5 +1,5 @@
 """What a first run shows: the progress bar's metrics from each epoch's first step, the line a
-resumed fit prints, and the error for a list of batches (issue 26)."""
+resumed fit prints, and the error for a list of batches."""
 
 import os
 import shutil
@@ -101,3 +101,15 @@ def test_a_list_of_batches_says_what_was_passed_and_what_to_pass():
         torch_dp.Trainer(num_replicas=1).fit(testing.dense_batchnorm_model(), batches, epochs=1)
     assert "np.concatenate([b[0] for b in batches])" in str(raised.value)
     assert "keras.utils.PyDataset" in str(raised.value)
+
+
+def test_more_replicas_than_cores_is_one_warning_at_the_trainers_line():
+    import dp_core
+
+    replicas = dp_core.available_cores() + 1
+    with pytest.warns(dp_core.ReplicasOverCoresWarning) as caught:
+        trainer = torch_dp.Trainer(num_replicas=replicas)  # no replica starts before the first call
+    trainer.close()
+    assert len(caught) == 1
+    assert caught[0].filename == __file__
+    assert f"{replicas} replicas" in str(caught[0].message), str(caught[0].message)

@@ -45,6 +45,7 @@ import keras
 import torch
 import torch.distributed as dist
 
+from dp_core import threads_per_replica, warn_oversubscribed
 from torch_dp._comm.collectives import count_collectives_in
 from torch_dp._comm.replica import Replica
 from torch_dp._internals import version
@@ -64,7 +65,7 @@ from torch_dp._processes.failures import (
 )
 from torch_dp._processes.folder import PoolFolder, remove_stale_directories
 from torch_dp._processes.group import Rendezvous, Timeouts, device_for, leave_group, serve_group
-from torch_dp._processes.spawn import Worker, start_process, stop_processes, threads_per_replica, torch_threads
+from torch_dp._processes.spawn import Worker, start_process, stop_processes, torch_threads
 from torch_dp._processes.transfer import (
     KerasSettings,
     Request,
@@ -103,6 +104,7 @@ class ReplicaPool:
         self._model: weakref.ref[keras.Model] | None = None
         self._compiled: tuple[int, ...] = ()
         self._state: tuple[tuple[int, int], ...] | None = None
+        warn_oversubscribed(num_replicas, threads=self.threads, stacklevel=4)  # at the user's Trainer(...) line
 
     @property
     def started(self) -> bool:

@@ -32,18 +32,6 @@ class Worker:
     connection: Connection
 
 
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def threads_per_replica(num_replicas: int) -> int:
-    """Cores divided between replicas, so they do not oversubscribe the CPU."""
-    return max(1, available_cores() // num_replicas)
-
-
 @contextlib.contextmanager
 def torch_threads(count: int) -> Iterator[None]:
     """The caller's torch threads while it is a replica: its share of the cores, not all of them."""
