@@ -153,6 +153,11 @@ class ReplicaPool:
         self._remember(model, job)
         return result
 
+    @property
+    def calling(self) -> bool:
+        """A call runs now (in some thread)."""
+        return self._calling
+
     def abandon(self) -> None:
         """At interpreter exit with a call still running (``fit`` in a daemon thread): end the workers
         at once, without a word (SIGKILL: no preemption notice, no traceback), and remove the folder.
@@ -327,7 +332,7 @@ class ReplicaPool:
 
 def close_active_pool() -> None:
     """At interpreter exit: stop the workers and remove their files."""
-    if _active is not None and _active._calling:
+    if _active is not None and _active.calling:
         _active.abandon()
     elif _active is not None:
         _active.close()
