@@ -91,6 +91,7 @@ jax_dp.initialize("127.0.0.1:" + sys.argv[2], num_processes=2, process_id=1, ini
 """
 
 
+@pytest.mark.multiprocess  # with the 2-process runs: the interpreter they run on is one another user can start
 def test_another_user_can_neither_read_the_generated_secret_nor_join():
     # Before: another user's process 1, with no job id like this job, was admitted in its place.
     port = free_port()
