@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -158,3 +159,17 @@ def assert_same_run(expected: Run, actual: Run, atol: float = 1e-5) -> None:
     }
     for want, got in zip(keras.tree.flatten(expected.predictions), keras.tree.flatten(actual.predictions), strict=True):
         np.testing.assert_allclose(got, want, atol=atol, rtol=1e-5)
+
+
+class Thread(threading.Thread):
+    """``target(*args)`` in a thread, keeping what it raised."""
+
+    def __init__(self, target, *args) -> None:
+        super().__init__(daemon=True)
+        self.call, self.args, self.error = target, args, None
+
+    def run(self) -> None:
+        try:
+            self.call(*self.args)
+        except BaseException as error:  # the test reads it
+            self.error = error

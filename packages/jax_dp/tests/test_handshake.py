@@ -17,7 +17,7 @@ import threading
 import time
 
 import pytest
-from jax_dp_helpers import free_port
+from jax_dp_helpers import Thread, free_port
 
 import jax_dp
 from jax_dp._processes import local
@@ -28,20 +28,6 @@ from jax_dp._processes.launchers import SLURM_VARIABLES, TORCHRUN_VARIABLES, Job
 JOB = JobId("job-a", "job_id=")
 SECRET = b"the job's secret, 32 characters."
 SCHEDULER_VARIABLES = ("TORCHELASTIC_RUN_ID", "SLURM_STEP_ID", "PBS_JOBID", "LSB_JOBID", "JAX_COORDINATOR_PORT")
-
-
-class Thread(threading.Thread):
-    """``target(*args)`` in a thread, keeping what it raised."""
-
-    def __init__(self, target, *args) -> None:
-        super().__init__(daemon=True)
-        self.call, self.args, self.error = target, args, None
-
-    def run(self) -> None:
-        try:
-            self.call(*self.args)
-        except BaseException as error:  # the test reads it
-            self.error = error
 
 
 def joined(address: str, process_id: int, num_processes: int, job: JobId = JOB, timeout: float = 20) -> Thread:

@@ -15,13 +15,12 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from jax_dp_helpers import free_port, start_workers
+from jax_dp_helpers import Thread, free_port, start_workers
 
 import jax_dp
 from jax_dp._processes import local
@@ -65,18 +64,6 @@ def closed_to_others(become: list[str], env: dict[str, str], home: str) -> str |
     probe = [*become, sys.executable, "-c", code]
     done = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=60, cwd=home)
     return None if done.stdout.strip() == "True" else (done.stderr.strip().splitlines() or ["no output"])[-1]
-
-
-class Thread(threading.Thread):
-    def __init__(self, target, *args) -> None:
-        super().__init__(daemon=True)
-        self.call, self.args, self.error = target, args, None
-
-    def run(self) -> None:
-        try:
-            self.call(*self.args)
-        except BaseException as error:  # the test reads it
-            self.error = error
 
 
 FOREIGN_JOINER = """
