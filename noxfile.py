@@ -5,6 +5,7 @@ example notebooks."""
 
 from __future__ import annotations
 
+import functools
 import glob
 import importlib.util
 import os
@@ -94,6 +95,35 @@ _find_interpreters()
 # On a laptop a missing interpreter skips its sessions; CI must run the whole matrix.
 nox.options.error_on_missing_interpreters = _in_ci()
 
+
+def session(*args, **kwargs):
+    """``nox.session``; under CI a session's virtualenv is removed when the session ends.
+
+    Bare ``nox`` makes a dozen virtualenvs, most with torch or jax in them, and a CI runner's disk
+    holds only a few at once: so CI holds one at a time. Locally they stay, for reuse."""
+
+    def decorate(func):
+        @functools.wraps(func)  # keeps nox.parametrize's marks and the docstring nox -l prints
+        def run(session: nox.Session, **params: str) -> None:
+            try:
+                func(session, **params)
+            finally:
+                if _in_ci():
+                    _remove_virtualenv(session)
+
+        return nox.session(*args, **kwargs)(run)
+
+    return decorate
+
+
+def _remove_virtualenv(session: nox.Session) -> None:
+    location = getattr(session.virtualenv, "location", None)
+    if location and os.path.isdir(location):
+        shutil.rmtree(location, ignore_errors=True)
+        free = shutil.disk_usage(os.path.dirname(location)).free
+        session.log(f"removed this session's virtualenv (CI): {free / 2**30:.1f} GiB free")
+
+
 # The CPU wheel. Any other torch spec makes pip fetch a multi-GB CUDA build, so every
 # session that installs torch pins it first and constrains it afterwards.
 TORCH = "torch==2.13.0"
@@ -123,7 +153,7 @@ def _jax_env(session: nox.Session) -> None:
     session.env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={JAX_HOST_DEVICES}"
 
 
-@nox.session(python=PYTHONS)
+@session(python=PYTHONS)
 def tests_core(session: nox.Session) -> None:
     """dp-core alone, in a venv that holds nothing heavy."""
     session.install(CORE, *TEST_TOOLS)
@@ -139,7 +169,7 @@ def tests_core(session: nox.Session) -> None:
     )
 
 
-@nox.session(python="3.11")
+@session(python="3.11")
 def tests_core_keras(session: nox.Session) -> None:
     """dp_core.keras, the Keras layer both backends share, with jax as Keras's backend."""
     session.install("-e", f"{CORE}[keras]", "jax", REPORT, *TEST_TOOLS)
@@ -147,7 +177,7 @@ def tests_core_keras(session: nox.Session) -> None:
     session.run("pytest", f"{CORE}/tests/keras", "--doctest-modules", f"{CORE}/src/dp_core/keras", *session.posargs)
 
 
-@nox.session(python="3.11", default=False)
+@session(python="3.11", default=False)
 def quick(session: nox.Session) -> None:
     """A newcomer's first check, a few minutes: dp-core's tests and torch-dp's fast ones.
 
@@ -163,7 +193,7 @@ def quick(session: nox.Session) -> None:
     session.run("pytest", f"{TORCH_DP}/tests", "-m", "not multiprocess", *slow, *session.posargs)
 
 
-@nox.session(python="3.11")
+@session(python="3.11")
 def tests_torch(session: nox.Session) -> None:
     """torch-dp on the CPU wheel, 2-process gloo runs included."""
     _install_torch(session)
@@ -177,7 +207,7 @@ def tests_torch(session: nox.Session) -> None:
 JAX_SPLIT = {"3.11": "multiprocess", "3.13": "not multiprocess"}
 
 
-@nox.session(python=list(JAX_SPLIT))
+@session(python=list(JAX_SPLIT))
 def tests_jax(session: nox.Session) -> None:
     """jax-dp on forced host devices: its 2-process runs on 3.11, its single-process tests on 3.13.
 
@@ -211,7 +241,7 @@ def _oldest_keras(allowed: SpecifierSet) -> str:
     return str(max(floors))
 
 
-@nox.session(python="3.11")
+@session(python="3.11")
 @nox.parametrize("keras", ["oldest", "newest"])
 def conformance(session: nox.Session, keras: str) -> None:
     """The cross-backend suite (one scenario, every backend, the same answer) under the oldest or newest Keras.
@@ -240,7 +270,7 @@ def conformance(session: nox.Session, keras: str) -> None:
         session.run("pytest", "tests", *skip, *session.posargs)
 
 
-@nox.session(python="3.11")
+@session(python="3.11")
 def parity(session: nox.Session) -> None:
     """The Keras parity matrix (tests/parity): each scenario under model.fit and each Trainer, compared.
 
@@ -255,7 +285,7 @@ def parity(session: nox.Session) -> None:
     session.run("pytest", "tests/parity", *session.posargs)
 
 
-@nox.session(python="3.11")
+@session(python="3.11")
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the whole repo."""
     session.install("ruff>=0.6")
@@ -263,14 +293,14 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
 
 
-@nox.session(python="3.11")
+@session(python="3.11")
 def typecheck(session: nox.Session) -> None:
     """pyright over the sources of every package, with their stacks installed."""
     _install_everything(session, "pyright>=1.1.380")
     session.run("pyright", *session.posargs)
 
 
-@nox.session(python="3.11")
+@session(python="3.11")
 def build(session: nox.Session) -> None:
     """A wheel and sdist per package, into dist/."""
     session.install("build>=1.2")
@@ -278,7 +308,7 @@ def build(session: nox.Session) -> None:
         session.run("python", "-m", "build", "--outdir", "dist", package)
 
 
-@nox.session(python="3.11")
+@session(python="3.11")
 def notebooks(session: nox.Session) -> None:
     """The example notebooks, each run top to bottom by a Jupyter kernel on this session's Python.
 
@@ -288,14 +318,14 @@ def notebooks(session: nox.Session) -> None:
     session.run("python", "examples/run_notebooks.py", "--timeout", "300", *notebooks)
 
 
-@nox.session(python="3.11")
+@session(python="3.11")
 def demo(session: nox.Session) -> None:
     """The main job: a convnet on scikit-learn's digits, N replicas vs 1 (``-- --backend jax --replicas 4``)."""
     _install_everything(session, "scikit-learn>=1.3", "matplotlib>=3.8")
     session.run("python", "examples/demo.py", *session.posargs)
 
 
-@nox.session(python="3.11")
+@session(python="3.11")
 def bench(session: nox.Session) -> None:
     """Throughput, weak scaling, start-up and memory against what a user would otherwise write.
 
@@ -325,7 +355,7 @@ def bench(session: nox.Session) -> None:
         session.run("python", "benchmarks/readme_numbers.py", "--results", results)
 
 
-@nox.session(python="3.11")
+@session(python="3.11")
 def bench_features(session: nox.Session) -> None:
     """The benchmarks of what goes beyond a data-parallel ``fit``, each into its section of docs/benchmarks.md.
 
@@ -353,7 +383,7 @@ def _fault_tests() -> dict[str, tuple[str, list[str]]]:
     return {group: (matrix.GROUPS[group][1], ids) for group, ids in matrix.node_ids_by_group().items() if ids}
 
 
-@nox.session(python="3.11")
+@session(python="3.11")
 def reliability(session: nox.Session) -> None:
     """The fault matrix: every test tests/reliability/matrix.py names, then docs/reliability.md from them.
 
@@ -376,7 +406,7 @@ def reliability(session: nox.Session) -> None:
     session.run(*report, "--results", results, "--output", "docs/reliability.md")
 
 
-@nox.session(python="3.11", default=False)
+@session(python="3.11", default=False)
 def gpu(session: nox.Session) -> None:
     """Only on a machine with NVIDIA GPUs: torch-dp and jax-dp against ``model.fit`` on the GPUs.
 
@@ -388,7 +418,7 @@ def gpu(session: nox.Session) -> None:
     session.run("python", "benchmarks/gpu_check.py", *session.posargs)
 
 
-@nox.session(python="3.11")
+@session(python="3.11")
 def ray(session: nox.Session) -> None:
     """torch-dp inside Ray Train, compared with ``model.fit`` on one process.
 
@@ -403,7 +433,7 @@ def ray(session: nox.Session) -> None:
 DOCS = ["mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"]
 
 
-@nox.session(python="3.11")
+@session(python="3.11")
 def docs(session: nox.Session) -> None:
     """The user guide and API reference, built with warnings as errors, and the getting-started code run.
 
@@ -418,7 +448,7 @@ def docs(session: nox.Session) -> None:
         session.run("pytest", "tests/test_doc_snippets.py", *session.posargs)  # the getting-started code
 
 
-@nox.session(python="3.11", default=False)
+@session(python="3.11", default=False)
 def docs_screens(session: nox.Session) -> None:
     """The built docs in a headless Chromium: screenshots, and a failure if any page cuts code off.
 
