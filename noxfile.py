@@ -23,7 +23,8 @@ nox.options.sessions = [
     "tests_core_keras",
     "tests_torch",
     "tests_jax",
-    "conformance",
+    "conformance(keras='oldest')",
+    "conformance(keras='newest')",  # keras='nightly' runs on request
     "parity",
     "ray",
     "lint",
@@ -242,29 +243,33 @@ def _oldest_keras(allowed: SpecifierSet) -> str:
 
 
 @session(python="3.11")
-@nox.parametrize("keras", ["oldest", "newest"])
+@nox.parametrize("keras", ["oldest", "newest", "nightly"])
 def conformance(session: nox.Session, keras: str) -> None:
-    """The cross-backend suite (one scenario, every backend, the same answer) under the oldest or newest Keras.
+    """The cross-backend suite (one scenario, every backend, the same answer) under the oldest, newest or nightly Keras.
 
     A Keras release that moves a private attribute fails here first (``-s "conformance(keras='oldest')"``
     for one): dp_core.keras and every package's imports run under the oldest Keras the packages allow,
-    the rest of tests/ (listeners, GPU check, fault matrix, READMEs' numbers, the demo) under the newest."""
+    the rest of tests/ (listeners, GPU check, fault matrix, READMEs' numbers, the demo) under the newest.
+    ``keras='nightly'``, on request, runs both halves under ``keras-nightly``, the next release."""
     allowed = _keras_range()
     pinned = f"keras=={_oldest_keras(allowed)}" if keras == "oldest" else f"keras{allowed}"
     _install_everything(session, pinned, REPORT, *TEST_TOOLS)
     if keras == "newest":
         # A reused venv keeps the Keras it was made with until told to upgrade.
         session.install("--upgrade", pinned)
+    if keras == "nightly":  # keras-nightly installs the same ``keras`` module under another name
+        session.run("python", "-m", "pip", "uninstall", "--yes", "keras")
+        session.install("--pre", "--upgrade", "keras-nightly")
     # Keras imports only with a backend chosen (its default, tensorflow, is not installed).
     version = "import jax, keras; print('keras', keras.__version__, 'on jax', jax.__version__)"
     session.run("python", "-c", version, env={"KERAS_BACKEND": "jax"})
     session.env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={JAX_HOST_DEVICES}"
-    if keras == "oldest":
+    if keras in {"oldest", "nightly"}:
         # What a Keras release can break (the scenarios, every public name importing); the listeners,
         # the GPU check's logic and the fault matrix's names do not depend on it: they run under the newest.
         session.run("pytest", "tests/test_conformance.py", "tests/test_packages.py", *session.posargs)
         session.run("pytest", f"{CORE}/tests/keras", *session.posargs, env={"KERAS_BACKEND": "jax"})
-    else:  # dp_core.keras under the newest Keras is tests_core_keras's
+    if keras in {"newest", "nightly"}:  # dp_core.keras under the newest Keras is tests_core_keras's
         # the getting-started pages' code (a minute) runs in the docs session
         skip = ["--ignore=tests/parity", "--ignore=tests/ray", "--ignore=tests/test_doc_snippets.py"]
         session.run("pytest", "tests", *skip, *session.posargs)
