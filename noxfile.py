@@ -257,9 +257,10 @@ def conformance(session: nox.Session, keras: str) -> None:
     if keras == "newest":
         # A reused venv keeps the Keras it was made with until told to upgrade.
         session.install("--upgrade", pinned)
-    if keras == "nightly":  # keras-nightly installs the same ``keras`` module under another name
-        session.run("python", "-m", "pip", "uninstall", "--yes", "keras")
-        session.install("--pre", "--upgrade", "keras-nightly")
+    if keras == "nightly":  # keras-nightly installs the same ``keras`` module under another name:
+        # both go first, or removing one leaves the other's files half gone in a reused venv
+        session.run("python", "-m", "pip", "uninstall", "--yes", "keras", "keras-nightly")
+        session.install("--pre", "keras-nightly")
     # Keras imports only with a backend chosen (its default, tensorflow, is not installed).
     version = "import jax, keras; print('keras', keras.__version__, 'on jax', jax.__version__)"
     session.run("python", "-c", version, env={"KERAS_BACKEND": "jax"})

@@ -167,15 +167,15 @@ def generator_batches_read_ahead() -> int:
 
 def keras_mask(tensor: Any) -> Any:
     """The Keras mask a layer attached to ``tensor`` (None without one): losses and metrics read
-    it from ``y_pred``; Keras exports no getter for it."""
-    from keras.src.backend import get_keras_mask
+    it from ``y_pred``; Keras exports no getter for it. (keras.src.backend re-exported it until 3.16.)"""
+    from keras.src.backend.common.masking import get_keras_mask
 
     return get_keras_mask(tensor)
 
 
 def set_keras_mask(tensor: Any, mask: Any) -> None:
     """Attach ``mask`` to ``tensor`` as a layer would: rows sliced from ``y_pred`` keep their mask."""
-    from keras.src.backend import set_keras_mask as set_mask
+    from keras.src.backend.common.masking import set_keras_mask as set_mask
 
     set_mask(tensor, mask)
 
