@@ -768,5 +768,14 @@ def evaluate_private_keyword(run: Runner) -> None:
     run.evaluate(mlp("evaluate_private_keyword"), x, y, _use_cached_eval_dataset=True)
 
 
+# More scenarios, a module for each subject; each registers its own with ``scenario`` above.
+from parity import (  # noqa: E402
+    scenarios_applications,  # noqa: F401
+    scenarios_batch_terms,  # noqa: F401
+    scenarios_callbacks,  # noqa: F401
+    scenarios_inputs,  # noqa: F401
+    scenarios_models,  # noqa: F401
+)
+
 BY_NAME = {scenario.name: scenario for scenario in SCENARIOS}
 assert len(BY_NAME) == len(SCENARIOS), "two scenarios share a name"

@@ -191,10 +191,14 @@ def finish_report(
     pieces = cached(lambda: make_pieces(model, optimizer, mesh, batch_norm))
     if mesh.axis_names == (BATCH_AXIS,):
         parts = _split_parts(pieces, mesh, state, profile.batch)
-        scale = laps[STEP] / sum(parts) if sum(parts) > 0 else 0.0
-        phases.update(
-            {name: Phase(part * scale, ESTIMATED_FROM_PARTS) for name, part in zip(SPLIT, parts, strict=True)}
-        )
+        if sum(parts) > 0:
+            scale = laps[STEP] / sum(parts)
+            phases.update(
+                {name: Phase(part * scale, ESTIMATED_FROM_PARTS) for name, part in zip(SPLIT, parts, strict=True)}
+            )
+        else:  # every part as short as an empty program's launch: nothing to split by, keep the step whole
+            phases.update({name: Phase(0.0, "too short to time apart") for name in SPLIT})
+            phases["forward_backward"] = Phase(laps[STEP], "measured: the whole step, its parts too short to time apart")
     else:  # a model-parallel mesh: the pieces above assume replicated variables
         phases.update({name: Phase(0.0, "not split on a model-parallel mesh") for name in SPLIT})
         phases["forward_backward"] = Phase(laps[STEP], "measured: the whole step, not split on a model-parallel mesh")

@@ -1,0 +1,3 @@
+"""Parity scenarios: What callbacks change in the model or optimizer, at any hook, and how they stop training."""
+
+from __future__ import annotations
