@@ -1,3 +1,5 @@
-"""Parity scenarios: Input kinds and ways of reading them that Keras accepts: pandas, bfloat16, `steps_per_epoch` with arrays, `shuffle="batch"`."""
+"""Parity scenarios: Input kinds and ways of reading them that Keras accepts: pandas, bfloat16,
+`steps_per_epoch` with arrays, `shuffle="batch"`.
+"""
 
 from __future__ import annotations

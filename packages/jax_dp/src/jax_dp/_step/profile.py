@@ -198,7 +198,8 @@ def finish_report(
             )
         else:  # every part as short as an empty program's launch: nothing to split by, keep the step whole
             phases.update({name: Phase(0.0, "too short to time apart") for name in SPLIT})
-            phases["forward_backward"] = Phase(laps[STEP], "measured: the whole step, its parts too short to time apart")
+            whole = "measured: the whole step, its parts too short to time apart"
+            phases["forward_backward"] = Phase(laps[STEP], whole)
     else:  # a model-parallel mesh: the pieces above assume replicated variables
         phases.update({name: Phase(0.0, "not split on a model-parallel mesh") for name in SPLIT})
         phases["forward_backward"] = Phase(laps[STEP], "measured: the whole step, not split on a model-parallel mesh")
