@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from dp_core._data import flatten, is_map_dataset, num_rows, take_rows
+from dp_core._data import flatten, from_pandas, is_map_dataset, is_pandas, num_rows, take_rows
 
 
 class Squares:
@@ -50,3 +50,49 @@ def test_take_rows_arrays_and_dataset():
 
 def test_flatten_sorts_dict_keys():
     assert flatten({"b": 2, "a": (1, None, 3)}) == [1, 3, 2]
+
+
+class _ByPosition:
+    def __init__(self, frame):
+        self.frame = frame
+
+    def __getitem__(self, indices):
+        return type(self.frame)(self.frame.values[indices], [self.frame.labels[i] for i in indices])
+
+
+class DataFrame:
+    """What dp_core reads of a pandas DataFrame (pandas is not a dependency): told by its class."""
+
+    __module__ = "pandas.core.frame"
+
+    def __init__(self, values, labels):
+        self.values, self.labels = np.asarray(values), list(labels)
+        self.shape = self.values.shape
+
+    def __len__(self):
+        return len(self.values)
+
+    def __getitem__(self, key):  # pandas: a column by label, never a row
+        raise KeyError(f"None of [{key!r}] are in the [columns]")
+
+    @property
+    def iloc(self):
+        return _ByPosition(self)
+
+    def to_numpy(self):
+        return self.values
+
+
+class Series(DataFrame):
+    __module__ = "pandas.core.series"
+
+
+def test_pandas_rows_go_by_position_as_keras_reads_them():
+    frame = DataFrame([[0.0, 10.0], [1.0, 11.0], [2.0, 12.0]], labels=[5, 0, 1])
+    series = Series([7, 8, 9], labels=[2, 1, 0])
+    x, y = take_rows((frame, series), np.array([0, 2]))
+    assert x.tolist() == [[0.0, 10.0], [2.0, 12.0]]  # positions 0 and 2, not the labels
+    assert y.tolist() == [[7], [9]]  # a Series is one column, as Keras's PandasSeriesSliceable
+    assert is_pandas(frame) and is_pandas(series) and not is_pandas(np.zeros(3))
+    assert num_rows(frame, series) == 3
+    assert from_pandas(series).shape == (3, 1) and from_pandas(frame).shape == (3, 2)

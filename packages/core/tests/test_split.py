@@ -124,3 +124,48 @@ def test_public_names_import():
     for name in dp_core.__all__:
         assert getattr(dp_core, name) is not None
     assert dp_core.__version__ == "0.6.0"
+
+
+@given(
+    num_samples=st.integers(1, 60),
+    batch_size=st.integers(1, 16),
+    seed=st.integers(0, 2**16),
+    epoch=st.integers(0, 50),
+)
+@settings(max_examples=60, deadline=None)
+def test_batch_shuffle_permutes_each_block_and_keeps_blocks_in_order(num_samples, batch_size, seed, epoch):
+    order = epoch_order(num_samples, seed=seed, epoch=epoch, shuffle="batch", batch_size=batch_size)
+    for start in range(0, num_samples, batch_size):
+        block = order[start : start + batch_size]
+        assert sorted(block.tolist()) == list(range(start, min(start + batch_size, num_samples)))
+    assert order.tolist() == epoch_order(num_samples, seed=seed, epoch=epoch, shuffle="batch", batch_size=batch_size).tolist()
+
+
+def test_batch_shuffle_moves_rows_within_a_block_and_needs_the_batch_size():
+    orders = {tuple(epoch_order(8, seed=0, epoch=e, shuffle="batch", batch_size=4)) for e in range(5)}
+    assert len(orders) > 1  # not the identity every epoch
+    with pytest.raises(ValueError, match='shuffle="batch" shuffles within blocks of batch_size rows: pass batch_size'):
+        epoch_order(8, shuffle="batch")
+    with pytest.raises(ValueError, match="shuffle must be True, False or \"batch\", got 'rows'"):
+        epoch_order(8, shuffle="rows")
+
+
+def test_epoch_rows_cut_a_pass_into_epochs_each_pass_in_its_own_order():
+    # 99 rows in batches of 32 (a pass: 32, 32, 32, 3), 2 steps an epoch, a fit from epoch 3
+    rows = [dp_core.epoch_rows(99, 32, epoch=e, first_epoch=3, steps_per_epoch=2, seed=4) for e in range(3, 8)]
+    assert [len(r) for r in rows] == [64, 35, 64, 35, 64]
+    first, second = (epoch_order(99, seed=4, epoch=epoch) for epoch in (3, 4))
+    assert rows[0].tolist() + rows[1].tolist() == first.tolist()  # pass 0: the fit's first epoch's order
+    assert rows[2].tolist() + rows[3].tolist() == second.tolist()  # pass 1: a new order
+    whole = dp_core.epoch_rows(99, 32, epoch=5, first_epoch=3, seed=4)
+    assert whole.tolist() == epoch_order(99, seed=4, epoch=5).tolist()  # no steps_per_epoch: one pass an epoch
+    with pytest.raises(ValueError, match="epoch must be >= first_epoch, got epoch=1, first_epoch=3"):
+        dp_core.epoch_rows(99, 32, epoch=1, first_epoch=3)
+
+
+def test_split_indices_pads_an_epoch_of_steps_per_epoch():
+    shards = all_shards(2, num_samples=99, global_batch_size=32, epoch=1, steps_per_epoch=2, shuffle=False)
+    assert [len(s.indices) for s in shards] == [32, 32]  # 2 steps of 16 rows per replica
+    real = np.concatenate([s.indices[s.mask] for s in shards])
+    assert sorted(real.tolist()) == list(range(64, 99))  # the pass's last 35 rows, 29 rows of padding
+    assert sum(int(s.mask.sum()) for s in shards) == 35

@@ -1,7 +1,7 @@
 """Backend-neutral access to what ``fit`` accepts: nested arrays or map-style datasets.
 
-``x``, ``y`` and ``sample_weight`` may each be an array, a tuple/list/dict of arrays
-(multi-input or multi-output models), or ``None``. ``x`` may also be a map-style
+``x``, ``y`` and ``sample_weight`` may each be an array (a pandas DataFrame or Series too), a
+tuple/list/dict of arrays (multi-input or multi-output models), or ``None``. ``x`` may also be a map-style
 dataset (``__len__`` + ``__getitem__``) whose items are ``x`` or ``(x, y)`` or
 ``(x, y, sample_weight)``, as with ``keras.utils.PyDataset`` items.
 """
@@ -17,6 +17,25 @@ import numpy as np
 def is_array_like(value: Any) -> bool:
     """An array: has ``shape`` and ``__array__`` or ``__len__`` (numpy, torch, jax)."""
     return hasattr(value, "shape") and hasattr(value, "__len__")
+
+
+def is_pandas(value: Any) -> bool:
+    """A pandas ``DataFrame`` or ``Series``, told by its class, so pandas need not be installed."""
+    return any(
+        cls.__module__.split(".")[0] == "pandas" and cls.__name__ in ("DataFrame", "Series")
+        for cls in type(value).__mro__
+    )
+
+
+def from_pandas(leaf: Any) -> Any:
+    """A DataFrame or Series as the numpy array Keras's array adapter reads from it (its
+    ``PandasSliceable``): ``to_numpy()``, a Series as one column; anything else as it is.
+    Rows go by position (``.iloc``), never by the index's labels.
+    """
+    if not is_pandas(leaf):
+        return leaf
+    array = leaf.to_numpy()
+    return np.expand_dims(array, axis=-1) if array.ndim == 1 else array  # a Series: one column
 
 
 def is_map_dataset(value: Any) -> bool:
@@ -90,12 +109,19 @@ def _leading_dim(name: str, leaf: Any) -> int:
 def take_rows(data: Any, indices: np.ndarray) -> Any:
     """Rows ``indices`` of nested arrays, or the collated items of a map-style dataset.
 
-    A dataset's items are stacked leaf by leaf with ``np.stack``.
+    A dataset's items are stacked leaf by leaf with ``np.stack``; a DataFrame or Series gives
+    the rows at these positions as numpy (``from_pandas``).
     """
     if is_map_dataset(data):
         items = [data[int(i)] for i in indices]
         return _collate(items)
-    return map_structure(lambda leaf: np.asarray(leaf[indices]) if _is_numpy(leaf) else leaf[indices], data)
+    return map_structure(lambda leaf: _rows_of(leaf, indices), data)
+
+
+def _rows_of(leaf: Any, indices: np.ndarray) -> Any:
+    if is_pandas(leaf):
+        return from_pandas(leaf.iloc[indices])
+    return np.asarray(leaf[indices]) if _is_numpy(leaf) else leaf[indices]
 
 
 def _is_numpy(leaf: Any) -> bool:

@@ -14,7 +14,7 @@ policy, and sorting is exact, so orders are the same on every platform and relea
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 
@@ -33,20 +33,85 @@ class Shard(NamedTuple):
     mask: np.ndarray  # bool, same shape
 
 
-def epoch_order(num_samples: int, *, seed: int = 0, epoch: int = 0, shuffle: bool = True) -> np.ndarray:
+Shuffle = bool | Literal["batch"]
+
+
+def epoch_order(
+    num_samples: int, *, seed: int = 0, epoch: int = 0, shuffle: Shuffle = True, batch_size: int | None = None
+) -> np.ndarray:
     """The global sample order of one epoch, the same for every replica count.
+
+    ``shuffle="batch"`` is Keras's array adapter's: the rows of each block of ``batch_size``
+    (the last one shorter) are shuffled among themselves, and the blocks keep their order.
 
     Examples:
         >>> epoch_order(5, shuffle=False)
         array([0, 1, 2, 3, 4])
+        >>> order = epoch_order(5, shuffle="batch", batch_size=2, seed=1)
+        >>> sorted(order[:2].tolist()), sorted(order[2:4].tolist()), order[4:].tolist()
+        ([0, 1], [2, 3], [4])
     """
     _check_positive_int("num_samples", num_samples)
+    if not isinstance(shuffle, (bool, np.bool_)) and shuffle != "batch":
+        raise ValueError(f'shuffle must be True, False or "batch", got {shuffle!r}.')
     if not shuffle:
         return np.arange(num_samples, dtype=np.int64)
     if seed < 0 or epoch < 0:
         raise ValueError(f"seed and epoch must be >= 0, got seed={seed}, epoch={epoch}.")
     keys = np.random.PCG64(np.random.SeedSequence([seed, epoch])).random_raw(num_samples)
+    if shuffle == "batch":
+        if batch_size is None:
+            raise ValueError('shuffle="batch" shuffles within blocks of batch_size rows: pass batch_size.')
+        _check_positive_int("batch_size", batch_size)
+        blocks = np.arange(num_samples) // batch_size
+        return np.lexsort((keys, blocks)).astype(np.int64)  # by block, then by key within it
     return np.argsort(keys, kind="stable").astype(np.int64)
+
+
+def epoch_rows(
+    num_samples: int,
+    global_batch_size: int,
+    *,
+    epoch: int = 0,
+    first_epoch: int = 0,
+    steps_per_epoch: int | None = None,
+    seed: int = 0,
+    shuffle: Shuffle = True,
+) -> np.ndarray:
+    """The rows epoch ``epoch`` of a fit that began at ``first_epoch`` reads, in order; its steps
+    take them ``global_batch_size`` at a time (the last batch of a pass may be short).
+
+    Without ``steps_per_epoch`` an epoch is one pass: ``epoch_order(..., epoch=epoch)``. With
+    it, epochs read on where the last one stopped, as Keras's ``EpochIterator`` reads arrays:
+    a pass of ``P`` batches (``num_steps``) is cut into epochs of ``steps_per_epoch`` batches;
+    the pass's last epoch takes what is left (fewer steps when ``steps_per_epoch`` does not
+    divide ``P``, and Keras warns that the input ran out), and the next epoch starts a new
+    pass in a new order. ``steps_per_epoch >= P`` is one pass an epoch. Pass ``k`` of the
+    fit is ordered by ``epoch_order(..., epoch=first_epoch + k)``, so without cuts every
+    epoch keeps its own order.
+
+    With 10 rows, batches of 4 (a pass is 3 batches) and 2 steps an epoch::
+
+        >>> [epoch_rows(10, 4, epoch=e, steps_per_epoch=2, shuffle=False).tolist() for e in range(3)]
+        [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9], [0, 1, 2, 3, 4, 5, 6, 7]]
+        >>> epoch_rows(10, 4, epoch=1, steps_per_epoch=5, shuffle=False).tolist()
+        [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    """
+    _check_positive_int("global_batch_size", global_batch_size)
+    if epoch < first_epoch:
+        raise ValueError(f"epoch must be >= first_epoch, got epoch={epoch}, first_epoch={first_epoch}.")
+    batches = num_steps(num_samples, global_batch_size)
+    if steps_per_epoch is not None:
+        _check_positive_int("steps_per_epoch", steps_per_epoch)
+    if steps_per_epoch is None or steps_per_epoch >= batches:
+        return epoch_order(num_samples, seed=seed, epoch=epoch, shuffle=shuffle, batch_size=global_batch_size)
+    epochs_a_pass = -(-batches // steps_per_epoch)
+    passes, part = divmod(epoch - first_epoch, epochs_a_pass)
+    order = epoch_order(
+        num_samples, seed=seed, epoch=first_epoch + passes, shuffle=shuffle, batch_size=global_batch_size
+    )
+    start = part * steps_per_epoch * global_batch_size
+    return order[start : start + steps_per_epoch * global_batch_size]
 
 
 def num_steps(num_samples: int, global_batch_size: int, *, drop_remainder: bool = False) -> int:
@@ -66,14 +131,17 @@ def split_indices(
     global_batch_size: int,
     seed: int = 0,
     epoch: int = 0,
-    shuffle: bool = True,
+    shuffle: Shuffle = True,
     drop_remainder: bool = False,
+    steps_per_epoch: int | None = None,
+    first_epoch: int = 0,
 ) -> Shard:
     """The indices and mask of shard ``shard_index`` for one epoch.
 
     Global batch ``b`` is ``order[b*B:(b+1)*B]``; shard ``r`` of ``R`` takes its
     ``r``-th contiguous part of ``B/R`` rows. The last partial batch is padded to
-    ``B`` and masked, so every shard runs the same number of steps.
+    ``B`` and masked, so every shard runs the same number of steps. The epoch's rows are
+    ``epoch_rows`` (all of them unless ``steps_per_epoch`` cuts passes into epochs).
 
     With 10 samples, a global batch of 4 and no shuffling::
 
@@ -83,10 +151,18 @@ def split_indices(
     batch = per_replica_batch_size(global_batch_size, num_shards)
     if not isinstance(shard_index, int) or not 0 <= shard_index < num_shards:
         raise ValueError(f"shard_index must be in [0, {num_shards}), got {shard_index!r}.")
-    order = epoch_order(num_samples, seed=seed, epoch=epoch, shuffle=shuffle)
-    steps = num_steps(num_samples, global_batch_size, drop_remainder=drop_remainder)
+    order = epoch_rows(
+        num_samples,
+        global_batch_size,
+        epoch=epoch,
+        first_epoch=first_epoch,
+        steps_per_epoch=steps_per_epoch,
+        seed=seed,
+        shuffle=shuffle,
+    )
+    steps = num_steps(len(order), global_batch_size, drop_remainder=drop_remainder)
     total = steps * global_batch_size
-    mask = np.arange(total) < num_samples
+    mask = np.arange(total) < len(order)
     indices = np.resize(order, total)  # repeats from the start: valid, masked out
     cut = (slice(None), shard_index)
     return Shard(

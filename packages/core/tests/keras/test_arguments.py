@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from dp_core.keras import Inputs, checked_model_and_inputs, fit_arguments, global_batch_size_of
+from dp_core.keras._arguments import batch_source
 
 
 def compiled():
@@ -79,7 +80,7 @@ def test_errors_name_what_was_passed():
         arguments(Inputs(x, y), initial_epoch=-1)
     with pytest.raises(ValueError, match=r"epochs must be an integer >= 0, got 2.5"):
         arguments(Inputs(x, y), epochs=2.5)
-    with pytest.raises(ValueError, match=r"steps_per_epoch=3: with arrays.*Pass fewer rows"):
+    with pytest.raises(ValueError, match=r"steps=3: with arrays.*only fit's steps_per_epoch.*Pass fewer rows"):
         checked_model_and_inputs(
             compiled(),
             x,
@@ -89,7 +90,7 @@ def test_errors_name_what_was_passed():
             global_batch_size=8,
             num_replicas=2,
             steps=3,
-            steps_name="steps_per_epoch",
+            steps_name="steps",
         )
     assert arguments(Inputs(x, y), epochs=np.int64(3)).epochs == 3  # numpy integers are integers
 
@@ -104,9 +105,35 @@ def test_numpy_integers_are_integers_and_seed_and_shuffle_are_checked_first():
         arguments(Inputs(x, y), seed=-3)
     with pytest.raises(ValueError, match=r"seed must be an integer >= 0, got '1'"):
         arguments(Inputs(x, y), seed="1")
-    with pytest.raises(ValueError, match=r"shuffle must be True or False, got 'batch'"):
-        arguments(Inputs(x, y), shuffle="batch")
+    with pytest.raises(ValueError, match=r"shuffle must be True, False or \"batch\", got 'rows'"):
+        arguments(Inputs(x, y), shuffle="rows")
     with pytest.raises(ValueError, match=r"batch_size must be a positive integer, got 8.0"):
         global_batch_size_of(8.0, None)
     with pytest.raises(ValueError, match=r"validation_batch_size must be a positive integer, got 0"):
         arguments(Inputs(x, y), validation_batch_size=0)
+
+
+def test_shuffle_batch_is_kept_for_arrays_and_is_true_for_a_source():
+    x, y = np.zeros((10, 3)), np.zeros(10)
+    assert arguments(Inputs(x, y), shuffle="batch").shuffle == "batch"
+    source = batch_source(iter([(x, y)]))
+    assert arguments(source, shuffle="batch").shuffle is True  # Keras's PyDataset adapter: any true shuffle
+
+
+def test_steps_per_epoch_of_arrays_is_kept_and_a_cut_short_epoch_is_warned_of():
+    x, y = np.zeros((10, 3)), np.zeros(10)  # batches of 8: a pass is 2 batches
+    kept = arguments(Inputs(x, y), steps_per_epoch=1, initial_epoch=1)
+    assert kept.steps_per_epoch == 1
+    assert kept.epoch_rows_options(2) == {
+        "global_batch_size": 8,
+        "epoch": 2,
+        "first_epoch": 1,
+        "steps_per_epoch": 1,
+        "seed": 0,
+        "shuffle": True,
+    }
+    with pytest.warns(UserWarning, match=r"steps_per_epoch=3, but one pass over the 10 rows is 2 batches of 8"):
+        arguments(Inputs(x, y), steps_per_epoch=3)
+    with pytest.raises(ValueError, match=r"steps_per_epoch must be a positive integer, got 0"):
+        arguments(Inputs(x, y), steps_per_epoch=0)
+    assert arguments(batch_source(iter([(x, y)]), steps=4), steps_per_epoch=4).steps_per_epoch is None  # its own

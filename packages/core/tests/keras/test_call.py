@@ -82,13 +82,22 @@ def test_a_batch_source_gives_its_own_global_batch_size():
     assert isinstance(checked.inputs, BatchSource) and checked.global_batch_size == 6
 
 
+def test_arrays_take_steps_per_epoch_and_without_a_batch_size_keras_s_batch_of_rows_over_steps():
+    given = call(compiled_model(), batch_size=4, global_batch_size=None, steps=3, steps_name="steps_per_epoch")
+    assert isinstance(given.inputs, Inputs) and given.global_batch_size == 4
+    derived = call(compiled_model(), global_batch_size=None, steps=2, steps_name="steps_per_epoch")
+    assert derived.global_batch_size == 4  # ceil(8 rows / 2 steps), as Keras's array adapter
+    assert call(compiled_model(), global_batch_size=None).global_batch_size == 32
+
+
 @pytest.mark.parametrize(
     ("options", "error", "said"),
     [
         ({"batch_size": 4, "global_batch_size": 8}, ValueError, "batch_size=4 and global_batch_size=8 name the same"),
         ({"backend": "tensorflow"}, RuntimeError, "a_dp needs the Keras 'tensorflow' backend, but Keras is running"),
         ({"global_batch_size": 3}, ValueError, "3"),
-        ({"steps": 2, "steps_name": "steps_per_epoch"}, ValueError, "steps_per_epoch=2: with arrays"),
+        ({"steps": 2, "steps_name": "steps"}, ValueError, "steps=2: with arrays"),
+        ({"steps": 0, "steps_name": "steps_per_epoch"}, ValueError, "steps_per_epoch must be a positive integer, got 0"),
     ],
 )
 def test_each_check_raises_its_own_error(options, error, said):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ from dp_core._batch import per_replica_batch_size
 from dp_core._checkpoint_format import check_checkpoint_arguments
 from dp_core._data import map_structure
 from dp_core._options import check_epochs, check_integer
+from dp_core._split import Shuffle, num_steps
 from dp_core._trainer import Verbose
 from dp_core.keras._inputs import Inputs, validation_inputs
 from dp_core.keras._losses import warn_added_losses_see_padding
@@ -45,11 +47,24 @@ class FitArguments:
     validation_batch_size: int | None = None
     validation_freq: int | Sequence[int] = 1
     callbacks: Sequence[keras.callbacks.Callback] = ()
-    shuffle: bool = True
+    shuffle: Shuffle = True
     seed: int = 0
+    steps_per_epoch: int | None = None  # arrays only (a source keeps its own): epochs read on across passes
     checkpoint_dir: str | None = None
     checkpoint_every_steps: int | None = None
     verbose: Verbose = "auto"
+
+    def epoch_rows_options(self, epoch: int) -> dict[str, Any]:
+        """What ``dp_core.epoch_rows`` (and ``split_indices``) need, besides the row count, to give
+        the rows of ``epoch`` of an array input."""
+        return {
+            "global_batch_size": self.global_batch_size,
+            "epoch": epoch,
+            "first_epoch": self.initial_epoch,
+            "steps_per_epoch": self.steps_per_epoch,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+        }
 
     def validates_after(self, epoch: int) -> bool:
         """Whether validation runs at the end of ``epoch`` (from 0), as Keras's ``validation_freq`` says."""
@@ -143,14 +158,29 @@ def checked_inputs(
     steps_name: str,
 ) -> Inputs | BatchSource:
     """A batch source, or arrays whose global batch divides over the replicas and that take no
-    ``steps`` (a pass over every sample is the epoch)."""
+    ``steps`` (a pass over every sample is the call), but ``fit``'s ``steps_per_epoch``
+    (``FitArguments.steps_per_epoch``)."""
     if is_batch_source(x):
         # its batches need not divide over the replicas: each is padded up to a multiple (``padded_batch_size``)
         return batch_source(x, y, sample_weight, steps=steps, class_weight=class_weight)
     per_replica_batch_size(global_batch_size, num_replicas)
     inputs = Inputs(x, y, sample_weight, class_weight=class_weight)
-    _check_no_steps(steps, steps_name)
+    if steps_name == "steps_per_epoch" and steps is not None:
+        check_integer("steps_per_epoch", steps, minimum=1)
+    else:
+        _check_no_steps(steps, steps_name)
     return inputs
+
+
+def steps_batch_size(x: Any, y: Any, sample_weight: Any, steps: int) -> int:
+    """The global batch of arrays given ``steps_per_epoch`` but no batch size, as Keras's array
+    adapter takes it: ``ceil(rows / steps)``.
+
+    >>> steps_batch_size(np.zeros((99, 2)), None, None, 2)
+    50
+    """
+    steps = check_integer("steps_per_epoch", steps, minimum=1)
+    return math.ceil(Inputs(x, y, sample_weight).num_samples / steps)
 
 
 def batch_source(
@@ -185,20 +215,27 @@ def fit_arguments(
     validation_freq: Any = 1,
     validation_steps: int | None = None,
     callbacks: Sequence[keras.callbacks.Callback] | None = None,
-    shuffle: bool = True,
+    shuffle: Shuffle = True,
     seed: int = 0,
     checkpoint_dir: str | os.PathLike[str] | None = None,
     checkpoint_every_steps: int | None = None,
     verbose: Verbose = "auto",
+    steps_per_epoch: int | None = None,
 ) -> FitArguments:
-    """``fit``'s arguments checked, after ``checked_model_and_inputs``."""
+    """``fit``'s arguments checked, after ``checked_model_and_inputs``. ``steps_per_epoch`` is
+    kept for arrays (a source counts its own); ``shuffle="batch"`` shuffles an array input's
+    rows within each batch (``dp_core.epoch_order``), and a source's batch order as ``True`` does,
+    as Keras's adapters read it."""
     check_checkpoint_arguments(checkpoint_dir, checkpoint_every_steps)
     epochs = check_epochs(epochs)
     initial_epoch = check_integer("initial_epoch", initial_epoch, minimum=0)
     seed = check_integer("seed", seed, minimum=0)
-    if not isinstance(shuffle, (bool, np.bool_)):
-        raise ValueError(f"shuffle must be True or False, got {shuffle!r}.")
-    shuffle = bool(shuffle)
+    shuffle = _checked_shuffle(shuffle, inputs)
+    if isinstance(inputs, BatchSource):
+        steps_per_epoch = None
+    elif steps_per_epoch is not None:
+        steps_per_epoch = check_integer("steps_per_epoch", steps_per_epoch, minimum=1)
+        _warn_epochs_cut_short(inputs.num_samples, global_batch_size, steps_per_epoch)
     validation: Inputs | BatchSource | None = None
     if is_batch_source(validation_data):
         validation = batch_source(validation_data, steps=validation_steps, name="validation_data", restarts=True)
@@ -229,6 +266,32 @@ def fit_arguments(
         checkpoint_dir=None if checkpoint_dir is None else os.fspath(checkpoint_dir),
         checkpoint_every_steps=checkpoint_every_steps,
         verbose=verbose,
+        steps_per_epoch=steps_per_epoch,
+    )
+
+
+def _checked_shuffle(shuffle: Any, inputs: Inputs | BatchSource) -> Shuffle:
+    if isinstance(shuffle, str) and shuffle == "batch":
+        return True if isinstance(inputs, BatchSource) else "batch"
+    if not isinstance(shuffle, (bool, np.bool_)):
+        raise ValueError(f'shuffle must be True, False or "batch", got {shuffle!r}.')
+    return bool(shuffle)
+
+
+def _warn_epochs_cut_short(num_samples: int, global_batch_size: int, steps_per_epoch: int) -> None:
+    """Keras's ``EpochIterator`` ends an epoch where a pass over the arrays ends, warning that the
+    input ran out (``dp_core.epoch_rows``): said once here, with what it means."""
+    batches = num_steps(num_samples, global_batch_size)
+    if batches % steps_per_epoch == 0:
+        return
+    short = batches % steps_per_epoch if steps_per_epoch < batches else batches
+    warnings.warn(
+        f"steps_per_epoch={steps_per_epoch}, but one pass over the {num_samples} rows is {batches} batches of "
+        f"{global_batch_size}: as in model.fit, the epoch that reaches the end of a pass stops there, after "
+        f"{short} steps, and the next epoch starts a new pass. Pass a steps_per_epoch that divides {batches} "
+        "to make every epoch as long.",
+        UserWarning,
+        stacklevel=3,
     )
 
 
@@ -275,6 +338,6 @@ def _check_no_steps(steps: Any, name: str) -> None:
     if steps is None:
         return
     raise ValueError(
-        f"{name}={steps!r}: with arrays or a map-style dataset an epoch is one pass over every sample, so "
-        f"{name} does not apply. Pass fewer rows (x[:n]) to use part of the data."
+        f"{name}={steps!r}: with arrays or a map-style dataset this call reads every sample once, so {name} is "
+        "not taken (only fit's steps_per_epoch is). Pass fewer rows (x[:n]) to use part of the data."
     )

@@ -14,11 +14,11 @@ from typing import Any, NamedTuple, Protocol
 
 import keras
 
-from dp_core.keras._arguments import checked_inputs, global_batch_size_of
+from dp_core.keras._arguments import checked_inputs, global_batch_size_of, steps_batch_size
 from dp_core.keras._inputs import Inputs
 from dp_core.keras._losses import warn_added_losses_see_padding
 from dp_core.keras._model import overrides, require_backend, require_keras_steps, resolve_model
-from dp_core.keras._sources import BatchSource
+from dp_core.keras._sources import BatchSource, is_batch_source
 
 
 class OwnStepsCheck(Protocol):
@@ -69,7 +69,9 @@ def checked_call(
        with ``warn_added_losses``, a warning when a row-dependent ``add_loss`` term will see a
        padded last batch;
     6. the inputs: a batch source (``steps`` its batches per epoch), or arrays whose global
-       batch divides over ``num_replicas`` and that take no ``steps`` (named ``steps_name``).
+       batch divides over ``num_replicas`` and that take no ``steps`` (named ``steps_name``)
+       but ``fit``'s ``steps_per_epoch`` (without a batch size, the batch is then Keras's
+       ``ceil(rows / steps_per_epoch)``).
 
     A batch source's batches are the global batches: its ``global_batch_size`` is returned.
 
@@ -82,6 +84,9 @@ def checked_call(
     (True, 8, 4)
     """
     size = global_batch_size_of(batch_size, global_batch_size, x)
+    arrays_by_steps = steps is not None and steps_name == "steps_per_epoch" and not is_batch_source(x)
+    if arrays_by_steps and batch_size is None and global_batch_size is None:
+        size = steps_batch_size(x, y, sample_weight, steps)  # Keras's array adapter: ceil(rows / steps)
     require_backend(backend, package)
     if not isinstance(model, keras.Model) and callable(model):
         model = model()  # a factory is called once, here

@@ -1,8 +1,8 @@
 """The input adapter: what ``fit``/``evaluate``/``predict`` accept, checked once, read by row.
 
-``x``, ``y`` and ``sample_weight`` may each be an array (numpy, torch, jax), a tuple, list or
-dict of arrays (multi-input or multi-output models), or ``None``; or ``x`` is a map-style
-dataset (``__len__`` + ``__getitem__``) whose items are ``x``, ``(x, y)`` or
+``x``, ``y`` and ``sample_weight`` may each be an array (numpy, torch, jax, a pandas DataFrame
+or Series, read as numpy), a tuple, list or dict of arrays (multi-input or multi-output models),
+or ``None``; or ``x`` is a map-style dataset (``__len__`` + ``__getitem__``) whose items are ``x``, ``(x, y)`` or
 ``(x, y, sample_weight)``. Every backend reads its rows through ``Inputs.rows``, so both
 see the same numbers: floats in Keras's ``floatx`` (as Keras's array adapter casts them),
 other dtypes as given.
@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import keras
 import numpy as np
 
-from dp_core._data import flatten, is_array_like, is_map_dataset, map_structure, num_rows, take_rows
+from dp_core._data import flatten, from_pandas, is_array_like, is_map_dataset, map_structure, num_rows, take_rows
 
 
 class FirstRows(Protocol):
@@ -56,6 +56,8 @@ class Inputs:
             raise ValueError(f"{name}: {error}") from None
         if class_weight is not None:
             _check_class_weight(class_weight, y, sample_weight)
+        if not is_map_dataset(x):  # pandas read as Keras reads it: numpy, rows by position
+            x, y, sample_weight = (map_structure(from_pandas, part) for part in (x, y, sample_weight))
         self.x, self.y, self.sample_weight = x, y, sample_weight
         self.class_weight = class_weight
 
