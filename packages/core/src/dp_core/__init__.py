@@ -72,6 +72,7 @@ from dp_core._secret import job_secret_of as job_secret_of
 from dp_core._split import Shard as Shard
 from dp_core._split import epoch_order as epoch_order
 from dp_core._split import epoch_rows as epoch_rows
+from dp_core._split import epoch_steps as epoch_steps
 from dp_core._split import num_steps as num_steps
 from dp_core._split import split_indices as split_indices
 from dp_core._trainer import ModelFactory as ModelFactory
@@ -125,6 +126,7 @@ __all__ = [
     "claim_checkpoint_dir",
     "epoch_order",
     "epoch_rows",
+    "epoch_steps",
     "job_id_of",
     "job_secret_of",
     "latest_checkpoint",

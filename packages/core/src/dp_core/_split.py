@@ -97,6 +97,27 @@ def epoch_rows(
         >>> epoch_rows(10, 4, epoch=1, steps_per_epoch=5, shuffle=False).tolist()
         [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
     """
+    passes, start, stop = _epoch_batches(num_samples, global_batch_size, epoch, first_epoch, steps_per_epoch)
+    order = epoch_order(num_samples, seed=seed, epoch=passes, shuffle=shuffle, batch_size=global_batch_size)
+    return order[start * global_batch_size : stop * global_batch_size]
+
+
+def epoch_steps(
+    num_samples: int, global_batch_size: int, *, epoch: int = 0, first_epoch: int = 0, steps_per_epoch: int | None = None
+) -> int:
+    """The steps of epoch ``epoch``: the global batches of its ``epoch_rows``.
+
+    >>> [epoch_steps(99, 32, epoch=e, steps_per_epoch=3) for e in range(3)]
+    [3, 1, 3]
+    """
+    _, start, stop = _epoch_batches(num_samples, global_batch_size, epoch, first_epoch, steps_per_epoch)
+    return stop - start
+
+
+def _epoch_batches(
+    num_samples: int, global_batch_size: int, epoch: int, first_epoch: int, steps_per_epoch: int | None
+) -> tuple[int, int, int]:
+    """``(pass key, first batch, end batch)`` of an epoch's part of its pass (``epoch_rows``)."""
     _check_positive_int("global_batch_size", global_batch_size)
     if epoch < first_epoch:
         raise ValueError(f"epoch must be >= first_epoch, got epoch={epoch}, first_epoch={first_epoch}.")
@@ -104,14 +125,11 @@ def epoch_rows(
     if steps_per_epoch is not None:
         _check_positive_int("steps_per_epoch", steps_per_epoch)
     if steps_per_epoch is None or steps_per_epoch >= batches:
-        return epoch_order(num_samples, seed=seed, epoch=epoch, shuffle=shuffle, batch_size=global_batch_size)
+        return epoch, 0, batches
     epochs_a_pass = -(-batches // steps_per_epoch)
     passes, part = divmod(epoch - first_epoch, epochs_a_pass)
-    order = epoch_order(
-        num_samples, seed=seed, epoch=first_epoch + passes, shuffle=shuffle, batch_size=global_batch_size
-    )
-    start = part * steps_per_epoch * global_batch_size
-    return order[start : start + steps_per_epoch * global_batch_size]
+    start = part * steps_per_epoch
+    return first_epoch + passes, start, min(start + steps_per_epoch, batches)
 
 
 def num_steps(num_samples: int, global_batch_size: int, *, drop_remainder: bool = False) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any, final
+from typing import Any, Literal, final
 
 import keras
 import optax
@@ -146,7 +146,7 @@ class Trainer:
         callbacks: Sequence[keras.callbacks.Callback] | None = None,
         validation_split: float = 0.0,
         validation_data: Any = None,
-        shuffle: bool = True,
+        shuffle: bool | Literal["batch"] = True,
         class_weight: Mapping[int, float] | None = None,
         sample_weight: Any = None,
         initial_epoch: int = 0,
@@ -196,6 +196,7 @@ class Trainer:
             validation_batch_size=validation_batch_size, validation_freq=validation_freq,
             validation_steps=validation_steps, callbacks=callbacks, shuffle=shuffle, seed=seed,
             checkpoint_dir=checkpoint_dir, checkpoint_every_steps=checkpoint_every_steps, verbose=verbose,
+            steps_per_epoch=steps_per_epoch,
         )  # fmt: skip
         return self._train(model, inputs, arguments, global_batch_size, lr_scaling, warmup_steps, accumulate_steps)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Concatenate, ParamSpec, TypeVar, final
+from typing import Any, Concatenate, Literal, ParamSpec, TypeVar, final
 
 import keras
 
@@ -175,7 +175,7 @@ class Trainer:
         callbacks: Sequence[keras.callbacks.Callback] | None = None,
         validation_split: float = 0.0,
         validation_data: Any = None,
-        shuffle: bool = True,
+        shuffle: bool | Literal["batch"] = True,
         class_weight: Mapping[int, float] | None = None,
         sample_weight: Any = None,
         initial_epoch: int = 0,
@@ -227,6 +227,7 @@ class Trainer:
             checkpoint_dir=checkpoint_dir,
             checkpoint_every_steps=checkpoint_every_steps,
             verbose=verbose,
+            steps_per_epoch=steps_per_epoch,
         )
         job = self._fit_job(
             arguments,
@@ -234,7 +235,7 @@ class Trainer:
             inputs,
             global_batch_size=global_batch_size,
             seed=seed,
-            shuffle=shuffle,
+            shuffle=arguments.shuffle,
             lr_scaling=lr_scaling,
             warmup_steps=warmup_steps,
         )
@@ -312,7 +313,7 @@ class Trainer:
         *,
         global_batch_size: int,
         seed: int,
-        shuffle: bool,
+        shuffle: bool | str,
         lr_scaling: LearningRateScaling | None,
         warmup_steps: int,
     ) -> FitJob:
@@ -355,7 +356,7 @@ def _checkpoint_to_resume(
     *,
     seed: int,
     global_batch_size: int,
-    shuffle: bool,
+    shuffle: bool | str,
 ) -> str | None:
     """The checkpoint in ``checkpoint_dir`` a fit resumes from (None: it starts afresh), chosen and
     checked here, so a bad one fails before any worker starts; in a cluster, by rank 0 for all."""

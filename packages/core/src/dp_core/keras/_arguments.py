@@ -21,7 +21,7 @@ from dp_core._batch import per_replica_batch_size
 from dp_core._checkpoint_format import check_checkpoint_arguments
 from dp_core._data import map_structure
 from dp_core._options import check_epochs, check_integer
-from dp_core._split import Shuffle, num_steps
+from dp_core._split import Shuffle, epoch_steps, num_steps
 from dp_core._trainer import Verbose
 from dp_core.keras._inputs import Inputs, validation_inputs
 from dp_core.keras._losses import warn_added_losses_see_padding
@@ -65,6 +65,21 @@ class FitArguments:
             "seed": self.seed,
             "shuffle": self.shuffle,
         }
+
+    def steps_in(self, epoch: int) -> int | None:
+        """The steps epoch ``epoch`` runs (``dp_core.epoch_steps``; a source's own count, None if it
+        does not say; a backend's stand-in for a source says its ``num_batches`` too)."""
+        if not isinstance(self.inputs, Inputs):
+            return self.inputs.num_batches
+        options = self.epoch_rows_options(epoch)
+        del options["seed"], options["shuffle"]
+        return epoch_steps(self.inputs.num_samples, **options)
+
+    @property
+    def steps_shown(self) -> int | None:
+        """The steps an epoch has in the progress bar and ``History.params``: ``steps_per_epoch``
+        when given, as in ``model.fit`` (an epoch cut short at a pass end shows it too)."""
+        return self.steps_per_epoch or self.steps_in(self.initial_epoch)
 
     def validates_after(self, epoch: int) -> bool:
         """Whether validation runs at the end of ``epoch`` (from 0), as Keras's ``validation_freq`` says."""

@@ -107,7 +107,7 @@ def resumable_checkpoint(
     *,
     seed: int,
     global_batch_size: int,
-    shuffle: bool,
+    shuffle: bool | str,
 ) -> Checkpoint | None:
     """The newest valid checkpoint in ``checkpoint_dir`` that ``model`` and fit's arguments
     can continue (None: start fresh); a ``CheckpointError`` says why one cannot.

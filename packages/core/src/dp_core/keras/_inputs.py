@@ -181,6 +181,17 @@ def _class_weights(y: Any, class_weight: Mapping[int, float]) -> np.ndarray:
 
 def _to_floatx(leaf: Any) -> np.ndarray:
     array = np.asarray(leaf)
-    if np.issubdtype(array.dtype, np.floating):
+    if _is_float(array.dtype):
         return array.astype(keras.config.floatx(), copy=False)
     return array
+
+
+def _is_float(dtype: np.dtype) -> bool:
+    """A float dtype, as Keras's array adapter counts them: numpy's, and ml_dtypes' (``bfloat16``,
+    the float8s), which numpy does not call floating.
+
+    >>> import ml_dtypes
+    >>> _is_float(np.dtype(ml_dtypes.bfloat16)), _is_float(np.dtype("float16")), _is_float(np.dtype("int8"))
+    (True, True, False)
+    """
+    return bool(np.issubdtype(dtype, np.floating)) or (dtype.kind == "V" and "float" in dtype.name)

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from dp_core import ReplicaLayout, num_steps, split_indices
+from dp_core import ReplicaLayout, epoch_rows, num_steps, split_indices
+from dp_core._split import Shuffle
 from dp_core.keras import BatchSource, Inputs, map_structure
 from jax_dp._mesh.mesh import batch_sharded, put_replicated
 
@@ -63,22 +64,29 @@ class EpochPlan:
         global_batch_size: int,
         epoch: int = 0,
         seed: int = 0,
-        shuffle: bool = False,
+        shuffle: Shuffle = False,
+        first_epoch: int = 0,
+        steps_per_epoch: int | None = None,
     ) -> None:
         self.inputs = inputs
         self.global_batch_size = global_batch_size
-        self.steps = num_steps(inputs.num_samples, global_batch_size)
         self._layout = layout
-        self._order = {"epoch": epoch, "seed": seed, "shuffle": shuffle}
+        self._order = {
+            "epoch": epoch,
+            "seed": seed,
+            "shuffle": shuffle,
+            "first_epoch": first_epoch,
+            "steps_per_epoch": steps_per_epoch,
+        }
+        self.num_samples = len(epoch_rows(inputs.num_samples, global_batch_size, **self._order))  # this epoch's
+        self.steps = num_steps(self.num_samples, global_batch_size)
         shards = [
             split_indices(
                 inputs.num_samples,
                 num_shards=layout.num_replicas,
                 shard_index=replica,
                 global_batch_size=global_batch_size,
-                seed=seed,
-                epoch=epoch,
-                shuffle=shuffle,
+                **self._order,
             )
             for replica in layout.local_replica_indices
         ]
@@ -89,11 +97,11 @@ class EpochPlan:
     @property
     def padded(self) -> bool:
         """Whether the last global batch is padded (the steps then leave padded rows out of the loss)."""
-        return self.inputs.num_samples % self.global_batch_size != 0
+        return self.num_samples % self.global_batch_size != 0
 
     def real_rows(self, step: int) -> int:
         """Real rows of global batch ``step``: all but in the padded last one."""
-        return min(self.global_batch_size, self.inputs.num_samples - step * self.global_batch_size)
+        return min(self.global_batch_size, self.num_samples - step * self.global_batch_size)
 
     def every_replica(self) -> EpochPlan:
         """This epoch as one process driving every replica reads it: whole global batches."""

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from dp_core import ReplicaLayout, num_steps
+from dp_core._split import Shuffle
 from dp_core.keras import BatchSource, Inputs, batch_rows, padded_batch_size, replica_part
 from jax_dp._data.batches import EpochPlan, HostBatch, Plan, all_replicas_local
 
@@ -24,9 +25,12 @@ def epoch_plan(
     global_batch_size: int,
     epoch: int = 0,
     seed: int = 0,
-    shuffle: bool = False,
+    shuffle: Shuffle = False,
+    first_epoch: int = 0,
+    steps_per_epoch: int | None = None,
 ) -> Plan:
-    """The plan of one epoch: of rows, or of a source's batches."""
+    """The plan of one epoch: of rows (``dp_core.epoch_rows``: ``first_epoch`` and
+    ``steps_per_epoch`` say where in which pass), or of a source's batches."""
     options = {
         "layout": layout,
         "global_batch_size": global_batch_size,
@@ -36,12 +40,7 @@ def epoch_plan(
     }
     if isinstance(inputs, BatchSource):
         return SourcePlan(inputs, **options)
-    return EpochPlan(inputs, **options)
-
-
-def steps_per_epoch(inputs: Inputs | BatchSource, global_batch_size: int) -> int | None:
-    """Global batches an epoch (None: a source that does not say)."""
-    return inputs.num_batches if isinstance(inputs, BatchSource) else num_steps(inputs.num_samples, global_batch_size)
+    return EpochPlan(inputs, **options, first_epoch=first_epoch, steps_per_epoch=steps_per_epoch)
 
 
 class SourcePlan:

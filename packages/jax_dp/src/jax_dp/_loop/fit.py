@@ -15,7 +15,7 @@ import numpy as np
 from dp_core import ReplicaLayout
 from dp_core.keras import BatchSource, CheckpointWriter, FitArguments, Start, callback_list, internals
 from jax_dp._comm.hosts import agree, is_primary, same_on_all_processes
-from jax_dp._data.sources import epoch_plan, steps_per_epoch
+from jax_dp._data.sources import epoch_plan
 from jax_dp._loop.checkpoints import holding_checkpoint_dir, save
 from jax_dp._loop.epochs import EpochTrainer
 from jax_dp._loop.evaluate import Evaluator
@@ -66,7 +66,7 @@ def _fit_epochs(
         is_primary=is_primary(),
         verbose=arguments.verbose,
         epochs=arguments.epochs,
-        steps=steps_per_epoch(arguments.inputs, arguments.global_batch_size),
+        steps=arguments.steps_shown,
     )
     model.stop_training = False
     optimizer_state = None  # kept on the mesh between epochs where the optimizer keeps it there (optax)
@@ -79,14 +79,7 @@ def _fit_epochs(
     for epoch in range(start.epoch, arguments.epochs):
         model.reset_metrics()  # before the hook, as in model.fit
         callbacks.on_epoch_begin(epoch)
-        plan = epoch_plan(
-            arguments.inputs,
-            layout=layout,
-            global_batch_size=arguments.global_batch_size,
-            epoch=epoch,
-            seed=arguments.seed,
-            shuffle=arguments.shuffle,
-        )
+        plan = epoch_plan(arguments.inputs, layout=layout, **arguments.epoch_rows_options(epoch))
         logs, optimizer_state = train_epoch(
             plan,
             callbacks,

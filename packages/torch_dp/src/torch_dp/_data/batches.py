@@ -17,7 +17,8 @@ import keras
 import numpy as np
 import torch
 
-from dp_core import epoch_order, num_steps, split_indices
+from dp_core import epoch_rows, num_steps, split_indices
+from dp_core._split import Shuffle
 from dp_core.keras import BatchSource, Inputs, batch_rows, map_structure, padded_batch_size, replica_part
 from torch_dp._comm.replica import Replica
 from torch_dp._data.prefetch import pinned, pins_memory, prefetched, reads_ahead, to_device
@@ -55,28 +56,31 @@ def replica_batches(
     global_batch_size: int,
     epoch: int = 0,
     seed: int = 0,
-    shuffle: bool = False,
+    shuffle: Shuffle = False,
     first_step: int = 0,
     prefetch: bool | None = None,
+    first_epoch: int = 0,
+    steps_per_epoch: int | None = None,
 ) -> Iterator[Batch]:
     """This replica's batches of one epoch from ``first_step`` on; every replica gets the same number.
-    With ``prefetch`` (None: on an accelerator, ``reads_ahead``) an array input's next batch is read
-    in the background (the same batches)."""
+    An array input's epoch reads ``dp_core.epoch_rows`` (``first_epoch`` and ``steps_per_epoch`` say
+    where in which pass). With ``prefetch`` (None: on an accelerator, ``reads_ahead``) an array
+    input's next batch is read in the background (the same batches)."""
     if prefetch is None:
         prefetch = reads_ahead(replica.device)
     if not isinstance(inputs, Inputs):
         yield from _source_batches(inputs, replica, global_batch_size, epoch, seed, shuffle, first_step)
         return
-    num_samples = inputs.num_samples
+    order = {"epoch": epoch, "seed": seed, "shuffle": shuffle, "first_epoch": first_epoch}
+    order["steps_per_epoch"] = steps_per_epoch
     shard = split_indices(
-        num_samples,
+        inputs.num_samples,
         num_shards=replica.num_replicas,
         shard_index=replica.rank,
         global_batch_size=global_batch_size,
-        seed=seed,
-        epoch=epoch,
-        shuffle=shuffle,
+        **order,
     )
+    num_samples = len(epoch_rows(inputs.num_samples, global_batch_size, **order))  # this epoch's rows
     rows = global_batch_size // replica.num_replicas
     pin = prefetch and pins_memory(replica.device)
 
@@ -201,9 +205,11 @@ def even_batches(
     global_batch_size: int,
     epoch: int = 0,
     seed: int = 0,
-    shuffle: bool = False,
+    shuffle: Shuffle = False,
     first_step: int = 0,
     prefetch: bool | None = None,
+    first_epoch: int = 0,
+    steps_per_epoch: int | None = None,
 ) -> Iterator[EvenBatch]:
     """This replica's ``EvenBatch`` of each global batch of one epoch from ``first_step`` on
     (the same global batches, in the same order, as ``replica_batches``, read ahead likewise)."""
@@ -217,8 +223,16 @@ def even_batches(
             part = tuple(map_structure(lambda leaf, rows=rows: leaf[rows], piece) for piece in batch)
             yield _even_batch(part, count, real, replica)
         return
-    num_samples = inputs.num_samples
-    order = epoch_order(num_samples, seed=seed, epoch=epoch, shuffle=shuffle)
+    order = epoch_rows(
+        inputs.num_samples,
+        global_batch_size,
+        epoch=epoch,
+        first_epoch=first_epoch,
+        steps_per_epoch=steps_per_epoch,
+        seed=seed,
+        shuffle=shuffle,
+    )
+    num_samples = len(order)
     pin = prefetch and pins_memory(replica.device)
 
     def read() -> Iterator[tuple[Any, int, int]]:

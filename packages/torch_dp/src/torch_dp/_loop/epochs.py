@@ -199,13 +199,8 @@ def logs_due_at(step: int, steps: int | None, every: int, *, first_step: int = 0
 
 
 def _epoch_order(job: FitJob, epoch: int) -> dict[str, Any]:
-    arguments = job.arguments
-    return {
-        "global_batch_size": arguments.global_batch_size,
-        "epoch": epoch,
-        "seed": arguments.seed,
-        "shuffle": arguments.shuffle,
-    }
+    """Which rows epoch ``epoch`` reads, in what order (``dp_core.epoch_rows``)."""
+    return job.arguments.epoch_rows_options(epoch)
 
 
 def train_epoch(
@@ -231,7 +226,7 @@ def train_epoch(
     ``on_train_batch_end`` -> a checkpoint when due.
     """
     model.train()
-    steps = steps_of(job.inputs, job.arguments.global_batch_size)
+    steps = job.arguments.steps_in(epoch)
     batches = kind.batches(job, epoch, first_step)
     logs: dict[str, Any] = {}
     timer.start()

@@ -67,7 +67,7 @@ def _fit_epochs(
 ) -> keras.callbacks.History:
     """``fit_loop`` once ``checkpoint_dir`` is held."""
     arguments = job.arguments
-    steps = steps_of(job.inputs, arguments.global_batch_size)
+    steps = arguments.steps_shown
     callbacks = callback_list(
         arguments.callbacks,
         model,

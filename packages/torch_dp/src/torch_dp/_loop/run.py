@@ -166,7 +166,9 @@ def run_predict(model: keras.Model, job: PredictJob, replica: Replica) -> Any:
     local = keras.tree.flatten(outputs)
     # gathered on every replica: one collective, and no replica needs to know which one reports
     gather = all_gather_varying_rows if custom.predict else all_gather_rows
-    parts = [[p.cpu().numpy() for p in gather(torch.as_tensor(leaf, device=replica.device), replica)] for leaf in local]
+    # Keras's conversions both ways: numpy has no bfloat16 of torch's (ml_dtypes' is Keras's)
+    on_device = [keras.ops.convert_to_tensor(leaf).to(replica.device) for leaf in local]
+    parts = [[keras.ops.convert_to_numpy(p) for p in gather(tensor, replica)] for tensor in on_device]
     by_rank = [[parts[leaf][rank] for leaf in range(len(local))] for rank in range(replica.num_replicas)]
     if custom.predict:  # no padding: each global batch's rows split evenly
         leaves = in_even_order(by_rank, real_rows)
