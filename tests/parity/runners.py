@@ -59,7 +59,7 @@ class KerasRunner:
         *,
         batch_size: int | None = None,
         global_batch_size: int | None = None,
-        shuffle: bool = True,
+        shuffle: bool | str = True,
         seed: int = 0,
         **arguments: Any,
     ) -> keras.callbacks.History:
@@ -69,7 +69,11 @@ class KerasRunner:
             return model.fit(x, y, batch_size=batch_size, shuffle=False, **arguments)
         if not _is_arrays(x):
             raise ValueError("parity: a batch-yielding source has no row order to follow; pass shuffle=False")
-        return _fit_in_epoch_order(model, x, y, batch_size=batch_size or 32, seed=seed, **arguments)
+        if arguments.get("steps_per_epoch") is not None:
+            raise ValueError(
+                "parity: model.fit reads a PyDataset's epochs otherwise; steps_per_epoch with shuffle=False"
+            )
+        return _fit_in_epoch_order(model, x, y, batch_size=batch_size or 32, seed=seed, shuffle=shuffle, **arguments)
 
     def evaluate(self, model: Any, x: Any = None, y: Any = None, **arguments: Any) -> Any:
         x, y = _arrays_of_rows(x, y)
@@ -94,8 +98,11 @@ def _keras_batch(arguments: dict[str, Any]) -> dict[str, Any]:
 
 
 def _arrays_of_rows(x: Any, y: Any) -> tuple[Any, Any]:
-    """Keras takes no map-style dataset of ``(x, y)`` rows: stack its rows into arrays."""
+    """Keras takes no map-style dataset of ``(x, y)`` rows: stack its rows into arrays (a pandas
+    DataFrame, which Keras takes, is no dataset)."""
     if isinstance(x, np.ndarray | dict | list | tuple | keras.utils.PyDataset) or not _is_map_style(x):
+        return x, y
+    if hasattr(x, "iloc"):
         return x, y
     rows = [x[index] for index in range(len(x))]
     columns = list(zip(*rows, strict=True))
@@ -122,13 +129,15 @@ def _fit_in_epoch_order(
     *,
     batch_size: int,
     seed: int,
+    shuffle: bool | str = True,
     sample_weight: Any = None,
     validation_split: float = 0.0,
     callbacks: list[keras.callbacks.Callback] | None = None,
     initial_epoch: int = 0,
     **arguments: Any,
 ) -> keras.callbacks.History:
-    """One ``model.fit`` whose epoch ``e`` reads rows in ``dp_core.epoch_order(..., epoch=e)``.
+    """One ``model.fit`` whose epoch ``e`` reads rows in ``dp_core.epoch_order(..., epoch=e)``
+    (``shuffle="batch"``: shuffled within each batch, as Keras's array adapter does).
 
     ``validation_split`` is done here as Keras does it (the last rows, before shuffling), as
     Keras allows it only on arrays. A callback tells the dataset which epoch begins, so
@@ -141,22 +150,27 @@ def _fit_in_epoch_order(
         arguments["validation_data"] = tuple(part for part in held_out if part is not None)
         x, y, sample_weight = (_rows(part, 0, split_at) for part in (x, y, sample_weight))
     parts = tuple(part for part in (x, y, sample_weight) if part is not None)
-    dataset = _EpochOrderedBatches(parts, batch_size=batch_size, seed=seed, epoch=initial_epoch)
+    dataset = _EpochOrderedBatches(parts, batch_size=batch_size, seed=seed, epoch=initial_epoch, shuffle=shuffle)
     callbacks = [_FollowEpoch(dataset), *(callbacks or [])]
     return model.fit(dataset, shuffle=False, callbacks=callbacks, initial_epoch=initial_epoch, **arguments)
 
 
 class _EpochOrderedBatches(keras.utils.PyDataset):
-    def __init__(self, parts: tuple[Any, ...], *, batch_size: int, seed: int, epoch: int) -> None:
+    def __init__(
+        self, parts: tuple[Any, ...], *, batch_size: int, seed: int, epoch: int, shuffle: bool | str = True
+    ) -> None:
         super().__init__()
         self.parts, self.batch_size, self.seed, self.epoch = parts, batch_size, seed, epoch
+        self.shuffle = shuffle
         self.num_samples = len(keras.tree.flatten(parts)[0])
 
     def __len__(self) -> int:
         return math.ceil(self.num_samples / self.batch_size)
 
     def __getitem__(self, index: int) -> tuple[Any, ...]:
-        order = dp_core.epoch_order(self.num_samples, seed=self.seed, epoch=self.epoch, shuffle=True)
+        order = dp_core.epoch_order(
+            self.num_samples, seed=self.seed, epoch=self.epoch, shuffle=self.shuffle, batch_size=self.batch_size
+        )
         rows = order[index * self.batch_size : (index + 1) * self.batch_size]
         return keras.tree.map_structure(lambda array: array[rows], self.parts)
 

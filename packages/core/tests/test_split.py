@@ -138,7 +138,10 @@ def test_batch_shuffle_permutes_each_block_and_keeps_blocks_in_order(num_samples
     for start in range(0, num_samples, batch_size):
         block = order[start : start + batch_size]
         assert sorted(block.tolist()) == list(range(start, min(start + batch_size, num_samples)))
-    assert order.tolist() == epoch_order(num_samples, seed=seed, epoch=epoch, shuffle="batch", batch_size=batch_size).tolist()
+    assert (
+        order.tolist()
+        == epoch_order(num_samples, seed=seed, epoch=epoch, shuffle="batch", batch_size=batch_size).tolist()
+    )
 
 
 def test_batch_shuffle_moves_rows_within_a_block_and_needs_the_batch_size():

@@ -103,7 +103,12 @@ def epoch_rows(
 
 
 def epoch_steps(
-    num_samples: int, global_batch_size: int, *, epoch: int = 0, first_epoch: int = 0, steps_per_epoch: int | None = None
+    num_samples: int,
+    global_batch_size: int,
+    *,
+    epoch: int = 0,
+    first_epoch: int = 0,
+    steps_per_epoch: int | None = None,
 ) -> int:
     """The steps of epoch ``epoch``: the global batches of its ``epoch_rows``.
 

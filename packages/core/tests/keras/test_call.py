@@ -97,7 +97,11 @@ def test_arrays_take_steps_per_epoch_and_without_a_batch_size_keras_s_batch_of_r
         ({"backend": "tensorflow"}, RuntimeError, "a_dp needs the Keras 'tensorflow' backend, but Keras is running"),
         ({"global_batch_size": 3}, ValueError, "3"),
         ({"steps": 2, "steps_name": "steps"}, ValueError, "steps=2: with arrays"),
-        ({"steps": 0, "steps_name": "steps_per_epoch"}, ValueError, "steps_per_epoch must be a positive integer, got 0"),
+        (
+            {"steps": 0, "steps_name": "steps_per_epoch"},
+            ValueError,
+            "steps_per_epoch must be a positive integer, got 0",
+        ),
     ],
 )
 def test_each_check_raises_its_own_error(options, error, said):

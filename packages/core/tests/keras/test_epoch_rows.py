@@ -30,5 +30,3 @@ def test_epoch_rows_read_on_across_epochs_as_keras_epoch_iterator(num_batches, s
         for e in range(7)
     ]
     assert got == expected
-
-

@@ -299,12 +299,18 @@ def _warn_epochs_cut_short(num_samples: int, global_batch_size: int, steps_per_e
     batches = num_steps(num_samples, global_batch_size)
     if batches % steps_per_epoch == 0:
         return
-    short = batches % steps_per_epoch if steps_per_epoch < batches else batches
+    if steps_per_epoch > batches:
+        what = f"so, as in model.fit, every epoch stops at the end of its pass, after {batches} steps"
+    else:
+        short = batches % steps_per_epoch
+        what = (
+            f"so, as in model.fit, the epoch that reaches the end of a pass stops there, after {short} steps, and "
+            "the next epoch starts a new pass"
+        )
     warnings.warn(
         f"steps_per_epoch={steps_per_epoch}, but one pass over the {num_samples} rows is {batches} batches of "
-        f"{global_batch_size}: as in model.fit, the epoch that reaches the end of a pass stops there, after "
-        f"{short} steps, and the next epoch starts a new pass. Pass a steps_per_epoch that divides {batches} "
-        "to make every epoch as long.",
+        f"{global_batch_size}, {what}. Pass a steps_per_epoch that divides {batches} to make every epoch "
+        f"{steps_per_epoch if steps_per_epoch < batches else 'as long as you asked'}.",
         UserWarning,
         stacklevel=3,
     )

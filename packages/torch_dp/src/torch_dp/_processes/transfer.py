@@ -217,6 +217,7 @@ class SharedArray:
     """A placeholder for an array leaf saved to ``path``; workers map it read-only."""
 
     path: str
+    dtype: np.dtype | None = None  # one a .npy file cannot name (ml_dtypes' bfloat16 reads back as raw bytes)
 
 
 @dataclass(frozen=True)
@@ -280,7 +281,7 @@ class SharedArrays:
         known = self._files.get(id(leaf))
         same = known is not None and known[0] is not None and known[0]() is leaf and known[1] == digest
         if known is not None and same and os.path.exists(known[2]):  # not removed by someone else meanwhile
-            return SharedArray(known[2])
+            return SharedArray(known[2], _own_dtype(array))
         path = os.path.join(self.directory, f"array_{self._count}.npy")
         self._count += 1
         np.save(path, array, allow_pickle=False)
@@ -290,13 +291,19 @@ class SharedArrays:
         except TypeError:  # cannot be watched (a plain list): written again at each call
             ref = None
         self._files[key] = (ref, digest, path)
-        return SharedArray(path)
+        return SharedArray(path, _own_dtype(array))
 
     def _forget(self, key: int, path: str) -> None:
         if self._files.get(key, (None, "", ""))[2] == path:
             del self._files[key]
         with contextlib.suppress(OSError):
             os.remove(path)
+
+
+def _own_dtype(array: np.ndarray) -> np.dtype | None:
+    """``array``'s dtype when it is not numpy's own (ml_dtypes' ``bfloat16``, float8s): ``.npy``
+    stores those as void bytes of their size, which ``open_shared`` views as the dtype again."""
+    return array.dtype if array.dtype.kind == "V" and array.dtype.names is None else None
 
 
 def _digest(array: np.ndarray) -> str:
@@ -311,7 +318,10 @@ def open_shared(inputs: Inputs) -> Inputs:
     def load(leaf: Any) -> Any:
         if isinstance(leaf, MappedFile):
             return leaf.open()
-        return np.load(leaf.path, mmap_mode="r", allow_pickle=False) if isinstance(leaf, SharedArray) else leaf
+        if not isinstance(leaf, SharedArray):
+            return leaf
+        array = np.load(leaf.path, mmap_mode="r", allow_pickle=False)
+        return array if leaf.dtype is None else array.view(leaf.dtype)
 
     return inputs.map_arrays(load)
 
