@@ -179,3 +179,19 @@ def test_a_progress_bar_passed_with_verbose_0_still_sees_every_batch_as_in_keras
     trainer = torch_dp.Trainer(num_replicas=1)
     trainer.fit(testing.dense_batchnorm_model(), x, y, global_batch_size=32, epochs=2, callbacks=[mine], verbose=0)
     assert mine.batch_ends == theirs.batch_ends == 2 * 4  # 99 rows in batches of 32
+
+
+def test_mixed_bfloat16_predict_returns_keras_s_bfloat16_outputs():
+    import ml_dtypes
+
+    x, _ = testing.data()
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        model = keras.Sequential([keras.Input((x.shape[1],)), keras.layers.Dense(3)])
+        expected = model.predict(x, batch_size=32, verbose=0)
+        got = torch_dp.Trainer(num_replicas=1).predict(model, x.astype(ml_dtypes.bfloat16), batch_size=32, verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert expected.dtype == got.dtype == np.dtype(ml_dtypes.bfloat16)
+    # bfloat16 inputs are read in float32 (as Keras casts them); x's own rounding moves an output by an ulp
+    np.testing.assert_allclose(got.astype("float32"), expected.astype("float32"), rtol=2e-2, atol=2e-2)
