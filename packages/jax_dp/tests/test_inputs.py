@@ -84,3 +84,22 @@ def test_dict_inputs_and_two_outputs_match_single_device_keras(data):
     assert_weights_close(reference, model)
     predictions = jax_dp.Trainer(2).predict(model, {"features": x}, global_batch_size=GLOBAL_BATCH, verbose=0)
     np.testing.assert_allclose(predictions["label"], model.predict({"features": x}, verbose=0)["label"], atol=1e-5)
+
+
+def test_an_epoch_plan_with_steps_per_epoch_reads_on_where_the_last_epoch_stopped():
+    from dp_core import ReplicaLayout
+    from dp_core.keras import Inputs
+    from jax_dp._data.sources import epoch_plan
+
+    inputs = Inputs(np.arange(99, dtype="float32")[:, None], np.arange(99))
+    layout = ReplicaLayout(num_processes=1, process_index=0, num_replicas=2)
+    plans = [
+        epoch_plan(inputs, layout=layout, global_batch_size=32, epoch=e, steps_per_epoch=2, shuffle=False)
+        for e in range(3)
+    ]
+    assert [plan.steps for plan in plans] == [2, 2, 2]
+    assert [plan.real_rows(1) for plan in plans] == [32, 3, 32]  # epoch 2 ends the pass: its last batch is short
+    epoch_2 = [label for host in plans[1].host_batches() for label in host.y[host.mask > 0].tolist()]
+    assert epoch_2 == list(range(64, 99)) and plans[1].padded and not plans[0].padded
+    first_rows = next(plans[2].host_batches()).y[:3].tolist()
+    assert first_rows == [0, 1, 2]  # a new pass

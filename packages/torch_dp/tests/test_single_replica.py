@@ -195,3 +195,18 @@ def test_mixed_bfloat16_predict_returns_keras_s_bfloat16_outputs():
     assert expected.dtype == got.dtype == np.dtype(ml_dtypes.bfloat16)
     # bfloat16 inputs are read in float32 (as Keras casts them); x's own rounding moves an output by an ulp
     np.testing.assert_allclose(got.astype("float32"), expected.astype("float32"), rtol=2e-2, atol=2e-2)
+
+
+def test_replica_batches_with_steps_per_epoch_read_on_where_the_last_epoch_stopped():
+    from dp_core.keras import Inputs
+    from torch_dp._data.batches import replica_batches
+
+    inputs = Inputs(np.arange(99, dtype="float32")[:, None], np.arange(99))
+    epochs = [
+        list(replica_batches(inputs, Replica(0, 1), global_batch_size=32, epoch=e, steps_per_epoch=2, prefetch=False))
+        for e in range(3)
+    ]
+    assert [[batch.global_real_rows for batch in epoch] for epoch in epochs] == [[32, 32], [32, 3], [32, 32]]
+    labels = [batch.y[: batch.real_rows].tolist() for batch in epochs[1]]
+    assert labels == [list(range(64, 96)), [96, 97, 98]]  # the pass's end; epoch 3 starts a new one
+    assert epochs[2][0].y[:2].tolist() == [0, 1] and epochs[1][1].partial
