@@ -84,8 +84,8 @@ def checked_call(
     (True, 8, 4)
     """
     size = global_batch_size_of(batch_size, global_batch_size, x)
-    arrays_by_steps = steps is not None and steps_name == "steps_per_epoch" and not is_batch_source(x)
-    if arrays_by_steps and batch_size is None and global_batch_size is None:
+    unsized = batch_size is None and global_batch_size is None
+    if steps is not None and steps_name == "steps_per_epoch" and unsized and not is_batch_source(x):
         size = steps_batch_size(x, y, sample_weight, steps)  # Keras's array adapter: ceil(rows / steps)
     require_backend(backend, package)
     if not isinstance(model, keras.Model) and callable(model):

@@ -85,7 +85,7 @@ def resume(
     *,
     seed: int,
     global_batch_size: int,
-    shuffle: bool,
+    shuffle: bool | str,
 ) -> Start:
     """Where the fit starts: the newest valid checkpoint's place, with weights and optimizer
     state already restored, or the beginning when there is none."""

@@ -69,7 +69,8 @@ def replica_batches(
     if prefetch is None:
         prefetch = reads_ahead(replica.device)
     if not isinstance(inputs, Inputs):
-        yield from _source_batches(inputs, replica, global_batch_size, epoch, seed, shuffle, first_step)
+        # a source's batch order: any true shuffle shuffles it, as Keras's PyDataset adapter reads it
+        yield from _source_batches(inputs, replica, global_batch_size, epoch, seed, bool(shuffle), first_step)
         return
     order = {"epoch": epoch, "seed": seed, "shuffle": shuffle, "first_epoch": first_epoch}
     order["steps_per_epoch"] = steps_per_epoch
@@ -216,7 +217,7 @@ def even_batches(
     if prefetch is None:
         prefetch = reads_ahead(replica.device)
     if not isinstance(inputs, Inputs):
-        for batch in global_batches(inputs, replica, epoch, seed, shuffle, first_step):
+        for batch in global_batches(inputs, replica, epoch, seed, bool(shuffle), first_step):
             real = batch_rows(batch)
             start, count = even_part(real, replica.num_replicas, replica.rank)
             rows = slice(start, start + count) if count else slice(0, 1)

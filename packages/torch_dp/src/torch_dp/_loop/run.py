@@ -8,9 +8,10 @@ kind of job does on a replica is here (``run_fit``, ``run_evaluate``, ``run_pred
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import keras
+import numpy as np
 import torch
 
 from dp_core import NO_STEP_TIMER, PreemptionWatch, StepTimer
@@ -150,6 +151,16 @@ def run_evaluate(model: keras.Model, job: EvaluateJob, replica: Replica) -> dict
         )
 
 
+def _tensor(leaf: Any) -> torch.Tensor:
+    """``leaf`` as Keras converts it: numpy has no bfloat16 of torch's (ml_dtypes' is Keras's)."""
+    return cast(torch.Tensor, keras.ops.convert_to_tensor(leaf))
+
+
+def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    """``tensor`` as Keras's predict returns it (a bfloat16 one as ml_dtypes' bfloat16)."""
+    return cast(np.ndarray, keras.ops.convert_to_numpy(tensor))
+
+
 def run_predict(model: keras.Model, job: PredictJob, replica: Replica) -> Any:
     """``predict`` on this replica; returns every row's outputs, in input order, in the
     structure the model's (or its own ``predict_step``'s) outputs have."""
@@ -166,9 +177,8 @@ def run_predict(model: keras.Model, job: PredictJob, replica: Replica) -> Any:
     local = keras.tree.flatten(outputs)
     # gathered on every replica: one collective, and no replica needs to know which one reports
     gather = all_gather_varying_rows if custom.predict else all_gather_rows
-    # Keras's conversions both ways: numpy has no bfloat16 of torch's (ml_dtypes' is Keras's)
-    on_device = [keras.ops.convert_to_tensor(leaf).to(replica.device) for leaf in local]
-    parts = [[keras.ops.convert_to_numpy(p) for p in gather(tensor, replica)] for tensor in on_device]
+    on_device = [_tensor(leaf).to(replica.device) for leaf in local]
+    parts = [[_numpy(p) for p in gather(tensor, replica)] for tensor in on_device]
     by_rank = [[parts[leaf][rank] for leaf in range(len(local))] for rank in range(replica.num_replicas)]
     if custom.predict:  # no padding: each global batch's rows split evenly
         leaves = in_even_order(by_rank, real_rows)
