@@ -134,6 +134,8 @@ def test_steps_per_epoch_of_arrays_is_kept_and_a_cut_short_epoch_is_warned_of():
     }
     with pytest.warns(UserWarning, match=r"steps_per_epoch=3, but one pass over the 10 rows is 2 batches of 8"):
         arguments(Inputs(x, y), steps_per_epoch=3)
+    with pytest.warns(UserWarning, match=r"one pass over the 8 rows is 1 batch of 8"):
+        arguments(Inputs(x, y), steps_per_epoch=2, validation_split=0.2)  # the rows left after the split
     with pytest.raises(ValueError, match=r"steps_per_epoch must be a positive integer, got 0"):
         arguments(Inputs(x, y), steps_per_epoch=0)
     assert arguments(batch_source(iter([(x, y)]), steps=4), steps_per_epoch=4).steps_per_epoch is None  # its own

@@ -250,7 +250,6 @@ def fit_arguments(
         steps_per_epoch = None
     elif steps_per_epoch is not None:
         steps_per_epoch = check_integer("steps_per_epoch", steps_per_epoch, minimum=1)
-        _warn_epochs_cut_short(inputs.num_samples, global_batch_size, steps_per_epoch)
     validation: Inputs | BatchSource | None = None
     if is_batch_source(validation_data):
         validation = batch_source(validation_data, steps=validation_steps, name="validation_data", restarts=True)
@@ -267,6 +266,8 @@ def fit_arguments(
                 f"{type(inputs.source).__name__}. Pass validation_data=... instead."
             )
         inputs, validation = _split_off_validation(inputs, validation_split)
+    if steps_per_epoch is not None and isinstance(inputs, Inputs):  # the rows left to train on
+        _warn_epochs_cut_short(inputs.num_samples, global_batch_size, steps_per_epoch)
     return FitArguments(
         inputs,
         global_batch_size,
@@ -308,7 +309,8 @@ def _warn_epochs_cut_short(num_samples: int, global_batch_size: int, steps_per_e
             "the next epoch starts a new pass"
         )
     warnings.warn(
-        f"steps_per_epoch={steps_per_epoch}, but one pass over the {num_samples} rows is {batches} batches of "
+        f"steps_per_epoch={steps_per_epoch}, but one pass over the {num_samples} rows is {batches} "
+        f"{'batch' if batches == 1 else 'batches'} of "
         f"{global_batch_size}, {what}. Pass a steps_per_epoch that divides {batches} to make every epoch "
         f"{steps_per_epoch if steps_per_epoch < batches else 'as long as you asked'}.",
         UserWarning,
