@@ -17,3 +17,16 @@ def test_bfloat16_arrays_reach_the_workers_as_bfloat16(tmp_path):
     rows, labels, _ = opened.rows(np.array([5, 0]))
     assert rows.dtype == np.float32 and rows.tolist() == x[[5, 0]].astype("float32").tolist()  # read in floatx
     assert labels.tolist() == [5, 0]
+
+
+def test_a_bfloat16_memory_map_is_mapped_by_the_workers_as_bfloat16(tmp_path):
+    path = str(tmp_path / "x.bin")
+    written = np.memmap(path, dtype=ml_dtypes.bfloat16, mode="w+", shape=(4, 2))
+    written[:] = np.arange(8, dtype="float32").reshape(4, 2)
+    written.flush()
+    x = np.memmap(path, dtype=ml_dtypes.bfloat16, mode="r", shape=(4, 2))
+    y = np.arange(4)  # written under "shared" (and removed once y is gone); x is mapped where it lies
+    (tmp_path / "shared").mkdir()
+    opened = open_shared(SharedArrays(str(tmp_path / "shared")).share(Inputs(x, y)))
+    assert isinstance(opened.x, np.memmap) and opened.x.dtype == np.dtype(ml_dtypes.bfloat16)
+    assert opened.x.astype("float32").tolist() == np.arange(8).reshape(4, 2).tolist()

@@ -34,7 +34,7 @@ class Trainer(Protocol):
         callbacks: Sequence[Any] | None = None,
         validation_split: float = 0.0,
         validation_data: Any = None,
-        shuffle: bool = True,
+        shuffle: bool | Literal["batch"] = True,
         class_weight: Mapping[int, float] | None = None,
         sample_weight: Any = None,
         initial_epoch: int = 0,

@@ -232,6 +232,7 @@ class MappedFile:
     shape: tuple[int, ...]
     offset: int
     fortran: bool
+    own_dtype: np.dtype | None = None  # one ``dtype``'s string cannot name (``_own_dtype``)
 
     @classmethod
     def of(cls, leaf: Any) -> MappedFile | None:
@@ -245,11 +246,12 @@ class MappedFile:
         if leaf.nbytes != whole and leaf.ndim:  # numpy maps exactly the array's bytes
             return None
         fortran = bool(leaf.flags.f_contiguous and not leaf.flags.c_contiguous)
-        return cls(os.fspath(leaf.filename), leaf.dtype.str, tuple(leaf.shape), int(leaf.offset), fortran)
+        path, own = os.fspath(leaf.filename), _own_dtype(leaf)
+        return cls(path, leaf.dtype.str, tuple(leaf.shape), int(leaf.offset), fortran, own)
 
     def open(self) -> np.memmap:
         order = "F" if self.fortran else "C"
-        dtype = np.dtype(self.dtype)
+        dtype = self.own_dtype if self.own_dtype is not None else np.dtype(self.dtype)
         return np.memmap(self.path, dtype=dtype, mode="r", offset=self.offset, shape=self.shape, order=order)
 
 
