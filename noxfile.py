@@ -285,7 +285,7 @@ def parity(session: nox.Session) -> None:
     scenarios (about 5 minutes on 2 cores; ``-- -k torch`` for one backend, ``-- -k class_weight`` for
     one scenario)."""
     pinned = f"keras{_keras_range()}"
-    _install_everything(session, pinned, *TEST_TOOLS)
+    _install_everything(session, pinned, "pandas", *TEST_TOOLS)  # pandas: a DataFrame is an input kind
     session.install("--upgrade", pinned)
     session.env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={JAX_HOST_DEVICES}"
     session.run("pytest", "tests/parity", *session.posargs)
