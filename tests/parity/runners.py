@@ -5,8 +5,8 @@ the Trainer's arguments, which are Keras's plus a few. ``TrainerRunner`` passes 
 untouched. ``KerasRunner`` calls ``model.fit`` with the same meaning: the global batch
 order the Trainer uses (``dp_core.epoch_order``, which Keras cannot draw itself), the
 validation rows Keras's ``validation_split`` would take, rows of a map-style dataset
-stacked into arrays. ``KerasRunner(nudge=...)`` multiplies every float input array by
-``nudge`` first: the rounding baseline's run.
+stacked into arrays. ``KerasRunner(nudge=...)`` multiplies every float input element by
+``1 + nudge`` or ``1 - nudge`` (a fixed pattern of signs) first: the rounding baseline's run.
 """
 
 from __future__ import annotations
@@ -86,7 +86,8 @@ class KerasRunner:
         return _model(model).predict(x, **_keras_batch(arguments))
 
     def _nudged(self, x: Any, y: Any) -> tuple[Any, Any]:
-        """``x``'s float arrays times ``nudge`` (as float32 arithmetic rounds it); ``y`` as it is."""
+        """``x``'s float elements times ``1 +- nudge``; ``y`` as it is. Not one factor for all: the first
+        BatchNormalization would divide it out, and the baseline would measure only what is left."""
         if self.nudge is None:
             return x, y
         if not _is_arrays(x):
@@ -98,7 +99,8 @@ class KerasRunner:
         def nudge(array: np.ndarray) -> np.ndarray:
             if not np.issubdtype(array.dtype, np.floating):
                 return array
-            return (array * array.dtype.type(self.nudge)).astype(array.dtype)
+            signs = np.random.default_rng(0).choice(np.array([-1.0, 1.0]), size=array.shape)
+            return (array * (1.0 + signs * self.nudge)).astype(array.dtype)
 
         return keras.tree.map_structure(nudge, x), y
 

@@ -11,7 +11,7 @@ padded on 2 replicas (one states why it does not).
 ``difference`` (compared only where model.fit's result does not depend on it) or expects
 ``errors`` on a backend (there the Trainer alone runs, and must refuse clearly). An
 ill-conditioned model states ``rounding_baseline=True``: Keras runs it again on inputs times
-``1 + 2**-20``, and each compared quantity may differ by up to 10 times what that moved.
+``1 +- 2**-20`` (element by element), and each compared quantity may differ by up to 10 times what that moved.
 docs/keras-compatibility.md is generated from these declarations (``compatibility.py``).
 """
 

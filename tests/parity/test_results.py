@@ -62,10 +62,10 @@ def test_a_difference_within_ten_times_the_nudged_runs_is_rounding():
 
 def test_each_quantity_is_judged_against_its_own_baseline_and_the_message_shows_both_numbers():
     # weights moved 10x more than predictions in the nudged run; that does not excuse predict
-    keras_result, nudged = _result(1.0, 0.5, 2.0), _result(1.02, 0.5005, 2 + 2**-8)
-    found = _judged(keras_result, _result(1.1, 0.5, 2.125), nudged)
+    keras_result, nudged = _result(1.0, 0.5, 2.0), _result(1.0625, 0.5005, 2 + 2**-8)
+    found = _judged(keras_result, _result(1.25, 0.5, 2.125), nudged)
     assert found == [
-        "r['predict']: largest relative difference 3.12e-02, 32x model.fit's own on inputs times 1 + 2**-20 "
+        "r['predict']: largest relative difference 3.12e-02, 32x model.fit's own on inputs times 1 +- 2**-20 "
         "(9.77e-04; up to 10x is rounding); first: r['predict']: 1 of 2 values differ, worst at [1]: 2 vs 2.125"
     ]
 
@@ -78,9 +78,12 @@ def test_with_no_baseline_difference_only_the_tolerance_is_rounding():
     assert found[0].startswith("r['weights']: largest relative difference 5.00e-04, infinitely many times")
 
 
-def test_types_keys_and_lengths_are_exact_whatever_the_baseline():
-    keras_result, nudged = {"history": {"loss": [0.5]}}, {"history": {"loss": [0.9]}}
-    assert _judged(keras_result, {"history": {"loss": [np.float32(0.5)]}}, nudged) == [
-        "r['history']['loss'][0]: type float vs float32"
-    ]
-    assert _judged(keras_result, {"history": {"loss": [0.5, 0.5]}}, nudged) == ["r['history']['loss']: length 1 vs 2"]
+def test_the_difference_is_measured_against_the_whole_quantitys_largest_magnitude():
+    # a tensor of rounding noise (a beta before another BatchNormalization) is not measured against itself
+    keras_result = {"weights": [np.array([400.0, 100.0], "float32"), np.array([0.01], "float32")]}
+    nudged = {"weights": [np.array([400.0, 100.5], "float32"), np.array([0.011], "float32")]}
+    trainer = {"weights": [np.array([400.0, 100.0], "float32"), np.array([-0.02], "float32")]}
+    assert _judged(keras_result, trainer, nudged) == []
+    trainer = {"weights": [np.array([400.0, 125.0], "float32"), np.array([0.01], "float32")]}
+    found = _judged(keras_result, trainer, nudged)
+    assert [line.split(",")[0] for line in found] == ["r['weights']: largest relative difference 6.25e-02"]
