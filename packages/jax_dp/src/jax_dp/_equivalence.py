@@ -43,7 +43,7 @@ def check_equivalence(
 
     ``rounding_baseline=True`` tells an ill-conditioned model (deep stacks of BatchNormalization,
     where float32 rounding alone moves the trained weights by 1e-4) apart from a bug: 1 replica
-    trains once more on the float inputs times ``1 + 2**-20`` (``x`` must be arrays), the report
+    trains once more with each float input times ``1 +- 2**-20`` (``x`` must be arrays), the report
     shows per layer how far that moved, and up to 10 times its largest is equivalent too.
 
     >>> report = jax_dp.check_equivalence(make_model, x, y, global_batch_size=64)  # doctest: +SKIP

@@ -76,7 +76,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument(
         "--rounding-baseline",
         action="store_true",
-        help="also train 1 replica on the float inputs times 1 + 2**-20, and count up to 10 times what that moves "
+        help="also train 1 replica with each float input times 1 +- 2**-20, and count up to 10 times what that moves "
         "as rounding (for ill-conditioned models)",
     )
     return parser

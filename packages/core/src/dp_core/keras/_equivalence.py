@@ -4,7 +4,7 @@ weights and data, compare them layer by layer, and name the differences the mode
 A backend injects how it trains (``Train``: a ``Trainer(num_replicas).fit``), and says whether
 its replicas draw their own random streams (torch-dp's do; jax-dp draws one mask for the
 whole global batch, as one device does). With ``rounding_baseline``, 1 replica trains a third
-time on the inputs times ``NUDGE``: how far rounding alone moves that model.
+time on each float input element times ``1 +- NUDGE``: how far rounding alone moves that model.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def compare_replica_counts(
 ) -> EquivalenceReport:
     """Train copies of ``model`` (a compiled model, left untouched, or a factory) for ``steps``
     global batches on 1 replica and on ``num_replicas``, and compare them (see ``check_equivalence``).
-    With ``rounding_baseline``, a third copy trains on 1 replica on ``x`` times ``NUDGE``."""
+    With ``rounding_baseline``, a third copy trains on 1 replica on ``nudged(x)``."""
     _check_arguments(global_batch_size, steps, num_replicas, tolerance)
     check_batch_norm_mode(batch_norm)
     x, y, steps_per_epoch = first_steps(x, y, global_batch_size=global_batch_size, steps=steps)
@@ -88,17 +88,18 @@ def compare_replica_counts(
 
 
 def nudged(x: Any) -> Any:
-    """``x``'s float arrays times ``NUDGE``, each in its own dtype (other arrays as they are)."""
+    """``x`` with each float element times ``1 + NUDGE`` or ``1 - NUDGE`` (a fixed pattern of signs), in
+    its own dtype; other arrays as they are."""
     if is_batch_source(x) or is_map_dataset(x) or isinstance(x, Iterator):
         raise ValueError(
-            f"rounding_baseline=True multiplies the inputs by 1 + 2**-20, which needs x as arrays (a numpy array, "
+            f"rounding_baseline=True multiplies the inputs by 1 +- 2**-20, which needs x as arrays (a numpy array, "
             f"or a dict, list or tuple of them); got {type(x).__name__}. Pass the data as arrays, or leave "
             "rounding_baseline off."
         )
     floats = [leaf for leaf in flatten(x) if np.issubdtype(np.asarray(leaf).dtype, np.floating)]
     if not floats:
         raise ValueError(
-            "rounding_baseline=True multiplies the float inputs by 1 + 2**-20, but x holds no float arrays "
+            "rounding_baseline=True multiplies the float inputs by 1 +- 2**-20, but x holds no float arrays "
             "(integer ids stay as they are, so the baseline would measure nothing). Leave rounding_baseline off."
         )
 
@@ -106,7 +107,8 @@ def nudged(x: Any) -> Any:
         array = np.asarray(array)
         if not np.issubdtype(array.dtype, np.floating):
             return array
-        return (array * array.dtype.type(NUDGE)).astype(array.dtype)
+        signs = np.random.default_rng(0).choice(np.array([-1.0, 1.0]), size=array.shape)
+        return (array * (1.0 + signs * NUDGE)).astype(array.dtype)
 
     return map_structure(nudge, x)
 
