@@ -1,9 +1,11 @@
 """Parity scenarios: keras.applications image models with BatchNormalization, built with
 `weights=None`.
 
-Deep stacks of BatchNormalization are ill-conditioned: ``model.fit`` itself moves by about
-1e-4 (relative) when the inputs move by float32 rounding, so these are judged against that
-(``rounding_baseline``). 32x32 inputs, 3 classes, 1 epoch: the models compile in seconds.
+Deep stacks of BatchNormalization are ill-conditioned: ``model.fit`` itself moves when its
+inputs move by float32 rounding (MobileNetV3Small on 99 rows: weights by 1.5e-3, relative), so
+these are judged against that (``rounding_baseline``). 64x64 images, not 32x32: there the last
+feature maps are 1x1, the 3-row last batch normalizes 3 values per channel, and the nudge
+alone moves model.fit's weights by 50%, a baseline that lets anything pass. 3 classes, 1 epoch.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ LEARNING_RATE = 0.001
 
 
 def color_images(name: str, num_samples: int = NUM_SAMPLES) -> tuple[np.ndarray, np.ndarray]:
-    """32x32 RGB images, 3 classes."""
+    """64x64 RGB images, 3 classes."""
     x = rng(name).normal(size=(num_samples, *IMAGE_SHAPE)).astype("float32")
     return x, (x.mean(axis=(1, 2, 3)) * 20 > 0).astype("int64") + (x[:, 0, 0, 0] > 1)
 
@@ -58,7 +60,7 @@ def mobilenet_v2() -> keras.Model:
 
 @scenario("model.mobilenet_v3", "feature.batch_normalization", rounding_baseline=True)
 def mobilenet_v3_small_99_rows(run: Runner) -> Any:
-    """`keras.applications.MobileNetV3Small(alpha=0.75, minimalistic=True)`, 34 BatchNormalization layers, 99 rows."""
+    """`keras.applications.MobileNetV3Small(alpha=0.75, minimalistic=True)` (34 BatchNormalization), SGD, 99 rows."""
     return _trained(run, "mobilenet_v3_small_99_rows", mobilenet_v3_small)
 
 
@@ -68,13 +70,16 @@ def mobilenet_v3_small_96_rows(run: Runner) -> Any:
     return _trained(run, "mobilenet_v3_small_96_rows", mobilenet_v3_small, 3 * BATCH_SIZE)
 
 
-@scenario("model.mobilenet_v2", "feature.batch_normalization", rounding_baseline=True)
+# torch only: on jax its three sides take 7 minutes on 2 shared CPU cores (Keras's own compile twice,
+# the Trainer's once), and its baseline is wide (the nudge moves model.fit's weights by 6e-2 to 8e-2):
+# MobileNetV3Small is the model that tests jax_dp.
+@scenario(
+    "model.mobilenet_v2",
+    "feature.batch_normalization",
+    rounding_baseline=True,
+    backends=("torch",),
+    cross_backend=False,
+)
 def mobilenet_v2_99_rows(run: Runner) -> Any:
-    """`keras.applications.MobileNetV2(alpha=0.35)`, 52 BatchNormalization layers, 99 rows."""
+    """`keras.applications.MobileNetV2(alpha=0.35)` (52 BatchNormalization), SGD with momentum, 99 rows."""
     return _trained(run, "mobilenet_v2_99_rows", mobilenet_v2)
-
-
-@scenario("model.mobilenet_v2", "feature.batch_normalization", rounding_baseline=True)
-def mobilenet_v2_96_rows(run: Runner) -> Any:
-    """`MobileNetV2` on 96 rows: 3 full global batches, no short one."""
-    return _trained(run, "mobilenet_v2_96_rows", mobilenet_v2, 3 * BATCH_SIZE)
