@@ -112,6 +112,8 @@ def _scenario_cell(scenario: Scenario, backend: str) -> str:
         return "clear error"
     if scenario.difference:
         return "stated difference"
+    if scenario.rounding_baseline:
+        return "within 10x model.fit's own rounding"
     return "exact" if scenario.tolerance in (None, FP32) else "exact within float16 noise"
 
 

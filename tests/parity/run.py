@@ -2,7 +2,8 @@
 
     KERAS_BACKEND=torch python tests/parity/run.py --output torch.json [--scenarios NAME ...]
 
-Per scenario: plain Keras on one device, then ``<backend>_dp.Trainer(num_replicas=2)``. A
+Per scenario: plain Keras on one device, then ``<backend>_dp.Trainer(num_replicas=2)``; with a
+rounding baseline, plain Keras once more on inputs times ``results.NUDGE`` (``nudged``). A
 side that raises is recorded (type, message, traceback) and the next scenario runs; the
 file is rewritten after every scenario, so a run cut short still reports what it did. One
 Trainer serves the scenarios in turn (a Trainer is a session) until one of them fails.
@@ -28,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the ``parity`` p
 
 import keras
 
-from parity.results import encode
+from parity.results import NUDGE, encode
 from parity.runners import KerasRunner, Runner, TrainerRunner
 from parity.scenarios import SCENARIOS, Scenario
 
@@ -124,6 +125,8 @@ def main() -> None:
     for scenario in selected:
         refused = backend in scenario.errors
         entry = {} if refused else {"keras": attempt(scenario, KerasRunner())}
+        if scenario.rounding_baseline and not refused:
+            entry["nudged"] = attempt(scenario, KerasRunner(nudge=NUDGE))
         try:
             entry["trainer"] = attempt(scenario, trainers.runner())
         except Exception as error:  # the Trainer itself could not start

@@ -5,7 +5,8 @@ the Trainer's arguments, which are Keras's plus a few. ``TrainerRunner`` passes 
 untouched. ``KerasRunner`` calls ``model.fit`` with the same meaning: the global batch
 order the Trainer uses (``dp_core.epoch_order``, which Keras cannot draw itself), the
 validation rows Keras's ``validation_split`` would take, rows of a map-style dataset
-stacked into arrays.
+stacked into arrays. ``KerasRunner(nudge=...)`` multiplies every float input element by
+``1 + nudge`` or ``1 - nudge`` (a fixed pattern of signs) first: the rounding baseline's run.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ class KerasRunner:
 
     name = "keras"
 
+    def __init__(self, nudge: float | None = None) -> None:
+        self.nudge = nudge
+
     def fit(
         self,
         model: Any,
@@ -63,7 +67,9 @@ class KerasRunner:
         seed: int = 0,
         **arguments: Any,
     ) -> keras.callbacks.History:
-        model, (x, y) = _model(model), _arrays_of_rows(x, y)
+        model, (x, y) = _model(model), self._nudged(*_arrays_of_rows(x, y))
+        if self.nudge is not None and isinstance(validation := arguments.get("validation_data"), tuple):
+            arguments["validation_data"] = (self._nudged(validation[0], None)[0], *validation[1:])
         batch_size = batch_size or global_batch_size
         if not shuffle:
             return model.fit(x, y, batch_size=batch_size, shuffle=False, **arguments)
@@ -76,12 +82,31 @@ class KerasRunner:
         return _fit_in_epoch_order(model, x, y, batch_size=batch_size or 32, seed=seed, shuffle=shuffle, **arguments)
 
     def evaluate(self, model: Any, x: Any = None, y: Any = None, **arguments: Any) -> Any:
-        x, y = _arrays_of_rows(x, y)
+        x, y = self._nudged(*_arrays_of_rows(x, y))
         return _model(model).evaluate(x, y, **_keras_batch(arguments))
 
     def predict(self, model: Any, x: Any, **arguments: Any) -> Any:
-        x, _ = _arrays_of_rows(x, None)
+        x, _ = self._nudged(*_arrays_of_rows(x, None))
         return _model(model).predict(x, **_keras_batch(arguments))
+
+    def _nudged(self, x: Any, y: Any) -> tuple[Any, Any]:
+        """``x``'s float elements times ``1 +- nudge``; ``y`` as it is. Not one factor for all: the first
+        BatchNormalization would divide it out, and the baseline would measure only what is left."""
+        if self.nudge is None:
+            return x, y
+        if not _is_arrays(x):
+            raise ValueError(
+                f"parity: a rounding baseline nudges the inputs, which must be numpy arrays here; got "
+                f"{type(x).__name__}. Feed arrays, or drop rounding_baseline from the scenario."
+            )
+
+        def nudge(array: np.ndarray) -> np.ndarray:
+            if not np.issubdtype(array.dtype, np.floating):
+                return array
+            signs = np.random.default_rng(0).choice(np.array([-1.0, 1.0]), size=array.shape)
+            return (array * (1.0 + signs * self.nudge)).astype(array.dtype)
+
+        return keras.tree.map_structure(nudge, x), y
 
 
 def _model(model: Any) -> keras.Model:

@@ -9,7 +9,9 @@ padded on 2 replicas (one states why it does not).
 ``predict.<argument>`` (Keras's names), ``input.<kind>``, ``trainer.<argument>``,
 ``compile.<option>`` or ``feature.<what>``. It proves them exact, unless it states a
 ``difference`` (compared only where model.fit's result does not depend on it) or expects
-``errors`` on a backend (there the Trainer alone runs, and must refuse clearly).
+``errors`` on a backend (there the Trainer alone runs, and must refuse clearly). An
+ill-conditioned model states ``rounding_baseline=True``: Keras runs it again on inputs times
+``1 +- 2**-20`` (element by element), and each compared quantity may differ by up to 10 times what that moved.
 docs/keras-compatibility.md is generated from these declarations (``compatibility.py``).
 """
 
@@ -79,6 +81,7 @@ class Scenario:
     difference: str | None = None  # what differs from model.fit by design, for the docs page
     errors: dict[str, Expected] = field(default_factory=dict)  # per backend; there the Trainer alone runs
     cross_backend: bool = True  # torch_dp and jax_dp must agree too
+    rounding_baseline: bool = False  # judged against model.fit on nudged inputs (results.rounding_differences)
 
     def compared_on(self, backend: str) -> bool:
         """Whether ``backend``'s Trainer is compared with Keras (and not expected to refuse)."""

@@ -3,7 +3,8 @@
 Each backend runs every scenario in one fresh subprocess (``run.py``, its own KERAS_BACKEND):
 plain Keras on one device, then the backend's Trainer. One test per (scenario, backend) says
 whether the Trainer gave what Keras gave; a failure names the scenario and the first places
-that differ, or what the Trainer raised.
+that differ, or what the Trainer raised. A scenario with ``rounding_baseline`` is judged
+against Keras's own run on nudged inputs (``results.rounding_differences``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import keras
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from parity.results import differences
+from parity.results import differences, rounding_differences
 from parity.scenarios import BACKENDS, BY_NAME, CROSS_BACKEND, FP32, SCENARIOS
 
 RUNNER = Path(__file__).with_name("run.py")
@@ -104,6 +105,14 @@ def _side(report: dict[str, Any], scenario: str, side: str) -> dict[str, Any]:
     return entry[side]
 
 
+def _baseline(report: dict[str, Any], scenario: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Keras's result and Keras's on nudged inputs: what rounding alone moves on this backend."""
+    runs = {side: _side(report, scenario, side) for side in ("keras", "nudged")}
+    for side, run in runs.items():
+        assert "error" not in run, f"the scenario fails on plain Keras ({side}, {report['backend']}): {_raised(run)}"
+    return runs["keras"]["result"], runs["nudged"]["result"]
+
+
 def _raised(run: dict[str, Any]) -> str:
     return f"{run['error']['first_line']}\n\n{run['error']['traceback']}"
 
@@ -121,7 +130,11 @@ def test_trainer_gives_what_keras_gives(matrix, scenario, backend):
     assert "error" not in keras_run, f"the scenario fails on plain Keras ({backend}): {_raised(keras_run)}"
     assert "error" not in trainer_run, f"{backend}_dp raised {_raised(trainer_run)}"
     tolerance = BY_NAME[scenario].tolerance or FP32
-    found = differences(keras_run["result"], trainer_run["result"], tolerance, where=scenario)
+    if BY_NAME[scenario].rounding_baseline:
+        baseline = _baseline(report, scenario)
+        found = rounding_differences(keras_run["result"], trainer_run["result"], [baseline], tolerance, where=scenario)
+    else:
+        found = differences(keras_run["result"], trainer_run["result"], tolerance, where=scenario)
     assert not found, f"{backend}_dp differs from model.fit in {len(found)} places:\n" + "\n".join(found[:12])
 
 
@@ -133,7 +146,12 @@ def test_torch_dp_equals_jax_dp(matrix, scenario):
     for backend, run in runs.items():
         assert "error" not in run, f"{backend}_dp raised {_raised(run)}"
     tolerance = {key: max(CROSS_BACKEND[key], (BY_NAME[scenario].tolerance or FP32)[key]) for key in CROSS_BACKEND}
-    found = differences(runs["torch"]["result"], runs["jax"]["result"], tolerance, where=scenario)
+    torch_result, jax_result = runs["torch"]["result"], runs["jax"]["result"]
+    if BY_NAME[scenario].rounding_baseline:  # allowed what rounding moves on either backend
+        baselines = [_baseline(matrix(backend), scenario) for backend in BACKENDS]
+        found = rounding_differences(torch_result, jax_result, baselines, tolerance, where=scenario)
+    else:
+        found = differences(torch_result, jax_result, tolerance, where=scenario)
     assert not found, f"torch_dp and jax_dp differ in {len(found)} places:\n" + "\n".join(found[:12])
 
 

@@ -13,7 +13,7 @@ from dp_core._equivalence import ROUNDING, UNEXPLAINED, relative_difference
 BY_DESIGN = "per-replica random streams: random layers (dropout) draw ..."
 
 
-def report(differences, causes=(), tolerance=1e-5, losses=(1.25, 1.0), replica_losses=(1.25, 1.000002)):
+def report(differences, causes=(), tolerance=1e-5, losses=(1.25, 1.0), replica_losses=(1.25, 1.000002), **baseline):
     return EquivalenceReport(
         num_replicas=2,
         global_batch_size=32,
@@ -22,6 +22,7 @@ def report(differences, causes=(), tolerance=1e-5, losses=(1.25, 1.0), replica_l
         replica_losses=replica_losses,
         tolerance=tolerance,
         causes=causes,
+        **baseline,
     )
 
 
@@ -118,3 +119,60 @@ def test_the_report_is_frozen_even_through_the_dict_it_was_given():
         result.layer_differences["dense"] = 1.0  # type: ignore[index]
     with pytest.raises(AttributeError):
         result.tolerance = 1.0  # type: ignore[misc]
+
+
+def test_a_layer_within_ten_times_its_rounding_baseline_is_equivalent_and_the_verdict_shows_both():
+    result = report(
+        {"conv": 3e-3, "bn": 2e-2, "dense": 1e-6}, baseline_differences={"conv": 1e-3, "bn": 4e-3, "dense": 0}
+    )
+    assert result.equivalent and result.within_baseline
+    assert result.verdict == (
+        "equivalent within rounding (largest relative difference 2.0e-02; every layer within 10x its rounding "
+        "baseline, the furthest bn 2.0e-02, 5x its rounding baseline 4.0e-03)"
+    )
+    assert result.reasons[0] == ROUNDING
+    assert result.reasons[1].startswith("an ill-conditioned model: 1 replica's own run moves by 4.0e-03")
+
+
+def test_each_layer_is_judged_against_its_own_rounding_baseline_not_the_largest():
+    # bn's large baseline does not excuse conv, whose own run moved 30 times less than the replicas' did
+    result = report({"conv": 3e-2, "bn": 2e-2}, baseline_differences={"conv": 1e-3, "bn": 5e-1})
+    assert not result.equivalent
+    assert result.reasons == (UNEXPLAINED,)
+    assert result.verdict == (
+        "NOT equivalent (largest relative difference 3.0e-02 > tolerance 1e-05; conv 3.0e-02, 30x its rounding "
+        "baseline 1.0e-03, above 10x)"
+    )
+    moved_nothing = report({"conv": 3e-2}, baseline_differences={"conv": 0.0})
+    assert not moved_nothing.equivalent
+    assert "conv 3.0e-02, infinitely many times its rounding baseline 0.0e+00" in moved_nothing.verdict
+
+
+def test_without_a_rounding_baseline_only_the_tolerance_decides():
+    assert not report({"conv": 3e-3}).within_baseline
+    assert not report({"conv": 3e-3}).equivalent
+    assert report({"conv": 3e-3}).baseline is None
+
+
+def test_the_report_prints_the_rounding_baseline_beside_each_layer_and_its_losses():
+    result = report(
+        {"dense": 6e-4, "batch_normalization": 0.0},
+        baseline_differences={"dense": 2e-4, "batch_normalization": 0.0},
+        baseline_losses=(1.25, 1.0001),
+    )
+    lines = str(result).splitlines()
+    assert lines[2:5] == [
+        "layer                max relative weight difference  rounding baseline",
+        "dense                6.0e-04                         2.0e-04",
+        "batch_normalization  0.0e+00                         0.0e+00",
+    ]
+    assert lines[6:9] == [
+        "step  loss (1 replica)  loss (2 replicas)  loss (1 replica, inputs times 1 +- 2**-20)",
+        "1     1.25              1.25               1.25",
+        "2     1                 1.000002           1.0001",
+    ]
+
+
+def test_a_rounding_baseline_of_other_layers_is_refused():
+    with pytest.raises(ValueError, match=r"must name the layers of layer_differences, \['dense'\]; got \['conv'\]"):
+        report({"dense": 0.0}, baseline_differences={"conv": 0.0})

@@ -57,3 +57,15 @@ def test_the_command_exits_0_when_equivalent_and_1_above_the_tolerance():
     assert different.returncode == 1, different.stderr
     assert "Verdict: different by design" in different.stdout
     assert "per-replica random streams" in different.stdout
+
+
+def test_the_rounding_baseline_shows_per_layer_what_nudged_inputs_move_on_one_replica():
+    x, y = data()
+    report = torch_dp.check_equivalence(
+        exact_model, x, y, global_batch_size=32, steps=4, rounding_baseline=True, verbose=False
+    )
+    assert report.equivalent
+    assert list(report.baseline_differences) == list(report.layer_differences)
+    assert 0 < report.baseline < 1e-3  # inputs moved by 2**-20 move the weights, a little
+    assert len(report.baseline_losses) == 4 and report.baseline_losses != report.losses
+    assert "rounding baseline" in str(report).splitlines()[2]

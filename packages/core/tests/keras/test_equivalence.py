@@ -17,8 +17,10 @@ from dp_core.keras import run_check_command
 from dp_core.keras._equivalence import (
     FirstItems,
     StartingFrom,
+    compare_replica_counts,
     first_steps,
     known_causes,
+    nudged,
     starting_models,
     weight_differences,
 )
@@ -157,6 +159,45 @@ def test_known_causes_name_the_layers_that_differ_by_design():
     assert known_causes(dense_model(), batch_norm="per_replica", replica_random_streams=True) == ()
 
 
+def test_nudged_moves_each_float_element_by_2_to_the_minus_20_up_or_down_and_leaves_ids_alone():
+    x = {"pixels": np.ones((50, 4), "float32"), "ids": np.arange(50).reshape(50, 1)}
+    moved = nudged(x)
+    np.testing.assert_array_equal(moved["ids"], x["ids"])
+    assert moved["pixels"].dtype == np.float32
+    assert set(np.unique(moved["pixels"] - 1.0).tolist()) == {-(2.0**-20), 2.0**-20}  # both ways, exactly
+    np.testing.assert_array_equal(nudged(x)["pixels"], moved["pixels"])  # the same pattern each time
+
+
+def test_nudged_refuses_data_it_cannot_multiply_saying_what_to_pass():
+    with pytest.raises(ValueError, match="needs x as arrays .* got FirstItems"):
+        nudged(FirstItems([(np.zeros(2), 0)] * 4, 2))
+    with pytest.raises(ValueError, match="x holds no float arrays"):
+        nudged(np.arange(8).reshape(4, 2))
+
+
+def test_the_rounding_baseline_trains_a_third_copy_on_one_replica_on_nudged_inputs():
+    calls = []
+
+    def train(num_replicas, model, *, x, y, global_batch_size, seed, **arguments):
+        calls.append((num_replicas, x.copy()))
+        return model.fit(x, y, batch_size=global_batch_size, **arguments)
+
+    x, y = data(16)
+    model = dense_model()
+    common = {"global_batch_size": 4, "steps": 2, "replica_random_streams": False}
+    report = compare_replica_counts(train, model, x, y, rounding_baseline=True, **common)
+    assert [replicas for replicas, _ in calls] == [1, 2, 1]
+    np.testing.assert_array_equal(calls[1][1], x[:8])
+    np.testing.assert_array_equal(calls[2][1], nudged(x[:8]))
+    # the stand-in trains 2 replicas as 1: identical weights, and the nudged run moved every layer
+    assert set(report.layer_differences.values()) == {0.0}
+    assert list(report.baseline_differences) == list(report.layer_differences)
+    assert all(0 < moved < 1e-4 for moved in report.baseline_differences.values())
+    assert len(report.baseline_losses) == 2 and report.baseline_losses != report.losses
+    assert compare_replica_counts(train, model, x, y, **common).baseline_differences is None
+    assert len(calls) == 5  # without it, two runs
+
+
 @pytest.fixture
 def user_module(tmp_path, monkeypatch):
     """A module the command line imports by name, as a user's would be."""
@@ -207,11 +248,14 @@ def test_the_command_exits_0_when_equivalent_and_1_when_not(user_module, capsys)
         "tolerance": 1e-5,
         "seed": 0,
         "batch_norm": "global",
+        "rounding_baseline": False,
         "verbose": False,
     }
     assert run_check_command(stand_in(1e-3, calls), [*argv, "--tolerance", "1e-4"], prog="check") == 1
     assert "Verdict: NOT equivalent" in capsys.readouterr().out
     assert calls[1][3]["tolerance"] == 1e-4
+    run_check_command(stand_in(1e-7, calls), [*argv, "--rounding-baseline"], prog="check")
+    assert calls[2][3]["rounding_baseline"] is True
 
 
 @pytest.mark.parametrize(

@@ -42,6 +42,7 @@ def run_check_command(check: Check, argv: Sequence[str] | None = None, *, prog: 
             tolerance=arguments.tolerance,
             seed=arguments.seed,
             batch_norm=arguments.batch_norm,
+            rounding_baseline=arguments.rounding_baseline,
             verbose=False,
         )
     except (ValueError, TypeError) as error:  # what the trainers say of a model or data they cannot take
@@ -72,6 +73,12 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=int, default=0, help="the fit's seed (default 0)")
     parser.add_argument("--batch-norm", choices=BATCH_NORM_MODES, default="global", help="the trainer's batch_norm")
+    parser.add_argument(
+        "--rounding-baseline",
+        action="store_true",
+        help="also train 1 replica with each float input times 1 +- 2**-20, and count up to 10 times what that moves "
+        "as rounding (for ill-conditioned models)",
+    )
     return parser
 
 

@@ -3,7 +3,8 @@ weights and data, compare them layer by layer, and name the differences the mode
 
 A backend injects how it trains (``Train``: a ``Trainer(num_replicas).fit``), and says whether
 its replicas draw their own random streams (torch-dp's do; jax-dp draws one mask for the
-whole global batch, as one device does).
+whole global batch, as one device does). With ``rounding_baseline``, 1 replica trains a third
+time on each float input element times ``1 +- NUDGE``: how far rounding alone moves that model.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import keras
 import numpy as np
 
 from dp_core._batch import per_replica_batch_size
-from dp_core._data import is_map_dataset, map_structure
-from dp_core._equivalence import DEFAULT_TOLERANCE, EquivalenceReport, relative_difference
+from dp_core._data import flatten, is_map_dataset, map_structure
+from dp_core._equivalence import DEFAULT_TOLERANCE, NUDGE, EquivalenceReport, relative_difference
 from dp_core._options import BatchNormMode, check_batch_norm_mode
 from dp_core.keras import _internals
 from dp_core.keras._arguments import batch_source
@@ -46,13 +47,16 @@ def compare_replica_counts(
     seed: int = 0,
     batch_norm: BatchNormMode = "global",
     replica_random_streams: bool,
+    rounding_baseline: bool = False,
 ) -> EquivalenceReport:
     """Train copies of ``model`` (a compiled model, left untouched, or a factory) for ``steps``
-    global batches on 1 replica and on ``num_replicas``, and compare them (see ``check_equivalence``)."""
+    global batches on 1 replica and on ``num_replicas``, and compare them (see ``check_equivalence``).
+    With ``rounding_baseline``, a third copy trains on 1 replica on ``nudged(x)``."""
     _check_arguments(global_batch_size, steps, num_replicas, tolerance)
     check_batch_norm_mode(batch_norm)
     x, y, steps_per_epoch = first_steps(x, y, global_batch_size=global_batch_size, steps=steps)
-    first, second = starting_models(model, x, y)
+    nudged_x = nudged(x) if rounding_baseline else None  # refused before anything trains
+    first, second, *third = starting_models(model, x, y, count=3 if rounding_baseline else 2)
     fit_arguments = {
         "x": x,
         "y": y,
@@ -66,6 +70,10 @@ def compare_replica_counts(
     one, many = LossCurve(), LossCurve()
     reference = _trained(train(1, first, callbacks=[one], **fit_arguments))
     replicated = _trained(train(num_replicas, second, callbacks=[many], **fit_arguments))
+    baseline, baseline_curve = None, LossCurve()
+    if third:
+        arguments = {**fit_arguments, "x": nudged_x}
+        baseline = weight_differences(reference, _trained(train(1, third[0], callbacks=[baseline_curve], **arguments)))
     return EquivalenceReport(
         num_replicas=num_replicas,
         global_batch_size=global_batch_size,
@@ -74,7 +82,35 @@ def compare_replica_counts(
         replica_losses=tuple(many.losses),
         tolerance=tolerance,
         causes=known_causes(reference, batch_norm=batch_norm, replica_random_streams=replica_random_streams),
+        baseline_differences=baseline,
+        baseline_losses=tuple(baseline_curve.losses),
     )
+
+
+def nudged(x: Any) -> Any:
+    """``x`` with each float element times ``1 + NUDGE`` or ``1 - NUDGE`` (a fixed pattern of signs), in
+    its own dtype; other arrays as they are."""
+    if is_batch_source(x) or is_map_dataset(x) or isinstance(x, Iterator):
+        raise ValueError(
+            f"rounding_baseline=True multiplies the inputs by 1 +- 2**-20, which needs x as arrays (a numpy array, "
+            f"or a dict, list or tuple of them); got {type(x).__name__}. Pass the data as arrays, or leave "
+            "rounding_baseline off."
+        )
+    floats = [leaf for leaf in flatten(x) if np.issubdtype(np.asarray(leaf).dtype, np.floating)]
+    if not floats:
+        raise ValueError(
+            "rounding_baseline=True multiplies the float inputs by 1 +- 2**-20, but x holds no float arrays "
+            "(integer ids stay as they are, so the baseline would measure nothing). Leave rounding_baseline off."
+        )
+
+    def nudge(array: Any) -> Any:
+        array = np.asarray(array)
+        if not np.issubdtype(array.dtype, np.floating):
+            return array
+        signs = np.random.default_rng(0).choice(np.array([-1.0, 1.0]), size=array.shape)
+        return (array * (1.0 + signs * NUDGE)).astype(array.dtype)
+
+    return map_structure(nudge, x)
 
 
 def _trained(history: keras.callbacks.History) -> keras.Model:
@@ -126,23 +162,25 @@ class FirstItems:
         return self.dataset[index % self.count]
 
 
-def starting_models(model: Any, x: Any, y: Any) -> tuple[keras.Model, Any]:
-    """Two models for the two runs, built, with the same weights and random-seed states: copies
+def starting_models(model: Any, x: Any, y: Any, count: int = 2) -> tuple[Any, ...]:
+    """``count`` models for the runs, built, with the same weights and random-seed states: copies
     of a compiled model (``clone_model``, compiled like it; the caller's stays untouched), or
-    for a factory, the model it builds and a factory that builds one more starting where it does."""
+    for a factory, the model it builds and factories that build one more starting where it does."""
     rows = Rows(*(batch_source(x, y) if is_batch_source(x) else Inputs(x, y)).first_rows())
     if not isinstance(model, keras.Model):
         first = resolve_model(model)
         build_model(first, rows)
-        return first, StartingFrom(model, first.get_weights(), _seed_states(first), rows)
+        more = StartingFrom(model, first.get_weights(), _seed_states(first), rows)
+        return (first, *([more] * (count - 1)))
     resolve_model(model)  # a clear error for an uncompiled model, before cloning
-    first, second = _compiled_copy(model), _compiled_copy(model)
+    first, *more = (_compiled_copy(model) for _ in range(count))
     build_model(first, rows)
-    build_model(second, rows)
     if model.built:
         _start_like(first, model.get_weights(), _seed_states(model))
-    _start_like(second, first.get_weights(), _seed_states(first))
-    return first, second
+    for copy in more:
+        build_model(copy, rows)
+        _start_like(copy, first.get_weights(), _seed_states(first))
+    return (first, *more)
 
 
 class Rows:
