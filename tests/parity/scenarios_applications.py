@@ -16,7 +16,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from parity.models import BATCH_SIZE, NUM_SAMPLES, numpy_weights, rng
+from parity.models import NUM_SAMPLES, numpy_weights, rng
 from parity.runners import Runner
 from parity.scenarios import _fit, outcome, scenario
 
@@ -62,12 +62,6 @@ def mobilenet_v2() -> keras.Model:
 def mobilenet_v3_small_99_rows(run: Runner) -> Any:
     """`keras.applications.MobileNetV3Small(alpha=0.75, minimalistic=True)` (34 BatchNormalization), SGD, 99 rows."""
     return _trained(run, "mobilenet_v3_small_99_rows", mobilenet_v3_small)
-
-
-@scenario("model.mobilenet_v3", "feature.batch_normalization", rounding_baseline=True)
-def mobilenet_v3_small_96_rows(run: Runner) -> Any:
-    """`MobileNetV3Small` on 96 rows: 3 full global batches, no short one."""
-    return _trained(run, "mobilenet_v3_small_96_rows", mobilenet_v3_small, 3 * BATCH_SIZE)
 
 
 # torch only: on jax its three sides take 7 minutes on 2 shared CPU cores (Keras's own compile twice,
