@@ -96,3 +96,12 @@ def callback_freezes_layer(run: Runner) -> Any:
     x, y = tabular("callback_freezes_layer")
     history = _fit(run, mlp("callback_freezes_layer"), x, y, epochs=3, callbacks=[_FreezesFirstLayer()])
     return outcome(run, history, x, y)
+
+
+@scenario("fit.callbacks")
+def terminate_on_nan(run: Runner) -> Any:
+    """`TerminateOnNaN()`: an inf in row 40 makes step 1's loss NaN; the step is applied and training stops there."""
+    x, y = tabular("terminate_on_nan")
+    x[40, 0] = np.inf
+    history = _fit(run, mlp("terminate_on_nan"), x, y, epochs=3, callbacks=[keras.callbacks.TerminateOnNaN()])
+    return outcome(run, history, x, y)

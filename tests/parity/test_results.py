@@ -35,3 +35,11 @@ def test_types_keys_lengths_dtypes_and_exact_values_differ():
     assert _both({"epochs": [0, 1]}, {"epochs": [0]}) == ["r['epochs']: length 2 vs 1"]
     assert _both(np.zeros(2, "float32"), np.zeros(2, "float16")) == ["r: float32[2] vs float16[2]"]
     assert _both({"names": "a.h5"}, {"names": "b.h5"}) == ["r['names']: 'a.h5' vs 'b.h5'"]
+
+
+def test_nan_equals_nan_and_differs_from_a_number():
+    history = {"loss": [0.5, float("nan")], "w": [np.array([np.nan, 1.0], "float32")]}
+    assert _both(history, {"loss": [0.5, float("nan")], "w": [np.array([np.nan, 1.0], "float32")]}) == []
+    assert _both({"loss": [float("nan")]}, {"loss": [0.5]}) == ["r['loss'][0]: nan vs 0.5"]
+    found = _both({"w": [np.array([np.nan, 1.0], "float32")]}, {"w": [np.array([1.0, 1.0], "float32")]})
+    assert found == ["r['w'][0]: 1 of 2 values differ, worst at [0]: nan vs 1"]

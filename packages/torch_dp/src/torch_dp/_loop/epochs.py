@@ -123,6 +123,7 @@ class KerasSteps:
     log_every: int
     decide_each_step: bool
     batch_hooks: bool = True
+    apply_nonfinite: bool = False  # a TerminateOnNaN stops at a non-finite loss, after its step, as in Keras
 
     def __post_init__(self) -> None:
         self.decisions = WITH_THE_STEP if self.decide_each_step else AT_THE_EPOCH_END
@@ -155,6 +156,7 @@ class KerasSteps:
                 preempt=preempt,
                 timer=timer,
                 buckets=self.buckets,
+                apply_nonfinite=self.apply_nonfinite,
             )
         return self.window.train_step(
             model,

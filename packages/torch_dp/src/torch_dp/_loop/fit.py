@@ -87,7 +87,9 @@ def _fit_epochs(
     if replica.is_primary:  # rank 0's checkpoint, which every replica resumed from
         print_resume(job.resume_from, start, epochs=arguments.epochs, verbose=arguments.verbose, package="torch_dp")
     # gradient accumulation: one gradient all-reduce per window (None: one per step)
-    window = None if custom is not None and custom.train else accumulation_window(model, replica, job.on_nonfinite_loss)
+    # a window's non-finite loss is acted on at its end: raised, even with a TerminateOnNaN
+    nonfinite = "stop" if job.on_nonfinite_loss == "apply" else job.on_nonfinite_loss
+    window = None if custom is not None and custom.train else accumulation_window(model, replica, nonfinite)
     epoch_logs: dict[str, Any] = {}
     for epoch in range(start.epoch, arguments.epochs):
         model.reset_metrics()
@@ -100,7 +102,15 @@ def _fit_epochs(
         if custom is not None and custom.train:
             kind: EpochSteps = OwnSteps(model, replica, custom, log_every=every)
         else:
-            kind = KerasSteps(model, replica, window, every, decide_each_step=batch_logs, batch_hooks=batch_hooks)
+            kind = KerasSteps(
+                model,
+                replica,
+                window,
+                every,
+                decide_each_step=batch_logs,
+                batch_hooks=batch_hooks,
+                apply_nonfinite=job.on_nonfinite_loss == "apply",
+            )
         timed = timer if isinstance(kind, KerasSteps) else NO_STEP_TIMER  # a model's own step is not timed
         epoch_logs = train_epoch(
             model,

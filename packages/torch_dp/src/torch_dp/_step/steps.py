@@ -137,6 +137,7 @@ def train_step(
     preempt: bool = False,
     timer: StepTimer | NoStepTimer = NO_STEP_TIMER,
     buckets: GradientBuckets | None = None,
+    apply_nonfinite: bool = False,
 ) -> Trained:
     """Forward, exact global-batch gradient, Keras optimizer update, metric update.
 
@@ -160,6 +161,9 @@ def train_step(
     is applied. It cannot wait for the logs: a skipped or stopped step must leave the weights
     and the optimizer untouched on every replica, and Keras's optimizer cannot be told on the
     device to leave a step out. Everything else (logs, metrics) stays on the device until read.
+
+    With ``apply_nonfinite`` (a ``TerminateOnNaN`` among the callbacks) such a step is applied, as
+    ``model.fit`` applies it, and the callback stops training at its batch end.
 
     ``timer`` (``Trainer(profile=...)``; else one that records nothing) gets laps for forward+backward,
     the all-reduce and the optimizer.
@@ -189,7 +193,7 @@ def train_step(
     ended = act_on_decisions(model, before, replica, rate, anyone_preempted=anyone_preempted, decided=decided)
     if ended is not None:
         return ended
-    if not finite:
+    if not finite and not apply_nonfinite:  # ``apply_nonfinite``: as model.fit, for a TerminateOnNaN to stop
         _undo(model, before)
         return Trained(False)
     if trainable:
