@@ -20,9 +20,10 @@ from __future__ import annotations
 from typing import Any
 
 import keras
+import torch
 
 from dp_core.keras import internals
-from torch_dp._comm.collectives import broadcast_floats, broadcast_from_primary
+from torch_dp._comm.collectives import broadcast_from_primary
 from torch_dp._comm.replica import Replica
 from torch_dp._internals import version
 from torch_dp._step.custom import optimizers_of
@@ -36,6 +37,7 @@ class Changes:
     def __init__(self, model: keras.Model, replica: Replica, *, optimizer: bool = True) -> None:
         self.model, self.replica, self.optimizer = model, replica, optimizer
         self._marked: tuple[Any, ...] | None = None
+        self._watched: tuple[tuple[int, int], list[keras.Variable]] = ((-1, -1), [])
 
     def mark(self) -> None:
         """Every replica holds what rank 0 holds now (after a step, or a ``share``)."""
@@ -52,23 +54,36 @@ class Changes:
         """Rank 0's ``trainable`` flags and variables on every replica (a collective), then ``mark``."""
         if not self.replica.distributed:
             return
-        layers = internals.flatten_layers(self.model, include_self=True)
-        flags = broadcast_floats(trainable_flags(self.model), self.replica)
-        for layer, flag in zip(layers, flags, strict=False):  # outer layers first: an inner one's flag wins
-            layer.trainable = bool(flag)
-        for variable, flag in zip(self.model.variables, flags[len(layers) :], strict=True):
-            variable.trainable = bool(flag)
         variables = shared_variables(self.model, optimizer=self.optimizer)
-        values = broadcast_from_primary([v.value for v in variables], self.replica)
+        flags = torch.tensor(trainable_flags(self.model), dtype=torch.float32, device=self.replica.device)
+        shared, *values = broadcast_from_primary([flags, *(v.value for v in variables)], self.replica)  # one collective
         if not self.replica.is_primary:
+            layers = internals.flatten_layers(self.model, include_self=True)
+            for layer, flag in zip(layers, shared.tolist(), strict=False):  # outer layers first: an inner one's wins
+                layer.trainable = bool(flag)
+            for variable, flag in zip(self.model.variables, shared.tolist()[len(layers) :], strict=True):
+                variable.trainable = bool(flag)
             for variable, value in zip(variables, values, strict=True):
                 variable.assign(value)
         self.mark()
 
     def _state(self) -> tuple[Any, ...]:
-        learning_rates = {id(rate) for rate in _learning_rates(self.model)}
-        variables = [v for v in shared_variables(self.model, optimizer=self.optimizer) if id(v) not in learning_rates]
-        return (tuple((id(v.value), version(v.value)) for v in variables), tuple(trainable_flags(self.model)))
+        model_variables = self.model.variables  # one walk over the layers, for both records
+        tensors = [internals.stored_value(v) for v in self._variables(model_variables)]
+        pairs = tuple((id(t), -1 if t is None else version(t)) for t in tensors)  # None: not initialized yet
+        layers = internals.flatten_layers(self.model, include_self=True)
+        return pairs, tuple(layer.trainable for layer in layers), tuple(v.trainable for v in model_variables)
+
+    def _variables(self, model_variables: list[keras.Variable]) -> list[keras.Variable]:
+        """The variables watched; found again only when the model or optimizer made new ones (read
+        at every step a callback acts at: the search costs more than the step's other reads)."""
+        optimizer = self.model.optimizer if self.optimizer else None
+        counts = (len(model_variables), -1 if optimizer is None else len(optimizer.variables))
+        if counts != self._watched[0]:
+            learning_rates = {id(rate) for rate in _learning_rates(self.model)}
+            variables = shared_variables(self.model, optimizer=self.optimizer)
+            self._watched = counts, [v for v in variables if id(v) not in learning_rates]
+        return self._watched[1]
 
 
 def trainable_flags(model: keras.Model) -> list[bool]:
