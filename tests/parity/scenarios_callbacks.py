@@ -11,7 +11,7 @@ import numpy as np
 
 from parity.models import mlp, tabular
 from parity.runners import Runner
-from parity.scenarios import _fit, outcome, scenario
+from parity.scenarios import _fit, everywhere, outcome, scenario
 
 
 @scenario("fit.callbacks", "fit.validation_data", "compile.optimizer")
@@ -105,3 +105,15 @@ def terminate_on_nan(run: Runner) -> Any:
     x[40, 0] = np.inf
     history = _fit(run, mlp("terminate_on_nan"), x, y, epochs=3, callbacks=[keras.callbacks.TerminateOnNaN()])
     return outcome(run, history, x, y)
+
+
+# by design: without a TerminateOnNaN, a NaN loss stops training before its update, naming the step
+@scenario(
+    "feature.nonfinite_loss",
+    errors=everywhere(("NonFiniteLossError",), "on_nonfinite_loss='skip'"),
+)
+def nonfinite_loss_raises(run: Runner) -> None:
+    """No `TerminateOnNaN`: a NaN loss raises `NonFiniteLossError` before its update (`model.fit` applies it)."""
+    x, y = tabular("nonfinite_loss_raises")
+    x[40, 0] = np.inf
+    _fit(run, mlp("nonfinite_loss_raises"), x, y)
