@@ -9,7 +9,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from parity.models import mlp, tabular
+from parity.models import BATCH_SIZE, mlp, tabular
 from parity.runners import Runner
 from parity.scenarios import _fit, everywhere, outcome, scenario
 
@@ -23,6 +23,20 @@ def swap_ema_weights_validation(run: Runner) -> Any:
     swap = keras.callbacks.SwapEMAWeights(swap_on_epoch=True)
     history = _fit(run, model, x, y, epochs=3, validation_data=validation, callbacks=[swap])
     return outcome(run, history, x, y)
+
+
+@scenario("evaluate.callbacks", "predict.callbacks", "compile.optimizer")
+def swap_ema_weights_evaluate(run: Runner) -> Any:
+    """`SwapEMAWeights()` passed to `evaluate` and `predict`: every replica uses the averages, not the weights."""
+    x, y = tabular("swap_ema_weights_evaluate")
+    model = mlp("swap_ema_weights_evaluate", optimizer=lambda: keras.optimizers.SGD(0.2, use_ema=True))
+    model = _fit(run, model, x, y).model  # ends with the averages in the weights (``finalize_variable_values``)
+    kernel = model.layers[0].kernel
+    kernel.assign(kernel * 0.5)  # now the weights and their averages differ
+    swap = [keras.callbacks.SwapEMAWeights()]
+    evaluation = run.evaluate(model, x, y, batch_size=BATCH_SIZE, callbacks=swap, return_dict=True, verbose=0)
+    predictions = run.predict(model, x, batch_size=BATCH_SIZE, callbacks=swap, verbose=0)
+    return {"evaluate": evaluation, "predict": predictions, "weights": model.get_weights()}
 
 
 class _ChangesAtHooks(keras.callbacks.Callback):
