@@ -108,7 +108,7 @@ def shared_variables(model: keras.Model, *, optimizer: bool) -> list[keras.Varia
 
 
 def _accumulators(optimizer: keras.optimizers.Optimizer) -> list[keras.Variable]:
-    inner = getattr(optimizer, "inner_optimizer", optimizer)  # a LossScaleOptimizer's
+    inner: Any = getattr(optimizer, "inner_optimizer", optimizer)  # a LossScaleOptimizer's
     return internals.gradient_accumulators(inner) if inner.gradient_accumulation_steps and inner.built else []
 
 

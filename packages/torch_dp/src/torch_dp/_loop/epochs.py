@@ -21,7 +21,7 @@ import keras
 import numpy as np
 import torch
 
-from dp_core import NO_STEP_TIMER, NonFiniteLoss, NoStepTimer, Preempted, PreemptionWatch, StepTimer, list_checkpoints
+from dp_core import NO_STEP_TIMER, NonFiniteAction, NoStepTimer, Preempted, PreemptionWatch, StepTimer, list_checkpoints
 from dp_core.keras import CheckpointWriter, internals, nonfinite_loss_stopped, skipped_message
 from torch_dp._comm.collectives import all_reduce_sum, broadcast_floats
 from torch_dp._comm.replica import Replica
@@ -339,7 +339,7 @@ def _preempted(
     raise Preempted(signal_name=signal_name, epoch=epoch, step=step, checkpoint=path)
 
 
-def _nonfinite_loss(mode: NonFiniteLoss, epoch: int, step: int, replica: Replica) -> None:
+def _nonfinite_loss(mode: NonFiniteAction, epoch: int, step: int, replica: Replica) -> None:
     """Every replica gets here at the same step (the check is global): stop all, or skip."""
     if mode == "stop":
         raise nonfinite_loss_stopped(epoch, step, "torch_dp")
