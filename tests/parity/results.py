@@ -50,8 +50,9 @@ def differences(left: Encoded, right: Encoded, tolerance: dict[str, float], wher
         return []
     if a.ndim == 0:
         return [f"{where}: {a.item():.8g} vs {b.item():.8g}"]
-    gap = np.where(np.isnan(a) & np.isnan(b), 0.0, np.abs(a - b))
-    worst = int(np.nanargmax(gap))
+    nan_a, nan_b = np.isnan(a), np.isnan(b)
+    gap = np.where(nan_a & nan_b, 0.0, np.where(nan_a | nan_b, np.inf, np.abs(a - b)))  # NaN vs a number: the worst
+    worst = int(np.argmax(gap))
     count = int(np.sum(~np.isclose(a, b, equal_nan=True, **tolerance)))
     return [f"{where}: {count} of {a.size} values differ, worst at [{worst}]: {a[worst]:.8g} vs {b[worst]:.8g}"]
 

@@ -87,3 +87,11 @@ def test_the_difference_is_measured_against_the_whole_quantitys_largest_magnitud
     trainer = {"weights": [np.array([400.0, 125.0], "float32"), np.array([0.01], "float32")]}
     found = _judged(keras_result, trainer, nudged)
     assert [line.split(",")[0] for line in found] == ["r['weights']: largest relative difference 6.25e-02"]
+
+
+def test_nan_equals_nan_and_differs_from_a_number():
+    history = {"loss": [0.5, float("nan")], "w": [np.array([np.nan, 1.0], "float32")]}
+    assert _both(history, {"loss": [0.5, float("nan")], "w": [np.array([np.nan, 1.0], "float32")]}) == []
+    assert _both({"loss": [float("nan")]}, {"loss": [0.5]}) == ["r['loss'][0]: nan vs 0.5"]
+    found = _both({"w": [np.array([np.nan, 1.0], "float32")]}, {"w": [np.array([1.0, 1.0], "float32")]})
+    assert found == ["r['w'][0]: 1 of 2 values differ, worst at [0]: nan vs 1"]

@@ -46,6 +46,8 @@ def test_the_values_read_decide_as_before():
     assert _read_on_host(torch.tensor(2.5), torch.tensor(1.0), torch.tensor([1.0, 0.125])) == [1.0, 1.0, 1.0, 0.125]
     rate = keras.Variable(0.1, dtype="float32")
     primary = _decisions(rate, Replica(0, 2), stop=True)
-    assert primary.dtype == torch.float32 and primary.tolist() == [1.0, float(torch.tensor(0.1, dtype=torch.float32))]
-    assert _decisions(None, Replica(0, 2), stop=False).tolist() == [0.0, 0.0]
-    assert _decisions(rate, Replica(1, 2), stop=True).tolist() == [0.0, 0.0]  # summed: rank 0's alone
+    rounded = float(torch.tensor(0.1, dtype=torch.float32))
+    assert primary.dtype == torch.float32 and primary.tolist() == [1.0, rounded, 0.0]
+    assert _decisions(None, Replica(0, 2), stop=False).tolist() == [0.0, 0.0, 0.0]
+    assert _decisions(rate, Replica(0, 2), stop=False, changed=True).tolist() == [0.0, rounded, 1.0]
+    assert _decisions(rate, Replica(1, 2), stop=True, changed=True).tolist() == [0.0, 0.0, 0.0]  # summed: rank 0's

@@ -38,6 +38,7 @@ from dp_core._lr import linear_scaling as linear_scaling
 from dp_core._lr import scale_learning_rate as scale_learning_rate
 from dp_core._lr import schedule_from_config as schedule_from_config
 from dp_core._lr import sqrt_scaling as sqrt_scaling
+from dp_core._nonfinite import NonFiniteAction as NonFiniteAction
 from dp_core._nonfinite import NonFiniteLoss as NonFiniteLoss
 from dp_core._nonfinite import NonFiniteLossError as NonFiniteLossError
 from dp_core._one_call import OneCall as OneCall
@@ -102,6 +103,7 @@ __all__ = [
     "LearningRateScaling",
     "ModelFactory",
     "NoStepTimer",
+    "NonFiniteAction",
     "NonFiniteLoss",
     "NonFiniteLossError",
     "OneCall",

@@ -6,6 +6,9 @@ from typing import Literal
 
 NonFiniteLoss = Literal["stop", "skip"]
 NONFINITE_LOSS_CHOICES: tuple[NonFiniteLoss, ...] = ("stop", "skip")
+# What a fit does at such a step: a trainer's option, or "apply" it as ``model.fit`` does, for a
+# ``keras.callbacks.TerminateOnNaN`` to see the loss and stop (``dp_core.keras.nonfinite_action``).
+NonFiniteAction = Literal["stop", "skip", "apply"]
 
 
 class NonFiniteLossError(FloatingPointError):

@@ -9,6 +9,7 @@ from dp_core.keras import (
     build_model,
     checked_model_and_inputs,
     needs_every_batch,
+    nonfinite_action,
     python_logs,
     require_backend,
     resolve_model,
@@ -128,6 +129,14 @@ def test_batch_hooks_are_seen_on_subclasses_and_on_lambda_callbacks():
     assert not needs_every_batch([keras.callbacks.EarlyStopping(), keras.callbacks.ProgbarLogger()])
     assert not needs_every_batch([EveryBatch()], "test")
     assert not needs_every_batch(None)
+
+
+def test_a_terminate_on_nan_makes_the_default_stop_its_own():
+    terminate = keras.callbacks.TerminateOnNaN()
+    assert nonfinite_action("stop", [keras.callbacks.EarlyStopping(), terminate]) == "apply"
+    assert nonfinite_action("skip", [terminate]) == "skip"  # asked for: such steps are left out
+    assert nonfinite_action("stop", [keras.callbacks.EarlyStopping()]) == "stop"
+    assert nonfinite_action("stop", None) == "stop"
 
 
 class CustomStep(keras.Sequential):

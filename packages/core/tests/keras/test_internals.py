@@ -38,6 +38,9 @@ def test_every_accessor_reads_a_compiled_model(model):
     layers = internals.flatten_layers(model)
     assert {type(layer).__name__ for layer in layers} >= {"Dense", "BatchNormalization", "Dropout"}
     assert any(internals.seed_generators(layer) for layer in layers)
+    kernel = layers[1].kernel  # the Dense layer's, in the backend's own tensor type
+    assert type(internals.stored_value(kernel)) is type(kernel.value)
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(internals.stored_value(kernel)), kernel.numpy())
     norm = next(layer for layer in layers if isinstance(layer, keras.layers.BatchNormalization))
     assert internals.batch_norm_reduction_axes(norm) == (0,)
     metrics, weighted, flatten_y = internals.compiled_metric_parts(internals.compile_metrics(model))

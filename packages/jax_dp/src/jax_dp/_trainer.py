@@ -32,6 +32,7 @@ from dp_core.keras import (
     checked_call,
     fit_arguments,
     internals,
+    nonfinite_action,
     overrides,
     require_backend,
 )
@@ -70,7 +71,9 @@ class Trainer:
     ``batch_norm="per_replica"`` normalizes each replica's rows on their own.
     ``on_nonfinite_loss="stop"`` raises ``NonFiniteLossError`` naming the first step whose
     loss is NaN or infinite, leaving the model as it was before that step; ``"skip"``
-    leaves such steps out (with a warning) and trains on.
+    leaves such steps out (with a warning) and trains on. With a ``keras.callbacks.TerminateOnNaN``
+    among ``fit``'s callbacks, ``"stop"`` is the callback's, as in ``model.fit``: the step is applied
+    and training stops after it, ``fit`` returning its History.
 
     ``profile=True`` (or a folder path; True is ``./scaling-report``) times each training step's
     input, step and callbacks, splits the step into forward+backward, all-reduce and optimizer
@@ -235,7 +238,7 @@ class Trainer:
                     model,
                     arguments,
                     optimizer=optimizer,
-                    train_epoch=self._epochs(model, optimizer, checkpoints, profile),
+                    train_epoch=self._epochs(model, optimizer, checkpoints, profile, callbacks=arguments.callbacks),
                     evaluate=self._evaluator(model),
                     layout=self.layout,
                     start=start,
@@ -360,9 +363,13 @@ class Trainer:
         optimizer: Optimizer,
         checkpoints: CheckpointWriter | None,
         profile: FitProfile | None = None,
+        *,
+        callbacks: Any = None,
     ) -> EpochTrainer:
-        """How one fit trains an epoch: with the model's own ``train_step`` or Keras's."""
-        stop_on_nonfinite, recipes = self.on_nonfinite_loss == "stop", self._recipes()
+        """How one fit trains an epoch: with the model's own ``train_step`` or Keras's; at a non-finite
+        loss as the trainer's option says, or as model.fit with a ``TerminateOnNaN`` in ``callbacks``."""
+        action = nonfinite_action(self.on_nonfinite_loss, callbacks)
+        stop_on_nonfinite, recipes = action == "stop", self._recipes(apply_nonfinite=action == "apply")
         if overrides(model, "train_step"):
             kind = CustomSteps(model, optimizer, recipes.custom_train_step(model, optimizer), self.mesh)
             return epochs_of(kind, checkpoints=checkpoints, stop_on_nonfinite=stop_on_nonfinite)
@@ -386,7 +393,7 @@ class Trainer:
 
         return evaluate
 
-    def _recipes(self) -> Recipes:
+    def _recipes(self, *, apply_nonfinite: bool = False) -> Recipes:
         """The steps' recipes for the trainer's mesh, layout and options as they are now."""
         return Recipes(
             self._compile_cache,
@@ -394,4 +401,5 @@ class Trainer:
             self.variable_layout,
             batch_norm=self.batch_norm,
             skip_nonfinite=self.on_nonfinite_loss == "skip",
+            apply_nonfinite=apply_nonfinite,
         )

@@ -31,6 +31,7 @@ from dp_core.keras import (
     checked_call,
     fit_arguments,
     internals,
+    nonfinite_action,
     plan_learning_rate,
     resumable_checkpoint,
 )
@@ -86,7 +87,9 @@ class Trainer:
     sets both at once (one value bounded both before they were separate); a specific
     one passed with it wins. ``on_nonfinite_loss="stop"`` raises at the first step whose
     loss is NaN or infinite on any replica, naming its epoch and step; ``"skip"`` leaves
-    that step's update out on every replica and continues.
+    that step's update out on every replica and continues. With a ``keras.callbacks.TerminateOnNaN``
+    among ``fit``'s callbacks, ``"stop"`` is the callback's, as in ``model.fit``: the step is applied
+    and training stops after it, ``fit`` returning its History.
 
     ``log_every_steps`` (default 10): how often the progress bar's loss and metrics are summed
     over the replicas (one small all-reduce each): at each epoch's first step, then every so many
@@ -327,7 +330,13 @@ class Trainer:
         )
         profile = None if self.profile is None else str(self.profile)
         return FitJob(
-            arguments, self.batch_norm, self.log_every_steps, self.on_nonfinite_loss, policy, resume, profile=profile
+            arguments,
+            self.batch_norm,
+            self.log_every_steps,
+            nonfinite_action(self.on_nonfinite_loss, arguments.callbacks),  # a TerminateOnNaN's stop, as in Keras
+            policy,
+            resume,
+            profile=profile,
         )
 
     @property

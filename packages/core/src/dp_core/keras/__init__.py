@@ -30,7 +30,7 @@ Helpers, for what a backend does its own way:
   ``KerasSchedule``;
 - callbacks and checkpoints: ``verbosity``, ``model_checkpoint``;
 - options: ``BATCH_NORM_MODES``, ``check_batch_norm_mode``, ``check_nonfinite_mode``,
-  ``nonfinite_loss_stopped``, ``skipped_message``;
+  ``nonfinite_action``, ``nonfinite_loss_stopped``, ``skipped_message``;
 - tools: ``compare_replica_counts``, ``run_check_command``;
 - ``internals``: every private Keras attribute, with its reason.
 """
@@ -43,6 +43,7 @@ from dp_core.keras._call import OwnStepsCheck as OwnStepsCheck
 from dp_core.keras._call import checked_call as checked_call
 from dp_core.keras._callbacks import callback_list as callback_list
 from dp_core.keras._callbacks import needs_every_batch as needs_every_batch
+from dp_core.keras._callbacks import nonfinite_action as nonfinite_action
 from dp_core.keras._checkpoints import CheckpointWriter as CheckpointWriter
 from dp_core.keras._checkpoints import Start as Start
 from dp_core.keras._checkpoints import print_resume as print_resume
@@ -125,6 +126,7 @@ __all__ = [
     "map_structure",
     "model_checkpoint",
     "needs_every_batch",
+    "nonfinite_action",
     "nonfinite_loss_stopped",
     "overrides",
     "padded_batch_size",

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 import keras
 
+from dp_core._nonfinite import NonFiniteAction, NonFiniteLoss
 from dp_core.keras import _internals
 
 Mode = Literal["train", "test", "predict"]
@@ -60,3 +61,16 @@ def needs_every_batch(callbacks: Sequence[keras.callbacks.Callback] | None, mode
         if not isinstance(callback, passive)
         for hook in _BATCH_HOOKS[mode]
     )
+
+
+def nonfinite_action(on_nonfinite_loss: NonFiniteLoss, callbacks: Sequence[Any] | None) -> NonFiniteAction:
+    """What a fit does at a step whose loss is NaN or infinite. With a ``TerminateOnNaN`` among the
+    callbacks a stop is that callback's, as in ``model.fit``: the step is applied, the callback sees
+    its loss at the batch end and stops training (``"apply"``). Otherwise the trainer's option:
+    ``"stop"`` (raise before applying the step) or ``"skip"`` (which ``TerminateOnNaN`` never sees).
+
+    >>> nonfinite_action("stop", [keras.callbacks.TerminateOnNaN()]), nonfinite_action("stop", None)
+    ('apply', 'stop')
+    """
+    terminates = any(isinstance(callback, keras.callbacks.TerminateOnNaN) for callback in callbacks or [])
+    return "apply" if on_nonfinite_loss == "stop" and terminates else on_nonfinite_loss

@@ -93,12 +93,15 @@ def check_custom_steps(
         )
 
 
-def make_custom_train_step(model: keras.Model, mesh: Mesh, *, skip_nonfinite: bool) -> CustomTrainStep:
+def make_custom_train_step(
+    model: keras.Model, mesh: Mesh, *, skip_nonfinite: bool, apply_nonfinite: bool = False
+) -> CustomTrainStep:
     """The model's ``train_step`` on one global batch: ``(state, data) -> (state, report)``, the
     state donated and replicated, the report (the step's logs and the skipped-step count)
     replicated. A step whose logs' ``"loss"`` is not finite changes nothing but the counts
     (and, unless ``skip_nonfinite``, neither does any later step of the epoch), as Keras's
-    own step does in ``_step.steps``."""
+    own step does in ``_step.steps``; with ``apply_nonfinite`` (a ``TerminateOnNaN``) every step
+    is applied, as in ``model.fit``."""
     model_now = held_weakly(model)
 
     def train_step(state: TrainState, data: Any) -> tuple[TrainState, Report]:
@@ -108,6 +111,8 @@ def make_custom_train_step(model: keras.Model, mesh: Mesh, *, skip_nonfinite: bo
         good = _loss_is_finite(logs)
         if not skip_nonfinite:
             good = good & (state.counts.skipped == 0)
+        if apply_nonfinite:
+            good = jnp.ones((), dtype=bool)
         state = step_taken(good, TrainState(trainable, non_trainable, optimizer, metrics, state.counts), state)
         return state, report_of(logs, state.counts.skipped)
 

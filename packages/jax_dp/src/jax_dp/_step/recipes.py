@@ -52,9 +52,10 @@ class Recipes:
         *,
         batch_norm: BatchNormMode,
         skip_nonfinite: bool,
+        apply_nonfinite: bool = False,
     ) -> None:
         self.cache, self.mesh, self.variable_layout = cache, mesh, variable_layout
-        self.batch_norm, self.skip_nonfinite = batch_norm, skip_nonfinite
+        self.batch_norm, self.skip_nonfinite, self.apply_nonfinite = batch_norm, skip_nonfinite, apply_nonfinite
 
     def steps(self, model: keras.Model, optimizer: Optimizer | None = None) -> Steps:
         """The jitted steps of one fit (without ``optimizer``: of evaluate alone), from the
@@ -67,7 +68,11 @@ class Recipes:
             "report": (evaluation, lambda: make_report(model, mesh)),
         }
         if optimizer is not None:
-            options = {"batch_norm": self.batch_norm, "skip_nonfinite": self.skip_nonfinite}
+            options = {
+                "batch_norm": self.batch_norm,
+                "skip_nonfinite": self.skip_nonfinite,
+                "apply_nonfinite": self.apply_nonfinite,
+            }
             training = evaluation + optimizer.traced_from() + TracedFrom(values=list(options.values()))
             recipes["train"] = (training, lambda: make_train_step(model, optimizer, mesh, **options))
             recipes["train_reporting"] = (
@@ -82,18 +87,18 @@ class Recipes:
         return Steps(fetch)
 
     def custom_train_step(self, model: keras.Model, optimizer: Optimizer) -> CustomTrainStep:
-        mesh, skip_nonfinite = self.mesh, self.skip_nonfinite
+        mesh, skip_nonfinite, apply_nonfinite = self.mesh, self.skip_nonfinite, self.apply_nonfinite
         traced_from = (
             model_structure(model)
             + compile_state(model)
             + optimizer.traced_from()
-            + TracedFrom(values=[mesh, skip_nonfinite])
+            + TracedFrom(values=[mesh, skip_nonfinite, apply_nonfinite])
         )
         return self.cache.step(
             model,
             "custom_train",
             traced_from,
-            lambda: make_custom_train_step(model, mesh, skip_nonfinite=skip_nonfinite),
+            lambda: make_custom_train_step(model, mesh, skip_nonfinite=skip_nonfinite, apply_nonfinite=apply_nonfinite),
         )
 
     def custom_test_step(self, model: keras.Model) -> CustomTestStep:

@@ -108,22 +108,38 @@ class Steps:
 
 
 def make_train_step(
-    model: keras.Model, optimizer: Optimizer, mesh: Mesh, *, batch_norm: BatchNormMode, skip_nonfinite: bool
+    model: keras.Model,
+    optimizer: Optimizer,
+    mesh: Mesh,
+    *,
+    batch_norm: BatchNormMode,
+    skip_nonfinite: bool,
+    apply_nonfinite: bool = False,
 ) -> TrainStep:
     """One optimizer step on one global batch: ``(state, batch, padded) -> state``; the state
     argument is donated; ``padded`` (static) says whether any batch of the epoch is padded."""
-    train_step = _train_step(model, optimizer, mesh, batch_norm=batch_norm, skip_nonfinite=skip_nonfinite)
+    train_step = _train_step(
+        model, optimizer, mesh, batch_norm=batch_norm, skip_nonfinite=skip_nonfinite, apply_nonfinite=apply_nonfinite
+    )
     return jax.jit(
         train_step, donate_argnums=0, static_argnums=2, out_shardings=_state_shardings(model, optimizer, mesh)
     )
 
 
 def make_reporting_train_step(
-    model: keras.Model, optimizer: Optimizer, mesh: Mesh, *, batch_norm: BatchNormMode, skip_nonfinite: bool
+    model: keras.Model,
+    optimizer: Optimizer,
+    mesh: Mesh,
+    *,
+    batch_norm: BatchNormMode,
+    skip_nonfinite: bool,
+    apply_nonfinite: bool = False,
 ) -> ReportingStep:
     """``make_train_step``'s step with its report (logs and skipped count, replicated) and without
     donating its state, so it can start before the hooks after the previous step (``_step.ahead``)."""
-    train_step = _train_step(model, optimizer, mesh, batch_norm=batch_norm, skip_nonfinite=skip_nonfinite)
+    train_step = _train_step(
+        model, optimizer, mesh, batch_norm=batch_norm, skip_nonfinite=skip_nonfinite, apply_nonfinite=apply_nonfinite
+    )
     model_now = held_weakly(model)
 
     def reporting_train_step(state: TrainState, batch: Batch, padded: bool) -> tuple[TrainState, Report]:
@@ -161,13 +177,20 @@ def _state_shardings(model: keras.Model, optimizer: Optimizer, mesh: Mesh) -> An
 
 
 def _train_step(
-    model: keras.Model, optimizer: Optimizer, mesh: Mesh, *, batch_norm: BatchNormMode, skip_nonfinite: bool
+    model: keras.Model,
+    optimizer: Optimizer,
+    mesh: Mesh,
+    *,
+    batch_norm: BatchNormMode,
+    skip_nonfinite: bool,
+    apply_nonfinite: bool = False,
 ) -> TrainStep:
     """The train step to jit.
 
     A step whose loss is not finite changes nothing but the counts. Unless
     ``skip_nonfinite``, every later step does the same, so the state stays that of the
-    last good step until the host sees the count and stops.
+    last good step until the host sees the count and stops. With ``apply_nonfinite`` (a
+    ``TerminateOnNaN`` among the callbacks) every step is applied, as in ``model.fit``.
 
     The step keeps ``optimizer`` for its pure ``scale_loss``/``apply``: a later fit reuses it
     only with an optimizer traced from the same things (``Optimizer.traced_from``).
@@ -211,6 +234,8 @@ def _train_step(
                 trainable, optimizer_state = optimizer.apply(state.optimizer, grads, state.trainable)
         metrics = update_metrics(state.metrics, increments, loss, batch, y_pred)
         good = jnp.isfinite(loss) if skip_nonfinite else jnp.isfinite(loss) & (state.counts.skipped == 0)
+        if apply_nonfinite:
+            good = jnp.ones((), dtype=bool)
         new = TrainState(trainable, non_trainable, optimizer_state, metrics, state.counts, accumulated)
         return step_taken(good, new, state)
 

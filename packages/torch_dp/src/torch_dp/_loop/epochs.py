@@ -21,11 +21,16 @@ import keras
 import numpy as np
 import torch
 
-from dp_core import NO_STEP_TIMER, NonFiniteLoss, NoStepTimer, Preempted, PreemptionWatch, StepTimer, list_checkpoints
+from dp_core import NO_STEP_TIMER, NonFiniteAction, NoStepTimer, Preempted, PreemptionWatch, StepTimer, list_checkpoints
 from dp_core.keras import CheckpointWriter, internals, nonfinite_loss_stopped, skipped_message
 from torch_dp._comm.collectives import all_reduce_sum, broadcast_floats
 from torch_dp._comm.replica import Replica
 from torch_dp._data.batches import Batch, EvenBatch, even_batches, replica_batches
+<<<<<<< HEAD
+=======
+from torch_dp._data.sources import steps_of
+from torch_dp._loop.changes import Changes
+>>>>>>> wip-callbacks
 from torch_dp._loop.checkpoints import save
 from torch_dp._loop.jobs import FitJob
 from torch_dp._step.accumulation import Window
@@ -35,9 +40,13 @@ from torch_dp._step.metrics import global_logs, logs_due, logs_of
 from torch_dp._step.steps import Trained, train_step
 
 
-def share_decisions(model: keras.Model, replica: Replica, *, stopped: bool | None = None) -> bool:
+def share_decisions(
+    model: keras.Model, replica: Replica, *, stopped: bool | None = None, changes: Changes | None = None
+) -> bool:
     """Rank 0's ``stop_training`` and learning rates (callbacks may change them: the model's
     optimizer's, and any other optimizer the model holds) on every replica; returns the stop.
+    With ``changes``, whether a callback changed rank 0's model or optimizer travels too, and
+    rank 0's state follows when it did (``_loop.changes``).
 
     ``stopped`` is rank 0's stop as it was before the hook just called: one a hook sets now takes
     effect after the coming step, as in Keras, and is kept for the next call."""
@@ -45,12 +54,15 @@ def share_decisions(model: keras.Model, replica: Replica, *, stopped: bool | Non
     variables = [rate for rate in rates if isinstance(rate, keras.Variable)]
     mine = [
         float(bool(model.stop_training if stopped is None else stopped)),
+        float(changes is not None and changes.seen()),
         *(np.asarray(keras.ops.convert_to_numpy(rate)).item() for rate in variables),
     ]
-    stop, *learning_rates = broadcast_floats(mine, replica)
+    stop, changed, *learning_rates = broadcast_floats(mine, replica)
     if not replica.is_primary:
         for rate, learning_rate in zip(variables, learning_rates, strict=True):
             rate.assign(learning_rate)
+    if changed and changes is not None:
+        changes.share()
     if stopped is None:
         model.stop_training = bool(stop)
         return model.stop_training
@@ -76,9 +88,19 @@ class EpochSteps(Protocol):
     def batches(self, job: FitJob, epoch: int, first_step: int) -> Iterator[Any]: ...
 
     def take(
-        self, batch: Any, epoch: int, step: int, *, preempt: bool, stop: bool, timer: StepTimer | NoStepTimer
+        self,
+        batch: Any,
+        epoch: int,
+        step: int,
+        *,
+        preempt: bool,
+        stop: bool,
+        timer: StepTimer | NoStepTimer,
+        changed: bool = False,
     ) -> Trained:
-        """One step on every replica; ``preempt``: this replica got a notice (anyone's stops all)."""
+        """One step on every replica; ``preempt``: this replica got a notice (anyone's stops all);
+        ``changed``: rank 0's callbacks changed its state (with the step's decisions: every replica
+        leaves the step out, for it to be taken again on rank 0's state)."""
         ...
 
     def logs(self, trained: Trained, due: bool, logs: dict[str, Any]) -> dict[str, Any]:
@@ -104,6 +126,7 @@ class KerasSteps:
     log_every: int
     decide_each_step: bool
     batch_hooks: bool = True
+    apply_nonfinite: bool = False  # a TerminateOnNaN stops at a non-finite loss, after its step, as in Keras
 
     def __post_init__(self) -> None:
         self.decisions = WITH_THE_STEP if self.decide_each_step else AT_THE_EPOCH_END
@@ -114,7 +137,15 @@ class KerasSteps:
         return replica_batches(job.inputs, self.replica, first_step=first_step, **_epoch_order(job, epoch))
 
     def take(
-        self, batch: Batch, epoch: int, step: int, *, preempt: bool, stop: bool, timer: StepTimer | NoStepTimer
+        self,
+        batch: Batch,
+        epoch: int,
+        step: int,
+        *,
+        preempt: bool,
+        stop: bool,
+        timer: StepTimer | NoStepTimer,
+        changed: bool = False,
     ) -> Trained:
         model, replica, sum_metrics = self.model, self.replica, self.decide_each_step
         if self.window is None:
@@ -124,9 +155,11 @@ class KerasSteps:
                 replica,
                 sum_metrics=sum_metrics,
                 stop=stop,
+                changed=changed,
                 preempt=preempt,
                 timer=timer,
                 buckets=self.buckets,
+                apply_nonfinite=self.apply_nonfinite,
             )
         return self.window.train_step(
             model,
@@ -136,6 +169,7 @@ class KerasSteps:
             step=step,
             sum_metrics=sum_metrics,
             stop=stop,
+            changed=changed,
             preempt=preempt,
             timer=timer,
         )
@@ -170,8 +204,16 @@ class OwnSteps:
         return even_batches(job.inputs, self.replica, first_step=first_step, **_epoch_order(job, epoch))
 
     def take(
-        self, batch: EvenBatch, epoch: int, step: int, *, preempt: bool, stop: bool, timer: StepTimer | NoStepTimer
-    ) -> Trained:
+        self,
+        batch: EvenBatch,
+        epoch: int,
+        step: int,
+        *,
+        preempt: bool,
+        stop: bool,
+        timer: StepTimer | NoStepTimer,
+        changed: bool = False,
+    ) -> Trained:  # rank 0's changes travel before the step (``share_decisions``)
         # anyone's notice, in a small all-reduce of its own: the user's step owns the gradients' one
         if all_reduce_sum([torch.tensor([float(preempt)], device=self.replica.device)], self.replica)[0].item():
             return Trained(False, preempted=True)
@@ -214,6 +256,7 @@ def train_epoch(
     checkpoints: CheckpointWriter | None = None,
     notice: PreemptionWatch | None = None,
     timer: StepTimer | NoStepTimer = NO_STEP_TIMER,
+    changes: Changes | None = None,
 ) -> dict[str, Any]:
     """One epoch of ``kind``'s steps from ``first_step``, checkpoints written as asked; returns the
     epoch's logs. The one order of every epoch (``kind`` says where rank 0's decisions travel):
@@ -223,6 +266,10 @@ def train_epoch(
     which carries this replica's preemption notice (any replica's stops all at this step boundary:
     a checkpoint, then ``Preempted``) -> a stop that rode on it, a non-finite loss -> the logs ->
     ``on_train_batch_end`` -> a checkpoint when due.
+
+    What rank 0's batch hooks change in its state (``changes``) travels with its decisions: before
+    the step, or with it, which every replica then takes again on rank 0's state. Without batch
+    hooks that act, nothing changes during the epoch: the state is marked shared at its end.
     """
     model.train()
     steps = job.arguments.steps_in(epoch)
@@ -241,10 +288,16 @@ def train_epoch(
         if kind.batch_hooks and not ends:
             callbacks.on_train_batch_begin(step)
         timer.lap("callbacks")
-        if kind.decisions == BEFORE_THE_STEP and share_decisions(model, replica, stopped=stopped):
+        if kind.decisions == BEFORE_THE_STEP and share_decisions(model, replica, stopped=stopped, changes=changes):
             return kind.epoch_logs()
         asked = notice is not None and notice.requested is not None
-        trained = kind.take(batch, epoch, step, preempt=asked, stop=False, timer=timer)
+        changed = kind.decisions == WITH_THE_STEP and changes is not None and changes.seen()
+        trained = kind.take(batch, epoch, step, preempt=asked, stop=False, timer=timer, changed=changed)
+        if trained.changed and changes is not None:  # every replica left the step out: again, on rank 0's state
+            changes.share()
+            trained = kind.take(batch, epoch, step, preempt=asked, stop=False, timer=timer)
+        if changes is not None and kind.decisions != AT_THE_EPOCH_END and not trained.stopped:
+            changes.mark()  # the step changed every replica alike (a stop leaves rank 0's changes to share)
         if trained.preempted:
             _preempted(model, replica, notice, checkpoints, epoch=epoch, step=step, window=kind.window)
         if trained.stopped:
@@ -259,6 +312,8 @@ def train_epoch(
             save(checkpoints, model, replica, epoch=epoch, step=step + 1, window=kind.window)
         timer.lap("callbacks")  # logs, hooks and checkpoints
         timer.end_step()
+    if changes is not None and kind.decisions == AT_THE_EPOCH_END:
+        changes.mark()
     return kind.epoch_logs()
 
 
@@ -282,7 +337,7 @@ def _preempted(
     raise Preempted(signal_name=signal_name, epoch=epoch, step=step, checkpoint=path)
 
 
-def _nonfinite_loss(mode: NonFiniteLoss, epoch: int, step: int, replica: Replica) -> None:
+def _nonfinite_loss(mode: NonFiniteAction, epoch: int, step: int, replica: Replica) -> None:
     """Every replica gets here at the same step (the check is global): stop all, or skip."""
     if mode == "stop":
         raise nonfinite_loss_stopped(epoch, step, "torch_dp")

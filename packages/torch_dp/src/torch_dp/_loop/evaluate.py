@@ -16,6 +16,7 @@ from torch_dp._comm.collectives import broadcast_floats
 from torch_dp._comm.replica import Replica
 from torch_dp._data.batches import EvenBatch, even_batches, replica_batches
 from torch_dp._data.sources import Readable, steps_of
+from torch_dp._loop.changes import Changes
 from torch_dp._loop.epochs import logs_due_at
 from torch_dp._step.custom import CustomSteps
 from torch_dp._step.metrics import global_logs
@@ -33,12 +34,15 @@ def evaluate_loop(
     log_every_steps: int = 10,
     in_fit: keras.callbacks.CallbackList | None = None,
     custom: CustomSteps | None = None,
+    changes: Changes | None = None,
 ) -> dict[str, Any]:
     """Loss and metrics over every sample, accumulated per replica and summed once.
 
     ``callbacks`` get the test hooks, as from ``model.evaluate``; validation inside ``fit``
     passes the fit's own list as ``in_fit`` (Keras calls its test hooks there too, and its
     progress bar stays on the epoch). ``custom`` runs the model's own ``test_step`` if it has one.
+    What rank 0's ``on_test_begin`` changes in the model (``SwapEMAWeights`` swapping in the moving
+    averages) every replica evaluates; ``changes`` is the fit's record of the state all hold.
     """
     steps = steps_of(inputs, global_batch_size)
     hooks = in_fit
@@ -46,13 +50,18 @@ def evaluate_loop(
         hooks = callback_list(
             callbacks, model, is_primary=replica.is_primary, verbose=verbose, steps=steps, history=False
         )
-    # rank 0's needs decide when logs are synced (only it holds the callbacks)
-    wants = [needs_every_batch(callbacks, "test"), in_fit is None and verbosity(verbose) == 1]
-    batch_logs, progress = (bool(flag) for flag in broadcast_floats(wants, replica))
-    every = 1 if batch_logs else (log_every_steps if progress else 0)
+    if changes is None:
+        changes = Changes(model, replica, optimizer=False)
+        changes.mark()
     model.eval()
     model.reset_metrics()
     hooks.on_test_begin()
+    # rank 0's needs decide when logs are synced (only it holds the callbacks), and its changes travel
+    wants = [needs_every_batch(callbacks, "test"), in_fit is None and verbosity(verbose) == 1, changes.seen()]
+    batch_logs, progress, changed = (bool(flag) for flag in broadcast_floats(wants, replica))
+    if changed:
+        changes.share()
+    every = 1 if batch_logs else (log_every_steps if progress else 0)
     logs: dict[str, Any] = {}
     if custom is not None and custom.test:
         returned: Any = None
@@ -92,7 +101,12 @@ def predict_loop(
     steps = steps_of(inputs, global_batch_size)
     hooks = callback_list(callbacks, model, is_primary=replica.is_primary, verbose=verbose, steps=steps, history=False)
     model.eval()
+    changes = Changes(model, replica, optimizer=False)
+    changes.mark()
     hooks.on_predict_begin()
+    (changed,) = broadcast_floats([changes.seen()], replica)  # ``SwapEMAWeights`` swaps the averages in here
+    if changed:
+        changes.share()
     outputs: list[Any] = []
     real_rows: list[int] = []
     batches = (

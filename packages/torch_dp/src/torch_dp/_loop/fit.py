@@ -1,6 +1,7 @@
 """The fit loop every replica runs: Keras's ``fit`` (callbacks, epochs, validation, checkpoints
 at each epoch end), each epoch's steps run by ``_loop.epochs.train_epoch``. Callbacks and the
-progress bar run on rank 0 only; its decisions reach every replica (``_loop.epochs.share_decisions``).
+progress bar run on rank 0 only; its decisions reach every replica (``_loop.epochs.share_decisions``),
+and so does what its callbacks change in the model or optimizer at any hook (``_loop.changes``).
 """
 
 from __future__ import annotations
@@ -22,13 +23,17 @@ from dp_core.keras import (
 )
 from torch_dp._comm.collectives import broadcast_floats
 from torch_dp._comm.replica import Replica
+<<<<<<< HEAD
+=======
+from torch_dp._data.sources import steps_of
+from torch_dp._loop.changes import Changes
+>>>>>>> wip-callbacks
 from torch_dp._loop.checkpoints import check_same_start, holding_checkpoint_dir, restore_metrics, save
 from torch_dp._loop.epochs import EpochSteps, KerasSteps, OwnSteps, share_decisions, train_epoch
 from torch_dp._loop.evaluate import evaluate_loop
 from torch_dp._loop.jobs import FitJob
 from torch_dp._step.accumulation import accumulation_window
 from torch_dp._step.custom import CustomSteps
-from torch_dp._step.state import same_state_as_primary
 
 
 def fit_loop(
@@ -80,11 +85,14 @@ def _fit_epochs(
     batch_logs, progress = (bool(flag) for flag in broadcast_floats(wants, replica))
     every = 1 if batch_logs else (job.log_every_steps if progress else 0)
     batch_hooks = batch_logs or progress or _has_progress_bar(arguments.callbacks)
-    start = _begin(model, callbacks, start, arguments.initial_epoch, replica)
+    changes = Changes(model, replica)
+    start = _begin(model, callbacks, start, arguments.initial_epoch, replica, changes)
     if replica.is_primary:  # rank 0's checkpoint, which every replica resumed from
         print_resume(job.resume_from, start, epochs=arguments.epochs, verbose=arguments.verbose, package="torch_dp")
     # gradient accumulation: one gradient all-reduce per window (None: one per step)
-    window = None if custom is not None and custom.train else accumulation_window(model, replica, job.on_nonfinite_loss)
+    # a window's non-finite loss is acted on at its end: raised, even with a TerminateOnNaN
+    nonfinite = "stop" if job.on_nonfinite_loss == "apply" else job.on_nonfinite_loss
+    window = None if custom is not None and custom.train else accumulation_window(model, replica, nonfinite)
     epoch_logs: dict[str, Any] = {}
     for epoch in range(start.epoch, arguments.epochs):
         model.reset_metrics()
@@ -92,12 +100,20 @@ def _fit_epochs(
         if first_step:
             restore_metrics(model, start, replica)
         callbacks.on_epoch_begin(epoch)
-        if share_decisions(model, replica):
+        if share_decisions(model, replica, changes=changes):
             break
         if custom is not None and custom.train:
             kind: EpochSteps = OwnSteps(model, replica, custom, log_every=every)
         else:
-            kind = KerasSteps(model, replica, window, every, decide_each_step=batch_logs, batch_hooks=batch_hooks)
+            kind = KerasSteps(
+                model,
+                replica,
+                window,
+                every,
+                decide_each_step=batch_logs,
+                batch_hooks=batch_hooks,
+                apply_nonfinite=job.on_nonfinite_loss == "apply",
+            )
         timed = timer if isinstance(kind, KerasSteps) else NO_STEP_TIMER  # a model's own step is not timed
         epoch_logs = train_epoch(
             model,
@@ -110,16 +126,17 @@ def _fit_epochs(
             checkpoints=checkpoints,
             notice=notice,
             timer=timed,
+            changes=changes,
         )
         model.eval()
         if arguments.validates_after(epoch):
-            epoch_logs.update(_validation_logs(model, job, replica, callbacks, custom))
+            epoch_logs.update(_validation_logs(model, job, replica, callbacks, custom, changes))
         callbacks.on_epoch_end(epoch, epoch_logs)
         if checkpoints is not None:
             save(checkpoints, model, replica, epoch=epoch + 1, step=0, window=window)
         if isinstance(job.inputs, BatchSource) and job.inputs.exhausted:
             model.stop_training = True  # an iterator that ran out ends training, as in Keras (rank 0 reads it)
-        if share_decisions(model, replica):
+        if share_decisions(model, replica, changes=changes):
             break
     if window is not None:  # the caller's model holds the accumulators as one device would
         window.settle(model, replica)
@@ -130,7 +147,12 @@ def _fit_epochs(
 
 
 def _begin(
-    model: keras.Model, callbacks: keras.callbacks.CallbackList, start: Start, initial_epoch: int, replica: Replica
+    model: keras.Model,
+    callbacks: keras.callbacks.CallbackList,
+    start: Start,
+    initial_epoch: int,
+    replica: Replica,
+    changes: Changes,
 ) -> Start:
     """``on_train_begin``, then where training starts on every replica: the checkpoint's place (the
     History continues from it), or the first epoch (``_initial_epoch``)."""
@@ -138,8 +160,9 @@ def _begin(
     callbacks.on_train_begin()
     if start.epoch or start.step:  # History continues from the checkpoint
         model.history.epoch, model.history.history = list(range(start.epoch)), dict(start.history)
+        changes.share()  # what ``on_train_begin`` changed on rank 0
     else:
-        start = Start(epoch=_initial_epoch(model, initial_epoch, replica))
+        start = Start(epoch=_initial_epoch(model, initial_epoch, replica, changes))
     check_same_start(start, replica)  # rank 0 chose for all (``resume_from``); a last check before any step
     return start
 
@@ -150,6 +173,7 @@ def _validation_logs(
     replica: Replica,
     callbacks: keras.callbacks.CallbackList,
     custom: CustomSteps | None,
+    changes: Changes,
 ) -> dict[str, Any]:
     """The validation data's logs at an epoch end, named ``val_...``; the fit's callbacks get the test hooks."""
     assert job.validation is not None
@@ -162,17 +186,19 @@ def _validation_logs(
         callbacks=arguments.callbacks,
         in_fit=callbacks,
         custom=custom,
+        changes=changes,
     )
     return {f"val_{name}": value for name, value in val_logs.items()}
 
 
-def _initial_epoch(model: keras.Model, initial_epoch: int, replica: Replica) -> int:
+def _initial_epoch(model: keras.Model, initial_epoch: int, replica: Replica, changes: Changes) -> int:
     """The first epoch, as ``model.fit`` reads it after ``on_train_begin``: one a callback set
     (``BackupAndRestore`` restoring an interrupted run), else ``initial_epoch``. Callbacks run on
-    rank 0 and may have loaded weights there, so every replica takes rank 0's state."""
+    rank 0 and may have loaded weights there, so every replica takes rank 0's state (but for
+    each replica's own random streams, ``_loop.changes``)."""
     chosen = internals.initial_epoch_override(model) or initial_epoch
     (chosen,) = broadcast_floats([chosen], replica)
-    same_state_as_primary(model, replica, optimizer=True)
+    changes.share()
     return int(chosen)
 
 

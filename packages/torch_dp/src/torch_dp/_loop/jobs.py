@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import keras
 
-from dp_core import BatchNormMode, NonFiniteLoss, Verbose
+from dp_core import BatchNormMode, NonFiniteAction, Verbose
 from dp_core.keras import FitArguments, LearningRatePolicy
 from torch_dp._data.sources import Readable
 
@@ -24,7 +24,7 @@ class FitJob:
     arguments: FitArguments
     batch_norm: BatchNormMode
     log_every_steps: int
-    on_nonfinite_loss: NonFiniteLoss
+    on_nonfinite_loss: NonFiniteAction  # "apply" with a TerminateOnNaN, as model.fit does
     lr_policy: LearningRatePolicy | None
     resume_from: str | None  # the checkpoint the caller chose and checked
     profile: str | None = None  # the scaling report's folder (``Trainer(profile=...)``)

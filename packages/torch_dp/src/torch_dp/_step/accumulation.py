@@ -134,6 +134,7 @@ class Window:
         step: int,
         sum_metrics: bool = False,
         stop: bool = False,
+        changed: bool = False,
         preempt: bool = False,
         timer: StepTimer | NoStepTimer = NO_STEP_TIMER,
     ) -> Trained:
@@ -154,7 +155,7 @@ class Window:
         payload = self._window_sums(model, local, trainable) if last else []
         states = [v.value.detach() for v in model.metrics_variables] if sum_metrics else []
         rate = _learning_rate_variable(model)
-        decisions = [_decisions(rate, replica, stop)] if sum_metrics else []
+        decisions = [_decisions(rate, replica, stop, changed)] if sum_metrics else []
         control = torch.cat([self.nonfinite + nonfinite, _flag(preempt, replica)])
         summed = all_reduce_sum([*payload, control, *states, *decisions], replica)
         values = [summed[len(payload)], *([summed[-1]] if decisions else [])]

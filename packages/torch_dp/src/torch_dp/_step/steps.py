@@ -123,6 +123,7 @@ class Trained(NamedTuple):
     stopped: bool = False
     metric_sums: list[torch.Tensor] | None = None
     preempted: bool = False
+    changed: bool = False  # rank 0's callbacks changed its state: every replica left the step out
 
 
 def train_step(
@@ -132,9 +133,11 @@ def train_step(
     *,
     sum_metrics: bool = False,
     stop: bool = False,
+    changed: bool = False,
     preempt: bool = False,
     timer: StepTimer | NoStepTimer = NO_STEP_TIMER,
     buckets: GradientBuckets | None = None,
+    apply_nonfinite: bool = False,
 ) -> Trained:
     """Forward, exact global-batch gradient, Keras optimizer update, metric update.
 
@@ -146,7 +149,9 @@ def train_step(
     metric states (metrics read only this step's predictions, so they are updated before it)
     and rank 0's decisions since the last step: its learning rate, which every replica takes
     before applying, and ``stop`` (rank 0 stopped training: every replica undoes this step
-    and leaves the epoch). So a batch-level callback costs no collective of its own.
+    and leaves the epoch), and ``changed`` (rank 0's callbacks changed its model or optimizer:
+    every replica undoes this step, to take it again on rank 0's state, ``_loop.changes``). So a
+    batch-level callback costs no collective of its own.
 
     ``preempt`` (this replica got a preemption notice) rides on it always: when any replica
     sends it, every replica undoes this step, so all stop at the same step boundary.
@@ -156,6 +161,9 @@ def train_step(
     is applied. It cannot wait for the logs: a skipped or stopped step must leave the weights
     and the optimizer untouched on every replica, and Keras's optimizer cannot be told on the
     device to leave a step out. Everything else (logs, metrics) stays on the device until read.
+
+    With ``apply_nonfinite`` (a ``TerminateOnNaN`` among the callbacks) such a step is applied, as
+    ``model.fit`` applies it, and the callback stops training at its batch end.
 
     ``timer`` (``Trainer(profile=...)``; else one that records nothing) gets laps for forward+backward,
     the all-reduce and the optimizer.
@@ -169,7 +177,7 @@ def train_step(
     shared = sum_metrics and replica.distributed
     states = [v.value.detach() for v in model.metrics_variables] if shared else []
     rate = _learning_rate_variable(model)
-    decisions = [_decisions(rate, replica, stop)] if shared else []
+    decisions = [_decisions(rate, replica, stop, changed)] if shared else []
     timer.lap("forward_backward", sync=True)
     # Zeros keep the buffer the same size on every replica; a variable with no gradient
     # here is still skipped by the optimizer, as in Keras.
@@ -185,7 +193,7 @@ def train_step(
     ended = act_on_decisions(model, before, replica, rate, anyone_preempted=anyone_preempted, decided=decided)
     if ended is not None:
         return ended
-    if not finite:
+    if not finite and not apply_nonfinite:  # ``apply_nonfinite``: as model.fit, for a TerminateOnNaN to stop
         _undo(model, before)
         return Trained(False)
     if trainable:
@@ -249,10 +257,13 @@ def act_on_decisions(
         _undo(model, before)
         return Trained(False, preempted=True)
     if decided:
-        stopped, learning_rate = decided
+        stopped, learning_rate, changed = decided
         if stopped:
             _undo(model, before)
             return Trained(False, stopped=True)
+        if changed:
+            _undo(model, before)
+            return Trained(False, changed=True)
         if rate is not None and not replica.is_primary:
             rate.assign(learning_rate)
     return None
@@ -277,13 +288,14 @@ def _learning_rate_variable(model: keras.Model) -> keras.Variable | None:
     return rate if isinstance(rate, keras.Variable) else None
 
 
-def _decisions(rate: keras.Variable | None, replica: Replica, stop: bool) -> torch.Tensor:
-    """Rank 0's ``[stop, learning rate]`` (zeros elsewhere: summed, rank 0's), in the gradients'
-    dtype, built on the device (reading the rate would wait for the device)."""
-    decisions = torch.zeros(2, dtype=torch.float32, device=replica.device)
+def _decisions(rate: keras.Variable | None, replica: Replica, stop: bool, changed: bool = False) -> torch.Tensor:
+    """Rank 0's ``[stop, learning rate, changed]`` (zeros elsewhere: summed, rank 0's), in the
+    gradients' dtype, built on the device (reading the rate would wait for the device)."""
+    decisions = torch.zeros(3, dtype=torch.float32, device=replica.device)
     if not replica.is_primary:
         return decisions
     decisions[0] = float(stop)
+    decisions[2] = float(changed)
     if rate is not None:
         decisions[1] = rate.value.detach().reshape(())  # a copy on the device, rounded to float32
     return decisions
