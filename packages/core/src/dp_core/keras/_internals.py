@@ -37,6 +37,13 @@ def compile_loss(model: keras.Model) -> Any:
     return getattr(model, "_compile_loss", None)
 
 
+def compile_arguments(model: keras.Model) -> dict[str, Any]:
+    """What was passed to ``model.compile`` (the loss, metrics, ... as given: functions
+    included), empty for a model never compiled; ``get_compile_config`` has them serialized."""
+    config = getattr(model, "_compile_config", None)
+    return dict(getattr(config, "config", None) or {})
+
+
 def compile_metrics(model: keras.Model) -> Any:
     """The ``CompileMetrics`` of ``metrics=``/``weighted_metrics=`` (None without metrics):
     unweighted metrics must still skip padded rows."""
@@ -76,6 +83,11 @@ def forward_losses(model: keras.Model, losses: list[Any]) -> Iterator[None]:
 def flatten_layers(model: keras.Model, *, include_self: bool = False) -> list[keras.layers.Layer]:
     """Every layer nested in ``model`` (``model.layers`` lists only the top level)."""
     return list(model._flatten_layers(include_self=include_self, recursive=True))
+
+
+def sublayers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
+    """The layers ``layer`` tracks directly (its children, not theirs), in Keras's order."""
+    return list(layer._flatten_layers(include_self=False, recursive=False))
 
 
 def seed_generators(layer: keras.layers.Layer) -> list[Any]:
