@@ -370,3 +370,61 @@ def test_directories_left_by_runs_killed_outright_are_removed_by_the_next(tmp_pa
         (directory / "array_0.npy").write_bytes(b"x")
     assert torch_dp._processes.pool.remove_stale_directories(str(tmp_path)) == [str(stale)]
     assert not stale.exists() and mine.exists() and unrelated.exists()
+
+
+def test_a_backbone_rebuilt_with_other_layers_keeps_the_callers_frozen_weights(trainer):
+    """keras-hub's way of building a model lists other layers once loaded back: the choices still
+    travel, by layer name and by each weight's own flag (one kernel frozen in a trainable layer)."""
+    x, y = testing.data()
+    model, reference = testing.backbone_classifier(), testing.backbone_classifier()
+    for each in (model, reference):
+        each.get_layer("backbone").get_layer("hidden").kernel.trainable = False
+        each.get_layer("head").trainable = False
+    frozen = [v.numpy().copy() for v in model.non_trainable_weights]
+    trainer.fit(model, x, y, global_batch_size=32, epochs=2, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    _assert_weights_equal(model, reference)
+    assert [v.path for v in model.trainable_weights] == ["hidden/bias"]
+    for variable, before in zip(model.non_trainable_weights, frozen, strict=True):
+        np.testing.assert_array_equal(variable.numpy(), before)
+
+
+def test_a_lambda_layer_and_plain_python_loss_and_metric_travel_by_value(trainer):
+    x, labels = testing.data()
+    y = np.stack([labels == 0, labels == 1], axis=1).astype("float32")
+    models = []
+    for _ in range(2):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [
+                keras.Input((5,)),
+                keras.layers.Dense(4),
+                # names a global of its module and numpy: Keras's own saved bytecode would not find them
+                keras.layers.Lambda(lambda t: keras.ops.tanh(t) * testing.PENALTY + np.float32(1), output_shape=(4,)),
+                keras.layers.Dense(2),
+            ]
+        )
+        model.compile(keras.optimizers.SGD(0.1), testing.squared_error, metrics=[testing.absolute_error])
+        models.append(model)
+    model, reference = models
+    history = trainer.fit(model, x, y, global_batch_size=32, epochs=2, shuffle=False, verbose=0)
+    expected = reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    _assert_weights_equal(model, reference)
+    np.testing.assert_allclose(history.history["absolute_error"], expected.history["absolute_error"], rtol=1e-5)
+
+
+def test_weights_the_saved_model_loses_are_a_clear_error_before_any_worker_starts(monkeypatch):
+    torch_dp._processes.pool.close_active_pool()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a worker process was started")
+
+    monkeypatch.setattr(torch_dp._processes.pool, "start_process", refuse)
+    x, y = testing.data()
+    model = keras.Sequential([keras.Input((5,)), testing.Projection(3, name="projection")])
+    model.get_layer("projection").dense.enable_lora(2)  # as keras-hub's backbone.enable_lora does
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    expected = r"2 there against 4 here, and weight 2 is '\S*projection/dense/lora_kernel_a' \(5, 2\) here but nothing"
+    with pytest.raises(ValueError, match=expected) as raised:
+        torch_dp.Trainer(num_replicas=2).fit(model, x, y, global_batch_size=32, verbose=0)
+    assert "zero-argument function" in str(raised.value)

@@ -32,7 +32,7 @@ import torch
 from dp_core.keras import BatchSource, Inputs, internals
 from torch_dp._data.sources import Readable, SourceOnPrimary
 from torch_dp._loop.jobs import FitJob, Job
-from torch_dp._processes.trainable import TrainableFlags, check_same_weights, trainable_flags
+from torch_dp._processes.trainable import TrainableFlags, set_trainable, trainable_flags
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,7 @@ class ModelSource:
     keras_file: str | None = None
     custom_objects: dict[str, Any] = field(default_factory=dict)
     factory: Callable[[], keras.Model] | None = None
+    compile_config: dict[str, Any] | None = None  # model.get_compile_config(): None when not compiled
     loss_scaled: bool = False  # compiled under mixed_float16: its optimizer is a LossScaleOptimizer
 
 
@@ -84,24 +85,32 @@ def ship_model(model_argument: Any, model: keras.Model, directory: str, *, train
     if not isinstance(model_argument, keras.Model):
         return ModelSource(factory=model_argument)
     path = os.path.join(directory, "model.keras")
+    loss_scaled = isinstance(getattr(model, "optimizer", None), keras.optimizers.LossScaleOptimizer)
     try:
         with _lambdas_by_name(model) as lambdas:
             custom_objects = {**_custom_objects(model), **_python_functions(model), **lambdas}
             model.save(path)
-        # the file is this process's, in the user's own folder: its Lambda code is the user's own
-        loaded = keras.saving.load_model(path, custom_objects=custom_objects, compile=True, safe_mode=False)
+        source = ModelSource(path, custom_objects, compile_config=model.get_compile_config(), loss_scaled=loss_scaled)
+        loaded = _loaded(source)
     except Exception as error:
-        raise TypeError(
-            f"torch_dp rebuilds the model in its worker processes from model.save(), and saving or loading "
-            f"'{model.name}' failed: {type(error).__name__}: {error}. Pass a zero-argument function that builds "
-            "and compiles the model instead (trainer.fit(make_model, ...)); it may be defined anywhere, a notebook "
-            "cell included. Or give custom layers a get_config() that returns their constructor arguments."
-        ) from error
-    check_same_weights(loaded, trainable_flags(model).weights)
+        raise _not_rebuilt(model, error) from error
+    set_trainable(loaded, trainable_flags(model))  # a file that loses weights fails here, clearly
+    try:
+        _compiled(loaded, source)
+    except Exception as error:
+        raise _not_rebuilt(model, error) from error
     if trains:
-        _check_optimizer_rebuilt(model, cast(keras.Model, loaded))
-    loss_scaled = isinstance(getattr(model, "optimizer", None), keras.optimizers.LossScaleOptimizer)
-    return ModelSource(keras_file=path, custom_objects=custom_objects, loss_scaled=loss_scaled)
+        _check_optimizer_rebuilt(model, loaded)
+    return source
+
+
+def _not_rebuilt(model: keras.Model, error: Exception) -> TypeError:
+    return TypeError(
+        f"torch_dp rebuilds the model in its worker processes from model.save(), and saving or loading "
+        f"'{model.name}' failed: {type(error).__name__}: {error}. Pass a zero-argument function that builds "
+        "and compiles the model instead (trainer.fit(make_model, ...)); it may be defined anywhere, a notebook "
+        "cell included. Or give custom layers a get_config() that returns their constructor arguments."
+    )
 
 
 def _check_optimizer_rebuilt(model: keras.Model, loaded: keras.Model) -> None:
@@ -217,21 +226,48 @@ def _stand_in(function: Callable[..., Any], name: str) -> Callable[..., Any]:
     return stand_in
 
 
-def receive_model(source: ModelSource) -> keras.Model:
+def receive_model(source: ModelSource, trainable: TrainableFlags) -> keras.Model:
     """The worker's copy of the caller's model (its weights are rank 0's broadcast, later)."""
-    if source.keras_file is not None:
-        # compile() wraps the optimizer in a LossScaleOptimizer only under a mixed_float16 policy,
-        # which the file does not record: load under it when the caller's model had one
-        policy = keras.config.dtype_policy()
-        if source.loss_scaled:
-            keras.config.set_dtype_policy("mixed_float16")
-        try:
-            loaded = keras.saving.load_model(source.keras_file, custom_objects=source.custom_objects, safe_mode=False)
-            return cast(keras.Model, loaded)
-        finally:
-            keras.config.set_dtype_policy(policy)
-    assert source.factory is not None
-    return source.factory()
+    if source.keras_file is None:
+        assert source.factory is not None
+        return source.factory()
+    model = _loaded(source)
+    set_trainable(model, trainable)
+    _compiled(model, source)
+    return model
+
+
+@contextlib.contextmanager
+def _policy_of(source: ModelSource) -> Iterator[None]:
+    """compile() wraps the optimizer in a LossScaleOptimizer only under a mixed_float16 policy,
+    which the file does not record: the model is loaded and compiled under it when the caller's was."""
+    policy = keras.config.dtype_policy()
+    if source.loss_scaled:
+        keras.config.set_dtype_policy("mixed_float16")
+    try:
+        yield
+    finally:
+        keras.config.set_dtype_policy(policy)
+
+
+def _loaded(source: ModelSource) -> keras.Model:
+    """The model of the file, not compiled yet: its optimizer is built over the trainable weights
+    when it is, so the caller's trainable choices come first (``set_trainable``). The file is
+    the caller's own, written in the user's own folder: its Lambda code is the user's."""
+    assert source.keras_file is not None
+    with _policy_of(source):
+        loaded = keras.saving.load_model(
+            source.keras_file, custom_objects=source.custom_objects, compile=False, safe_mode=False
+        )
+    return cast(keras.Model, loaded)
+
+
+def _compiled(model: keras.Model, source: ModelSource) -> None:
+    """``model`` compiled as the caller's was (as ``load_model`` compiles it from the file)."""
+    if source.compile_config is None:
+        return
+    with _policy_of(source), keras.saving.custom_object_scope(source.custom_objects):
+        model.compile_from_config(source.compile_config)
 
 
 @dataclass(frozen=True)

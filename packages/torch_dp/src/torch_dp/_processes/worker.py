@@ -50,7 +50,7 @@ def pool_worker(
             request: Request = cloudpickle.loads(message)
             request.settings.apply()  # before the model is (re)built and rows are read
             if request.model is not None:
-                model = receive_model(request.model)
+                model = receive_model(request.model, request.trainable)
             assert model is not None, "the caller sends the model with the first call"
             set_trainable(model, request.trainable)
             run_job(model, opened(request.job), replica, sync=request.sync)
