@@ -42,25 +42,11 @@ def vit_image_classifier(run: Runner) -> Any:
     return outcome(run, history, x, y)
 
 
-@scenario("model.bert", "feature.lora", "feature.trainable", "trainer.model_factory")
-def bert_lora_factory(run: Runner) -> Any:
-    """LoRA fine-tuning: `backbone.enable_lora(rank=4)` in a factory, only the 12 LoRA weights trainable."""
-    x, y = hub_models.sentences("bert_lora_factory")
-    history = _fit(run, hub_models.bert_lora, x, y)
-    return outcome(run, history, x, y, trainable=[v.path for v in history.model.trainable_weights])
-
-
-@scenario(
-    "model.bert",
-    "feature.lora",
-    backends=("torch",),  # jax_dp trains the model itself (bert_lora_factory proves LoRA there)
-    # keras-hub's attention builds its query and value layers in build(): the file has no LoRA weights
-    errors={"torch": (("ValueError",), "enable_lora")},
-)
-def bert_lora_passed_directly(run: Runner) -> Any:
-    """A LoRA-enabled model passed itself: torch_dp rebuilds it from `model.save()`, which keeps no LoRA weights."""
-    x, y = hub_models.sentences("bert_lora_passed_directly")
-    history = _fit(run, hub_models.bert_lora("bert_lora_passed_directly"), x, y)
+@scenario("model.bert", "feature.lora", "feature.trainable")
+def bert_lora_fine_tuning(run: Runner) -> Any:
+    """LoRA fine-tuning: `backbone.enable_lora(rank=4)`, the head frozen, only the 12 LoRA weights train."""
+    x, y = hub_models.sentences("bert_lora_fine_tuning")
+    history = _fit(run, hub_models.bert_lora("bert_lora_fine_tuning"), x, y)
     return outcome(run, history, x, y, trainable=[v.path for v in history.model.trainable_weights])
 
 

@@ -413,18 +413,35 @@ def test_a_lambda_layer_and_plain_python_loss_and_metric_travel_by_value(trainer
     np.testing.assert_allclose(history.history["absolute_error"], expected.history["absolute_error"], rtol=1e-5)
 
 
-def test_weights_the_saved_model_loses_are_a_clear_error_before_any_worker_starts(monkeypatch):
-    torch_dp._processes.pool.close_active_pool()
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a worker process was started")
-
-    monkeypatch.setattr(torch_dp._processes.pool, "start_process", refuse)
-    x, y = testing.data()
+def _projection_with_lora(seed: int) -> keras.Model:
+    keras.utils.set_random_seed(seed)
     model = keras.Sequential([keras.Input((5,)), testing.Projection(3, name="projection")])
     model.get_layer("projection").dense.enable_lora(2)  # as keras-hub's backbone.enable_lora does
-    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
-    expected = r"2 there against 4 here, and weight 2 is '\S*projection/dense/lora_kernel_a' \(5, 2\) here but nothing"
-    with pytest.raises(ValueError, match=expected) as raised:
-        torch_dp.Trainer(num_replicas=2).fit(model, x, y, global_batch_size=32, verbose=0)
-    assert "zero-argument function" in str(raised.value)
+    model.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
+    return model
+
+
+def test_lora_enabled_on_a_layer_no_config_records_trains_as_in_keras(trainer):
+    x, y = testing.data()
+    model, reference = _projection_with_lora(0), _projection_with_lora(0)
+    reference.set_weights(model.get_weights())  # enable_lora draws its kernel from Keras's global seed
+    reference.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    trainer.fit(model, x, y, global_batch_size=32, epochs=1, shuffle=False, verbose=0)
+    _assert_weights_equal(model, reference)
+    assert [v.name for v in model.trainable_weights] == ["bias", "lora_kernel_a", "lora_kernel_b"]
+
+
+def test_a_rebuilt_model_with_other_weights_is_a_clear_error_naming_the_first_that_differs():
+    from torch_dp._processes.trainable import set_trainable, trainable_flags
+
+    caller = _projection_with_lora(0)
+    rebuilt = keras.Sequential([keras.Input((5,)), testing.Projection(3, name="projection")])
+    rebuilt.get_layer("projection").dense.kernel_constraint = keras.constraints.NonNeg()  # LoRA refuses it
+    with pytest.raises(ValueError, match="Lora is incompatible with kernel constraints"):
+        set_trainable(rebuilt, trainable_flags(caller))
+    other = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, name="projection")])
+    with pytest.raises(
+        ValueError, match=r"2 there against 4 here, and weight 0 is '\S*dense/kernel' \(5, 3\)"
+    ) as raised:
+        set_trainable(other, trainable_flags(caller))
+    assert "zero-argument function" in str(raised.value) and "(5, 4) there" in str(raised.value)

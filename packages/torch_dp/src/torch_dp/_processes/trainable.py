@@ -1,5 +1,6 @@
 """The caller's trainable choices, carried to a worker's rebuilt model: each layer's
-``trainable`` and each weight's own (``enable_lora`` freezes a kernel in a layer left trainable).
+``trainable``, each weight's own (``enable_lora`` freezes a kernel in a layer left trainable),
+and which layers have LoRA enabled.
 
 A rebuilt model need not list its layers as the caller's does: a layer created inside another's
 ``build`` (keras-hub's attention makes its softmax and dropout there) is no part of the saved
@@ -25,6 +26,7 @@ class LayerFlag:
     kind: str  # the layer's class name
     trainable: bool
     inherited: bool  # the same as its parent's: setting the parent's sets it
+    lora: tuple[int, float] | None = None  # enable_lora's rank and alpha, where the caller enabled it
 
 
 @dataclass(frozen=True)
@@ -46,15 +48,18 @@ def trainable_flags(model: keras.Model) -> TrainableFlags:
     layers = []
     for key, layer, parent in _keyed_layers(model):
         inherited = parent is not None and parent.trainable == layer.trainable
-        layers.append(LayerFlag(key, type(layer).__name__, bool(layer.trainable), inherited))
+        lora = (int(layer.lora_rank), float(layer.lora_alpha)) if getattr(layer, "lora_enabled", False) else None
+        layers.append(LayerFlag(key, type(layer).__name__, bool(layer.trainable), inherited, lora))
     weights = tuple(WeightFlag(v.path, tuple(v.shape), str(v.dtype), bool(v.trainable)) for v in model.weights)
     return TrainableFlags(tuple(layers), weights)
 
 
 def set_trainable(model: keras.Model, flags: TrainableFlags) -> None:
-    """The caller's choices on the worker's ``model`` (made after a factory built it, say): the
-    layers' first, parents before children (setting a layer's sets its sublayers'), then each
-    weight's own. A model not built yet creates its weights under its layers' flags."""
+    """The caller's choices on the worker's ``model`` (made after a factory built it, say): LoRA
+    where the caller enabled it (keras-hub's ``enable_lora`` reaches layers built inside others,
+    which no config records), the layers' flags, parents before children (setting a layer's
+    sets its sublayers'), then each weight's own. A model not built yet creates its weights
+    under its layers' flags."""
     layers = [(key, layer) for key, layer, _ in _keyed_layers(model)]
     paired, unpaired = _paired(flags.layers, layers)
     if unpaired:
@@ -65,6 +70,9 @@ def set_trainable(model: keras.Model, flags: TrainableFlags) -> None:
             f"caller's has {len(flags.layers)}). Pass a zero-argument function that builds the model and sets "
             "these flags (trainer.fit(make_model, ...)), or set trainable on a layer whose config restores it."
         )
+    for flag, layer in paired:
+        if flag.lora is not None and layer.built and not getattr(layer, "lora_enabled", False):
+            layer.enable_lora(flag.lora[0], lora_alpha=flag.lora[1])  # LoRA on a layer no config records
     for flag, layer in paired:
         if layer.trainable != flag.trainable:
             layer.trainable = flag.trainable
