@@ -20,7 +20,7 @@ VOCABULARY = 50
 SEQUENCE_LENGTH = 8
 HIDDEN = 32
 CLASSES = 3
-TRANSFORMER = {"num_layers": 1, "num_heads": 2, "hidden_dim": HIDDEN, "intermediate_dim": 64, "dropout": 0.0}
+TRANSFORMER = {"num_layers": 2, "num_heads": 2, "hidden_dim": HIDDEN, "intermediate_dim": 64, "dropout": 0.0}
 
 
 def _sgd() -> keras.optimizers.Optimizer:

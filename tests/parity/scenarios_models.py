@@ -27,7 +27,7 @@ def bert_classifier_padding_mask(run: Runner) -> Any:
 
 @scenario("model.gpt2", "fit.sample_weight", "evaluate.sample_weight", "feature.per_token_weights")
 def gpt2_causal_lm_token_weights(run: Runner) -> Any:
-    """keras-hub `GPT2Backbone` + a Dense LM head, next-token loss with per-token sample weights (0 on padding)."""
+    """keras-hub `GPT2Backbone` (2 layers) + a Dense LM head, next-token loss, per-token sample weights."""
     x, y, weights = hub_models.next_tokens("gpt2_causal_lm_token_weights")
     model = hub_models.gpt2_lm("gpt2_causal_lm_token_weights")
     history = _fit(run, model, x, y, sample_weight=weights)
@@ -44,10 +44,11 @@ def vit_image_classifier(run: Runner) -> Any:
 
 @scenario("model.bert", "feature.lora", "feature.trainable")
 def bert_lora_fine_tuning(run: Runner) -> Any:
-    """LoRA fine-tuning: `backbone.enable_lora(rank=4)`, the head frozen, only the 12 LoRA weights train."""
+    """LoRA fine-tuning: `backbone.enable_lora(rank=4)`, the head frozen, only its 8 LoRA weights train."""
     x, y = hub_models.sentences("bert_lora_fine_tuning")
-    history = _fit(run, hub_models.bert_lora("bert_lora_fine_tuning"), x, y)
-    return outcome(run, history, x, y, trainable=[v.path for v in history.model.trainable_weights])
+    model = hub_models.bert_lora("bert_lora_fine_tuning")
+    history = _fit(run, model, x, y)
+    return outcome(run, history, x, y, trainable=[v.path for v in model.trainable_weights])
 
 
 # ---- Lambda layers and plain Python functions -------------------------------------------------

@@ -90,7 +90,8 @@ def ship_model(model_argument: Any, model: keras.Model, directory: str, *, train
         with _lambdas_by_name(model) as lambdas:
             custom_objects = {**_custom_objects(model), **_python_functions(model), **lambdas}
             model.save(path)
-        source = ModelSource(path, custom_objects, compile_config=model.get_compile_config(), loss_scaled=loss_scaled)
+        compile_config = cast("dict[str, Any] | None", model.get_compile_config())
+        source = ModelSource(path, custom_objects, compile_config=compile_config, loss_scaled=loss_scaled)
         loaded = _loaded(source)
     except Exception as error:
         raise _not_rebuilt(model, error) from error
