@@ -287,6 +287,10 @@ def parity(session: nox.Session) -> None:
     pinned = f"keras{_keras_range()}"
     _install_everything(session, pinned, "pandas", *TEST_TOOLS)  # pandas: a DataFrame is an input kind
     session.install("--upgrade", pinned)
+    # keras-hub's models from tiny configs; without its dependencies, which name tensorflow-text
+    # (and tensorflow), but with the light ones its import needs
+    session.install("--no-deps", "keras-hub>=0.32,<0.33")
+    session.install("regex", "kagglehub", "tokenizers")
     session.env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={JAX_HOST_DEVICES}"
     session.run("pytest", "tests/parity", *session.posargs)
 

@@ -3,3 +3,81 @@ layers and plain Python functions.
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+
+from parity import hub_models
+from parity.models import numpy_weights, tabular
+from parity.runners import Runner
+from parity.scenarios import _fit, outcome, scenario
+
+# ---- keras-hub backbones from tiny configs ----------------------------------------------------
+
+
+@scenario("model.bert", "feature.masking", "input.dict")
+def bert_classifier_padding_mask(run: Runner) -> Any:
+    """keras-hub `BertBackbone` (2 layers, hidden 32) + a Dense head, token ids padded under `padding_mask`."""
+    x, y = hub_models.sentences("bert_classifier_padding_mask")
+    history = _fit(run, hub_models.bert_classifier("bert_classifier_padding_mask"), x, y)
+    return outcome(run, history, x, y)
+
+
+@scenario("model.gpt2", "fit.sample_weight", "evaluate.sample_weight", "feature.per_token_weights")
+def gpt2_causal_lm_token_weights(run: Runner) -> Any:
+    """keras-hub `GPT2Backbone` (2 layers) + a Dense LM head, next-token loss, per-token sample weights."""
+    x, y, weights = hub_models.next_tokens("gpt2_causal_lm_token_weights")
+    model = hub_models.gpt2_lm("gpt2_causal_lm_token_weights")
+    history = _fit(run, model, x, y, sample_weight=weights)
+    return outcome(run, history, x, y, sample_weight=weights)
+
+
+@scenario("model.vit")
+def vit_image_classifier(run: Runner) -> Any:
+    """keras-hub `ViTBackbone` (8x8 RGB images, 4x4 patches, 2 layers) + a Dense head on the mean token."""
+    x, y = hub_models.small_images("vit_image_classifier")
+    history = _fit(run, hub_models.vit_classifier("vit_image_classifier"), x, y)
+    return outcome(run, history, x, y)
+
+
+@scenario("model.bert", "feature.lora", "feature.trainable")
+def bert_lora_fine_tuning(run: Runner) -> Any:
+    """LoRA fine-tuning: `backbone.enable_lora(rank=4)`, the head frozen, only its 8 LoRA weights train."""
+    x, y = hub_models.sentences("bert_lora_fine_tuning")
+    model = hub_models.bert_lora("bert_lora_fine_tuning")
+    history = _fit(run, model, x, y)
+    return outcome(run, history, x, y, trainable=[v.path for v in model.trainable_weights])
+
+
+# ---- Lambda layers and plain Python functions -------------------------------------------------
+
+SCALE = 1.5  # a global of the user's module, which the Lambda's code names
+
+
+def squared_error(y_true: Any, y_pred: Any) -> Any:
+    """A loss as a plain Python function: one value per row."""
+    return keras.ops.mean(keras.ops.square(y_true - y_pred), axis=-1)
+
+
+def absolute_error(y_true: Any, y_pred: Any) -> Any:
+    return keras.ops.mean(keras.ops.abs(y_true - y_pred), axis=-1)
+
+
+@scenario("feature.lambda_layer", "feature.python_loss", "feature.python_metric")
+def lambda_and_python_functions(run: Runner) -> Any:
+    """A `Lambda` layer naming a module global, a plain Python loss and metric, the model passed itself."""
+    x, labels = tabular("lambda_and_python_functions")
+    y = np.stack([labels == 0, labels == 1], axis=1).astype("float32")
+    model = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.Lambda(lambda t: keras.ops.tanh(t) * SCALE, output_shape=(8,)),
+            keras.layers.Dense(2),
+        ]
+    )
+    model.compile(keras.optimizers.SGD(0.1, momentum=0.9), squared_error, metrics=[absolute_error])
+    history = _fit(run, numpy_weights(model, "lambda_and_python_functions"), x, y)
+    return outcome(run, history, x, y)

@@ -370,3 +370,78 @@ def test_directories_left_by_runs_killed_outright_are_removed_by_the_next(tmp_pa
         (directory / "array_0.npy").write_bytes(b"x")
     assert torch_dp._processes.pool.remove_stale_directories(str(tmp_path)) == [str(stale)]
     assert not stale.exists() and mine.exists() and unrelated.exists()
+
+
+def test_a_backbone_rebuilt_with_other_layers_keeps_the_callers_frozen_weights(trainer):
+    """keras-hub's way of building a model lists other layers once loaded back: the choices still
+    travel, by layer name and by each weight's own flag (one kernel frozen in a trainable layer)."""
+    x, y = testing.data()
+    model, reference = testing.backbone_classifier(), testing.backbone_classifier()
+    for each in (model, reference):
+        each.get_layer("backbone").get_layer("hidden").kernel.trainable = False
+        each.get_layer("head").trainable = False
+    frozen = [v.numpy().copy() for v in model.non_trainable_weights]
+    trainer.fit(model, x, y, global_batch_size=32, epochs=2, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    _assert_weights_equal(model, reference)
+    assert [v.path for v in model.trainable_weights] == ["hidden/bias"]
+    for variable, before in zip(model.non_trainable_weights, frozen, strict=True):
+        np.testing.assert_array_equal(variable.numpy(), before)
+
+
+def test_a_lambda_layer_and_plain_python_loss_and_metric_travel_by_value(trainer):
+    x, labels = testing.data()
+    y = np.stack([labels == 0, labels == 1], axis=1).astype("float32")
+    models = []
+    for _ in range(2):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [
+                keras.Input((5,)),
+                keras.layers.Dense(4),
+                # names a global of its module and numpy: Keras's own saved bytecode would not find them
+                keras.layers.Lambda(lambda t: keras.ops.tanh(t) * testing.PENALTY + np.float32(1), output_shape=(4,)),
+                keras.layers.Dense(2),
+            ]
+        )
+        model.compile(keras.optimizers.SGD(0.1), testing.squared_error, metrics=[testing.absolute_error])
+        models.append(model)
+    model, reference = models
+    history = trainer.fit(model, x, y, global_batch_size=32, epochs=2, shuffle=False, verbose=0)
+    expected = reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    _assert_weights_equal(model, reference)
+    np.testing.assert_allclose(history.history["absolute_error"], expected.history["absolute_error"], rtol=1e-5)
+
+
+def _projection_with_lora(seed: int) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((5,)), testing.Projection(3, name="projection")])
+    model.get_layer("projection").dense.enable_lora(2)  # as keras-hub's backbone.enable_lora does
+    model.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
+    return model
+
+
+def test_lora_enabled_on_a_layer_no_config_records_trains_as_in_keras(trainer):
+    x, y = testing.data()
+    model, reference = _projection_with_lora(0), _projection_with_lora(0)
+    reference.set_weights(model.get_weights())  # enable_lora draws its kernel from Keras's global seed
+    reference.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    trainer.fit(model, x, y, global_batch_size=32, epochs=1, shuffle=False, verbose=0)
+    _assert_weights_equal(model, reference)
+    assert [v.name for v in model.trainable_weights] == ["bias", "lora_kernel_a", "lora_kernel_b"]
+
+
+def test_a_rebuilt_model_with_other_weights_is_a_clear_error_naming_the_first_that_differs():
+    from torch_dp._processes.trainable import set_trainable, trainable_flags
+
+    caller = _projection_with_lora(0)
+    rebuilt = keras.Sequential([keras.Input((5,)), testing.Projection(3, name="projection")])
+    rebuilt.get_layer("projection").dense.kernel_constraint = keras.constraints.NonNeg()  # LoRA refuses it
+    with pytest.raises(ValueError, match="Lora is incompatible with kernel constraints"):
+        set_trainable(rebuilt, trainable_flags(caller))
+    other = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, name="projection")])
+    with pytest.raises(
+        ValueError, match=r"2 there against 4 here, and weight 0 is '\S*dense/kernel' \(5, 3\)"
+    ) as raised:
+        set_trainable(other, trainable_flags(caller))
+    assert "zero-argument function" in str(raised.value) and "(5, 4) there" in str(raised.value)

@@ -456,3 +456,63 @@ class RaisingOnRankFactory:
         )
         model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
         return model
+
+
+@keras.saving.register_keras_serializable(package="torch_dp_testing")
+class Backbone(keras.Model):
+    """A functional model built in its constructor and rebuilt from its arguments, as keras-hub's
+    backbones are: a model around it, loaded back, lists the backbone's inputs twice."""
+
+    def __init__(self, units: int = 8, **kwargs: Any) -> None:
+        inputs = keras.Input((5,), name="features")
+        outputs = keras.layers.Dense(units, activation="relu", name="hidden")(inputs)
+        super().__init__(inputs, outputs, **kwargs)
+        self.units = units
+
+    def get_config(self) -> dict[str, Any]:
+        return {"units": self.units, "name": self.name, "trainable": self.trainable}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Backbone:
+        return cls(**config)
+
+
+def backbone_classifier(seed: int = 0) -> keras.Model:
+    """A ``Backbone`` and a Dense head on the backbone's own inputs, SGD with momentum."""
+    keras.utils.set_random_seed(seed)
+    backbone = Backbone(name="backbone")
+    head = keras.layers.Dense(3, activation="softmax", name="head")
+    model = keras.Model(backbone.input, head(backbone(backbone.input)))
+    model.compile(keras.optimizers.SGD(0.1, momentum=0.9), "sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+@keras.saving.register_keras_serializable(package="torch_dp_testing")
+class Projection(keras.layers.Layer):
+    """A layer whose Dense is made in ``build``, as keras-hub's attention makes its query and
+    value layers: no config records that Dense, nor LoRA enabled on it afterwards."""
+
+    def __init__(self, units: int = 3, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.units = units
+
+    def build(self, input_shape: Any) -> None:
+        self.dense = keras.layers.Dense(self.units, name="dense")
+        self.dense.build(input_shape)
+
+    def call(self, inputs: Any) -> Any:
+        return self.dense(inputs)
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "units": self.units}
+
+
+PENALTY = 0.5  # a module global that a Lambda layer's code names
+
+
+def squared_error(y_true: Any, y_pred: Any) -> Any:
+    return keras.ops.mean(keras.ops.square(y_true - y_pred), axis=-1)
+
+
+def absolute_error(y_true: Any, y_pred: Any) -> Any:
+    return keras.ops.mean(keras.ops.abs(y_true - y_pred), axis=-1)

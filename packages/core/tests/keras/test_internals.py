@@ -48,6 +48,12 @@ def test_every_accessor_reads_a_compiled_model(model):
     assert internals.initial_epoch_override(model) is None  # BackupAndRestore sets it when it restores
     logs = {m.name: 0.0 for m in model.metrics}
     assert len(internals.metrics_in_order(model, logs)) == len(model.metrics)
+    # what compile was given, as given (the optimizer object itself), and a layer's own children
+    arguments = internals.compile_arguments(model)
+    assert arguments["optimizer"] is model.optimizer and arguments["loss"]["b"] == "mse"
+    assert internals.compile_arguments(keras.Sequential([keras.layers.Dense(1)])) == {}
+    assert [layer.name for layer in internals.sublayers(model) if layer.name in ("a", "b")] == ["a", "b"]
+    assert internals.sublayers(layers[-1]) == []
 
 
 def test_loss_and_forward_losses(model):

@@ -37,6 +37,13 @@ def compile_loss(model: keras.Model) -> Any:
     return getattr(model, "_compile_loss", None)
 
 
+def compile_arguments(model: keras.Model) -> dict[str, Any]:
+    """What was passed to ``model.compile`` (the loss, metrics, ... as given: functions
+    included), empty for a model never compiled; ``get_compile_config`` has them serialized."""
+    config = getattr(model, "_compile_config", None)
+    return dict(getattr(config, "config", None) or {})
+
+
 def compile_metrics(model: keras.Model) -> Any:
     """The ``CompileMetrics`` of ``metrics=``/``weighted_metrics=`` (None without metrics):
     unweighted metrics must still skip padded rows."""
@@ -82,6 +89,11 @@ def stored_value(variable: keras.Variable) -> Any:
     """The tensor a variable holds (``_value``), without ``value``'s checks for a stateless scope
     and autocasting: fifty times cheaper, for what a trainer reads of every variable at every step."""
     return variable._value
+
+
+def sublayers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
+    """The layers ``layer`` tracks directly (its children, not theirs), in Keras's order."""
+    return list(layer._flatten_layers(include_self=False, recursive=False))
 
 
 def seed_generators(layer: keras.layers.Layer) -> list[Any]:

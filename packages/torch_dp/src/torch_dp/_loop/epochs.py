@@ -26,11 +26,7 @@ from dp_core.keras import CheckpointWriter, internals, nonfinite_loss_stopped, s
 from torch_dp._comm.collectives import all_reduce_sum, broadcast_floats
 from torch_dp._comm.replica import Replica
 from torch_dp._data.batches import Batch, EvenBatch, even_batches, replica_batches
-<<<<<<< HEAD
-=======
-from torch_dp._data.sources import steps_of
 from torch_dp._loop.changes import Changes
->>>>>>> wip-callbacks
 from torch_dp._loop.checkpoints import save
 from torch_dp._loop.jobs import FitJob
 from torch_dp._step.accumulation import Window

@@ -23,11 +23,7 @@ from dp_core.keras import (
 )
 from torch_dp._comm.collectives import broadcast_floats
 from torch_dp._comm.replica import Replica
-<<<<<<< HEAD
-=======
-from torch_dp._data.sources import steps_of
 from torch_dp._loop.changes import Changes
->>>>>>> wip-callbacks
 from torch_dp._loop.checkpoints import check_same_start, holding_checkpoint_dir, restore_metrics, save
 from torch_dp._loop.epochs import EpochSteps, KerasSteps, OwnSteps, share_decisions, train_epoch
 from torch_dp._loop.evaluate import evaluate_loop

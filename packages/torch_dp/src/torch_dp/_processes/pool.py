@@ -66,6 +66,7 @@ from torch_dp._processes.failures import (
 from torch_dp._processes.folder import PoolFolder, remove_stale_directories
 from torch_dp._processes.group import Rendezvous, Timeouts, device_for, leave_group, serve_group
 from torch_dp._processes.spawn import Worker, start_process, stop_processes, torch_threads
+from torch_dp._processes.trainable import trainable_flags
 from torch_dp._processes.transfer import (
     KerasSettings,
     Request,
@@ -73,7 +74,6 @@ from torch_dp._processes.transfer import (
     for_workers,
     ship_model,
     shippable,
-    trainable_flags,
 )
 from torch_dp._processes.worker import pool_worker
 

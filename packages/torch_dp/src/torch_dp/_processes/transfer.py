@@ -18,8 +18,9 @@ import io
 import mmap
 import os
 import sys
+import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -31,6 +32,7 @@ import torch
 from dp_core.keras import BatchSource, Inputs, internals
 from torch_dp._data.sources import Readable, SourceOnPrimary
 from torch_dp._loop.jobs import FitJob, Job
+from torch_dp._processes.trainable import TrainableFlags, set_trainable, trainable_flags
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class ModelSource:
     keras_file: str | None = None
     custom_objects: dict[str, Any] = field(default_factory=dict)
     factory: Callable[[], keras.Model] | None = None
+    compile_config: dict[str, Any] | None = None  # model.get_compile_config(): None when not compiled
     loss_scaled: bool = False  # compiled under mixed_float16: its optimizer is a LossScaleOptimizer
 
 
@@ -82,21 +85,33 @@ def ship_model(model_argument: Any, model: keras.Model, directory: str, *, train
     if not isinstance(model_argument, keras.Model):
         return ModelSource(factory=model_argument)
     path = os.path.join(directory, "model.keras")
-    try:
-        custom_objects = _custom_objects(model)
-        model.save(path)
-        loaded = keras.saving.load_model(path, custom_objects=custom_objects, compile=True)
-    except Exception as error:
-        raise TypeError(
-            f"torch_dp rebuilds the model in its worker processes from model.save(), and saving or loading "
-            f"'{model.name}' failed: {type(error).__name__}: {error}. Pass a zero-argument function that builds "
-            "and compiles the model instead (trainer.fit(make_model, ...)); it may be defined anywhere, a notebook "
-            "cell included. Or give custom layers a get_config() that returns their constructor arguments."
-        ) from error
-    if trains:
-        _check_optimizer_rebuilt(model, cast(keras.Model, loaded))
     loss_scaled = isinstance(getattr(model, "optimizer", None), keras.optimizers.LossScaleOptimizer)
-    return ModelSource(keras_file=path, custom_objects=custom_objects, loss_scaled=loss_scaled)
+    try:
+        with _lambdas_by_name(model) as lambdas:
+            custom_objects = {**_custom_objects(model), **_python_functions(model), **lambdas}
+            model.save(path)
+        compile_config = cast("dict[str, Any] | None", model.get_compile_config())
+        source = ModelSource(path, custom_objects, compile_config=compile_config, loss_scaled=loss_scaled)
+        loaded = _loaded(source)
+    except Exception as error:
+        raise _not_rebuilt(model, error) from error
+    set_trainable(loaded, trainable_flags(model))  # a file that loses weights fails here, clearly
+    try:
+        _compiled(loaded, source)
+    except Exception as error:
+        raise _not_rebuilt(model, error) from error
+    if trains:
+        _check_optimizer_rebuilt(model, loaded)
+    return source
+
+
+def _not_rebuilt(model: keras.Model, error: Exception) -> TypeError:
+    return TypeError(
+        f"torch_dp rebuilds the model in its worker processes from model.save(), and saving or loading "
+        f"'{model.name}' failed: {type(error).__name__}: {error}. Pass a zero-argument function that builds "
+        "and compiles the model instead (trainer.fit(make_model, ...)); it may be defined anywhere, a notebook "
+        "cell included. Or give custom layers a get_config() that returns their constructor arguments."
+    )
 
 
 def _check_optimizer_rebuilt(model: keras.Model, loaded: keras.Model) -> None:
@@ -154,20 +169,106 @@ def _custom_objects(model: keras.Model) -> dict[str, Any]:
     return found
 
 
-def receive_model(source: ModelSource) -> keras.Model:
+def _python_functions(model: keras.Model) -> dict[str, Any]:
+    """The plain Python functions passed to ``compile`` (a loss, a metric, one a metric wraps),
+    by the name Keras saves them under: a function of ``__main__`` or a notebook is saved by its
+    name alone, which a worker could not look up, so it travels by value with the file."""
+    found: dict[str, Any] = {}
+
+    def visit(node: Any, depth: int = 0) -> None:
+        if isinstance(node, types.FunctionType):
+            if not node.__module__.startswith("keras") and node.__name__ != "<lambda>":
+                found[node.__name__] = node
+        elif isinstance(node, dict):
+            for value in node.values():
+                visit(value, depth)
+        elif isinstance(node, list | tuple):
+            for value in node:
+                visit(value, depth)
+        elif depth == 0 and hasattr(node, "__dict__"):  # a wrapper's function: MeanMetricWrapper(fn=...)
+            for value in vars(node).values():
+                visit(value, depth + 1)
+
+    visit(internals.compile_arguments(model))
+    for layer in internals.flatten_layers(model, include_self=True):
+        if isinstance(layer, keras.layers.Lambda):
+            visit(layer.function, 1)
+    return found
+
+
+@contextlib.contextmanager
+def _lambdas_by_name(model: keras.Model) -> Iterator[dict[str, Any]]:
+    """While ``model`` is saved, each ``Lambda`` layer's Python lambda stands under a name of its
+    own, and the returned custom objects map that name back to the lambda. Keras saves a lambda
+    as its bytecode, which a worker would run without the globals it names (``keras``, ``np``, a
+    constant of the notebook); by name, the lambda itself travels by value with the file."""
+    named: dict[str, Any] = {}
+    restore: list[tuple[keras.layers.Lambda, Any]] = []
+    try:
+        for index, layer in enumerate(internals.flatten_layers(model, include_self=True)):
+            function = getattr(layer, "function", None) if isinstance(layer, keras.layers.Lambda) else None
+            if isinstance(function, types.LambdaType) and function.__name__ == "<lambda>":
+                name = f"torch_dp_lambda_{index}"
+                named[name] = function
+                restore.append((layer, function))
+                layer.function = _stand_in(function, name)
+        yield named
+    finally:
+        for layer, function in restore:
+            layer.function = function
+
+
+def _stand_in(function: Callable[..., Any], name: str) -> Callable[..., Any]:
+    def stand_in(*args: Any, **kwargs: Any) -> Any:
+        return function(*args, **kwargs)
+
+    stand_in.__name__ = stand_in.__qualname__ = name
+    stand_in.__module__ = "builtins"  # Keras saves a function of no importable module by its name alone
+    return stand_in
+
+
+def receive_model(source: ModelSource, trainable: TrainableFlags) -> keras.Model:
     """The worker's copy of the caller's model (its weights are rank 0's broadcast, later)."""
-    if source.keras_file is not None:
-        # compile() wraps the optimizer in a LossScaleOptimizer only under a mixed_float16 policy,
-        # which the file does not record: load under it when the caller's model had one
-        policy = keras.config.dtype_policy()
-        if source.loss_scaled:
-            keras.config.set_dtype_policy("mixed_float16")
-        try:
-            return cast(keras.Model, keras.saving.load_model(source.keras_file, custom_objects=source.custom_objects))
-        finally:
-            keras.config.set_dtype_policy(policy)
-    assert source.factory is not None
-    return source.factory()
+    if source.keras_file is None:
+        assert source.factory is not None
+        return source.factory()
+    model = _loaded(source)
+    set_trainable(model, trainable)
+    _compiled(model, source)
+    return model
+
+
+@contextlib.contextmanager
+def _policy_of(source: ModelSource) -> Iterator[None]:
+    """compile() wraps the optimizer in a LossScaleOptimizer only under a mixed_float16 policy,
+    which the file does not record: the model is loaded and compiled under it when the caller's was."""
+    policy = keras.config.dtype_policy()
+    if source.loss_scaled:
+        keras.config.set_dtype_policy("mixed_float16")
+    try:
+        yield
+    finally:
+        keras.config.set_dtype_policy(policy)
+
+
+def _loaded(source: ModelSource) -> keras.Model:
+    """The model of the file, not compiled yet: its optimizer is built over the trainable weights
+    when it is, so the caller's trainable choices come first (``set_trainable``). The file is
+    the caller's own, written in the user's own folder: its Lambda code is the user's."""
+    assert source.keras_file is not None
+    with _policy_of(source):
+        loaded = keras.saving.load_model(
+            source.keras_file, custom_objects=source.custom_objects, compile=False, safe_mode=False
+        )
+    return cast(keras.Model, loaded)
+
+
+def _compiled(model: keras.Model, source: ModelSource) -> None:
+    """``model`` compiled as the caller's was (as ``load_model`` compiles it from the file)."""
+    if source.compile_config is None:
+        return
+    with _policy_of(source), keras.saving.custom_object_scope(source.custom_objects):
+        model.compile_from_config(source.compile_config)
 
 
 @dataclass(frozen=True)
@@ -178,13 +279,9 @@ class Request:
 
     settings: KerasSettings
     model: ModelSource | None
-    trainable: tuple[bool, ...]
+    trainable: TrainableFlags
     job: Job
     sync: bool
-
-
-def trainable_flags(model: keras.Model) -> tuple[bool, ...]:
-    return tuple(layer.trainable for layer in internals.flatten_layers(model, include_self=True))
 
 
 class _Pickler(cloudpickle.Pickler):

@@ -13,12 +13,12 @@ import cloudpickle
 import keras
 import torch
 
-from dp_core.keras import internals
 from torch_dp._comm.collectives import count_collectives_in
 from torch_dp._loop.run import run_job
 from torch_dp._processes.failures import report_failure
 from torch_dp._processes.group import Rendezvous, join_group, leave_group
 from torch_dp._processes.spawn import caller_gone, exit_with_parent
+from torch_dp._processes.trainable import set_trainable
 from torch_dp._processes.transfer import Request, opened, receive_model
 
 
@@ -50,7 +50,7 @@ def pool_worker(
             request: Request = cloudpickle.loads(message)
             request.settings.apply()  # before the model is (re)built and rows are read
             if request.model is not None:
-                model = receive_model(request.model)
+                model = receive_model(request.model, request.trainable)
             assert model is not None, "the caller sends the model with the first call"
             set_trainable(model, request.trainable)
             run_job(model, opened(request.job), replica, sync=request.sync)
@@ -61,10 +61,3 @@ def pool_worker(
         caller_gone(leftovers)
     except BaseException as error:
         report_failure(connection, rank, error, parent=parent, leftovers=leftovers)
-
-
-def set_trainable(model: keras.Model, flags: tuple[bool, ...]) -> None:
-    """The caller's ``layer.trainable`` choices (made after the factory built the model, say)."""
-    for layer, flag in zip(internals.flatten_layers(model, include_self=True), flags, strict=True):
-        if layer.trainable != flag:
-            layer.trainable = flag
