@@ -18,7 +18,15 @@ import numpy as np
 import torch
 
 from dp_core import epoch_order, num_steps, split_indices
-from dp_core.keras import BatchSource, Inputs, batch_rows, map_structure, padded_batch_size, replica_part
+from dp_core.keras import (
+    BatchSource,
+    Inputs,
+    batch_rows,
+    map_structure,
+    padded_batch_size,
+    replica_part,
+    runs_last_batch_whole,
+)
 from torch_dp._comm.replica import Replica
 from torch_dp._data.prefetch import pinned, pins_memory, prefetched, reads_ahead, to_device
 from torch_dp._data.sources import Readable, SourceOnPrimary, global_batches
@@ -32,6 +40,9 @@ class Batch:
     replica's part is contiguous). ``mask`` (1 for real rows, 0 for padding) is what keeps
     padding out of the loss (``dp_core.keras.replica_losses``), BatchNormalization statistics
     and metrics.
+
+    ``whole``: every replica holds the whole short last batch, unpadded (``runs_last_batch_whole``),
+    and computes ``model.fit``'s step on it; its gradient and metrics count once.
     """
 
     x: Any
@@ -42,10 +53,19 @@ class Batch:
     rows: int
     global_real_rows: int
     global_batch_size: int
+    whole: bool = False
 
     @property
     def partial(self) -> bool:
         return self.global_real_rows < self.global_batch_size
+
+
+def whole_last_batch(model: keras.Model, inputs: Readable, global_batch_size: int) -> bool:
+    """Whether ``replica_batches`` should hand every replica a short last batch whole: the model
+    computes a term over the batch (``dp_core.keras.runs_last_batch_whole``)."""
+    rows = inputs if isinstance(inputs, Inputs) else None
+    num_samples = None if rows is None else rows.num_samples
+    return runs_last_batch_whole(model, rows, num_samples=num_samples, global_batch_size=global_batch_size)
 
 
 def replica_batches(
@@ -58,14 +78,16 @@ def replica_batches(
     shuffle: bool = False,
     first_step: int = 0,
     prefetch: bool | None = None,
+    whole_last: bool = False,
 ) -> Iterator[Batch]:
     """This replica's batches of one epoch from ``first_step`` on; every replica gets the same number.
     With ``prefetch`` (None: on an accelerator, ``reads_ahead``) an array input's next batch is read
-    in the background (the same batches)."""
+    in the background (the same batches). With ``whole_last``, a short last batch is the whole
+    one on every replica (``Batch.whole``)."""
     if prefetch is None:
         prefetch = reads_ahead(replica.device)
     if not isinstance(inputs, Inputs):
-        yield from _source_batches(inputs, replica, global_batch_size, epoch, seed, shuffle, first_step)
+        yield from _source_batches(inputs, replica, global_batch_size, epoch, seed, shuffle, first_step, whole_last)
         return
     num_samples = inputs.num_samples
     shard = split_indices(
@@ -84,6 +106,11 @@ def replica_batches(
         for step in range(first_step, num_steps(num_samples, global_batch_size)):
             part = slice(step * rows, (step + 1) * rows)
             global_real_rows = min(global_batch_size, num_samples - step * global_batch_size)
+            if whole_last and global_real_rows < global_batch_size:
+                order = epoch_order(num_samples, seed=seed, epoch=epoch, shuffle=shuffle)
+                indices = order[step * global_batch_size :]
+                yield _batch(inputs, indices, np.ones(len(indices)), len(indices), len(indices), pin=pin, whole=True)
+                continue
             yield _batch(inputs, shard.indices[part], shard.mask[part], global_real_rows, global_batch_size, pin=pin)
 
     for batch in prefetched(read()) if prefetch else read():
@@ -98,10 +125,16 @@ def _source_batches(
     seed: int,
     shuffle: bool,
     first_step: int,
+    whole_last: bool,
 ) -> Iterator[Batch]:
     """A source's global batches, each replica keeping its contiguous part, padded and masked
-    as an array input's."""
+    as an array input's; with ``whole_last`` a short one whole."""
     for batch in global_batches(source, replica, epoch, seed, shuffle, first_step):
+        real = batch_rows(batch)
+        if whole_last and real < global_batch_size:
+            x, y, sample_weight = (map_structure(keras.ops.convert_to_tensor, part) for part in batch)
+            yield Batch(x, y, sample_weight, None, real, real, real, real, whole=True)
+            continue
         yield _part(batch, replica, global_batch_size)
 
 
@@ -130,6 +163,7 @@ def _batch(
     global_batch_size: int,
     *,
     pin: bool,
+    whole: bool = False,
 ) -> Batch:
     """The rows at ``indices`` as host tensors (pinned when ``pin``); ``_placed`` moves them."""
     x, y, sample_weight = _host_tensors(inputs.rows(indices), pin=pin)
@@ -137,7 +171,7 @@ def _batch(
     mask_tensor = None
     if global_real_rows < global_batch_size:
         mask_tensor = _host_tensors(mask.astype(keras.backend.floatx()), pin=pin)
-    return Batch(x, y, sample_weight, mask_tensor, real_rows, len(mask), global_real_rows, global_batch_size)
+    return Batch(x, y, sample_weight, mask_tensor, real_rows, len(mask), global_real_rows, global_batch_size, whole)
 
 
 def _host_tensors(structure: Any, *, pin: bool) -> Any:
