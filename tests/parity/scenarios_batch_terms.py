@@ -8,7 +8,7 @@ from typing import Any
 
 import keras
 
-from parity.models import mlp, numpy_weights, tabular
+from parity.models import mlp, mlp_with_add_loss, numpy_weights, rng, tabular
 from parity.runners import Runner
 from parity.scenarios import _fit, everywhere, outcome, scenario
 
@@ -64,24 +64,46 @@ def compute_loss_batch_term(run: Runner) -> Any:
     return outcome(run, history, x, y)
 
 
-def _dense_batch_norm() -> keras.Model:
+class StepsBatchNorm(keras.layers.Layer):
+    """BatchNormalization over every (sample, timestep) pair: a layer folding the rows into one axis."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.norm = keras.layers.BatchNormalization()
+
+    def call(self, inputs: Any, training: Any = None) -> Any:
+        shape = ops.shape(inputs)
+        folded = self.norm(ops.reshape(inputs, (-1, shape[-1])), training=training)
+        return ops.reshape(folded, shape)
+
+
+def _steps_batch_norm() -> keras.Model:
     model = keras.Sequential(
         [
-            keras.Input((6,)),
+            keras.Input((4, 6)),
             keras.layers.Dense(8),
-            keras.layers.BatchNormalization(),
+            StepsBatchNorm(),
             keras.layers.Activation("relu"),
+            keras.layers.GlobalAveragePooling1D(),
             keras.layers.Dense(3, activation="softmax"),
         ]
     )
     model.compile(keras.optimizers.SGD(0.1, momentum=0.9), "sparse_categorical_crossentropy", metrics=["accuracy"])
-    return numpy_weights(model, "batch_norm_short_last_batch")
+    return numpy_weights(model, "batch_norm_folded_rows")
 
 
-@scenario("feature.batch_normalization", "feature.batch_term")
-def batch_norm_short_last_batch(run: Runner) -> Any:
-    """Dense + `BatchNormalization`, 99 rows: the 3-row last batch normalized whole, as in `model.fit`."""
-    x, y = tabular("batch_norm_short_last_batch")
-    history = _fit(run, _dense_batch_norm, x, y, epochs=3)
+@scenario("feature.batch_normalization", "feature.batch_term", "model.subclassed_layer")
+def batch_norm_folded_rows(run: Runner) -> Any:
+    """BatchNormalization on rows folded with timesteps (64 per batch): the 3-row last batch normalized whole."""
+    x = rng("batch_norm_folded_rows").normal(size=(99, 4, 6)).astype("float32")
+    y = (x[:, :, 0].mean(axis=1) > 0).astype("int64") + (x[:, 0, 1] > 1)
+    history = _fit(run, _steps_batch_norm, x, y)
     return outcome(run, history, x, y)
 
+
+@scenario("feature.regularization", "feature.batch_term")
+def add_loss_short_last_batch(run: Runner) -> Any:
+    """A layer's `add_loss(0.05 * mean(x**2))` over the batch, 99 rows: the 3-row last batch whole."""
+    x, y = tabular("add_loss_short_last_batch")
+    history = _fit(run, mlp_with_add_loss, x, y)
+    return outcome(run, history, x, y)

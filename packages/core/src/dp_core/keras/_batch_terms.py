@@ -19,7 +19,6 @@ has no per-row values to weigh or split: ``check_batch_metrics`` refuses it befo
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -68,14 +67,21 @@ def batch_terms(model: keras.Model, inputs: FirstRows | None = None) -> BatchTer
 
 
 def runs_last_batch_whole(
-    model: keras.Model, inputs: FirstRows | None, *, num_samples: int | None, global_batch_size: int
+    model: keras.Model,
+    inputs: FirstRows | None,
+    *,
+    num_samples: int | None,
+    global_batch_size: int,
+    training: bool = True,
 ) -> bool:
     """Whether the epoch's short last batch runs unpadded and whole on every replica: it is
     short (``num_samples`` does not divide; None, a source of unknown length: it may be) and
-    the model computes a term over the batch (``batch_terms``)."""
+    the model computes a term over the batch (``batch_terms``; in inference, ``training=False``,
+    BatchNormalization uses its moving statistics and does not count)."""
     if num_samples is not None and num_samples % global_batch_size == 0:
         return False
-    return batch_terms(model, inputs).any
+    terms = batch_terms(model, inputs)
+    return terms.any if training else terms.compute_loss or bool(terms.added_losses)
 
 
 def _batch_axes(layer: keras.layers.BatchNormalization) -> tuple[int, ...]:
@@ -160,7 +166,9 @@ def warn_terms_not_split(model: keras.Model, inputs: FirstRows, *, num_replicas:
     try:
         if terms.added_losses:
             values = [_added_losses(model, map_structure(lambda a, p=p: a[p], x)) for p in parts]
-            named += [f"the add_loss term of layer {name!r}" for name in terms.added_losses if not _splits(values, name)]
+            named += [
+                f"the add_loss term of layer {name!r}" for name in terms.added_losses if not _splits(values, name)
+            ]
         if terms.compute_loss:
             losses = [{"": [_own_loss(model, x, y, sample_weight, p)]} for p in parts]
             if not _splits(losses, ""):

@@ -15,8 +15,8 @@ from typing import Any, NamedTuple, Protocol
 import keras
 
 from dp_core.keras._arguments import checked_inputs, global_batch_size_of
-from dp_core.keras._inputs import Inputs
 from dp_core.keras._batch_terms import check_batch_metrics, warn_terms_not_split
+from dp_core.keras._inputs import Inputs
 from dp_core.keras._model import overrides, require_backend, require_keras_steps, resolve_model
 from dp_core.keras._sources import BatchSource
 

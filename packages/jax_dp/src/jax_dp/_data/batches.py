@@ -162,12 +162,14 @@ def all_replicas_local(layout: ReplicaLayout) -> ReplicaLayout:
     return ReplicaLayout(num_processes=1, process_index=0, num_replicas=layout.num_replicas)
 
 
-def whole_last_batch(model: Any, plan: Plan) -> bool:
+def whole_last_batch(model: Any, plan: Plan, *, training: bool = True) -> bool:
     """Whether ``device_batches`` should place a short last batch whole (``WholeBatch``): the model
     computes a term over the batch (``dp_core.keras.runs_last_batch_whole``)."""
     rows = plan.inputs if isinstance(plan.inputs, Inputs) else None
     num_samples = None if rows is None else rows.num_samples
-    return runs_last_batch_whole(model, rows, num_samples=num_samples, global_batch_size=plan.global_batch_size)
+    return runs_last_batch_whole(
+        model, rows, num_samples=num_samples, global_batch_size=plan.global_batch_size, training=training
+    )
 
 
 def device_batches(plan: Plan, mesh: Mesh, *, start: int = 0, whole_last: bool = False) -> Iterator[Batch]:

@@ -60,12 +60,14 @@ class Batch:
         return self.global_real_rows < self.global_batch_size
 
 
-def whole_last_batch(model: keras.Model, inputs: Readable, global_batch_size: int) -> bool:
+def whole_last_batch(model: keras.Model, inputs: Readable, global_batch_size: int, *, training: bool = True) -> bool:
     """Whether ``replica_batches`` should hand every replica a short last batch whole: the model
     computes a term over the batch (``dp_core.keras.runs_last_batch_whole``)."""
     rows = inputs if isinstance(inputs, Inputs) else None
     num_samples = None if rows is None else rows.num_samples
-    return runs_last_batch_whole(model, rows, num_samples=num_samples, global_batch_size=global_batch_size)
+    return runs_last_batch_whole(
+        model, rows, num_samples=num_samples, global_batch_size=global_batch_size, training=training
+    )
 
 
 def replica_batches(

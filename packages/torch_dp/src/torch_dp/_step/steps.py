@@ -322,12 +322,13 @@ def _undo(model: keras.Model, before: list[tuple[keras.Variable, torch.Tensor]])
 
 def test_step(model: keras.Model, batch: Batch, replica: Replica) -> None:
     """Loss and metrics of one batch, accumulated locally (synced by ``_step.metrics.global_logs``)."""
-    with torch.no_grad(), replica_losses(model, _replica_rows(batch, replica)):
-        y_pred = _forward(model, batch.x, training=False)
-        with _weigh_losses_by_real_rows(model, batch, replica):
-            _compute_loss(model, batch, y_pred, training=False)
-    with torch.no_grad():
-        _update_metrics(model, batch, y_pred)
+    with _counted_once(model, batch, replica):
+        with torch.no_grad(), replica_losses(model, _replica_rows(batch, replica)):
+            y_pred = _forward(model, batch.x, training=False)
+            with _weigh_losses_by_real_rows(model, batch, replica):
+                _compute_loss(model, batch, y_pred, training=False)
+        with torch.no_grad():
+            _update_metrics(model, batch, y_pred)
 
 
 def predict_step(model: keras.Model, batch: Batch) -> Any:
