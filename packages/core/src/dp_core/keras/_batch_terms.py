@@ -176,8 +176,10 @@ def warn_terms_not_split(model: keras.Model, inputs: FirstRows, *, num_replicas:
     except Exception:  # a model the probe cannot run on these rows: the run itself will tell
         return
     if named:
+        terms_named = " and ".join(named)
+        verb = "is" if len(named) == 1 else "are"
         warnings.warn(
-            f"{' and '.join(named)} {'is' if len(named) == 1 else 'are'} not a mean over the batch's rows: its "
+            f"{terms_named[0].upper()}{terms_named[1:]} {verb} not a mean over the batch's rows: its "
             f"value on 4 rows is not the mean of its values on each half. {package} computes it on each replica's "
             f"part of the global batch ({num_replicas} parts) and averages them, so it differs from model.fit's, "
             "which computes it on the whole batch. Write the term as a mean of per-row values (or a per-sample loss), "
