@@ -183,6 +183,6 @@ def test_a_metric_of_one_value_per_batch_is_refused_before_anything_runs():
         return keras.ops.sqrt(keras.ops.mean(keras.ops.square(y_true - y_pred)))
 
     model = compiled_model(metrics=[keras.metrics.MeanMetricWrapper(batch_rmse, name="rmse_of_batch")])
-    with pytest.raises(ValueError, match=r"The metric 'rmse_of_batch' \(MeanMetricWrapper of batch_rmse\) returns one"):
+    with pytest.raises(ValueError, match=r"The metric 'rmse_of_batch' \(function batch_rmse\) returns one"):
         call(model)
     call(model, compiled=False, step_names=("predict_step",))  # predict computes no metric

@@ -97,43 +97,45 @@ def check_batch_metrics(model: keras.Model, inputs: FirstRows) -> None:
 
     A trainer splits each global batch over replicas and pads the last one: it needs a value per
     row to leave padding out and to sum the replicas' parts, and a batch value computed on half
-    the rows (a root, a ratio) is not the global batch's. Runs the model in inference mode on the
-    first rows; asks only ``MeanMetricWrapper`` metrics (a Python function in ``metrics=``).
+    the rows (a root, a ratio) is not the global batch's. Asks the functions given to
+    ``compile(metrics=..., weighted_metrics=...)`` (plain or in a ``MeanMetricWrapper``) of a
+    one-output model, on its first rows in inference mode; builds nothing.
     """
-    compile_metrics = _internals.compile_metrics(model)
-    if compile_metrics is None:
+    functions = _metric_functions(model)
+    if not functions:
         return
     x, y, _ = (map_structure(ops.convert_to_tensor, part) for part in inputs.first_rows(2))
-    if y is None:
-        return
-    rows = len(keras.tree.flatten(x)[0])
     y_pred = model(x, **_internals.training_kwargs(model, False))
-    if not compile_metrics.built:
-        states = [ops.convert_to_numpy(variable) for variable in model.metrics_variables]
-        compile_metrics.build(y, y_pred)
-        for variable, state in zip(model.metrics_variables, states, strict=False):
-            variable.assign(state)
-    metrics, weighted, flatten_y = _internals.compiled_metric_parts(compile_metrics)
-    for per_output in (metrics, weighted):
-        for metric, y_t, y_p in zip(per_output, flatten_y(y), flatten_y(y_pred), strict=False):
-            for wrapper in _wrappers(metric):
-                values = ops.convert_to_tensor(wrapper._fn(y_t, y_p, **wrapper._fn_kwargs))
-                if len(values.shape) == 0 or values.shape[0] != rows:
-                    raise ValueError(_batch_metric_message(wrapper, values, rows))
+    if y is None or len(keras.tree.flatten(y)) != 1 or len(keras.tree.flatten(y_pred)) != 1:
+        return  # several outputs: which metric reads which is Keras's to match
+    y, y_pred = keras.tree.flatten(y)[0], keras.tree.flatten(y_pred)[0]
+    rows = int(y_pred.shape[0])
+    for name, function, kwargs in functions:
+        values = ops.convert_to_tensor(function(y, y_pred, **kwargs))
+        if len(values.shape) == 0 or values.shape[0] != rows:
+            raise ValueError(_batch_metric_message(name, function, values, rows))
 
 
-def _wrappers(metric: Any) -> list[Any]:
-    """The ``MeanMetricWrapper`` metrics in ``metric`` (one output's: a ``MetricsList``, or None)."""
-    if metric is None:
+def _metric_functions(model: keras.Model) -> list[tuple[str, Callable[..., Any], dict[str, Any]]]:
+    """``(name, function, its keyword arguments)`` of each metric of ``compile`` that is a Python
+    function or a ``MeanMetricWrapper`` (Keras wraps a function in one)."""
+    compile_metrics = _internals.compile_metrics(model)
+    if compile_metrics is None:
         return []
-    found = getattr(metric, "metrics", None) or [metric]
-    return [m for m in found if isinstance(m, keras.metrics.MeanMetricWrapper) and callable(getattr(m, "_fn", None))]
+    given = [getattr(compile_metrics, "_user_metrics", None), getattr(compile_metrics, "_user_weighted_metrics", None)]
+    found = []
+    for metric in keras.tree.flatten([m for m in given if m is not None]):
+        if isinstance(metric, keras.metrics.MeanMetricWrapper) and callable(getattr(metric, "_fn", None)):
+            found.append((metric.name, metric._fn, dict(metric._fn_kwargs)))
+        elif callable(metric) and not isinstance(metric, keras.metrics.Metric | type):
+            found.append((getattr(metric, "__name__", type(metric).__name__), metric, {}))
+    return found
 
 
-def _batch_metric_message(metric: Any, values: Any, rows: int) -> str:
-    function = getattr(metric._fn, "__name__", type(metric._fn).__name__)
+def _batch_metric_message(name: str, function: Callable[..., Any], values: Any, rows: int) -> str:
+    function_name = getattr(function, "__name__", type(function).__name__)
     return (
-        f"The metric {metric.name!r} (MeanMetricWrapper of {function}) returns one value per batch: on {rows} rows "
+        f"The metric {name!r} (function {function_name}) returns one value per batch: on {rows} rows "
         f"its function returns shape {tuple(values.shape)}, expected ({rows},) or ({rows}, ...), one value per "
         "sample. A data-parallel trainer splits each global batch over replicas and pads the last one; it can "
         "weigh, mask and sum per-sample values, but a value of a whole batch computed on part of it (a root, a "
