@@ -103,3 +103,23 @@ def test_an_epoch_plan_with_steps_per_epoch_reads_on_where_the_last_epoch_stoppe
     assert epoch_2 == list(range(64, 99)) and plans[1].padded and not plans[0].padded
     first_rows = next(plans[2].host_batches()).y[:3].tolist()
     assert first_rows == [0, 1, 2]  # a new pass
+
+
+def test_a_short_last_batch_whole_is_replicated_and_unpadded_full_ones_stay_sharded():
+    from dp_core import ReplicaLayout
+    from dp_core.keras import Inputs
+    from jax_dp._data.batches import EpochPlan, WholeBatch, device_batches
+    from jax_dp._mesh.mesh import make_mesh
+
+    mesh = make_mesh(2)
+    x = np.arange(99 * 2, dtype="float32").reshape(99, 2)
+    layout = ReplicaLayout(num_processes=1, process_index=0, num_replicas=2)
+    plan = EpochPlan(Inputs(x, np.arange(99)), layout=layout, global_batch_size=32)
+    *full, last = device_batches(plan, mesh, whole_last=True)
+    assert not any(isinstance(batch, WholeBatch) for batch in full)
+    assert all(not batch.x.sharding.is_fully_replicated for batch in full)
+    assert isinstance(last, WholeBatch) and last.x.sharding.is_fully_replicated
+    np.testing.assert_array_equal(np.asarray(last.y), np.arange(96, 99))
+    np.testing.assert_array_equal(np.asarray(last.mask), np.ones(3))
+    *_, padded = device_batches(plan, mesh)
+    assert not isinstance(padded, WholeBatch) and padded.x.shape == (32, 2)

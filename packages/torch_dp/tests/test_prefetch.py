@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch_dp_testing as testing
 
+import dp_core
 import torch_dp
 from dp_core.keras import Inputs
 from torch_dp._comm.replica import Replica
@@ -186,3 +187,19 @@ def test_pinned_memory_and_non_blocking_copies_only_for_cuda(tmp_path, monkeypat
     pinned_ids.clear()
     moved = to_device({"a": torch.zeros(2)}, "cuda:0")
     assert copies[-1] is False and moved["a"].shape == (2,)  # pageable memory: a plain copy
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_short_last_batch_whole_is_every_row_of_it_on_every_replica_unpadded(rank):
+    x = np.arange(99 * 2, dtype="float32").reshape(99, 2)
+    inputs, replica = Inputs(x, np.arange(99)), Replica(rank, 2)
+    options = {"global_batch_size": 32, "shuffle": True, "seed": 5, "epoch": 1}
+    padded = list(replica_batches(inputs, replica, **options))
+    whole = list(replica_batches(inputs, replica, whole_last=True, **options))
+    for before, after in zip(padded[:-1], whole[:-1], strict=True):  # full batches: split as before
+        assert not after.whole and torch.equal(before.x, after.x)
+    last = whole[-1]
+    assert last.whole and last.mask is None and (last.rows, last.global_real_rows, last.partial) == (3, 3, False)
+    order = dp_core.epoch_order(99, seed=5, epoch=1, shuffle=True)
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(last.y), order[96:])  # model.fit's last batch, in order
+    assert padded[-1].mask is not None and not padded[-1].whole

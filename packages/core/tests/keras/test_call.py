@@ -167,18 +167,35 @@ class _Penalty(keras.layers.Layer):
         return inputs
 
 
-def with_penalty():
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), _Penalty()])
+class RootPenalty(keras.layers.Layer):
+    def call(self, inputs):
+        self.add_loss(0.1 * keras.ops.sqrt(keras.ops.mean(keras.ops.square(inputs))))
+        return inputs
+
+
+def with_penalty(layer=_Penalty):
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), layer()])
     model.compile(optimizer="sgd", loss="mse")
     return model
 
 
-def test_a_row_dependent_added_loss_is_warned_of_unless_the_backend_says_not():
+def test_an_added_loss_that_is_not_a_mean_over_rows_is_warned_of_where_the_backend_splits_batch_terms():
     x = np.random.default_rng(0).normal(size=(10, 3)).astype("float32")
     y = np.zeros((10, 2), "float32")
-    with pytest.warns(UserWarning, match=r"holds 2 of 4 rows \(10 samples\)"):
-        call(with_penalty(), x, y)
+    with pytest.warns(UserWarning, match=r"The add_loss term of layer 'root_penalty' is not a mean over the batch"):
+        call(with_penalty(RootPenalty), x, y, splits_batch_terms=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        call(with_penalty(), x, y, warn_added_losses=False)
-        call(with_penalty(), x, y, compiled=False, step_names=("predict_step",))
+        call(with_penalty(), x, y, splits_batch_terms=True)  # a mean over rows: exact on equal parts
+        call(with_penalty(RootPenalty), x, y)  # one program over the global batch (jax_dp)
+        call(with_penalty(RootPenalty), x, y, compiled=False, step_names=("predict_step",))
+
+
+def test_a_metric_of_one_value_per_batch_is_refused_before_anything_runs():
+    def batch_rmse(y_true, y_pred):
+        return keras.ops.sqrt(keras.ops.mean(keras.ops.square(y_true - y_pred)))
+
+    model = compiled_model(metrics=[keras.metrics.MeanMetricWrapper(batch_rmse, name="rmse_of_batch")])
+    with pytest.raises(ValueError, match=r"The metric 'rmse_of_batch' \(function batch_rmse\) returns one"):
+        call(model)
+    call(model, compiled=False, step_names=("predict_step",))  # predict computes no metric

@@ -341,13 +341,13 @@ class Trainer:
 
     @property
     def _call_checks(self) -> dict[str, Any]:
-        """What torch_dp's calls pass to ``checked_call``: no added-loss warning (as before)."""
+        """What torch_dp's calls pass to ``checked_call``: each replica computes a batch's terms on its rows."""
         return {
             "backend": "torch",
             "package": "torch_dp",
             "num_replicas": self.num_replicas,
             "check_own_steps": _check_own_steps,
-            "warn_added_losses": False,
+            "splits_batch_terms": True,
         }
 
 

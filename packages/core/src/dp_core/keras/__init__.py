@@ -38,6 +38,9 @@ Helpers, for what a backend does its own way:
 # the contract
 from dp_core.keras._arguments import FitArguments as FitArguments
 from dp_core.keras._arguments import fit_arguments as fit_arguments
+from dp_core.keras._batch_terms import BatchTerms as BatchTerms
+from dp_core.keras._batch_terms import batch_terms as batch_terms
+from dp_core.keras._batch_terms import runs_last_batch_whole as runs_last_batch_whole
 from dp_core.keras._call import CheckedCall as CheckedCall
 from dp_core.keras._call import OwnStepsCheck as OwnStepsCheck
 from dp_core.keras._call import checked_call as checked_call
@@ -96,6 +99,7 @@ from dp_core.keras._sources import replica_part as replica_part
 __all__ = [
     "BATCH_NORM_MODES",
     "BatchSource",
+    "BatchTerms",
     "CheckedCall",
     "CheckpointWriter",
     "FirstRows",
@@ -109,6 +113,7 @@ __all__ = [
     "activity_regularizer_divides_by_batch_size",
     "batch_rows",
     "batch_source",
+    "batch_terms",
     "build_model",
     "callback_list",
     "check_batch_norm_mode",
@@ -141,6 +146,7 @@ __all__ = [
     "restore_model",
     "resumable_checkpoint",
     "run_check_command",
+    "runs_last_batch_whole",
     "skipped_message",
     "start_of",
     "verbosity",

@@ -15,8 +15,8 @@ from typing import Any, NamedTuple, Protocol
 import keras
 
 from dp_core.keras._arguments import checked_inputs, global_batch_size_of, steps_batch_size
+from dp_core.keras._batch_terms import check_batch_metrics, warn_terms_not_split
 from dp_core.keras._inputs import Inputs
-from dp_core.keras._losses import warn_added_losses_see_padding
 from dp_core.keras._model import overrides, require_backend, require_keras_steps, resolve_model
 from dp_core.keras._sources import BatchSource, is_batch_source
 
@@ -51,7 +51,7 @@ def checked_call(
     step_names: tuple[str, ...],
     compiled: bool = True,
     check_own_steps: OwnStepsCheck | None = None,
-    warn_added_losses: bool = True,
+    splits_batch_terms: bool = False,
     class_weight: Mapping[int, float] | None = None,
     steps: int | None = None,
     steps_name: str = "steps",
@@ -65,9 +65,12 @@ def checked_call(
     4. the steps of ``step_names`` the model overrides: ``check_own_steps`` gets them (with
        ``compiled``); without one, an override is an error (``require_keras_steps``);
     5. a ``keras.Model`` (``resolve_model``) and, when ``compiled`` (not for ``predict``) and a
-       Keras step of ``step_names`` runs, one compiled with a loss (``require_compiled``); then,
-       with ``warn_added_losses``, a warning when a row-dependent ``add_loss`` term will see a
-       padded last batch;
+       Keras step of ``step_names`` runs, one compiled with a loss (``require_compiled``);
+       then, for array inputs, no compiled metric of one value per batch (``check_batch_metrics``)
+       and, with ``splits_batch_terms`` (the backend computes a batch's terms on each replica's
+       rows), a warning for an ``add_loss`` or ``compute_loss`` term that is not a mean over rows
+       (``warn_terms_not_split``). (A short last batch runs whole where the model has such terms:
+       ``runs_last_batch_whole``.)
     6. the inputs: a batch source (``steps`` its batches per epoch), or arrays whose global
        batch divides over ``num_replicas`` and that take no ``steps`` (named ``steps_name``)
        but ``fit``'s ``steps_per_epoch`` (without a batch size, the batch is then Keras's
@@ -109,6 +112,8 @@ def checked_call(
     )
     if isinstance(inputs, BatchSource):
         return CheckedCall(keras_model, inputs, inputs.global_batch_size)
-    if keras_step_runs and warn_added_losses:
-        warn_added_losses_see_padding(keras_model, inputs, num_samples=inputs.num_samples, batch_size=size)
+    if keras_step_runs and (num_replicas > 1 or inputs.num_samples % size):
+        check_batch_metrics(keras_model, inputs)
+    if keras_step_runs and splits_batch_terms:
+        warn_terms_not_split(keras_model, inputs, num_replicas=num_replicas, package=package)
     return CheckedCall(keras_model, inputs, size)

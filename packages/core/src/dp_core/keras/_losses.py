@@ -13,8 +13,9 @@ Activity regularizers get the same treatment (padded rows left out, Keras's divi
 batch size replaced by the global batch's real rows). ``add_loss`` terms computed in a
 layer's ``call`` are the user's own function of the batch and stay per replica: constant
 terms count once per global batch, batch-dependent ones are the mean over replicas (exact
-for a mean over the rows). No trainer can take padding rows out of them, so
-``warn_added_losses_see_padding`` says so before a run whose last batch is padded.
+for a mean over the rows). No trainer can take padding rows out of them: the trainers run a
+short last batch whole instead (``_batch_terms.runs_last_batch_whole``);
+``warn_added_losses_see_padding`` is for a caller that pads it anyway.
 
 The mask counted is the one on ``y_pred`` (Keras also merges a mask a loss function puts on
 its own values, which no Keras loss does). A loss whose values have no batch axis

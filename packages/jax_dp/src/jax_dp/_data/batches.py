@@ -19,8 +19,8 @@ from jax.sharding import Mesh
 
 from dp_core import ReplicaLayout, epoch_rows, num_steps, split_indices
 from dp_core._split import Shuffle
-from dp_core.keras import BatchSource, Inputs, map_structure
-from jax_dp._mesh.mesh import batch_sharded, put_replicated
+from dp_core.keras import BatchSource, Inputs, map_structure, runs_last_batch_whole
+from jax_dp._mesh.mesh import batch_sharded, put_replicated, replicated
 
 PREFETCH = 2  # batches prepared ahead: enough to hide the host's gather behind a step
 
@@ -37,6 +37,13 @@ class Batch(NamedTuple):
     sample_weight: Any
     mask: jax.Array
     real_rows: jax.Array
+
+
+class WholeBatch(Batch):
+    """The epoch's short last batch, unpadded and whole on every device (replicated), for a
+    model that computes a term over the batch (``dp_core.keras.runs_last_batch_whole``): every
+    device runs ``model.fit``'s step on it. Its own pytree type, so a step traced for it (once an
+    epoch's shape) knows it from the type; ``mask`` is all ones."""
 
 
 def row_weights(batch: Batch, *, scale_to_real_rows: bool) -> Any:
@@ -163,18 +170,33 @@ def all_replicas_local(layout: ReplicaLayout) -> ReplicaLayout:
     return ReplicaLayout(num_processes=1, process_index=0, num_replicas=layout.num_replicas)
 
 
-def device_batches(plan: Plan, mesh: Mesh, *, start: int = 0) -> Iterator[Batch]:
-    """The plan's batches on the mesh, ``PREFETCH`` ahead of the consumer.
+def whole_last_batch(model: Any, plan: Plan, *, training: bool = True) -> bool:
+    """Whether ``device_batches`` should place a short last batch whole (``WholeBatch``): the model
+    computes a term over the batch (``dp_core.keras.runs_last_batch_whole``)."""
+    rows = plan.inputs if isinstance(plan.inputs, Inputs) else None
+    num_samples = None if rows is None else rows.num_samples
+    return runs_last_batch_whole(
+        model, rows, num_samples=num_samples, global_batch_size=plan.global_batch_size, training=training
+    )
+
+
+def device_batches(plan: Plan, mesh: Mesh, *, start: int = 0, whole_last: bool = False) -> Iterator[Batch]:
+    """The plan's batches on the mesh, ``PREFETCH`` ahead of the consumer; with ``whole_last``, a
+    short last batch as a ``WholeBatch``.
 
     jax dispatch is asynchronous, so gathering and transferring batch ``s+1`` here
     overlaps with the step the caller just dispatched on batch ``s``.
     """
     ahead: collections.deque[Batch] = collections.deque()
     real_rows: dict[int, jax.Array] = {}  # few distinct values per epoch: placed once each
-    for host in plan.host_batches(start):
+    for step, host in enumerate(plan.host_batches(start), start=start):
         if host.real_rows not in real_rows:
             real_rows[host.real_rows] = put_replicated(np.float32(host.real_rows), mesh)
-        ahead.append(_put(host, plan.global_batch_size, mesh, real_rows[host.real_rows]))
+        whole = _whole(plan, host, step) if whole_last and host.real_rows < plan.global_batch_size else None
+        if whole is not None:
+            ahead.append(_put_whole(whole, mesh, real_rows[host.real_rows]))
+        else:
+            ahead.append(_put(host, plan.global_batch_size, mesh, real_rows[host.real_rows]))
         if len(ahead) >= PREFETCH:
             yield ahead.popleft()
     while ahead:
@@ -189,6 +211,34 @@ def _put(host: HostBatch, global_batch_size: int, mesh: Mesh, real_rows: jax.Arr
         return jax.make_array_from_process_local_data(sharding, local, global_shape)
 
     return Batch(
+        x=map_structure(put, host.x),
+        y=map_structure(put, host.y),
+        sample_weight=map_structure(put, host.sample_weight),
+        mask=put(host.mask),
+        real_rows=real_rows,
+    )
+
+
+def _whole(plan: Plan, host: HostBatch, step: int) -> HostBatch | None:
+    """Every row of global batch ``step``, on this process: its own when it holds them all, else
+    read again as one process holding every replica would (None for a source, whose batch this
+    process alone does not hold: it stays padded)."""
+    if len(host.mask) == plan.global_batch_size:
+        return host
+    if not isinstance(plan, EpochPlan):
+        return None
+    return next(plan.every_replica().host_batches(step))
+
+
+def _put_whole(host: HostBatch, mesh: Mesh, real_rows: jax.Array) -> WholeBatch:
+    real = host.mask > 0
+    sharding = replicated(mesh)
+
+    def put(rows: np.ndarray) -> jax.Array:
+        rows = rows[real]
+        return jax.make_array_from_callback(rows.shape, sharding, lambda index: rows[index])
+
+    return WholeBatch(
         x=map_structure(put, host.x),
         y=map_structure(put, host.y),
         sample_weight=map_structure(put, host.sample_weight),

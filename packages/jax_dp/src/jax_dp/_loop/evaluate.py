@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from dp_core.keras import internals
 from jax_dp._comm.hosts import agree, replicated_to_host, rows_to_host
-from jax_dp._data.batches import Plan, device_batches
+from jax_dp._data.batches import Plan, device_batches, whole_last_batch
 from jax_dp._loop.hooks import BatchEndReporter, host_logs, metrics_result_or_logs
 from jax_dp._step.custom import CustomPredictStep, CustomTestStep, EvaluationState, step_data
 from jax_dp._step.metrics import metrics_on_mesh
@@ -54,7 +54,8 @@ def evaluate_loop(
     weights = weights_on_mesh(model, mesh)
     metrics = metrics_on_mesh(model, mesh)
     reporter = None if callbacks is None else BatchEndReporter(callbacks, "test", plan.steps)
-    for step, batch in enumerate(device_batches(plan, mesh)):
+    whole_last = whole_last_batch(model, plan, training=False)
+    for step, batch in enumerate(device_batches(plan, mesh, whole_last=whole_last)):
         metrics = steps.test(weights, metrics, batch, plan.padded)
         if reporter is not None and callbacks is not None and reporter.due(step):
             callbacks.on_test_batch_end(step, host_logs(steps.results(metrics)))

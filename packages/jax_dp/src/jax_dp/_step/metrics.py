@@ -93,6 +93,24 @@ def make_metric_update(model: keras.Model, mesh: Mesh) -> Callable[..., list[Any
     return update
 
 
+def whole_batch_metric_update(
+    model: keras.Model, stacks: list[Any], increments: list[Any], loss: Any, batch: Batch, y_pred: Any
+) -> list[Any]:
+    """``make_metric_update``'s update for a batch every device holds whole
+    (``_data.batches.WholeBatch``): Keras's own update, into slot 0 only, so it counts once."""
+    states = [s[0] + d for s, d in zip(stacks, increments, strict=True)]
+    mapping = list(zip(model.metrics_variables, states, strict=True))
+    with keras.StatelessScope(state_mapping=mapping) as scope:
+        tracker = internals.loss_tracker(model)
+        assert tracker is not None  # a compiled model has one
+        tracker.update_state(loss, sample_weight=batch.real_rows)
+        model.compute_metrics(batch.x, batch.y, y_pred, batch.sample_weight)
+    updated = [scope.get_current_value(variable) for variable in model.metrics_variables]
+    return [
+        stack.at[0].set(old if new is None else new) for stack, old, new in zip(stacks, states, updated, strict=True)
+    ]
+
+
 def make_results(model: keras.Model, mesh: Mesh) -> Callable[[list[jax.Array]], Logs]:
     """Jitted: the logs (each metric's ``result()``) of the summed stacks, replicated."""
     model_now = held_weakly(model)

@@ -14,6 +14,10 @@ last batch; the user's sample weights pass through unchanged. A model that overr
 a per-row loss with ``sum_over_batch_size``. Metrics get ``sample_weight * mask`` (a
 per-batch scale would tilt the epoch's running means).
 
+A model that computes a term over the batch (BatchNormalization, its own ``compute_loss``, a
+row-dependent ``add_loss``) gets its short last batch whole instead (``_data.batches.WholeBatch``):
+Keras's own step on every device, as ``model.fit`` runs it; the step compiles once more, for it.
+
 ``padded`` is static: a step compiles once for padded and once for unpadded epochs. The
 trainer keeps the steps between calls (``_step.compile_cache``), so each holds its model weakly.
 """
@@ -32,13 +36,13 @@ from jax.sharding import Mesh
 from dp_core import BatchNormMode
 from dp_core.keras import internals, python_logs
 from jax_dp._comm.hosts import replicated_to_host
-from jax_dp._data.batches import Batch, row_weights
+from jax_dp._data.batches import Batch, WholeBatch, row_weights
 from jax_dp._data.padding import computes_own_loss, padding_aware
 from jax_dp._mesh.layout import weight_shardings
 from jax_dp._mesh.mesh import batch_sharded, num_replicas_of, replicated
 from jax_dp._step.accumulation import accumulated_shardings, accumulated_update, accumulates
 from jax_dp._step.compile_cache import held_weakly
-from jax_dp._step.metrics import Logs, make_metric_update, results_of, zero_states
+from jax_dp._step.metrics import Logs, make_metric_update, results_of, whole_batch_metric_update, zero_states
 from jax_dp._step.optimizers import Optimizer
 from jax_dp._step.state import TrainState, Weights, step_taken
 
@@ -200,6 +204,8 @@ def _train_step(
 
     def train_step(state: TrainState, batch: Batch, padded: bool) -> TrainState:
         model = model_now()
+        if isinstance(batch, WholeBatch):
+            return whole_batch_step(model, state, batch)
         update_metrics = make_metric_update(model, mesh)
         with padding_aware(
             model,
@@ -239,6 +245,23 @@ def _train_step(
         new = TrainState(trainable, non_trainable, optimizer_state, metrics, state.counts, accumulated)
         return step_taken(good, new, state)
 
+    def whole_batch_step(model: keras.Model, state: TrainState, batch: WholeBatch) -> TrainState:
+        """Keras's own step on a batch every device holds whole: no padding, no split (see
+        ``_data.batches.WholeBatch``); its metrics count once, in slot 0."""
+
+        def loss_fn(trainable: list[Any]) -> tuple[Any, Any]:
+            loss, aux = _loss_and_updates(model, trainable, state.non_trainable, batch, training=True)
+            return optimizer.scale_loss(loss, state.optimizer), (loss, *aux)
+
+        (_, (loss, y_pred, non_trainable, increments)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            state.trainable
+        )
+        trainable, optimizer_state = optimizer.apply(state.optimizer, grads, state.trainable)
+        metrics = whole_batch_metric_update(model, state.metrics, increments, loss, batch, y_pred)
+        new = TrainState(trainable, non_trainable, optimizer_state, metrics, state.counts, state.accumulated)
+        good = jnp.isfinite(loss) if skip_nonfinite else jnp.isfinite(loss) & (state.counts.skipped == 0)
+        return step_taken(good, new, state)
+
     return train_step
 
 
@@ -248,6 +271,11 @@ def make_test_step(model: keras.Model, mesh: Mesh) -> TestStep:
 
     def test_step(weights: Weights, metrics: list[Any], batch: Batch, padded: bool) -> list[Any]:
         model = model_now()
+        if isinstance(batch, WholeBatch):
+            loss, (y_pred, _, increments) = _loss_and_updates(
+                model, weights.trainable, weights.non_trainable, batch, training=False
+            )
+            return whole_batch_metric_update(model, metrics, increments, loss, batch, y_pred)
         with padding_aware(model, batch.mask, real_rows=batch.real_rows, padded=padded):
             loss, (y_pred, _, increments) = _loss_and_updates(
                 model, weights.trainable, weights.non_trainable, batch, training=False
@@ -300,7 +328,7 @@ def _loss_and_updates(
             y=batch.y,
             y_pred=y_pred,
             sample_weight=row_weights(batch, scale_to_real_rows=True)
-            if computes_own_loss(model)
+            if computes_own_loss(model) and not isinstance(batch, WholeBatch)
             else batch.sample_weight,
             training=training,
         )

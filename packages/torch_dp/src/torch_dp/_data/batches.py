@@ -19,7 +19,15 @@ import torch
 
 from dp_core import epoch_rows, num_steps, split_indices
 from dp_core._split import Shuffle
-from dp_core.keras import BatchSource, Inputs, batch_rows, map_structure, padded_batch_size, replica_part
+from dp_core.keras import (
+    BatchSource,
+    Inputs,
+    batch_rows,
+    map_structure,
+    padded_batch_size,
+    replica_part,
+    runs_last_batch_whole,
+)
 from torch_dp._comm.replica import Replica
 from torch_dp._data.prefetch import pinned, pins_memory, prefetched, reads_ahead, to_device
 from torch_dp._data.sources import Readable, SourceOnPrimary, global_batches
@@ -33,6 +41,9 @@ class Batch:
     replica's part is contiguous). ``mask`` (1 for real rows, 0 for padding) is what keeps
     padding out of the loss (``dp_core.keras.replica_losses``), BatchNormalization statistics
     and metrics.
+
+    ``whole``: every replica holds the whole short last batch, unpadded (``runs_last_batch_whole``),
+    and computes ``model.fit``'s step on it; its gradient and metrics count once.
     """
 
     x: Any
@@ -43,10 +54,21 @@ class Batch:
     rows: int
     global_real_rows: int
     global_batch_size: int
+    whole: bool = False
 
     @property
     def partial(self) -> bool:
         return self.global_real_rows < self.global_batch_size
+
+
+def whole_last_batch(model: keras.Model, inputs: Readable, global_batch_size: int, *, training: bool = True) -> bool:
+    """Whether ``replica_batches`` should hand every replica a short last batch whole: the model
+    computes a term over the batch (``dp_core.keras.runs_last_batch_whole``)."""
+    rows = inputs if isinstance(inputs, Inputs) else None
+    num_samples = None if rows is None else rows.num_samples
+    return runs_last_batch_whole(
+        model, rows, num_samples=num_samples, global_batch_size=global_batch_size, training=training
+    )
 
 
 def replica_batches(
@@ -61,16 +83,20 @@ def replica_batches(
     prefetch: bool | None = None,
     first_epoch: int = 0,
     steps_per_epoch: int | None = None,
+    whole_last: bool = False,
 ) -> Iterator[Batch]:
     """This replica's batches of one epoch from ``first_step`` on; every replica gets the same number.
     An array input's epoch reads ``dp_core.epoch_rows`` (``first_epoch`` and ``steps_per_epoch`` say
     where in which pass). With ``prefetch`` (None: on an accelerator, ``reads_ahead``) an array
-    input's next batch is read in the background (the same batches)."""
+    input's next batch is read in the background (the same batches). With ``whole_last``, a short
+    last batch is the whole one on every replica (``Batch.whole``)."""
     if prefetch is None:
         prefetch = reads_ahead(replica.device)
     if not isinstance(inputs, Inputs):
         # a source's batch order: any true shuffle shuffles it, as Keras's PyDataset adapter reads it
-        yield from _source_batches(inputs, replica, global_batch_size, epoch, seed, bool(shuffle), first_step)
+        yield from _source_batches(
+            inputs, replica, global_batch_size, epoch, seed, bool(shuffle), first_step, whole_last
+        )
         return
     order = {"epoch": epoch, "seed": seed, "shuffle": shuffle, "first_epoch": first_epoch}
     order["steps_per_epoch"] = steps_per_epoch
@@ -81,7 +107,8 @@ def replica_batches(
         global_batch_size=global_batch_size,
         **order,
     )
-    num_samples = len(epoch_rows(inputs.num_samples, global_batch_size, **order))  # this epoch's rows
+    this_epoch = epoch_rows(inputs.num_samples, global_batch_size, **order)
+    num_samples = len(this_epoch)
     rows = global_batch_size // replica.num_replicas
     pin = prefetch and pins_memory(replica.device)
 
@@ -89,6 +116,10 @@ def replica_batches(
         for step in range(first_step, num_steps(num_samples, global_batch_size)):
             part = slice(step * rows, (step + 1) * rows)
             global_real_rows = min(global_batch_size, num_samples - step * global_batch_size)
+            if whole_last and global_real_rows < global_batch_size:
+                indices = this_epoch[step * global_batch_size :]
+                yield _batch(inputs, indices, np.ones(len(indices)), len(indices), len(indices), pin=pin, whole=True)
+                continue
             yield _batch(inputs, shard.indices[part], shard.mask[part], global_real_rows, global_batch_size, pin=pin)
 
     for batch in prefetched(read()) if prefetch else read():
@@ -103,10 +134,16 @@ def _source_batches(
     seed: int,
     shuffle: bool,
     first_step: int,
+    whole_last: bool,
 ) -> Iterator[Batch]:
     """A source's global batches, each replica keeping its contiguous part, padded and masked
-    as an array input's."""
+    as an array input's; with ``whole_last`` a short one whole."""
     for batch in global_batches(source, replica, epoch, seed, shuffle, first_step):
+        real = batch_rows(batch)
+        if whole_last and real < global_batch_size:
+            x, y, sample_weight = (map_structure(keras.ops.convert_to_tensor, part) for part in batch)
+            yield Batch(x, y, sample_weight, None, real, real, real, real, whole=True)
+            continue
         yield _part(batch, replica, global_batch_size)
 
 
@@ -135,6 +172,7 @@ def _batch(
     global_batch_size: int,
     *,
     pin: bool,
+    whole: bool = False,
 ) -> Batch:
     """The rows at ``indices`` as host tensors (pinned when ``pin``); ``_placed`` moves them."""
     x, y, sample_weight = _host_tensors(inputs.rows(indices), pin=pin)
@@ -142,7 +180,7 @@ def _batch(
     mask_tensor = None
     if global_real_rows < global_batch_size:
         mask_tensor = _host_tensors(mask.astype(keras.backend.floatx()), pin=pin)
-    return Batch(x, y, sample_weight, mask_tensor, real_rows, len(mask), global_real_rows, global_batch_size)
+    return Batch(x, y, sample_weight, mask_tensor, real_rows, len(mask), global_real_rows, global_batch_size, whole)
 
 
 def _host_tensors(structure: Any, *, pin: bool) -> Any:

@@ -25,7 +25,7 @@ from dp_core import NO_STEP_TIMER, NonFiniteAction, NoStepTimer, Preempted, Pree
 from dp_core.keras import CheckpointWriter, internals, nonfinite_loss_stopped, skipped_message
 from torch_dp._comm.collectives import all_reduce_sum, broadcast_floats
 from torch_dp._comm.replica import Replica
-from torch_dp._data.batches import Batch, EvenBatch, even_batches, replica_batches
+from torch_dp._data.batches import Batch, EvenBatch, even_batches, replica_batches, whole_last_batch
 from torch_dp._loop.changes import Changes
 from torch_dp._loop.checkpoints import save
 from torch_dp._loop.jobs import FitJob
@@ -130,7 +130,9 @@ class KerasSteps:
         self.buckets = gradient_buckets(self.model, self.replica) if self.window is None else None
 
     def batches(self, job: FitJob, epoch: int, first_step: int) -> Iterator[Batch]:
-        return replica_batches(job.inputs, self.replica, first_step=first_step, **_epoch_order(job, epoch))
+        whole_last = self.window is None and whole_last_batch(self.model, job.inputs, job.arguments.global_batch_size)
+        order = _epoch_order(job, epoch)
+        return replica_batches(job.inputs, self.replica, first_step=first_step, whole_last=whole_last, **order)
 
     def take(
         self,

@@ -14,7 +14,7 @@ import numpy as np
 from dp_core.keras import callback_list, needs_every_batch, verbosity
 from torch_dp._comm.collectives import broadcast_floats
 from torch_dp._comm.replica import Replica
-from torch_dp._data.batches import EvenBatch, even_batches, replica_batches
+from torch_dp._data.batches import EvenBatch, even_batches, replica_batches, whole_last_batch
 from torch_dp._data.sources import Readable, steps_of
 from torch_dp._loop.changes import Changes
 from torch_dp._loop.epochs import logs_due_at
@@ -74,7 +74,9 @@ def evaluate_loop(
         logs = custom.logs(returned)
         hooks.on_test_end(logs)
         return logs
-    for step, batch in enumerate(replica_batches(inputs, replica, global_batch_size=global_batch_size)):
+    whole_last = whole_last_batch(model, inputs, global_batch_size, training=False)
+    batches = replica_batches(inputs, replica, global_batch_size=global_batch_size, whole_last=whole_last)
+    for step, batch in enumerate(batches):
         hooks.on_test_batch_begin(step)
         test_step(model, batch, replica)
         if logs_due_at(step, steps, every):

@@ -33,19 +33,20 @@ _current = threading.local()
 
 
 @contextlib.contextmanager
-def real_rows(mask: torch.Tensor | None, *, gradient_weight: float = 1.0) -> Iterator[None]:
+def real_rows(mask: torch.Tensor | None, *, gradient_weight: float = 1.0, whole: bool = False) -> Iterator[None]:
     """Within the block, BN layers count only rows where ``mask`` (shape ``(rows,)``) is 1.
 
     ``gradient_weight`` is what this replica's gradients will be multiplied by before they are
     averaged (a model's own ``train_step`` on an uneven last batch, see ``_step.custom``): the
-    gradient that flows back through the shared statistics is weighted to match.
+    gradient that flows back through the shared statistics is weighted to match. ``whole``: every
+    replica holds the whole batch, so BN is Keras's own, with no collective.
     """
-    previous = getattr(_current, "mask", None), getattr(_current, "weight", 1.0)
-    _current.mask, _current.weight = mask, gradient_weight
+    previous = getattr(_current, "mask", None), getattr(_current, "weight", 1.0), getattr(_current, "whole", False)
+    _current.mask, _current.weight, _current.whole = mask, gradient_weight, whole
     try:
         yield
     finally:
-        _current.mask, _current.weight = previous
+        _current.mask, _current.weight, _current.whole = previous
 
 
 class _SumOverReplicas(torch.autograd.Function):
@@ -79,7 +80,11 @@ class _SumOverReplicas(torch.autograd.Function):
         return (summed.div_(weight) if weight else summed.zero_()), None
 
 
-def _moments(layer: Any, inputs: torch.Tensor, mask: Any, *, synchronized: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _moments(
+    layer: Any, inputs: torch.Tensor, mask: Any, *, synchronized: bool, keras_moments: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if getattr(_current, "whole", False):
+        return keras_moments(inputs, mask)
     axes = list(internals.batch_norm_reduction_axes(layer))
     weights = _row_weights(inputs, mask)
     if weights is None:
@@ -119,6 +124,8 @@ def _call(
     """Keras's ``call``, or the fused one when no row or position is left out and every replica
     holds as many rows. Every replica makes the same choice (a padded global batch is masked on
     all, an uneven one weighs every replica's gradient other than 1), so their collectives match."""
+    if getattr(_current, "whole", False):
+        return keras_call(inputs, training=training, mask=mask)
     left_out = mask is not None or getattr(_current, "mask", None) is not None
     even = getattr(_current, "weight", 1.0) == 1.0
     if not left_out and even and fused_batchnorm.applies(layer, inputs, training):
@@ -139,9 +146,10 @@ def masked_batch_norm(model: keras.Model, mode: BatchNormMode, replica: Replica)
     synchronized = mode == "global" and replica.distributed
     restores = []
     for layer in batch_norm_layers(model):
-        restores.append(
-            internals.override_batch_norm_moments(layer, functools.partial(_moments, layer, synchronized=synchronized))
+        moments = functools.partial(
+            _moments, layer, synchronized=synchronized, keras_moments=internals.batch_norm_moments(layer)
         )
+        restores.append(internals.override_batch_norm_moments(layer, moments))
         call = functools.partial(_call, layer, layer.call, synchronized=synchronized)
         restores.append(internals.override(layer, "call", call))
     try:

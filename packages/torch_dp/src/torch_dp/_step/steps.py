@@ -37,7 +37,10 @@ def _forward(model: keras.Model, x: Any, training: bool) -> Any:
 
 
 def _replica_rows(batch: Batch, replica: Replica) -> ReplicaRows:
-    """What ``replica_losses`` needs to know of this replica's part of the global batch."""
+    """What ``replica_losses`` needs to know of this replica's part of the global batch (a whole
+    batch: all of it, so Keras's own reduction applies)."""
+    if batch.whole:
+        return ReplicaRows(batch.rows, batch.rows)
 
     def sum_over_replicas(value: torch.Tensor) -> torch.Tensor:
         return all_reduce_sum([value], replica)[0]
@@ -75,6 +78,21 @@ def _weigh_losses_by_real_rows(model: keras.Model, batch: Batch, replica: Replic
     for metric, old_values in zip(trackers, before, strict=True):
         for variable, old in zip(metric.variables, old_values, strict=True):
             variable.assign(old + (variable.value.detach() - old) * factor)
+
+
+@contextlib.contextmanager
+def _counted_once(model: keras.Model, batch: Batch, replica: Replica) -> Iterator[None]:
+    """Within the block, metric updates count on rank 0 only when every replica holds the whole
+    batch: the states summed over replicas then hold it once, as in ``model.fit``."""
+    if not batch.whole or replica.is_primary:
+        yield
+        return
+    before = [(v, v.value.detach().clone()) for v in model.metrics_variables]
+    try:
+        yield
+    finally:
+        for variable, value in before:
+            variable.assign(value)
 
 
 def _update_metrics(model: keras.Model, batch: Batch, y_pred: Any) -> None:
@@ -224,19 +242,20 @@ def local_gradients(
     """Forward, loss, metric update and backward on this replica's rows; no collective but the
     synchronized BatchNorm moments (``_step.batchnorm``) and, with ``buckets``, the gradients' own
     all-reduces, started during backward (``GradientBuckets.summed`` collects them)."""
-    with replica_losses(model, _replica_rows(batch, replica)):  # activity regularizers run in the forward pass
-        with real_rows(batch.mask):
-            y_pred = _forward(model, batch.x, training=True)
-        model.zero_grad()
-        with _weigh_losses_by_real_rows(model, batch, replica):
-            loss = _compute_loss(model, batch, y_pred, training=True)
-    with torch.no_grad():
-        _update_metrics(model, batch, _detached(y_pred))
+    with _counted_once(model, batch, replica):
+        with replica_losses(model, _replica_rows(batch, replica)):  # activity regularizers run in the forward pass
+            with real_rows(batch.mask, whole=batch.whole):
+                y_pred = _forward(model, batch.x, training=True)
+            model.zero_grad()
+            with _weigh_losses_by_real_rows(model, batch, replica):
+                loss = _compute_loss(model, batch, y_pred, training=True)
+        with torch.no_grad():
+            _update_metrics(model, batch, _detached(y_pred))
     trainable = model.trainable_weights[:]
     if trainable:
-        # Back-propagate the share itself (the loss is num_replicas times it) and sum the
-        # gradients: every row's gradient then has Keras's own magnitude, so float16 loss
-        # scaling overflows exactly where model.fit's does.
+        # Back-propagate the share itself (the loss is num_replicas times it; on a whole batch,
+        # every replica's is the batch's own) and sum the gradients: every row's gradient then has
+        # Keras's own magnitude, so float16 loss scaling overflows exactly where model.fit's does.
         with contextlib.nullcontext() if buckets is None else buckets.reducing(trainable):
             model.optimizer.scale_loss(loss / replica.num_replicas).backward()
     return LocalGradients(loss, trainable, [v.value.grad for v in trainable])
@@ -315,12 +334,13 @@ def _undo(model: keras.Model, before: list[tuple[keras.Variable, torch.Tensor]])
 
 def test_step(model: keras.Model, batch: Batch, replica: Replica) -> None:
     """Loss and metrics of one batch, accumulated locally (synced by ``_step.metrics.global_logs``)."""
-    with torch.no_grad(), replica_losses(model, _replica_rows(batch, replica)):
-        y_pred = _forward(model, batch.x, training=False)
-        with _weigh_losses_by_real_rows(model, batch, replica):
-            _compute_loss(model, batch, y_pred, training=False)
-    with torch.no_grad():
-        _update_metrics(model, batch, y_pred)
+    with _counted_once(model, batch, replica):
+        with torch.no_grad(), replica_losses(model, _replica_rows(batch, replica)):
+            y_pred = _forward(model, batch.x, training=False)
+            with _weigh_losses_by_real_rows(model, batch, replica):
+                _compute_loss(model, batch, y_pred, training=False)
+        with torch.no_grad():
+            _update_metrics(model, batch, y_pred)
 
 
 def predict_step(model: keras.Model, batch: Batch) -> Any:

@@ -1,0 +1,117 @@
+"""``batch_terms``, ``runs_last_batch_whole``, ``check_batch_metrics`` and ``warn_terms_not_split``:
+what in a model is computed over the whole batch, and what a trainer does about it."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+from dp_core.keras import BatchTerms, Inputs, batch_terms, runs_last_batch_whole
+from dp_core.keras._batch_terms import check_batch_metrics, warn_terms_not_split
+
+ops = keras.ops
+X = np.random.default_rng(0).normal(size=(10, 3)).astype("float32")
+Y = np.random.default_rng(1).normal(size=(10, 1)).astype("float32")
+INPUTS = Inputs(X, Y)
+
+
+class _OwnLoss(keras.Sequential):
+    """``compute_loss`` plus ``term(y_pred)``."""
+
+    def __init__(self, layers, term, **kwargs):
+        super().__init__(layers, **kwargs)
+        self.term = term
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, **kwargs):
+        loss = super().compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, **kwargs)
+        return loss + self.term(y_pred)
+
+
+class _Penalty(keras.layers.Layer):
+    def call(self, inputs):
+        self.add_loss(ops.mean(ops.square(inputs)))
+        return inputs
+
+
+def dense(*middle, metrics=(), own_loss=None):
+    layers = [keras.Input((3,)), keras.layers.Dense(2), *middle, keras.layers.Dense(1)]
+    model = keras.Sequential(layers) if own_loss is None else _OwnLoss(layers, own_loss)
+    model.compile(optimizer="sgd", loss="mse", metrics=list(metrics))
+    return model
+
+
+def test_the_terms_over_the_batch_are_named():
+    norm = keras.layers.BatchNormalization(name="norm")
+    assert batch_terms(dense(norm), INPUTS) == BatchTerms(batch_norm=("norm",))
+    frozen = keras.layers.BatchNormalization(name="frozen")
+    frozen.trainable = False  # Keras then normalizes with the moving statistics, in training too
+    assert batch_terms(dense(frozen), INPUTS) == BatchTerms()
+    assert batch_terms(dense(own_loss=lambda y_pred: ops.mean(y_pred)), INPUTS) == BatchTerms(compute_loss=True)
+    assert batch_terms(dense(_Penalty(name="penalty")), INPUTS) == BatchTerms(added_losses=("penalty",))
+    assert not batch_terms(dense(), INPUTS).any
+
+
+def test_a_short_last_batch_runs_whole_only_for_a_model_with_a_term_over_the_batch():
+    with_norm = dense(keras.layers.BatchNormalization())
+    assert runs_last_batch_whole(with_norm, INPUTS, num_samples=10, global_batch_size=4)
+    assert not runs_last_batch_whole(with_norm, INPUTS, num_samples=12, global_batch_size=4)  # no short batch
+    assert runs_last_batch_whole(with_norm, None, num_samples=None, global_batch_size=4)  # a source: it may be
+    assert not runs_last_batch_whole(dense(), INPUTS, num_samples=10, global_batch_size=4)
+    # in inference BatchNormalization reads its moving statistics; an own compute_loss still sees the batch
+    assert not runs_last_batch_whole(with_norm, INPUTS, num_samples=10, global_batch_size=4, training=False)
+    own = dense(own_loss=lambda y_pred: ops.mean(y_pred))
+    assert runs_last_batch_whole(own, INPUTS, num_samples=10, global_batch_size=4, training=False)
+
+
+def _batch_rmse(y_true, y_pred):
+    return ops.sqrt(ops.mean(ops.square(y_true - y_pred)))
+
+
+def _squared_errors(y_true, y_pred):
+    return ops.mean(ops.square(y_true - y_pred), axis=-1)
+
+
+def test_a_metric_function_of_one_value_per_batch_is_refused_naming_it_and_the_fix():
+    model = dense(metrics=[keras.metrics.MeanMetricWrapper(_batch_rmse, name="brmse")])
+    with pytest.raises(ValueError, match="returns one value per batch") as raised:
+        check_batch_metrics(model, INPUTS)
+    message = str(raised.value)
+    assert "'brmse' (function _batch_rmse) returns one value per batch" in message
+    assert "returns shape (), expected (2,) or (2, ...)" in message
+    assert "keras.metrics.RootMeanSquaredError" in message
+
+
+def test_a_plain_function_in_metrics_is_asked_too():
+    with pytest.raises(ValueError, match=r"The metric '_batch_rmse' \(function _batch_rmse\) returns one value"):
+        check_batch_metrics(dense(metrics=["mae", _batch_rmse]), INPUTS)
+
+
+def test_per_sample_metrics_pass_and_nothing_is_built():
+    model = dense(metrics=[keras.metrics.MeanMetricWrapper(_squared_errors, name="se"), "mae", _squared_errors])
+    variables = len(model.metrics_variables)
+    check_batch_metrics(model, INPUTS)
+    assert len(model.metrics_variables) == variables  # Keras builds the compiled metrics itself, later
+
+
+def _root_of_mean_square(y_pred):
+    return 0.1 * ops.sqrt(ops.mean(ops.square(y_pred)))
+
+
+def test_an_own_compute_loss_term_that_is_not_a_mean_over_rows_is_warned_of():
+    with pytest.warns(UserWarning, match=r"_OwnLoss.compute_loss is not a mean over the batch's rows.*a_dp computes"):
+        warn_terms_not_split(dense(own_loss=_root_of_mean_square), INPUTS, num_replicas=2, package="a_dp")
+
+
+@pytest.mark.parametrize(
+    ("model", "num_replicas"),
+    [
+        pytest.param(lambda: dense(own_loss=lambda y_pred: 0.01 * ops.mean(ops.square(y_pred))), 2, id="a-mean"),
+        pytest.param(lambda: dense(_Penalty()), 2, id="an-added-mean"),
+        pytest.param(lambda: dense(own_loss=_root_of_mean_square), 1, id="one-replica"),
+    ],
+)
+def test_no_warning_for_a_mean_over_rows_or_one_replica(model, num_replicas):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_terms_not_split(model(), INPUTS, num_replicas=num_replicas, package="a_dp")
