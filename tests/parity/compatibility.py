@@ -120,13 +120,13 @@ def _scenario_cell(scenario: Scenario, backend: str) -> str:
 # Differences from model.fit seen outside the matrix: each stays listed here until a scenario
 # above shows it exact, stated or clearly refused.
 KNOWN_GAPS = (
-    "A metric function returning one value per batch (e.g. a batch RMSE in"
-    " `keras.metrics.MeanMetricWrapper`): torch_dp averages the replicas' values (History differs);"
-    " jax_dp raises an unclear broadcasting error.",
-    "An overridden `compute_loss` that adds a term computed over the whole batch: both backends compute"
-    " it per replica, without a warning.",
-    "A BatchNormalization model whose last batch is a few rows (MobileNetV3Small, 99 rows at a global"
-    " batch of 32): the short batch's statistics round differently from `model.fit`'s.",
+    "torch_dp, MobileNetV3Small (64x64, 96 or 99 rows): weights within `model.fit`'s own rounding"
+    " baseline (2e-4 to 1.5e-3 relative) but not within fp32 noise, where jax_dp is exact (1e-7).",
+    "A short last batch under gradient accumulation (`accumulate_steps`), or from a multi-process jax_dp"
+    " batch source, stays padded: a model's batch-level terms (BatchNormalization statistics, an own"
+    " `compute_loss`, row-dependent `add_loss`) see the masked rows.",
+    "torch_dp computes an `add_loss` or `compute_loss` term on each replica's rows of a full batch: exact"
+    " for a mean over rows; any other term is warned about before training.",
     "`evaluate(steps=)`, `predict(steps=)` and `fit(validation_steps=)` with arrays are refused where"
     " Keras accepts them (`steps_per_epoch` with arrays is read as Keras reads it).",
     "What a callback changes in `on_test_batch_begin` / `on_test_batch_end`, in the middle of an"

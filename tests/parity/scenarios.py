@@ -40,7 +40,6 @@ from parity.models import (
     images,
     masked_sequence,
     mlp,
-    mlp_with_add_loss,
     numpy_weights,
     pixel_classes,
     pixelwise,
@@ -540,20 +539,6 @@ def activity_regularizer(run: Runner) -> Any:
         return [keras.layers.Dense(8, activation="tanh", activity_regularizer=keras.regularizers.L2(0.01))]
 
     history = _fit(run, mlp("activity_regularizer", middle=penalized), x, y)
-    return outcome(run, history, x, y)
-
-
-@scenario(
-    "feature.regularization",
-    difference="an `add_loss` term is the layer's own function of the rows it sees: each replica's, averaged "
-    "(torch; exact for a mean over the rows), or the global batch's (jax). The last batch is padded to a full "
-    "batch when the batch size does not divide the data, and its padding rows count in such a term there; the "
-    "trainers warn before such a run, naming the layer. Constant terms are always exact. Compared on 96 rows",
-)
-def add_loss(run: Runner) -> Any:
-    """A layer calling `add_loss(0.05 * mean(x**2))` over the batch (the model from a factory; 96 rows)."""
-    x, y = tabular("add_loss", 3 * BATCH_SIZE)
-    history = _fit(run, mlp_with_add_loss, x, y)
     return outcome(run, history, x, y)
 
 
