@@ -6,7 +6,8 @@ import types
 import keras
 import numpy as np
 
-from torch_dp._loop.changes import Changes, shared_variables, trainable_flags
+from torch_dp._loop.changes import Changes, shared_variables
+from torch_dp._loop.trainable import trainable_flags
 
 RANK_0 = types.SimpleNamespace(is_primary=True, distributed=True, rank=0, num_replicas=2)
 
@@ -51,9 +52,12 @@ def test_a_layers_trainable_is_a_change():
     changes = _marked(model)
     model.layers[0].trainable = False
     assert changes.seen()
-    # the model first, then its layers (the input layer's too), then every variable
-    assert trainable_flags(model)[:5] == [True, True, False, True, True]
-    assert trainable_flags(model)[5:7] == [False, False]  # the frozen layer's kernel and bias
+    # what share sends when that happens: the flags by layer name, and each weight's own
+    flags, frozen = trainable_flags(model), model.layers[0]
+    assert [flag.trainable for flag in flags.layers if flag.key == frozen.name] == [False]
+    frozen_weights = {id(weight) for weight in frozen.weights}  # its kernel and bias
+    weights = zip(flags.weights, model.weights, strict=True)
+    assert [flag.trainable for flag, weight in weights if id(weight) in frozen_weights] == [False, False]
 
 
 def test_the_learning_rate_and_the_random_streams_are_not_changes():

@@ -432,7 +432,7 @@ def test_lora_enabled_on_a_layer_no_config_records_trains_as_in_keras(trainer):
 
 
 def test_a_rebuilt_model_with_other_weights_is_a_clear_error_naming_the_first_that_differs():
-    from torch_dp._processes.trainable import set_trainable, trainable_flags
+    from torch_dp._loop.trainable import set_trainable, trainable_flags
 
     caller = _projection_with_lora(0)
     rebuilt = keras.Sequential([keras.Input((5,)), testing.Projection(3, name="projection")])

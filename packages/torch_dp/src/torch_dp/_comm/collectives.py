@@ -90,6 +90,16 @@ def broadcast_from_primary(tensors: Sequence[torch.Tensor], replica: Replica) ->
     return _coalesced(tensors, lambda flat: dist.broadcast(flat, src=0))
 
 
+def broadcast_object(value: Any, replica: Replica) -> Any:
+    """Rank 0's ``value`` (a small picklable record, sent between this job's own replicas) on every replica."""
+    if not replica.distributed:
+        return value
+    message = [value]
+    _entering()
+    dist.broadcast_object_list(message, src=0)
+    return message[0]
+
+
 def broadcast_floats(values: Sequence[float], replica: Replica) -> list[float]:
     """Rank 0's Python floats on every replica (control decisions: stop, learning rate)."""
     if not replica.distributed:

@@ -23,9 +23,10 @@ import keras
 import torch
 
 from dp_core.keras import internals
-from torch_dp._comm.collectives import broadcast_from_primary
+from torch_dp._comm.collectives import broadcast_from_primary, broadcast_object
 from torch_dp._comm.replica import Replica
 from torch_dp._internals import version
+from torch_dp._loop.trainable import set_trainable, trainable_flags
 from torch_dp._step.custom import optimizers_of
 
 
@@ -51,18 +52,22 @@ class Changes:
         return self._marked != self._state()
 
     def share(self) -> None:
-        """Rank 0's ``trainable`` flags and variables on every replica (a collective), then ``mark``."""
+        """Rank 0's variables on every replica (a collective) and, where its ``trainable`` choices
+        changed since the last ``mark``, those too (one more, rare), then ``mark``. The choices go
+        by layer name and each weight's own flag (``trainable.py``): a worker's rebuilt model need
+        not list its layers as rank 0's does (keras-hub's)."""
         if not self.replica.distributed:
             return
+        primary = self.replica.is_primary
         variables = shared_variables(self.model, optimizer=self.optimizer)
-        flags = torch.tensor(trainable_flags(self.model), dtype=torch.float32, device=self.replica.device)
-        shared, *values = broadcast_from_primary([flags, *(v.value for v in variables)], self.replica)  # one collective
-        if not self.replica.is_primary:
-            layers = internals.flatten_layers(self.model, include_self=True)
-            for layer, flag in zip(layers, shared.tolist(), strict=False):  # outer layers first: an inner one's wins
-                layer.trainable = bool(flag)
-            for variable, flag in zip(self.model.variables, shared.tolist()[len(layers) :], strict=True):
-                variable.trainable = bool(flag)
+        retrained = primary and (self._marked is None or self._marked[1:] != self._flags())
+        head = torch.tensor([float(retrained)], dtype=torch.float32, device=self.replica.device)
+        head, *values = broadcast_from_primary([head, *(v.value for v in variables)], self.replica)  # one collective
+        if head.item():
+            flags = broadcast_object(trainable_flags(self.model) if primary else None, self.replica)
+            if not primary:
+                set_trainable(self.model, flags)
+        if not primary:
             for variable, value in zip(variables, values, strict=True):
                 variable.assign(value)
         self.mark()
@@ -71,8 +76,13 @@ class Changes:
         model_variables = self.model.variables  # one walk over the layers, for both records
         tensors = [internals.stored_value(v) for v in self._variables(model_variables)]
         pairs = tuple((id(t), -1 if t is None else version(t)) for t in tensors)  # None: not initialized yet
+        return pairs, *self._flags(model_variables)
+
+    def _flags(self, model_variables: list[keras.Variable] | None = None) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+        """Rank 0's own ``trainable`` flags: every layer's, then every variable's."""
         layers = internals.flatten_layers(self.model, include_self=True)
-        return pairs, tuple(layer.trainable for layer in layers), tuple(v.trainable for v in model_variables)
+        variables = self.model.variables if model_variables is None else model_variables
+        return tuple(layer.trainable for layer in layers), tuple(v.trainable for v in variables)
 
     def _variables(self, model_variables: list[keras.Variable]) -> list[keras.Variable]:
         """The variables watched; found again only when the model or optimizer made new ones (read
@@ -84,12 +94,6 @@ class Changes:
             variables = shared_variables(self.model, optimizer=self.optimizer)
             self._watched = counts, [v for v in variables if id(v) not in learning_rates]
         return self._watched[1]
-
-
-def trainable_flags(model: keras.Model) -> list[bool]:
-    """Every layer's ``trainable`` (outer layers first), then every variable's."""
-    layers = internals.flatten_layers(model, include_self=True)
-    return [bool(layer.trainable) for layer in layers] + [bool(v.trainable) for v in model.variables]
 
 
 def shared_variables(model: keras.Model, *, optimizer: bool) -> list[keras.Variable]:

@@ -51,6 +51,7 @@ from torch_dp._comm.replica import Replica
 from torch_dp._internals import version
 from torch_dp._loop.jobs import FitJob, Job
 from torch_dp._loop.run import build, check_losses, run_job
+from torch_dp._loop.trainable import trainable_flags
 from torch_dp._processes.failures import (
     DOCUMENTED,
     WorkerError,
@@ -66,7 +67,6 @@ from torch_dp._processes.failures import (
 from torch_dp._processes.folder import PoolFolder, remove_stale_directories
 from torch_dp._processes.group import Rendezvous, Timeouts, device_for, leave_group, serve_group
 from torch_dp._processes.spawn import Worker, start_process, stop_processes, torch_threads
-from torch_dp._processes.trainable import trainable_flags
 from torch_dp._processes.transfer import (
     KerasSettings,
     Request,

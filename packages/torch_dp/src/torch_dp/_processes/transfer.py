@@ -32,7 +32,7 @@ import torch
 from dp_core.keras import BatchSource, Inputs, internals
 from torch_dp._data.sources import Readable, SourceOnPrimary
 from torch_dp._loop.jobs import FitJob, Job
-from torch_dp._processes.trainable import TrainableFlags, set_trainable, trainable_flags
+from torch_dp._loop.trainable import TrainableFlags, set_trainable, trainable_flags
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,10 @@ import torch
 
 from torch_dp._comm.collectives import count_collectives_in
 from torch_dp._loop.run import run_job
+from torch_dp._loop.trainable import set_trainable
 from torch_dp._processes.failures import report_failure
 from torch_dp._processes.group import Rendezvous, join_group, leave_group
 from torch_dp._processes.spawn import caller_gone, exit_with_parent
-from torch_dp._processes.trainable import set_trainable
 from torch_dp._processes.transfer import Request, opened, receive_model
 
 
