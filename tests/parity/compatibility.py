@@ -51,8 +51,8 @@ COMPILE_OPTIONS = {"steps_per_execution": "`model.compile(steps_per_execution=N)
 _PRINTED = "progress is printed once, by the caller; the matrix runs `verbose=0` and does not compare printed text"
 DIFFERENCES = {
     "fit.shuffle": "epoch `e` reads rows in `dp_core.epoch_order(num_samples, seed=seed, epoch=e)`, the same on "
-    "any replica count (`shuffle=\"batch\"`: Keras's blocks of a batch in order, the rows inside each "
-    "shuffled, `epoch_order(..., shuffle=\"batch\", batch_size=B)`); Keras draws its own order. The matrix "
+    'any replica count (`shuffle="batch"`: Keras\'s blocks of a batch in order, the rows inside each '
+    'shuffled, `epoch_order(..., shuffle="batch", batch_size=B)`); Keras draws its own order. The matrix '
     "gives Keras that order",
     "fit.verbose": _PRINTED,
     "evaluate.verbose": _PRINTED,

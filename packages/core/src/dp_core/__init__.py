@@ -71,6 +71,7 @@ from dp_core._secret import JOB_SECRET_VARIABLE as JOB_SECRET_VARIABLE
 from dp_core._secret import SET_JOB_SECRET as SET_JOB_SECRET
 from dp_core._secret import job_secret_of as job_secret_of
 from dp_core._split import Shard as Shard
+from dp_core._split import Shuffle as Shuffle
 from dp_core._split import epoch_order as epoch_order
 from dp_core._split import epoch_rows as epoch_rows
 from dp_core._split import epoch_steps as epoch_steps
@@ -115,6 +116,7 @@ __all__ = [
     "ScalingReport",
     "Schedule",
     "Shard",
+    "Shuffle",
     "StepTimer",
     "Trainer",
     "TrainerBusy",

@@ -17,8 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from dp_core import ReplicaLayout, epoch_rows, num_steps, split_indices
-from dp_core._split import Shuffle
+from dp_core import ReplicaLayout, Shuffle, epoch_rows, num_steps, split_indices
 from dp_core.keras import BatchSource, Inputs, map_structure, runs_last_batch_whole
 from jax_dp._mesh.mesh import batch_sharded, put_replicated, replicated
 

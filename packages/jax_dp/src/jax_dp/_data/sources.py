@@ -12,8 +12,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from dp_core import ReplicaLayout
-from dp_core._split import Shuffle
+from dp_core import ReplicaLayout, Shuffle
 from dp_core.keras import BatchSource, Inputs, batch_rows, padded_batch_size, replica_part
 from jax_dp._data.batches import EpochPlan, HostBatch, Plan, all_replicas_local
 

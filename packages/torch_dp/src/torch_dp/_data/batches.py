@@ -17,8 +17,7 @@ import keras
 import numpy as np
 import torch
 
-from dp_core import epoch_rows, num_steps, split_indices
-from dp_core._split import Shuffle
+from dp_core import Shuffle, epoch_rows, num_steps, split_indices
 from dp_core.keras import (
     BatchSource,
     Inputs,
