@@ -1,10 +1,10 @@
-"""The caller's arrays as the worker replicas open them (``_processes.transfer``)."""
+"""The caller's arrays as the worker replicas open them (``_processes.shared_arrays``)."""
 
 import ml_dtypes
 import numpy as np
 
 from dp_core.keras import Inputs
-from torch_dp._processes.transfer import SharedArrays, open_shared
+from torch_dp._processes.shared_arrays import SharedArrays, open_shared
 
 
 def test_bfloat16_arrays_reach_the_workers_as_bfloat16(tmp_path):

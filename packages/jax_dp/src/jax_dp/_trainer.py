@@ -37,11 +37,10 @@ from dp_core.keras import (
     require_backend,
 )
 from jax_dp._comm.hosts import is_primary
-from jax_dp._data.batches import Plan
 from jax_dp._data.sources import epoch_plan
 from jax_dp._loop.checkpoints import resume_and_writer
 from jax_dp._loop.epochs import CustomSteps, EpochTrainer, KerasSteps, epochs_of
-from jax_dp._loop.evaluate import Evaluator, custom_evaluate_loop, custom_predict_loop, evaluate_loop, predict_loop
+from jax_dp._loop.evaluate import custom_predict_loop, evaluator, predict_loop
 from jax_dp._loop.fit import fit_loop
 from jax_dp._loop.preemption import PreemptionNotice
 from jax_dp._mesh.layout import Layout, place
@@ -239,7 +238,7 @@ class Trainer:
                     arguments,
                     optimizer=optimizer,
                     train_epoch=self._epochs(model, optimizer, checkpoints, profile, callbacks=arguments.callbacks),
-                    evaluate=self._evaluator(model),
+                    evaluate=evaluator(model, self._recipes()),
                     layout=self.layout,
                     start=start,
                     checkpoints=checkpoints,
@@ -293,7 +292,7 @@ class Trainer:
             callbacks, model, is_primary=is_primary(), verbose=verbose, steps=plan.steps, history=False
         )
         hooks.on_test_begin()
-        logs = self._evaluator(model)(plan, hooks)
+        logs = evaluator(model, self._recipes())(plan, hooks)
         hooks.on_test_end(logs)
         return logs if return_dict else internals.metrics_in_order(model, logs)
 
@@ -375,23 +374,6 @@ class Trainer:
             return epochs_of(kind, checkpoints=checkpoints, stop_on_nonfinite=stop_on_nonfinite)
         kind = KerasSteps(model, optimizer, recipes.steps(model, optimizer), self.mesh, profile)
         return epochs_of(kind, checkpoints=checkpoints, stop_on_nonfinite=stop_on_nonfinite)
-
-    def _evaluator(self, model: keras.Model) -> Evaluator:
-        """How ``evaluate`` and validation run: with the model's own ``test_step`` or Keras's."""
-        mesh = self.mesh
-        if overrides(model, "test_step"):
-            test_step = self._recipes().custom_test_step(model)
-
-            def evaluate_custom(plan: Plan, callbacks: keras.callbacks.CallbackList | None) -> dict[str, Any]:
-                return custom_evaluate_loop(model, test_step, plan, mesh, callbacks)
-
-            return evaluate_custom
-        steps = self._recipes().steps(model)
-
-        def evaluate(plan: Plan, callbacks: keras.callbacks.CallbackList | None) -> dict[str, Any]:
-            return evaluate_loop(model, steps, plan, mesh, callbacks)
-
-        return evaluate
 
     def _recipes(self, *, apply_nonfinite: bool = False) -> Recipes:
         """The steps' recipes for the trainer's mesh, layout and options as they are now."""

@@ -39,7 +39,7 @@ from torch_dp._loop.jobs import EvaluateJob, FitJob, PredictJob
 from torch_dp._processes.cluster import is_primary_process
 from torch_dp._processes.group import Timeouts
 from torch_dp._processes.launchers import Launcher, choose_launcher
-from torch_dp._step.custom import optimizers_of
+from torch_dp._step.custom import check_custom_steps, optimizers_of
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -346,16 +346,9 @@ class Trainer:
             "backend": "torch",
             "package": "torch_dp",
             "num_replicas": self.num_replicas,
-            "check_own_steps": _check_own_steps,
+            "check_own_steps": check_custom_steps,
             "splits_batch_terms": True,
         }
-
-
-def _check_own_steps(model: keras.Model, step_names: tuple[str, ...], *, compiled: bool) -> None:
-    """A model with its own ``train_step`` or ``test_step`` needs no compiled loss: its step
-    computes its own, as in Keras."""
-    if compiled:
-        _require_compiled_for_own_step(model, trains="train_step" in step_names)
 
 
 def _checkpoint_to_resume(
@@ -375,22 +368,6 @@ def _checkpoint_to_resume(
     build_model(model, inputs)
     found = resumable_checkpoint(checkpoint_dir, model, seed=seed, global_batch_size=global_batch_size, shuffle=shuffle)
     return None if found is None else os.path.join(checkpoint_dir, found.name)
-
-
-def _require_compiled_for_own_step(model: keras.Model, *, trains: bool) -> None:
-    """``require_compiled`` without the loss, which a model's own step computes itself."""
-    if trains and (not getattr(model, "compiled", False) or model.optimizer is None):
-        raise ValueError(
-            f"Model '{model.name}' is not compiled: its train_step applies the optimizer from "
-            "`model.compile(optimizer=...)`. Call `model.compile(optimizer=...)` first."
-        )
-    steps = getattr(model, "steps_per_execution", 1)
-    if steps != 1:
-        raise ValueError(
-            f"Model '{model.name}' was compiled with steps_per_execution={steps}, but a trainer runs one step per "
-            "global batch (callbacks and the progress bar see every batch). Recompile with steps_per_execution=1 "
-            "(the default); to take larger steps, raise the global batch size."
-        )
 
 
 def _require_checkpointable(model: keras.Model) -> None:

@@ -18,12 +18,13 @@ import keras
 import numpy as np
 from jax.sharding import Mesh
 
-from dp_core.keras import internals
+from dp_core.keras import internals, overrides
 from jax_dp._comm.hosts import agree, replicated_to_host, rows_to_host
 from jax_dp._data.batches import Plan, device_batches, whole_last_batch
 from jax_dp._loop.hooks import BatchEndReporter, host_logs, metrics_result_or_logs
 from jax_dp._step.custom import CustomPredictStep, CustomTestStep, EvaluationState, step_data
 from jax_dp._step.metrics import metrics_on_mesh
+from jax_dp._step.recipes import Recipes
 from jax_dp._step.state import (
     Weights,
     metric_values_on_mesh,
@@ -40,6 +41,25 @@ class Evaluator(Protocol):
     ``model.evaluate`` logs them; batch-end ``callbacks`` as ``model.evaluate`` calls them."""
 
     def __call__(self, plan: Plan, callbacks: keras.callbacks.CallbackList | None) -> dict[str, Any]: ...
+
+
+def evaluator(model: keras.Model, recipes: Recipes) -> Evaluator:
+    """How ``evaluate`` and validation run: with the model's own ``test_step`` or Keras's, on the
+    mesh of ``recipes``, which give the steps."""
+    mesh = recipes.mesh
+    if overrides(model, "test_step"):
+        test_step = recipes.custom_test_step(model)
+
+        def evaluate_custom(plan: Plan, callbacks: keras.callbacks.CallbackList | None) -> dict[str, Any]:
+            return custom_evaluate_loop(model, test_step, plan, mesh, callbacks)
+
+        return evaluate_custom
+    steps = recipes.steps(model)
+
+    def evaluate(plan: Plan, callbacks: keras.callbacks.CallbackList | None) -> dict[str, Any]:
+        return evaluate_loop(model, steps, plan, mesh, callbacks)
+
+    return evaluate
 
 
 def evaluate_loop(

@@ -215,11 +215,6 @@ def _train_step(
             batch_norm=batch_norm,
             num_replicas=num_replicas,
         ):
-
-            def loss_fn(trainable: list[Any]) -> tuple[Any, Any]:
-                loss, aux = _loss_and_updates(model, trainable, state.non_trainable, batch, training=True)
-                return optimizer.scale_loss(loss, state.optimizer), (loss, *aux)
-
             accumulated = state.accumulated
             if accumulates(optimizer):  # gradients summed per replica, all-reduced once per window
                 (loss, y_pred, non_trainable, increments), (trainable, optimizer_state, accumulated) = (
@@ -234,10 +229,9 @@ def _train_step(
                     )
                 )
             else:
-                (_, (loss, y_pred, non_trainable, increments)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-                    state.trainable
+                (loss, y_pred, non_trainable, increments), (trainable, optimizer_state) = _gradient_update(
+                    model, optimizer, state, batch
                 )
-                trainable, optimizer_state = optimizer.apply(state.optimizer, grads, state.trainable)
         metrics = update_metrics(state.metrics, increments, loss, batch, y_pred)
         good = jnp.isfinite(loss) if skip_nonfinite else jnp.isfinite(loss) & (state.counts.skipped == 0)
         if apply_nonfinite:
@@ -248,21 +242,30 @@ def _train_step(
     def whole_batch_step(model: keras.Model, state: TrainState, batch: WholeBatch) -> TrainState:
         """Keras's own step on a batch every device holds whole: no padding, no split (see
         ``_data.batches.WholeBatch``); its metrics count once, in slot 0."""
-
-        def loss_fn(trainable: list[Any]) -> tuple[Any, Any]:
-            loss, aux = _loss_and_updates(model, trainable, state.non_trainable, batch, training=True)
-            return optimizer.scale_loss(loss, state.optimizer), (loss, *aux)
-
-        (_, (loss, y_pred, non_trainable, increments)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            state.trainable
+        (loss, y_pred, non_trainable, increments), (trainable, optimizer_state) = _gradient_update(
+            model, optimizer, state, batch
         )
-        trainable, optimizer_state = optimizer.apply(state.optimizer, grads, state.trainable)
         metrics = whole_batch_metric_update(model, state.metrics, increments, loss, batch, y_pred)
         new = TrainState(trainable, non_trainable, optimizer_state, metrics, state.counts, state.accumulated)
         good = jnp.isfinite(loss) if skip_nonfinite else jnp.isfinite(loss) & (state.counts.skipped == 0)
         return step_taken(good, new, state)
 
     return train_step
+
+
+def _gradient_update(
+    model: keras.Model, optimizer: Optimizer, state: TrainState, batch: Batch
+) -> tuple[tuple[Any, Any, list[Any], list[Any]], tuple[list[Any], Any]]:
+    """One gradient step on ``batch`` within a train step: ``(loss, y_pred, non-trainable weights,
+    metric increments)`` of the forward pass, then the trainable weights and optimizer state after
+    ``optimizer.apply``; the loss is differentiated as ``optimizer.scale_loss`` scales it."""
+
+    def loss_fn(trainable: list[Any]) -> tuple[Any, Any]:
+        loss, aux = _loss_and_updates(model, trainable, state.non_trainable, batch, training=True)
+        return optimizer.scale_loss(loss, state.optimizer), (loss, *aux)
+
+    (_, forward), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.trainable)
+    return forward, optimizer.apply(state.optimizer, grads, state.trainable)
 
 
 def make_test_step(model: keras.Model, mesh: Mesh) -> TestStep:

@@ -28,7 +28,7 @@ from torch_dp._loop.checkpoints import check_same_start, holding_checkpoint_dir,
 from torch_dp._loop.epochs import EpochSteps, KerasSteps, OwnSteps, share_decisions, train_epoch
 from torch_dp._loop.evaluate import evaluate_loop
 from torch_dp._loop.jobs import FitJob
-from torch_dp._step.accumulation import accumulation_window
+from torch_dp._step.accumulation import Window, accumulation_window
 from torch_dp._step.custom import CustomSteps
 
 
@@ -98,18 +98,7 @@ def _fit_epochs(
         callbacks.on_epoch_begin(epoch)
         if share_decisions(model, replica, changes=changes):
             break
-        if custom is not None and custom.train:
-            kind: EpochSteps = OwnSteps(model, replica, custom, log_every=every)
-        else:
-            kind = KerasSteps(
-                model,
-                replica,
-                window,
-                every,
-                decide_each_step=batch_logs,
-                batch_hooks=batch_hooks,
-                apply_nonfinite=job.on_nonfinite_loss == "apply",
-            )
+        kind = _epoch_steps(model, job, replica, custom, window, every, batch_logs=batch_logs, batch_hooks=batch_hooks)
         timed = timer if isinstance(kind, KerasSteps) else NO_STEP_TIMER  # a model's own step is not timed
         epoch_logs = train_epoch(
             model,
@@ -140,6 +129,32 @@ def _fit_epochs(
         model.optimizer.finalize_variable_values(model.trainable_weights)
     callbacks.on_train_end(logs=epoch_logs)
     return model.history
+
+
+def _epoch_steps(
+    model: keras.Model,
+    job: FitJob,
+    replica: Replica,
+    custom: CustomSteps | None,
+    window: Window | None,
+    every: int,
+    *,
+    batch_logs: bool,
+    batch_hooks: bool,
+) -> EpochSteps:
+    """How an epoch's steps run: the model's own ``train_step`` where it has one, else Keras's,
+    its logs summed every ``every`` steps (at each step when ``batch_logs``: a callback reads them)."""
+    if custom is not None and custom.train:
+        return OwnSteps(model, replica, custom, log_every=every)
+    return KerasSteps(
+        model,
+        replica,
+        window,
+        every,
+        decide_each_step=batch_logs,
+        batch_hooks=batch_hooks,
+        apply_nonfinite=job.on_nonfinite_loss == "apply",
+    )
 
 
 def _begin(

@@ -66,15 +66,9 @@ from torch_dp._processes.failures import (
 )
 from torch_dp._processes.folder import PoolFolder, remove_stale_directories
 from torch_dp._processes.group import Rendezvous, Timeouts, device_for, leave_group, serve_group
+from torch_dp._processes.shared_arrays import SharedArrays
 from torch_dp._processes.spawn import Worker, start_process, stop_processes, torch_threads
-from torch_dp._processes.transfer import (
-    KerasSettings,
-    Request,
-    SharedArrays,
-    for_workers,
-    ship_model,
-    shippable,
-)
+from torch_dp._processes.transfer import KerasSettings, Request, for_workers, ship_model, shippable
 from torch_dp._processes.worker import pool_worker
 
 _active: ReplicaPool | None = None  # the pool holding this process's default group

@@ -86,6 +86,27 @@ def optimizers_of(model: keras.Model) -> list[keras.optimizers.Optimizer]:
     return [o for o in found if all(o is not i for i in inner)]
 
 
+def check_custom_steps(model: keras.Model, step_names: tuple[str, ...], *, compiled: bool) -> None:
+    """Clear errors, before any replica starts, for what the model's own steps (``step_names``, the
+    ones a call runs) need when the call needs ``model.compile`` (``compiled``): not a compiled
+    loss, which a model's own step computes itself, as in Keras; but the optimizer, to train, and
+    one step per global batch."""
+    if not compiled:
+        return
+    if "train_step" in step_names and (not getattr(model, "compiled", False) or model.optimizer is None):
+        raise ValueError(
+            f"Model '{model.name}' is not compiled: its train_step applies the optimizer from "
+            "`model.compile(optimizer=...)`. Call `model.compile(optimizer=...)` first."
+        )
+    steps = getattr(model, "steps_per_execution", 1)
+    if steps != 1:
+        raise ValueError(
+            f"Model '{model.name}' was compiled with steps_per_execution={steps}, but a trainer runs one step per "
+            "global batch (callbacks and the progress bar see every batch). Recompile with steps_per_execution=1 "
+            "(the default); to take larger steps, raise the global batch size."
+        )
+
+
 def _is_scalar(value: Any) -> bool:
     """A 0-d number: a Python or numpy number, or a 0-d tensor or array."""
     if isinstance(value, bool):

@@ -214,17 +214,27 @@ def train_step(
     if not finite and not apply_nonfinite:  # ``apply_nonfinite``: as model.fit, for a TerminateOnNaN to stop
         _undo(model, before)
         return Trained(False)
-    if trainable:
-        with torch.no_grad():
-            model.optimizer.apply(
-                [None if g is None else a for g, a in zip(local, summed_gradients, strict=True)], trainable
-            )
+    _apply(model, trainable, local, summed_gradients)
     timer.lap("optimizer", sync=True)
     if not sum_metrics:
         return Trained(True)
     if not shared:  # one replica: its own states are the global ones
         return Trained(True, metric_sums=[v.value.detach() for v in model.metrics_variables])
     return Trained(True, metric_sums=summed[len(gradients) + 1 : -1])
+
+
+def _apply(
+    model: keras.Model,
+    trainable: list[keras.Variable],
+    local: list[torch.Tensor | None],
+    summed: list[torch.Tensor],
+) -> None:
+    """Keras's optimizer update with the gradients ``summed`` over replicas; a variable that got
+    no gradient on this replica (``local``) is given None, so the optimizer skips it, as in Keras."""
+    if not trainable:
+        return
+    with torch.no_grad():
+        model.optimizer.apply([None if g is None else a for g, a in zip(local, summed, strict=True)], trainable)
 
 
 class LocalGradients(NamedTuple):
