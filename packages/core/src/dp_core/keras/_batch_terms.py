@@ -122,11 +122,11 @@ def _metric_functions(model: keras.Model) -> list[tuple[str, Callable[..., Any],
     compile_metrics = _internals.compile_metrics(model)
     if compile_metrics is None:
         return []
-    given = [getattr(compile_metrics, "_user_metrics", None), getattr(compile_metrics, "_user_weighted_metrics", None)]
     found = []
-    for metric in keras.tree.flatten([m for m in given if m is not None]):
-        if isinstance(metric, keras.metrics.MeanMetricWrapper) and callable(getattr(metric, "_fn", None)):
-            found.append((metric.name, metric._fn, dict(metric._fn_kwargs)))
+    for metric in keras.tree.flatten(_internals.given_metrics(compile_metrics)):
+        wrapped = _internals.wrapped_function(metric) if isinstance(metric, keras.metrics.MeanMetricWrapper) else None
+        if wrapped is not None:
+            found.append((metric.name, *wrapped))
         elif callable(metric) and not isinstance(metric, keras.metrics.Metric | type):
             found.append((getattr(metric, "__name__", type(metric).__name__), metric, {}))
     return found

@@ -50,6 +50,18 @@ def compile_metrics(model: keras.Model) -> Any:
     return getattr(model, "_compile_metrics", None)
 
 
+def given_metrics(compile_metrics: Any) -> list[Any]:
+    """What the user passed as ``metrics=`` and ``weighted_metrics=``, before Keras built them."""
+    given = [getattr(compile_metrics, "_user_metrics", None), getattr(compile_metrics, "_user_weighted_metrics", None)]
+    return [metrics for metrics in given if metrics is not None]
+
+
+def wrapped_function(metric: keras.metrics.MeanMetricWrapper) -> tuple[Any, dict[str, Any]] | None:
+    """The function a ``MeanMetricWrapper`` averages and its keyword arguments (None: none found)."""
+    function = getattr(metric, "_fn", None)
+    return (function, dict(getattr(metric, "_fn_kwargs", {}))) if callable(function) else None
+
+
 def loss_tracker(model: keras.Model) -> keras.metrics.Metric | None:
     """The ``loss`` mean that ``fit`` logs; a distributed step updates it itself."""
     return model._loss_tracker
