@@ -118,6 +118,32 @@ def test_a_nonfinite_loss_stops_training_naming_epoch_and_step(data, tmp_path):
     assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 2
 
 
+def test_terminate_on_nan_applies_a_nonfinite_short_last_batch_as_model_fit_does(data):
+    # the 3-row last batch of a BatchNormalization model runs whole on every device: that step too is
+    # applied under TerminateOnNaN (the weights go NaN), and training stops after it, as in model.fit
+    x, y, _, _ = data
+    x = x.copy()
+    x[97] = np.inf
+    expected = dense_bn_model()
+    keras_history = expected.fit(
+        x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, callbacks=[keras.callbacks.TerminateOnNaN()], verbose=0
+    )
+    model = dense_bn_model()
+    history = jax_dp.Trainer(2).fit(
+        model,
+        x,
+        y,
+        global_batch_size=GLOBAL_BATCH,
+        epochs=2,
+        shuffle=False,
+        callbacks=[keras.callbacks.TerminateOnNaN()],
+        verbose=0,
+    )
+    assert history.epoch == keras_history.epoch == [0]
+    assert np.isnan(model.get_weights()[0]).all() and np.isnan(expected.get_weights()[0]).all()
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 4
+
+
 def _skip_nan_rows(num_replicas):
     x, y, _, _ = make_data()
     x[60] = np.nan  # in global batch 1, in replica 1's half of it when there are 2

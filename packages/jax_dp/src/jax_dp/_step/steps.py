@@ -233,11 +233,8 @@ def _train_step(
                     model, optimizer, state, batch
                 )
         metrics = update_metrics(state.metrics, increments, loss, batch, y_pred)
-        good = jnp.isfinite(loss) if skip_nonfinite else jnp.isfinite(loss) & (state.counts.skipped == 0)
-        if apply_nonfinite:
-            good = jnp.ones((), dtype=bool)
         new = TrainState(trainable, non_trainable, optimizer_state, metrics, state.counts, accumulated)
-        return step_taken(good, new, state)
+        return step_taken(applied(loss, state), new, state)
 
     def whole_batch_step(model: keras.Model, state: TrainState, batch: WholeBatch) -> TrainState:
         """Keras's own step on a batch every device holds whole: no padding, no split (see
@@ -247,8 +244,14 @@ def _train_step(
         )
         metrics = whole_batch_metric_update(model, state.metrics, increments, loss, batch, y_pred)
         new = TrainState(trainable, non_trainable, optimizer_state, metrics, state.counts, state.accumulated)
-        good = jnp.isfinite(loss) if skip_nonfinite else jnp.isfinite(loss) & (state.counts.skipped == 0)
-        return step_taken(good, new, state)
+        return step_taken(applied(loss, state), new, state)
+
+    def applied(loss: Any, state: TrainState) -> Any:
+        """Whether the step's update is kept: always with ``apply_nonfinite``, else a finite loss (and,
+        unless ``skip_nonfinite``, no step skipped before it)."""
+        if apply_nonfinite:
+            return jnp.ones((), dtype=bool)
+        return jnp.isfinite(loss) if skip_nonfinite else jnp.isfinite(loss) & (state.counts.skipped == 0)
 
     return train_step
 
