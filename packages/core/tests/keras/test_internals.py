@@ -135,6 +135,18 @@ def test_loss_functions_are_swapped_and_put_back_and_keras_masks_read(model):
     assert keras.ops.convert_to_numpy(internals.keras_mask(rows)).tolist() == [True, False]
 
 
+def test_the_metrics_given_to_compile_and_a_wrapped_function_are_read():
+    def half_error(y_true, y_pred, scale=1.0):
+        return scale * keras.ops.mean(keras.ops.abs(y_true - y_pred), axis=-1) / 2
+
+    wrapper = keras.metrics.MeanMetricWrapper(half_error, name="half", scale=3.0)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(loss="mse", metrics=[wrapper, "mae"], weighted_metrics=["mse"])
+    assert internals.given_metrics(internals.compile_metrics(model)) == [[wrapper, "mae"], ["mse"]]
+    assert internals.wrapped_function(wrapper) == (half_error, {"scale": 3.0})
+    assert internals.wrapped_function(keras.metrics.MeanMetricWrapper(None, name="none")) is None
+
+
 def test_every_accessor_is_tested_here():
     source = inspect.getsource(inspect.getmodule(test_hook_marker))
     names = [
