@@ -16,7 +16,8 @@ def _keras_epochs(num_batches, steps_per_epoch, epochs):
     iterator = EpochIterator(x, batch_size=1, steps_per_epoch=steps_per_epoch, shuffle=False)
     seen = []
     for _ in range(epochs):
-        seen.append([int(batch[0][0, 0]) for _, _, batch in iterator])
+        # (step, batch) from Keras 3.10, (first step, last step, batch) in later releases
+        seen.append([int(batch[0][0, 0]) for *_, batch in iterator])
     return seen
 
 
