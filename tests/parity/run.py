@@ -1,13 +1,14 @@
 """Run the parity matrix on one backend, in this (fresh) process; write what each side gave.
 
-    KERAS_BACKEND=torch python tests/parity/run.py --output torch.json [--scenarios NAME ...]
+    KERAS_BACKEND=torch python tests/parity/run.py --output torch.json [--scenarios NAME ...] [--claims DIR]
 
 Per scenario: plain Keras on one device, then ``<backend>_dp.Trainer(num_replicas=2)``; with a
 rounding baseline, when the two differ beyond the scenario's tolerance, plain Keras once more on
 inputs times 1 +- ``results.NUDGE`` (``nudged``). A
 side that raises is recorded (type, message, traceback) and the next scenario runs; the
 file is rewritten after every scenario, so a run cut short still reports what it did. One
-Trainer serves the scenarios in turn (a Trainer is a session) until one of them fails.
+Trainer serves the scenarios in turn (a Trainer is a session) until one of them fails. With
+``--claims``, several runs share the scenarios: each takes the next one no other run has claimed.
 """
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--output", type=Path, required=True)
     parser.add_argument("--scenarios", nargs="*", help="these only (none: only the signatures); default all")
+    parser.add_argument("--claims", type=Path, help="a folder shared with other runs: each scenario runs in one")
     args = parser.parse_args()
     backend = keras.backend.backend()
     package = importlib.import_module(f"{backend}_dp")
@@ -124,6 +126,8 @@ def main() -> None:
     wanted = set(args.scenarios) if args.scenarios is not None else {s.name for s in SCENARIOS}
     selected = [s for s in SCENARIOS if backend in s.backends and s.name in wanted]
     for scenario in selected:
+        if args.claims is not None and not _claimed(args.claims / scenario.name):
+            continue
         refused = backend in scenario.errors
         entry = {} if refused else {"keras": attempt(scenario, KerasRunner())}
         try:
@@ -141,6 +145,15 @@ def main() -> None:
         print(f"{backend}: {scenario.name}: {outcome} ({seconds:.1f} s)", flush=True)
     trainers.discard()
     _write(args.output, report)
+
+
+def _claimed(path: Path) -> bool:
+    """Whether this run is the first to claim ``path`` (created exclusively, so one run wins)."""
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 def _beyond_tolerance(scenario: Scenario, entry: dict[str, Any]) -> bool:

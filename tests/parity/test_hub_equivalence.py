@@ -4,13 +4,15 @@ on each backend (in a fresh process each, its own KERAS_BACKEND, both at once)."
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from parity.processes import backend_env
 
 SCRIPT = Path(__file__).with_name("hub_equivalence.py")
 BACKENDS = ("torch", "jax")
@@ -22,7 +24,7 @@ def verdicts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     directory = tmp_path_factory.mktemp("hub_equivalence")
     started = {}
     for backend in BACKENDS:
-        env = dict(os.environ, KERAS_BACKEND=backend, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+        env = backend_env(backend, directory.parent / "xla-cache")
         with (directory / f"{backend}.log").open("wb") as log:  # a file: a full pipe would block the process
             started[backend] = subprocess.Popen([sys.executable, str(SCRIPT)], stdout=log, stderr=log, env=env)
     found = {}

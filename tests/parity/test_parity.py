@@ -22,37 +22,55 @@ import keras
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from parity.processes import backend_env
 from parity.results import differences, rounding_differences
 from parity.scenarios import BACKENDS, BY_NAME, CROSS_BACKEND, FP32, SCENARIOS
 
 RUNNER = Path(__file__).with_name("run.py")
 TIMEOUT = 3600  # a whole backend; each side of a scenario has its own limit in run.py
-# PARITY_RESULTS=<folder> compares the <backend>.json that run.py wrote there before.
+# jax's scenarios, most of them compiles, take three times torch's: two processes share them
+PROCESSES = {"torch": 1, "jax": 2}
+# PARITY_RESULTS=<folder> compares the <backend>-<i>.json that run.py wrote there before.
 REUSE = os.environ.get("PARITY_RESULTS")
 
 
-def _start(backend: str, scenarios: list[str], directory: Path) -> subprocess.Popen[bytes]:
-    """One backend's matrix in a fresh process; its output goes to a file (a pipe could fill and block it)."""
-    env = dict(os.environ, KERAS_BACKEND=backend, XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    command = [sys.executable, str(RUNNER), "--output", str(directory / f"{backend}.json"), "--scenarios", *scenarios]
-    with (directory / f"{backend}.log").open("wb") as log:
-        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+def _start(backend: str, scenarios: list[str], directory: Path) -> list[subprocess.Popen[bytes]]:
+    """One backend's matrix in fresh processes (``PROCESSES``), which share its scenarios; each
+    process's output goes to a file (a pipe could fill and block it)."""
+    started, claims = [], directory / f"{backend}-claims"
+    claims.mkdir()
+    for index in range(PROCESSES[backend]):
+        name = f"{backend}-{index}"
+        command = [sys.executable, str(RUNNER), "--output", str(directory / f"{name}.json"), "--scenarios", *scenarios]
+        command += ["--claims", str(claims)]
+        with (directory / f"{name}.log").open("wb") as log:
+            env = backend_env(backend, directory.parent / "xla-cache")
+            started.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env))
+    return started
 
 
-def _finish(backend: str, process: subprocess.Popen[bytes], directory: Path) -> dict[str, Any]:
-    try:
-        ended = f"exit status {process.wait(timeout=TIMEOUT)}"
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-        ended = f"stopped after {TIMEOUT} s"
-    ended += "\n" + (directory / f"{backend}.log").read_text(errors="replace")[-3000:]
-    output = directory / f"{backend}.json"
-    if not output.exists():
+def _finish(backend: str, processes: list[subprocess.Popen[bytes]], directory: Path) -> dict[str, Any]:
+    """Once its processes end, the backend's report: what they wrote, in the matrix's order."""
+    ended = []
+    for index, process in enumerate(processes):
+        try:
+            status = f"exit status {process.wait(timeout=TIMEOUT)}"
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            status = f"stopped after {TIMEOUT} s"
+        log = (directory / f"{backend}-{index}.log").read_text(errors="replace")[-3000:]
+        ended.append(f"{backend}-{index}: {status}\n{log}")
+    return _report(backend, directory, "\n".join(ended) or f"read from {directory}")
+
+
+def _report(backend: str, directory: Path, ended: str) -> dict[str, Any]:
+    reports = [json.loads(path.read_text()) for path in sorted(directory.glob(f"{backend}-*.json"))]
+    if not reports:
         pytest.fail(f"{backend}: the matrix wrote no results ({ended})")
-    report = json.loads(output.read_text())
-    report["ended"] = ended
-    return report
+    found = {name: entry for report in reports for name, entry in report["scenarios"].items()}
+    ordered = {s.name: found[s.name] for s in SCENARIOS if s.name in found}
+    return {**reports[0], "scenarios": ordered, "ended": ended}
 
 
 def _selected(session: pytest.Session, backend: str) -> list[str]:
@@ -86,8 +104,7 @@ def matrix(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         if not reports:
             if REUSE:
                 for name in BACKENDS:
-                    read = json.loads((Path(REUSE) / f"{name}.json").read_text())
-                    reports[name] = {**read, "ended": f"read from {REUSE}"}
+                    reports[name] = _report(name, Path(REUSE), f"read from {REUSE}")
                 return reports[backend]
             directory = tmp_path_factory.mktemp("parity")
             needed = [name for name in BACKENDS if _needs(request.session, name)]
