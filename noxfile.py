@@ -33,6 +33,10 @@ nox.options.sessions = [
     "notebooks",
 ]
 nox.options.reuse_existing_virtualenvs = True
+# pip byte-compiles every file it installs (torch alone has thousands), half of an install's time;
+# Python compiles a module when it is first imported, and only those are.
+os.environ.setdefault("PIP_COMPILE", "0")  # what --no-compile sets (PIP_NO_COMPILE=1 would turn it on)
+os.environ.setdefault("PIP_DISABLE_PIP_VERSION_CHECK", "1")
 
 PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
 
@@ -214,7 +218,8 @@ def tests_jax(session: nox.Session) -> None:
 
     3.11 gets the jax the oldest interpreter gets, which conformance, parity and the notebooks also
     run; 3.13 the newest jax. With arguments (``-s tests_jax-3.13 -- -x``) the whole suite runs."""
-    session.install("-e", CORE, "-e", JAX_DP, REPORT, *TEST_TOOLS)
+    # filelock: the lock of the XLA compile cache the suite shares among its processes (conftest.py)
+    session.install("-e", CORE, "-e", JAX_DP, REPORT, "filelock", *TEST_TOOLS)
     _jax_env(session)
     selection = [] if session.posargs else ["-m", JAX_SPLIT[str(session.python)]]
     session.run("pytest", "packages/jax_dp/tests", *selection, *session.posargs)

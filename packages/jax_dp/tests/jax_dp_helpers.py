@@ -81,6 +81,9 @@ def start_workers(
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
     }
+    # without the suite's compile cache (conftest.py): a multi-process job's programs are its own,
+    # so its workers would only write entries, none read
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
     workers, log_paths = [], []
     for process_id, process_arguments in enumerate(arguments):
         log_paths.append(log_dir / f"worker{process_id}.log")
