@@ -34,7 +34,10 @@ def gpt2_causal_lm_token_weights(run: Runner) -> Any:
     return outcome(run, history, x, y, sample_weight=weights)
 
 
-@scenario("model.vit")
+# On torch, plain model.fit of this ViT moves from one run to the next by up to 4e-6 in its
+# smallest weights (CPU kernels' threaded sums), against an fp32 atol of 5e-6: judged against
+# what rounding moves, as the deep BatchNormalization models are.
+@scenario("model.vit", rounding_baseline=True)
 def vit_image_classifier(run: Runner) -> Any:
     """keras-hub `ViTBackbone` (8x8 RGB images, 4x4 patches, 2 layers) + a Dense head on the mean token."""
     x, y = hub_models.small_images("vit_image_classifier")

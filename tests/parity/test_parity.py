@@ -1,7 +1,7 @@
 """The Keras parity matrix: ``Trainer(num_replicas=2)`` on torch and on jax against ``model.fit``.
 
-Each backend runs every scenario in one fresh subprocess (``run.py``, its own KERAS_BACKEND):
-plain Keras on one device, then the backend's Trainer. One test per (scenario, backend) says
+Each backend runs every scenario in fresh subprocesses (``run.py``, its own KERAS_BACKEND; jax's
+two share its scenarios): plain Keras on one device, then the backend's Trainer. One test per (scenario, backend) says
 whether the Trainer gave what Keras gave; a failure names the scenario and the first places
 that differ, or what the Trainer raised. A scenario with ``rounding_baseline`` is judged
 against Keras's own run on nudged inputs (``results.rounding_differences``).
