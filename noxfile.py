@@ -290,7 +290,7 @@ def parity(session: nox.Session) -> None:
 
     Every scenario runs under plain Keras and under each backend's Trainer(num_replicas=2), compared
     on weights, History, evaluate and predict, and docs/keras-compatibility.md is checked against the
-    scenarios (about 10 minutes on 2 cores; ``-- -k torch`` for one backend, ``-- -k class_weight`` for
+    scenarios (about 9 minutes on 2 cores; ``-- -k torch`` for one backend, ``-- -k class_weight`` for
     one scenario)."""
     pinned = f"keras{_keras_range()}"
     _install_everything(session, pinned, "pandas", *TEST_TOOLS)  # pandas: a DataFrame is an input kind
