@@ -18,21 +18,33 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+# Longest first: bare ``nox`` runs two sessions at a time (below), and the long ones set its end.
 nox.options.sessions = [
-    "tests_core",
-    "tests_core_keras",
     "tests_torch",
-    "tests_jax",
-    "conformance(keras='oldest')",
-    "conformance(keras='newest')",  # keras='nightly' runs on request
     "parity",
+    "tests_jax-3.13",
+    "tests_jax-3.11",
+    "conformance(keras='newest')",  # keras='nightly' runs on request
+    "conformance(keras='oldest')",
     "ray",
-    "lint",
-    "typecheck",
-    "build",
     "notebooks",
+    "typecheck",
+    "tests_core_keras",
+    "tests_core",
+    "build",
+    "lint",
 ]
 nox.options.reuse_existing_virtualenvs = True
+nox.needs_version = ">=2026.10"  # the first with --parallel
+# Bare ``nox`` keeps both cores busy: most sessions are half waits (installs, replicas starting, a
+# collective's timeout), so two at a time take about a third off the wall clock. Two, not one per
+# core: two virtualenvs on disk at once. A session named on the command line runs alone, its output
+# live (nox buffers a parallel session's output until it ends).
+_NAMED = {"-s", "--session", "--sessions", "-e", "-k", "--keywords", "-t", "--tags", "-p", "--python"}
+_ARGS = sys.argv[1 : sys.argv.index("--")] if "--" in sys.argv else sys.argv[1:]  # before a session's own
+if not any(arg.split("=")[0] in _NAMED for arg in _ARGS):
+    nox.options.parallel = 2
+nox.options.allow_parallel = True  # but the sessions that measure time run alone (allow_parallel=False)
 # pip byte-compiles every file it installs (torch alone has thousands), half of an install's time.
 # Instead Python compiles a module when it is first imported, into the session's virtualenv, and
 # only those: so it must be let write them (an import of torch and keras from source takes 16 s).
@@ -336,14 +348,14 @@ def notebooks(session: nox.Session) -> None:
     session.run("python", "examples/run_notebooks.py", "--timeout", "300", *notebooks)
 
 
-@session(python="3.11")
+@session(python="3.11", allow_parallel=False)
 def demo(session: nox.Session) -> None:
     """The main job: a convnet on scikit-learn's digits, N replicas vs 1 (``-- --backend jax --replicas 4``)."""
     _install_everything(session, "scikit-learn>=1.3", "matplotlib>=3.8")
     session.run("python", "examples/demo.py", *session.posargs)
 
 
-@session(python="3.11")
+@session(python="3.11", allow_parallel=False)
 def bench(session: nox.Session) -> None:
     """Throughput, weak scaling, start-up and memory against what a user would otherwise write.
 
@@ -373,7 +385,7 @@ def bench(session: nox.Session) -> None:
         session.run("python", "benchmarks/readme_numbers.py", "--results", results)
 
 
-@session(python="3.11")
+@session(python="3.11", allow_parallel=False)
 def bench_features(session: nox.Session) -> None:
     """The benchmarks of what goes beyond a data-parallel ``fit``, each into its section of docs/benchmarks.md.
 
@@ -401,7 +413,7 @@ def _fault_tests() -> dict[str, tuple[str, list[str]]]:
     return {group: (matrix.GROUPS[group][1], ids) for group, ids in matrix.node_ids_by_group().items() if ids}
 
 
-@session(python="3.11")
+@session(python="3.11", allow_parallel=False)
 def reliability(session: nox.Session) -> None:
     """The fault matrix: every test tests/reliability/matrix.py names, then docs/reliability.md from them.
 
@@ -424,7 +436,7 @@ def reliability(session: nox.Session) -> None:
     session.run(*report, "--results", results, "--output", "docs/reliability.md")
 
 
-@session(python="3.11", default=False)
+@session(python="3.11", default=False, allow_parallel=False)
 def gpu(session: nox.Session) -> None:
     """Only on a machine with NVIDIA GPUs: torch-dp and jax-dp against ``model.fit`` on the GPUs.
 
