@@ -22,7 +22,9 @@ def _sessions():
             named = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", None)
             if named == "session":
                 keywords = {
-                    k.arg: ast.literal_eval(k.value) for k in (call.keywords if call else []) if k.arg == "default"
+                    k.arg: ast.literal_eval(k.value)
+                    for k in (call.keywords if call else [])
+                    if k.arg in {"default", "allow_parallel"}
                 }
                 found[node.name] = (ast.get_docstring(node) or "", keywords)
     return found
@@ -51,7 +53,7 @@ def test_each_session_description_nox_lists_is_a_whole_sentence():
 
 def test_quick_is_on_request_and_its_tests_are_a_part_of_the_default_sessions():
     sessions = _sessions()
-    assert sessions["quick"][1] == {"default": False}
+    assert sessions["quick"][1]["default"] is False
     defaults = _default_sessions()
     assert "quick" not in defaults and {"tests_core", "tests_torch"} <= set(defaults)
     source = ast.get_source_segment((ROOT / "noxfile.py").read_text(), _function("quick"))
@@ -84,3 +86,11 @@ def test_every_session_removes_its_virtualenv_under_ci():
     assert len(_sessions()) >= 15
     wrapper = ast.get_source_segment(source, _function("session"))
     assert "_in_ci()" in wrapper and "finally:" in wrapper and "_remove_virtualenv(session)" in wrapper
+
+
+def test_bare_nox_runs_two_sessions_at_a_time_but_a_session_that_measures_time_runs_alone():
+    source = (ROOT / "noxfile.py").read_text()
+    assert "nox.options.parallel = 2" in source and "nox.options.allow_parallel = True" in source
+    alone = {name for name, (_, keywords) in _sessions().items() if keywords.get("allow_parallel") is False}
+    assert alone == {"demo", "bench", "bench_features", "reliability", "gpu"}
+    assert set(_default_sessions()).isdisjoint(alone)
