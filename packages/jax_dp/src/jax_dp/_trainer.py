@@ -43,7 +43,7 @@ from jax_dp._loop.epochs import CustomSteps, EpochTrainer, KerasSteps, epochs_of
 from jax_dp._loop.evaluate import custom_predict_loop, evaluator, predict_loop
 from jax_dp._loop.fit import fit_loop
 from jax_dp._loop.preemption import PreemptionNotice
-from jax_dp._mesh.layout import Layout, place
+from jax_dp._mesh.layout import Layout, ShardMode, check_shard_mode, place
 from jax_dp._mesh.mesh import check_mesh, make_mesh, num_replicas_of, replica_layout
 from jax_dp._processes.group import ends_the_run_on_failure
 from jax_dp._step.accumulation import check_accumulate_steps
@@ -68,6 +68,16 @@ class Trainer:
     with each row of the mesh one replica (``_mesh.layout``). ``optimizer=`` an optax
     ``GradientTransformation`` replaces the model's compiled optimizer.
     ``batch_norm="per_replica"`` normalizes each replica's rows on their own.
+
+    ``shard=`` splits the training state over the replicas (the mesh's ``"batch"`` axis) to save
+    device memory, with the same results: ``"optimizer"`` (ZeRO-1) the optimizer state of every
+    variable of at least ``2**14`` elements (its Keras slots: moments, momentum, EMA copies,
+    gradient accumulators; or an optax state's per-parameter leaves), ``"gradients"`` (ZeRO-2) the
+    gradients too (reduce-scattered, not all-reduced), ``"full"`` (ZeRO-3, FSDP) the weights too,
+    gathered by XLA where the computation needs them. Each such variable is split along its
+    largest dimension that divides by the replicas and that ``layout=`` leaves whole; smaller
+    ones stay replicated (``_mesh.layout``). Checkpoints hold the whole state in any mode and
+    resume in any other. A model's own ``train_step``/``test_step`` needs ``shard=None``.
     ``on_nonfinite_loss="stop"`` raises ``NonFiniteLossError`` naming the first step whose
     loss is NaN or infinite, leaving the model as it was before that step; ``"skip"``
     leaves such steps out (with a warning) and trains on. With a ``keras.callbacks.TerminateOnNaN``
@@ -106,8 +116,10 @@ class Trainer:
         batch_norm: BatchNormMode = "global",
         on_nonfinite_loss: NonFiniteLoss = "stop",
         profile: bool | str | os.PathLike[str] = False,
+        shard: ShardMode = None,
     ) -> None:
         require_backend("jax", PACKAGE)
+        self.shard: ShardMode = check_shard_mode(shard)
         self.on_nonfinite_loss: NonFiniteLoss = check_nonfinite_mode(on_nonfinite_loss)
         check_batch_norm_mode(batch_norm)
         self.mesh = make_mesh(num_replicas) if mesh is None else check_mesh(mesh)
@@ -219,7 +231,7 @@ class Trainer:
             KerasOptimizer(model) if self._optax is None else OptaxOptimizer(self._optax, accumulate_steps=steps)
         )
         build_model(model, inputs)
-        place(model, self.mesh, self.variable_layout)
+        place(model, self.mesh, self.variable_layout, self.shard)
         with optimizer.learning_rate_policy(
             global_batch_size=global_batch_size, lr_scaling=lr_scaling, warmup_steps=warmup_steps
         ) as policy:
@@ -286,7 +298,7 @@ class Trainer:
             **self._call_checks,
         )
         build_model(model, inputs)
-        place(model, self.mesh, self.variable_layout)
+        place(model, self.mesh, self.variable_layout, self.shard)
         plan = epoch_plan(inputs, layout=self.layout, global_batch_size=global_batch_size)
         hooks = callback_list(
             callbacks, model, is_primary=is_primary(), verbose=verbose, steps=plan.steps, history=False
@@ -321,7 +333,7 @@ class Trainer:
             **self._call_checks,
         )
         build_model(model, inputs, for_predict=True)
-        place(model, self.mesh, self.variable_layout)
+        place(model, self.mesh, self.variable_layout, self.shard)
         plan = epoch_plan(inputs, layout=self.layout, global_batch_size=global_batch_size)
         hooks = callback_list(
             callbacks, model, is_primary=is_primary(), verbose=verbose, steps=plan.steps, history=False
@@ -351,6 +363,11 @@ class Trainer:
             raise ValueError(
                 f"The model overrides {', '.join(step_names)}, which runs with its state replicated; layout= needs "
                 "Keras's own steps. Drop layout= (a 2-D mesh without it replicates every variable), or the override."
+            )
+        if self.shard is not None:
+            raise ValueError(
+                f"The model overrides {', '.join(step_names)}, which runs with its state replicated; "
+                f"shard={self.shard!r} needs Keras's own steps. Use shard=None with this model, or drop the override."
             )
         check_custom_steps(
             model, step_names, compiled=compiled, optax=self._optax is not None, batch_norm=self.batch_norm
@@ -384,4 +401,5 @@ class Trainer:
             batch_norm=self.batch_norm,
             skip_nonfinite=self.on_nonfinite_loss == "skip",
             apply_nonfinite=apply_nonfinite,
+            shard=self.shard,
         )

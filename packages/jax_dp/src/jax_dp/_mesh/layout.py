@@ -14,6 +14,16 @@ XLA's SPMD partitioner adds the collectives over ``"model"``. ``place`` checks a
 rules against the mesh before anything runs and records them for the model, so every
 placement of its state during the call (``weight_shardings``, ``optimizer_shardings``)
 follows them.
+
+Sharded state (``Trainer(shard=...)``, ZeRO-1/2/3): ``"optimizer"`` and ``"gradients"`` split each
+optimizer slot of a large trainable variable over ``"batch"`` as well, ``"full"`` its weight too
+(the slots following it). The split is derived, not written: a variable of at least
+``SHARD_MIN_ELEMENTS`` elements gets ``"batch"`` on its largest dimension that its layout leaves
+whole and that divides by the ``"batch"`` size (``sharded_spec``); a smaller one, or one with no
+such dimension, keeps its layout's spec. So a layout rule's ``"model"`` split stays and ``"batch"``
+joins it on another dimension. Each device then holds ``1/N`` of the split arrays, and XLA's SPMD
+partitioner updates each slot on its part and gathers what a computation needs whole. The
+values are those of the unsplit program: where an array lies never changes what is computed.
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ import math
 import re
 import weakref
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import keras
@@ -30,7 +40,27 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_dp._mesh.mesh import BATCH_AXIS
+
 Spec = tuple[Any, ...]
+ShardMode = Literal["optimizer", "gradients", "full"] | None
+SHARD_MODES: tuple[ShardMode, ...] = (None, "optimizer", "gradients", "full")
+
+SHARD_MIN_ELEMENTS = 2**14
+"""The smallest variable (in elements: 64 KiB of float32) whose state ``shard=`` splits over
+``"batch"``. Below it, a split saves less memory than the gather it costs in latency: biases,
+BatchNormalization's vectors and small kernels stay replicated."""
+
+
+def check_shard_mode(shard: Any) -> ShardMode:
+    """``shard`` if it is one of ``SHARD_MODES``, else a ``ValueError`` naming them."""
+    if shard is not None and (not isinstance(shard, str) or shard not in SHARD_MODES):
+        raise ValueError(
+            f"shard must be one of {SHARD_MODES}, got {shard!r}: None replicates the state, 'optimizer' splits "
+            "the optimizer state over the replicas (ZeRO-1), 'gradients' the gradients too (ZeRO-2), 'full' the "
+            "weights too (ZeRO-3, FSDP)."
+        )
+    return shard
 
 
 class Layout:
@@ -113,35 +143,102 @@ class Placement(NamedTuple):
     non_trainable: list[NamedSharding]
 
 
-# The layout each model was last placed with (by the trainer call that runs it), and the
-# Keras optimizer each model steps with, so the optimizer's slots follow the model's layout.
-_PLACED: weakref.WeakKeyDictionary[keras.Model, tuple[Mesh, Layout]] = weakref.WeakKeyDictionary()
+class Placed(NamedTuple):
+    """How a trainer call placed a model's state: its mesh, layout and shard mode."""
+
+    mesh: Mesh
+    layout: Layout
+    shard: ShardMode
+
+
+# How each model was last placed (by the trainer call that runs it), and the Keras optimizer
+# each model steps with, so the optimizer's slots follow the model's layout and shard mode.
+_PLACED: weakref.WeakKeyDictionary[keras.Model, Placed] = weakref.WeakKeyDictionary()
 _OPTIMIZER_OF: weakref.WeakKeyDictionary[Any, weakref.ref[keras.Model]] = weakref.WeakKeyDictionary()
 
 
-def place(model: keras.Model, mesh: Mesh, layout: Layout) -> None:
+def place(model: keras.Model, mesh: Mesh, layout: Layout, shard: ShardMode = None) -> None:
     """Check ``layout`` against ``model``'s variables on ``mesh`` (a clear error for a rule that does
-    not fit) and record it: the model's state is placed by it until the next call places it again."""
+    not fit) and record it with ``shard``: the model's state is placed by them until the next call
+    places it again."""
     for variable in [*model.trainable_variables, *model.non_trainable_variables]:
         _checked_sharding(variable, layout, mesh)
-    _PLACED[model] = (mesh, layout)
+    _PLACED[model] = Placed(mesh, layout, shard)
     if getattr(model, "optimizer", None) is not None:
         _OPTIMIZER_OF[model.optimizer] = weakref.ref(model)
 
 
+def placed_as(model: keras.Model, mesh: Mesh) -> Placed:
+    """How ``model`` was placed on ``mesh`` (never: replicated, unsharded)."""
+    placed = _PLACED.get(model)
+    return placed if placed is not None and placed.mesh == mesh else Placed(mesh, Layout(), None)
+
+
 def layout_of(model: keras.Model, mesh: Mesh) -> Layout:
     """The layout ``model`` was placed with on ``mesh`` (none: replicated)."""
-    placed = _PLACED.get(model)
-    return placed[1] if placed is not None and placed[0] == mesh else Layout()
+    return placed_as(model, mesh).layout
+
+
+def shard_mode_of(model: keras.Model, mesh: Mesh) -> ShardMode:
+    """The shard mode ``model`` was placed with on ``mesh`` (None: state replicated over ``"batch"``)."""
+    return placed_as(model, mesh).shard
 
 
 def weight_shardings(model: keras.Model, mesh: Mesh) -> Placement:
-    """Where each of the model's variables lies on ``mesh``."""
-    layout = layout_of(model, mesh)
+    """Where each of the model's variables lies on ``mesh``: as its layout says, and with
+    ``shard="full"`` a large trainable one split over ``"batch"`` too."""
+    _, layout, shard = placed_as(model, mesh)
+    trainable = [_checked_sharding(v, layout, mesh) for v in model.trainable_variables]
+    if shard == "full":
+        pairs = zip(model.trainable_variables, trainable, strict=True)
+        trainable = [_split_over_batch(s, tuple(v.shape)) for v, s in pairs]
     return Placement(
-        trainable=[_checked_sharding(v, layout, mesh) for v in model.trainable_variables],
+        trainable=trainable,
         non_trainable=[_checked_sharding(v, layout, mesh) for v in model.non_trainable_variables],
     )
+
+
+def slot_shardings(model: keras.Model, mesh: Mesh) -> list[NamedSharding]:
+    """Where the optimizer state of each trainable variable lies: like the variable, and in any
+    shard mode split over ``"batch"`` when large (``sharded_spec``)."""
+    weights = weight_shardings(model, mesh).trainable
+    if shard_mode_of(model, mesh) is None:
+        return weights
+    return [_split_over_batch(s, tuple(v.shape)) for v, s in zip(model.trainable_variables, weights, strict=True)]
+
+
+def gradient_shardings(model: keras.Model, mesh: Mesh) -> list[NamedSharding] | None:
+    """Where the train step puts the global gradients before the optimizer update: with
+    ``shard="gradients"`` or ``"full"`` like the slots, so XLA reduce-scatters them rather than
+    all-reducing; None (XLA's choice: all-reduced, replicated) otherwise."""
+    if shard_mode_of(model, mesh) not in ("gradients", "full"):
+        return None
+    return slot_shardings(model, mesh)
+
+
+def sharded_spec(spec: Spec, shape: tuple[int, ...], batch_size: int) -> Spec:
+    """``spec`` with ``"batch"`` on the largest dimension it leaves whole that divides by
+    ``batch_size``, for a variable of at least ``SHARD_MIN_ELEMENTS`` elements; else ``spec``.
+
+    >>> sharded_spec((), (64, 512), 4)  # doctest: +SKIP  (with SHARD_MIN_ELEMENTS at 2**14)
+    (None, 'batch')
+    >>> sharded_spec((None, "model"), (512, 64), 4)  # doctest: +SKIP
+    ('batch', 'model')
+    """
+    if batch_size == 1 or math.prod(shape) < SHARD_MIN_ELEMENTS or BATCH_AXIS in _axes_of(spec):
+        return spec
+    full = tuple(spec) + (None,) * (len(shape) - len(spec))
+    whole = [d for d, entry in enumerate(full) if entry is None and shape[d] % batch_size == 0]
+    if not whole:
+        return spec
+    largest = max(whole, key=lambda d: (shape[d], -d))  # the first of equally large ones
+    return (*full[:largest], BATCH_AXIS, *full[largest + 1 :])
+
+
+def _split_over_batch(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
+    mesh = sharding.mesh
+    spec = sharded_spec(tuple(sharding.spec), shape, int(mesh.shape[BATCH_AXIS]))
+    return NamedSharding(mesh, P(*spec))
 
 
 def _checked_sharding(variable: Any, layout: Layout, mesh: Mesh) -> NamedSharding:
@@ -175,15 +272,15 @@ def optimizer_shardings(optimizer: keras.optimizers.Optimizer, mesh: Mesh) -> li
     for, the rest (iterations, learning rate, loss scale) replicated.
 
     Keras names a slot ``{variable.path with '/' as '_'}_{slot}`` with the variable's shape
-    (``add_variable_from_reference``); the longest such variable path wins."""
+    (``add_variable_from_reference``); the longest such variable path wins. Slots are Adam's
+    moments, momentum, EMA copies and the gradient accumulators alike."""
     replicated = NamedSharding(mesh, P())
     model_ref = _OPTIMIZER_OF.get(optimizer)
     model = None if model_ref is None else model_ref()
-    if model is None or not layout_of(model, mesh):
+    if model is None or (not layout_of(model, mesh) and shard_mode_of(model, mesh) is None):
         return [replicated] * len(optimizer.variables)
-    placement = weight_shardings(model, mesh)
     owners = sorted(
-        zip(model.trainable_variables, placement.trainable, strict=True),
+        zip(model.trainable_variables, slot_shardings(model, mesh), strict=True),
         key=lambda pair: -len(pair[0].path),
     )
     shardings = []
@@ -200,8 +297,9 @@ def optimizer_shardings(optimizer: keras.optimizers.Optimizer, mesh: Mesh) -> li
 
 
 def optax_state_shardings(transformation: optax.GradientTransformation, params: list[Any], mesh: Mesh) -> Any:
-    """Where each leaf of ``transformation``'s state over ``params`` (arrays or ``ShapeDtypeStruct``
-    with shardings) lies: a per-parameter leaf like its parameter, the rest replicated."""
+    """Where each leaf of ``transformation``'s state over ``params`` (``ShapeDtypeStruct`` with the
+    slots' shardings, ``abstract_slots``) lies: a per-parameter leaf like its parameter's slots, the
+    rest replicated."""
     shapes = jax.eval_shape(transformation.init, params)
     return optax.tree_map_params(
         transformation,
@@ -212,9 +310,10 @@ def optax_state_shardings(transformation: optax.GradientTransformation, params: 
     )
 
 
-def abstract_trainable(model: keras.Model, mesh: Mesh) -> list[jax.ShapeDtypeStruct]:
-    """The model's trainable variables as the shapes, dtypes and shardings the steps see."""
-    shardings = weight_shardings(model, mesh).trainable
+def abstract_slots(model: keras.Model, mesh: Mesh) -> list[jax.ShapeDtypeStruct]:
+    """The model's trainable variables as the shapes and dtypes of their optimizer state, with
+    its shardings (``slot_shardings``)."""
+    shardings = slot_shardings(model, mesh)
     return [
         jax.ShapeDtypeStruct(tuple(v.shape), v.dtype, sharding=s)
         for v, s in zip(model.trainable_variables, shardings, strict=True)

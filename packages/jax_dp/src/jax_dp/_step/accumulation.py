@@ -21,6 +21,16 @@ instead, all-reduced each micro-step, into the same partial sums: the same resul
 saving. A layer of the model's own that pools over the batch axis (other than BatchNormalization)
 sees only its replica's rows here.
 
+Sharded state (``Trainer(shard=...)``): the partial sums stay whole on each replica, because
+replica ``r``'s partial sum is the gradient of its own rows, a different value on every replica:
+splitting it over ``"batch"`` would take a reduce-scatter at every micro-step, the very collective
+this step saves, while ``k`` reduce-scatters move ``k/2`` times the bytes of the one all-reduce. So
+they cost one gradient's memory per device in every mode, and with ``shard="full"`` each replica
+gathers its whole copy of the weights for its forward pass (as the unaccumulated step gathers
+them too). What shards is the rest: the optimizer's slots (and its own accumulators, zero
+here) lie split, and with ``"gradients"``/``"full"`` the window's sum is constrained to their
+split, so its one all-reduce becomes a reduce-scatter. The sums are the same numbers as unsharded.
+
 Between epochs, in the caller's model and in checkpoints, the optimizer state is what one
 device holds (its accumulators hold the window's sum so far): ``split`` moves that sum into
 replica 0's partial sum when an epoch starts, ``merged`` sums the partial sums back.
@@ -38,7 +48,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dp_core.keras import internals
-from jax_dp._mesh.layout import weight_shardings
+from jax_dp._mesh.layout import gradient_shardings, weight_shardings
 from jax_dp._mesh.mesh import BATCH_AXIS, batch_sharded, num_replicas_of
 from jax_dp._step.optimizers import Optimizer
 
@@ -79,7 +89,23 @@ def accumulated_shardings(model: keras.Model, optimizer: Optimizer, mesh: Mesh) 
     leading replica axis, and like its variable on the rest (a pytree prefix)."""
     if not accumulates(optimizer):
         return batch_sharded(mesh)  # the field is empty
-    return [NamedSharding(mesh, P(BATCH_AXIS, *s.spec)) for s in weight_shardings(model, mesh).trainable]
+    weights = weight_shardings(model, mesh).trainable
+    return [NamedSharding(mesh, P(BATCH_AXIS, *_whole_over_batch(s.spec))) for s in weights]
+
+
+def _whole_over_batch(spec: Any) -> tuple[Any, ...]:
+    """A variable's spec without ``"batch"`` (``shard="full"`` puts it there): a replica's partial
+    sum lies whole on that replica's devices."""
+
+    def kept(entry: Any) -> Any:
+        if entry == BATCH_AXIS:
+            return None
+        if isinstance(entry, tuple):
+            rest = tuple(axis for axis in entry if axis != BATCH_AXIS)
+            return rest or None
+        return entry
+
+    return tuple(kept(entry) for entry in spec)
 
 
 def accumulated_update(
@@ -127,7 +153,10 @@ def accumulated_update(
         for held, g, s, sharding in zip(state.accumulated, grads, shared, shardings, strict=True)
     ]
     ends_window = optimizer.window_position(state.optimizer) == optimizer.accumulation_steps - 1
-    window_sum = jax.lax.cond(ends_window, _summed, _zeros, partial)
+    placed = gradient_shardings(model, mesh)  # with shard="gradients"/"full": a reduce-scatter
+    window_sum = jax.lax.cond(
+        ends_window, lambda p: _placed(_summed(p), placed), lambda p: _placed(_zeros(p), placed), partial
+    )
     trainable, optimizer_state = optimizer.apply(state.optimizer, window_sum, state.trainable)
     partial = [jnp.where(ends_window, jnp.zeros_like(p), p) for p in partial]
     return aux, (trainable, optimizer_state, partial)
@@ -139,6 +168,12 @@ def _summed(partial: list[Any]) -> list[Any]:
 
 def _zeros(partial: list[Any]) -> list[Any]:
     return [jnp.zeros(p.shape[1:], p.dtype) for p in partial]
+
+
+def _placed(sums: list[Any], shardings: list[NamedSharding] | None) -> list[Any]:
+    if shardings is None:
+        return sums
+    return [jax.lax.with_sharding_constraint(s, sharding) for s, sharding in zip(sums, shardings, strict=True)]
 
 
 def _replica_forward(model: keras.Model, copies: list[Any], mask: Any, mesh: Mesh) -> Forward:

@@ -8,6 +8,10 @@ the first batch of the fit: each device's gradient on its own rows (``shard_map`
 the all-reduce of those gradients alone (``psum``), and the optimizer update alone. Their times
 split the measured step in proportion, and the report labels those three phases "estimated from
 separately timed parts". A timed ``psum`` of a few MB gives the link's bandwidth.
+
+Those pieces assume replicated state: on a model-parallel mesh or with ``shard=`` set the step is
+reported whole, and the printed line names the shard mode (dp-core's report has no field for a
+trainer's options, so the JSON does not).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from dp_core.keras import internals
 from jax_dp._comm.hosts import is_primary
 from jax_dp._data.batches import Batch
 from jax_dp._data.padding import padding_aware
+from jax_dp._mesh.layout import shard_mode_of
 from jax_dp._mesh.mesh import BATCH_AXIS
 from jax_dp._step.compile_cache import held_weakly
 from jax_dp._step.optimizers import Optimizer
@@ -189,7 +194,8 @@ def finish_report(
     phases = {name: Phase(laps[name]) for name in ("input", "callbacks")}
     state = train_state_on_mesh(model, optimizer, mesh, previous_optimizer_state=None, metric_sums=None)
     pieces = cached(lambda: make_pieces(model, optimizer, mesh, batch_norm))
-    if mesh.axis_names == (BATCH_AXIS,):
+    shard = shard_mode_of(model, mesh)
+    if mesh.axis_names == (BATCH_AXIS,) and shard is None:
         parts = _split_parts(pieces, mesh, state, profile.batch)
         if sum(parts) > 0:
             scale = laps[STEP] / sum(parts)
@@ -200,9 +206,10 @@ def finish_report(
             phases.update({name: Phase(0.0, "too short to time apart") for name in SPLIT})
             whole = "measured: the whole step, its parts too short to time apart"
             phases["forward_backward"] = Phase(laps[STEP], whole)
-    else:  # a model-parallel mesh: the pieces above assume replicated variables
-        phases.update({name: Phase(0.0, "not split on a model-parallel mesh") for name in SPLIT})
-        phases["forward_backward"] = Phase(laps[STEP], "measured: the whole step, not split on a model-parallel mesh")
+    else:  # a model-parallel mesh or sharded state: the pieces above assume replicated variables
+        where = "on a model-parallel mesh" if shard is None else f"with shard={shard!r}"
+        phases.update({name: Phase(0.0, f"not split {where}") for name in SPLIT})
+        phases["forward_backward"] = Phase(laps[STEP], f"measured: the whole step, not split {where}")
     bandwidth = link_bandwidth(pieces, mesh)
     if not is_primary():
         return None
@@ -229,5 +236,5 @@ def finish_report(
     report, line = write_scaling_report(report, Path(folder))
     if jax.default_backend() == "cpu" and (crowded := oversubscription(len(mesh.local_devices))):
         print(f"scaling report: {crowded}", flush=True)
-    print(line, flush=True)
+    print(line if shard is None else f"{line} [shard={shard!r}]", flush=True)
     return report

@@ -2,7 +2,8 @@
 
 A step is taken from the trainer's compile cache (``_step.compile_cache``) while everything its trace
 read from Python is the same (``TracedFrom``); the key of each kind of step lists exactly that:
-the model's structure, what ``model.compile`` made, the optimizer as traced, the mesh and the
+the model's structure, what ``model.compile`` made, the optimizer as traced, the mesh, the
+variable layout and shard mode (where the state lies is compiled into a step), and the
 trainer's options that reach the step.
 """
 
@@ -15,7 +16,7 @@ import keras
 from jax.sharding import Mesh
 
 from dp_core import BatchNormMode
-from jax_dp._mesh.layout import Layout
+from jax_dp._mesh.layout import Layout, ShardMode
 from jax_dp._step.compile_cache import CompileCache, TracedFrom, compile_state, model_structure
 from jax_dp._step.custom import (
     CustomPredictStep,
@@ -53,15 +54,16 @@ class Recipes:
         batch_norm: BatchNormMode,
         skip_nonfinite: bool,
         apply_nonfinite: bool = False,
+        shard: ShardMode = None,
     ) -> None:
-        self.cache, self.mesh, self.variable_layout = cache, mesh, variable_layout
+        self.cache, self.mesh, self.variable_layout, self.shard = cache, mesh, variable_layout, shard
         self.batch_norm, self.skip_nonfinite, self.apply_nonfinite = batch_norm, skip_nonfinite, apply_nonfinite
 
     def steps(self, model: keras.Model, optimizer: Optimizer | None = None) -> Steps:
         """The jitted steps of one fit (without ``optimizer``: of evaluate alone), from the
         compile cache when they were traced from the same model, compile state and options."""
         mesh = self.mesh
-        evaluation = model_structure(model) + compile_state(model) + TracedFrom(values=[mesh, self.variable_layout])
+        evaluation = model_structure(model) + compile_state(model) + self._placement()
         recipes: dict[str, tuple[TracedFrom, Callable[[], Any]]] = {
             "test": (evaluation, lambda: make_test_step(model, mesh)),
             "results": (evaluation, lambda: make_results(model, mesh)),
@@ -116,10 +118,14 @@ class Recipes:
         return self.cache.step(model, "custom_predict", traced_from, lambda: make_custom_predict_step(model, mesh))
 
     def _predicting(self, model: keras.Model) -> TracedFrom:
-        return model_structure(model) + TracedFrom(values=[self.mesh, self.variable_layout])
+        return model_structure(model) + self._placement()
+
+    def _placement(self) -> TracedFrom:
+        """Where the state lies: the mesh, the layout and the shard mode."""
+        return TracedFrom(values=[self.mesh, self.variable_layout, self.shard])
 
     def profile_pieces(self, model: keras.Model, optimizer: Optimizer) -> Callable[[Callable[[], Pieces]], Pieces]:
         """The scaling report's separately jitted pieces of the train step, kept between fits."""
         traced_from = model_structure(model) + compile_state(model) + optimizer.traced_from()
-        traced_from += TracedFrom(values=[self.mesh, self.batch_norm])
+        traced_from += self._placement() + TracedFrom(values=[self.batch_norm])
         return lambda build: self.cache.step(model, "profile", traced_from, build)

@@ -93,7 +93,7 @@ def train_state_on_mesh(
     not per-replica stacks; ``accumulate``: for Keras's train step, which accumulates gradients
     per replica when the optimizer accumulates (``_step.accumulation``)."""
     trainable, non_trainable = weights_on_mesh(model, mesh)
-    optimizer_state = optimizer.initial_state(trainable, mesh, previous=previous_optimizer_state)
+    optimizer_state = optimizer.initial_state(model, trainable, mesh, previous=previous_optimizer_state)
     accumulated: Any = ()
     if accumulate and accumulates(optimizer):
         optimizer_state, accumulated = split(model, optimizer, optimizer_state, mesh)
@@ -249,7 +249,7 @@ def state_from_model(
     """``state`` with the model's current weights and optimizer variables (with ``metrics``, also
     its metric values, replicated; else the metrics are kept, as are the counts)."""
     trainable, non_trainable = weights_on_mesh(model, mesh)
-    optimizer_state = optimizer.initial_state(trainable, mesh, previous=state.optimizer)
+    optimizer_state = optimizer.initial_state(model, trainable, mesh, previous=state.optimizer)
     if state.accumulated:  # the window's gradients stay in the partial sums
         optimizer_state = without_held_sum(model, optimizer, optimizer_state, mesh)
     return state._replace(

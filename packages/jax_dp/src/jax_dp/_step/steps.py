@@ -38,7 +38,7 @@ from dp_core.keras import internals, python_logs
 from jax_dp._comm.hosts import replicated_to_host
 from jax_dp._data.batches import Batch, WholeBatch, row_weights
 from jax_dp._data.padding import computes_own_loss, padding_aware
-from jax_dp._mesh.layout import weight_shardings
+from jax_dp._mesh.layout import gradient_shardings, weight_shardings
 from jax_dp._mesh.mesh import batch_sharded, num_replicas_of, replicated
 from jax_dp._step.accumulation import accumulated_shardings, accumulated_update, accumulates
 from jax_dp._step.compile_cache import held_weakly
@@ -230,7 +230,7 @@ def _train_step(
                 )
             else:
                 (loss, y_pred, non_trainable, increments), (trainable, optimizer_state) = _gradient_update(
-                    model, optimizer, state, batch
+                    model, optimizer, mesh, state, batch
                 )
         metrics = update_metrics(state.metrics, increments, loss, batch, y_pred)
         new = TrainState(trainable, non_trainable, optimizer_state, metrics, state.counts, accumulated)
@@ -240,7 +240,7 @@ def _train_step(
         """Keras's own step on a batch every device holds whole: no padding, no split (see
         ``_data.batches.WholeBatch``); its metrics count once, in slot 0."""
         (loss, y_pred, non_trainable, increments), (trainable, optimizer_state) = _gradient_update(
-            model, optimizer, state, batch
+            model, optimizer, mesh, state, batch
         )
         metrics = whole_batch_metric_update(model, state.metrics, increments, loss, batch, y_pred)
         new = TrainState(trainable, non_trainable, optimizer_state, metrics, state.counts, state.accumulated)
@@ -257,18 +257,28 @@ def _train_step(
 
 
 def _gradient_update(
-    model: keras.Model, optimizer: Optimizer, state: TrainState, batch: Batch
+    model: keras.Model, optimizer: Optimizer, mesh: Mesh, state: TrainState, batch: Batch
 ) -> tuple[tuple[Any, Any, list[Any], list[Any]], tuple[list[Any], Any]]:
     """One gradient step on ``batch`` within a train step: ``(loss, y_pred, non-trainable weights,
     metric increments)`` of the forward pass, then the trainable weights and optimizer state after
-    ``optimizer.apply``; the loss is differentiated as ``optimizer.scale_loss`` scales it."""
+    ``optimizer.apply``; the loss is differentiated as ``optimizer.scale_loss`` scales it. With
+    ``shard="gradients"``/``"full"`` the gradients lie like the optimizer's slots before the update
+    (``_mesh.layout.gradient_shardings``): XLA reduce-scatters them, each device summing its part."""
 
     def loss_fn(trainable: list[Any]) -> tuple[Any, Any]:
         loss, aux = _loss_and_updates(model, trainable, state.non_trainable, batch, training=True)
         return optimizer.scale_loss(loss, state.optimizer), (loss, *aux)
 
     (_, forward), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.trainable)
-    return forward, optimizer.apply(state.optimizer, grads, state.trainable)
+    return forward, optimizer.apply(state.optimizer, placed_gradients(model, mesh, grads), state.trainable)
+
+
+def placed_gradients(model: keras.Model, mesh: Mesh, grads: list[Any]) -> list[Any]:
+    """Inside a jitted step: ``grads`` constrained to ``gradient_shardings`` (unchanged when None)."""
+    shardings = gradient_shardings(model, mesh)
+    if shardings is None:
+        return grads
+    return [jax.lax.with_sharding_constraint(g, s) for g, s in zip(grads, shardings, strict=True)]
 
 
 def make_test_step(model: keras.Model, mesh: Mesh) -> TestStep:
