@@ -89,6 +89,14 @@ def test_two_processes_of_two_devices_match_one_process_of_four(tmp_path, one_pr
     assert one_process_of_four["epochs_run_when_stopped"] == 1
 
 
+def test_state_split_across_processes_trains_as_one_process_of_four(tmp_path, one_process_of_four):
+    """shard="full": the first kernel (5x8) lies split over all four devices, two on each process;
+    reading it back (every epoch end, evaluate, predict) gathers it from both."""
+    output = str(tmp_path / "process0.npz")
+    run_two_processes(output, str(tmp_path), environments=[{"JAX_DP_TEST_SHARD": "full"}] * 2)
+    assert_matches(output, one_process_of_four)
+
+
 def free_slurm_job() -> tuple[str, int]:
     """A SLURM job id whose coordinator port (jax's rule: 61440 + id % 4096) is free on loopback."""
     for job in range(int(time.time()) % 4096, 10**6, 37):

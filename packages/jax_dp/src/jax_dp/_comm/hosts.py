@@ -2,7 +2,8 @@
 
 Outside a step's own program: process 0 decides (``agree``, ``same_on_all_processes``,
 ``text_from_primary``) and its decision reaches every process; ``replicated_to_host`` reads
-each process's own devices, ``rows_to_host`` gathers a batch's rows from every process.
+each process's own devices (and gathers what ``shard=`` split over other processes' devices),
+``rows_to_host`` gathers a batch's rows from every process.
 """
 
 from __future__ import annotations
@@ -54,8 +55,24 @@ def same_on_all_processes(values: list[np.ndarray]) -> list[np.ndarray]:
 def replicated_to_host(tree: Any) -> Any:
     """Host numpy copies of replicated arrays, or of arrays split over the ``"model"`` axis (a
     layout's), whole on every process: each process reads its own devices, which hold at least
-    one whole replica (a row of the mesh), so no collective runs."""
+    one whole replica (a row of the mesh), so no collective runs. An array ``shard=`` split over
+    ``"batch"`` across processes is gathered from all of them: a collective, which every process
+    must call (``on_own_devices`` tells whether one would run)."""
     return jax.tree.map(_whole_on_host, tree)
+
+
+def on_own_devices(tree: Any) -> bool:
+    """Whether this process's devices hold every array of ``tree`` whole (reading it needs no collective)."""
+    return all(_covered(array) for array in jax.tree.leaves(tree))
+
+
+def _covered(array: jax.Array) -> bool:
+    if array.sharding.is_fully_replicated or array.is_fully_addressable:
+        return True
+    covered = np.zeros(array.shape, bool)
+    for shard in array.addressable_shards:
+        covered[shard.index] = True
+    return bool(covered.all())
 
 
 def _whole_on_host(array: jax.Array) -> np.ndarray:
@@ -63,16 +80,11 @@ def _whole_on_host(array: jax.Array) -> np.ndarray:
         return np.asarray(array.addressable_data(0))
     if array.is_fully_addressable:
         return np.asarray(array)
+    if not _covered(array):  # split over "batch" across processes (shard=): every process gathers
+        return np.asarray(multihost_utils.process_allgather(array, tiled=True))
     whole = np.empty(array.shape, array.dtype)
-    covered = np.zeros(array.shape, bool)
     for shard in array.addressable_shards:
         whole[shard.index] = np.asarray(shard.data)
-        covered[shard.index] = True
-    if not covered.all():
-        raise ValueError(
-            f"Process {jax.process_index()}'s devices hold only part of an array of shape {array.shape} "
-            f"({array.sharding}): each process's devices must cover whole rows of the mesh."
-        )
     return whole
 
 

@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dp_core.keras import internals
-from jax_dp._comm.hosts import agree, replicated_to_host, same_on_all_processes
+from jax_dp._comm.hosts import agree, on_own_devices, replicated_to_host, same_on_all_processes
 from jax_dp._mesh.layout import weight_shardings
 from jax_dp._mesh.mesh import put_replicated, put_sharded
 from jax_dp._step.accumulation import accumulates, merged, split, without_held_sum
@@ -138,14 +138,21 @@ def write_back(
     metric values into its metrics), as host copies (usable outside the mesh); returns the
     model's values as written, for ``model_changed``. The optimizer gets the gradients accumulated
     so far summed over replicas, a collective: without ``every_process`` (one process alone
-    writes, with others), its accumulators keep what the state holds outside the partial sums."""
+    writes, with others), its accumulators keep what the state holds outside the partial sums;
+    and state that ``shard=`` split across processes cannot be read (a clear error, not a hang)."""
+    collective_ok = every_process or jax.process_count() == 1
+    if not collective_ok and not on_own_devices([state.trainable, state.non_trainable, state.optimizer]):
+        raise RuntimeError(
+            f"A callback read the model during an epoch (in a batch hook) of a {jax.process_count()}-process run "
+            "whose state shard= splits across processes: only process 0 runs callbacks, and reading the state "
+            "needs every process. Read the model at epoch ends (on_epoch_end), or train with shard=None."
+        )
     pairs = [(model.trainable_variables, state.trainable), (model.non_trainable_variables, state.non_trainable)]
     if metrics:
         pairs.append((model.metrics_variables, state.metrics))
     for variables, values in pairs:
         for variable, value in zip(variables, replicated_to_host(values), strict=True):
             variable.assign(value)
-    collective_ok = every_process or jax.process_count() == 1
     optimizer.write_back(optimizer_state_of(model, optimizer, state) if collective_ok else state.optimizer)
     return model_values(model, metrics=metrics)
 
