@@ -45,6 +45,7 @@ from dp_core._one_call import OneCall as OneCall
 from dp_core._one_call import TrainerBusy as TrainerBusy
 from dp_core._one_call import one_call_at_a_time as one_call_at_a_time
 from dp_core._options import BatchNormMode as BatchNormMode
+from dp_core._options import ShardMode as ShardMode
 from dp_core._preemption import Preempted as Preempted
 from dp_core._preemption import PreemptionWatch as PreemptionWatch
 from dp_core._scaling import ESTIMATED_FROM_PARTS as ESTIMATED_FROM_PARTS
@@ -116,6 +117,7 @@ __all__ = [
     "ScalingReport",
     "Schedule",
     "Shard",
+    "ShardMode",
     "Shuffle",
     "StepTimer",
     "Trainer",

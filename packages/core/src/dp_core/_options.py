@@ -15,6 +15,22 @@ def check_batch_norm_mode(batch_norm: object) -> BatchNormMode:
     return batch_norm  # type: ignore[return-value]
 
 
+ShardMode = Literal["optimizer", "gradients", "full"]
+"""What each replica holds a shard of (``Trainer(shard=...)``; None: everything replicated):
+the optimizer's slots (ZeRO-1), also the summed gradients (ZeRO-2), or also the weights
+(ZeRO-3, FSDP)."""
+SHARD_MODES: tuple[ShardMode | None, ...] = (None, "optimizer", "gradients", "full")
+
+
+def check_shard_mode(shard: object) -> ShardMode | None:
+    if shard not in SHARD_MODES:
+        raise ValueError(
+            f"shard must be one of {SHARD_MODES}, got {shard!r}: None replicates the training state, "
+            '"optimizer" shards the optimizer\'s slots, "gradients" also the summed gradients, "full" also the weights.'
+        )
+    return shard  # type: ignore[return-value]
+
+
 def check_integer(name: str, value: object, *, minimum: int) -> int:
     """``value`` as a Python ``int`` (numpy integers too), or a ``ValueError`` naming ``name``."""
     if isinstance(value, bool) or not hasattr(value, "__index__") or value.__index__() < minimum:  # type: ignore[attr-defined]

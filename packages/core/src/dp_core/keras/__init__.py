@@ -29,8 +29,8 @@ Helpers, for what a backend does its own way:
 - losses and the learning rate: ``ReplicaRows``, ``activity_regularizer_divides_by_batch_size``,
   ``KerasSchedule``;
 - callbacks and checkpoints: ``verbosity``, ``model_checkpoint``;
-- options: ``BATCH_NORM_MODES``, ``check_batch_norm_mode``, ``check_nonfinite_mode``,
-  ``nonfinite_action``, ``nonfinite_loss_stopped``, ``skipped_message``;
+- options: ``BATCH_NORM_MODES``, ``check_batch_norm_mode``, ``SHARD_MODES``, ``check_shard_mode``,
+  ``check_nonfinite_mode``, ``nonfinite_action``, ``nonfinite_loss_stopped``, ``skipped_message``;
 - tools: ``compare_replica_counts``, ``run_check_command``;
 - ``internals``: every private Keras attribute, with its reason.
 """
@@ -71,7 +71,9 @@ from dp_core._nonfinite import check_nonfinite_mode as check_nonfinite_mode
 from dp_core._nonfinite import skipped_message as skipped_message
 from dp_core._nonfinite import stopped as nonfinite_loss_stopped
 from dp_core._options import BATCH_NORM_MODES as BATCH_NORM_MODES
+from dp_core._options import SHARD_MODES as SHARD_MODES
 from dp_core._options import check_batch_norm_mode as check_batch_norm_mode
+from dp_core._options import check_shard_mode as check_shard_mode
 from dp_core.keras import _internals as internals
 from dp_core.keras._arguments import batch_source as batch_source
 from dp_core.keras._arguments import checked_model_and_inputs as checked_model_and_inputs
@@ -98,6 +100,7 @@ from dp_core.keras._sources import replica_part as replica_part
 
 __all__ = [
     "BATCH_NORM_MODES",
+    "SHARD_MODES",
     "BatchSource",
     "BatchTerms",
     "CheckedCall",
@@ -119,6 +122,7 @@ __all__ = [
     "check_batch_norm_mode",
     "check_losses_split",
     "check_nonfinite_mode",
+    "check_shard_mode",
     "checked_call",
     "checked_model_and_inputs",
     "compare_replica_counts",

@@ -256,3 +256,28 @@ def gradient_accumulator(optimizer: keras.optimizers.Optimizer, variable: keras.
 def moving_averages(optimizer: keras.optimizers.Optimizer) -> list[keras.Variable]:
     """The weights' moving averages of an optimizer with ``use_ema``, updated by every ``apply``."""
     return list(optimizer._model_variables_moving_average) if optimizer.use_ema else []
+
+
+@contextlib.contextmanager
+def applying_to(optimizer: keras.optimizers.Optimizer, variables: list[keras.Variable]) -> Iterator[None]:
+    """Within the block, ``apply`` moves the moving averages (``use_ema``) of ``variables`` alone.
+
+    Keras moves every variable's average at each ``apply``, whichever variables it was given
+    (``_update_model_variables_moving_average(self._trainable_variables)``, and so does the
+    overwrite every ``ema_overwrite_frequency``): a replica that holds the slots of some
+    variables only (``shard=``) must move theirs only. The variables' other slots are found by
+    their own index, which this leaves alone."""
+    if not optimizer.use_ema:
+        yield
+        return
+    averages = optimizer._model_variables_moving_average
+    indices = [optimizer._get_variable_index(variable) for variable in variables]
+    restore = [
+        override(optimizer, "_trainable_variables", [optimizer._trainable_variables[i] for i in indices]),
+        override(optimizer, "_model_variables_moving_average", [averages[i] for i in indices]),
+    ]
+    try:
+        yield
+    finally:
+        for undo in restore:
+            undo()
