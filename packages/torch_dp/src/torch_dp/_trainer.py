@@ -16,6 +16,7 @@ from dp_core import (
     NonFiniteLoss,
     OneCall,
     ScalingReport,
+    ShardMode,
     Verbose,
     check_checkpoint_dir,
     one_call_at_a_time,
@@ -28,6 +29,7 @@ from dp_core.keras import (
     build_model,
     check_batch_norm_mode,
     check_nonfinite_mode,
+    check_shard_mode,
     checked_call,
     fit_arguments,
     internals,
@@ -39,7 +41,7 @@ from torch_dp._loop.jobs import EvaluateJob, FitJob, PredictJob
 from torch_dp._processes.cluster import is_primary_process
 from torch_dp._processes.group import Timeouts
 from torch_dp._processes.launchers import Launcher, choose_launcher
-from torch_dp._step.custom import check_custom_steps, optimizers_of
+from torch_dp._step.custom import check_custom_steps, optimizers_of, overrides
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -101,6 +103,14 @@ class Trainer:
     rank 0 prints one line and writes ``scaling_report.json`` and ``.png`` into the folder, and
     ``trainer.scaling_report`` holds the report (see the docs' "Scaling report").
 
+    ``shard="optimizer"`` (ZeRO-1) keeps each trainable variable's optimizer slots (Adam's moments,
+    momentum, moving averages, gradient accumulators) on one replica only, which alone updates it
+    and sends the new weights to the others; ``shard="gradients"`` (ZeRO-2) also sums each
+    gradient onto that replica alone, the others freeing theirs. The weights, History, evaluate
+    and predict are ``model.fit``'s, and checkpoints hold the whole state, resumable in any mode
+    and on any replica count (docs/sharding.md). ``shard="full"`` (the weights too) is jax-dp's
+    only, for now. ``trainer.shard`` may be set between calls: the replicas stay.
+
     A model that overrides ``train_step``, ``test_step`` or ``predict_step`` runs its own step
     on every replica's rows, as ``model.fit`` would on one device: the gradients every optimizer
     it holds applies are averaged over replicas, the uneven last batch is split unpadded and
@@ -134,8 +144,10 @@ class Trainer:
         log_every_steps: int = 10,
         on_nonfinite_loss: NonFiniteLoss = "stop",
         profile: bool | str | os.PathLike[str] = False,
+        shard: ShardMode | None = None,
     ) -> None:
         self.batch_norm: BatchNormMode = check_batch_norm_mode(batch_norm)
+        self.shard = shard
         self.profile = scaling_report_folder(profile)
         self.scaling_report: ScalingReport | None = None  # the last profiled fit's, on rank 0
         self.on_nonfinite_loss: NonFiniteLoss = check_nonfinite_mode(on_nonfinite_loss)
@@ -150,6 +162,15 @@ class Trainer:
     @property
     def num_replicas(self) -> int:
         return self._launcher.num_replicas
+
+    @property
+    def shard(self) -> ShardMode | None:
+        """What each replica holds a shard of in later fits; settable between calls (the replicas stay)."""
+        return self._shard
+
+    @shard.setter
+    def shard(self, shard: ShardMode | None) -> None:
+        self._shard: ShardMode | None = _check_shard(shard)
 
     @one_call_at_a_time
     def close(self) -> None:
@@ -213,6 +234,12 @@ class Trainer:
         )
         if checkpoint_dir is not None:
             _require_checkpointable(keras_model)
+        if self.shard is not None and overrides(keras_model, "train_step"):
+            raise NotImplementedError(
+                f"{type(keras_model).__name__} overrides train_step, which applies its optimizers itself to the whole "
+                f"state; Trainer(shard={self.shard!r}) shards the state of Keras's own step. Drop shard=, or train "
+                "without the override."
+            )
         arguments = fit_arguments(
             inputs,
             global_batch_size=global_batch_size,
@@ -337,6 +364,7 @@ class Trainer:
             policy,
             resume,
             profile=profile,
+            shard=self.shard,
         )
 
     @property
@@ -368,6 +396,17 @@ def _checkpoint_to_resume(
     build_model(model, inputs)
     found = resumable_checkpoint(checkpoint_dir, model, seed=seed, global_batch_size=global_batch_size, shuffle=shuffle)
     return None if found is None else os.path.join(checkpoint_dir, found.name)
+
+
+def _check_shard(shard: object) -> ShardMode | None:
+    mode = check_shard_mode(shard)
+    if mode == "full":
+        raise NotImplementedError(
+            'torch_dp.Trainer(shard="full") is not available: torch_dp shards the optimizer\'s slots ("optimizer") and '
+            'the summed gradients ("gradients"), with every replica holding the weights. For weights sharded too, '
+            'use jax_dp.Trainer(shard="full"), or shard="gradients" here.'
+        )
+    return mode
 
 
 def _require_checkpointable(model: keras.Model) -> None:

@@ -17,6 +17,7 @@ and gradient accumulators (each replica's partial sums, ``_step.accumulation``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import keras
@@ -35,8 +36,12 @@ class Changes:
     ``optimizer``, its optimizer's) and the ``trainable`` flags. Elsewhere it records nothing and
     ``seen`` is False: only rank 0's callbacks change anything."""
 
-    def __init__(self, model: keras.Model, replica: Replica, *, optimizer: bool = True) -> None:
+    def __init__(
+        self, model: keras.Model, replica: Replica, *, optimizer: bool = True, sharded: Sequence[keras.Variable] = ()
+    ) -> None:
+        """``sharded``: optimizer variables each replica holds only some of (``_step.shards``), left out."""
         self.model, self.replica, self.optimizer = model, replica, optimizer
+        self._sharded = {id(v) for v in sharded}
         self._marked: tuple[Any, ...] | None = None
         self._watched: tuple[tuple[int, int], list[keras.Variable]] = ((-1, -1), [])
 
@@ -59,7 +64,7 @@ class Changes:
         if not self.replica.distributed:
             return
         primary = self.replica.is_primary
-        variables = shared_variables(self.model, optimizer=self.optimizer)
+        variables = self._shared()
         retrained = primary and (self._marked is None or self._marked[1:] != self._flags())
         head = torch.tensor([float(retrained)], dtype=torch.float32, device=self.replica.device)
         head, *values = broadcast_from_primary([head, *(v.value for v in variables)], self.replica)  # one collective
@@ -91,9 +96,12 @@ class Changes:
         counts = (len(model_variables), -1 if optimizer is None else len(optimizer.variables))
         if counts != self._watched[0]:
             learning_rates = {id(rate) for rate in _learning_rates(self.model)}
-            variables = shared_variables(self.model, optimizer=self.optimizer)
+            variables = self._shared()
             self._watched = counts, [v for v in variables if id(v) not in learning_rates]
         return self._watched[1]
+
+    def _shared(self) -> list[keras.Variable]:
+        return [v for v in shared_variables(self.model, optimizer=self.optimizer) if id(v) not in self._sharded]
 
 
 def shared_variables(model: keras.Model, *, optimizer: bool) -> list[keras.Variable]:

@@ -28,6 +28,7 @@ from dp_core import Checkpoint, check_checkpoint_dir, claim_checkpoint_dir, load
 from dp_core.keras import CheckpointWriter, Start, restore_model, start_of
 from torch_dp._comm.collectives import all_gather_rows, all_reduce_sum
 from torch_dp._comm.replica import Replica
+from torch_dp._step.shards import REPLICATED, TrainingState
 from torch_dp._step.state import same_state_as_primary
 
 if TYPE_CHECKING:
@@ -147,15 +148,18 @@ def save(
     epoch: int,
     step: int,
     window: Window | None = None,
+    state: TrainingState = REPLICATED,
 ) -> None:
     """A checkpoint at ``step`` steps into ``epoch``; every replica calls it (the metric sum is a collective).
     Inside a gradient accumulation ``window`` the accumulators are first summed onto rank 0, so
-    the checkpoint holds what one device would (``Window.settle``)."""
+    the checkpoint holds what one device would (``Window.settle``); a sharded ``state`` sends rank 0
+    the optimizer slots it does not hold, for the write (``_step.shards``)."""
     if window is not None:
         window.settle(model, replica)
     metric_variables = summed_metric_states(model, replica)
-    if replica.is_primary:
-        writer.write(model, epoch=epoch, step=step, metric_variables=metric_variables)
+    with state.whole_on_primary():
+        if replica.is_primary:
+            writer.write(model, epoch=epoch, step=step, metric_variables=metric_variables)
 
 
 def summed_metric_states(model: keras.Model, replica: Replica) -> list[np.ndarray]:

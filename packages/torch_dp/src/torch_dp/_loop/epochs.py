@@ -30,9 +30,9 @@ from torch_dp._loop.changes import Changes
 from torch_dp._loop.checkpoints import save
 from torch_dp._loop.jobs import FitJob
 from torch_dp._step.accumulation import Window
-from torch_dp._step.buckets import gradient_buckets
 from torch_dp._step.custom import CustomSteps, optimizers_of
 from torch_dp._step.metrics import global_logs, logs_due, logs_of
+from torch_dp._step.shards import REPLICATED, TrainingState
 from torch_dp._step.steps import Trained, train_step
 
 
@@ -80,6 +80,7 @@ class EpochSteps(Protocol):
     batch_hooks: bool  # whether the batch hooks are called (else no callback acts at a batch)
     log_every: int  # logs are read at the epoch's first step, then every so many steps (0: never)
     window: Window | None  # a gradient accumulation window, summed into checkpoints
+    state: TrainingState  # the training state, whole on every replica or sharded (gathered into checkpoints)
 
     def batches(self, job: FitJob, epoch: int, first_step: int) -> Iterator[Any]: ...
 
@@ -123,11 +124,12 @@ class KerasSteps:
     decide_each_step: bool
     batch_hooks: bool = True
     apply_nonfinite: bool = False  # a TerminateOnNaN stops at a non-finite loss, after its step, as in Keras
+    state: TrainingState = REPLICATED  # each replica updates every variable, or its own (``_step.shards``)
 
     def __post_init__(self) -> None:
         self.decisions = WITH_THE_STEP if self.decide_each_step else AT_THE_EPOCH_END
-        # large gradients: summed in buckets during backward (a window sums its own)
-        self.buckets = gradient_buckets(self.model, self.replica) if self.window is None else None
+        # large gradients (or sharded ones): summed in buckets during backward (a window sums its own)
+        self.buckets = self.state.buckets(self.model, self.replica) if self.window is None else None
 
     def batches(self, job: FitJob, epoch: int, first_step: int) -> Iterator[Batch]:
         whole_last = self.window is None and whole_last_batch(self.model, job.inputs, job.arguments.global_batch_size)
@@ -158,6 +160,7 @@ class KerasSteps:
                 timer=timer,
                 buckets=self.buckets,
                 apply_nonfinite=self.apply_nonfinite,
+                state=self.state,
             )
         return self.window.train_step(
             model,
@@ -196,6 +199,7 @@ class OwnSteps:
     decisions: str = BEFORE_THE_STEP
     batch_hooks: bool = True
     window: Window | None = None  # its optimizers sum their gradients at every step
+    state: TrainingState = REPLICATED  # a model's own step runs with the whole state (``shard`` is refused)
     returned: Any = None  # what the last step returned
 
     def batches(self, job: FitJob, epoch: int, first_step: int) -> Iterator[EvenBatch]:
@@ -297,7 +301,9 @@ def train_epoch(
         if changes is not None and kind.decisions != AT_THE_EPOCH_END and not trained.stopped:
             changes.mark()  # the step changed every replica alike (a stop leaves rank 0's changes to share)
         if trained.preempted:
-            _preempted(model, replica, notice, checkpoints, epoch=epoch, step=step, window=kind.window)
+            _preempted(
+                model, replica, notice, checkpoints, epoch=epoch, step=step, window=kind.window, state=kind.state
+            )
         if trained.stopped:
             model.stop_training = True
             return kind.epoch_logs()
@@ -307,7 +313,7 @@ def train_epoch(
         if kind.batch_hooks:
             callbacks.on_train_batch_end(step, logs)
         if checkpoints is not None and checkpoints.due(step + 1, steps):
-            save(checkpoints, model, replica, epoch=epoch, step=step + 1, window=kind.window)
+            save(checkpoints, model, replica, epoch=epoch, step=step + 1, window=kind.window, state=kind.state)
         timer.lap("callbacks")  # logs, hooks and checkpoints
         timer.end_step()
     if changes is not None and kind.decisions == AT_THE_EPOCH_END:
@@ -324,11 +330,12 @@ def _preempted(
     epoch: int,
     step: int,
     window: Window | None = None,
+    state: TrainingState = REPLICATED,
 ) -> NoReturn:
     """Every replica stops before ``step`` of ``epoch``: a checkpoint of that boundary, then ``Preempted``."""
     path = None
     if checkpoints is not None:
-        save(checkpoints, model, replica, epoch=epoch, step=step, window=window)
+        save(checkpoints, model, replica, epoch=epoch, step=step, window=window, state=state)
         written = list_checkpoints(checkpoints.directory) if replica.is_primary else []
         path = str(written[-1]) if written else checkpoints.directory
     signal_name = notice.requested if notice is not None and notice.requested else "a notice to another replica"

@@ -30,6 +30,7 @@ from torch_dp._loop.evaluate import evaluate_loop
 from torch_dp._loop.jobs import FitJob
 from torch_dp._step.accumulation import Window, accumulation_window
 from torch_dp._step.custom import CustomSteps
+from torch_dp._step.shards import REPLICATED, TrainingState
 
 
 def fit_loop(
@@ -42,15 +43,25 @@ def fit_loop(
     custom: CustomSteps | None = None,
     notice: PreemptionWatch | None = None,
     timer: StepTimer | NoStepTimer = NO_STEP_TIMER,
+    state: TrainingState = REPLICATED,
 ) -> keras.callbacks.History:
     """Train on this replica's shard of every epoch from ``start``; returns this replica's History.
     ``custom`` runs the model's own ``train_step``/``test_step`` where it has them. A preemption
     ``notice`` to any replica stops all at the next step: a checkpoint, then ``Preempted``. ``timer``
     (``Trainer(profile=...)``) times the phases of Keras's own train steps. Rank 0 holds
-    ``checkpoint_dir`` from before the first step to the end (``holding_checkpoint_dir``)."""
+    ``checkpoint_dir`` from before the first step to the end (``holding_checkpoint_dir``). ``state``
+    is the training state as the replicas hold it: whole on each, or sharded (``_step.shards``)."""
     with holding_checkpoint_dir(job.arguments.checkpoint_dir, replica):
         return _fit_epochs(
-            model, job, replica, start=start, checkpoints=checkpoints, custom=custom, notice=notice, timer=timer
+            model,
+            job,
+            replica,
+            start=start,
+            checkpoints=checkpoints,
+            custom=custom,
+            notice=notice,
+            timer=timer,
+            state=state,
         )
 
 
@@ -64,6 +75,7 @@ def _fit_epochs(
     custom: CustomSteps | None = None,
     notice: PreemptionWatch | None = None,
     timer: StepTimer | NoStepTimer = NO_STEP_TIMER,
+    state: TrainingState = REPLICATED,
 ) -> keras.callbacks.History:
     """``fit_loop`` once ``checkpoint_dir`` is held."""
     arguments = job.arguments
@@ -81,14 +93,16 @@ def _fit_epochs(
     batch_logs, progress = (bool(flag) for flag in broadcast_floats(wants, replica))
     every = 1 if batch_logs else (job.log_every_steps if progress else 0)
     batch_hooks = batch_logs or progress or _has_progress_bar(arguments.callbacks)
-    changes = Changes(model, replica)
+    changes = Changes(model, replica, sharded=state.sharded_variables())
     start = _begin(model, callbacks, start, arguments.initial_epoch, replica, changes)
     if replica.is_primary:  # rank 0's checkpoint, which every replica resumed from
         print_resume(job.resume_from, start, epochs=arguments.epochs, verbose=arguments.verbose, package="torch_dp")
     # gradient accumulation: one gradient all-reduce per window (None: one per step)
     # a window's non-finite loss is acted on at its end: raised, even with a TerminateOnNaN
     nonfinite = "stop" if job.on_nonfinite_loss == "apply" else job.on_nonfinite_loss
-    window = None if custom is not None and custom.train else accumulation_window(model, replica, nonfinite)
+    # (sharded: every step sums its gradients, and Keras accumulates each owner's own, as over one device's)
+    own_step = custom is not None and custom.train
+    window = None if own_step or state.mode is not None else accumulation_window(model, replica, nonfinite)
     epoch_logs: dict[str, Any] = {}
     for epoch in range(start.epoch, arguments.epochs):
         model.reset_metrics()
@@ -98,7 +112,9 @@ def _fit_epochs(
         callbacks.on_epoch_begin(epoch)
         if share_decisions(model, replica, changes=changes):
             break
-        kind = _epoch_steps(model, job, replica, custom, window, every, batch_logs=batch_logs, batch_hooks=batch_hooks)
+        kind = _epoch_steps(
+            model, job, replica, custom, window, every, batch_logs=batch_logs, batch_hooks=batch_hooks, state=state
+        )
         timed = timer if isinstance(kind, KerasSteps) else NO_STEP_TIMER  # a model's own step is not timed
         epoch_logs = train_epoch(
             model,
@@ -118,13 +134,14 @@ def _fit_epochs(
             epoch_logs.update(_validation_logs(model, job, replica, callbacks, custom, changes))
         callbacks.on_epoch_end(epoch, epoch_logs)
         if checkpoints is not None:
-            save(checkpoints, model, replica, epoch=epoch + 1, step=0, window=window)
+            save(checkpoints, model, replica, epoch=epoch + 1, step=0, window=window, state=state)
         if isinstance(job.inputs, BatchSource) and job.inputs.exhausted:
             model.stop_training = True  # an iterator that ran out ends training, as in Keras (rank 0 reads it)
         if share_decisions(model, replica, changes=changes):
             break
     if window is not None:  # the caller's model holds the accumulators as one device would
         window.settle(model, replica)
+    state.gather()  # every replica's optimizer whole again, for the moving averages' swap and the caller
     if arguments.epochs > start.epoch:
         model.optimizer.finalize_variable_values(model.trainable_weights)
     callbacks.on_train_end(logs=epoch_logs)
@@ -141,6 +158,7 @@ def _epoch_steps(
     *,
     batch_logs: bool,
     batch_hooks: bool,
+    state: TrainingState = REPLICATED,
 ) -> EpochSteps:
     """How an epoch's steps run: the model's own ``train_step`` where it has one, else Keras's,
     its logs summed every ``every`` steps (at each step when ``batch_logs``: a callback reads them)."""
@@ -154,6 +172,7 @@ def _epoch_steps(
         decide_each_step=batch_logs,
         batch_hooks=batch_hooks,
         apply_nonfinite=job.on_nonfinite_loss == "apply",
+        state=state,
     )
 
 

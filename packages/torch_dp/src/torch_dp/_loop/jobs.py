@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import keras
 
-from dp_core import BatchNormMode, NonFiniteAction, Verbose
+from dp_core import BatchNormMode, NonFiniteAction, ShardMode, Verbose
 from dp_core.keras import FitArguments, LearningRatePolicy
 from torch_dp._data.sources import Readable
 
@@ -28,6 +28,7 @@ class FitJob:
     lr_policy: LearningRatePolicy | None
     resume_from: str | None  # the checkpoint the caller chose and checked
     profile: str | None = None  # the scaling report's folder (``Trainer(profile=...)``)
+    shard: ShardMode | None = None  # what each replica holds a shard of (``_step.shards``)
 
     @property
     def inputs(self) -> Readable:

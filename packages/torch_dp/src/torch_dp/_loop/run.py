@@ -35,6 +35,7 @@ from torch_dp._step.batchnorm import masked_batch_norm
 from torch_dp._step.custom import custom_steps, overrides
 from torch_dp._step.placement import check_placement
 from torch_dp._step.profile import finish_report, step_timer, timing_batch_norm
+from torch_dp._step.shards import sharded
 from torch_dp._step.state import check_same_variables, same_state_as_primary
 
 
@@ -121,9 +122,17 @@ def run_fit(model: keras.Model, job: FitJob, replica: Replica) -> keras.callback
                 lr_policy=None if job.lr_policy is None else job.lr_policy.config(),
             )
         timer = NO_STEP_TIMER if job.profile is None else step_timer(replica)
-        with timing_batch_norm(timer):
+        with timing_batch_norm(timer), sharded(model, job.shard, replica) as state:
             history = fit_loop(
-                model, job, replica, start=start, checkpoints=writer, custom=custom, notice=notice, timer=timer
+                model,
+                job,
+                replica,
+                start=start,
+                checkpoints=writer,
+                custom=custom,
+                notice=notice,
+                timer=timer,
+                state=state,
             )
         if isinstance(timer, StepTimer) and job.profile is not None:
             report = finish_report(

@@ -12,6 +12,10 @@ replica issues the same collectives in the same order. The sums are the same sum
 
 Only ``train_step`` asks for them: a gradient-accumulation step that is not the last of its
 window (``_step.accumulation``) runs backward without buckets and sends nothing.
+
+With ``shard="gradients"`` (``_step.shards``) each bucket holds one owner's variables and is summed
+onto that owner alone (a reduce, whatever the gradients' size); every other replica frees those
+gradients as soon as their bucket is sent, so it keeps only its own variables' gradients.
 """
 
 from __future__ import annotations
@@ -40,16 +44,25 @@ def _bytes(variable: keras.Variable) -> int:
 class GradientBuckets:
     """The buckets of one model's trainable variables (indices into ``trainable_weights``)."""
 
-    def __init__(self, variables: Sequence[keras.Variable]) -> None:
+    def __init__(
+        self, variables: Sequence[keras.Variable], *, owners: Sequence[int] | None = None, rank: int = 0
+    ) -> None:
+        """``owners``: each variable's replica, which alone gets its sum (``rank`` is this one's); None:
+        every replica gets every sum."""
         self.buckets: list[list[int]] = []
+        self.destinations: list[int | None] = []
         size, dtype = 0, None
         for index in reversed(range(len(variables))):
             value = variables[index].value
-            if not self.buckets or size + _bytes(variables[index]) > BUCKET_BYTES or value.dtype != dtype:
+            owner = None if owners is None else owners[index]
+            full = size + _bytes(variables[index]) > BUCKET_BYTES
+            if not self.buckets or full or value.dtype != dtype or owner != self.destinations[-1]:
                 self.buckets.append([])
+                self.destinations.append(owner)
                 size, dtype = 0, value.dtype
             self.buckets[-1].append(index)
             size += _bytes(variables[index])
+        self.rank = rank
         self._variables = [(id(v), tuple(v.value.shape)) for v in variables]
         self._launched: list[tuple[torch.Tensor, Any]] = []
         self.overlapped = 0.0  # the last backward's seconds with an all-reduce in flight
@@ -94,17 +107,27 @@ class GradientBuckets:
         parts = [_gradient_or_zeros(values[i]) for i in self.buckets[b]]
         flat = torch.cat([part.reshape(-1) for part in parts])
         _entering()
-        self._launched.append((flat, dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)))
+        destination = self.destinations[b]
+        if destination is None:
+            self._launched.append((flat, dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)))
+            return
+        self._launched.append((flat, dist.reduce(flat, dst=destination, op=dist.ReduceOp.SUM, async_op=True)))
+        if destination != self.rank:  # another replica's: sent, so this one's copy goes
+            for i in self.buckets[b]:
+                values[i].grad = None
 
     def summed(self, variables: Sequence[keras.Variable]) -> list[torch.Tensor]:
         """After ``backward`` in ``reducing``: the remaining buckets started (zeros for variables
-        without a gradient), every one waited for, and each variable's summed gradient."""
+        without a gradient), every one waited for, and each variable's summed gradient (None for
+        another replica's, with owners)."""
         values = [v.value for v in variables]
         while len(self._launched) < len(self.buckets):
             self._launch(values, len(self._launched))
         summed: list[Any] = [None] * len(values)
-        for bucket, (flat, work) in zip(self.buckets, self._launched, strict=True):
+        for bucket, destination, (flat, work) in zip(self.buckets, self.destinations, self._launched, strict=True):
             work.wait()
+            if destination is not None and destination != self.rank:
+                continue
             pieces = torch.split(flat, [values[i].numel() for i in bucket])
             for index, piece in zip(bucket, pieces, strict=True):
                 summed[index] = piece.view(values[index].shape)

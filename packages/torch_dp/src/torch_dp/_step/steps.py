@@ -30,6 +30,7 @@ from torch_dp._comm.replica import Replica
 from torch_dp._data.batches import Batch
 from torch_dp._step.batchnorm import real_rows
 from torch_dp._step.buckets import GradientBuckets
+from torch_dp._step.shards import REPLICATED, TrainingState
 
 
 def _forward(model: keras.Model, x: Any, training: bool) -> Any:
@@ -156,6 +157,7 @@ def train_step(
     timer: StepTimer | NoStepTimer = NO_STEP_TIMER,
     buckets: GradientBuckets | None = None,
     apply_nonfinite: bool = False,
+    state: TrainingState = REPLICATED,
 ) -> Trained:
     """Forward, exact global-batch gradient, Keras optimizer update, metric update.
 
@@ -187,6 +189,7 @@ def train_step(
     the all-reduce and the optimizer.
     With ``buckets`` (large gradients, ``_step.buckets``) the gradients are summed in buckets started during
     backward, and the few floats above travel in a small all-reduce of their own after it.
+    ``state`` applies the update: on every replica, or each on its own variables (``_step.shards``).
     """
     before = _state_to_undo(model)
     loss, trainable, local = local_gradients(model, batch, replica, buckets=buckets)
@@ -214,27 +217,13 @@ def train_step(
     if not finite and not apply_nonfinite:  # ``apply_nonfinite``: as model.fit, for a TerminateOnNaN to stop
         _undo(model, before)
         return Trained(False)
-    _apply(model, trainable, local, summed_gradients)
+    state.apply(model, trainable, local, summed_gradients)
     timer.lap("optimizer", sync=True)
     if not sum_metrics:
         return Trained(True)
     if not shared:  # one replica: its own states are the global ones
         return Trained(True, metric_sums=[v.value.detach() for v in model.metrics_variables])
     return Trained(True, metric_sums=summed[len(gradients) + 1 : -1])
-
-
-def _apply(
-    model: keras.Model,
-    trainable: list[keras.Variable],
-    local: list[torch.Tensor | None],
-    summed: list[torch.Tensor],
-) -> None:
-    """Keras's optimizer update with the gradients ``summed`` over replicas; a variable that got
-    no gradient on this replica (``local``) is given None, so the optimizer skips it, as in Keras."""
-    if not trainable:
-        return
-    with torch.no_grad():
-        model.optimizer.apply([None if g is None else a for g, a in zip(local, summed, strict=True)], trainable)
 
 
 class LocalGradients(NamedTuple):

@@ -1,0 +1,424 @@
+"""Sharded training state (``Trainer(shard="optimizer" | "gradients")``): ZeRO-1 and ZeRO-2 over
+Keras's own optimizer.
+
+Each trainable variable belongs to one replica, its owner: whole variables, in runs of the order
+backward produces their gradients (the model's order reversed), one run per replica, balanced by
+bytes. The owner alone keeps that variable's optimizer slots (every optimizer variable Keras made
+for it: Adam's moments, momentum, moving averages, gradient accumulators) and alone updates it;
+the other replicas hold those slots empty (storage freed, shape kept). After each update the
+owners' new weights reach every replica in one all-gather.
+
+- ``"optimizer"`` (ZeRO-1): the gradients are summed over replicas as without sharding, and each
+  replica applies its own variables' only, so it holds 1/N of the slots.
+- ``"gradients"`` (ZeRO-2): each bucket of gradients is summed onto its owner alone (a reduce,
+  started during backward: ``_step.buckets``) and the other replicas free theirs, so each also
+  holds only its own variables' gradients once its bucket is sent.
+
+Exact: Keras updates a variable from that variable, its gradient and its slots only, but for what
+reads every gradient, computed over all of them before any replica applies its own:
+- a ``LossScaleOptimizer``'s finite check (all gradients finite),
+- ``global_clipnorm``'s norm: each variable's sum of squares as Keras computes it (of the
+  unscaled gradient), gathered in one small all-reduce to which only the owner adds each, then
+  summed in Keras's order: the same norm to the bit,
+- the moving averages (``use_ema``), which Keras moves for every variable at each ``apply``: each
+  replica moves its own variables' (``internals.applying_to``).
+A step where a replica owns no variable with a gradient still counts, as Keras's ``apply`` would.
+
+Between calls every replica holds the whole state: a fit frees the slots before its first step,
+gathers them back before it ends (and onto rank 0 for each checkpoint), so the caller's optimizer,
+checkpoints and a resumed fit hold what one device holds, in any mode and on any replica count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol, final
+
+import keras
+import torch
+import torch.distributed as dist
+
+from dp_core import ShardMode
+from dp_core.keras import internals
+from torch_dp._comm.collectives import _entering, all_reduce_sum
+from torch_dp._comm.replica import Replica
+from torch_dp._step.buckets import GradientBuckets, gradient_buckets
+
+
+class TrainingState(Protocol):
+    """How a fit's training state lies on the replicas: whole on each (``REPLICATED``), or sharded."""
+
+    mode: ShardMode | None
+
+    def buckets(self, model: keras.Model, replica: Replica) -> GradientBuckets | None:
+        """How a step's gradients travel during backward (None: summed in one all-reduce after it)."""
+        ...
+
+    def apply(
+        self,
+        model: keras.Model,
+        trainable: list[keras.Variable],
+        local: list[torch.Tensor | None],
+        summed: list[torch.Tensor | None],
+    ) -> None:
+        """Keras's optimizer update with the gradients ``summed`` over replicas; a variable that got
+        no gradient on this replica (``local``) is left out, as Keras leaves it out."""
+        ...
+
+    def whole_on_primary(self) -> contextlib.AbstractContextManager[None]:
+        """Within the block rank 0's optimizer holds every slot (a checkpoint reads it)."""
+        ...
+
+    def gather(self) -> None:
+        """Every replica's optimizer holds every slot again (the end of the fit)."""
+        ...
+
+    def sharded_variables(self) -> list[keras.Variable]:
+        """The optimizer variables no replica holds whole during the fit."""
+        ...
+
+
+@final
+class Replicated:
+    """Every replica holds the whole state (``shard=None``)."""
+
+    mode = None
+
+    def buckets(self, model: keras.Model, replica: Replica) -> GradientBuckets | None:
+        return gradient_buckets(model, replica)
+
+    def apply(
+        self,
+        model: keras.Model,
+        trainable: list[keras.Variable],
+        local: list[torch.Tensor | None],
+        summed: list[torch.Tensor | None],
+    ) -> None:
+        if not trainable:
+            return
+        with torch.no_grad():
+            model.optimizer.apply([None if g is None else s for g, s in zip(local, summed, strict=True)], trainable)
+
+    @contextlib.contextmanager
+    def whole_on_primary(self) -> Iterator[None]:
+        yield
+
+    def gather(self) -> None:
+        pass
+
+    def sharded_variables(self) -> list[keras.Variable]:
+        return []
+
+
+REPLICATED = Replicated()
+
+
+def owners_of(variables: Sequence[keras.Variable], num_replicas: int) -> list[int]:
+    """Each variable's owner: one run per replica of the variables in backward order (the model's
+    reversed, as buckets fill), each ending at its share of the bytes: a variable goes to the next
+    replica when its middle lies past this one's share."""
+    sizes = [_bytes(v) for v in variables]
+    total = sum(sizes)
+    owners, owner, running = [0] * len(variables), 0, 0
+    for index in reversed(range(len(variables))):
+        while owner < num_replicas - 1 and (2 * running + sizes[index]) * num_replicas > 2 * total * (owner + 1):
+            owner += 1
+        owners[index] = owner
+        running += sizes[index]
+    return owners
+
+
+def slots_of(optimizer: keras.optimizers.Optimizer, variables: Sequence[keras.Variable]) -> list[list[keras.Variable]]:
+    """The optimizer variables Keras made for each of ``variables``: ``add_variable_from_reference``
+    names a slot ``{variable.path with '/' as '_'}_{slot}`` and gives it the variable's shape (the
+    longest matching path wins). A ``LossScaleOptimizer`` lists its inner optimizer's too."""
+    by_length = sorted(range(len(variables)), key=lambda i: -len(variables[i].path))
+    prefixes = [variables[i].path.replace("/", "_") + "_" for i in range(len(variables))]
+    slots: list[list[keras.Variable]] = [[] for _ in variables]
+    for slot in optimizer.variables:
+        for index in by_length:
+            if slot.name.startswith(prefixes[index]) and tuple(slot.shape) == tuple(variables[index].shape):
+                slots[index].append(slot)
+                break
+    return slots
+
+
+@final
+class Sharded:
+    """One fit's sharded state: who owns each trainable variable, its slots, and the steps' update."""
+
+    def __init__(self, model: keras.Model, mode: ShardMode, replica: Replica) -> None:
+        optimizer = model.optimizer
+        if not optimizer.built:
+            optimizer.build(model.trainable_weights)
+        self.mode: ShardMode = mode
+        self.replica = replica
+        self.variables = list(model.trainable_weights)
+        self.owners = owners_of(self.variables, replica.num_replicas)
+        self.mine = [i for i, owner in enumerate(self.owners) if owner == replica.rank]
+        self.slots = slots_of(optimizer, self.variables)
+        self._buckets: GradientBuckets | None = None
+        self._whole = True
+        self._free()
+
+    def buckets(self, model: keras.Model, replica: Replica) -> GradientBuckets | None:
+        if self.mode == "optimizer":
+            return gradient_buckets(model, replica)
+        if self._buckets is None:  # every bucket goes to its owner, whatever the gradients' size
+            self._buckets = GradientBuckets(self.variables, owners=self.owners, rank=replica.rank)
+        return self._buckets
+
+    def apply(
+        self,
+        model: keras.Model,
+        trainable: list[keras.Variable],
+        local: list[torch.Tensor | None],
+        summed: list[torch.Tensor | None],
+    ) -> None:
+        optimizer = model.optimizer
+        mine = [i for i in self.mine if local[i] is not None]
+        grads = [summed[i] for i in mine]
+        variables = [trainable[i] for i in mine]
+        with torch.no_grad(), self._over_every_gradient(optimizer, local, summed):
+            if variables:
+                optimizer.apply(grads, variables)
+            else:
+                _count_step(optimizer)
+            self._share_weights(trainable)
+
+    def sharded_variables(self) -> list[keras.Variable]:
+        return [slot for slots in self.slots for slot in slots]
+
+    @contextlib.contextmanager
+    def whole_on_primary(self) -> Iterator[None]:
+        """Each owner sends rank 0 its slots (rank 0 alone allocates them); freed again after."""
+        if self._whole:
+            yield
+            return
+        replica = self.replica
+        for owner in range(1, replica.num_replicas):
+            slots = self._slots_of(owner)
+            if replica.rank == owner:
+                for flat in _flat_by_dtype(slots):
+                    _entering()
+                    dist.send(flat, dst=0)
+            elif replica.is_primary:
+                for group, flat in _empty_by_dtype(slots, replica.device):
+                    _entering()
+                    dist.recv(flat, src=owner)
+                    _fill(group, flat)
+        try:
+            yield
+        finally:
+            if replica.is_primary:
+                for slot in self.sharded_variables():
+                    if self.owners[self._index_of[id(slot)]] != 0:
+                        _release(slot)
+
+    def gather(self) -> None:
+        """Each owner's slots broadcast to every replica: the whole state everywhere."""
+        if self._whole:
+            return
+        replica = self.replica
+        for owner in range(replica.num_replicas):
+            slots = self._slots_of(owner)
+            if replica.rank == owner:
+                buffers = list(zip(_groups_by_dtype(slots), _flat_by_dtype(slots), strict=True))
+            else:
+                buffers = _empty_by_dtype(slots, replica.device)
+            for group, flat in buffers:
+                _entering()
+                dist.broadcast(flat, src=owner)
+                if replica.rank != owner:
+                    _fill(group, flat)
+        self._whole = True
+
+    def fill_locally(self) -> None:
+        """Freed slots back at their shapes, as zeros, with no collective (a failed fit's end)."""
+        for slot in self.sharded_variables():
+            if internals.stored_value(slot).numel() != _numel(slot):
+                internals.stored_value(slot).data = torch.zeros(tuple(slot.shape), dtype=_dtype(slot))
+        self._whole = True
+
+    def _free(self) -> None:
+        self._index_of = {id(slot): index for index, slots in enumerate(self.slots) for slot in slots}
+        for index, slots in enumerate(self.slots):
+            if self.owners[index] != self.replica.rank:
+                for slot in slots:
+                    _release(slot)
+        self._whole = self.replica.num_replicas == 1
+
+    def _slots_of(self, owner: int) -> list[keras.Variable]:
+        return [slot for index, slots in enumerate(self.slots) if self.owners[index] == owner for slot in slots]
+
+    @contextlib.contextmanager
+    def _over_every_gradient(
+        self, optimizer: keras.optimizers.Optimizer, local: list[torch.Tensor | None], summed: list[torch.Tensor | None]
+    ) -> Iterator[None]:
+        """Within the block, ``apply`` on this replica's variables decides and clips as over all of them."""
+        scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        inner: Any = optimizer.inner_optimizer if scaled else optimizer  # pyright: ignore[reportAttributeAccessIssue]
+        clips = bool(inner.global_clipnorm) and inner.global_clipnorm > 0 and not inner.clipnorm
+        undo = []
+        if scaled or clips:
+            finite, norm = self._finite_and_norm(optimizer, inner, local, summed)
+            if scaled:
+                undo.append(internals.override(optimizer, "check_finite", lambda grads: finite))
+            if clips:
+                undo.append(internals.override(inner, "_clip_gradients", _clipped_to(norm, inner.global_clipnorm)))
+        try:
+            with internals.applying_to(inner, [self.variables[i] for i in self.mine]):
+                yield
+        finally:
+            for restore in undo:
+                restore()
+
+    def _finite_and_norm(
+        self,
+        optimizer: keras.optimizers.Optimizer,
+        inner: keras.optimizers.Optimizer,
+        local: list[torch.Tensor | None],
+        summed: list[torch.Tensor | None],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whether every summed gradient is finite, and their global norm as ``inner`` computes it:
+        of the gradients unscaled as ``apply`` unscales them, each variable's sum of squares added
+        in the variables' order. One all-reduce: each replica gives its own variables' terms."""
+        count = len(self.variables)
+        squares, nonfinite, present = torch.zeros((3, count), dtype=torch.float64, device=self.replica.device)
+        for index in self.mine:
+            gradient = summed[index]
+            if local[index] is None or gradient is None:
+                continue  # no gradient on any replica (the owner's was summed from theirs)
+            present[index] = 1.0
+            nonfinite[index] = float(not bool(torch.isfinite(gradient).all()))
+            squares[index] = keras.ops.sum(keras.ops.square(_unscaled(optimizer, inner, gradient))).to(torch.float64)
+        squares, nonfinite, present = all_reduce_sum([squares, nonfinite, present], self.replica)
+        with_gradient = [i for i in range(count) if present[i]]
+        dtype = self.variables[with_gradient[0]].value.dtype if with_gradient else torch.float32
+        terms = [squares[i].to(dtype) for i in with_gradient]  # a float32 square is exact in float64 and back
+        norm = keras.ops.sqrt(keras.ops.sum(keras.ops.stack(terms))) if terms else torch.zeros((), dtype=dtype)
+        return torch.logical_not(nonfinite.sum() > 0), norm
+
+    def _share_weights(self, trainable: list[keras.Variable]) -> None:
+        """Every owner's variables, as it just updated them, on every replica: one all-gather per
+        dtype, each replica's part padded to the longest."""
+        replica = self.replica
+        if not replica.distributed:
+            return
+        by_owner = [[i for i, o in enumerate(self.owners) if o == owner] for owner in range(replica.num_replicas)]
+        for dtype in dict.fromkeys(v.value.dtype for v in trainable):
+            parts = [[i for i in indices if trainable[i].value.dtype == dtype] for indices in by_owner]
+            lengths = [sum(trainable[i].value.numel() for i in part) for part in parts]
+            longest = max(lengths)
+            if not longest:
+                continue
+            mine = torch.zeros(longest, dtype=dtype, device=replica.device)
+            if lengths[replica.rank]:
+                mine[: lengths[replica.rank]] = torch.cat([trainable[i].value.reshape(-1) for i in parts[replica.rank]])
+            gathered = [torch.empty_like(mine) for _ in range(replica.num_replicas)]
+            _entering()
+            dist.all_gather(gathered, mine)
+            for owner, part in enumerate(parts):
+                if owner == replica.rank or not part:
+                    continue
+                pieces = torch.split(gathered[owner][: lengths[owner]], [trainable[i].value.numel() for i in part])
+                for index, piece in zip(part, pieces, strict=True):
+                    trainable[index].assign(piece.view(trainable[index].value.shape))
+
+
+def training_state(model: keras.Model, mode: ShardMode | None, replica: Replica) -> TrainingState:
+    """The fit's state: whole on every replica, or sharded as ``mode`` says (its slots freed now)."""
+    if mode is None or not model.trainable_weights:
+        return REPLICATED
+    return Sharded(model, mode, replica)
+
+
+@contextlib.contextmanager
+def sharded(model: keras.Model, mode: ShardMode | None, replica: Replica) -> Iterator[TrainingState]:
+    """A fit's ``training_state``; the whole state is back on every replica after the block (a fit
+    that failed on some replica leaves the slots it did not hold as zeros, with no collective)."""
+    state = training_state(model, mode, replica)
+    try:
+        yield state
+    except BaseException:
+        if isinstance(state, Sharded):
+            state.fill_locally()
+        raise
+    state.gather()
+
+
+def _count_step(optimizer: keras.optimizers.Optimizer) -> None:
+    """What ``apply`` counts when this replica updates none of its variables (it owns none with a
+    gradient): ``iterations``, and a ``LossScaleOptimizer``'s scale, as over the others'."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        if bool(optimizer.check_finite([])):  # the finite check over every replica's gradients
+            optimizer.inner_optimizer.iterations.assign_add(1)  # what its apply of nothing leaves out
+        optimizer.apply([], [])  # the scale moves as on the others
+        return
+    optimizer.iterations.assign_add(1)
+
+
+def _clipped_to(norm: torch.Tensor, clip_norm: float) -> Any:
+    """Keras's ``clip_by_global_norm`` with the norm over every replica's gradients."""
+
+    def clip(grads: list[Any]) -> list[Any]:
+        scale = clip_norm * keras.ops.minimum(1.0 / norm, 1.0 / clip_norm) + (norm - norm)
+        return [g if g is None else g * scale for g in grads]
+
+    return clip
+
+
+def _unscaled(optimizer: keras.optimizers.Optimizer, inner: keras.optimizers.Optimizer, gradient: torch.Tensor) -> Any:
+    """``gradient`` as ``inner`` clips it: divided by a ``LossScaleOptimizer``'s scale, then by the
+    optimizer's own ``loss_scale_factor``."""
+    if inner is not optimizer:
+        gradient = keras.ops.divide(gradient, optimizer.dynamic_scale)  # pyright: ignore[reportAttributeAccessIssue]
+    if inner.loss_scale_factor is not None:
+        gradient = gradient / inner.loss_scale_factor
+    return gradient
+
+
+def _bytes(variable: keras.Variable) -> int:
+    return _numel(variable) * torch.empty((), dtype=_dtype(variable)).element_size()
+
+
+def _numel(variable: keras.Variable) -> int:
+    count = 1
+    for size in variable.shape:
+        count *= int(size)
+    return count
+
+
+def _dtype(variable: keras.Variable) -> torch.dtype:
+    return internals.stored_value(variable).dtype
+
+
+def _release(slot: keras.Variable) -> None:
+    """The slot's storage freed, its shape kept by Keras: the ``Parameter`` stays, its data is empty."""
+    value = internals.stored_value(slot)
+    value.data = torch.empty(0, dtype=value.dtype, device=value.device)
+
+
+def _groups_by_dtype(slots: list[keras.Variable]) -> list[list[keras.Variable]]:
+    groups: dict[torch.dtype, list[keras.Variable]] = {}
+    for slot in slots:
+        groups.setdefault(_dtype(slot), []).append(slot)
+    return list(groups.values())
+
+
+def _flat_by_dtype(slots: list[keras.Variable]) -> list[torch.Tensor]:
+    groups = _groups_by_dtype(slots)
+    return [torch.cat([internals.stored_value(s).detach().reshape(-1) for s in group]) for group in groups]
+
+
+def _empty_by_dtype(slots: list[keras.Variable], device: str) -> list[tuple[list[keras.Variable], torch.Tensor]]:
+    return [
+        (group, torch.empty(sum(_numel(s) for s in group), dtype=_dtype(group[0]), device=device))
+        for group in _groups_by_dtype(slots)
+    ]
+
+
+def _fill(group: list[keras.Variable], flat: torch.Tensor) -> None:
+    for slot, piece in zip(group, torch.split(flat, [_numel(s) for s in group]), strict=True):
+        internals.stored_value(slot).data = piece.view(tuple(slot.shape)).clone()

@@ -1,0 +1,241 @@
+"""``shard="optimizer"`` (ZeRO-1) and ``"gradients"`` (ZeRO-2) on two gloo replicas: single-device
+``model.fit``'s weights, History, evaluate, predict and optimizer state, with each replica holding
+only its own variables' optimizer slots (and, sharding gradients, their gradients) during the fit,
+and checkpoints that resume in another mode and on another replica count."""
+
+import keras
+import numpy as np
+import pytest
+import torch
+import torch_dp_testing as testing
+
+import torch_dp
+from dp_core.keras import internals
+from torch_dp._step.shards import owners_of, slots_of
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+GLOBAL_BATCH_SIZE = 32  # 99 rows: the last batch has 3, all on rank 0
+EPOCHS = 2
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+    # small enough to clip at every step: the norm must be over both replicas' variables
+    "global_clipnorm": lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.05),
+    "ema": lambda: keras.optimizers.Adam(0.01, use_ema=True, ema_overwrite_frequency=3),
+    "sgd_clipnorm": lambda: keras.optimizers.SGD(0.1, momentum=0.9, global_clipnorm=0.5),  # float16: Adam's
+    # division by float16 noise moves model.fit itself by 2e-3 between replica counts
+    "accumulation": lambda: keras.optimizers.Adam(0.01, gradient_accumulation_steps=3),
+}
+CASES = [  # each optimizer once or twice, not every pair
+    ("optimizer", "sgd_momentum"),
+    ("optimizer", "adamw"),
+    ("optimizer", "global_clipnorm"),
+    ("optimizer", "ema"),
+    ("gradients", "adam"),
+    ("gradients", "global_clipnorm"),
+    ("gradients", "ema"),
+    ("gradients", "accumulation"),
+]
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    """One pair of replicas for the file; each test sets the mode it trains in."""
+    with torch_dp.Trainer(num_replicas=2, timeout=60) as started:
+        yield started
+
+
+def data(num_samples: int = 99, seed: int = 0) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = {
+        "numbers": rng.normal(size=(num_samples, 5)).astype("float32"),
+        "tokens": rng.integers(0, 8, size=(num_samples, 3)).astype("int32"),
+    }
+    return x, (x["numbers"][:, 0] > 0).astype("int64") + (x["tokens"][:, 0] > 4)
+
+
+def model(optimizer: str) -> keras.Model:
+    """Embedding, Dense and BatchNormalization: variables of several sizes, split between owners."""
+    keras.utils.set_random_seed(2)
+    numbers = keras.Input((5,), name="numbers")
+    tokens = keras.Input((3,), dtype="int32", name="tokens")
+    embedded = keras.layers.Flatten()(keras.layers.Embedding(8, 4, name="embedding")(tokens))
+    hidden = keras.layers.Dense(16, use_bias=False, name="dense_in")(keras.layers.Concatenate()([numbers, embedded]))
+    hidden = keras.layers.Activation("relu")(keras.layers.BatchNormalization(name="norm")(hidden))
+    outputs = keras.layers.Dense(3, activation="softmax", name="dense_out")(hidden)
+    built = keras.Model([numbers, tokens], outputs)
+    built.compile(optimizer=OPTIMIZERS[optimizer](), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return built
+
+
+def _numpy(variable) -> np.ndarray:
+    return np.asarray(keras.ops.convert_to_numpy(variable))
+
+
+def assert_like_keras(trainer, trained, history, reference, expected, *, atol=1e-5, rtol=1e-5) -> None:
+    """Weights, History, the optimizer's whole state, evaluate and predict: ``model.fit``'s."""
+    for mine, theirs in zip(trained.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(mine, theirs, atol=atol)
+    assert history.epoch == expected.epoch
+    for name, values in expected.history.items():
+        np.testing.assert_allclose(history.history[name], values, rtol=rtol, atol=atol, err_msg=name)
+    assert len(trained.optimizer.variables) == len(reference.optimizer.variables)
+    for mine, theirs in zip(trained.optimizer.variables, reference.optimizer.variables, strict=True):
+        np.testing.assert_allclose(_numpy(mine), _numpy(theirs), atol=atol, err_msg=mine.path)  # all of it, here
+    x, y = data(37, seed=1)
+    logs = trainer.evaluate(trained, x, y, global_batch_size=GLOBAL_BATCH_SIZE, return_dict=True, verbose=0)
+    for name, value in reference.evaluate(x, y, batch_size=GLOBAL_BATCH_SIZE, return_dict=True, verbose=0).items():
+        np.testing.assert_allclose(logs[name], value, rtol=rtol, atol=atol, err_msg=name)
+    np.testing.assert_allclose(
+        trainer.predict(trained, x, global_batch_size=GLOBAL_BATCH_SIZE, verbose=0),
+        reference.predict(x, batch_size=GLOBAL_BATCH_SIZE, verbose=0),
+        atol=atol,
+    )
+
+
+def keras_fit(optimizer: str, epochs: int = EPOCHS):
+    reference = model(optimizer)
+    x, y = data()
+    expected = reference.fit(x, y, batch_size=GLOBAL_BATCH_SIZE, epochs=epochs, shuffle=False, verbose=0)
+    return reference, expected
+
+
+class HeldState(keras.callbacks.Callback):
+    """On rank 0 (the caller), at every batch end: how many elements of each trainable variable's
+    optimizer slots it holds, and which variables hold a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.slot_sizes: list[list[int]] = []
+        self.gradients: list[list[bool]] = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        variables = self.model.trainable_weights
+        slots = slots_of(self.model.optimizer, variables)
+        self.slot_sizes.append([sum(internals.stored_value(s).numel() for s in own) for own in slots])
+        self.gradients.append([v.value.grad is not None for v in variables])
+
+
+@pytest.mark.parametrize(("mode", "optimizer"), CASES)
+def test_sharded_fit_is_model_fit(trainer, mode, optimizer):
+    reference, expected = keras_fit(optimizer)
+    trainer.shard = mode
+    trained = model(optimizer)
+    held = HeldState()
+    x, y = data()
+    history = trainer.fit(
+        trained, x, y, global_batch_size=GLOBAL_BATCH_SIZE, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[held]
+    )
+    assert_like_keras(trainer, trained, history, reference, expected)
+    # during the fit rank 0 held the slots of its own variables only, and (sharding gradients) their gradients
+    owners = owners_of(trained.trainable_weights, 2)
+    assert owners == [1, 1, 0, 0, 0, 0]  # embedding, dense_in | gamma, beta, dense_out's kernel and bias
+    full = [sum(int(np.prod(s.shape)) for s in own) for own in slots_of(trained.optimizer, trained.trainable_weights)]
+    for sizes, gradients in zip(held.slot_sizes, held.gradients, strict=True):
+        assert sizes == [size if owner == 0 else 0 for size, owner in zip(full, owners, strict=True)]
+        assert gradients == [owner == 0 or mode == "optimizer" for owner in owners]
+
+
+def test_mixed_precision_loss_scale_moves_as_in_model_fit(trainer):
+    """mixed_float16: the LossScaleOptimizer halves its scale at the same steps (non-finite float16
+    gradients, seen on every replica's variables at once) and counts the same updates."""
+    policy = keras.config.dtype_policy()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+
+        def scaled(optimizer: str) -> keras.Model:
+            built = model(optimizer)
+            built.optimizer.build(built.trainable_weights)
+            built.optimizer.dynamic_scale.assign(2.0**18)  # overflows float16 at first: halved twice
+            return built
+
+        reference = scaled("sgd_clipnorm")
+        x, y = data()
+        reference.fit(x, y, batch_size=GLOBAL_BATCH_SIZE, epochs=EPOCHS, shuffle=False, verbose=0)
+        for mode in ("optimizer", "gradients"):
+            trainer.shard = mode
+            trained = scaled("sgd_clipnorm")
+            trainer.fit(trained, x, y, global_batch_size=GLOBAL_BATCH_SIZE, epochs=EPOCHS, shuffle=False, verbose=0)
+            assert float(trained.optimizer.dynamic_scale) == float(reference.optimizer.dynamic_scale) == 2.0**16
+            assert int(trained.optimizer.iterations) == int(reference.optimizer.iterations) == 6
+            for mine, theirs in zip(trained.get_weights(), reference.get_weights(), strict=True):
+                np.testing.assert_allclose(mine, theirs, atol=1e-4)  # float16 compute
+    finally:
+        keras.mixed_precision.set_global_policy(policy)
+
+
+def test_a_replica_that_owns_no_variable_counts_the_steps(trainer):
+    """One trainable variable: rank 1 owns nothing, applies nothing, and still counts every update."""
+    trainer.shard = "gradients"
+    x, y = testing.data()
+
+    def single() -> keras.Model:
+        keras.utils.set_random_seed(0)
+        built = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3, use_bias=False, activation="softmax")])
+        built.compile(optimizer=keras.optimizers.Adam(0.01, use_ema=True), loss="sparse_categorical_crossentropy")
+        return built
+
+    assert owners_of(single().trainable_weights, 2) == [0]
+    reference, trained = single(), single()
+    reference.fit(x, y, batch_size=GLOBAL_BATCH_SIZE, epochs=EPOCHS, shuffle=False, verbose=0)
+    trainer.fit(trained, x, y, global_batch_size=GLOBAL_BATCH_SIZE, epochs=EPOCHS, shuffle=False, verbose=0)
+    np.testing.assert_allclose(trained.get_weights()[0], reference.get_weights()[0], atol=1e-6)
+    assert int(trained.optimizer.iterations) == int(reference.optimizer.iterations) == 8
+
+
+def test_checkpoints_resume_in_another_mode_and_replica_count(trainer, tmp_path):
+    """A sharded fit's checkpoint holds one device's state: the second epoch resumed unsharded on one
+    replica is ``model.fit``'s; resumed in the same mode on the same replicas, the uninterrupted run's, bitwise."""
+    x, y = data()
+    fit = {"global_batch_size": GLOBAL_BATCH_SIZE, "shuffle": False, "verbose": 0}
+    trainer.shard = "gradients"
+    whole = model("adam")
+    trainer.fit(whole, x, y, epochs=EPOCHS, **fit)
+    first = model("adam")
+    trainer.fit(first, x, y, epochs=1, checkpoint_dir=str(tmp_path / "run"), **fit)
+    again = model("adam")
+    trainer.fit(again, x, y, epochs=EPOCHS, checkpoint_dir=str(tmp_path / "run"), **fit)
+    for mine, theirs in zip(again.get_weights(), whole.get_weights(), strict=True):
+        np.testing.assert_array_equal(mine, theirs)
+    for mine, theirs in zip(again.optimizer.variables, whole.optimizer.variables, strict=True):
+        np.testing.assert_array_equal(_numpy(mine), _numpy(theirs))
+
+    reference, _ = keras_fit("adam")
+    trainer.fit(model("adam"), x, y, epochs=1, checkpoint_dir=str(tmp_path / "moved"), **fit)
+    resumed = model("adam")
+    torch_dp.Trainer(num_replicas=1).fit(resumed, x, y, epochs=EPOCHS, checkpoint_dir=str(tmp_path / "moved"), **fit)
+    for mine, theirs in zip(resumed.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(mine, theirs, atol=1e-5)
+    for mine, theirs in zip(resumed.optimizer.variables, reference.optimizer.variables, strict=True):
+        np.testing.assert_allclose(_numpy(mine), _numpy(theirs), atol=1e-5, err_msg=mine.path)
+
+
+class _OwnStep(keras.Model):
+    def train_step(self, data):
+        return super().train_step(data)
+
+
+def test_what_cannot_be_sharded_is_refused(trainer):
+    allowed = r"\(None, 'optimizer', 'gradients', 'full'\)"
+    with pytest.raises(ValueError, match=rf"shard must be one of {allowed}, got 'zero2'"):
+        torch_dp.Trainer(num_replicas=1, shard="zero2")
+    with pytest.raises(NotImplementedError, match=r'shard="full"\) is not available.*jax_dp'):
+        trainer.shard = "full"
+    inputs = keras.Input((5,))
+    own = _OwnStep(inputs, keras.layers.Dense(3)(inputs))
+    own.compile(optimizer="adam", loss="mse")
+    trainer.shard = "optimizer"
+    with pytest.raises(NotImplementedError, match="overrides train_step.*Drop shard="):
+        trainer.fit(own, np.zeros((8, 5), "float32"), np.zeros((8, 3), "float32"), global_batch_size=4, verbose=0)
+
+
+def test_owners_are_runs_in_backward_order_balanced_by_bytes():
+    sizes = [(100,), (1,), (100,), (1,), (300,), (2,)]
+    variables = [keras.Variable(torch.zeros(shape)) for shape in sizes]
+    # backward order: 2 and 300 (302 of 504: the next one's middle lies past half) on rank 0, the rest on rank 1
+    assert owners_of(variables, 2) == [1, 1, 1, 1, 0, 0]
+    assert owners_of(variables, 3) == [2, 2, 2, 1, 0, 0]  # thirds end at 168 and 336: 1 at 302.5, 100 at 353
+    assert owners_of(variables, 1) == [0] * 6
