@@ -103,9 +103,10 @@ def memory(widths: tuple[int, ...], num_replicas: int, shard: str | None) -> dic
     slots = [a for a, v in zip(state.optimizer, model.optimizer.variables, strict=True) if len(v.shape) > 0]
     weight_bytes = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in weights)
     placed = gradient_shardings(model, state.trainable[0].sharding.mesh)
+    shardings = placed or [a.sharding for a in weights]  # unplaced: all-reduced, replicated
     gradient_bytes = sum(
         int(np.prod(s.shard_shape(a.shape))) * a.dtype.itemsize if placed else int(np.prod(a.shape)) * a.dtype.itemsize
-        for a, s in zip(weights, placed or [None] * len(weights), strict=True)
+        for a, s in zip(weights, shardings, strict=True)
     )
     analysis = step.lower(state, batch, False).compile().memory_analysis()
     compiled = {
@@ -186,7 +187,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small MLP and few steps: a smoke run")
     parser.add_argument("--output", default="docs/benchmarks/sharding_jax.json")
     arguments = parser.parse_args()
