@@ -390,8 +390,9 @@ def bench_features(session: nox.Session) -> None:
     """The benchmarks of what goes beyond a data-parallel ``fit``, each into its section of docs/benchmarks.md.
 
     Gradient accumulation, the scaling report's overhead, synchronized BatchNorm against torch's,
-    model-parallel memory per device (about 15 minutes on 2 idle cores; ``-- --quick`` is a smoke
-    run of each that writes nothing under docs/)."""
+    model-parallel memory per device, sharded state's (``shard=``) memory and speed on each backend
+    (about 35 minutes on 2 idle cores; ``-- --quick`` is a smoke run of each that writes nothing
+    under docs/)."""
     _install_everything(session, "psutil>=5.9", "matplotlib>=3.8")
     quick = "--quick" in session.posargs
     scratch = session.create_tmp()
@@ -401,6 +402,10 @@ def bench_features(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_syncbn.py", "--output", syncbn, *(["--quick"] if quick else []))
     memory = ["--output", os.path.join(scratch, "model_parallel.json"), "--no-page"] if quick else []
     session.run("python", "benchmarks/model_parallel_memory.py", *memory, env={"KERAS_BACKEND": "jax"})
+    # shard=: memory per replica, a model that fits only sharded, each mode's speed (--quick writes no page)
+    for backend in ("torch", "jax"):
+        output = ["--quick", "--output", os.path.join(scratch, f"sharding_{backend}.json")] if quick else []
+        session.run("python", f"benchmarks/sharding_memory_{backend}.py", *output, env={"KERAS_BACKEND": backend})
 
 
 def _fault_tests() -> dict[str, tuple[str, list[str]]]:

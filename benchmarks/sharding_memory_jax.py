@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from page_sections import write_section
+
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 
@@ -186,11 +188,60 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+HEADING = "## Sharded state on jax: memory per device"
+
+
+def page(document: dict[str, Any]) -> str:
+    """The section of docs/benchmarks.md: the memory table, the budget, the speeds."""
+    model, budget, speeds = document["model"], document["does_not_fit"], document["samples_per_second_at_2_replicas"]
+    mb = 2**20
+    baseline = speeds["None"]
+    return "\n".join(
+        [
+            HEADING,
+            "",
+            f"An MLP ({' -> '.join(str(w) for w in model['widths'])}, {model['parameters'] / 1e6:.1f} M parameters, "
+            f"W = {document['memory'][0]['W_bytes'] / mb:.0f} MB of float32 weights, {model['optimizer']}) under "
+            "`jax_dp.Trainer(shard=...)` on forced CPU host devices. *total*: device 0's addressable shards of the "
+            "weights and Adam's slots plus the gradients where the step puts them, in units of W, against what "
+            "ZeRO predicts; *step peak*: the compiled train step's `memory_analysis()` (on CPU XLA all-reduces the "
+            'gradients and slices them, with no reduce-scatter: so `"gradients"` peaks as `"optimizer"` there) '
+            "(`python benchmarks/sharding_memory_jax.py`, see [Sharded state](sharding.md)).",
+            "",
+            table(document["memory"]),
+            "",
+            f"**A model that does not fit**, a budget of {BUDGET_W} W = "
+            f"{budget['budget_bytes_per_device'] / mb:.0f} MB "
+            f"per device on 4 replicas, against XLA's accounting of the compiled step (the CPU host shares one memory, "
+            f"so nothing runs out): unsharded needs {budget['unsharded_peak_bytes'] / mb:.0f} MB "
+            f'({"exceeds" if budget["unsharded_exceeds"] else "fits"}), `shard="full"` '
+            f"{budget['full_peak_bytes'] / mb:.0f} MB ({'fits' if budget['full_fits'] else 'exceeds'}). "
+            f'`shard="full"` on 4 replicas trains the same MLP at 1/8 of the width '
+            f"({', '.join(str(w) for w in budget['training_check_widths'])}) to `model.fit`'s weights within "
+            f"{budget['full_max_weight_difference_vs_model_fit']:.1e}.",
+            "",
+            "**Speed**, samples/s at 2 replicas, the compiled step, median of interleaved rounds: "
+            + ", ".join(f"`shard={k}` {v:.1f} ({v / baseline:.2f}x)" for k, v in speeds.items())
+            + ". These are the CPU backend's ratios on forced host devices that share 2 cores, not a GPU's: "
+            "there the unsharded step's all-reduce of the whole gradient is a copy through one memory, and XLA "
+            "partitions a step over split weights its own way (its collectives and their order are its choice); "
+            'this page does not break `"full"`\'s lead down further.',
+            "",
+            f"jax {document['jax']}, keras {document['keras']}, {document['cores']} cores.",
+            "",
+        ]
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small MLP and few steps: a smoke run")
     parser.add_argument("--output", default="docs/benchmarks/sharding_jax.json")
+    parser.add_argument("--page-only", action="store_true", help="write docs/benchmarks.md's section from --output")
     arguments = parser.parse_args()
+    if arguments.page_only:
+        write_section(HEADING, page(json.loads(Path(arguments.output).read_text())))
+        return
     widths = QUICK_WIDTHS if arguments.quick else FULL_WIDTHS
     started = time.perf_counter()
     rows = [memory(widths, n, shard) for n in (1, 2, 4) for shard in MODES]
@@ -231,6 +282,8 @@ def main() -> None:
     Path(arguments.output).parent.mkdir(parents=True, exist_ok=True)
     Path(arguments.output).write_text(json.dumps(document, indent=2) + "\n")
     print(f"\nwrote {arguments.output} in {document['seconds']:.0f} s", file=sys.stderr)
+    if not arguments.quick:
+        write_section(HEADING, page(document))
 
 
 if __name__ == "__main__":

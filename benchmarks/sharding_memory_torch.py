@@ -1,0 +1,333 @@
+"""torch-dp's sharded state (``Trainer(shard=...)``): memory per replica, a model that fits only
+sharded, and the speed of each mode against unsharded data parallel.
+
+A deep MLP (Input(1024) -> 13 x Dense(2048) -> Dense(16), Adam: 52.5 M parameters, W = 210 MB of
+float32 weights) trained for a few steps by ``torch_dp.Trainer`` on 1, 2 and 4 replicas, with
+``shard=None`` (every replica holds weights, gradients and Adam's two slots: 4 W), ``"optimizer"``
+(weights, gradients and 2/N of the slots) and ``"gradients"`` (weights, 1/N of the gradients and
+of the slots). Each run is its own process, with glibc's mmap threshold fixed (a freed tensor goes
+back to the system at once, so resident memory follows what is held).
+
+- **Held**: bytes of the tensors rank 0 holds at every batch end (weights, gradients, optimizer
+  variables: ``numel`` of what each holds), the largest seen; and each replica's ``VmData`` then
+  (what ``RLIMIT_DATA`` limits), the largest replica's, and its peak resident set (``VmHWM``).
+- **A model that fits only sharded**: every replica limited by ``RLIMIT_DATA`` (set before the
+  replicas start; they inherit it) halfway between what the unsharded and the ``"gradients"`` run
+  needed. Unsharded data parallel fails to allocate; ``"gradients"`` trains, and its weights are
+  compared with single-device ``model.fit``'s (run without a limit, in a process of its own).
+- **Speed**: samples per second of each mode on 2 replicas, interleaved rounds, medians.
+
+    python benchmarks/sharding_memory_torch.py [--quick] [--output docs/benchmarks/sharding_torch.json] [--no-page]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HEADING = "## Sharded state on torch: memory per replica"
+MODES = [None, "optimizer", "gradients"]
+INPUT_FEATURES, OUTPUTS = 1024, 16
+
+
+def sizes(quick: bool) -> dict[str, int]:
+    return {"width": 256 if quick else 2048, "layers": 3 if quick else 13, "rows": 64, "batch": 16}
+
+
+# ---- in a child process ----------------------------------------------------------------------
+
+
+def _model(width: int, layers: int) -> Any:
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((INPUT_FEATURES,))]
+        + [keras.layers.Dense(width, activation="relu") for _ in range(layers)]
+        + [keras.layers.Dense(OUTPUTS)]
+    )
+    model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
+    return model
+
+
+def _data(rows: int) -> tuple[Any, Any]:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(rows, INPUT_FEATURES)).astype("float32"), rng.normal(size=(rows, OUTPUTS)).astype("float32")
+
+
+def _status(pid: int, field: str) -> int:
+    """A ``/proc/<pid>/status`` field in bytes (kB there)."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _replica_pids() -> list[int]:
+    """This process and the replicas it spawned (multiprocessing's helpers left out)."""
+    import psutil
+
+    children = [
+        child.pid
+        for child in psutil.Process().children(recursive=True)
+        if "resource_tracker" not in " ".join(child.cmdline())
+    ]
+    return [os.getpid(), *children]
+
+
+def _held_callback() -> Any:
+    import keras
+
+    from dp_core.keras import internals
+
+    class Held(keras.callbacks.Callback):
+        """Rank 0's held tensor bytes and every replica's VmData, the largest at any batch end."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.held = {"weights": 0, "gradients": 0, "optimizer": 0}
+            self.data = 0
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            model = self.model
+            now = {
+                "weights": sum(_nbytes(internals.stored_value(v)) for v in model.trainable_weights),
+                "gradients": sum(_nbytes(v.value.grad) for v in model.trainable_weights if v.value.grad is not None),
+                "optimizer": sum(_nbytes(internals.stored_value(v)) for v in model.optimizer.variables),
+            }
+            for name, value in now.items():
+                self.held[name] = max(self.held[name], value)
+            self.data = max(self.data, *(_status(pid, "VmData") for pid in _replica_pids()))
+
+    return Held()
+
+
+def _nbytes(tensor: Any) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def child_measure(replicas: int, mode: str | None, quick: bool) -> dict[str, Any]:
+    import torch_dp
+
+    size = sizes(quick)
+    x, y = _data(size["rows"])
+    held = _held_callback()
+    with torch_dp.Trainer(num_replicas=replicas, shard=mode) as trainer:
+        model = _model(size["width"], size["layers"])
+        trainer.fit(model, x, y, global_batch_size=size["batch"], epochs=1, shuffle=False, verbose=0, callbacks=[held])
+        peaks = [_status(pid, "VmHWM") for pid in _replica_pids()]
+    return {
+        "replicas": replicas,
+        "shard": mode,
+        "parameters": model.count_params(),
+        "weight_bytes": sum(_nbytes(v.value) for v in model.trainable_weights),
+        "held_bytes": held.held,
+        "largest_replica_data_bytes": held.data,
+        "largest_replica_peak_rss_bytes": max(peaks),
+    }
+
+
+def child_capped(mode: str | None, cap: int, quick: bool, weights: str) -> dict[str, Any]:
+    """Train 2 replicas under ``RLIMIT_DATA = cap`` (inherited by the replicas); the weights into ``weights``."""
+    resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
+    size = sizes(quick)
+    try:  # under the limit from here on: an import can fail to allocate too (a --quick run's limit is tiny)
+        import numpy as np
+
+        import torch_dp
+
+        x, y = _data(size["rows"])
+        with torch_dp.Trainer(num_replicas=2, shard=mode) as trainer:
+            model = _model(size["width"], size["layers"])
+            trainer.fit(model, x, y, global_batch_size=size["batch"], epochs=1, shuffle=False, verbose=0)
+    except Exception as error:  # what a user would see: the allocation that failed, on some replica
+        text = f"{type(error).__name__}: {error}".splitlines()
+        return {"shard": mode, "trained": False, "error": " ".join(text[:2])[:300]}
+    np.savez(weights, *model.get_weights())
+    return {"shard": mode, "trained": True}
+
+
+def child_reference(quick: bool, weights: str) -> dict[str, Any]:
+    import numpy as np
+
+    size = sizes(quick)
+    x, y = _data(size["rows"])
+    model = _model(size["width"], size["layers"])
+    model.fit(x, y, batch_size=size["batch"], epochs=1, shuffle=False, verbose=0)
+    np.savez(weights, *model.get_weights())
+    return {"written": weights}
+
+
+def child_speed(quick: bool, rounds: int) -> dict[str, Any]:
+    import torch_dp
+
+    size = sizes(quick)
+    rows = size["batch"] * (4 if quick else 8)
+    x, y = _data(rows)
+    seconds: dict[str, list[float]] = {str(mode): [] for mode in MODES}
+    with torch_dp.Trainer(num_replicas=2) as trainer:
+        model = _model(size["width"], size["layers"])
+        for round_index in range(rounds + 1):  # the first round warms up each mode
+            order = MODES[round_index % len(MODES) :] + MODES[: round_index % len(MODES)]
+            for mode in order:
+                trainer.shard = mode
+                start = time.perf_counter()
+                trainer.fit(model, x, y, global_batch_size=size["batch"], epochs=1, shuffle=False, verbose=0)
+                if round_index:
+                    seconds[str(mode)].append(time.perf_counter() - start)
+    samples_per_second = {mode: rows / statistics.median(times) for mode, times in seconds.items()}
+    return {"rows_per_fit": rows, "seconds": seconds, "samples_per_second": samples_per_second}
+
+
+# ---- the parent ------------------------------------------------------------------------------
+
+
+def _run_child(*arguments: str) -> dict[str, Any]:
+    env = {**os.environ, "KERAS_BACKEND": "torch", "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, __file__, "--child", *arguments], env=env, capture_output=True, text=True, timeout=900
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        raise RuntimeError(
+            f"child {arguments} failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+        )
+    return json.loads(lines[-1])
+
+
+def measure_all(quick: bool) -> dict[str, Any]:
+    import numpy as np
+
+    flag = ["--quick"] if quick else []
+    memory = [_run_child("measure", "1", "None", *flag)]
+    for replicas in (2, 4):
+        memory += [_run_child("measure", str(replicas), str(mode), *flag) for mode in MODES]
+    by = {(row["replicas"], row["shard"]): row for row in memory}
+    unsharded, sharded = by[(2, None)]["largest_replica_data_bytes"], by[(2, "gradients")]["largest_replica_data_bytes"]
+    cap = (unsharded + sharded) // 2
+    with tempfile.TemporaryDirectory() as folder:
+        reference, trained = os.path.join(folder, "reference.npz"), os.path.join(folder, "trained.npz")
+        capped = [_run_child("capped", str(mode), str(cap), trained, *flag) for mode in (None, "gradients")]
+        _run_child("reference", reference, *flag)
+        difference = None
+        if capped[-1]["trained"]:
+            with np.load(reference) as expected, np.load(trained) as actual:
+                difference = max(float(np.max(np.abs(expected[k] - actual[k]))) for k in expected.files)
+    speed = _run_child("speed", "2" if quick else "5", *flag)
+    import keras
+    import torch
+
+    return {
+        "sizes": sizes(quick),
+        "memory": memory,
+        "cap": {"rlimit_data_bytes": cap, "runs": capped, "largest_weight_difference_vs_model_fit": difference},
+        "speed": speed,
+        "torch": torch.__version__,
+        "keras": keras.__version__,
+        "platform": f"{platform.machine()}, {os.cpu_count()} cores",
+    }
+
+
+def _mb(count: int) -> str:
+    return f"{count / 1e6:,.0f} MB"
+
+
+def page(results: dict[str, Any]) -> str:
+    first = results["memory"][0]
+    weights = first["weight_bytes"]
+    rows = [
+        HEADING,
+        "",
+        f"A deep MLP (Input({INPUT_FEATURES}) -> {results['sizes']['layers']} x Dense({results['sizes']['width']}) "
+        f"-> Dense({OUTPUTS}), Adam: {first['parameters'] / 1e6:.1f} M parameters, W = {_mb(weights)} of float32 "
+        "weights) after a few `torch_dp.Trainer.fit` steps, each run in a process of its own. *Held*: the bytes "
+        "of the tensors rank 0 holds at a batch end (weights, gradients, optimizer variables), in units of W, "
+        "against what ZeRO predicts; *data*: the largest replica's `VmData` (what `RLIMIT_DATA` limits; it "
+        "includes torch and Keras themselves); *peak RSS*: the largest replica's `VmHWM` "
+        "(`python benchmarks/sharding_memory_torch.py`, see [Sharded state](sharding.md)).",
+        "",
+        "| replicas | shard | weights | gradients | optimizer | held | expected | data | peak RSS |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in results["memory"]:
+        n, held = row["replicas"], row["held_bytes"]
+        expected = {None: 4.0, "optimizer": 2 / n + 2, "gradients": 3 / n + 1}[row["shard"]]
+        total = sum(held.values())
+        rows.append(
+            f"| {n} | {row['shard'] or 'None'} | {held['weights'] / weights:.2f} W "
+            f"| {held['gradients'] / weights:.2f} W | {held['optimizer'] / weights:.2f} W "
+            f"| {total / weights:.2f} W | {expected:.2f} W | "
+            f"{_mb(row['largest_replica_data_bytes'])} | {_mb(row['largest_replica_peak_rss_bytes'])} |"
+        )
+    cap = results["cap"]
+    limit = _mb(cap["rlimit_data_bytes"])
+    rows += ["", f"**A model that fits only sharded.** Every replica limited to `RLIMIT_DATA` = {limit}:", ""]
+    for run in cap["runs"]:
+        outcome = "trained" if run["trained"] else f"failed: `{run['error'][:160]}`"
+        rows.append(f"- `shard={run['shard']!r}` on 2 replicas: {outcome}")
+    if cap["largest_weight_difference_vs_model_fit"] is not None:
+        rows.append(
+            f"- its weights against single-device `model.fit` (no limit): largest difference "
+            f"{cap['largest_weight_difference_vs_model_fit']:.1e}"
+        )
+    speed = results["speed"]["samples_per_second"]
+    baseline = speed["None"]
+    rows += [
+        "",
+        f"**Speed**, 2 replicas, {results['speed']['rows_per_fit']} rows per fit, median of interleaved rounds: "
+        + ", ".join(f"`shard={m}` {speed[m]:.1f} samples/s ({speed[m] / baseline:.2f}x)" for m in speed)
+        + ". The same bytes move in each mode (a reduce onto each owner plus an all-gather of the weights "
+        "is an all-reduce), in more, smaller collectives.",
+        "",
+        f"torch {results['torch']}, keras {results['keras']}, {results['platform']}.",
+        "",
+    ]
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a small model: a smoke run")
+    parser.add_argument("--output", type=Path, default=Path("docs/benchmarks/sharding_torch.json"))
+    parser.add_argument("--no-page", action="store_true", help="write the JSON only, not docs/benchmarks.md")
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        kind, *rest = args.child
+        mode = lambda text: None if text == "None" else text  # noqa: E731
+        if kind == "measure":
+            result = child_measure(int(rest[0]), mode(rest[1]), args.quick)
+        elif kind == "capped":
+            result = child_capped(mode(rest[0]), int(rest[1]), args.quick, rest[2])
+        elif kind == "reference":
+            result = child_reference(args.quick, rest[0])
+        else:
+            result = child_speed(args.quick, int(rest[0]))
+        print(json.dumps(result))
+        return
+    results = measure_all(args.quick)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(results, indent=2) + "\n")
+    text = page(results)
+    print(text)
+    if not args.no_page and not args.quick:
+        from page_sections import write_section
+
+        write_section(HEADING, text)
+
+
+if __name__ == "__main__":
+    main()
