@@ -16,6 +16,7 @@ from dp_core import (
     NonFiniteLoss,
     OneCall,
     ScalingReport,
+    ShardMode,
     Verbose,
     one_call_at_a_time,
     scaling_report_folder,
@@ -29,6 +30,7 @@ from dp_core.keras import (
     callback_list,
     check_batch_norm_mode,
     check_nonfinite_mode,
+    check_shard_mode,
     checked_call,
     fit_arguments,
     internals,
@@ -43,7 +45,7 @@ from jax_dp._loop.epochs import CustomSteps, EpochTrainer, KerasSteps, epochs_of
 from jax_dp._loop.evaluate import custom_predict_loop, evaluator, predict_loop
 from jax_dp._loop.fit import fit_loop
 from jax_dp._loop.preemption import PreemptionNotice
-from jax_dp._mesh.layout import Layout, ShardMode, check_shard_mode, place
+from jax_dp._mesh.layout import Layout, place
 from jax_dp._mesh.mesh import check_mesh, make_mesh, num_replicas_of, replica_layout
 from jax_dp._processes.group import ends_the_run_on_failure
 from jax_dp._step.accumulation import check_accumulate_steps
@@ -78,6 +80,7 @@ class Trainer:
     largest dimension that divides by the replicas and that ``layout=`` leaves whole; smaller
     ones stay replicated (``_mesh.layout``). Checkpoints hold the whole state in any mode and
     resume in any other. A model's own ``train_step``/``test_step`` needs ``shard=None``.
+    ``trainer.shard`` may be set between calls (docs/sharding.md).
     ``on_nonfinite_loss="stop"`` raises ``NonFiniteLossError`` naming the first step whose
     loss is NaN or infinite, leaving the model as it was before that step; ``"skip"``
     leaves such steps out (with a warning) and trains on. With a ``keras.callbacks.TerminateOnNaN``
@@ -116,10 +119,10 @@ class Trainer:
         batch_norm: BatchNormMode = "global",
         on_nonfinite_loss: NonFiniteLoss = "stop",
         profile: bool | str | os.PathLike[str] = False,
-        shard: ShardMode = None,
+        shard: ShardMode | None = None,
     ) -> None:
         require_backend("jax", PACKAGE)
-        self.shard: ShardMode = check_shard_mode(shard)
+        self.shard = shard
         self.on_nonfinite_loss: NonFiniteLoss = check_nonfinite_mode(on_nonfinite_loss)
         check_batch_norm_mode(batch_norm)
         self.mesh = make_mesh(num_replicas) if mesh is None else check_mesh(mesh)
@@ -144,6 +147,15 @@ class Trainer:
     def num_replicas(self) -> int:
         """Devices (rows of a 2-D mesh) on the mesh's ``"batch"`` axis, over every process."""
         return num_replicas_of(self.mesh)
+
+    @property
+    def shard(self) -> ShardMode | None:
+        """What each replica holds a shard of in later calls; settable between calls."""
+        return self._shard
+
+    @shard.setter
+    def shard(self, shard: ShardMode | None) -> None:
+        self._shard: ShardMode | None = check_shard_mode(shard)
 
     @one_call_at_a_time
     @ends_the_run_on_failure

@@ -32,7 +32,7 @@ import math
 import re
 import weakref
 from collections.abc import Mapping
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import keras
@@ -40,27 +40,14 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dp_core import ShardMode
 from jax_dp._mesh.mesh import BATCH_AXIS
 
 Spec = tuple[Any, ...]
-ShardMode = Literal["optimizer", "gradients", "full"] | None
-SHARD_MODES: tuple[ShardMode, ...] = (None, "optimizer", "gradients", "full")
-
 SHARD_MIN_ELEMENTS = 2**14
 """The smallest variable (in elements: 64 KiB of float32) whose state ``shard=`` splits over
 ``"batch"``. Below it, a split saves less memory than the gather it costs in latency: biases,
 BatchNormalization's vectors and small kernels stay replicated."""
-
-
-def check_shard_mode(shard: Any) -> ShardMode:
-    """``shard`` if it is one of ``SHARD_MODES``, else a ``ValueError`` naming them."""
-    if shard is not None and (not isinstance(shard, str) or shard not in SHARD_MODES):
-        raise ValueError(
-            f"shard must be one of {SHARD_MODES}, got {shard!r}: None replicates the state, 'optimizer' splits "
-            "the optimizer state over the replicas (ZeRO-1), 'gradients' the gradients too (ZeRO-2), 'full' the "
-            "weights too (ZeRO-3, FSDP)."
-        )
-    return shard
 
 
 class Layout:
@@ -148,7 +135,7 @@ class Placed(NamedTuple):
 
     mesh: Mesh
     layout: Layout
-    shard: ShardMode
+    shard: ShardMode | None
 
 
 # How each model was last placed (by the trainer call that runs it), and the Keras optimizer
@@ -157,7 +144,7 @@ _PLACED: weakref.WeakKeyDictionary[keras.Model, Placed] = weakref.WeakKeyDiction
 _OPTIMIZER_OF: weakref.WeakKeyDictionary[Any, weakref.ref[keras.Model]] = weakref.WeakKeyDictionary()
 
 
-def place(model: keras.Model, mesh: Mesh, layout: Layout, shard: ShardMode = None) -> None:
+def place(model: keras.Model, mesh: Mesh, layout: Layout, shard: ShardMode | None = None) -> None:
     """Check ``layout`` against ``model``'s variables on ``mesh`` (a clear error for a rule that does
     not fit) and record it with ``shard``: the model's state is placed by them until the next call
     places it again."""
@@ -179,7 +166,7 @@ def layout_of(model: keras.Model, mesh: Mesh) -> Layout:
     return placed_as(model, mesh).layout
 
 
-def shard_mode_of(model: keras.Model, mesh: Mesh) -> ShardMode:
+def shard_mode_of(model: keras.Model, mesh: Mesh) -> ShardMode | None:
     """The shard mode ``model`` was placed with on ``mesh`` (None: state replicated over ``"batch"``)."""
     return placed_as(model, mesh).shard
 

@@ -15,8 +15,8 @@ from typing import Any, final
 import keras
 from jax.sharding import Mesh
 
-from dp_core import BatchNormMode
-from jax_dp._mesh.layout import Layout, ShardMode
+from dp_core import BatchNormMode, ShardMode
+from jax_dp._mesh.layout import Layout
 from jax_dp._step.compile_cache import CompileCache, TracedFrom, compile_state, model_structure
 from jax_dp._step.custom import (
     CustomPredictStep,
@@ -54,7 +54,7 @@ class Recipes:
         batch_norm: BatchNormMode,
         skip_nonfinite: bool,
         apply_nonfinite: bool = False,
-        shard: ShardMode = None,
+        shard: ShardMode | None = None,
     ) -> None:
         self.cache, self.mesh, self.variable_layout, self.shard = cache, mesh, variable_layout, shard
         self.batch_norm, self.skip_nonfinite, self.apply_nonfinite = batch_norm, skip_nonfinite, apply_nonfinite
