@@ -63,6 +63,16 @@ def test_summary_line_says_measured_or_estimated():
     assert single == "1 replica: 1.00x one replica (measured), all-reduce 0% of a step, input 3%"
 
 
+def test_a_sharded_fit_names_its_mode_and_the_weights_gather_and_keeps_them_in_the_json(tmp_path):
+    report = _report(speedup=1.5, speedup_how="measured", shard="optimizer", weights_gather_seconds=0.009)
+    assert dp_core.scaling_summary(report).endswith("input 3%, shard='optimizer' (weights all-gather 9% of a step)")
+    untimed = _report(speedup=1.5, speedup_how="measured", shard="full")  # jax: XLA's collectives, not timed apart
+    assert dp_core.scaling_summary(untimed).endswith("input 3%, shard='full'")
+    written, _ = dp_core.write_scaling_report(report, tmp_path)
+    read = dp_core.read_scaling_reports(tmp_path)[2]
+    assert (read.shard, read.weights_gather_seconds) == ("optimizer", 0.009) == (written.shard, 0.009)
+
+
 def test_batchnorm_layers_add_their_share_to_the_line_and_survive_the_json(tmp_path):
     layers = [BatchNormSync("bn_a", 0.006, 0.004), BatchNormSync("bn_b", 0.001, 0.001)]
     report = _report(speedup=1.82, speedup_how="measured", batch_norm_sync=layers)

@@ -22,10 +22,9 @@ GLOBAL_BATCH_SIZE = 24  # 99 samples: 5 steps an epoch, the last of 3 rows (rank
 EPOCHS = 3  # 15 steps: windows of 2, 3 or 4 steps cross the epochs' ends, and the last is left open
 
 
-@pytest.fixture(scope="module")
-def trainer():
-    with torch_dp.Trainer(num_replicas=2, timeout=60) as started:
-        yield started
+@pytest.fixture
+def trainer(two_replicas):
+    return two_replicas  # the run's replicas (conftest.py)
 
 
 def _model(optimizer: str, steps: int, seed: int = 0) -> keras.Model:

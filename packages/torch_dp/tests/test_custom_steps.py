@@ -15,8 +15,6 @@ import pytest
 import torch
 import torch_dp_testing as testing
 
-import torch_dp
-
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 # The models below are defined here: workers get them (factories, and the classes of model
 # objects rebuilt from .keras) by value.
@@ -25,10 +23,9 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 EXACT = {"rtol": 1e-5, "atol": 1e-6}
 
 
-@pytest.fixture(scope="module")
-def trainer():
-    with torch_dp.Trainer(num_replicas=2, timeout=60) as started:
-        yield started
+@pytest.fixture
+def trainer(two_replicas):
+    return two_replicas  # the run's replicas (conftest.py)
 
 
 def _assert_same_weights(model, reference):

@@ -14,13 +14,6 @@ import torch_dp
 pytestmark = pytest.mark.timeout(240)
 
 
-@pytest.fixture(scope="module")
-def two_replicas():
-    """One 2-replica Trainer for the file's fits that start replicas."""
-    with torch_dp.Trainer(num_replicas=2, timeout=60) as started:
-        yield started
-
-
 class FirstBatchLogs(keras.callbacks.ProgbarLogger):
     """The progress bar, recording the logs it gets at each epoch's first batch end."""
 

@@ -11,7 +11,7 @@ import torch_dp_testing as testing
 
 import torch_dp
 from dp_core.keras import internals
-from torch_dp._step.shards import owners_of, slots_of
+from torch_dp._step.owners import owners_of, slots_of
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -41,11 +41,11 @@ CASES = [  # each optimizer once or twice, not every pair
 ]
 
 
-@pytest.fixture(scope="module")
-def trainer():
-    """One pair of replicas for the file; each test sets the mode it trains in."""
-    with torch_dp.Trainer(num_replicas=2, timeout=60) as started:
-        yield started
+@pytest.fixture
+def trainer(two_replicas):
+    """The run's replicas (conftest.py); each test sets the mode it trains in, and None is back after it."""
+    yield two_replicas
+    two_replicas.shard = None
 
 
 def data(num_samples: int = 99, seed: int = 0) -> tuple[dict[str, np.ndarray], np.ndarray]:
@@ -211,6 +211,20 @@ def test_checkpoints_resume_in_another_mode_and_replica_count(trainer, tmp_path)
         np.testing.assert_allclose(mine, theirs, atol=1e-5)
     for mine, theirs in zip(resumed.optimizer.variables, reference.optimizer.variables, strict=True):
         np.testing.assert_allclose(_numpy(mine), _numpy(theirs), atol=1e-5, err_msg=mine.path)
+
+
+def test_the_scaling_report_names_the_mode_and_times_the_weights_gather(trainer, tmp_path, capsys):
+    trainer.shard = "optimizer"
+    trainer.profile = tmp_path  # the run's replicas stay: profiling is read per call
+    try:
+        x, y = data()
+        trainer.fit(model("adam"), x, y, global_batch_size=GLOBAL_BATCH_SIZE, epochs=1, shuffle=False, verbose=0)
+    finally:
+        trainer.profile = None
+    report = trainer.scaling_report
+    assert report is not None and report.shard == "optimizer"
+    assert 0 < report.weights_gather_seconds < report.phases["optimizer"].seconds
+    assert "shard='optimizer' (weights all-gather " in capsys.readouterr().out
 
 
 class _OwnStep(keras.Model):

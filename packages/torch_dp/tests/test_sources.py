@@ -7,8 +7,6 @@ import pytest
 import torch
 import torch_dp_testing as testing
 
-import torch_dp
-
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 
@@ -29,10 +27,9 @@ class Batches(keras.utils.PyDataset):
         return self.x[rows], self.y[rows]
 
 
-@pytest.fixture(scope="module")
-def trainer():
-    with torch_dp.Trainer(num_replicas=2, timeout=60) as started:
-        yield started
+@pytest.fixture
+def trainer(two_replicas):
+    return two_replicas  # the run's replicas (conftest.py)
 
 
 def test_a_py_dataset_with_a_py_dataset_for_validation_equals_keras(trainer):

@@ -20,11 +20,9 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 HERE = os.path.dirname(__file__)
 
 
-@pytest.fixture(scope="module")
-def trainer():
-    """One 2-replica Trainer for the module's fits: its replicas start once and are kept between calls."""
-    with torch_dp.Trainer(num_replicas=2, timeout=60) as started:
-        yield started
+@pytest.fixture
+def trainer(two_replicas):
+    return two_replicas  # the run's replicas (conftest.py)
 
 
 def _keras_reference(optimizer, epochs, validation=None, callbacks=None):

@@ -191,6 +191,8 @@ class ScalingReport:
     cores: int | None = None
     speedup_suspect: str = ""
     architecture: str = ""  # ``architecture_of`` the model: what makes two reports the same model
+    shard: str | None = None  # ``shard=``'s mode (None: the state replicated)
+    weights_gather_seconds: float | None = None  # per step, a sharded optimizer's all-gather of the new weights
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
     @property
@@ -289,10 +291,10 @@ def with_speedup(report: ScalingReport, baseline: ScalingReport | None) -> Scali
 
 
 def scaling_summary(report: ScalingReport) -> str:
-    """The one line a fit prints, e.g. ``2 replicas: 1.82x one replica (measured), all-reduce 7% of
-    a step (bound 2%), input 3%``, ending in ``; SUSPECT: ...`` when ``speedup_suspect`` says why
-    the speedup is not to be believed, and with synchronized BatchNorm layers timed, their collectives'
-    share (``, BatchNorm statistics 12% (3 layers)``)."""
+    """The one line a fit prints, e.g. ``2 replicas: 1.82x one replica (measured), all-reduce 7% of a step
+    (bound 2%), input 3%``, ending in ``; SUSPECT: ...`` when ``speedup_suspect`` says why the speedup is not
+    to be believed; synchronized BatchNorm layers add ``, BatchNorm statistics 12% (3 layers)``, sharded
+    state ``, shard='optimizer' (weights all-gather 9% of a step)``."""
     replicas = f"{report.num_replicas} replica{'s' if report.num_replicas != 1 else ''}"
     how = "measured" if report.speedup_how == MEASURED else "estimated: compute phases only"
     speedup = f"{report.speedup or 0.0:.2f}x one replica ({how})"
@@ -311,6 +313,9 @@ def scaling_summary(report: ScalingReport) -> str:
         synced = sum(layer.seconds for layer in report.batch_norm_sync) / report.step_seconds
         layers = len(report.batch_norm_sync)
         line += f", BatchNorm statistics {synced:.0%} ({layers} layer{'s' if layers != 1 else ''})"
+    line += f", shard={report.shard!r}" if report.shard is not None else ""
+    if (gathered := report.weights_gather_seconds) is not None and report.step_seconds > 0:
+        line += f" (weights all-gather {gathered / report.step_seconds:.0%} of a step)"
     return line + (f"; SUSPECT: {report.speedup_suspect}" if report.speedup_suspect else "")
 
 

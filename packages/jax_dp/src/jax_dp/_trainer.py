@@ -71,16 +71,8 @@ class Trainer:
     ``GradientTransformation`` replaces the model's compiled optimizer.
     ``batch_norm="per_replica"`` normalizes each replica's rows on their own.
 
-    ``shard=`` splits the training state over the replicas (the mesh's ``"batch"`` axis) to save
-    device memory, with the same results: ``"optimizer"`` (ZeRO-1) the optimizer state of every
-    variable of at least ``2**14`` elements (its Keras slots: moments, momentum, EMA copies,
-    gradient accumulators; or an optax state's per-parameter leaves), ``"gradients"`` (ZeRO-2) the
-    gradients too (reduce-scattered, not all-reduced), ``"full"`` (ZeRO-3, FSDP) the weights too,
-    gathered by XLA where the computation needs them. Each such variable is split along its
-    largest dimension that divides by the replicas and that ``layout=`` leaves whole; smaller
-    ones stay replicated (``_mesh.layout``). Checkpoints hold the whole state in any mode and
-    resume in any other. A model's own ``train_step``/``test_step`` needs ``shard=None``.
-    ``trainer.shard`` may be set between calls (docs/sharding.md).
+    ``shard="optimizer"`` (ZeRO-1), ``"gradients"`` (ZeRO-2) or ``"full"`` (ZeRO-3, FSDP) splits the state
+    of each variable of ``2**14`` elements or more over ``"batch"``, exactly (docs/sharding.md).
     ``on_nonfinite_loss="stop"`` raises ``NonFiniteLossError`` naming the first step whose
     loss is NaN or infinite, leaving the model as it was before that step; ``"skip"``
     leaves such steps out (with a warning) and trains on. With a ``keras.callbacks.TerminateOnNaN``
@@ -371,19 +363,10 @@ class Trainer:
 
     def _check_own_steps(self, model: keras.Model, step_names: tuple[str, ...], *, compiled: bool) -> None:
         """What a model's own steps (``step_names``, among those the call runs) cannot do here."""
-        if self.variable_layout:
-            raise ValueError(
-                f"The model overrides {', '.join(step_names)}, which runs with its state replicated; layout= needs "
-                "Keras's own steps. Drop layout= (a 2-D mesh without it replicates every variable), or the override."
-            )
-        if self.shard is not None:
-            raise ValueError(
-                f"The model overrides {', '.join(step_names)}, which runs with its state replicated; "
-                f"shard={self.shard!r} needs Keras's own steps. Use shard=None with this model, or drop the override."
-            )
         check_custom_steps(
-            model, step_names, compiled=compiled, optax=self._optax is not None, batch_norm=self.batch_norm
-        )
+            model, step_names, compiled=compiled, optax=self._optax is not None, batch_norm=self.batch_norm,
+            layout=bool(self.variable_layout), shard=self.shard,
+        )  # fmt: skip
 
     def _epochs(
         self,

@@ -29,7 +29,6 @@ from dp_core.keras import (
     build_model,
     check_batch_norm_mode,
     check_nonfinite_mode,
-    check_shard_mode,
     checked_call,
     fit_arguments,
     internals,
@@ -41,7 +40,8 @@ from torch_dp._loop.jobs import EvaluateJob, FitJob, PredictJob
 from torch_dp._processes.cluster import is_primary_process
 from torch_dp._processes.group import Timeouts
 from torch_dp._processes.launchers import Launcher, choose_launcher
-from torch_dp._step.custom import check_custom_steps, optimizers_of, overrides
+from torch_dp._step.custom import check_custom_steps, optimizers_of
+from torch_dp._step.shards import torch_shard_mode
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -103,13 +103,7 @@ class Trainer:
     rank 0 prints one line and writes ``scaling_report.json`` and ``.png`` into the folder, and
     ``trainer.scaling_report`` holds the report (see the docs' "Scaling report").
 
-    ``shard="optimizer"`` (ZeRO-1) keeps each trainable variable's optimizer slots (Adam's moments,
-    momentum, moving averages, gradient accumulators) on one replica only, which alone updates it
-    and sends the new weights to the others; ``shard="gradients"`` (ZeRO-2) also sums each
-    gradient onto that replica alone, the others freeing theirs. The weights, History, evaluate
-    and predict are ``model.fit``'s, and checkpoints hold the whole state, resumable in any mode
-    and on any replica count (docs/sharding.md). ``shard="full"`` (the weights too) is jax-dp's
-    only, for now. ``trainer.shard`` may be set between calls: the replicas stay.
+    ``shard="optimizer"`` (ZeRO-1) or ``"gradients"`` (ZeRO-2) splits the state, exactly (docs/sharding.md).
 
     A model that overrides ``train_step``, ``test_step`` or ``predict_step`` runs its own step
     on every replica's rows, as ``model.fit`` would on one device: the gradients every optimizer
@@ -170,7 +164,7 @@ class Trainer:
 
     @shard.setter
     def shard(self, shard: ShardMode | None) -> None:
-        self._shard: ShardMode | None = _check_shard(shard)
+        self._shard: ShardMode | None = torch_shard_mode(shard)
 
     @one_call_at_a_time
     def close(self) -> None:
@@ -234,12 +228,6 @@ class Trainer:
         )
         if checkpoint_dir is not None:
             _require_checkpointable(keras_model)
-        if self.shard is not None and overrides(keras_model, "train_step"):
-            raise NotImplementedError(
-                f"{type(keras_model).__name__} overrides train_step, which applies its optimizers itself to the whole "
-                f"state; Trainer(shard={self.shard!r}) shards the state of Keras's own step. Drop shard=, or train "
-                "without the override."
-            )
         arguments = fit_arguments(
             inputs,
             global_batch_size=global_batch_size,
@@ -374,7 +362,7 @@ class Trainer:
             "backend": "torch",
             "package": "torch_dp",
             "num_replicas": self.num_replicas,
-            "check_own_steps": check_custom_steps,
+            "check_own_steps": functools.partial(check_custom_steps, shard=self.shard),
             "splits_batch_terms": True,
         }
 
@@ -396,17 +384,6 @@ def _checkpoint_to_resume(
     build_model(model, inputs)
     found = resumable_checkpoint(checkpoint_dir, model, seed=seed, global_batch_size=global_batch_size, shuffle=shuffle)
     return None if found is None else os.path.join(checkpoint_dir, found.name)
-
-
-def _check_shard(shard: object) -> ShardMode | None:
-    mode = check_shard_mode(shard)
-    if mode == "full":
-        raise NotImplementedError(
-            'torch_dp.Trainer(shard="full") is not available: torch_dp shards the optimizer\'s slots ("optimizer") and '
-            'the summed gradients ("gradients"), with every replica holding the weights. For weights sharded too, '
-            'use jax_dp.Trainer(shard="full"), or shard="gradients" here.'
-        )
-    return mode
 
 
 def _require_checkpointable(model: keras.Model) -> None:

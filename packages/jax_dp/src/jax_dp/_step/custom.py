@@ -35,6 +35,7 @@ import keras
 import numpy as np
 from jax.sharding import Mesh
 
+from dp_core import ShardMode
 from dp_core.keras import map_structure
 from jax_dp._data.batches import PREFETCH, HostBatch, Plan
 from jax_dp._mesh.mesh import batch_sharded, replicated
@@ -59,10 +60,28 @@ CustomPredictStep = Callable[[Weights, Any], tuple[Weights, Any]]
 
 
 def check_custom_steps(
-    model: keras.Model, step_names: tuple[str, ...], *, compiled: bool, optax: bool, batch_norm: str
+    model: keras.Model,
+    step_names: tuple[str, ...],
+    *,
+    compiled: bool,
+    optax: bool,
+    batch_norm: str,
+    layout: bool = False,
+    shard: ShardMode | None = None,
 ) -> None:
     """Clear errors, before anything compiles, for what cannot apply to the model's own steps
-    (``step_names``, the ones a call runs): ``compiled`` when the call needs ``model.compile``."""
+    (``step_names``, the ones a call runs): ``compiled`` when the call needs ``model.compile``;
+    a ``layout`` or a ``shard`` mode, which need the state where Keras's own steps put it."""
+    if layout:
+        raise ValueError(
+            f"The model overrides {', '.join(step_names)}, which runs with its state replicated; layout= needs "
+            "Keras's own steps. Drop layout= (a 2-D mesh without it replicates every variable), or the override."
+        )
+    if shard is not None:
+        raise ValueError(
+            f"The model overrides {', '.join(step_names)}, which runs with its state replicated; "
+            f"shard={shard!r} needs Keras's own steps. Use shard=None with this model, or drop the override."
+        )
     steps = " and ".join(step_names)
     overriding = f"{type(model).__name__} overrides {steps}"
     if compiled and not getattr(model, "compiled", False):

@@ -10,8 +10,7 @@ split the measured step in proportion, and the report labels those three phases 
 separately timed parts". A timed ``psum`` of a few MB gives the link's bandwidth.
 
 Those pieces assume replicated state: on a model-parallel mesh or with ``shard=`` set the step is
-reported whole, and the printed line names the shard mode (dp-core's report has no field for a
-trainer's options, so the JSON does not).
+reported whole, and the report (its JSON and printed line) names the shard mode.
 """
 
 from __future__ import annotations
@@ -232,9 +231,10 @@ def finish_report(
         batch_norm_note=_batch_norm_note(model, batch_norm),
         cores=available_cores(),  # threads_per_replica None: one XLA thread pool serves every device of a process
         architecture=ScalingReport.architecture_of(type(model).__name__, [tuple(w.shape) for w in model.weights]),
+        shard=shard,
     )
     report, line = write_scaling_report(report, Path(folder))
     if jax.default_backend() == "cpu" and (crowded := oversubscription(len(mesh.local_devices))):
         print(f"scaling report: {crowded}", flush=True)
-    print(line if shard is None else f"{line} [shard={shard!r}]", flush=True)
+    print(line, flush=True)
     return report

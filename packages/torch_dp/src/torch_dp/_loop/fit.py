@@ -101,8 +101,7 @@ def _fit_epochs(
     # a window's non-finite loss is acted on at its end: raised, even with a TerminateOnNaN
     nonfinite = "stop" if job.on_nonfinite_loss == "apply" else job.on_nonfinite_loss
     # (sharded: every step sums its gradients, and Keras accumulates each owner's own, as over one device's)
-    own_step = custom is not None and custom.train
-    window = None if own_step or state.mode is not None else accumulation_window(model, replica, nonfinite)
+    window = None if (custom and custom.train) or state.mode else accumulation_window(model, replica, nonfinite)
     epoch_logs: dict[str, Any] = {}
     for epoch in range(start.epoch, arguments.epochs):
         model.reset_metrics()

@@ -136,7 +136,12 @@ def run_fit(model: keras.Model, job: FitJob, replica: Replica) -> keras.callback
             )
         if isinstance(timer, StepTimer) and job.profile is not None:
             report = finish_report(
-                timer, model, replica, global_batch_size=job.arguments.global_batch_size, folder=job.profile
+                timer,
+                model,
+                replica,
+                global_batch_size=job.arguments.global_batch_size,
+                folder=job.profile,
+                shard=job.shard,
             )
             history.scaling_report = report  # pyright: ignore[reportAttributeAccessIssue]
         return history

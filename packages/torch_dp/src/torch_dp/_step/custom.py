@@ -48,6 +48,7 @@ import keras
 import numpy as np
 import torch
 
+from dp_core import ShardMode
 from dp_core.keras import internals, python_logs
 from torch_dp._comm.collectives import all_reduce_sum, broadcast_from_primary
 from torch_dp._comm.replica import Replica
@@ -86,11 +87,20 @@ def optimizers_of(model: keras.Model) -> list[keras.optimizers.Optimizer]:
     return [o for o in found if all(o is not i for i in inner)]
 
 
-def check_custom_steps(model: keras.Model, step_names: tuple[str, ...], *, compiled: bool) -> None:
+def check_custom_steps(
+    model: keras.Model, step_names: tuple[str, ...], *, compiled: bool, shard: ShardMode | None = None
+) -> None:
     """Clear errors, before any replica starts, for what the model's own steps (``step_names``, the
     ones a call runs) need when the call needs ``model.compile`` (``compiled``): not a compiled
     loss, which a model's own step computes itself, as in Keras; but the optimizer, to train, and
-    one step per global batch."""
+    one step per global batch. Its own ``train_step`` applies its optimizers to the whole state:
+    not with ``shard``."""
+    if shard is not None and "train_step" in step_names and overrides(model, "train_step"):
+        raise NotImplementedError(
+            f"{type(model).__name__} overrides train_step, which applies its optimizers itself to the whole "
+            f"state; Trainer(shard={shard!r}) shards the state of Keras's own step. Drop shard=, or train "
+            "without the override."
+        )
     if not compiled:
         return
     if "train_step" in step_names and (not getattr(model, "compiled", False) or model.optimizer is None):

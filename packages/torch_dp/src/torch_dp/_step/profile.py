@@ -24,6 +24,7 @@ from dp_core import (
     NoStepTimer,
     Phase,
     ScalingReport,
+    ShardMode,
     StepTimer,
     available_cores,
     bus_bandwidth,
@@ -36,6 +37,7 @@ from torch_dp._comm.replica import Replica
 PROBE_BYTES = 4 * 2**20  # the timed all-reduce: large enough to be bandwidth-bound, small enough to be quick
 PROBE_ROUNDS = 5
 OVERLAPPED = "all_reduce_overlapped"  # noted by ``train_step``: seconds of a bucketed all-reduce during backward
+WEIGHTS_GATHER = "weights_all_gather"  # noted by a sharded state's update (``_step.shards``): its weights' all-gather
 
 
 BATCH_NORM = "batch_norm/"  # noted per step: "batch_norm/<layer>/forward" and ".../backward"
@@ -115,10 +117,17 @@ def link_bandwidth(replica: Replica) -> float | None:
 
 
 def finish_report(
-    timer: StepTimer, model: keras.Model, replica: Replica, *, global_batch_size: int, folder: str
+    timer: StepTimer,
+    model: keras.Model,
+    replica: Replica,
+    *,
+    global_batch_size: int,
+    folder: str,
+    shard: ShardMode | None = None,
 ) -> ScalingReport | None:
     """After the fit, on every replica (two collectives): rank 0 writes the report into ``folder``,
-    prints its line and returns it; the others return None."""
+    prints its line and returns it; the others return None. ``shard``: the fit's mode, whose weights'
+    all-gather was timed apart (``_step.shards``)."""
     phases, step_seconds, steps = timer.counted()
     if steps == 0:  # the same on every replica: no collective is left waiting
         if replica.is_primary:
@@ -131,6 +140,7 @@ def finish_report(
     bandwidth = link_bandwidth(replica)
     bucketed = any(OVERLAPPED in step for step in timer.per_step)  # gradients summed in buckets (``_step.buckets``)
     overlapped = timer.counted(phases=(OVERLAPPED,))[0][OVERLAPPED] if bucketed else None
+    gathered = timer.counted(phases=(WEIGHTS_GATHER,))[0][WEIGHTS_GATHER] if shard is not None else None
     if not replica.is_primary:
         return None
     report = ScalingReport(
@@ -152,6 +162,8 @@ def finish_report(
         threads_per_replica=torch.get_num_threads(),  # this replica's; a pool gives each the same
         cores=available_cores(),
         architecture=ScalingReport.architecture_of(type(model).__name__, [tuple(w.shape) for w in model.weights]),
+        shard=shard,
+        weights_gather_seconds=gathered,
     )
     report, line = write_scaling_report(report, Path(folder))
     here = int(os.environ.get("LOCAL_WORLD_SIZE", replica.num_replicas))  # this host's replicas (torchrun sets it)

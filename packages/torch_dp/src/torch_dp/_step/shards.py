@@ -32,18 +32,31 @@ checkpoints and a resumed fit hold what one device holds, in any mode and on any
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Iterator
 from typing import Any, Protocol, final
 
 import keras
 import torch
 import torch.distributed as dist
 
-from dp_core import ShardMode
-from dp_core.keras import internals
+from dp_core import NO_STEP_TIMER, NonFiniteLossError, NoStepTimer, Preempted, ShardMode, StepTimer
+from dp_core.keras import check_shard_mode, internals
 from torch_dp._comm.collectives import _entering, all_reduce_sum
 from torch_dp._comm.replica import Replica
 from torch_dp._step.buckets import GradientBuckets, gradient_buckets
+from torch_dp._step.owners import (
+    dtype_of,
+    empty_by_dtype,
+    fill,
+    flat_by_dtype,
+    groups_by_dtype,
+    numel,
+    owners_of,
+    release,
+    slots_of,
+)
+from torch_dp._step.profile import WEIGHTS_GATHER
 
 
 class TrainingState(Protocol):
@@ -61,9 +74,11 @@ class TrainingState(Protocol):
         trainable: list[keras.Variable],
         local: list[torch.Tensor | None],
         summed: list[torch.Tensor | None],
+        timer: StepTimer | NoStepTimer = NO_STEP_TIMER,
     ) -> None:
         """Keras's optimizer update with the gradients ``summed`` over replicas; a variable that got
-        no gradient on this replica (``local``) is left out, as Keras leaves it out."""
+        no gradient on this replica (``local``) is left out, as Keras leaves it out. ``timer`` gets
+        the time of the weights' all-gather, where there is one."""
         ...
 
     def whole_on_primary(self) -> contextlib.AbstractContextManager[None]:
@@ -94,6 +109,7 @@ class Replicated:
         trainable: list[keras.Variable],
         local: list[torch.Tensor | None],
         summed: list[torch.Tensor | None],
+        timer: StepTimer | NoStepTimer = NO_STEP_TIMER,
     ) -> None:
         if not trainable:
             return
@@ -112,36 +128,6 @@ class Replicated:
 
 
 REPLICATED = Replicated()
-
-
-def owners_of(variables: Sequence[keras.Variable], num_replicas: int) -> list[int]:
-    """Each variable's owner: one run per replica of the variables in backward order (the model's
-    reversed, as buckets fill), each ending at its share of the bytes: a variable goes to the next
-    replica when its middle lies past this one's share."""
-    sizes = [_bytes(v) for v in variables]
-    total = sum(sizes)
-    owners, owner, running = [0] * len(variables), 0, 0
-    for index in reversed(range(len(variables))):
-        while owner < num_replicas - 1 and (2 * running + sizes[index]) * num_replicas > 2 * total * (owner + 1):
-            owner += 1
-        owners[index] = owner
-        running += sizes[index]
-    return owners
-
-
-def slots_of(optimizer: keras.optimizers.Optimizer, variables: Sequence[keras.Variable]) -> list[list[keras.Variable]]:
-    """The optimizer variables Keras made for each of ``variables``: ``add_variable_from_reference``
-    names a slot ``{variable.path with '/' as '_'}_{slot}`` and gives it the variable's shape (the
-    longest matching path wins). A ``LossScaleOptimizer`` lists its inner optimizer's too."""
-    by_length = sorted(range(len(variables)), key=lambda i: -len(variables[i].path))
-    prefixes = [variables[i].path.replace("/", "_") + "_" for i in range(len(variables))]
-    slots: list[list[keras.Variable]] = [[] for _ in variables]
-    for slot in optimizer.variables:
-        for index in by_length:
-            if slot.name.startswith(prefixes[index]) and tuple(slot.shape) == tuple(variables[index].shape):
-                slots[index].append(slot)
-                break
-    return slots
 
 
 @final
@@ -175,7 +161,9 @@ class Sharded:
         trainable: list[keras.Variable],
         local: list[torch.Tensor | None],
         summed: list[torch.Tensor | None],
+        timer: StepTimer | NoStepTimer = NO_STEP_TIMER,
     ) -> None:
+        self._check_same(trainable)
         optimizer = model.optimizer
         mine = [i for i in self.mine if local[i] is not None]
         grads = [summed[i] for i in mine]
@@ -185,10 +173,23 @@ class Sharded:
                 optimizer.apply(grads, variables)
             else:
                 _count_step(optimizer)
+            started = time.perf_counter()
             self._share_weights(trainable)
+            timer.note(WEIGHTS_GATHER, time.perf_counter() - started)
 
     def sharded_variables(self) -> list[keras.Variable]:
         return [slot for slots in self.slots for slot in slots]
+
+    def _check_same(self, trainable: list[keras.Variable]) -> None:
+        """The variables the fit began with still train (every replica sees the same: rank 0's
+        callbacks' ``trainable`` changes reach all before a step)."""
+        if [id(v) for v in trainable] != [id(v) for v in self.variables]:
+            raise NotImplementedError(
+                f"the model's trainable variables changed during a fit with shard={self.mode!r} ({len(self.variables)} "
+                f"when it began, {len(trainable)} now: a callback set a layer's trainable). Each replica holds the "
+                "optimizer state of the variables it was given at the start; change trainable between fits, or "
+                "train with shard=None."
+            )
 
     @contextlib.contextmanager
     def whole_on_primary(self) -> Iterator[None]:
@@ -200,21 +201,21 @@ class Sharded:
         for owner in range(1, replica.num_replicas):
             slots = self._slots_of(owner)
             if replica.rank == owner:
-                for flat in _flat_by_dtype(slots):
+                for flat in flat_by_dtype(slots):
                     _entering()
                     dist.send(flat, dst=0)
             elif replica.is_primary:
-                for group, flat in _empty_by_dtype(slots, replica.device):
+                for group, flat in empty_by_dtype(slots, replica.device):
                     _entering()
                     dist.recv(flat, src=owner)
-                    _fill(group, flat)
+                    fill(group, flat)
         try:
             yield
         finally:
             if replica.is_primary:
                 for slot in self.sharded_variables():
                     if self.owners[self._index_of[id(slot)]] != 0:
-                        _release(slot)
+                        release(slot)
 
     def gather(self) -> None:
         """Each owner's slots broadcast to every replica: the whole state everywhere."""
@@ -224,21 +225,21 @@ class Sharded:
         for owner in range(replica.num_replicas):
             slots = self._slots_of(owner)
             if replica.rank == owner:
-                buffers = list(zip(_groups_by_dtype(slots), _flat_by_dtype(slots), strict=True))
+                buffers = list(zip(groups_by_dtype(slots), flat_by_dtype(slots), strict=True))
             else:
-                buffers = _empty_by_dtype(slots, replica.device)
+                buffers = empty_by_dtype(slots, replica.device)
             for group, flat in buffers:
                 _entering()
                 dist.broadcast(flat, src=owner)
                 if replica.rank != owner:
-                    _fill(group, flat)
+                    fill(group, flat)
         self._whole = True
 
     def fill_locally(self) -> None:
         """Freed slots back at their shapes, as zeros, with no collective (a failed fit's end)."""
         for slot in self.sharded_variables():
-            if internals.stored_value(slot).numel() != _numel(slot):
-                internals.stored_value(slot).data = torch.zeros(tuple(slot.shape), dtype=_dtype(slot))
+            if internals.stored_value(slot).numel() != numel(slot):
+                internals.stored_value(slot).data = torch.zeros(tuple(slot.shape), dtype=dtype_of(slot))
         self._whole = True
 
     def _free(self) -> None:
@@ -246,7 +247,7 @@ class Sharded:
         for index, slots in enumerate(self.slots):
             if self.owners[index] != self.replica.rank:
                 for slot in slots:
-                    _release(slot)
+                    release(slot)
         self._whole = self.replica.num_replicas == 1
 
     def _slots_of(self, owner: int) -> list[keras.Variable]:
@@ -327,6 +328,18 @@ class Sharded:
                     trainable[index].assign(piece.view(trainable[index].value.shape))
 
 
+def torch_shard_mode(shard: object) -> ShardMode | None:
+    """``Trainer(shard=...)`` checked: one of dp-core's modes, and one torch-dp has."""
+    mode = check_shard_mode(shard)
+    if mode == "full":
+        raise NotImplementedError(
+            'torch_dp.Trainer(shard="full") is not available: torch_dp shards the optimizer\'s slots ("optimizer") and '
+            'the summed gradients ("gradients"), with every replica holding the weights. For weights sharded too, '
+            'use jax_dp.Trainer(shard="full"), or shard="gradients" here.'
+        )
+    return mode
+
+
 def training_state(model: keras.Model, mode: ShardMode | None, replica: Replica) -> TrainingState:
     """The fit's state: whole on every replica, or sharded as ``mode`` says (its slots freed now)."""
     if mode is None or not model.trainable_weights:
@@ -336,11 +349,15 @@ def training_state(model: keras.Model, mode: ShardMode | None, replica: Replica)
 
 @contextlib.contextmanager
 def sharded(model: keras.Model, mode: ShardMode | None, replica: Replica) -> Iterator[TrainingState]:
-    """A fit's ``training_state``; the whole state is back on every replica after the block (a fit
-    that failed on some replica leaves the slots it did not hold as zeros, with no collective)."""
+    """A fit's ``training_state``; the whole state is back on every replica after the block, also when
+    every replica stopped together (preempted, a non-finite loss); a fit that failed on some replica
+    leaves the slots each did not hold as zeros, with no collective (its checkpoints hold them)."""
     state = training_state(model, mode, replica)
     try:
         yield state
+    except (Preempted, NonFiniteLossError):  # every replica stopped at the same step: the gather meets
+        state.gather()
+        raise
     except BaseException:
         if isinstance(state, Sharded):
             state.fill_locally()
@@ -377,48 +394,3 @@ def _unscaled(optimizer: keras.optimizers.Optimizer, inner: keras.optimizers.Opt
     if inner.loss_scale_factor is not None:
         gradient = gradient / inner.loss_scale_factor
     return gradient
-
-
-def _bytes(variable: keras.Variable) -> int:
-    return _numel(variable) * torch.empty((), dtype=_dtype(variable)).element_size()
-
-
-def _numel(variable: keras.Variable) -> int:
-    count = 1
-    for size in variable.shape:
-        count *= int(size)
-    return count
-
-
-def _dtype(variable: keras.Variable) -> torch.dtype:
-    return internals.stored_value(variable).dtype
-
-
-def _release(slot: keras.Variable) -> None:
-    """The slot's storage freed, its shape kept by Keras: the ``Parameter`` stays, its data is empty."""
-    value = internals.stored_value(slot)
-    value.data = torch.empty(0, dtype=value.dtype, device=value.device)
-
-
-def _groups_by_dtype(slots: list[keras.Variable]) -> list[list[keras.Variable]]:
-    groups: dict[torch.dtype, list[keras.Variable]] = {}
-    for slot in slots:
-        groups.setdefault(_dtype(slot), []).append(slot)
-    return list(groups.values())
-
-
-def _flat_by_dtype(slots: list[keras.Variable]) -> list[torch.Tensor]:
-    groups = _groups_by_dtype(slots)
-    return [torch.cat([internals.stored_value(s).detach().reshape(-1) for s in group]) for group in groups]
-
-
-def _empty_by_dtype(slots: list[keras.Variable], device: str) -> list[tuple[list[keras.Variable], torch.Tensor]]:
-    return [
-        (group, torch.empty(sum(_numel(s) for s in group), dtype=_dtype(group[0]), device=device))
-        for group in _groups_by_dtype(slots)
-    ]
-
-
-def _fill(group: list[keras.Variable], flat: torch.Tensor) -> None:
-    for slot, piece in zip(group, torch.split(flat, [_numel(s) for s in group]), strict=True):
-        internals.stored_value(slot).data = piece.view(tuple(slot.shape)).clone()

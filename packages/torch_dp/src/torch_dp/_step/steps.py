@@ -217,7 +217,7 @@ def train_step(
     if not finite and not apply_nonfinite:  # ``apply_nonfinite``: as model.fit, for a TerminateOnNaN to stop
         _undo(model, before)
         return Trained(False)
-    state.apply(model, trainable, local, summed_gradients)
+    state.apply(model, trainable, local, summed_gradients, timer)
     timer.lap("optimizer", sync=True)
     if not sum_metrics:
         return Trained(True)
