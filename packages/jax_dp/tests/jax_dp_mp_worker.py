@@ -4,8 +4,9 @@
 
 PORT "detect" calls ``jax_dp.initialize()`` with no arguments (the test sets SLURM's or torchrun's
 variables). With JAX_DP_TEST_HOLD_UNTIL=PATH every process waits after joining until PATH exists.
-With JAX_DP_TEST_SHARD=MODE the trainer runs with ``shard=MODE``, every variable of 16 elements or
-more split (the test model is tiny), so the state lies split across the two processes.
+With JAX_DP_TEST_SHARD=MODE the scenario runs a second time, with ``shard=MODE`` and every variable of
+16 elements or more split (the test model is tiny), so the state lies split across the two processes;
+its results are saved beside the first's, named ``sharded_...``.
 
 Started with XLA_FLAGS=--xla_force_host_platform_device_count=2, so two processes
 give four replicas, compared against one process with four devices. With CHECKPOINT_DIR (each
@@ -87,17 +88,18 @@ def main() -> None:
         deadline = time.monotonic() + 120
         while not os.path.exists(hold) and time.monotonic() < deadline:
             time.sleep(0.1)
-    shard = os.environ.get("JAX_DP_TEST_SHARD")
-    if shard:
-        from jax_dp._mesh import layout
-
-        layout.SHARD_MIN_ELEMENTS = 16
-    trainer = jax_dp.Trainer(shard=shard)  # type: ignore[arg-type]
+    trainer = jax_dp.Trainer()
     assert trainer.num_replicas == 4 and jax.local_device_count() == 2, (trainer.num_replicas, jax.devices())
     if len(sys.argv) > 4:
         np.savez(f"{output}.{process_id}.npz", **resumed(trainer, sys.argv[4], int(sys.argv[5])))
         return
     results = scenario(trainer)
+    if shard := os.environ.get("JAX_DP_TEST_SHARD"):  # the same processes: no second start
+        from jax_dp._mesh import layout
+
+        layout.SHARD_MIN_ELEMENTS = 16
+        sharded = scenario(jax_dp.Trainer(shard=shard))  # type: ignore[arg-type]
+        results.update({f"sharded_{name}": value for name, value in sharded.items()})
     if process_id == 0:  # files only on process 0
         np.savez(output, **results)
 

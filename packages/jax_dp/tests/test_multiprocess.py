@@ -82,19 +82,14 @@ def assert_matches(output: str, expected: dict[str, np.ndarray]) -> None:
 
 
 def test_two_processes_of_two_devices_match_one_process_of_four(tmp_path, one_process_of_four):
-    output = str(tmp_path / "process0.npz")
-    run_two_processes(output, str(tmp_path))
-    assert_matches(output, one_process_of_four)
-    assert one_process_of_four["predictions"].shape == (37, 1)
-    assert one_process_of_four["epochs_run_when_stopped"] == 1
-
-
-def test_state_split_across_processes_trains_as_one_process_of_four(tmp_path, one_process_of_four):
-    """shard="full": the first kernel (5x8) lies split over all four devices, two on each process;
-    reading it back (every epoch end, evaluate, predict) gathers it from both."""
+    """Then the same processes again with shard="full": the first kernel (5x8) lies split over all four
+    devices, two on each process; reading it back (every epoch end, evaluate, predict) gathers it from both."""
     output = str(tmp_path / "process0.npz")
     run_two_processes(output, str(tmp_path), environments=[{"JAX_DP_TEST_SHARD": "full"}] * 2)
-    assert_matches(output, one_process_of_four)
+    sharded = {f"sharded_{name}": value for name, value in one_process_of_four.items()}
+    assert_matches(output, {**one_process_of_four, **sharded})
+    assert one_process_of_four["predictions"].shape == (37, 1)
+    assert one_process_of_four["epochs_run_when_stopped"] == 1
 
 
 def free_slurm_job() -> tuple[str, int]:
