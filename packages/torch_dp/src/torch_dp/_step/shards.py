@@ -14,15 +14,10 @@ owners' new weights reach every replica in one all-gather.
   started during backward: ``_step.buckets``) and the other replicas free theirs, so each also
   holds only its own variables' gradients once its bucket is sent.
 
-Exact: Keras updates a variable from that variable, its gradient and its slots only, but for what
-reads every gradient, computed over all of them before any replica applies its own:
-- a ``LossScaleOptimizer``'s finite check (all gradients finite),
-- ``global_clipnorm``'s norm: each variable's sum of squares as Keras computes it (of the
-  unscaled gradient), gathered in one small all-reduce to which only the owner adds each, then
-  summed in Keras's order: the same norm to the bit,
-- the moving averages (``use_ema``), which Keras moves for every variable at each ``apply``: each
-  replica moves its own variables' (``internals.applying_to``).
-A step where a replica owns no variable with a gradient still counts, as Keras's ``apply`` would.
+Exact: Keras updates a variable from that variable, its gradient and its slots only, but for a
+loss scale's finite check, ``global_clipnorm``'s norm and ``use_ema``'s moving averages, which
+``_step.every_gradient`` computes over every replica's variables. A step where a replica owns no
+variable with a gradient still counts, as Keras's ``apply`` would.
 
 Between calls every replica holds the whole state: a fit frees the slots before its first step,
 gathers them back before it ends (and onto rank 0 for each checkpoint), so the caller's optimizer,
@@ -33,8 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
-from typing import Any, Protocol, final
+from collections.abc import Iterator, Sequence
+from typing import Protocol, final
 
 import keras
 import torch
@@ -42,9 +37,10 @@ import torch.distributed as dist
 
 from dp_core import NO_STEP_TIMER, NonFiniteLossError, NoStepTimer, Preempted, ShardMode, StepTimer
 from dp_core.keras import check_shard_mode, internals
-from torch_dp._comm.collectives import _entering, all_reduce_sum
+from torch_dp._comm.collectives import _entering
 from torch_dp._comm.replica import Replica
 from torch_dp._step.buckets import GradientBuckets, gradient_buckets
+from torch_dp._step.every_gradient import count_step, over_every_gradient
 from torch_dp._step.owners import (
     dtype_of,
     empty_by_dtype,
@@ -62,7 +58,10 @@ from torch_dp._step.profile import WEIGHTS_GATHER
 class TrainingState(Protocol):
     """How a fit's training state lies on the replicas: whole on each (``REPLICATED``), or sharded."""
 
-    mode: ShardMode | None
+    @property
+    def mode(self) -> ShardMode | None:
+        """The ``shard=`` mode (None: replicated)."""
+        ...
 
     def buckets(self, model: keras.Model, replica: Replica) -> GradientBuckets | None:
         """How a step's gradients travel during backward (None: summed in one all-reduce after it)."""
@@ -72,8 +71,8 @@ class TrainingState(Protocol):
         self,
         model: keras.Model,
         trainable: list[keras.Variable],
-        local: list[torch.Tensor | None],
-        summed: list[torch.Tensor | None],
+        local: Sequence[torch.Tensor | None],
+        summed: Sequence[torch.Tensor | None],
         timer: StepTimer | NoStepTimer = NO_STEP_TIMER,
     ) -> None:
         """Keras's optimizer update with the gradients ``summed`` over replicas; a variable that got
@@ -107,8 +106,8 @@ class Replicated:
         self,
         model: keras.Model,
         trainable: list[keras.Variable],
-        local: list[torch.Tensor | None],
-        summed: list[torch.Tensor | None],
+        local: Sequence[torch.Tensor | None],
+        summed: Sequence[torch.Tensor | None],
         timer: StepTimer | NoStepTimer = NO_STEP_TIMER,
     ) -> None:
         if not trainable:
@@ -159,8 +158,8 @@ class Sharded:
         self,
         model: keras.Model,
         trainable: list[keras.Variable],
-        local: list[torch.Tensor | None],
-        summed: list[torch.Tensor | None],
+        local: Sequence[torch.Tensor | None],
+        summed: Sequence[torch.Tensor | None],
         timer: StepTimer | NoStepTimer = NO_STEP_TIMER,
     ) -> None:
         self._check_same(trainable)
@@ -172,7 +171,7 @@ class Sharded:
             if variables:
                 optimizer.apply(grads, variables)
             else:
-                _count_step(optimizer)
+                count_step(optimizer)
             started = time.perf_counter()
             self._share_weights(trainable)
             timer.note(WEIGHTS_GATHER, time.perf_counter() - started)
@@ -253,53 +252,13 @@ class Sharded:
     def _slots_of(self, owner: int) -> list[keras.Variable]:
         return [slot for index, slots in enumerate(self.slots) if self.owners[index] == owner for slot in slots]
 
-    @contextlib.contextmanager
     def _over_every_gradient(
-        self, optimizer: keras.optimizers.Optimizer, local: list[torch.Tensor | None], summed: list[torch.Tensor | None]
-    ) -> Iterator[None]:
-        """Within the block, ``apply`` on this replica's variables decides and clips as over all of them."""
-        scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-        inner: Any = optimizer.inner_optimizer if scaled else optimizer  # pyright: ignore[reportAttributeAccessIssue]
-        clips = bool(inner.global_clipnorm) and inner.global_clipnorm > 0 and not inner.clipnorm
-        undo = []
-        if scaled or clips:
-            finite, norm = self._finite_and_norm(optimizer, inner, local, summed)
-            if scaled:
-                undo.append(internals.override(optimizer, "check_finite", lambda grads: finite))
-            if clips:
-                undo.append(internals.override(inner, "_clip_gradients", _clipped_to(norm, inner.global_clipnorm)))
-        try:
-            with internals.applying_to(inner, [self.variables[i] for i in self.mine]):
-                yield
-        finally:
-            for restore in undo:
-                restore()
-
-    def _finite_and_norm(
         self,
         optimizer: keras.optimizers.Optimizer,
-        inner: keras.optimizers.Optimizer,
-        local: list[torch.Tensor | None],
-        summed: list[torch.Tensor | None],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Whether every summed gradient is finite, and their global norm as ``inner`` computes it:
-        of the gradients unscaled as ``apply`` unscales them, each variable's sum of squares added
-        in the variables' order. One all-reduce: each replica gives its own variables' terms."""
-        count = len(self.variables)
-        squares, nonfinite, present = torch.zeros((3, count), dtype=torch.float64, device=self.replica.device)
-        for index in self.mine:
-            gradient = summed[index]
-            if local[index] is None or gradient is None:
-                continue  # no gradient on any replica (the owner's was summed from theirs)
-            present[index] = 1.0
-            nonfinite[index] = float(not bool(torch.isfinite(gradient).all()))
-            squares[index] = keras.ops.sum(keras.ops.square(_unscaled(optimizer, inner, gradient))).to(torch.float64)
-        squares, nonfinite, present = all_reduce_sum([squares, nonfinite, present], self.replica)
-        with_gradient = [i for i in range(count) if present[i]]
-        dtype = self.variables[with_gradient[0]].value.dtype if with_gradient else torch.float32
-        terms = [squares[i].to(dtype) for i in with_gradient]  # a float32 square is exact in float64 and back
-        norm = keras.ops.sqrt(keras.ops.sum(keras.ops.stack(terms))) if terms else torch.zeros((), dtype=dtype)
-        return torch.logical_not(nonfinite.sum() > 0), norm
+        local: Sequence[torch.Tensor | None],
+        summed: Sequence[torch.Tensor | None],
+    ) -> contextlib.AbstractContextManager[None]:
+        return over_every_gradient(optimizer, self.variables, self.mine, local, summed, self.replica)
 
     def _share_weights(self, trainable: list[keras.Variable]) -> None:
         """Every owner's variables, as it just updated them, on every replica: one all-gather per
@@ -363,34 +322,3 @@ def sharded(model: keras.Model, mode: ShardMode | None, replica: Replica) -> Ite
             state.fill_locally()
         raise
     state.gather()
-
-
-def _count_step(optimizer: keras.optimizers.Optimizer) -> None:
-    """What ``apply`` counts when this replica updates none of its variables (it owns none with a
-    gradient): ``iterations``, and a ``LossScaleOptimizer``'s scale, as over the others'."""
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        if bool(optimizer.check_finite([])):  # the finite check over every replica's gradients
-            optimizer.inner_optimizer.iterations.assign_add(1)  # what its apply of nothing leaves out
-        optimizer.apply([], [])  # the scale moves as on the others
-        return
-    optimizer.iterations.assign_add(1)
-
-
-def _clipped_to(norm: torch.Tensor, clip_norm: float) -> Any:
-    """Keras's ``clip_by_global_norm`` with the norm over every replica's gradients."""
-
-    def clip(grads: list[Any]) -> list[Any]:
-        scale = clip_norm * keras.ops.minimum(1.0 / norm, 1.0 / clip_norm) + (norm - norm)
-        return [g if g is None else g * scale for g in grads]
-
-    return clip
-
-
-def _unscaled(optimizer: keras.optimizers.Optimizer, inner: keras.optimizers.Optimizer, gradient: torch.Tensor) -> Any:
-    """``gradient`` as ``inner`` clips it: divided by a ``LossScaleOptimizer``'s scale, then by the
-    optimizer's own ``loss_scale_factor``."""
-    if inner is not optimizer:
-        gradient = keras.ops.divide(gradient, optimizer.dynamic_scale)  # pyright: ignore[reportAttributeAccessIssue]
-    if inner.loss_scale_factor is not None:
-        gradient = gradient / inner.loss_scale_factor
-    return gradient
