@@ -175,7 +175,7 @@ def child_speed(quick: bool, rounds: int) -> dict[str, Any]:
     import torch_dp
 
     size = sizes(quick)
-    rows = size["batch"] * (4 if quick else 8)
+    rows = size["batch"] * (4 if quick else 6)
     x, y = _data(rows)
     seconds: dict[str, list[float]] = {str(mode): [] for mode in MODES}
     with torch_dp.Trainer(num_replicas=2) as trainer:
@@ -226,7 +226,7 @@ def measure_all(quick: bool) -> dict[str, Any]:
         if capped[-1]["trained"]:
             with np.load(reference) as expected, np.load(trained) as actual:
                 difference = max(float(np.max(np.abs(expected[k] - actual[k]))) for k in expected.files)
-    speed = _run_child("speed", "2" if quick else "5", *flag)
+    speed = _run_child("speed", "2" if quick else "3", *flag)
     import keras
     import torch
 

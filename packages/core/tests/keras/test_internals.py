@@ -157,6 +157,20 @@ def test_every_accessor_is_tested_here():
     assert [name for name in names if f"internals.{name}(" not in source] == []
 
 
+def test_an_apply_moves_the_averages_of_the_variables_it_is_limited_to_alone():
+    mine, other = keras.Variable(np.ones(2, "float32")), keras.Variable(np.full(2, 5.0, "float32"))
+    optimizer = keras.optimizers.SGD(0.5, use_ema=True)
+    optimizer.build([mine, other])
+    averages = internals.moving_averages(optimizer)
+    before = keras.ops.convert_to_numpy(averages[1]).tolist()
+    with internals.applying_to(optimizer, [mine]):
+        optimizer.apply([keras.ops.convert_to_tensor(np.ones(2, "float32"))], [mine])
+    # the first step's average is the variable itself: mine moved to its new value, the other did not move
+    assert keras.ops.convert_to_numpy(averages[0]).tolist() == [0.5, 0.5]
+    assert keras.ops.convert_to_numpy(averages[1]).tolist() == before != [5.0, 5.0]
+    assert len(internals.moving_averages(optimizer)) == 2  # every average is back after the block
+
+
 def test_added_losses_and_generator_read_ahead():
     class Penalty(keras.layers.Layer):
         def call(self, inputs):
