@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import keras
 import numpy as np
 import pytest
 from jax_equivalence_models import batch_norm_model, data, dropout_model, exact_model
@@ -75,6 +76,8 @@ def test_the_command_exits_0_when_equivalent_1_above_the_tolerance_and_2_on_bad_
 
 
 def test_the_rounding_baseline_shows_per_layer_what_nudged_inputs_move_on_one_replica():
+    # seeded: a nudge of 2**-20 moves a float32 loss by an ulp or two, and for some random weights by none
+    keras.utils.set_random_seed(1)
     x, y = data()
     report = jax_dp.check_equivalence(
         exact_model, x, y, global_batch_size=32, steps=4, rounding_baseline=True, verbose=False
