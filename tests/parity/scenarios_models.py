@@ -4,6 +4,8 @@ layers and plain Python functions.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import keras
@@ -52,6 +54,32 @@ def bert_lora_fine_tuning(run: Runner) -> Any:
     model = hub_models.bert_lora("bert_lora_fine_tuning")
     history = _fit(run, model, x, y)
     return outcome(run, history, x, y, trainable=[v.path for v in model.trainable_weights])
+
+
+@scenario("model.gpt2", "feature.shard_full")
+def gpt2_sharded_weights(run: Runner) -> Any:
+    """keras-hub `GPT2Backbone` + a Dense LM head, `Trainer(shard="full")`: weights, gradients, momentum sharded.
+
+    Each layer's weights are gathered as it runs (``model.fit`` has nothing to shard)."""
+    x, y, _ = hub_models.next_tokens("gpt2_sharded_weights")
+    model = hub_models.gpt2_lm("gpt2_sharded_weights")
+    with sharded(run, "full"):
+        history = _fit(run, model, x, y)
+        return outcome(run, history, x, y)
+
+
+@contextlib.contextmanager
+def sharded(run: Runner, mode: str) -> Iterator[None]:
+    """Within the block a Trainer shards its state as ``mode`` says (``model.fit`` has nothing to shard)."""
+    trainer = getattr(run, "trainer", None)
+    if trainer is None:
+        yield
+        return
+    trainer.shard = mode
+    try:
+        yield
+    finally:
+        trainer.shard = None
 
 
 # ---- Lambda layers and plain Python functions -------------------------------------------------

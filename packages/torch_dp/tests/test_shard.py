@@ -12,6 +12,7 @@ import torch_dp_testing as testing
 import torch_dp
 from dp_core.keras import internals
 from torch_dp._step.owners import owners_of, slots_of
+from torch_dp._step.shards import Sharded
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -38,6 +39,10 @@ CASES = [  # each optimizer once or twice, not every pair
     ("gradients", "global_clipnorm"),
     ("gradients", "ema"),
     ("gradients", "accumulation"),
+    ("full", "adam"),
+    ("full", "global_clipnorm"),
+    ("full", "ema"),
+    ("full", "accumulation"),
 ]
 
 
@@ -103,40 +108,104 @@ def keras_fit(optimizer: str, epochs: int = EPOCHS):
     return reference, expected
 
 
-class HeldState(keras.callbacks.Callback):
-    """On rank 0 (the caller), at every batch end: how many elements of each trainable variable's
-    optimizer slots it holds, and which variables hold a gradient."""
+class Held:
+    """On rank 0 (the caller), at every update: how many elements of each trainable variable's weights
+    and optimizer slots it holds, and which variables hold a gradient (read as ``Sharded.apply`` begins:
+    after backward, before the update)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, monkeypatch) -> None:
+        self.weights: list[list[int]] = []
         self.slot_sizes: list[list[int]] = []
         self.gradients: list[list[bool]] = []
+        apply = Sharded.apply
 
-    def on_train_batch_end(self, batch, logs=None):
-        variables = self.model.trainable_weights
-        slots = slots_of(self.model.optimizer, variables)
-        self.slot_sizes.append([sum(internals.stored_value(s).numel() for s in own) for own in slots])
-        self.gradients.append([v.value.grad is not None for v in variables])
+        def recording(state, model, trainable, *args, **kwargs):
+            slots = slots_of(model.optimizer, trainable)
+            self.weights.append([internals.stored_value(v).numel() for v in trainable])
+            self.slot_sizes.append([sum(internals.stored_value(s).numel() for s in own) for own in slots])
+            self.gradients.append([v.value.grad is not None for v in trainable])
+            return apply(state, model, trainable, *args, **kwargs)
+
+        monkeypatch.setattr(Sharded, "apply", recording)
 
 
 @pytest.mark.parametrize(("mode", "optimizer"), CASES)
-def test_sharded_fit_is_model_fit(trainer, mode, optimizer):
+def test_sharded_fit_is_model_fit(trainer, monkeypatch, mode, optimizer):
     reference, expected = keras_fit(optimizer)
     trainer.shard = mode
     trained = model(optimizer)
-    held = HeldState()
+    held = Held(monkeypatch)
     x, y = data()
-    history = trainer.fit(
-        trained, x, y, global_batch_size=GLOBAL_BATCH_SIZE, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[held]
-    )
+    history = trainer.fit(trained, x, y, global_batch_size=GLOBAL_BATCH_SIZE, epochs=EPOCHS, shuffle=False, verbose=0)
     assert_like_keras(trainer, trained, history, reference, expected)
-    # during the fit rank 0 held the slots of its own variables only, and (sharding gradients) their gradients
+    # during the fit rank 0 held the slots of its own variables only, and (sharding gradients) their
+    # gradients, and (sharding weights) their weights
     owners = owners_of(trained.trainable_weights, 2)
     assert owners == [1, 1, 0, 0, 0, 0]  # embedding, dense_in | gamma, beta, dense_out's kernel and bias
+    sizes = [int(np.prod(v.shape)) for v in trained.trainable_weights]
     full = [sum(int(np.prod(s.shape)) for s in own) for own in slots_of(trained.optimizer, trained.trainable_weights)]
-    for sizes, gradients in zip(held.slot_sizes, held.gradients, strict=True):
-        assert sizes == [size if owner == 0 else 0 for size, owner in zip(full, owners, strict=True)]
+    assert len(held.slot_sizes) == 8  # every step, 4 an epoch
+    for weights, slot_sizes, gradients in zip(held.weights, held.slot_sizes, held.gradients, strict=True):
+        assert slot_sizes == [size if owner == 0 else 0 for size, owner in zip(full, owners, strict=True)]
         assert gradients == [owner == 0 or mode == "optimizer" for owner in owners]
+        held_weights = [size if owner == 0 or mode != "full" else 0 for size, owner in zip(sizes, owners, strict=True)]
+        assert weights == held_weights
+
+
+class Halving(keras.callbacks.Callback):
+    """At the second epoch's start, halves the embedding (rank 1's variable): the change must reach
+    its owner. At each epoch end, notes every weight's and optimizer variable's sum as it sees them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[list[float]] = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 1:
+            embedding = self.model.get_layer("embedding").embeddings
+            embedding.assign(embedding * 0.5)
+
+    def on_epoch_end(self, epoch, logs=None):
+        variables = [*self.model.weights, *self.model.optimizer.variables]
+        self.seen.append([float(np.sum(_numpy(v))) for v in variables])
+
+
+@pytest.mark.parametrize("mode", ["optimizer", "full"])
+def test_callbacks_see_and_change_the_whole_state(trainer, tmp_path, mode):
+    """Rank 0's callbacks read and write the whole state, as under ``model.fit``: ``SwapEMAWeights``
+    validates on the moving averages, ``ModelCheckpoint`` saves every slot, a callback's change to
+    another replica's variable is trained on."""
+    x, y = data()
+    validation = data(37, seed=1)
+
+    def callbacks(folder):
+        return [
+            Halving(),
+            keras.callbacks.SwapEMAWeights(swap_on_epoch=True),
+            keras.callbacks.ModelCheckpoint(str(folder / "epoch{epoch}.keras")),
+        ]
+
+    reference, expected_callbacks = model("ema"), callbacks(tmp_path / "keras")
+    (tmp_path / "keras").mkdir()
+    expected = reference.fit(
+        x, y, batch_size=GLOBAL_BATCH_SIZE, epochs=EPOCHS, shuffle=False, verbose=0,
+        validation_data=validation, callbacks=expected_callbacks,
+    )  # fmt: skip
+    trainer.shard = mode
+    trained, given = model("ema"), callbacks(tmp_path / "mine")
+    (tmp_path / "mine").mkdir()
+    history = trainer.fit(
+        trained, x, y, global_batch_size=GLOBAL_BATCH_SIZE, epochs=EPOCHS, shuffle=False, verbose=0,
+        validation_data=validation, callbacks=given,
+    )  # fmt: skip
+    assert_like_keras(trainer, trained, history, reference, expected)
+    np.testing.assert_allclose(given[0].seen, expected_callbacks[0].seen, rtol=1e-5, atol=1e-5)
+    for epoch in (1, 2):
+        mine = keras.saving.load_model(tmp_path / "mine" / f"epoch{epoch}.keras")
+        theirs = keras.saving.load_model(tmp_path / "keras" / f"epoch{epoch}.keras")
+        expected_state = [*theirs.weights, *theirs.optimizer.variables]
+        for a, b in zip([*mine.weights, *mine.optimizer.variables], expected_state, strict=True):
+            np.testing.assert_allclose(_numpy(a), _numpy(b), atol=1e-5, err_msg=a.path)
 
 
 def test_mixed_precision_loss_scale_moves_as_in_model_fit(trainer):
@@ -155,7 +224,7 @@ def test_mixed_precision_loss_scale_moves_as_in_model_fit(trainer):
         reference = scaled("sgd_clipnorm")
         x, y = data()
         reference.fit(x, y, batch_size=GLOBAL_BATCH_SIZE, epochs=EPOCHS, shuffle=False, verbose=0)
-        for mode in ("optimizer", "gradients"):
+        for mode in ("optimizer", "gradients", "full"):
             trainer.shard = mode
             trained = scaled("sgd_clipnorm")
             trainer.fit(trained, x, y, global_batch_size=GLOBAL_BATCH_SIZE, epochs=EPOCHS, shuffle=False, verbose=0)
@@ -186,12 +255,13 @@ def test_a_replica_that_owns_no_variable_counts_the_steps(trainer):
     assert int(trained.optimizer.iterations) == int(reference.optimizer.iterations) == 8
 
 
-def test_checkpoints_resume_in_another_mode_and_replica_count(trainer, tmp_path):
+@pytest.mark.parametrize("mode", ["gradients", "full"])
+def test_checkpoints_resume_in_another_mode_and_replica_count(trainer, tmp_path, mode):
     """A sharded fit's checkpoint holds one device's state: the second epoch resumed unsharded on one
     replica is ``model.fit``'s; resumed in the same mode on the same replicas, the uninterrupted run's, bitwise."""
     x, y = data()
     fit = {"global_batch_size": GLOBAL_BATCH_SIZE, "shuffle": False, "verbose": 0}
-    trainer.shard = "gradients"
+    trainer.shard = mode
     whole = model("adam")
     trainer.fit(whole, x, y, epochs=EPOCHS, **fit)
     first = model("adam")
@@ -236,8 +306,6 @@ def test_what_cannot_be_sharded_is_refused(trainer):
     allowed = r"\(None, 'optimizer', 'gradients', 'full'\)"
     with pytest.raises(ValueError, match=rf"shard must be one of {allowed}, got 'zero2'"):
         torch_dp.Trainer(num_replicas=1, shard="zero2")
-    with pytest.raises(NotImplementedError, match=r'shard="full"\) is not available.*jax_dp'):
-        trainer.shard = "full"
     inputs = keras.Input((5,))
     own = _OwnStep(inputs, keras.layers.Dense(3)(inputs))
     own.compile(optimizer="adam", loss="mse")

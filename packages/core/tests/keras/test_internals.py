@@ -43,6 +43,8 @@ def test_every_accessor_reads_a_compiled_model(model):
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(internals.stored_value(kernel)), kernel.numpy())
     norm = next(layer for layer in layers if isinstance(layer, keras.layers.BatchNormalization))
     assert internals.batch_norm_reduction_axes(norm) == (0,)
+    assert [v.path for v in internals.own_trainable_variables(norm)] == [norm.gamma.path, norm.beta.path]
+    assert internals.own_trainable_variables(model) == []  # its layers', not its own
     metrics, weighted, flatten_y = internals.compiled_metric_parts(internals.compile_metrics(model))
     assert len(flatten_y({"a": 1, "b": 2})) == 2 and any(metrics) and any(weighted)
     assert internals.initial_epoch_override(model) is None  # BackupAndRestore sets it when it restores

@@ -103,6 +103,11 @@ def stored_value(variable: keras.Variable) -> Any:
     return variable._value
 
 
+def own_trainable_variables(layer: keras.layers.Layer) -> list[keras.Variable]:
+    """The trainable variables ``layer`` made itself (``add_weight``), not its sublayers'."""
+    return list(layer._trainable_variables) if layer.trainable else []
+
+
 def sublayers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
     """The layers ``layer`` tracks directly (its children, not theirs), in Keras's order."""
     return list(layer._flatten_layers(include_self=False, recursive=False))

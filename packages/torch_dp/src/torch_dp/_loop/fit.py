@@ -27,6 +27,7 @@ from torch_dp._loop.changes import Changes
 from torch_dp._loop.checkpoints import check_same_start, holding_checkpoint_dir, restore_metrics, save
 from torch_dp._loop.epochs import EpochSteps, KerasSteps, OwnSteps, share_decisions, train_epoch
 from torch_dp._loop.evaluate import evaluate_loop
+from torch_dp._loop.hooks import on_whole_state
 from torch_dp._loop.jobs import FitJob
 from torch_dp._step.accumulation import Window, accumulation_window
 from torch_dp._step.custom import CustomSteps
@@ -80,14 +81,11 @@ def _fit_epochs(
     """``fit_loop`` once ``checkpoint_dir`` is held."""
     arguments = job.arguments
     steps = arguments.steps_shown
-    callbacks = callback_list(
-        arguments.callbacks,
-        model,
-        is_primary=replica.is_primary,
-        verbose=arguments.verbose,
-        epochs=arguments.epochs,
+    listed = callback_list(
+        arguments.callbacks, model, is_primary=replica.is_primary, verbose=arguments.verbose, epochs=arguments.epochs,
         steps=steps,
-    )
+    )  # fmt: skip
+    callbacks = on_whole_state(listed, arguments.callbacks, state, replica)  # sharded: rank 0's hooks see it all
     # Every replica must agree on when metrics are synced, so rank 0's needs are shared.
     wants = [needs_every_batch(arguments.callbacks), verbosity(arguments.verbose) == 1]
     batch_logs, progress = (bool(flag) for flag in broadcast_floats(wants, replica))

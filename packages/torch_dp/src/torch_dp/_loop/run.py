@@ -18,6 +18,7 @@ from dp_core import NO_STEP_TIMER, PreemptionWatch, StepTimer
 from dp_core.keras import (
     CheckpointWriter,
     Inputs,
+    batch_terms,
     build_model,
     check_losses_split,
     internals,
@@ -122,6 +123,8 @@ def run_fit(model: keras.Model, job: FitJob, replica: Replica) -> keras.callback
                 lr_policy=None if job.lr_policy is None else job.lr_policy.config(),
             )
         timer = NO_STEP_TIMER if job.profile is None else step_timer(replica)
+        if job.shard == "full":  # its one-replica probe of the model runs now, on the whole weights
+            batch_terms(model, job.inputs)
         with timing_batch_norm(timer), sharded(model, job.shard, replica) as state:
             history = fit_loop(
                 model,

@@ -32,12 +32,13 @@ import torch.distributed as dist
 
 from torch_dp._comm.collectives import _entering
 from torch_dp._comm.replica import Replica
+from torch_dp._step.owners import numel
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
 
 
 def _bytes(variable: keras.Variable) -> int:
-    return variable.value.numel() * variable.value.element_size()
+    return numel(variable) * variable.value.element_size()
 
 
 @final
@@ -63,17 +64,18 @@ class GradientBuckets:
             self.buckets[-1].append(index)
             size += _bytes(variables[index])
         self.rank = rank
-        self._variables = [(id(v), tuple(v.value.shape)) for v in variables]
+        self._variables = [(id(v), tuple(v.shape)) for v in variables]
         self._launched: list[tuple[torch.Tensor, Any]] = []
         self.overlapped = 0.0  # the last backward's seconds with an all-reduce in flight
 
     def serves(self, variables: Sequence[keras.Variable]) -> bool:
-        return [(id(v), tuple(v.value.shape)) for v in variables] == self._variables
+        return [(id(v), tuple(v.shape)) for v in variables] == self._variables
 
     @contextlib.contextmanager
     def reducing(self, variables: Sequence[keras.Variable]) -> Iterator[None]:
         """Around ``backward``: each bucket's all-reduce starts once its gradients exist."""
         values = [v.value for v in variables]
+        shapes = [tuple(v.shape) for v in variables]  # a weight freed under shard="full" keeps its Keras shape
         bucket_of = {index: b for b, bucket in enumerate(self.buckets) for index in bucket}
         ready = [0] * len(self.buckets)
         self._launched = []
@@ -86,7 +88,7 @@ class GradientBuckets:
                     return
                 if not first_launch:
                     first_launch.append(time.perf_counter())
-                self._launch(values, b)
+                self._launch(values, shapes, b)
 
         def on_gradient(index: int) -> Any:
             def hook(_: torch.Tensor) -> None:
@@ -103,8 +105,8 @@ class GradientBuckets:
                 handle.remove()
         self.overlapped = time.perf_counter() - first_launch[0] if first_launch else 0.0
 
-    def _launch(self, values: Sequence[torch.Tensor], b: int) -> None:
-        parts = [_gradient_or_zeros(values[i]) for i in self.buckets[b]]
+    def _launch(self, values: Sequence[torch.Tensor], shapes: Sequence[tuple[int, ...]], b: int) -> None:
+        parts = [_gradient_or_zeros(values[i], shapes[i]) for i in self.buckets[b]]
         flat = torch.cat([part.reshape(-1) for part in parts])
         _entering()
         destination = self.destinations[b]
@@ -121,23 +123,24 @@ class GradientBuckets:
         without a gradient), every one waited for, and each variable's summed gradient (None for
         another replica's, with owners)."""
         values = [v.value for v in variables]
+        shapes = [tuple(v.shape) for v in variables]
         while len(self._launched) < len(self.buckets):
-            self._launch(values, len(self._launched))
+            self._launch(values, shapes, len(self._launched))
         summed: list[Any] = [None] * len(values)
         for bucket, destination, (flat, work) in zip(self.buckets, self.destinations, self._launched, strict=True):
             work.wait()
             if destination is not None and destination != self.rank:
                 continue
-            pieces = torch.split(flat, [values[i].numel() for i in bucket])
+            pieces = torch.split(flat, [numel(variables[i]) for i in bucket])
             for index, piece in zip(bucket, pieces, strict=True):
-                summed[index] = piece.view(values[index].shape)
+                summed[index] = piece.view(shapes[index])
         self._launched = []
         return summed
 
 
-def _gradient_or_zeros(value: torch.Tensor) -> torch.Tensor:
+def _gradient_or_zeros(value: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     # zeros keep a bucket the same size on every replica, as in the one all-reduce after backward
-    return torch.zeros_like(value) if value.grad is None else value.grad.detach()
+    return torch.zeros(shape, dtype=value.dtype, device=value.device) if value.grad is None else value.grad.detach()
 
 
 _by_model: weakref.WeakKeyDictionary[keras.Model, GradientBuckets] = weakref.WeakKeyDictionary()

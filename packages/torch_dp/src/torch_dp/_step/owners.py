@@ -86,5 +86,6 @@ def empty_by_dtype(slots: list[keras.Variable], device: str) -> list[tuple[list[
 
 
 def fill(group: list[keras.Variable], flat: torch.Tensor) -> None:
+    """Each freed variable of ``group`` holds its piece of ``flat`` again (a view: no copy)."""
     for slot, piece in zip(group, torch.split(flat, [numel(s) for s in group]), strict=True):
-        internals.stored_value(slot).data = piece.view(tuple(slot.shape)).clone()
+        internals.stored_value(slot).data = piece.view(tuple(slot.shape))

@@ -1,25 +1,31 @@
-"""Sharded training state (``Trainer(shard="optimizer" | "gradients")``): ZeRO-1 and ZeRO-2 over
-Keras's own optimizer.
+"""Sharded training state (``Trainer(shard="optimizer" | "gradients" | "full")``): ZeRO-1, 2 and 3
+over Keras's own optimizer.
 
 Each trainable variable belongs to one replica, its owner: whole variables, in runs of the order
 backward produces their gradients (the model's order reversed), one run per replica, balanced by
 bytes. The owner alone keeps that variable's optimizer slots (every optimizer variable Keras made
 for it: Adam's moments, momentum, moving averages, gradient accumulators) and alone updates it;
-the other replicas hold those slots empty (storage freed, shape kept). After each update the
-owners' new weights reach every replica in one all-gather.
+the other replicas hold those slots empty (storage freed, shape kept).
 
 - ``"optimizer"`` (ZeRO-1): the gradients are summed over replicas as without sharding, and each
-  replica applies its own variables' only, so it holds 1/N of the slots.
+  replica applies its own variables' only, so it holds 1/N of the slots. After each update the
+  owners' new weights reach every replica in one all-gather (``_step.moves``).
 - ``"gradients"`` (ZeRO-2): each bucket of gradients is summed onto its owner alone (a reduce,
   started during backward: ``_step.buckets``) and the other replicas free theirs, so each also
   holds only its own variables' gradients once its bucket is sent.
+- ``"full"`` (ZeRO-3): the weights too. Each replica holds its own variables' weights only, and
+  every layer gathers the others' for its forward and its backward (``_step.gathered``); the
+  updated weights stay with their owners.
+
+Callbacks run on rank 0: at the hooks a callback acts at, rank 0 holds the whole state for it, and
+what it changed there reaches the owners (``_loop.hooks``).
 
 Exact: Keras updates a variable from that variable, its gradient and its slots only, but for a
 loss scale's finite check, ``global_clipnorm``'s norm and ``use_ema``'s moving averages, which
 ``_step.every_gradient`` computes over every replica's variables. A step where a replica owns no
 variable with a gradient still counts, as Keras's ``apply`` would.
 
-Between calls every replica holds the whole state: a fit frees the slots before its first step,
+Between calls every replica holds the whole state: a fit frees the others' before its first step,
 gathers them back before it ends (and onto rank 0 for each checkpoint), so the caller's optimizer,
 checkpoints and a resumed fit hold what one device holds, in any mode and on any replica count.
 """
@@ -33,25 +39,15 @@ from typing import Protocol, final
 
 import keras
 import torch
-import torch.distributed as dist
 
 from dp_core import NO_STEP_TIMER, NonFiniteLossError, NoStepTimer, Preempted, ShardMode, StepTimer
 from dp_core.keras import check_shard_mode, internals
-from torch_dp._comm.collectives import _entering
 from torch_dp._comm.replica import Replica
 from torch_dp._step.buckets import GradientBuckets, gradient_buckets
 from torch_dp._step.every_gradient import count_step, over_every_gradient
-from torch_dp._step.owners import (
-    dtype_of,
-    empty_by_dtype,
-    fill,
-    flat_by_dtype,
-    groups_by_dtype,
-    numel,
-    owners_of,
-    release,
-    slots_of,
-)
+from torch_dp._step.gathered import JustInTime
+from torch_dp._step.moves import back_to_owners, onto_everyone, onto_primary, share_updated
+from torch_dp._step.owners import dtype_of, numel, owners_of, release, slots_of
 from torch_dp._step.profile import WEIGHTS_GATHER
 
 
@@ -80,16 +76,17 @@ class TrainingState(Protocol):
         the time of the weights' all-gather, where there is one."""
         ...
 
-    def whole_on_primary(self) -> contextlib.AbstractContextManager[None]:
-        """Within the block rank 0's optimizer holds every slot (a checkpoint reads it)."""
+    def whole_on_primary(self, *, changes_kept: bool = False) -> contextlib.AbstractContextManager[None]:
+        """Within the block rank 0 holds every variable (a checkpoint or a callback reads them); with
+        ``changes_kept``, what it changed in them reaches every replica after."""
         ...
 
     def gather(self) -> None:
-        """Every replica's optimizer holds every slot again (the end of the fit)."""
+        """Every replica holds every variable again (the end of the fit)."""
         ...
 
     def sharded_variables(self) -> list[keras.Variable]:
-        """The optimizer variables no replica holds whole during the fit."""
+        """The variables (optimizer slots, and with ``"full"`` weights) no replica holds whole during the fit."""
         ...
 
 
@@ -116,7 +113,7 @@ class Replicated:
             model.optimizer.apply([None if g is None else s for g, s in zip(local, summed, strict=True)], trainable)
 
     @contextlib.contextmanager
-    def whole_on_primary(self) -> Iterator[None]:
+    def whole_on_primary(self, *, changes_kept: bool = False) -> Iterator[None]:
         yield
 
     def gather(self) -> None:
@@ -131,7 +128,8 @@ REPLICATED = Replicated()
 
 @final
 class Sharded:
-    """One fit's sharded state: who owns each trainable variable, its slots, and the steps' update."""
+    """One fit's sharded state: who owns each trainable variable, its slots (and with ``"full"`` its
+    weights, ``_step.gathered``), and the steps' update."""
 
     def __init__(self, model: keras.Model, mode: ShardMode, replica: Replica) -> None:
         optimizer = model.optimizer
@@ -143,9 +141,23 @@ class Sharded:
         self.owners = owners_of(self.variables, replica.num_replicas)
         self.mine = [i for i, owner in enumerate(self.owners) if owner == replica.rank]
         self.slots = slots_of(optimizer, self.variables)
+        self.weights: JustInTime | None = None
+        if mode == "full" and replica.distributed:
+            self.weights = JustInTime(model, self.variables, self.owners, replica.rank, replica.device)
+        sharded_weights = {id(v) for v in self.weights.sharded} if self.weights is not None else set()
+        # each replica's variables the others do not hold during the fit; and those all hold whole
+        self.by_owner = [self._sharded_of(owner) for owner in range(replica.num_replicas)]
+        self.whole_by_owner = [
+            [v for v, o in zip(self.variables, self.owners, strict=True) if o == owner and id(v) not in sharded_weights]
+            for owner in range(replica.num_replicas)
+        ]
         self._buckets: GradientBuckets | None = None
-        self._whole = True
-        self._free()
+        self._whole = replica.num_replicas == 1
+        if not self._whole:
+            for variable in self._others():
+                release(variable)
+            if self.weights is not None:
+                self.weights.install()
 
     def buckets(self, model: keras.Model, replica: Replica) -> GradientBuckets | None:
         if self.mode == "optimizer":
@@ -163,6 +175,8 @@ class Sharded:
         timer: StepTimer | NoStepTimer = NO_STEP_TIMER,
     ) -> None:
         self._check_same(trainable)
+        if self.weights is not None:  # those a layer gathered for a gradient it did not get
+            self.weights.free_all()
         optimizer = model.optimizer
         mine = [i for i in self.mine if local[i] is not None]
         grads = [summed[i] for i in mine]
@@ -173,11 +187,12 @@ class Sharded:
             else:
                 count_step(optimizer)
             started = time.perf_counter()
-            self._share_weights(trainable)
-            timer.note(WEIGHTS_GATHER, time.perf_counter() - started)
+            share_updated(self.whole_by_owner, self.replica)
+            gathered = self.weights.take_seconds() if self.weights is not None else 0.0  # for each layer
+            timer.note(WEIGHTS_GATHER, time.perf_counter() - started + gathered)
 
     def sharded_variables(self) -> list[keras.Variable]:
-        return [slot for slots in self.slots for slot in slots]
+        return [v for variables in self.by_owner for v in variables]
 
     def _check_same(self, trainable: list[keras.Variable]) -> None:
         """The variables the fit began with still train (every replica sees the same: rank 0's
@@ -191,66 +206,50 @@ class Sharded:
             )
 
     @contextlib.contextmanager
-    def whole_on_primary(self) -> Iterator[None]:
-        """Each owner sends rank 0 its slots (rank 0 alone allocates them); freed again after."""
+    def whole_on_primary(self, *, changes_kept: bool = False) -> Iterator[None]:
+        """Within the block rank 0 holds every variable (a checkpoint, a callback reads them); freed
+        again after. With ``changes_kept`` what rank 0 changed in them (a callback) reaches their owners."""
         if self._whole:
             yield
             return
-        replica = self.replica
-        for owner in range(1, replica.num_replicas):
-            slots = self._slots_of(owner)
-            if replica.rank == owner:
-                for flat in flat_by_dtype(slots):
-                    _entering()
-                    dist.send(flat, dst=0)
-            elif replica.is_primary:
-                for group, flat in empty_by_dtype(slots, replica.device):
-                    _entering()
-                    dist.recv(flat, src=owner)
-                    fill(group, flat)
+        filled = onto_primary(self.by_owner, self.replica)
+        if self.weights is not None:
+            self.weights.paused = True  # rank 0's layers run on its whole weights: no one else runs
         try:
             yield
         finally:
-            if replica.is_primary:
-                for slot in self.sharded_variables():
-                    if self.owners[self._index_of[id(slot)]] != 0:
-                        release(slot)
+            if self.weights is not None:
+                self.weights.paused = False
+            if changes_kept:
+                back_to_owners(self.by_owner, self.replica, filled)
+            elif self.replica.is_primary:
+                for variable in self._others():
+                    release(variable)
 
     def gather(self) -> None:
-        """Each owner's slots broadcast to every replica: the whole state everywhere."""
+        """Each owner's variables broadcast to every replica: the whole state everywhere."""
         if self._whole:
             return
-        replica = self.replica
-        for owner in range(replica.num_replicas):
-            slots = self._slots_of(owner)
-            if replica.rank == owner:
-                buffers = list(zip(groups_by_dtype(slots), flat_by_dtype(slots), strict=True))
-            else:
-                buffers = empty_by_dtype(slots, replica.device)
-            for group, flat in buffers:
-                _entering()
-                dist.broadcast(flat, src=owner)
-                if replica.rank != owner:
-                    fill(group, flat)
+        if self.weights is not None:
+            self.weights.uninstall()
+        onto_everyone(self.by_owner, self.replica)
         self._whole = True
 
     def fill_locally(self) -> None:
-        """Freed slots back at their shapes, as zeros, with no collective (a failed fit's end)."""
-        for slot in self.sharded_variables():
-            if internals.stored_value(slot).numel() != numel(slot):
-                internals.stored_value(slot).data = torch.zeros(tuple(slot.shape), dtype=dtype_of(slot))
+        """Freed variables back at their shapes, as zeros, with no collective (a failed fit's end)."""
+        if self.weights is not None:
+            self.weights.uninstall()
+        for variable in self.sharded_variables():
+            if internals.stored_value(variable).numel() != numel(variable):
+                internals.stored_value(variable).data = torch.zeros(tuple(variable.shape), dtype=dtype_of(variable))
         self._whole = True
 
-    def _free(self) -> None:
-        self._index_of = {id(slot): index for index, slots in enumerate(self.slots) for slot in slots}
-        for index, slots in enumerate(self.slots):
-            if self.owners[index] != self.replica.rank:
-                for slot in slots:
-                    release(slot)
-        self._whole = self.replica.num_replicas == 1
+    def _sharded_of(self, owner: int) -> list[keras.Variable]:
+        slots = [slot for index, slots in enumerate(self.slots) if self.owners[index] == owner for slot in slots]
+        return slots + (self.weights.owned(owner) if self.weights is not None else [])
 
-    def _slots_of(self, owner: int) -> list[keras.Variable]:
-        return [slot for index, slots in enumerate(self.slots) if self.owners[index] == owner for slot in slots]
+    def _others(self) -> list[keras.Variable]:
+        return [v for owner, variables in enumerate(self.by_owner) if owner != self.replica.rank for v in variables]
 
     def _over_every_gradient(
         self,
@@ -260,43 +259,10 @@ class Sharded:
     ) -> contextlib.AbstractContextManager[None]:
         return over_every_gradient(optimizer, self.variables, self.mine, local, summed, self.replica)
 
-    def _share_weights(self, trainable: list[keras.Variable]) -> None:
-        """Every owner's variables, as it just updated them, on every replica: one all-gather per
-        dtype, each replica's part padded to the longest."""
-        replica = self.replica
-        if not replica.distributed:
-            return
-        by_owner = [[i for i, o in enumerate(self.owners) if o == owner] for owner in range(replica.num_replicas)]
-        for dtype in dict.fromkeys(v.value.dtype for v in trainable):
-            parts = [[i for i in indices if trainable[i].value.dtype == dtype] for indices in by_owner]
-            lengths = [sum(trainable[i].value.numel() for i in part) for part in parts]
-            longest = max(lengths)
-            if not longest:
-                continue
-            mine = torch.zeros(longest, dtype=dtype, device=replica.device)
-            if lengths[replica.rank]:
-                mine[: lengths[replica.rank]] = torch.cat([trainable[i].value.reshape(-1) for i in parts[replica.rank]])
-            gathered = [torch.empty_like(mine) for _ in range(replica.num_replicas)]
-            _entering()
-            dist.all_gather(gathered, mine)
-            for owner, part in enumerate(parts):
-                if owner == replica.rank or not part:
-                    continue
-                pieces = torch.split(gathered[owner][: lengths[owner]], [trainable[i].value.numel() for i in part])
-                for index, piece in zip(part, pieces, strict=True):
-                    trainable[index].assign(piece.view(trainable[index].value.shape))
-
 
 def torch_shard_mode(shard: object) -> ShardMode | None:
-    """``Trainer(shard=...)`` checked: one of dp-core's modes, and one torch-dp has."""
-    mode = check_shard_mode(shard)
-    if mode == "full":
-        raise NotImplementedError(
-            'torch_dp.Trainer(shard="full") is not available: torch_dp shards the optimizer\'s slots ("optimizer") and '
-            'the summed gradients ("gradients"), with every replica holding the weights. For weights sharded too, '
-            'use jax_dp.Trainer(shard="full"), or shard="gradients" here.'
-        )
-    return mode
+    """``Trainer(shard=...)`` checked: one of dp-core's modes."""
+    return check_shard_mode(shard)
 
 
 def training_state(model: keras.Model, mode: ShardMode | None, replica: Replica) -> TrainingState:

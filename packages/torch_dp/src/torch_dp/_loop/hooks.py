@@ -1,0 +1,76 @@
+"""Rank 0's callbacks on the whole training state under ``shard=``.
+
+A sharded fit leaves each replica only its own optimizer slots (and with ``"full"`` its own
+weights), but a callback may read or write any of them: ``ModelCheckpoint`` saves the model and its
+optimizer, ``SwapEMAWeights`` swaps the weights with their moving averages, ``EarlyStopping`` keeps
+the best weights. So at each hook a callback acts at, rank 0 gathers the whole state first, and
+what the callback changed in it reaches the owners after (``_step.shards``). Hooks no callback acts
+at (the progress bar's and History's, or none overridden) cost nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any, cast
+
+import keras
+
+from dp_core.keras import internals
+from torch_dp._comm.collectives import broadcast_floats
+from torch_dp._comm.replica import Replica
+from torch_dp._step.shards import TrainingState
+
+HOOKS = (
+    "on_train_begin",
+    "on_epoch_begin",
+    "on_train_batch_begin",
+    "on_train_batch_end",
+    "on_test_begin",
+    "on_test_batch_begin",
+    "on_test_batch_end",
+    "on_test_end",
+    "on_epoch_end",
+    "on_train_end",
+)
+_PASSIVE = (keras.callbacks.ProgbarLogger, keras.callbacks.History)  # they read the logs only
+
+
+def on_whole_state(
+    callbacks: keras.callbacks.CallbackList,
+    given: Sequence[keras.callbacks.Callback] | None,
+    state: TrainingState,
+    replica: Replica,
+) -> keras.callbacks.CallbackList:
+    """``callbacks`` (rank 0's list, made from the ``given`` ones) with each hook some callback acts
+    at run on the whole state, when ``state`` is sharded. Every replica calls it (rank 0's choice of
+    hooks is shared: one small broadcast)."""
+    if state.mode is None:
+        return callbacks
+    acting = [
+        float(any(internals.overrides_hook(c, hook) for c in given or [] if not isinstance(c, _PASSIVE)))
+        for hook in HOOKS
+    ]
+    hooks = {hook for hook, flag in zip(HOOKS, broadcast_floats(acting, replica), strict=True) if flag}
+    if not hooks:
+        return callbacks
+    return cast(keras.callbacks.CallbackList, _OnWholeState(callbacks, state, hooks))
+
+
+class _OnWholeState:
+    """A ``CallbackList`` whose ``hooks`` run with rank 0 holding the whole state."""
+
+    def __init__(self, callbacks: keras.callbacks.CallbackList, state: TrainingState, hooks: set[str]) -> None:
+        self._callbacks, self._state, self._hooks = callbacks, state, hooks
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._callbacks, name)
+        if name not in self._hooks:
+            return method
+
+        @functools.wraps(method)
+        def on_whole_state(*args: Any, **kwargs: Any) -> Any:
+            with self._state.whole_on_primary(changes_kept=True):
+                return method(*args, **kwargs)
+
+        return on_whole_state
