@@ -11,6 +11,7 @@ import torch_dp_testing as testing
 
 import torch_dp
 from dp_core.keras import internals
+from torch_dp._step import state
 from torch_dp._step.owners import owners_of, slots_of
 from torch_dp._step.shards import Sharded
 
@@ -321,3 +322,13 @@ def test_owners_are_runs_in_backward_order_balanced_by_bytes():
     assert owners_of(variables, 2) == [1, 1, 1, 1, 0, 0]
     assert owners_of(variables, 3) == [2, 2, 2, 1, 0, 0]  # thirds end at 168 and 336: 1 at 302.5, 100 at 353
     assert owners_of(variables, 1) == [0] * 6
+
+
+def test_the_start_state_travels_in_chunks():
+    """Rank 0's state reaches the replicas in runs of at most the chunk's bytes (one larger variable
+    alone), so no replica holds a second copy of the whole state."""
+    sizes = [(10,), (20,), (5,), (100,), (1,)]  # float32: 40, 80, 20, 400 and 4 bytes
+    variables = [keras.Variable(torch.zeros(shape)) for shape in sizes]
+    chunks = [[int(v.shape[0]) for v in chunk] for chunk in state._chunks(variables, 128)]
+    assert chunks == [[10, 20], [5], [100], [1]]
+    assert [len(chunk) for chunk in state._chunks(variables, 10**6)] == [5]
