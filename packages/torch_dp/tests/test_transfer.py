@@ -30,3 +30,20 @@ def test_a_bfloat16_memory_map_is_mapped_by_the_workers_as_bfloat16(tmp_path):
     opened = open_shared(SharedArrays(str(tmp_path / "shared")).share(Inputs(x, y)))
     assert isinstance(opened.x, np.memmap) and opened.x.dtype == np.dtype(ml_dtypes.bfloat16)
     assert opened.x.astype("float32").tolist() == np.arange(8).reshape(4, 2).tolist()
+
+
+def test_an_explicit_loss_scale_optimizer_reaches_the_workers(tmp_path):
+    """Keras's deserializing pops the inner optimizer from a compile config: the caller's check that
+    the model rebuilds must leave the config the workers compile from whole."""
+    import keras
+
+    from torch_dp._loop.trainable import trainable_flags
+    from torch_dp._processes.transfer import receive_model, ship_model
+
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    source = ship_model(model, model, str(tmp_path))
+    for _ in range(2):  # and a worker may rebuild from one source again
+        rebuilt = receive_model(source, trainable_flags(model))
+        assert isinstance(rebuilt.optimizer, keras.optimizers.LossScaleOptimizer)
+        assert isinstance(rebuilt.optimizer.inner_optimizer, keras.optimizers.SGD)

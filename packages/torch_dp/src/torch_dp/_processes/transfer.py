@@ -8,6 +8,7 @@ broadcast."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import io
 import os
@@ -261,7 +262,9 @@ def _compiled(model: keras.Model, source: ModelSource) -> None:
     if source.compile_config is None:
         return
     with _policy_of(source), keras.saving.custom_object_scope(source.custom_objects):
-        model.compile_from_config(source.compile_config)
+        # a copy: Keras's deserializing pops from the config (a LossScaleOptimizer's inner_optimizer),
+        # and a model may be compiled from one source more than once
+        model.compile_from_config(copy.deepcopy(source.compile_config))
 
 
 @dataclass(frozen=True)
