@@ -4,16 +4,18 @@ sharded, and the speed of each mode against unsharded data parallel.
 A deep MLP (Input(1024) -> 13 x Dense(2048) -> Dense(16), Adam: 52.5 M parameters, W = 210 MB of
 float32 weights) trained for a few steps by ``torch_dp.Trainer`` on 1, 2 and 4 replicas, with
 ``shard=None`` (every replica holds weights, gradients and Adam's two slots: 4 W), ``"optimizer"``
-(weights, gradients and 2/N of the slots) and ``"gradients"`` (weights, 1/N of the gradients and
-of the slots). Each run is its own process, with glibc's mmap threshold fixed (a freed tensor goes
-back to the system at once, so resident memory follows what is held).
+(weights, gradients and 2/N of the slots), ``"gradients"`` (weights, 1/N of the gradients and of
+the slots) and ``"full"`` (1/N of everything). Each run is its own process, with glibc's mmap
+threshold fixed (a freed tensor goes back to the system at once, so resident memory follows what
+is held).
 
-- **Held**: bytes of the tensors rank 0 holds at every batch end (weights, gradients, optimizer
-  variables: ``numel`` of what each holds), the largest seen; and each replica's ``VmData`` then
-  (what ``RLIMIT_DATA`` limits), the largest replica's, and its peak resident set (``VmHWM``).
+- **Held**: bytes of the tensors rank 0 holds at every update, after backward (weights, gradients,
+  optimizer variables: ``numel`` of what each holds), the largest seen; and each replica's
+  ``VmData`` then (what ``RLIMIT_DATA`` limits), the largest replica's, and its peak resident set
+  (``VmHWM``, which also sees the start, where every replica builds the whole model and optimizer).
 - **A model that fits only sharded**: every replica limited by ``RLIMIT_DATA`` (set before the
-  replicas start; they inherit it) halfway between what the unsharded and the ``"gradients"`` run
-  needed. Unsharded data parallel fails to allocate; ``"gradients"`` trains, and its weights are
+  replicas start; they inherit it) halfway between what the unsharded run held and the ``"full"``
+  run's peak. Unsharded data parallel fails to allocate; ``"full"`` trains, and its weights are
   compared with single-device ``model.fit``'s (run without a limit, in a process of its own).
 - **Speed**: samples per second of each mode on 2 replicas, interleaved rounds, medians.
 
@@ -36,7 +38,14 @@ from pathlib import Path
 from typing import Any
 
 HEADING = "## Sharded state on torch: memory per replica"
-MODES = [None, "optimizer", "gradients"]
+MODES = [None, "optimizer", "gradients", "full"]
+# what ZeRO's paper predicts each replica holds, in units of W, on n replicas (Adam: two slots)
+EXPECTED = {
+    None: lambda n: 4.0,
+    "optimizer": lambda n: 2 / n + 2,
+    "gradients": lambda n: 3 / n + 1,
+    "full": lambda n: 4 / n,
+}
 INPUT_FEATURES, OUTPUTS = 1024, 16
 
 
@@ -88,31 +97,34 @@ def _replica_pids() -> list[int]:
     return [os.getpid(), *children]
 
 
-def _held_callback() -> Any:
-    import keras
+class Held:
+    """Rank 0's held tensor bytes and every replica's VmData, the largest at any update: read as the
+    training state's ``apply`` begins (after backward, gradients held; callbacks would see the whole
+    state, which rank 0 gathers for them under ``shard=``)."""
 
-    from dp_core.keras import internals
+    def __init__(self) -> None:
+        from torch_dp._step import shards
 
-    class Held(keras.callbacks.Callback):
-        """Rank 0's held tensor bytes and every replica's VmData, the largest at any batch end."""
+        self.held = {"weights": 0, "gradients": 0, "optimizer": 0}
+        self.data = 0
+        for kind in (shards.Sharded, shards.Replicated):
+            kind.apply = self._recording(kind.apply)
 
-        def __init__(self) -> None:
-            super().__init__()
-            self.held = {"weights": 0, "gradients": 0, "optimizer": 0}
-            self.data = 0
+    def _recording(self, apply: Any) -> Any:
+        from dp_core.keras import internals
 
-        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-            model = self.model
+        def recording(state: Any, model: Any, trainable: Any, *args: Any, **kwargs: Any) -> Any:
             now = {
-                "weights": sum(_nbytes(internals.stored_value(v)) for v in model.trainable_weights),
-                "gradients": sum(_nbytes(v.value.grad) for v in model.trainable_weights if v.value.grad is not None),
+                "weights": sum(_nbytes(internals.stored_value(v)) for v in trainable),
+                "gradients": sum(_nbytes(v.value.grad) for v in trainable if v.value.grad is not None),
                 "optimizer": sum(_nbytes(internals.stored_value(v)) for v in model.optimizer.variables),
             }
             for name, value in now.items():
                 self.held[name] = max(self.held[name], value)
             self.data = max(self.data, *(_status(pid, "VmData") for pid in _replica_pids()))
+            return apply(state, model, trainable, *args, **kwargs)
 
-    return Held()
+        return recording
 
 
 def _nbytes(tensor: Any) -> int:
@@ -124,10 +136,10 @@ def child_measure(replicas: int, mode: str | None, quick: bool) -> dict[str, Any
 
     size = sizes(quick)
     x, y = _data(size["rows"])
-    held = _held_callback()
+    held = Held()
     with torch_dp.Trainer(num_replicas=replicas, shard=mode) as trainer:
         model = _model(size["width"], size["layers"])
-        trainer.fit(model, x, y, global_batch_size=size["batch"], epochs=1, shuffle=False, verbose=0, callbacks=[held])
+        trainer.fit(model, x, y, global_batch_size=size["batch"], epochs=1, shuffle=False, verbose=0)
         peaks = [_status(pid, "VmHWM") for pid in _replica_pids()]
     return {
         "replicas": replicas,
@@ -216,11 +228,16 @@ def measure_all(quick: bool) -> dict[str, Any]:
     for replicas in (2, 4):
         memory += [_run_child("measure", str(replicas), str(mode), *flag) for mode in MODES]
     by = {(row["replicas"], row["shard"]): row for row in memory}
-    unsharded, sharded = by[(2, None)]["largest_replica_data_bytes"], by[(2, "gradients")]["largest_replica_data_bytes"]
+    # the full run's peak is its start (the whole model and optimizer built, then freed); the unsharded
+    # run holds more than that through every step
+    unsharded, sharded = by[(2, None)]["largest_replica_data_bytes"], by[(2, "full")]["largest_replica_peak_rss_bytes"]
     cap = (unsharded + sharded) // 2
     with tempfile.TemporaryDirectory() as folder:
-        reference, trained = os.path.join(folder, "reference.npz"), os.path.join(folder, "trained.npz")
-        capped = [_run_child("capped", str(mode), str(cap), trained, *flag) for mode in (None, "gradients")]
+        reference, trained = os.path.join(folder, "reference.npz"), os.path.join(folder, "full.npz")
+        capped = [
+            _run_child("capped", str(mode), str(cap), os.path.join(folder, f"{mode}.npz"), *flag)
+            for mode in (None, "gradients", "full")
+        ]
         _run_child("reference", reference, *flag)
         difference = None
         if capped[-1]["trained"]:
@@ -254,8 +271,8 @@ def page(results: dict[str, Any]) -> str:
         f"A deep MLP (Input({INPUT_FEATURES}) -> {results['sizes']['layers']} x Dense({results['sizes']['width']}) "
         f"-> Dense({OUTPUTS}), Adam: {first['parameters'] / 1e6:.1f} M parameters, W = {_mb(weights)} of float32 "
         "weights) after a few `torch_dp.Trainer.fit` steps, each run in a process of its own. *Held*: the bytes "
-        "of the tensors rank 0 holds at a batch end (weights, gradients, optimizer variables), in units of W, "
-        "against what ZeRO predicts; *data*: the largest replica's `VmData` (what `RLIMIT_DATA` limits; it "
+        "of the tensors rank 0 holds at an update, after backward (weights, gradients, optimizer variables), in "
+        "units of W, against what ZeRO predicts; *data*: the largest replica's `VmData` (what `RLIMIT_DATA` limits; it "
         "includes torch and Keras themselves); *peak RSS*: the largest replica's `VmHWM` "
         "(`python benchmarks/sharding_memory_torch.py`, see [Sharded state](sharding.md)).",
         "",
@@ -264,7 +281,7 @@ def page(results: dict[str, Any]) -> str:
     ]
     for row in results["memory"]:
         n, held = row["replicas"], row["held_bytes"]
-        expected = {None: 4.0, "optimizer": 2 / n + 2, "gradients": 3 / n + 1}[row["shard"]]
+        expected = EXPECTED[row["shard"]](n)
         total = sum(held.values())
         rows.append(
             f"| {n} | {row['shard'] or 'None'} | {held['weights'] / weights:.2f} W "
@@ -280,7 +297,7 @@ def page(results: dict[str, Any]) -> str:
         rows.append(f"- `shard={run['shard']!r}` on 2 replicas: {outcome}")
     if cap["largest_weight_difference_vs_model_fit"] is not None:
         rows.append(
-            f"- its weights against single-device `model.fit` (no limit): largest difference "
+            '- `shard="full"`\'s weights against single-device `model.fit` (no limit): largest difference '
             f"{cap['largest_weight_difference_vs_model_fit']:.1e}"
         )
     speed = results["speed"]["samples_per_second"]
@@ -289,8 +306,10 @@ def page(results: dict[str, Any]) -> str:
         "",
         f"**Speed**, 2 replicas, {results['speed']['rows_per_fit']} rows per fit, median of interleaved rounds: "
         + ", ".join(f"`shard={m}` {speed[m]:.1f} samples/s ({speed[m] / baseline:.2f}x)" for m in speed)
-        + ". The same bytes move in each mode (a reduce onto each owner plus an all-gather of the weights "
-        "is an all-reduce), in more, smaller collectives.",
+        + '. `"optimizer"` and `"gradients"` move the same bytes as unsharded data parallel (a reduce onto each '
+        'owner plus an all-gather of the weights is an all-reduce), in more, smaller collectives; `"full"` also '
+        "broadcasts every layer's weights twice a step (for its forward and its backward), one layer at a time, "
+        "with nothing computed meanwhile.",
         "",
         f"torch {results['torch']}, keras {results['keras']}, {results['platform']}.",
         "",
