@@ -10,12 +10,14 @@ threshold fixed (a freed tensor goes back to the system at once, so resident mem
 is held).
 
 - **Held**: bytes of the tensors rank 0 holds at every update, after backward (weights, gradients,
-  optimizer variables: ``numel`` of what each holds), the largest seen; and each replica's
-  ``VmData`` then (what ``RLIMIT_DATA`` limits), the largest replica's, and its peak resident set
-  (``VmHWM``, which also sees the start, where every replica builds the whole model and optimizer).
+  optimizer variables: ``numel`` of what each holds), the largest seen; the largest replica's
+  ``VmData`` (what ``RLIMIT_DATA`` limits) sampled every 20 ms through the whole run, its start
+  included (where every replica builds the whole model and optimizer); and its peak resident set
+  (``VmHWM``). The model comes from a factory (``trainer.fit(make_model, ...)``), as a model too
+  large to copy would: each replica builds its own.
 - **A model that fits only sharded**: every replica limited by ``RLIMIT_DATA`` (set before the
-  replicas start; they inherit it) halfway between what the unsharded run held and the ``"full"``
-  run's peak. Unsharded data parallel fails to allocate; ``"full"`` trains, and its weights are
+  replicas start; they inherit it) halfway between the unsharded run's peak and the ``"full"``
+  run's. Unsharded data parallel fails to allocate; ``"full"`` trains, and its weights are
   compared with single-device ``model.fit``'s (run without a limit, in a process of its own).
 - **Speed**: samples per second of each mode on 2 replicas, interleaved rounds, medians.
 
@@ -25,6 +27,8 @@ is held).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import platform
@@ -33,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -98,7 +103,7 @@ def _replica_pids() -> list[int]:
 
 
 class Held:
-    """Rank 0's held tensor bytes and every replica's VmData, the largest at any update: read as the
+    """Rank 0's held tensor bytes, the largest at any update: read as the
     training state's ``apply`` begins (after backward, gradients held; callbacks would see the whole
     state, which rank 0 gathers for them under ``shard=``)."""
 
@@ -106,7 +111,6 @@ class Held:
         from torch_dp._step import shards
 
         self.held = {"weights": 0, "gradients": 0, "optimizer": 0}
-        self.data = 0
         for kind in (shards.Sharded, shards.Replicated):
             kind.apply = self._recording(kind.apply)
 
@@ -121,7 +125,6 @@ class Held:
             }
             for name, value in now.items():
                 self.held[name] = max(self.held[name], value)
-            self.data = max(self.data, *(_status(pid, "VmData") for pid in _replica_pids()))
             return apply(state, model, trainable, *args, **kwargs)
 
         return recording
@@ -131,23 +134,45 @@ def _nbytes(tensor: Any) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+class PeakData:
+    """The largest ``VmData`` of this process and its replicas, sampled every 20 ms in a thread."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.02):
+            for pid in _replica_pids():
+                with contextlib.suppress(OSError):  # a replica that just ended
+                    self.peak = max(self.peak, _status(pid, "VmData"))
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
 def child_measure(replicas: int, mode: str | None, quick: bool) -> dict[str, Any]:
     import torch_dp
 
     size = sizes(quick)
     x, y = _data(size["rows"])
-    held = Held()
+    held, data = Held(), PeakData()
     with torch_dp.Trainer(num_replicas=replicas, shard=mode) as trainer:
-        model = _model(size["width"], size["layers"])
-        trainer.fit(model, x, y, global_batch_size=size["batch"], epochs=1, shuffle=False, verbose=0)
+        make = functools.partial(_model, size["width"], size["layers"])
+        history = trainer.fit(make, x, y, global_batch_size=size["batch"], epochs=1, shuffle=False, verbose=0)
         peaks = [_status(pid, "VmHWM") for pid in _replica_pids()]
+    model = history.model
     return {
         "replicas": replicas,
         "shard": mode,
         "parameters": model.count_params(),
         "weight_bytes": sum(_nbytes(v.value) for v in model.trainable_weights),
         "held_bytes": held.held,
-        "largest_replica_data_bytes": held.data,
+        "largest_replica_peak_data_bytes": data.stop(),
         "largest_replica_peak_rss_bytes": max(peaks),
     }
 
@@ -163,8 +188,9 @@ def child_capped(mode: str | None, cap: int, quick: bool, weights: str) -> dict[
 
         x, y = _data(size["rows"])
         with torch_dp.Trainer(num_replicas=2, shard=mode) as trainer:
-            model = _model(size["width"], size["layers"])
-            trainer.fit(model, x, y, global_batch_size=size["batch"], epochs=1, shuffle=False, verbose=0)
+            make = functools.partial(_model, size["width"], size["layers"])
+            history = trainer.fit(make, x, y, global_batch_size=size["batch"], epochs=1, shuffle=False, verbose=0)
+            model = history.model
     except Exception as error:  # what a user would see: the allocation that failed, on some replica
         text = f"{type(error).__name__}: {error}".splitlines()
         return {"shard": mode, "trained": False, "error": " ".join(text[:2])[:300]}
@@ -228,9 +254,7 @@ def measure_all(quick: bool) -> dict[str, Any]:
     for replicas in (2, 4):
         memory += [_run_child("measure", str(replicas), str(mode), *flag) for mode in MODES]
     by = {(row["replicas"], row["shard"]): row for row in memory}
-    # the full run's peak is its start (the whole model and optimizer built, then freed); the unsharded
-    # run holds more than that through every step
-    unsharded, sharded = by[(2, None)]["largest_replica_data_bytes"], by[(2, "full")]["largest_replica_peak_rss_bytes"]
+    unsharded, sharded = (by[(2, mode)]["largest_replica_peak_data_bytes"] for mode in (None, "full"))
     cap = (unsharded + sharded) // 2
     with tempfile.TemporaryDirectory() as folder:
         reference, trained = os.path.join(folder, "reference.npz"), os.path.join(folder, "full.npz")
@@ -272,11 +296,13 @@ def page(results: dict[str, Any]) -> str:
         f"-> Dense({OUTPUTS}), Adam: {first['parameters'] / 1e6:.1f} M parameters, W = {_mb(weights)} of float32 "
         "weights) after a few `torch_dp.Trainer.fit` steps, each run in a process of its own. *Held*: the bytes "
         "of the tensors rank 0 holds at an update, after backward (weights, gradients, optimizer variables), in "
-        "units of W, against what ZeRO predicts; *data*: the largest replica's `VmData` (what `RLIMIT_DATA` limits; it "
-        "includes torch and Keras themselves); *peak RSS*: the largest replica's `VmHWM` "
+        "units of W, against what ZeRO predicts; *peak data*: the largest replica's `VmData` (what `RLIMIT_DATA` "
+        "limits; it includes torch and Keras themselves), sampled every 20 ms from the start, where every replica "
+        "builds the whole model and its optimizer; *peak RSS*: the largest replica's `VmHWM`. The model comes from "
+        "a factory, as a model too large to copy would: each replica builds its own "
         "(`python benchmarks/sharding_memory_torch.py`, see [Sharded state](sharding.md)).",
         "",
-        "| replicas | shard | weights | gradients | optimizer | held | expected | data | peak RSS |",
+        "| replicas | shard | weights | gradients | optimizer | held | expected | peak data | peak RSS |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in results["memory"]:
@@ -287,7 +313,7 @@ def page(results: dict[str, Any]) -> str:
             f"| {n} | {row['shard'] or 'None'} | {held['weights'] / weights:.2f} W "
             f"| {held['gradients'] / weights:.2f} W | {held['optimizer'] / weights:.2f} W "
             f"| {total / weights:.2f} W | {expected:.2f} W | "
-            f"{_mb(row['largest_replica_data_bytes'])} | {_mb(row['largest_replica_peak_rss_bytes'])} |"
+            f"{_mb(row['largest_replica_peak_data_bytes'])} | {_mb(row['largest_replica_peak_rss_bytes'])} |"
         )
     cap = results["cap"]
     limit = _mb(cap["rlimit_data_bytes"])
@@ -306,10 +332,11 @@ def page(results: dict[str, Any]) -> str:
         "",
         f"**Speed**, 2 replicas, {results['speed']['rows_per_fit']} rows per fit, median of interleaved rounds: "
         + ", ".join(f"`shard={m}` {speed[m]:.1f} samples/s ({speed[m] / baseline:.2f}x)" for m in speed)
-        + '. `"optimizer"` and `"gradients"` move the same bytes as unsharded data parallel (a reduce onto each '
-        'owner plus an all-gather of the weights is an all-reduce), in more, smaller collectives; `"full"` also '
-        "broadcasts every layer's weights twice a step (for its forward and its backward), one layer at a time, "
-        "with nothing computed meanwhile.",
+        + '. `"optimizer"` sums the gradients in the all-reduce unsharded data parallel makes, then all-gathers '
+        'the updated weights (half as many bytes again on 2 replicas); `"gradients"` sums each bucket onto its '
+        'owner (a reduce) before that all-gather; `"full"` also broadcasts every layer\'s weights twice a step (for '
+        "its forward and its backward), one layer at a time, with nothing computed meanwhile. On this CPU the "
+        "step's compute hides the difference at this size.",
         "",
         f"torch {results['torch']}, keras {results['keras']}, {results['platform']}.",
         "",

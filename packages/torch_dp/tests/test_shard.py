@@ -11,7 +11,7 @@ import torch_dp_testing as testing
 
 import torch_dp
 from dp_core.keras import internals
-from torch_dp._step import state
+from torch_dp._comm import collectives
 from torch_dp._step.owners import owners_of, slots_of
 from torch_dp._step.shards import Sharded
 
@@ -325,10 +325,8 @@ def test_owners_are_runs_in_backward_order_balanced_by_bytes():
 
 
 def test_the_start_state_travels_in_chunks():
-    """Rank 0's state reaches the replicas in runs of at most the chunk's bytes (one larger variable
-    alone), so no replica holds a second copy of the whole state."""
-    sizes = [(10,), (20,), (5,), (100,), (1,)]  # float32: 40, 80, 20, 400 and 4 bytes
-    variables = [keras.Variable(torch.zeros(shape)) for shape in sizes]
-    chunks = [[int(v.shape[0]) for v in chunk] for chunk in state._chunks(variables, 128)]
-    assert chunks == [[10, 20], [5], [100], [1]]
-    assert [len(chunk) for chunk in state._chunks(variables, 10**6)] == [5]
+    """Rank 0's state reaches the replicas in runs of one dtype and at most the chunk's bytes (one
+    larger tensor alone), so no replica holds a second copy of the whole state."""
+    tensors = [torch.zeros(10), torch.zeros(20), torch.zeros(5), torch.zeros(3, dtype=torch.int32), torch.zeros(100)]
+    assert collectives._groups_by_dtype(tensors, 128) == [[0, 1], [2], [4], [3]]  # float32: 40, 80, 20, 400 bytes
+    assert collectives._groups_by_dtype(tensors, 10**6) == [[0, 1, 2, 4], [3]]

@@ -56,17 +56,30 @@ def sum_in_place(tensor: torch.Tensor) -> None:
     torch.sum(torch.stack(parts), dim=0, out=tensor)
 
 
-def _groups_by_dtype(tensors: Sequence[torch.Tensor]) -> dict[torch.dtype, list[int]]:
-    groups: dict[torch.dtype, list[int]] = {}
+# What one coalesced collective carries at most (or one tensor, larger): a flat copy of a whole
+# model's state (rank 0's broadcast at a call's start) would double what a replica holds.
+CHUNK_BYTES = 64 * 2**20
+
+
+def _groups_by_dtype(tensors: Sequence[torch.Tensor], limit: int = CHUNK_BYTES) -> list[list[int]]:
+    """Runs of the indices of ``tensors`` of one dtype each, in order, of at most ``limit`` bytes (or one tensor)."""
+    groups: dict[torch.dtype, list[list[int]]] = {}
+    sizes: dict[torch.dtype, int] = {}
     for index, tensor in enumerate(tensors):
-        groups.setdefault(tensor.dtype, []).append(index)
-    return groups
+        nbytes = tensor.numel() * tensor.element_size()
+        runs = groups.setdefault(tensor.dtype, [[]])
+        if runs[-1] and sizes[tensor.dtype] + nbytes > limit:
+            runs.append([])
+            sizes[tensor.dtype] = 0
+        runs[-1].append(index)
+        sizes[tensor.dtype] = sizes.get(tensor.dtype, 0) + nbytes
+    return [run for runs in groups.values() for run in runs]
 
 
 def _coalesced(tensors: Sequence[torch.Tensor], collective) -> list[torch.Tensor]:
-    """Run ``collective`` on one flat buffer per dtype; returns tensors shaped like the inputs."""
+    """Run ``collective`` on one flat buffer per dtype (per ``CHUNK_BYTES``); returns tensors shaped like the inputs."""
     results: list[torch.Tensor] = list(tensors)
-    for indices in _groups_by_dtype(tensors).values():
+    for indices in _groups_by_dtype(tensors):
         flat = torch.cat([tensors[i].detach().reshape(-1) for i in indices])
         collective(flat)
         for i, piece in zip(indices, torch.split(flat, [tensors[i].numel() for i in indices]), strict=True):

@@ -5,7 +5,7 @@ position, after a check that every replica holds the same variables, in number, 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -13,34 +13,14 @@ import torch
 from torch_dp._comm.collectives import all_reduce_sum, broadcast_floats, broadcast_from_primary
 from torch_dp._comm.replica import Replica
 
-CHUNK_BYTES = 64 * 2**20  # what one broadcast of the state carries: a copy of the whole would double it
-
 
 def same_state_as_primary(model: Any, replica: Replica, *, optimizer: bool) -> None:
-    """Rank 0's model variables (and optimizer variables) on every replica, in broadcasts of at most
-    ``CHUNK_BYTES`` (or one variable), so a replica holds its state and one chunk, not two copies."""
+    """Rank 0's model variables (and optimizer variables) on every replica."""
     if not replica.distributed:
         return
     variables = list(model.variables) + (list(model.optimizer.variables) if optimizer else [])
-    for chunk in _chunks(variables, CHUNK_BYTES):
-        for variable, value in zip(chunk, broadcast_from_primary([v.value for v in chunk], replica), strict=True):
-            variable.assign(value)
-
-
-def _chunks(variables: Sequence[Any], limit: int) -> Iterator[list[Any]]:
-    """Runs of ``variables`` in order, each of at most ``limit`` bytes or one variable."""
-    chunk: list[Any] = []
-    size = 0
-    for variable in variables:
-        value = variable.value
-        nbytes = value.numel() * value.element_size()
-        if chunk and size + nbytes > limit:
-            yield chunk
-            chunk, size = [], 0
-        chunk.append(variable)
-        size += nbytes
-    if chunk:
-        yield chunk
+    for variable, value in zip(variables, broadcast_from_primary([v.value for v in variables], replica), strict=True):
+        variable.assign(value)
 
 
 def check_same_variables(model: Any, replica: Replica, *, optimizer: bool) -> None:
