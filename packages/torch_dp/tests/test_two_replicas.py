@@ -194,6 +194,7 @@ def test_torchrun_two_processes_equal_keras(tmp_path):
 
 
 def test_two_tasks_started_as_srun_starts_them_form_a_group_and_equal_keras(tmp_path):
+    """And train with every variable sharded (``shard="full"``), as a cluster job of a large model would."""
     output = tmp_path / "result.json"
     environment = {
         name: value
@@ -201,6 +202,7 @@ def test_two_tasks_started_as_srun_starts_them_form_a_group_and_equal_keras(tmp_
         if name not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"} and not name.startswith("SLURM_")
     }
     environment.update({"KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"})
+    environment.update({"TORCH_DP_TEST_SHARD": "full"})
     environment["PYTHONPATH"] = os.pathsep.join([HERE, environment.get("PYTHONPATH", "")])
     # what srun sets for a 2-task step on one node; the rendezvous port is the test's, not the job id's
     slurm = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "127.0.0.1"}
@@ -224,7 +226,7 @@ def test_two_tasks_started_as_srun_starts_them_form_a_group_and_equal_keras(tmp_
     assert [task.returncode for task in tasks] == [0, 0], "\n".join(error[-3000:] for error in errors)
     result = json.loads(output.read_text())
     reference, _, expected = _keras_reference("sgd", epochs=2)
-    assert result["num_replicas"] == 2
+    assert result["num_replicas"] == 2 and result["shard"] == "full"
     np.testing.assert_allclose(result["loss"], expected.history["loss"], rtol=1e-5)
     for mine, theirs in zip(result["weights"], reference.get_weights(), strict=True):
         np.testing.assert_allclose(np.array(mine), theirs, atol=1e-5)

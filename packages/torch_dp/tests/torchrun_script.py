@@ -16,7 +16,7 @@ if __name__ == "__main__":
     x, y = testing.data()
     # each rank builds different initial weights: the trainer must start all from rank 0's
     model = testing.dense_batchnorm_model(seed=int(os.environ.get("RANK") or os.environ["SLURM_PROCID"]))
-    trainer = torch_dp.Trainer()
+    trainer = torch_dp.Trainer(shard=os.environ.get("TORCH_DP_TEST_SHARD"))  # the test's choice: None, or a mode
     history = trainer.fit(model, x, y, global_batch_size=32, epochs=2, shuffle=False, verbose=0)
     summary = np.array([sum(float(np.sum(w)) for w in model.get_weights()), *history.history["loss"]])
     gathered = [None] * dist.get_world_size()
@@ -26,6 +26,7 @@ if __name__ == "__main__":
             json.dump(
                 {
                     "num_replicas": trainer.num_replicas,
+                    "shard": trainer.shard,
                     "loss": history.history["loss"],
                     "weights": [w.tolist() for w in model.get_weights()],
                     "same_on_every_rank": all(g == gathered[0] for g in gathered),
