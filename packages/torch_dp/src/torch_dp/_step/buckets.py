@@ -13,9 +13,12 @@ replica issues the same collectives in the same order. The sums are the same sum
 Only ``train_step`` asks for them: a gradient-accumulation step that is not the last of its
 window (``_step.accumulation``) runs backward without buckets and sends nothing.
 
-With ``shard="gradients"`` (``_step.shards``) each bucket holds one owner's variables and is summed
-onto that owner alone (a reduce, whatever the gradients' size); every other replica frees those
-gradients as soon as their bucket is sent, so it keeps only its own variables' gradients.
+With ``shard=`` (``_step.shards``) each bucket holds one owner's variables and is summed onto that
+owner alone, whatever the gradients' size: every other replica sends its copy straight to the owner,
+which adds them up in rank order (point to point: gloo's ``reduce`` runs a ring, moving as many
+bytes as an all-reduce, where a sum onto one replica needs each other one to send its copy once).
+With ``"gradients"`` and ``"full"`` every other replica then frees those gradients, so it keeps only
+its own variables' gradients; with ``"optimizer"`` it keeps its own copies, as ZeRO-1 does.
 """
 
 from __future__ import annotations
@@ -46,10 +49,17 @@ class GradientBuckets:
     """The buckets of one model's trainable variables (indices into ``trainable_weights``)."""
 
     def __init__(
-        self, variables: Sequence[keras.Variable], *, owners: Sequence[int] | None = None, rank: int = 0
+        self,
+        variables: Sequence[keras.Variable],
+        *,
+        owners: Sequence[int] | None = None,
+        rank: int = 0,
+        num_replicas: int = 1,
+        keep_sent: bool = False,
     ) -> None:
-        """``owners``: each variable's replica, which alone gets its sum (``rank`` is this one's); None:
-        every replica gets every sum."""
+        """``owners``: each variable's replica, which alone gets its sum (``rank`` is this one's, of
+        ``num_replicas``; ``keep_sent``: the others keep their own gradients once sent); None: every
+        replica gets every sum."""
         self.buckets: list[list[int]] = []
         self.destinations: list[int | None] = []
         size, dtype = 0, None
@@ -63,9 +73,9 @@ class GradientBuckets:
                 size, dtype = 0, value.dtype
             self.buckets[-1].append(index)
             size += _bytes(variables[index])
-        self.rank = rank
+        self.rank, self.num_replicas, self.keep_sent = rank, num_replicas, keep_sent
         self._variables = [(id(v), tuple(v.shape)) for v in variables]
-        self._launched: list[tuple[torch.Tensor, Any]] = []
+        self._launched: list[tuple[torch.Tensor, list[Any], list[torch.Tensor]]] = []
         self.overlapped = 0.0  # the last backward's seconds with an all-reduce in flight
 
     def serves(self, variables: Sequence[keras.Variable]) -> bool:
@@ -111,10 +121,16 @@ class GradientBuckets:
         _entering()
         destination = self.destinations[b]
         if destination is None:
-            self._launched.append((flat, dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)))
+            self._launched.append((flat, [dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)], []))
             return
-        self._launched.append((flat, dist.reduce(flat, dst=destination, op=dist.ReduceOp.SUM, async_op=True)))
-        if destination != self.rank:  # another replica's: sent, so this one's copy goes
+        if destination == self.rank:  # every other replica's copy, to add to this one's
+            others = [torch.empty_like(flat) for _ in range(self.num_replicas - 1)]
+            sources = [r for r in range(self.num_replicas) if r != self.rank]
+            received = [dist.irecv(copy, src=r) for copy, r in zip(others, sources, strict=True)]
+            self._launched.append((flat, received, others))
+            return
+        self._launched.append((flat, [dist.isend(flat, dst=destination)], []))
+        if not self.keep_sent:  # another replica's: sent, so this one's copy goes
             for i in self.buckets[b]:
                 values[i].grad = None
 
@@ -127,10 +143,16 @@ class GradientBuckets:
         while len(self._launched) < len(self.buckets):
             self._launch(values, shapes, len(self._launched))
         summed: list[Any] = [None] * len(values)
-        for bucket, destination, (flat, work) in zip(self.buckets, self.destinations, self._launched, strict=True):
-            work.wait()
+        for bucket, destination, (flat, works, others) in zip(
+            self.buckets, self.destinations, self._launched, strict=True
+        ):
+            for work in works:
+                work.wait()
             if destination is not None and destination != self.rank:
                 continue
+            if others:  # this replica's copy and the others', added in rank order (the same sum on any owner)
+                copies = [*others[: self.rank], flat, *others[self.rank :]]
+                flat = torch.stack(copies).sum(0) if len(copies) > 2 else copies[0] + copies[1]
             pieces = torch.split(flat, [numel(variables[i]) for i in bucket])
             for index, piece in zip(bucket, pieces, strict=True):
                 summed[index] = piece.view(shapes[index])

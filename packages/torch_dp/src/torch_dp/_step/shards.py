@@ -7,12 +7,12 @@ bytes. The owner alone keeps that variable's optimizer slots (every optimizer va
 for it: Adam's moments, momentum, moving averages, gradient accumulators) and alone updates it;
 the other replicas hold those slots empty (storage freed, shape kept).
 
-- ``"optimizer"`` (ZeRO-1): the gradients are summed over replicas as without sharding, and each
-  replica applies its own variables' only, so it holds 1/N of the slots. After each update the
-  owners' new weights reach every replica in one all-gather (``_step.moves``).
-- ``"gradients"`` (ZeRO-2): each bucket of gradients is summed onto its owner alone (a reduce,
-  started during backward: ``_step.buckets``) and the other replicas free theirs, so each also
-  holds only its own variables' gradients once its bucket is sent.
+- ``"optimizer"`` (ZeRO-1): each bucket of gradients is summed onto its owner alone (started during
+  backward: ``_step.buckets``), and each replica applies its own variables' only, so it holds 1/N
+  of the slots. After each update the owners' new weights reach every replica in one all-gather
+  (``_step.moves``): the bytes of one all-reduce in all.
+- ``"gradients"`` (ZeRO-2): as ``"optimizer"``, and the other replicas free the gradients they
+  sent, so each also holds only its own variables' gradients once its bucket is sent.
 - ``"full"`` (ZeRO-3): the weights too. Each replica holds its own variables' weights only, and
   every layer gathers the others' for its forward and its backward (``_step.gathered``); the
   updated weights stay with their owners.
@@ -160,10 +160,14 @@ class Sharded:
                 self.weights.install()
 
     def buckets(self, model: keras.Model, replica: Replica) -> GradientBuckets | None:
-        if self.mode == "optimizer":
-            return gradient_buckets(model, replica)
         if self._buckets is None:  # every bucket goes to its owner, whatever the gradients' size
-            self._buckets = GradientBuckets(self.variables, owners=self.owners, rank=replica.rank)
+            self._buckets = GradientBuckets(
+                self.variables,
+                owners=self.owners,
+                rank=replica.rank,
+                num_replicas=replica.num_replicas,
+                keep_sent=self.mode == "optimizer",  # ZeRO-1 keeps every gradient
+            )
         return self._buckets
 
     def apply(
