@@ -145,8 +145,8 @@ class PeakData:
 
     def _sample(self) -> None:
         while not self._stop.wait(0.02):
-            for pid in _replica_pids():
-                with contextlib.suppress(OSError):  # a replica that just ended
+            with contextlib.suppress(Exception):  # a replica that just started or ended (psutil's errors too)
+                for pid in _replica_pids():
                     self.peak = max(self.peak, _status(pid, "VmData"))
 
     def stop(self) -> int:

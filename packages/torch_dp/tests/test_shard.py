@@ -1,7 +1,8 @@
-"""``shard="optimizer"`` (ZeRO-1) and ``"gradients"`` (ZeRO-2) on two gloo replicas: single-device
-``model.fit``'s weights, History, evaluate, predict and optimizer state, with each replica holding
-only its own variables' optimizer slots (and, sharding gradients, their gradients) during the fit,
-and checkpoints that resume in another mode and on another replica count."""
+"""``shard="optimizer"`` (ZeRO-1), ``"gradients"`` (ZeRO-2) and ``"full"`` (ZeRO-3) on two gloo replicas:
+single-device ``model.fit``'s weights, History, evaluate, predict and optimizer state, with each replica
+holding only its own variables' optimizer slots (and, sharding gradients, their gradients; sharding
+everything, their weights) during the fit, callbacks that see and change the whole state, and
+checkpoints that resume in another mode and on another replica count."""
 
 import keras
 import numpy as np
@@ -31,7 +32,7 @@ OPTIMIZERS = {
     # division by float16 noise moves model.fit itself by 2e-3 between replica counts
     "accumulation": lambda: keras.optimizers.Adam(0.01, gradient_accumulation_steps=3),
 }
-CASES = [  # each optimizer once or twice, not every pair
+CASES = [  # each optimizer once or twice, and every one with "full"
     ("optimizer", "sgd_momentum"),
     ("optimizer", "adamw"),
     ("optimizer", "global_clipnorm"),
@@ -40,7 +41,9 @@ CASES = [  # each optimizer once or twice, not every pair
     ("gradients", "global_clipnorm"),
     ("gradients", "ema"),
     ("gradients", "accumulation"),
+    ("full", "sgd_momentum"),
     ("full", "adam"),
+    ("full", "adamw"),
     ("full", "global_clipnorm"),
     ("full", "ema"),
     ("full", "accumulation"),

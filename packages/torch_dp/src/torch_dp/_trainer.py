@@ -29,6 +29,7 @@ from dp_core.keras import (
     build_model,
     check_batch_norm_mode,
     check_nonfinite_mode,
+    check_shard_mode,
     checked_call,
     fit_arguments,
     internals,
@@ -41,7 +42,6 @@ from torch_dp._processes.cluster import is_primary_process
 from torch_dp._processes.group import Timeouts
 from torch_dp._processes.launchers import Launcher, choose_launcher
 from torch_dp._step.custom import check_custom_steps, optimizers_of
-from torch_dp._step.shards import torch_shard_mode
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -103,7 +103,8 @@ class Trainer:
     rank 0 prints one line and writes ``scaling_report.json`` and ``.png`` into the folder, and
     ``trainer.scaling_report`` holds the report (see the docs' "Scaling report").
 
-    ``shard="optimizer"`` (ZeRO-1) or ``"gradients"`` (ZeRO-2) splits the state, exactly (docs/sharding.md).
+    ``shard="optimizer"`` (ZeRO-1), ``"gradients"`` (ZeRO-2) or ``"full"`` (ZeRO-3: the weights too, gathered
+    for each layer as it runs) splits the state over the replicas, exactly (docs/sharding.md).
 
     A model that overrides ``train_step``, ``test_step`` or ``predict_step`` runs its own step
     on every replica's rows, as ``model.fit`` would on one device: the gradients every optimizer
@@ -164,7 +165,7 @@ class Trainer:
 
     @shard.setter
     def shard(self, shard: ShardMode | None) -> None:
-        self._shard: ShardMode | None = torch_shard_mode(shard)
+        self._shard: ShardMode | None = check_shard_mode(shard)
 
     @one_call_at_a_time
     def close(self) -> None:

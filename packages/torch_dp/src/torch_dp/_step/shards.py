@@ -41,7 +41,7 @@ import keras
 import torch
 
 from dp_core import NO_STEP_TIMER, NonFiniteLossError, NoStepTimer, Preempted, ShardMode, StepTimer
-from dp_core.keras import check_shard_mode, internals
+from dp_core.keras import internals
 from torch_dp._comm.replica import Replica
 from torch_dp._step.buckets import GradientBuckets, gradient_buckets
 from torch_dp._step.every_gradient import count_step, over_every_gradient
@@ -262,11 +262,6 @@ class Sharded:
         summed: Sequence[torch.Tensor | None],
     ) -> contextlib.AbstractContextManager[None]:
         return over_every_gradient(optimizer, self.variables, self.mine, local, summed, self.replica)
-
-
-def torch_shard_mode(shard: object) -> ShardMode | None:
-    """``Trainer(shard=...)`` checked: one of dp-core's modes."""
-    return check_shard_mode(shard)
 
 
 def training_state(model: keras.Model, mode: ShardMode | None, replica: Replica) -> TrainingState:
