@@ -103,8 +103,7 @@ class Trainer:
     rank 0 prints one line and writes ``scaling_report.json`` and ``.png`` into the folder, and
     ``trainer.scaling_report`` holds the report (see the docs' "Scaling report").
 
-    ``shard="optimizer"`` (ZeRO-1), ``"gradients"`` (ZeRO-2) or ``"full"`` (ZeRO-3: the weights too, gathered
-    for each layer as it runs) splits the state over the replicas, exactly (docs/sharding.md).
+    ``shard="optimizer"``, ``"gradients"`` or ``"full"`` (ZeRO-1, 2, 3) splits the state, exactly (docs/sharding.md).
 
     A model that overrides ``train_step``, ``test_step`` or ``predict_step`` runs its own step
     on every replica's rows, as ``model.fit`` would on one device: the gradients every optimizer
