@@ -201,3 +201,33 @@ def test_gradient_accumulation_state():
     assert keras.ops.convert_to_numpy(accumulator).tolist() == [1.0, 2.0]
     assert len(internals.moving_averages(optimizer)) == 1
     assert internals.moving_averages(keras.optimizers.SGD()) == []
+
+
+def test_batch_hooks_run_inline_when_asked():
+    """A callback that says ``async_safe`` gets its batch-end hook on Keras's thread, unless asked inline."""
+    import threading
+
+    class Safe(keras.callbacks.Callback):
+        async_safe = True
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.threads: list[str] = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.threads.append(threading.current_thread().name)
+
+    def ran_on(inline: bool) -> list[str]:
+        safe = Safe()
+        callbacks = keras.callbacks.CallbackList([safe], add_history=False, add_progbar=False)
+        if inline:
+            internals.dispatch_batch_hooks_inline(callbacks)
+        callbacks.on_train_begin()
+        callbacks.on_train_batch_end(0)
+        callbacks.on_train_end()
+        return safe.threads
+
+    main = threading.current_thread().name
+    (by_keras,) = ran_on(inline=False)
+    assert by_keras != main  # Keras's own thread
+    assert ran_on(inline=True) == [main]

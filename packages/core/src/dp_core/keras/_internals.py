@@ -221,6 +221,12 @@ def overrides_hook(callback: keras.callbacks.Callback, hook: str) -> bool:
     return not getattr(getattr(callback, hook), "_is_default", False)
 
 
+def dispatch_batch_hooks_inline(callbacks: keras.callbacks.CallbackList) -> None:
+    """Keras hands the batch-end hooks to a thread of its own when every callback that has one says
+    ``async_safe``; from now on ``callbacks`` calls them inline, where the caller called the hook."""
+    callbacks._async_train = callbacks._async_test = callbacks._async_predict = False
+
+
 def override(obj: Any, name: str, replacement: Any) -> Callable[[], None]:
     """Shadow the method (or attribute) ``name`` on this one object (not its class); returns the undo.
 

@@ -54,6 +54,7 @@ def on_whole_state(
     hooks = {hook for hook, flag in zip(HOOKS, broadcast_floats(acting, replica), strict=True) if flag}
     if not hooks:
         return callbacks
+    internals.dispatch_batch_hooks_inline(callbacks)  # a hook on Keras's thread would run after the state is freed
     return cast(keras.callbacks.CallbackList, _OnWholeState(callbacks, state, hooks))
 
 
