@@ -179,6 +179,12 @@ def whole_last_batch(model: Any, plan: Plan, *, training: bool = True) -> bool:
     )
 
 
+def padded_batches(plan: Plan, *, whole_last: bool) -> bool:
+    """Whether a padded ``Batch`` reaches the step: the plan's short last batch, unless it goes
+    whole (``_whole`` places it so for a plan of rows, on every process)."""
+    return plan.padded and not (whole_last and isinstance(plan, EpochPlan))
+
+
 def device_batches(plan: Plan, mesh: Mesh, *, start: int = 0, whole_last: bool = False) -> Iterator[Batch]:
     """The plan's batches on the mesh, ``PREFETCH`` ahead of the consumer; with ``whole_last``, a
     short last batch as a ``WholeBatch``.

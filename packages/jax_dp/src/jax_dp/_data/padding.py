@@ -58,7 +58,7 @@ def padding_aware(
                 if batch_norm == "per_replica":
                     call = _replica_batch_norm_call(layer, mask, num_replicas)
                     restores.append(internals.override(layer, "call", call))
-                else:
+                elif padded:  # unpadded, Keras's own moments: masking them reads every activation twice more
                     restores.append(internals.override_batch_norm_moments(layer, _masked_moments(layer, mask)))
             if padded and layer.activity_regularizer is not None:
                 regularize = _real_rows_activity(cast(Any, layer.activity_regularizer), mask, real_rows)

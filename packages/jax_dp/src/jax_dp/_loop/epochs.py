@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 from dp_core import NO_STEP_TIMER, NoStepTimer, StepTimer
 from dp_core.keras import CheckpointWriter, Start, nonfinite_loss_stopped, skipped_message
 from jax_dp._comm.hosts import agree, is_primary, replicated_to_host
-from jax_dp._data.batches import Plan, device_batches, whole_last_batch
+from jax_dp._data.batches import Plan, device_batches, padded_batches, whole_last_batch
 from jax_dp._loop import preemption
 from jax_dp._loop.checkpoints import save
 from jax_dp._loop.hooks import STOP_CHECK_STEPS, BatchEndReporter, host_logs, metrics_result_or_logs
@@ -286,8 +286,9 @@ class _KerasRun:
 
     def __init__(self, kind: KerasSteps, plan: Plan, state: TrainState, *, start: int, every_batch: bool) -> None:
         self.kind = kind
-        self._stepper = stepper(kind.steps, state, plan.padded, every_batch=every_batch)
         whole_last = not accumulates(kind.optimizer) and whole_last_batch(kind.model, plan)
+        padded = padded_batches(plan, whole_last=whole_last)
+        self._stepper = stepper(kind.steps, state, padded, every_batch=every_batch)
         self._batches = enumerate(device_batches(plan, kind.mesh, start=start, whole_last=whole_last), start=start)
         self._upcoming = next(self._batches, None)
         self._state = state  # what the last step returned: a profile's synced lap waits for it
