@@ -19,7 +19,9 @@ as rank 0 and one worker; jax: ``jax_dp.Trainer(2)`` on 2 forced host devices):
   ``LambdaCallback(on_train_batch_end=lambda batch, logs: logs["loss"])``, in interleaved rounds
   (the order reversed every other round), each run's samples/s from its median epoch after the
   first; the ratio is the median over rounds of each round's ratio. Plain ``model.fit`` is
-  measured the same way, for what the callback costs in Keras itself. ``per_step``: in the
+  measured the same way, for what the callback costs in Keras itself. So is the Keras progress bar
+  (``verbose=1``, its lines sent to ``os.devnull``), a batch-level callback every terminal user has.
+  ``per_step``: in the
   same runs, milliseconds per step of the step and of the parts of the Trainer's loop (in this
   process) that a batch callback adds, timed by wrappers (``trainer_parts``); medians over rounds.
 
@@ -33,6 +35,7 @@ backend, and jax its device count, once per process); each writes its part of ``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -127,12 +130,14 @@ class Calls:
     def __init__(self, trainer: Any = None) -> None:
         self.trainer = trainer
 
-    def fit(self, model: Any, x: np.ndarray, y: np.ndarray, epochs: int, callbacks: list[Any]) -> None:
+    def fit(
+        self, model: Any, x: np.ndarray, y: np.ndarray, epochs: int, callbacks: list[Any], verbose: int = 0
+    ) -> None:
         if self.trainer is None:
-            model.fit(x, y, batch_size=GLOBAL_BATCH_SIZE, epochs=epochs, callbacks=callbacks, verbose=0)
+            model.fit(x, y, batch_size=GLOBAL_BATCH_SIZE, epochs=epochs, callbacks=callbacks, verbose=verbose)
         else:
             self.trainer.fit(
-                model, x, y, global_batch_size=GLOBAL_BATCH_SIZE, epochs=epochs, callbacks=callbacks, verbose=0
+                model, x, y, global_batch_size=GLOBAL_BATCH_SIZE, epochs=epochs, callbacks=callbacks, verbose=verbose
             )
 
     def evaluate(self, model: Any, x: np.ndarray, y: np.ndarray) -> None:
@@ -218,15 +223,20 @@ def throughput(
     in the same runs, milliseconds per step of the step and of each of ``parts``."""
     timers = PartTimers(parts)
 
-    def run(epochs: int, callbacks: list[Any]) -> tuple[float, dict[str, float]]:
+    def run(epochs: int, callbacks: list[Any], verbose: int = 0) -> tuple[float, dict[str, float]]:
         clock = EpochClock()
         timers.reset()
-        calls.fit(model, x, y, epochs, [clock.callback(), *callbacks])
+        with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):  # the progress bar's lines
+            calls.fit(model, x, y, epochs, [clock.callback(), *callbacks], verbose)
         steps = STEPS_PER_EPOCH * epochs
         step_ms = 1000 * statistics.median(clock.epoch_seconds()[1:]) / STEPS_PER_EPOCH
         return clock.samples_per_s(), {"step_ms": step_ms, **{p: 1000 * t / steps for p, t in timers.seconds.items()}}
 
-    contenders = {"without": lambda epochs: run(epochs, []), "with": lambda epochs: run(epochs, [logs_only_callback()])}
+    contenders = {
+        "without": lambda epochs: run(epochs, []),
+        "with": lambda epochs: run(epochs, [logs_only_callback()]),
+        "progress_bar": lambda epochs: run(epochs, [], verbose=1),
+    }
     samples_per_s: dict[str, list[float]] = {name: [] for name in contenders}
     per_step: dict[str, list[dict[str, float]]] = {name: [] for name in contenders}
     cores = []
@@ -242,7 +252,10 @@ def throughput(
                 samples_per_s[name].append(measured)
                 per_step[name].append(per_part)
     ratios = [a / b for a, b in zip(samples_per_s["with"], samples_per_s["without"], strict=True)]
+    bar = [a / b for a, b in zip(samples_per_s["progress_bar"], samples_per_s["without"], strict=True)]
     return {
+        "progress_bar_ratio_per_round": bar,
+        "progress_bar_median_ratio": statistics.median(bar),
         "epochs_per_run": epochs,
         "usable_cores": cores,
         "samples_per_s": samples_per_s,

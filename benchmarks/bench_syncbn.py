@@ -42,10 +42,11 @@ import keras
 import torch
 import torch.multiprocessing as mp
 from bench_torch import DDP_LOOP_TIMEOUT_S, _per_round, _steady_throughput, environment
+from guide_convnet import compiled_batchnorm_convnet as compiled_guide_convnet
 from guide_convnet import synthetic_mnist
 from machine import round_order, usable_cores
 from page_sections import write_section
-from syncbn_parts import CpuEpochClock, compiled_guide_convnet, loop_worker
+from syncbn_parts import CpuEpochClock, loop_worker
 from torch_bench_parts import free_port
 
 import torch_dp

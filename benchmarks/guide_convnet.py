@@ -1,7 +1,8 @@
 """The models and synthetic data every benchmark uses, in backend-neutral Keras.
 
 The Keras guides' MNIST convnet (``keras.io/examples/vision/mnist_convnet``) on random
-data of MNIST's shape, and a linear classifier on wide rows for the memory runs. The
+data of MNIST's shape, the BatchNorm convnet of the Keras distributed-training guides,
+and a linear classifier on wide rows for the memory runs. The
 benchmark scripts set ``KERAS_BACKEND`` before importing this module.
 """
 
@@ -60,4 +61,35 @@ def linear_classifier(num_columns: int = MEMORY_COLUMNS) -> keras.Model:
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((num_columns,)), keras.layers.Dense(NUM_CLASSES, activation="softmax")])
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def batchnorm_convnet(
+    batch_norm: type[keras.layers.BatchNormalization] = keras.layers.BatchNormalization,
+) -> keras.Model:
+    """The convnet of keras.io/guides/distributed_training_with_torch (logits out), seeded."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input(shape=(28, 28, 1))
+    x = keras.layers.Rescaling(1.0 / 255.0)(inputs)
+    x = keras.layers.Conv2D(filters=12, kernel_size=3, padding="same", use_bias=False)(x)
+    x = batch_norm(scale=False, center=True)(x)
+    x = keras.layers.ReLU()(x)
+    x = keras.layers.Conv2D(filters=24, kernel_size=6, use_bias=False, strides=2)(x)
+    x = batch_norm(scale=False, center=True)(x)
+    x = keras.layers.ReLU()(x)
+    x = keras.layers.Conv2D(filters=32, kernel_size=6, padding="same", strides=2, use_bias=False)(x)
+    x = batch_norm(scale=False, center=True)(x)
+    x = keras.layers.ReLU()(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    x = keras.layers.Dense(256, activation="relu")(x)
+    x = keras.layers.Dropout(0.5)(x)
+    outputs = keras.layers.Dense(NUM_CLASSES)(x)
+    return keras.Model(inputs, outputs)
+
+
+def compiled_batchnorm_convnet() -> keras.Model:
+    """The guide's model, optimizer and loss (Adam 1e-3, cross-entropy on logits), no metrics:
+    the hand-written loops compute none either."""
+    model = batchnorm_convnet()
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=keras.losses.SparseCategoricalCrossentropy(True))
     return model

@@ -20,6 +20,7 @@ import keras
 import numpy as np
 import torch
 import torch.distributed as dist
+from guide_convnet import batchnorm_convnet as guide_convnet
 from torch import nn
 from torch.nn import functional
 from torch_bench_parts import EpochClock
@@ -27,35 +28,6 @@ from torch_bench_parts import EpochClock
 NUM_CLASSES = 10
 BN_EPSILON = 1e-3  # Keras's default; torch's is 1e-5
 BN_MOMENTUM = 0.01  # Keras's momentum 0.99, as torch counts it
-
-
-def guide_convnet(batch_norm: type[keras.layers.BatchNormalization] = keras.layers.BatchNormalization) -> keras.Model:
-    """The convnet of keras.io/guides/distributed_training_with_torch (logits out), seeded."""
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input(shape=(28, 28, 1))
-    x = keras.layers.Rescaling(1.0 / 255.0)(inputs)
-    x = keras.layers.Conv2D(filters=12, kernel_size=3, padding="same", use_bias=False)(x)
-    x = batch_norm(scale=False, center=True)(x)
-    x = keras.layers.ReLU()(x)
-    x = keras.layers.Conv2D(filters=24, kernel_size=6, use_bias=False, strides=2)(x)
-    x = batch_norm(scale=False, center=True)(x)
-    x = keras.layers.ReLU()(x)
-    x = keras.layers.Conv2D(filters=32, kernel_size=6, padding="same", strides=2, use_bias=False)(x)
-    x = batch_norm(scale=False, center=True)(x)
-    x = keras.layers.ReLU()(x)
-    x = keras.layers.GlobalAveragePooling2D()(x)
-    x = keras.layers.Dense(256, activation="relu")(x)
-    x = keras.layers.Dropout(0.5)(x)
-    outputs = keras.layers.Dense(NUM_CLASSES)(x)
-    return keras.Model(inputs, outputs)
-
-
-def compiled_guide_convnet() -> keras.Model:
-    """The guide's model, optimizer and loss (Adam 1e-3, cross-entropy on logits), no metrics:
-    the hand-written loops compute none either."""
-    model = guide_convnet()
-    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=keras.losses.SparseCategoricalCrossentropy(True))
-    return model
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
