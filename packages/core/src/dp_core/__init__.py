@@ -26,6 +26,11 @@ from dp_core._cluster import launch_of as launch_of
 from dp_core._cluster import slurm_hosts as slurm_hosts
 from dp_core._cluster import slurm_port as slurm_port
 from dp_core._equivalence import EquivalenceReport as EquivalenceReport
+from dp_core._flops import PEAK_FLOPS as PEAK_FLOPS
+from dp_core._flops import PeakFlops as PeakFlops
+from dp_core._flops import datasheet_peak_flops as datasheet_peak_flops
+from dp_core._flops import measure_peak_flops as measure_peak_flops
+from dp_core._flops import peak_flops as peak_flops
 from dp_core._keras_backend import select_keras_backend as select_keras_backend
 from dp_core._layout import ReplicaLayout as ReplicaLayout
 from dp_core._lr import Constant as Constant
@@ -58,16 +63,16 @@ from dp_core._scaling import ScalingReport as ScalingReport
 from dp_core._scaling import StepTimer as StepTimer
 from dp_core._scaling import all_reduce_bound as all_reduce_bound
 from dp_core._scaling import bus_bandwidth as bus_bandwidth
-from dp_core._scaling import read_scaling_reports as read_scaling_reports
-from dp_core._scaling import scaling_report_folder as scaling_report_folder
 from dp_core._scaling import scaling_summary as scaling_summary
-from dp_core._scaling import write_scaling_report as write_scaling_report
 from dp_core._scaling_checks import ReplicasOverCoresWarning as ReplicasOverCoresWarning
 from dp_core._scaling_checks import available_cores as available_cores
 from dp_core._scaling_checks import oversubscription as oversubscription
 from dp_core._scaling_checks import suspect_speedup as suspect_speedup
 from dp_core._scaling_checks import threads_per_replica as threads_per_replica
 from dp_core._scaling_checks import warn_oversubscribed as warn_oversubscribed
+from dp_core._scaling_files import read_scaling_reports as read_scaling_reports
+from dp_core._scaling_files import scaling_report_folder as scaling_report_folder
+from dp_core._scaling_files import write_scaling_report as write_scaling_report
 from dp_core._secret import JOB_SECRET_VARIABLE as JOB_SECRET_VARIABLE
 from dp_core._secret import SET_JOB_SECRET as SET_JOB_SECRET
 from dp_core._secret import job_secret_of as job_secret_of
@@ -88,6 +93,7 @@ __all__ = [
     "ESTIMATED_FROM_PARTS",
     "JOB_SECRET_VARIABLE",
     "NO_STEP_TIMER",
+    "PEAK_FLOPS",
     "SCALING_PHASES",
     "SET_JOB_SECRET",
     "BatchNormMode",
@@ -109,6 +115,7 @@ __all__ = [
     "NonFiniteLoss",
     "NonFiniteLossError",
     "OneCall",
+    "PeakFlops",
     "Phase",
     "Preempted",
     "PreemptionWatch",
@@ -130,6 +137,7 @@ __all__ = [
     "check_checkpoint_dir",
     "check_compatible",
     "claim_checkpoint_dir",
+    "datasheet_peak_flops",
     "epoch_order",
     "epoch_rows",
     "epoch_steps",
@@ -141,9 +149,11 @@ __all__ = [
     "linear_scaling",
     "list_checkpoints",
     "load_checkpoint",
+    "measure_peak_flops",
     "num_steps",
     "one_call_at_a_time",
     "oversubscription",
+    "peak_flops",
     "per_replica_batch_size",
     "read_scaling_reports",
     "save_checkpoint",

@@ -1,49 +1,26 @@
 """The scaling report: where a data-parallel step's time goes, and how it compares with one replica.
 
 Both backends record the same phases per training step (``StepTimer``) and hand the totals
-to ``ScalingReport``; ``write_scaling_report`` keeps one entry per replica count in a folder
-(``scaling_report.json``, and ``scaling_report.png`` where matplotlib is installed) and returns
-the one line the trainer prints. numpy and the standard library only; matplotlib is imported
-when a plot is drawn (``pip install dp-core[report]``).
+to ``ScalingReport``; ``scaling_summary`` is the one line the trainer prints, with the model FLOPs
+utilisation where the backend counted the step's FLOPs (``_flops``). The report's folder, its JSON
+and plot, are ``_scaling_files``'s. numpy and the standard library only.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
+from dp_core._flops import mfu_summary, model_flops_utilization
 from dp_core._scaling_checks import suspect_speedup
 
 SCALING_PHASES = ("input", "forward_backward", "all_reduce", "optimizer", "callbacks")
 MEASURED = "measured"
 ESTIMATED_FROM_PARTS = "estimated from separately timed parts"
-DEFAULT_FOLDER = "scaling-report"
-JSON_NAME = "scaling_report.json"
-PNG_NAME = "scaling_report.png"
-FORMAT = "dp-core scaling report"
-FORMAT_VERSION = 1
 WARMUP_STEPS = 1  # the first step of a fit compiles (jax) or allocates (torch): not counted
-
-
-def scaling_report_folder(profile: bool | str | os.PathLike[str]) -> Path | None:
-    """Where ``Trainer(profile=...)`` writes: ``True`` is ``./scaling-report``, a path is itself,
-    ``False`` (or None) is no report."""
-    if profile is None or profile is False:
-        return None
-    if profile is True:
-        return Path.cwd() / DEFAULT_FOLDER
-    if isinstance(profile, str | os.PathLike):
-        return Path(profile).absolute()  # a replica started elsewhere writes to the same folder
-    raise TypeError(
-        f"profile must be True, False or a folder path, got {profile!r} ({type(profile).__name__}); "
-        f"e.g. Trainer(profile=True) writes into ./{DEFAULT_FOLDER}, Trainer(profile='runs/report') there."
-    )
 
 
 class StepTimer:
@@ -167,7 +144,10 @@ class ScalingReport:
     statistics' collectives per step, in the order the layers ran (None where not timed per layer:
     ``batch_norm_note`` says why; empty when no layer synchronizes). ``threads_per_replica``: each
     replica's CPU threads (None where not per replica), ``cores`` this host's; ``speedup_suspect``
-    says why a measured speedup is not to be believed ("" when nothing does)."""
+    says why a measured speedup is not to be believed ("" when nothing does). ``flops_per_step``: the
+    model's FLOPs in one step of the global batch, counted as ``flops_how`` says; with one device's
+    ``peak_flops_per_second`` (``peak_how``: "datasheet" or "measured"; ``peak_device``: of what) they
+    give ``mfu`` (None where either is unknown)."""
 
     backend: str
     num_replicas: int
@@ -193,11 +173,23 @@ class ScalingReport:
     architecture: str = ""  # ``architecture_of`` the model: what makes two reports the same model
     shard: str | None = None  # ``shard=``'s mode (None: the state replicated)
     weights_gather_seconds: float | None = None  # per step, a sharded optimizer's all-gather of the new weights
+    flops_per_step: float | None = None
+    flops_how: str = ""
+    peak_flops_per_second: float | None = None  # one device's
+    peak_how: str = ""
+    peak_device: str = ""
+    devices: int | None = None  # the devices a step ran on, where not one per replica (a model-parallel mesh)
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
     @property
     def samples_per_second(self) -> float:
         return self.global_batch_size / self.step_seconds if self.step_seconds > 0 else 0.0
+
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOPs utilisation: ``flops_per_step`` per step second over every device's peak."""
+        devices = self.devices or self.num_replicas
+        return model_flops_utilization(self.flops_per_step, self.step_seconds, self.peak_flops_per_second, devices)
 
     @property
     def all_reduce_bound_seconds(self) -> float | None:
@@ -226,6 +218,7 @@ class ScalingReport:
         entry["phases"] = {name: asdict(phase) for name, phase in self.phases.items()}
         entry["samples_per_second"] = self.samples_per_second
         entry["all_reduce_bound_seconds"] = self.all_reduce_bound_seconds
+        entry["mfu"] = self.mfu
         return entry
 
     @classmethod
@@ -293,8 +286,9 @@ def with_speedup(report: ScalingReport, baseline: ScalingReport | None) -> Scali
 def scaling_summary(report: ScalingReport) -> str:
     """The one line a fit prints, e.g. ``2 replicas: 1.82x one replica (measured), all-reduce 7% of a step
     (bound 2%), input 3%``, ending in ``; SUSPECT: ...`` when ``speedup_suspect`` says why the speedup is not
-    to be believed; synchronized BatchNorm layers add ``, BatchNorm statistics 12% (3 layers)``, sharded
-    state ``, shard='optimizer' (weights all-gather 9% of a step)``."""
+    to be believed; a counted step adds its model FLOPs utilisation after the input's share (``, MFU 31%
+    (peak measured: 2x 95.31 GFLOP/s)``), synchronized BatchNorm layers ``, BatchNorm statistics 12% (3
+    layers)``, sharded state ``, shard='optimizer' (weights all-gather 9% of a step)``."""
     replicas = f"{report.num_replicas} replica{'s' if report.num_replicas != 1 else ''}"
     how = "measured" if report.speedup_how == MEASURED else "estimated: compute phases only"
     speedup = f"{report.speedup or 0.0:.2f}x one replica ({how})"
@@ -309,6 +303,8 @@ def scaling_summary(report: ScalingReport) -> str:
     if notes:
         all_reduce += f" ({'; '.join(notes)})"
     line = f"{replicas}: {speedup}, {all_reduce}, input {report.share('input'):.0%}"
+    if (mfu := report.mfu) is not None and (peak := report.peak_flops_per_second):
+        line += ", " + mfu_summary(mfu, peak, report.peak_how, report.devices or report.num_replicas)
     if report.batch_norm_sync and report.step_seconds > 0:
         synced = sum(layer.seconds for layer in report.batch_norm_sync) / report.step_seconds
         layers = len(report.batch_norm_sync)
@@ -317,84 +313,3 @@ def scaling_summary(report: ScalingReport) -> str:
     if (gathered := report.weights_gather_seconds) is not None and report.step_seconds > 0:
         line += f" (weights all-gather {gathered / report.step_seconds:.0%} of a step)"
     return line + (f"; SUSPECT: {report.speedup_suspect}" if report.speedup_suspect else "")
-
-
-def read_scaling_reports(folder: str | os.PathLike[str]) -> dict[int, ScalingReport]:
-    """The reports in ``folder``'s ``scaling_report.json`` by replica count (empty when none)."""
-    path = Path(folder) / JSON_NAME
-    if not path.exists():
-        return {}
-    document = json.loads(path.read_text())
-    if document.get("format") != FORMAT:
-        raise ValueError(
-            f"{path} is not a scaling report (its 'format' is {document.get('format')!r}, expected {FORMAT!r}); "
-            "pass Trainer(profile=...) another folder, or remove the file."
-        )
-    return {int(count): ScalingReport.from_json(entry) for count, entry in document["reports"].items()}
-
-
-def write_scaling_report(report: ScalingReport, folder: str | os.PathLike[str]) -> tuple[ScalingReport, str]:
-    """Add ``report`` to ``folder`` (replacing its replica count's entry; entries of another model or
-    global batch are dropped: a folder describes one run), write the JSON and the PNG, and return the
-    report with its speedup and the one-line summary. Without matplotlib the line says so."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    reports = {count: old for count, old in read_scaling_reports(folder).items() if old.same_run_as(report)}
-    report = with_speedup(report, reports.get(1))
-    reports[report.num_replicas] = report
-    document = {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
-        "phases": list(SCALING_PHASES),
-        "reports": {str(count): reports[count].to_json() for count in sorted(reports)},
-    }
-    temporary = folder / (JSON_NAME + ".tmp")
-    temporary.write_text(json.dumps(document, indent=2) + "\n")
-    os.replace(temporary, folder / JSON_NAME)
-    line = scaling_summary(report)
-    try:
-        plot_scaling_reports(list(reports.values()), folder / PNG_NAME)
-    except ImportError:
-        line += f" (no plot: pip install 'dp-core[report]' for {PNG_NAME}; the JSON is written)"
-    return report, line
-
-
-def plot_scaling_reports(reports: Sequence[ScalingReport], path: str | os.PathLike[str]) -> None:
-    """Stacked bars of each replica count's step time by phase; next to them samples/s against
-    replica count when there are several. Raises ImportError without matplotlib."""
-    import matplotlib  # pyright: ignore[reportMissingImports]  (optional: dp-core[report])
-
-    matplotlib.use("Agg")  # files only: no display needed
-    import matplotlib.pyplot as plt  # pyright: ignore[reportMissingImports]
-
-    reports = sorted(reports, key=lambda r: r.num_replicas)
-    several = len(reports) > 1
-    figure, axes = plt.subplots(1, 2 if several else 1, figsize=(10 if several else 5.5, 4), squeeze=False)
-    bars = axes[0][0]
-    labels = [str(r.num_replicas) for r in reports]
-    bottoms = [0.0] * len(reports)
-    for phase in SCALING_PHASES:
-        heights = [r.phases[phase].seconds * 1000 for r in reports]
-        estimated = any(r.phases[phase].how != MEASURED for r in reports)
-        name = phase.replace("_", " ") + (" (estimated)" if estimated else "")
-        bars.bar(labels, heights, bottom=bottoms, label=name)
-        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
-    bars.set_xlabel("replicas")
-    bars.set_ylabel("ms per step")
-    bars.set_title(f"{reports[-1].backend}: {reports[-1].model}, global batch {reports[-1].global_batch_size}")
-    bars.legend(fontsize=8)
-    if several:
-        rate = axes[0][1]
-        counts = [r.num_replicas for r in reports]
-        rate.plot(counts, [r.samples_per_second for r in reports], marker="o", label="measured")
-        if reports[0].num_replicas == 1:
-            ideal = [reports[0].samples_per_second * n for n in counts]
-            rate.plot(counts, ideal, linestyle="--", color="grey", label="linear")
-        rate.set_xticks(counts)
-        rate.set_xlabel("replicas")
-        rate.set_ylabel("samples/s")
-        rate.set_title("throughput")
-        rate.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
