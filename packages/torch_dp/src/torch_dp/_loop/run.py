@@ -34,6 +34,7 @@ from torch_dp._loop.fit import fit_loop
 from torch_dp._loop.jobs import EvaluateJob, FitJob, Job, PredictJob
 from torch_dp._step.batchnorm import masked_batch_norm
 from torch_dp._step.custom import custom_steps, overrides
+from torch_dp._step.flops import COUNTED, flops_per_step, rows_to_count
 from torch_dp._step.placement import check_placement
 from torch_dp._step.profile import finish_report, step_timer, timing_batch_norm
 from torch_dp._step.shards import sharded
@@ -123,6 +124,9 @@ def run_fit(model: keras.Model, job: FitJob, replica: Replica) -> keras.callback
                 lr_policy=None if job.lr_policy is None else job.lr_policy.config(),
             )
         timer = NO_STEP_TIMER if job.profile is None else step_timer(replica)
+        counted = job.profile is not None and replica.is_primary and not custom.train  # the MFU's FLOPs
+        size = job.arguments.global_batch_size
+        rows = rows_to_count(job.inputs, global_batch_size=size, num_replicas=replica.num_replicas) if counted else None
         if job.shard == "full":  # its one-replica probe of the model runs now, on the whole weights
             batch_terms(model, job.inputs)
         with timing_batch_norm(timer), sharded(model, job.shard, replica) as state:
@@ -138,13 +142,16 @@ def run_fit(model: keras.Model, job: FitJob, replica: Replica) -> keras.callback
                 state=state,
             )
         if isinstance(timer, StepTimer) and job.profile is not None:
+            flops = None if rows is None else flops_per_step(model, rows, global_batch_size=size)
             report = finish_report(
                 timer,
                 model,
                 replica,
-                global_batch_size=job.arguments.global_batch_size,
+                global_batch_size=size,
                 folder=job.profile,
                 shard=job.shard,
+                flops_per_step=flops,
+                flops_how=COUNTED,
             )
             history.scaling_report = report  # pyright: ignore[reportAttributeAccessIssue]
         return history

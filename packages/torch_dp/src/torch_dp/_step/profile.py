@@ -3,16 +3,20 @@
 profiling), and after the fit the replicas exchange what the report needs once: each one's
 compute time per step (the straggler spread) and a timed all-reduce of a few MB (the link's
 bandwidth). Each synchronized BatchNormalization layer's collectives are timed where they run
-(``sum_batch_norm_statistics``). Rank 0 writes the report and prints its line.
+(``sum_batch_norm_statistics``). Each replica also learns its device's peak FLOP/s, from the
+datasheet or, on a CPU, a float32 matmul timed on its threads while the others time theirs (the
+same gather carries it); with the step's FLOPs (``_step.flops``) they give the report's MFU. Rank 0
+writes the report and prints its line.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import keras
@@ -22,13 +26,16 @@ import torch.distributed as dist
 from dp_core import (
     BatchNormSync,
     NoStepTimer,
+    PeakFlops,
     Phase,
     ScalingReport,
     ShardMode,
     StepTimer,
     available_cores,
     bus_bandwidth,
+    measure_peak_flops,
     oversubscription,
+    peak_flops,
     write_scaling_report,
 )
 from torch_dp._comm.collectives import all_gather_rows, sum_in_place
@@ -116,6 +123,38 @@ def link_bandwidth(replica: Replica) -> float | None:
     return bus_bandwidth(PROBE_BYTES, replica.num_replicas, statistics.median(times))
 
 
+def compute_dtype(model: keras.Model) -> str:
+    """The dtype a device's peak is looked up at: the model's compute dtype, "tf32" for float32 matmuls
+    that torch lets run on TF32 tensor cores (``torch.set_float32_matmul_precision("high")``)."""
+    dtype = keras.backend.standardize_dtype(model.dtype_policy.compute_dtype)
+    return "tf32" if dtype == "float32" and torch.get_float32_matmul_precision() != "highest" else dtype
+
+
+def _matmul_on(device: str) -> Callable[[int], Callable[[], object]]:
+    """``measure_peak_flops``'s matmul on ``device``, on this process's threads (a replica's share)."""
+
+    def matmul_of(size: int) -> Callable[[], object]:
+        generator = torch.Generator(device=device).manual_seed(0)  # its own: torch's random state is the fit's
+        a, b = (torch.randn(size, size, generator=generator, device=device) for _ in range(2))
+        product = torch.empty_like(a)
+
+        def multiply() -> None:
+            torch.mm(a, b, out=product)
+            if product.is_cuda:
+                torch.cuda.synchronize(product.device)
+
+        return multiply
+
+    return matmul_of
+
+
+def device_peak(model: keras.Model, replica: Replica) -> PeakFlops:
+    """This replica's device's peak FLOP/s at the model's compute dtype: its datasheet's, or measured."""
+    cuda = replica.device.startswith("cuda")
+    name = torch.cuda.get_device_name(torch.device(replica.device)) if cuda else "cpu"
+    return peak_flops(name, compute_dtype(model), measure=lambda: measure_peak_flops(_matmul_on(replica.device)))
+
+
 def finish_report(
     timer: StepTimer,
     model: keras.Model,
@@ -124,23 +163,32 @@ def finish_report(
     global_batch_size: int,
     folder: str,
     shard: ShardMode | None = None,
+    flops_per_step: float | None = None,
+    flops_how: str = "",
 ) -> ScalingReport | None:
     """After the fit, on every replica (two collectives): rank 0 writes the report into ``folder``,
     prints its line and returns it; the others return None. ``shard``: the fit's mode, whose weights'
-    all-gather was timed apart (``_step.shards``)."""
+    all-gather was timed apart (``_step.shards``); ``flops_per_step``: the model's FLOPs in a step
+    (rank 0's count, ``_step.flops``; None: not counted), ``flops_how`` how."""
     phases, step_seconds, steps = timer.counted()
     if steps == 0:  # the same on every replica: no collective is left waiting
         if replica.is_primary:
             print("scaling report: no step was timed (a model's own train_step is not profiled)", flush=True)
         return None
+    peak = device_peak(model, replica)  # every replica at once: replicas sharing cores share them here too
     compute = torch.tensor(
-        [phases["forward_backward"] + phases["optimizer"]], dtype=torch.float64, device=replica.device
+        [phases["forward_backward"] + phases["optimizer"], peak.flops_per_second or float("nan")],
+        dtype=torch.float64,
+        device=replica.device,
     )
-    per_replica = [float(part.item()) for part in all_gather_rows(compute, replica)]
+    gathered = [part.tolist() for part in all_gather_rows(compute, replica)]
+    per_replica = [float(seconds) for seconds, _ in gathered]
+    peaks = [float(value) for _, value in gathered]
+    peak_per_device = None if any(math.isnan(value) for value in peaks) else sum(peaks) / len(peaks)
     bandwidth = link_bandwidth(replica)
     bucketed = any(OVERLAPPED in step for step in timer.per_step)  # gradients summed in buckets (``_step.buckets``)
     overlapped = timer.counted(phases=(OVERLAPPED,))[0][OVERLAPPED] if bucketed else None
-    gathered = timer.counted(phases=(WEIGHTS_GATHER,))[0][WEIGHTS_GATHER] if shard is not None else None
+    weights_gathered = timer.counted(phases=(WEIGHTS_GATHER,))[0][WEIGHTS_GATHER] if shard is not None else None
     if not replica.is_primary:
         return None
     report = ScalingReport(
@@ -163,7 +211,12 @@ def finish_report(
         cores=available_cores(),
         architecture=ScalingReport.architecture_of(type(model).__name__, [tuple(w.shape) for w in model.weights]),
         shard=shard,
-        weights_gather_seconds=gathered,
+        weights_gather_seconds=weights_gathered,
+        flops_per_step=flops_per_step,
+        flops_how=flops_how if flops_per_step is not None else "",
+        peak_flops_per_second=peak_per_device,
+        peak_how=peak.how,
+        peak_device=peak.device,
     )
     report, line = write_scaling_report(report, Path(folder))
     here = int(os.environ.get("LOCAL_WORLD_SIZE", replica.num_replicas))  # this host's replicas (torchrun sets it)
