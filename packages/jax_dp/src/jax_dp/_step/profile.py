@@ -11,6 +11,11 @@ separately timed parts". A timed ``psum`` of a few MB gives the link's bandwidth
 
 Those pieces assume replicated state: on a model-parallel mesh or with ``shard=`` set the step is
 reported whole, and the report (its JSON and printed line) names the shard mode.
+
+The model FLOPs utilisation (MFU) takes a step's FLOPs from XLA's cost analysis of the compiled train
+step (a copy of the fit's, built with the pieces and compiled once on the fit's first batch): an SPMD
+program's is one device's, so times the mesh's devices. A device's peak is its datasheet's, or, on
+a CPU, a float32 matmul timed on every device of the mesh at once, each on its own pair.
 """
 
 from __future__ import annotations
@@ -19,23 +24,27 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple, final
+from typing import Any, NamedTuple, cast, final
 
 import jax
 import jax.numpy as jnp
 import keras
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dp_core import (
     ESTIMATED_FROM_PARTS,
     BatchNormMode,
+    PeakFlops,
     Phase,
     ScalingReport,
     StepTimer,
     available_cores,
     bus_bandwidth,
+    measure_peak_flops,
     oversubscription,
+    peak_flops,
     write_scaling_report,
 )
 from dp_core.keras import internals
@@ -44,15 +53,17 @@ from jax_dp._data.batches import Batch
 from jax_dp._data.padding import padding_aware
 from jax_dp._mesh.layout import shard_mode_of
 from jax_dp._mesh.mesh import BATCH_AXIS
+from jax_dp._step.accumulation import accumulates
 from jax_dp._step.compile_cache import held_weakly
 from jax_dp._step.optimizers import Optimizer
 from jax_dp._step.state import TrainState, train_state_on_mesh
-from jax_dp._step.steps import _loss_and_updates
+from jax_dp._step.steps import _loss_and_updates, make_train_step
 
 PROBE_BYTES = 4 * 2**20  # the timed psum: large enough to be bandwidth-bound, small enough to be quick
 ROUNDS = 3  # timed runs of each piece, after one that compiles it
 STEP = "step"  # the fused step's lap, split into the report's three phases at the end
 SPLIT = ("forward_backward", "all_reduce", "optimizer")
+COUNTED = "XLA cost analysis of the compiled train step: one device's FLOPs, times the devices"
 
 
 @final
@@ -93,6 +104,7 @@ class Pieces(NamedTuple):
     all_reduce: Callable[[Any], Any]
     apply: Callable[[Any, Any, Any], Any]
     probe: Callable[[jax.Array], jax.Array]
+    train: Any  # the fit's train step, jitted (``lower`` for its cost analysis)
 
 
 def make_pieces(model: keras.Model, optimizer: Optimizer, mesh: Mesh, batch_norm: BatchNormMode) -> Pieces:
@@ -123,6 +135,7 @@ def make_pieces(model: keras.Model, optimizer: Optimizer, mesh: Mesh, batch_norm
         all_reduce=shard_mapped(lambda parts: [jax.lax.psum(p[0], BATCH_AXIS) for p in parts], sharded, replicated),
         apply=jax.jit(optimizer.apply),
         probe=shard_mapped(lambda part: jax.lax.psum(part, BATCH_AXIS), sharded, replicated),
+        train=make_train_step(model, optimizer, mesh, batch_norm=batch_norm, skip_nonfinite=False),
     )
 
 
@@ -160,6 +173,57 @@ def _split_parts(pieces: Pieces, mesh: Mesh, state: TrainState, batch: Batch) ->
 @jax.jit
 def _increment(value: jax.Array) -> jax.Array:
     return value + 1
+
+
+def flops_per_step(
+    pieces: Pieces, model: keras.Model, optimizer: Optimizer, mesh: Mesh, state: TrainState, batch: Batch
+) -> float | None:
+    """A train step's FLOPs on ``batch`` (a global batch) from ``state``, from XLA's cost analysis of
+    the compiled step: that of one device's program (SPMD), times the devices. None where XLA gives none."""
+    if accumulates(optimizer):  # Keras's step then keeps each replica's gradient sums beside the optimizer's
+        state = train_state_on_mesh(
+            model, optimizer, mesh, previous_optimizer_state=None, metric_sums=None, accumulate=True
+        )
+    cost = pieces.train.lower(state, batch, False).compile().cost_analysis()
+    if isinstance(cost, list | tuple):  # older jax: one analysis per program
+        cost = cost[0] if cost else None
+    flops = float((cost or {}).get("flops", 0.0))
+    return flops * mesh.devices.size if flops > 0 else None
+
+
+def compute_dtype(model: keras.Model) -> str:
+    """The dtype a device's peak is looked up at: the model's compute dtype, "tf32" for float32 matmuls
+    at jax's default precision (TF32 tensor cores on a GPU) unless ``jax_default_matmul_precision`` asks
+    for full float32."""
+    dtype = keras.backend.standardize_dtype(model.dtype_policy.compute_dtype)
+    precision = cast(Any, jax.config).jax_default_matmul_precision  # a flag read as an attribute
+    full = str(precision).lower() in ("float32", "highest")
+    return "tf32" if dtype == "float32" and not full else dtype
+
+
+@jax.jit
+def _products(a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+
+
+def _matmul_on(devices: list[Any]) -> Callable[[int], Callable[[], object]]:
+    """``measure_peak_flops``'s matmul: each of ``devices`` (this process's) multiplies its own pair,
+    all at once. No other process takes part: each one's timing decides its own sizes."""
+    sharding = NamedSharding(Mesh(np.array(devices), ("devices",)), P("devices"))
+
+    def matmul_of(size: int) -> Callable[[], object]:
+        operand = jax.device_put(jnp.full((len(devices), size, size), 0.5, jnp.float32), sharding)
+        return lambda: jax.block_until_ready(_products(operand, operand))
+
+    return matmul_of
+
+
+def device_peak(model: keras.Model, mesh: Mesh) -> PeakFlops:
+    """One device of ``mesh``'s peak FLOP/s at the model's compute dtype: its datasheet's, or measured
+    on this process's devices of the mesh at once."""
+    local = list(mesh.local_devices)
+    kind = local[0].device_kind
+    return peak_flops(kind, compute_dtype(model), measure=lambda: measure_peak_flops(_matmul_on(local)))
 
 
 def _batch_norm_note(model: keras.Model, batch_norm: BatchNormMode) -> str:
@@ -212,6 +276,8 @@ def finish_report(
     bandwidth = link_bandwidth(pieces, mesh)
     if not is_primary():
         return None
+    peak = device_peak(model, mesh)
+    flops = flops_per_step(pieces, model, optimizer, mesh, state, profile.batch)
     report = ScalingReport(
         backend="jax",
         num_replicas=_replicas(mesh),
@@ -232,6 +298,12 @@ def finish_report(
         cores=available_cores(),  # threads_per_replica None: one XLA thread pool serves every device of a process
         architecture=ScalingReport.architecture_of(type(model).__name__, [tuple(w.shape) for w in model.weights]),
         shard=shard,
+        flops_per_step=flops,
+        flops_how=COUNTED if flops is not None else "",
+        peak_flops_per_second=peak.flops_per_second,
+        peak_how=peak.how,
+        peak_device=peak.device,
+        devices=int(mesh.devices.size) if mesh.devices.size != _replicas(mesh) else None,
     )
     report, line = write_scaling_report(report, Path(folder))
     if jax.default_backend() == "cpu" and (crowded := oversubscription(len(mesh.local_devices))):
