@@ -10,7 +10,7 @@ import torch_dp_testing as testing
 import dp_core
 import torch_dp
 from dp_core import SCALING_PHASES
-from torch_dp._step.buckets import BUCKET_BYTES, GradientBuckets
+from torch_dp._step.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, GradientBuckets
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
@@ -102,15 +102,15 @@ def test_without_profile_there_is_no_report(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def _wide_model(optimizer: str = "sgd") -> keras.Model:
-    """About 34 MB of float32 gradients: two buckets of at most 25 MiB."""
+def _wide_model(optimizer: str = "sgd", width: int = 2048) -> keras.Model:
+    """About 34 MB of float32 gradients (width 2048): three buckets; 2.2 MB (width 512): two."""
     keras.utils.set_random_seed(0)
     model = keras.Sequential(
         [
             keras.Input((64,)),
-            keras.layers.Dense(2048, activation="relu"),
-            keras.layers.Dense(2048, activation="relu"),
-            keras.layers.Dense(2048, activation="relu"),
+            keras.layers.Dense(width, activation="relu"),
+            keras.layers.Dense(width, activation="relu"),
+            keras.layers.Dense(width, activation="relu"),
             keras.layers.Dense(10),
         ]
     )
@@ -122,27 +122,44 @@ def test_buckets_split_large_gradients_by_size_in_reverse_order():
     model = _wide_model()
     weights = model.trainable_weights
     buckets = GradientBuckets(weights).buckets
-    # last variables first (backward produces them first); the second 16 MiB kernel starts a new bucket
-    assert buckets == [[7, 6, 5, 4, 3], [2, 1, 0]]
-    for bucket in buckets:
+    # last variables first (backward produces them first); as in DDP the first bucket holds at most
+    # 1 MiB (the last layer's 88 KB), so its all-reduce starts early; a 16 MiB kernel fills each other
+    assert buckets == [[7, 6, 5], [4, 3], [2, 1, 0]]
+    assert sum(weights[i].value.numel() * 4 for i in buckets[0]) <= FIRST_BUCKET_BYTES
+    for bucket in buckets[1:]:
         assert sum(weights[i].value.numel() * 4 for i in bucket) <= BUCKET_BYTES
 
 
-def test_bucketed_all_reduce_during_backward_gives_one_replicas_weights(tmp_path, capfd):
+@pytest.mark.parametrize("width", [2048, 512])  # 34 MB of gradients; 2.2 MB, which also overlaps as DDP's would
+def test_bucketed_all_reduce_during_backward_gives_one_replicas_weights(tmp_path, capfd, width):
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(48, 64)).astype("float32"), rng.normal(size=(48, 10)).astype("float32")
-    reference = _wide_model()
+    reference = _wide_model(width=width)
     start = reference.get_weights()
-    torch_dp.Trainer(num_replicas=1).fit(reference, x, y, global_batch_size=16, epochs=1, shuffle=False, verbose=0)
-    model = _wide_model()
+    steps: dict[str, list[float]] = {"one": [], "two": []}
+
+    def every_step(seen: list[float]) -> keras.callbacks.Callback:  # the metric states then ride in the last bucket
+        return keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: seen.append(logs["loss"]))
+
+    expected = torch_dp.Trainer(num_replicas=1).fit(
+        reference, x, y, global_batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[every_step(steps["one"])]
+    )
+    model = _wide_model(width=width)
     model.set_weights(start)
+    assert len(GradientBuckets(model.trainable_weights).buckets) == (3 if width == 2048 else 2)
     with torch_dp.Trainer(num_replicas=2, timeout=60, profile=str(tmp_path)) as trainer:
-        trainer.fit(model, x, y, global_batch_size=16, epochs=1, shuffle=False, verbose=0)
+        history = trainer.fit(
+            model, x, y, global_batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[every_step(steps["two"])]
+        )
     for mine, theirs in zip(model.get_weights(), reference.get_weights(), strict=True):
         np.testing.assert_allclose(mine, theirs, atol=1e-6)
+    # the loss rode in the last bucket: the epoch's loss is the global one
+    np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(steps["two"], steps["one"], rtol=1e-5)
+    assert len(steps["two"]) == 3
     report = trainer.scaling_report
     assert report.overlapped_seconds is not None and report.overlapped_seconds > 0  # started during backward
-    assert report.gradient_bytes > BUCKET_BYTES
+    assert report.gradient_bytes > FIRST_BUCKET_BYTES
     # one line, from rank 0; no 1-replica report in this folder: the speedup is an estimate
     lines = [line for line in capfd.readouterr().out.splitlines() if "one replica" in line]
     assert len(lines) == 1

@@ -146,7 +146,7 @@ class Window:
         last = (self.applied + 1) % self.steps == 0
         exchange = last or sum_metrics  # something must travel: the gradients, or every batch's logs
         before = _state_to_undo(model) if exchange else []
-        loss, trainable, local = local_gradients(model, batch, replica)
+        loss, trainable, local, _ = local_gradients(model, batch, replica)
         timer.lap("forward_backward", sync=True)
         nonfinite = (~torch.isfinite(torch.as_tensor(loss).detach().reshape(1))).to(torch.float32)
         if not exchange:

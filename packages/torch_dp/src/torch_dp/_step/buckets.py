@@ -1,14 +1,18 @@
-"""Gradients all-reduced in buckets during the backward pass, when they are large.
+"""Gradients summed in buckets during the backward pass, for every model, as DDP sums them.
 
-A step's gradients are summed over replicas after ``backward`` in one coalesced all-reduce
-(``_step.steps``). When the trainable gradients exceed one bucket (``BUCKET_BYTES``, DDP's default
-25 MiB), the replicas would idle while that all-reduce runs; so they are split into buckets
-(variables in reverse order, which is roughly the order backward produces their gradients; one
-dtype each) and each bucket's all-reduce is started asynchronously from
-``register_post_accumulate_grad_hook`` as soon as all its gradients exist, while backward
-computes the rest. Buckets start strictly in index order (a ready bucket waits for the ones
+Each bucket's all-reduce is started asynchronously from ``register_post_accumulate_grad_hook`` as
+soon as all its gradients exist, while backward computes the rest. Variables go in reverse order,
+roughly the order backward produces their gradients, one dtype per bucket; as in DDP the first
+bucket holds at most ``FIRST_BUCKET_BYTES`` (1 MiB), so the first all-reduce starts early, the others
+``BUCKET_BYTES`` (25 MiB). Buckets start strictly in index order (a ready bucket waits for the ones
 before it) and those whose variables got no gradient start after backward with zeros, so every
 replica issues the same collectives in the same order. The sums are the same sums.
+
+The step's few other values to sum (the loss, a preemption flag, the metric states and rank 0's
+decisions when a callback acts at every batch: ``_step.steps``) ride in the last bucket, which
+backward fills last: a step sums in as many all-reduces as it has buckets, all but the last
+overlapped with backward. A model whose gradients fit in one bucket (1 MiB) has nothing to overlap:
+it sums everything in one all-reduce after backward, synchronously.
 
 Only ``train_step`` asks for them: a gradient-accumulation step that is not the last of its
 window (``_step.accumulation``) runs backward without buckets and sends nothing.
@@ -18,7 +22,8 @@ owner alone, whatever the gradients' size: every other replica sends its copy st
 which adds them up in rank order (point to point: gloo's ``reduce`` runs a ring, moving as many
 bytes as an all-reduce, where a sum onto one replica needs each other one to send its copy once).
 With ``"gradients"`` and ``"full"`` every other replica then frees those gradients, so it keeps only
-its own variables' gradients; with ``"optimizer"`` it keeps its own copies, as ZeRO-1 does.
+its own variables' gradients; with ``"optimizer"`` it keeps its own copies, as ZeRO-1 does. The
+step's other values then travel in a small all-reduce of their own.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from torch_dp._comm.collectives import _entering
 from torch_dp._comm.replica import Replica
 from torch_dp._step.owners import numel
 
+FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket (its _DEFAULT_FIRST_BUCKET_BYTES)
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
 
 
@@ -66,7 +72,8 @@ class GradientBuckets:
         for index in reversed(range(len(variables))):
             value = variables[index].value
             owner = None if owners is None else owners[index]
-            full = size + _bytes(variables[index]) > BUCKET_BYTES
+            cap = FIRST_BUCKET_BYTES if len(self.buckets) <= 1 else BUCKET_BYTES
+            full = size + _bytes(variables[index]) > cap
             if not self.buckets or full or value.dtype != dtype or owner != self.destinations[-1]:
                 self.buckets.append([])
                 self.destinations.append(owner)
@@ -76,15 +83,23 @@ class GradientBuckets:
         self.rank, self.num_replicas, self.keep_sent = rank, num_replicas, keep_sent
         self._variables = [(id(v), tuple(v.shape)) for v in variables]
         self._launched: list[tuple[torch.Tensor, list[Any], list[torch.Tensor]]] = []
+        self._extras: list[torch.Tensor] = []  # the step's other values, in the last bucket
         self.overlapped = 0.0  # the last backward's seconds with an all-reduce in flight
 
     def serves(self, variables: Sequence[keras.Variable]) -> bool:
         return [(id(v), tuple(v.shape)) for v in variables] == self._variables
 
     @contextlib.contextmanager
-    def reducing(self, variables: Sequence[keras.Variable]) -> Iterator[None]:
-        """Around ``backward``: each bucket's all-reduce starts once its gradients exist."""
+    def reducing(self, variables: Sequence[keras.Variable], extras: Sequence[torch.Tensor] = ()) -> Iterator[None]:
+        """Around ``backward``: each bucket's all-reduce starts once its gradients exist; ``extras``
+        (float32, summed over replicas) ride in the last one when it is all-reduced in float32
+        (``summed`` says whether they did)."""
         values = [v.value for v in variables]
+        last = len(self.buckets) - 1
+        rides = last >= 0 and self.destinations[last] is None
+        rides = rides and all(values[i].dtype == torch.float32 for i in self.buckets[last])
+        rides = rides and all(extra.dtype == torch.float32 for extra in extras)
+        self._extras = list(extras) if rides else []
         shapes = [tuple(v.shape) for v in variables]  # a weight freed under shard="full" keeps its Keras shape
         bucket_of = {index: b for b, bucket in enumerate(self.buckets) for index in bucket}
         ready = [0] * len(self.buckets)
@@ -116,8 +131,9 @@ class GradientBuckets:
         self.overlapped = time.perf_counter() - first_launch[0] if first_launch else 0.0
 
     def _launch(self, values: Sequence[torch.Tensor], shapes: Sequence[tuple[int, ...]], b: int) -> None:
-        parts = [_gradient_or_zeros(values[i], shapes[i]) for i in self.buckets[b]]
-        flat = torch.cat([part.reshape(-1) for part in parts])
+        parts = [_gradient_or_zeros(values[i], shapes[i]).reshape(-1) for i in self.buckets[b]]
+        tail = [extra.reshape(-1) for extra in self._extras] if b == len(self.buckets) - 1 else []
+        flat = torch.cat([*parts, *tail])
         _entering()
         destination = self.destinations[b]
         if destination is None:
@@ -134,17 +150,19 @@ class GradientBuckets:
             for i in self.buckets[b]:
                 values[i].grad = None
 
-    def summed(self, variables: Sequence[keras.Variable]) -> list[torch.Tensor]:
+    def summed(self, variables: Sequence[keras.Variable]) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """After ``backward`` in ``reducing``: the remaining buckets started (zeros for variables
-        without a gradient), every one waited for, and each variable's summed gradient (None for
-        another replica's, with owners)."""
+        without a gradient), every one waited for; each variable's summed gradient (None for
+        another replica's, with owners), and the extras' sums (None: they did not ride along)."""
         values = [v.value for v in variables]
         shapes = [tuple(v.shape) for v in variables]
         while len(self._launched) < len(self.buckets):
             self._launch(values, shapes, len(self._launched))
         summed: list[Any] = [None] * len(values)
-        for bucket, destination, (flat, works, others) in zip(
-            self.buckets, self.destinations, self._launched, strict=True
+        extras, self._extras = self._extras, []
+        summed_extras: list[torch.Tensor] | None = None
+        for b, (bucket, destination, (flat, works, others)) in enumerate(
+            zip(self.buckets, self.destinations, self._launched, strict=True)
         ):
             for work in works:
                 work.wait()
@@ -153,11 +171,14 @@ class GradientBuckets:
             if others:  # this replica's copy and the others', added in rank order (the same sum on any owner)
                 copies = [*others[: self.rank], flat, *others[self.rank :]]
                 flat = torch.stack(copies).sum(0) if len(copies) > 2 else copies[0] + copies[1]
-            pieces = torch.split(flat, [numel(variables[i]) for i in bucket])
-            for index, piece in zip(bucket, pieces, strict=True):
+            tail = extras if b == len(self.buckets) - 1 else []
+            pieces = torch.split(flat, [numel(variables[i]) for i in bucket] + [extra.numel() for extra in tail])
+            for index, piece in zip(bucket, pieces[: len(bucket)], strict=True):
                 summed[index] = piece.view(shapes[index])
+            if tail:
+                summed_extras = [p.view(extra.shape) for p, extra in zip(pieces[len(bucket) :], tail, strict=True)]
         self._launched = []
-        return summed
+        return summed, summed_extras
 
 
 def _gradient_or_zeros(value: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -169,11 +190,11 @@ _by_model: weakref.WeakKeyDictionary[keras.Model, GradientBuckets] = weakref.Wea
 
 
 def gradient_buckets(model: keras.Model, replica: Replica) -> GradientBuckets | None:
-    """The model's buckets when its trainable gradients exceed one bucket on several replicas,
-    else None (one all-reduce after backward, as ever); kept per model while its variables keep
-    their shapes."""
+    """The model's buckets on several replicas when its gradients fill more than one, else None (one
+    all-reduce after backward, which is what one bucket would be: backward's last gradient starts it);
+    kept per model while its variables keep their shapes."""
     variables = model.trainable_weights
-    if not replica.distributed or sum(_bytes(v) for v in variables) <= BUCKET_BYTES:
+    if not replica.distributed or sum(_bytes(v) for v in variables) <= FIRST_BUCKET_BYTES:
         return None
     buckets = _by_model.get(model)
     if buckets is None or not buckets.serves(variables):

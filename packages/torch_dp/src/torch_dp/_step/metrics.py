@@ -33,13 +33,28 @@ def global_logs(model: keras.Model, replica: Replica) -> dict[str, Any]:
 
 
 def logs_of(model: keras.Model, metric_sums: list[torch.Tensor]) -> dict[str, Any]:
-    """Metric results for summed states: put in place, read, and the local states put back (also
-    when reading fails) so accumulation continues per replica."""
+    """Metric results for summed states, as ``model.get_metrics_result`` gives them, computed from
+    the sums by each metric's ``stateless_result``: the model's own states, which go on accumulating
+    per replica, stay as they are. A model's own ``get_metrics_result`` reads the sums put in place."""
     variables = model.metrics_variables
+    sums = [value.to(variable.value.dtype) for variable, value in zip(variables, metric_sums, strict=True)]
+    if type(model).get_metrics_result is not keras.Model.get_metrics_result:
+        return _read_in_place(model, variables, sums)
+    results: dict[str, Any] = {}
+    at = 0
+    for metric in model.metrics:
+        result = metric.stateless_result(sums[at : at + len(metric.variables)])
+        at += len(metric.variables)
+        results.update(result if isinstance(result, dict) else {metric.name: result})
+    return python_logs(results)
+
+
+def _read_in_place(model: keras.Model, variables: list[keras.Variable], sums: list[torch.Tensor]) -> dict[str, Any]:
+    """The sums put in place, the results read, and the local states put back (also when reading fails)."""
     local = [v.value.detach().clone() for v in variables]
     try:
-        for variable, value in zip(variables, metric_sums, strict=True):
-            variable.assign(value.to(variable.value.dtype))
+        for variable, value in zip(variables, sums, strict=True):
+            variable.assign(value)
         return python_logs(model.get_metrics_result())
     finally:
         for variable, value in zip(variables, local, strict=True):

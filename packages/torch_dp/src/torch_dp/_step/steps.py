@@ -7,17 +7,16 @@ equal one: each replica back-propagates its share of the global batch's loss
 normalized over the whole global batch, Keras masks included), gradients are summed between
 ``backward`` and ``apply``, and metrics see only real rows.
 
-Gradients are reduced with one coalesced all-reduce after ``backward`` rather than by
-wrapping the model in DDP: Keras variables are not registered the way DDP's reducer
-expects on every model (nested Keras layers, unused branches), DDP would also
-broadcast buffers Keras does not use, and on the small per-step gradient volumes of
-CPU training one flat all-reduce costs the same as DDP's buckets.
+Gradients are summed in buckets during ``backward`` as DDP sums them (``_step.buckets``), the
+step's loss, flags and metric states riding in the last bucket, rather than by wrapping the
+model in DDP: Keras variables are not registered the way DDP's reducer expects on every model
+(nested Keras layers, unused branches), and DDP would also broadcast buffers Keras does not use.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import keras
@@ -192,21 +191,26 @@ def train_step(
     ``state`` applies the update: on every replica, or each on its own variables (``_step.shards``).
     """
     before = _state_to_undo(model)
-    loss, trainable, local = local_gradients(model, batch, replica, buckets=buckets)
-    # the loss, and whether this replica was asked to stop (preemption): any replica's notice stops all
-    local_loss = torch.cat([torch.as_tensor(loss).detach().reshape(1).to(torch.float32), _flag(preempt, replica)])
     shared = sum_metrics and replica.distributed
-    states = [v.value.detach() for v in model.metrics_variables] if shared else []
     rate = _learning_rate_variable(model)
-    decisions = [_decisions(rate, replica, stop, changed)] if shared else []
+
+    def to_sum(loss: Any) -> list[torch.Tensor]:
+        # the loss, and whether this replica was asked to stop (preemption): any replica's notice stops all
+        local_loss = torch.cat([torch.as_tensor(loss).detach().reshape(1).to(torch.float32), _flag(preempt, replica)])
+        states = [v.value.detach() for v in model.metrics_variables] if shared else []
+        return [local_loss, *states, *([_decisions(rate, replica, stop, changed)] if shared else [])]
+
+    _, trainable, local, extras = local_gradients(model, batch, replica, buckets=buckets, to_sum=to_sum)
+    decisions = extras[-1:] if shared else []
     timer.lap("forward_backward", sync=True)
     # Zeros keep the buffer the same size on every replica; a variable with no gradient
     # here is still skipped by the optimizer, as in Keras.
     gradients = [torch.zeros_like(v.value) if g is None else g for v, g in zip(trainable, local, strict=True)]
     if buckets is None:
-        summed = all_reduce_sum([*gradients, local_loss, *states, *decisions], replica)
+        summed = all_reduce_sum([*gradients, *extras], replica)
     else:
-        summed = [*buckets.summed(trainable), *all_reduce_sum([local_loss, *states, *decisions], replica)]
+        summed_gradients, summed_extras = buckets.summed(trainable)
+        summed = [*summed_gradients, *(all_reduce_sum(extras, replica) if summed_extras is None else summed_extras)]
         timer.note("all_reduce_overlapped", buckets.overlapped)
     summed_gradients, (summed_loss, preempted) = summed[: len(gradients)], summed[len(gradients)]
     finite, anyone_preempted, *decided = _read_on_host(summed_loss, preempted, summed[-1] if decisions else None)
@@ -228,19 +232,27 @@ def train_step(
 
 class LocalGradients(NamedTuple):
     """One replica's forward and backward pass: its loss (``num_replicas`` times its share of the
-    global batch's), the trainable variables, and their gradients (None where one got none)."""
+    global batch's), the trainable variables, their gradients (None where one got none), and what
+    ``to_sum`` made of the loss."""
 
     loss: Any
     trainable: list[keras.Variable]
     gradients: list[torch.Tensor | None]
+    extras: list[torch.Tensor]
 
 
 def local_gradients(
-    model: keras.Model, batch: Batch, replica: Replica, *, buckets: GradientBuckets | None = None
+    model: keras.Model,
+    batch: Batch,
+    replica: Replica,
+    *,
+    buckets: GradientBuckets | None = None,
+    to_sum: Callable[[Any], list[torch.Tensor]] | None = None,
 ) -> LocalGradients:
     """Forward, loss, metric update and backward on this replica's rows; no collective but the
     synchronized BatchNorm moments (``_step.batchnorm``) and, with ``buckets``, the gradients' own
-    all-reduces, started during backward (``GradientBuckets.summed`` collects them)."""
+    all-reduces, started during backward (``GradientBuckets.summed`` collects them). ``to_sum``: the
+    step's other values to sum, made from the loss before backward (they ride in the last bucket)."""
     with _counted_once(model, batch, replica):
         with replica_losses(model, _replica_rows(batch, replica)):  # activity regularizers run in the forward pass
             with real_rows(batch.mask, whole=batch.whole):
@@ -251,13 +263,14 @@ def local_gradients(
         with torch.no_grad():
             _update_metrics(model, batch, _detached(y_pred))
     trainable = model.trainable_weights[:]
+    extras = [] if to_sum is None else to_sum(loss)
     if trainable:
         # Back-propagate the share itself (the loss is num_replicas times it; on a whole batch,
         # every replica's is the batch's own) and sum the gradients: every row's gradient then has
         # Keras's own magnitude, so float16 loss scaling overflows exactly where model.fit's does.
-        with contextlib.nullcontext() if buckets is None else buckets.reducing(trainable):
+        with contextlib.nullcontext() if buckets is None else buckets.reducing(trainable, extras):
             model.optimizer.scale_loss(loss / replica.num_replicas).backward()
-    return LocalGradients(loss, trainable, [v.value.grad for v in trainable])
+    return LocalGradients(loss, trainable, [v.value.grad for v in trainable], extras)
 
 
 def act_on_decisions(
