@@ -194,25 +194,17 @@ def train_step(
     shared = sum_metrics and replica.distributed
     rate = _learning_rate_variable(model)
 
+    decisions = [_decisions(rate, replica, stop, changed)] if shared else []
+
     def to_sum(loss: Any) -> list[torch.Tensor]:
         # the loss, and whether this replica was asked to stop (preemption): any replica's notice stops all
         local_loss = torch.cat([torch.as_tensor(loss).detach().reshape(1).to(torch.float32), _flag(preempt, replica)])
-        states = [v.value.detach() for v in model.metrics_variables] if shared else []
-        return [local_loss, *states, *([_decisions(rate, replica, stop, changed)] if shared else [])]
+        return [local_loss, *([v.value.detach() for v in model.metrics_variables] if shared else []), *decisions]
 
     _, trainable, local, extras = local_gradients(model, batch, replica, buckets=buckets, to_sum=to_sum)
-    decisions = extras[-1:] if shared else []
     timer.lap("forward_backward", sync=True)
-    # Zeros keep the buffer the same size on every replica; a variable with no gradient
-    # here is still skipped by the optimizer, as in Keras.
-    gradients = [torch.zeros_like(v.value) if g is None else g for v, g in zip(trainable, local, strict=True)]
-    if buckets is None:
-        summed = all_reduce_sum([*gradients, *extras], replica)
-    else:
-        summed_gradients, summed_extras = buckets.summed(trainable)
-        summed = [*summed_gradients, *(all_reduce_sum(extras, replica) if summed_extras is None else summed_extras)]
-        timer.note("all_reduce_overlapped", buckets.overlapped)
-    summed_gradients, (summed_loss, preempted) = summed[: len(gradients)], summed[len(gradients)]
+    summed = _summed(trainable, local, extras, replica, buckets, timer)
+    summed_gradients, (summed_loss, preempted) = summed[: len(trainable)], summed[len(trainable)]
     finite, anyone_preempted, *decided = _read_on_host(summed_loss, preempted, summed[-1] if decisions else None)
     timer.lap("all_reduce")  # the host read waited for the all-reduce, and so for the slowest replica
     ended = act_on_decisions(model, before, replica, rate, anyone_preempted=anyone_preempted, decided=decided)
@@ -227,7 +219,26 @@ def train_step(
         return Trained(True)
     if not shared:  # one replica: its own states are the global ones
         return Trained(True, metric_sums=[v.value.detach() for v in model.metrics_variables])
-    return Trained(True, metric_sums=summed[len(gradients) + 1 : -1])
+    return Trained(True, metric_sums=summed[len(trainable) + 1 : -1])
+
+
+def _summed(
+    trainable: list[keras.Variable],
+    local: list[torch.Tensor | None],
+    extras: list[torch.Tensor],
+    replica: Replica,
+    buckets: GradientBuckets | None,
+    timer: StepTimer | NoStepTimer,
+) -> list[torch.Tensor]:
+    """The gradients and ``extras`` summed over replicas: in the buckets backward started, or in one
+    all-reduce. Zeros keep the buffer the same size on every replica; a variable with no gradient here
+    is still skipped by the optimizer, as in Keras."""
+    if buckets is None:
+        gradients = [torch.zeros_like(v.value) if g is None else g for v, g in zip(trainable, local, strict=True)]
+        return all_reduce_sum([*gradients, *extras], replica)
+    summed_gradients, summed_extras = buckets.summed(trainable)
+    timer.note("all_reduce_overlapped", buckets.overlapped)
+    return [*summed_gradients, *(all_reduce_sum(extras, replica) if summed_extras is None else summed_extras)]
 
 
 class LocalGradients(NamedTuple):
