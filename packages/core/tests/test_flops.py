@@ -99,11 +99,11 @@ def test_mfu_is_the_step_flops_per_second_over_every_devices_peak():
     assert report.mfu == pytest.approx(6e11 / 0.1 / (2 * 10e12))  # 30%
     line = dp_core.scaling_summary(report)
     assert line == (
-        "2 replicas: 1.50x one replica (measured), all-reduce 20% of a step, input 20%, "
+        "2 replicas: 1.50x one replica (measured), all-reduce 20% of a step, input 20%, 640 samples/s, "
         "MFU 30% (peak measured: 2x 10 TFLOP/s)"
     )
     small = _report(flops_per_step=4.2e9, peak_flops_per_second=95.3e9, peak_how="measured")
-    assert dp_core.scaling_summary(small).endswith(", input 20%, MFU 22% (peak measured: 2x 95.3 GFLOP/s)")
+    assert dp_core.scaling_summary(small).endswith(", 640 samples/s, MFU 22% (peak measured: 2x 95.3 GFLOP/s)")
     tiny = _report(flops_per_step=8e7, peak_flops_per_second=95.3e9, peak_how="measured")
     assert dp_core.scaling_summary(tiny).endswith(", MFU 0.42% (peak measured: 2x 95.3 GFLOP/s)")
     # a model-parallel mesh: 2 replicas of 2 devices each

@@ -49,25 +49,28 @@ def test_all_reduce_bound_is_ring_bytes_over_bandwidth():
 def test_summary_line_says_measured_or_estimated():
     report = _report(speedup=1.82, speedup_how="measured")
     line = dp_core.scaling_summary(report)
-    # bound: 4000 bytes x 2(1)/2 / 1e6 B/s = 4 ms of a 100 ms step
-    assert line == "2 replicas: 1.82x one replica (measured), all-reduce 7% of a step (bound 4%), input 3%"
+    # bound: 4000 bytes x 2(1)/2 / 1e6 B/s = 4 ms of a 100 ms step; 64 samples in 100 ms
+    assert line == (
+        "2 replicas: 1.82x one replica (measured), all-reduce 7% of a step (bound 4%), input 3%, 640 samples/s"
+    )
     report = _report(speedup=1.9, speedup_how="estimated from compute phases")
     report.phases["all_reduce"].how = ESTIMATED_FROM_PARTS
     line = dp_core.scaling_summary(report)
     assert line.startswith("2 replicas: 1.90x one replica (estimated: compute phases only), all-reduce 7% of a step")
-    assert line.endswith("all-reduce 7% of a step (estimated; bound 4%), input 3%")
+    assert line.endswith("all-reduce 7% of a step (estimated; bound 4%), input 3%, 640 samples/s")
     # gradients all-reduced in buckets during backward: 21 ms in flight then, 7 ms waited for after
     bucketed = _report(speedup=1.82, speedup_how="measured", overlapped_seconds=0.021)
-    assert dp_core.scaling_summary(bucketed).endswith("(bound 4%; 75% of it during backward), input 3%")
+    assert dp_core.scaling_summary(bucketed).endswith("(bound 4%; 75% of it during backward), input 3%, 640 samples/s")
     single = dp_core.scaling_summary(_report(1, speedup=1.0, speedup_how="measured", all_reduce_ms=0.0))
-    assert single == "1 replica: 1.00x one replica (measured), all-reduce 0% of a step, input 3%"
+    assert single == "1 replica: 1.00x one replica (measured), all-reduce 0% of a step, input 3%, 640 samples/s"
 
 
 def test_a_sharded_fit_names_its_mode_and_the_weights_gather_and_keeps_them_in_the_json(tmp_path):
     report = _report(speedup=1.5, speedup_how="measured", shard="optimizer", weights_gather_seconds=0.009)
-    assert dp_core.scaling_summary(report).endswith("input 3%, shard='optimizer' (weights all-gather 9% of a step)")
+    line = dp_core.scaling_summary(report)
+    assert line.endswith("input 3%, 640 samples/s, shard='optimizer' (weights all-gather 9% of a step)")
     untimed = _report(speedup=1.5, speedup_how="measured", shard="full")  # jax: XLA's collectives, not timed apart
-    assert dp_core.scaling_summary(untimed).endswith("input 3%, shard='full'")
+    assert dp_core.scaling_summary(untimed).endswith("input 3%, 640 samples/s, shard='full'")
     written, _ = dp_core.write_scaling_report(report, tmp_path)
     read = dp_core.read_scaling_reports(tmp_path)[2]
     assert (read.shard, read.weights_gather_seconds) == ("optimizer", 0.009) == (written.shard, 0.009)
@@ -77,7 +80,7 @@ def test_batchnorm_layers_add_their_share_to_the_line_and_survive_the_json(tmp_p
     layers = [BatchNormSync("bn_a", 0.006, 0.004), BatchNormSync("bn_b", 0.001, 0.001)]
     report = _report(speedup=1.82, speedup_how="measured", batch_norm_sync=layers)
     line = dp_core.scaling_summary(report)  # 12 ms of a 100 ms step
-    assert line.endswith("(bound 4%), input 3%, BatchNorm statistics 12% (2 layers)")
+    assert line.endswith("(bound 4%), input 3%, 640 samples/s, BatchNorm statistics 12% (2 layers)")
     dp_core.write_scaling_report(report, tmp_path)
     read = dp_core.read_scaling_reports(tmp_path)[2]
     assert read.batch_norm_sync == layers and read.batch_norm_note == ""

@@ -31,7 +31,7 @@ def test_a_speedup_above_the_replica_count_is_flagged_with_its_likely_cause(tmp_
     assert "ran with 2 threads, each replica with 1" in two.speedup_suspect
     assert "threads_per_replica=1" in two.speedup_suspect
     assert line.startswith("2 replicas: 13.27x one replica (measured)")
-    assert f"(measured), all-reduce 18% of a step, input 8%; SUSPECT: {two.speedup_suspect}" in line
+    assert f"(measured), all-reduce 18% of a step, input 8%, 1,600 samples/s; SUSPECT: {two.speedup_suspect}" in line
     assert "\n" not in line
     entry = json.loads((tmp_path / "scaling_report.json").read_text())["reports"]["2"]
     assert entry["speedup_suspect"] == two.speedup_suspect and entry["threads_per_replica"] == 1

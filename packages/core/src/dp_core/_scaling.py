@@ -285,8 +285,8 @@ def with_speedup(report: ScalingReport, baseline: ScalingReport | None) -> Scali
 
 def scaling_summary(report: ScalingReport) -> str:
     """The one line a fit prints, e.g. ``2 replicas: 1.82x one replica (measured), all-reduce 7% of a step
-    (bound 2%), input 3%``, ending in ``; SUSPECT: ...`` when ``speedup_suspect`` says why the speedup is not
-    to be believed; a counted step adds its model FLOPs utilisation after the input's share (``, MFU 31%
+    (bound 2%), input 3%, 5,120 samples/s``, ending in ``; SUSPECT: ...`` when ``speedup_suspect`` says why the
+    speedup is not to be believed; a counted step adds its model FLOPs utilisation after the samples/s (``, MFU 31%
     (peak measured: 2x 95.31 GFLOP/s)``), synchronized BatchNorm layers ``, BatchNorm statistics 12% (3
     layers)``, sharded state ``, shard='optimizer' (weights all-gather 9% of a step)``."""
     replicas = f"{report.num_replicas} replica{'s' if report.num_replicas != 1 else ''}"
@@ -303,6 +303,7 @@ def scaling_summary(report: ScalingReport) -> str:
     if notes:
         all_reduce += f" ({'; '.join(notes)})"
     line = f"{replicas}: {speedup}, {all_reduce}, input {report.share('input'):.0%}"
+    line += f", {report.samples_per_second:,.0f} samples/s"
     if (mfu := report.mfu) is not None and (peak := report.peak_flops_per_second):
         line += ", " + mfu_summary(mfu, peak, report.peak_how, report.devices or report.num_replicas)
     if report.batch_norm_sync and report.step_seconds > 0:
