@@ -191,7 +191,7 @@ as long as one replica's on all of them).
     if report_line is not None:
         text += f"""
 The report of torch on 1 and then 2 replicas in the same folder
-([scaling_report.json](benchmarks/scaling_report.json)), whose 2-replica fit printed:
+([scaling_report.json](benchmarks/scaling_report.json)); its 2-replica report reads, as a fit prints it:
 
     {report_line}
 
