@@ -38,6 +38,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
@@ -109,18 +110,29 @@ def run_ddp_loop(num_samples: int, epochs: int, keras_work: bool = False) -> dic
                 args, called = (free_port(), num_samples, GLOBAL_BATCH_SIZE, epochs, path, keras_work), time.time()
                 context = mp.start_processes(ddp_worker, args=args, nprocs=2, start_method="spawn", join=False)
                 deadline = time.time() + DDP_LOOP_TIMEOUT_S
-                while not context.join(timeout=5) and time.time() < deadline:
+                while not context.join(timeout=1) and time.time() < deadline and not os.path.exists(path):
                     pass
-                if all(not process.is_alive() for process in context.processes):
+                # rank 0 writes the times once both finished training; a worker can then hang in its
+                # exit (torch's spawn wrapper, a gloo thread): the measurement is complete, so it goes
+                _ended(context.processes, grace_s=10 if os.path.exists(path) else 0)
+                if os.path.exists(path):
                     break
-                for process in context.processes:
-                    process.kill()
                 print(f"ddp_loop: no result after {DDP_LOOP_TIMEOUT_S} s (attempt {attempt + 1})", flush=True)
             else:
                 raise TimeoutError(f"the hand-written DDP loop hung twice ({DDP_LOOP_TIMEOUT_S} s each)")
         with open(path) as f:
             times = json.load(f)
     return {"samples_per_s": _steady_throughput(times, num_samples), "first_step_s": times["train_begin"][0] - called}
+
+
+def _ended(processes: list[Any], *, grace_s: float) -> None:
+    """Every process has exited: within ``grace_s``, or killed."""
+    deadline = time.time() + grace_s
+    for process in processes:
+        process.join(timeout=max(0.0, deadline - time.time()))
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=10)
 
 
 def run_lone_pair(num_samples: int, epochs: int) -> dict[str, float]:

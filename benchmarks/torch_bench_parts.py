@@ -93,9 +93,10 @@ def ddp_worker(
                 loss.backward()
                 optimizer.step()
         times["epoch_end"].append(time.time())
-    if rank == 0:
-        with open(path, "w") as f:
+    if rank == 0:  # whole or not at all: the caller takes the file's existence as the run's end
+        with open(path + ".part", "w") as f:
             json.dump(times, f)
+        os.replace(path + ".part", path)
     dist.destroy_process_group()
 
 
