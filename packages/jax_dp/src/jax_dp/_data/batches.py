@@ -194,34 +194,44 @@ def device_batches(plan: Plan, mesh: Mesh, *, start: int = 0, whole_last: bool =
     """
     ahead: collections.deque[Batch] = collections.deque()
     real_rows: dict[int, jax.Array] = {}  # few distinct values per epoch: placed once each
+    no_padding: jax.Array | None = None  # the mask of every full batch, placed once
     for step, host in enumerate(plan.host_batches(start), start=start):
         if host.real_rows not in real_rows:
             real_rows[host.real_rows] = put_replicated(np.float32(host.real_rows), mesh)
-        whole = _whole(plan, host, step) if whole_last and host.real_rows < plan.global_batch_size else None
+        full = host.real_rows == plan.global_batch_size
+        whole = _whole(plan, host, step) if whole_last and not full else None
         if whole is not None:
             ahead.append(_put_whole(whole, mesh, real_rows[host.real_rows]))
-        else:
-            ahead.append(_put(host, plan.global_batch_size, mesh, real_rows[host.real_rows]))
+            continue
+        if full and no_padding is None:
+            no_padding = _put_rows([np.ones_like(host.mask)], plan.global_batch_size, mesh)[0]
+        mask = no_padding if full else None
+        ahead.append(_put(host, plan.global_batch_size, mesh, real_rows[host.real_rows], mask))
         if len(ahead) >= PREFETCH:
             yield ahead.popleft()
     while ahead:
         yield ahead.popleft()
 
 
-def _put(host: HostBatch, global_batch_size: int, mesh: Mesh, real_rows: jax.Array) -> Batch:
+def _put(host: HostBatch, global_batch_size: int, mesh: Mesh, real_rows: jax.Array, mask: jax.Array | None) -> Batch:
+    """The host batch on the mesh, split over ``"batch"``, in one transfer; ``mask``: the one already
+    placed (a full batch's), else the host's is placed too."""
+    parts = (host.x, host.y, host.sample_weight, host.mask if mask is None else None)
+    leaves, structure = jax.tree.flatten(parts)
+    x, y, sample_weight, own_mask = jax.tree.unflatten(structure, _put_rows(leaves, global_batch_size, mesh))
+    return Batch(x=x, y=y, sample_weight=sample_weight, mask=own_mask if mask is None else mask, real_rows=real_rows)
+
+
+def _put_rows(leaves: list[np.ndarray], global_batch_size: int, mesh: Mesh) -> list[jax.Array]:
+    """This process's rows of each global batch array, split over ``"batch"``: one batched transfer
+    when this process holds every row (a Python call per array costs a short step much of its time)."""
     sharding = batch_sharded(mesh)
-
-    def put(local: np.ndarray) -> jax.Array:
-        global_shape = (global_batch_size, *local.shape[1:])
-        return jax.make_array_from_process_local_data(sharding, local, global_shape)
-
-    return Batch(
-        x=map_structure(put, host.x),
-        y=map_structure(put, host.y),
-        sample_weight=map_structure(put, host.sample_weight),
-        mask=put(host.mask),
-        real_rows=real_rows,
-    )
+    if jax.process_count() == 1:
+        return jax.device_put(leaves, [sharding] * len(leaves))
+    return [
+        jax.make_array_from_process_local_data(sharding, local, (global_batch_size, *local.shape[1:]))
+        for local in leaves
+    ]
 
 
 def _whole(plan: Plan, host: HostBatch, step: int) -> HostBatch | None:
