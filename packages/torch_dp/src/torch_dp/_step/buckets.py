@@ -1,4 +1,4 @@
-"""Gradients summed in buckets during the backward pass, for every model, as DDP sums them.
+"""Gradients summed in buckets during the backward pass, as DDP sums them.
 
 Each bucket's all-reduce is started asynchronously from ``register_post_accumulate_grad_hook`` as
 soon as all its gradients exist, while backward computes the rest. Variables go in reverse order,
