@@ -22,7 +22,6 @@ import contextlib
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -30,6 +29,7 @@ import jax
 import keras
 import numpy as np
 from guide_convnet import compiled_batchnorm_convnet
+from jax_bench_parts import EpochTimer
 from machine import round_order, usable_cores
 
 import jax_dp
@@ -37,21 +37,6 @@ import jax_dp
 NUM_DEVICES = 2
 BATCHES = (32, 64, 128)
 SETTINGS = ("none", "batch_callback", "progress_bar")
-
-
-class EpochSeconds(keras.callbacks.Callback):
-    """Each epoch's wall time; ``on_epoch_end`` comes once the epoch's logs reached the host."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seconds: list[float] = []
-        self._start = 0.0
-
-    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-        self._start = time.perf_counter()
-
-    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        self.seconds.append(time.perf_counter() - self._start)
 
 
 def _callbacks_and_verbose(setting: str) -> tuple[list[keras.callbacks.Callback], int]:
@@ -73,7 +58,7 @@ def _quiet() -> Iterator[None]:
 
 def run_jax_dp(x: np.ndarray, y: np.ndarray, batch: int, setting: str, epochs: int) -> float:
     callbacks, verbose = _callbacks_and_verbose(setting)
-    timer = EpochSeconds()
+    timer = EpochTimer()
     with _quiet():
         jax_dp.Trainer(NUM_DEVICES).fit(
             compiled_batchnorm_convnet(),
@@ -89,7 +74,7 @@ def run_jax_dp(x: np.ndarray, y: np.ndarray, batch: int, setting: str, epochs: i
 
 def run_keras_distribution(x: np.ndarray, y: np.ndarray, batch: int, setting: str, epochs: int) -> float:
     callbacks, verbose = _callbacks_and_verbose(setting)
-    timer = EpochSeconds()
+    timer = EpochTimer()
     keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()[:NUM_DEVICES]))
     try:
         model = compiled_batchnorm_convnet()
