@@ -51,3 +51,20 @@ def test_replica_moments_normalize_each_replica_on_its_own():
     replica_mean = (rows[:4].mean(0) + rows[4:7].mean(0)) / 2
     np.testing.assert_allclose(np.asarray(layer.moving_mean.value), 0.5 * replica_mean, atol=1e-5)
     assert "call" not in vars(layer)
+
+
+def test_batch_norm_moments_are_masked_only_in_padded_steps():
+    # an epoch without a padded batch keeps Keras's own moments: masking would only read every
+    # activation twice more (the compiled step matched keras.distribution's once it did not)
+    from dp_core.keras import internals
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.BatchNormalization()])
+    layer = model.layers[0]
+    keras_moments = internals.batch_norm_moments(layer)
+    mask = jnp.ones((8,))
+    with padding_aware(model, mask, padded=False):
+        assert internals.batch_norm_moments(layer) == keras_moments
+    with padding_aware(model, mask, padded=True):
+        assert internals.batch_norm_moments(layer) != keras_moments
+    assert internals.batch_norm_moments(layer) == keras_moments

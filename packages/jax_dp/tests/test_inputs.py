@@ -108,7 +108,7 @@ def test_an_epoch_plan_with_steps_per_epoch_reads_on_where_the_last_epoch_stoppe
 def test_a_short_last_batch_whole_is_replicated_and_unpadded_full_ones_stay_sharded():
     from dp_core import ReplicaLayout
     from dp_core.keras import Inputs
-    from jax_dp._data.batches import EpochPlan, WholeBatch, device_batches
+    from jax_dp._data.batches import EpochPlan, WholeBatch, device_batches, padded_batches
     from jax_dp._mesh.mesh import make_mesh
 
     mesh = make_mesh(2)
@@ -123,3 +123,8 @@ def test_a_short_last_batch_whole_is_replicated_and_unpadded_full_ones_stay_shar
     np.testing.assert_array_equal(np.asarray(last.mask), np.ones(3))
     *_, padded = device_batches(plan, mesh)
     assert not isinstance(padded, WholeBatch) and padded.x.shape == (32, 2)
+    np.testing.assert_array_equal(np.asarray(padded.mask), [1.0] * 3 + [0.0] * 29)
+    assert all(batch.mask is full[0].mask for batch in full)  # placed once, shared by every full batch
+    np.testing.assert_array_equal(np.asarray(full[1].x), x[32:64])  # one transfer: rows and order kept
+    # the steps see a padded batch only where the short one is not placed whole
+    assert padded_batches(plan, whole_last=False) and not padded_batches(plan, whole_last=True)
