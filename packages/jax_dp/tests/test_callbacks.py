@@ -12,16 +12,8 @@ from jax_dp_helpers import GLOBAL_BATCH, assert_history_close, assert_weights_cl
 
 import dp_core
 import jax_dp
-import jax_dp._step.ahead
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture(params=["steps ahead", "one step at a time"])
-def stepping(request, monkeypatch):
-    if request.param == "one step at a time":  # as for a state too large to keep twice
-        monkeypatch.setattr(jax_dp._step.ahead, "AHEAD_MAX_STATE_BYTES", 0)
-    return request.param
 
 
 class Recorder(keras.callbacks.Callback):
@@ -199,7 +191,7 @@ def _assert_snapshots_equal(expected: list[list[np.ndarray]], actual: list[list[
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=f"batch end {step}")
 
 
-def test_batch_end_callbacks_see_the_current_weights_and_optimizer_state(data, tmp_path, stepping):
+def test_batch_end_callbacks_see_the_current_weights_and_optimizer_state(data, tmp_path):
     # ModelCheckpoint(save_freq=3) and a recorder read the model after every step, while the
     # fit also writes its own checkpoints mid-epoch (whose write-back once left the optimizer
     # variables on buffers the next step deleted).
@@ -252,7 +244,7 @@ class Meddler(keras.callbacks.Callback):
             self.model.set_weights([0.5 * w for w in self.model.get_weights()])
 
 
-def test_weights_and_learning_rate_set_by_batch_callbacks_apply_from_the_next_step(data, tmp_path, stepping):
+def test_weights_and_learning_rate_set_by_batch_callbacks_apply_from_the_next_step(data, tmp_path):
     x, y, _, _ = data
     expected = dense_bn_model("adam")
     initial = expected.get_weights()
@@ -291,7 +283,7 @@ class BatchLogs(keras.callbacks.Callback):
         self.logs.append(dict(logs))
 
 
-def test_a_callback_reading_only_logs_gets_keras_logs_and_the_model_is_written_only_at_epoch_ends(data, stepping):
+def test_a_callback_reading_only_logs_gets_keras_logs_and_the_model_is_written_only_at_epoch_ends(data):
     x, y, _, _ = data
     runs = {}
     for name in ("keras", "jax_dp"):
@@ -338,7 +330,7 @@ class StopsAt(keras.callbacks.Callback):
 
 
 @pytest.mark.parametrize("how", ["callback", "closure"])
-def test_a_batch_callback_stopping_training_ends_it_after_that_batch(data, how, stepping):
+def test_a_batch_callback_stopping_training_ends_it_after_that_batch(data, how):
     # The next step may already run when the hook decides: it must be dropped.
     x, y, _, _ = data
     runs = {}

@@ -32,7 +32,6 @@ from jax_dp._loop import preemption
 from jax_dp._loop.checkpoints import save
 from jax_dp._loop.hooks import STOP_CHECK_STEPS, BatchEndReporter, host_logs, metrics_result_or_logs
 from jax_dp._step.accumulation import accumulates
-from jax_dp._step.ahead import stepper
 from jax_dp._step.custom import CustomTrainStep, step_data
 from jax_dp._step.metrics import summed_to_host
 from jax_dp._step.optimizers import Optimizer
@@ -60,8 +59,7 @@ class EpochTrainer(Protocol):
 
 class EpochRun(Protocol):
     """One epoch's steps of one kind: its ``batches()`` from the epoch's start step, ``run`` the
-    step on one (its report only when asked for), ``settle`` before anything else uses the mesh,
-    and the epoch's ``logs`` with the optimizer state it ends with (None: read it from the model)."""
+    step on one (its report only when asked for), and the epoch's ``logs`` with the optimizer state it ends with (None: read it from the model)."""
 
     @property
     def timer(self) -> StepTimer | NoStepTimer:
@@ -71,8 +69,6 @@ class EpochRun(Protocol):
     def batches(self) -> Iterator[tuple[int, Any]]: ...
 
     def run(self, state: TrainState, batch: Any, *, report: bool) -> tuple[TrainState, Report | None]: ...
-
-    def settle(self) -> None: ...
 
     def logs(self, state: TrainState) -> tuple[dict[str, Any], Any | None]: ...
 
@@ -196,31 +192,27 @@ def _train_steps(
     timer = run.timer
     timer.start()
     with contextlib.nullcontext() if on_request is None else on_request.installed():
-        try:
-            for step, batch in run.batches():
-                state = call(state, callbacks.on_train_batch_begin, step)
-                timer.lap("callbacks")
-                done = step + 1
-                reporting = reporter.due(step)
-                saving = checkpoint is not None and checkpoint_due is not None and checkpoint_due(done)
-                state, report = run.run(state, batch, report=reporting or (saving and stop_on_nonfinite))
-                skipped, logs = (0, {}) if report is None else report_on_host(report)
-                if skipped and stop_on_nonfinite:
-                    break
-                if reporting:  # before a checkpoint writes the state back over what a hook changed
-                    state = call(state, callbacks.on_train_batch_end, step, logs)
-                if saving and checkpoint is not None:
-                    run.settle()
-                    checkpoint(state, done)
-                    if on_request is not None:
-                        on_request.written_back(state)
-                preemption.check(done, state)
-                timer.lap("callbacks")  # logs, hooks and checkpoints
-                timer.end_step()
-                if stop_requested(kind.model, done, plan.steps):
-                    break
-        finally:
-            run.settle()
+        for step, batch in run.batches():
+            state = call(state, callbacks.on_train_batch_begin, step)
+            timer.lap("callbacks")
+            done = step + 1
+            reporting = reporter.due(step)
+            saving = checkpoint is not None and checkpoint_due is not None and checkpoint_due(done)
+            state, report = run.run(state, batch, report=reporting or (saving and stop_on_nonfinite))
+            skipped, logs = (0, {}) if report is None else report_on_host(report)
+            if skipped and stop_on_nonfinite:
+                break
+            if reporting:  # before a checkpoint writes the state back over what a hook changed
+                state = call(state, callbacks.on_train_batch_end, step, logs)
+            if saving and checkpoint is not None:
+                checkpoint(state, done)
+                if on_request is not None:
+                    on_request.written_back(state)
+            preemption.check(done, state)
+            timer.lap("callbacks")  # logs, hooks and checkpoints
+            timer.end_step()
+            if stop_requested(kind.model, done, plan.steps):
+                break
     return state, run
 
 
@@ -280,15 +272,15 @@ class KerasSteps:
 
 @final
 class _KerasRun:
-    """One epoch of Keras's step: the next batch is prepared while the devices run a step, and
-    when a callback reads every batch a small state's next step starts while the hooks run
-    (``StepsAhead``)."""
+    """One epoch of Keras's step: the next batch is prepared while the devices run a step. When a
+    callback reads every batch, each step is one program that also reports (``train_reporting``);
+    otherwise the few steps that report (the progress bar's) add a small program of their own."""
 
     def __init__(self, kind: KerasSteps, plan: Plan, state: TrainState, *, start: int, every_batch: bool) -> None:
         self.kind = kind
         whole_last = not accumulates(kind.optimizer) and whole_last_batch(kind.model, plan)
         padded = padded_batches(plan, whole_last=whole_last)
-        self._stepper = stepper(kind.steps, state, padded, every_batch=every_batch)
+        self._padded, self._every_batch = padded, every_batch
         self._batches = enumerate(device_batches(plan, kind.mesh, start=start, whole_last=whole_last), start=start)
         self._upcoming = next(self._batches, None)
         self._state = state  # what the last step returned: a profile's synced lap waits for it
@@ -301,18 +293,20 @@ class _KerasRun:
             yield self._upcoming
 
     def run(self, state: TrainState, batch: Any, *, report: bool) -> tuple[TrainState, Report | None]:
-        state, step_report = self._stepper.run(state, batch, report=report)
+        steps = self.kind.steps
+        step_report = None
+        if self._every_batch:
+            state, step_report = steps.train_reporting(state, batch, self._padded)
+        else:
+            state = steps.train(state, batch, self._padded)
+            if report:
+                step_report = steps.report(state.metrics, state.counts.skipped)
         self._state = state
         self.timer.lap(STEP)
         self._upcoming = next(self._batches, None)  # prepared while the devices run the step
         self.timer.lap("input")  # the host's time for the next batch, then the rest of the step
         self.timer.lap(STEP, sync=True)
-        if self._upcoming is not None:
-            self._stepper.start(state, self._upcoming[1])
         return state, step_report
-
-    def settle(self) -> None:
-        self._stepper.settle()
 
     def logs(self, state: TrainState) -> tuple[dict[str, Any], Any]:
         kind = self.kind
@@ -369,9 +363,6 @@ class _CustomRun:
         state, step_report = self.kind.train_step(state, batch)
         self.last_logs = step_report.logs
         return state, step_report if report else None
-
-    def settle(self) -> None:
-        pass
 
     def logs(self, state: TrainState) -> tuple[dict[str, Any], None]:
         return metrics_result_or_logs(self.kind.model, self.last_logs), None

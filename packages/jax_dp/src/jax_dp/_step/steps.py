@@ -1,5 +1,5 @@
 """The jitted stateless steps: ``(state, batch) -> state``; ``Steps``, those of one fit; and
-``Report``, a step's logs for the host in one array (``_step.ahead`` runs the steps that report).
+``Report``, a step's logs for the host in one array.
 
 Model and optimizer state are replicated on every device and the batch is sharded over
 ``"batch"``, so XLA's SPMD partitioner turns the single-device program into a
@@ -93,7 +93,7 @@ class Steps:
 
     @functools.cached_property
     def train_reporting(self) -> ReportingStep:
-        """Started ahead when a callback reads every batch's logs (``_step.ahead``)."""
+        """Every step of a fit with a callback that reads every batch's logs: one program a step."""
         return self._fetch("train_reporting")
 
     @functools.cached_property
@@ -139,8 +139,9 @@ def make_reporting_train_step(
     skip_nonfinite: bool,
     apply_nonfinite: bool = False,
 ) -> ReportingStep:
-    """``make_train_step``'s step with its report (logs and skipped count, replicated) and without
-    donating its state, so it can start before the hooks after the previous step (``_step.ahead``)."""
+    """``make_train_step``'s step (its state donated) with its report: the logs and skipped count,
+    replicated. One program a step: on CPU, where the devices share the host's cores, each
+    program launched costs a short step more than the work it does."""
     train_step = _train_step(
         model, optimizer, mesh, batch_norm=batch_norm, skip_nonfinite=skip_nonfinite, apply_nonfinite=apply_nonfinite
     )
@@ -151,7 +152,7 @@ def make_reporting_train_step(
         return state, report_of(results_of(model_now(), state.metrics), state.counts.skipped)
 
     shardings = (_state_shardings(model, optimizer, mesh), replicated(mesh))
-    return jax.jit(reporting_train_step, static_argnums=2, out_shardings=shardings)
+    return jax.jit(reporting_train_step, donate_argnums=0, static_argnums=2, out_shardings=shardings)
 
 
 def make_report(model: keras.Model, mesh: Mesh) -> Callable[[list[jax.Array], jax.Array], Report]:
