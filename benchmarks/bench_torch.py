@@ -14,7 +14,9 @@ Same model (the Keras guides' MNIST convnet) and synthetic data of MNIST's shape
 - ``torch_dp_1_replica``: ``torch_dp.Trainer(num_replicas=1)`` (in the calling process, held
   to 1 thread) on half the samples at half the global batch: the 1-replica point of the
   weak-scaling efficiency ``throughput(2 replicas) / (2 * throughput(1 replica))``, same
-  per-replica batch (64) and per-replica sample count.
+  per-replica batch (64) and per-replica sample count,
+- ``lone_pair``: two spawned single-thread ``torch_dp.Trainer(num_replicas=1)`` processes at
+  once, each on half the samples, that share nothing: the machine's ceiling for 2 replicas.
 
 Runs are interleaved, the order reversed every other round; throughput is measured after
 the first epoch (warm-up) from epoch timestamps; each ratio reported is the median over
@@ -136,8 +138,9 @@ def _ended(processes: list[Any], *, grace_s: float) -> None:
 
 
 def run_lone_pair(num_samples: int, epochs: int) -> dict[str, float]:
-    """Two spawned single-thread ``model.fit`` processes at once, ``num_samples`` each, at the
-    per-replica batch: the machine's own ceiling for 2 replicas, with no communication."""
+    """Two spawned single-thread ``torch_dp.Trainer(num_replicas=1)`` processes at once,
+    ``num_samples`` each, at the per-replica batch: the machine's own ceiling for 2 replicas,
+    with no communication."""
     with tempfile.TemporaryDirectory() as directory:
         with environment(OMP_NUM_THREADS="1"):
             args = (num_samples, GLOBAL_BATCH_SIZE // 2, epochs, directory)

@@ -44,8 +44,9 @@ KEPT_SECTIONS = (
 REST_OF_LOOP = {
     "torch": "is the loop's other per-step work and the rounds' noise, not broken down further",
     "jax": (
-        "is the loop's other per-step work for a batch callback (the hooks run with the model holding"
-        " the current state; the next step starts ahead from a state it keeps), not broken down further"
+        "is the reporting step's own extra work (it also sums the replicas' metric states, a second"
+        " cross-device all-reduce, and returns the logs) and the devices waiting through the host's turn"
+        " (the hooks run before the next step starts, as in `model.fit`), not broken down further"
     ),
 }
 # What a Trainer does to produce a step's logs for the caller, for the per-step table.
@@ -252,8 +253,8 @@ def scaling_section(torch_results: dict[str, Any], jax_results: dict[str, Any]) 
         "",
         "![weak scaling](benchmarks/scaling.png)",
         "",
-        "- The ceiling, torch: 2 spawned single-thread `model.fit` processes at the per-replica batch, one run in"
-        " each round;",
+        "- The ceiling, torch: 2 spawned single-thread `torch_dp.Trainer(num_replicas=1)` processes at the"
+        " per-replica batch, one run in each round;",
         "  jax: 2 `jax_dp.Trainer(1)` processes, each pinned to one core, XLA single-threaded, one run in each round.",
         "- torch_dp: `Trainer(num_replicas=2, threads_per_replica=1)` (2 spawned processes x 1 thread,",
         "  gloo all-reduce) against `Trainer(num_replicas=1)`, which trains in the calling process,",

@@ -101,14 +101,19 @@ def ddp_worker(
 
 
 def lone_fit_worker(rank: int, num_samples: int, per_replica_batch_size: int, epochs: int, directory: str) -> None:
-    """Single-thread ``model.fit`` that talks to no other process: run 2 at once, they show
-    what 2 replicas could reach on this machine without any communication."""
+    """A single-thread ``torch_dp.Trainer(num_replicas=1)`` that talks to no other process (the
+    1-replica run's loop, in a process of its own): run 2 at once, they show what 2 replicas
+    could reach on this machine without any communication."""
     import torch
+
+    import torch_dp
 
     torch.set_num_threads(1)
     x, y = synthetic_mnist(num_samples)
     clock = EpochClock(os.path.join(directory, f"times_{rank}.json"))
-    compiled_convnet().fit(x, y, batch_size=per_replica_batch_size, epochs=epochs, callbacks=[clock], verbose=0)
+    torch_dp.Trainer(num_replicas=1).fit(
+        compiled_convnet(), x, y, global_batch_size=per_replica_batch_size, epochs=epochs, callbacks=[clock], verbose=0
+    )
 
 
 def watch_memory(stop, peaks: dict[str, dict]) -> None:
