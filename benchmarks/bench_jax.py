@@ -65,6 +65,7 @@ GLOBAL_BATCH = 128  # the guide's batch_size
 HERE = Path(__file__).resolve().parent
 # Each weak-scaling process: N devices on N cores, XLA's CPU ops single-threaded.
 SCALING_XLA_FLAGS = "--xla_force_host_platform_device_count={devices} --xla_cpu_multi_thread_eigen=false"
+NO_COMMUNICATION_STEPS = 60  # a few seconds a run
 
 
 FIRST_STEP_S: list[float] = []  # jax_dp's time from the fit call to its first step, per run
@@ -166,13 +167,12 @@ def _in_fresh_process(run: str, devices: int, xla_flags: str, *options: str) -> 
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _lone_pair(samples_per_device: int, epochs: int) -> float:
-    """The machine's ceiling for 2 replicas: two 1-device jax_dp processes that share nothing, each
-    on a core of its own, at once; their samples/s added up."""
+def _lone_pair(run: str, *options: str) -> float:
+    """The machine's ceiling for 2 replicas: two 1-device processes of ``run`` that share nothing,
+    each on a core of its own, at once; their samples/s added up."""
     cores = sorted(os.sched_getaffinity(0))[:2] if hasattr(os, "sched_getaffinity") else [0, 1]
     flags = SCALING_XLA_FLAGS.format(devices=1)
-    options = ("--samples-per-device", str(samples_per_device), "--epochs", str(epochs))
-    command = [sys.executable, str(HERE / "jax_bench_parts.py"), "scaling", "--devices", "1", *options]
+    command = [sys.executable, str(HERE / "jax_bench_parts.py"), run, "--devices", "1", *options]
     pair = [
         subprocess.Popen(
             command,
@@ -194,13 +194,16 @@ def _lone_pair(samples_per_device: int, epochs: int) -> float:
 
 def weak_scaling(samples_per_device: int, epochs: int, rounds: int) -> dict[str, Any]:
     """jax_dp on 1 and 2 devices, same per-device batch and sample count, and the machine's ceiling
-    (two lone 1-device processes at once), interleaved rounds.
+    (two lone 1-device processes at once), interleaved rounds. Also in each round: the convnet's
+    step with no communication at all (``jax_bench_parts.no_communication``) on 2 devices of one
+    process against 2 lone processes of it, what XLA's CPU runtime leaves of the ceiling by itself.
 
     Each run is its own process (jax fixes the device count at start-up), pinned to as many
     cores as it has devices, with XLA's CPU ops single-threaded: 1 thread per device.
     """
     per_devices: dict[int, list[float]] = {1: [], 2: []}
     lone_pair: list[float] = []
+    no_communication: dict[str, list[float]] = {"one_process": [], "lone_pair": []}
     cores: list[float] = []
     for round_index in range(rounds):
         cores.append(usable_cores())
@@ -209,8 +212,18 @@ def weak_scaling(samples_per_device: int, epochs: int, rounds: int) -> dict[str,
             options = ("--samples-per-device", str(samples_per_device), "--epochs", str(epochs))
             samples_per_s.append(_in_fresh_process("scaling", devices, flags, *options)["samples_per_s"])
             print(f"round {round_index}: jax_dp on {devices} device(s) {samples_per_s[-1]:10.0f} samples/s", flush=True)
-        lone_pair.append(_lone_pair(samples_per_device, epochs))
+        options = ("--samples-per-device", str(samples_per_device), "--epochs", str(epochs))
+        lone_pair.append(_lone_pair("scaling", *options))
         print(f"round {round_index}: 2 lone 1-device processes {lone_pair[-1]:10.0f} samples/s", flush=True)
+        steps = ("--steps", str(NO_COMMUNICATION_STEPS))
+        flags = SCALING_XLA_FLAGS.format(devices=2)
+        no_communication["one_process"].append(_in_fresh_process("no_communication", 2, flags, *steps)["samples_per_s"])
+        no_communication["lone_pair"].append(_lone_pair("no_communication", *steps))
+        print(
+            f"round {round_index}: no communication, 1 process / 2 lone {no_communication['one_process'][-1]:.0f}"
+            f" / {no_communication['lone_pair'][-1]:.0f} samples/s",
+            flush=True,
+        )
     efficiency = [two / (2 * one) for one, two in zip(per_devices[1], per_devices[2], strict=True)]
     of_ceiling = [two / pair for two, pair in zip(per_devices[2], lone_pair, strict=True)]
     return {
@@ -230,6 +243,18 @@ def weak_scaling(samples_per_device: int, epochs: int, rounds: int) -> dict[str,
         ),
         "of_ceiling_per_round": of_ceiling,
         "median_of_ceiling": statistics.median(of_ceiling),
+        "no_communication": {
+            "what": "the convnet's step with no communication: each device trains its own copy on its own batch,"
+            " placed once (shard_map, no all-reduce)",
+            "samples_per_second": no_communication,
+            "median_one_process_of_ceiling": statistics.median(
+                one / pair
+                for one, pair in zip(no_communication["one_process"], no_communication["lone_pair"], strict=True)
+            ),
+            "median_jax_dp_of_one_process": statistics.median(
+                two / one for two, one in zip(per_devices[2], no_communication["one_process"], strict=True)
+            ),
+        },
     }
 
 
@@ -288,7 +313,7 @@ def main() -> None:
     else:
         results = benchmark(num_samples=GLOBAL_BATCH * 30, rounds=6, epochs=3)  # 2 timed epochs of 30 steps
         results["keras_distribution"] = versus_keras_distribution(num_samples=3840, rounds=5, epochs=3)
-        results["weak_scaling"] = weak_scaling(samples_per_device=512, epochs=3, rounds=5)
+        results["weak_scaling"] = weak_scaling(samples_per_device=1024, epochs=3, rounds=5)
         results["memory"] = peak_memory(rows=65536)
     results["quick"] = args.quick
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)

@@ -265,8 +265,27 @@ def scaling_section(torch_results: dict[str, Any], jax_results: dict[str, Any]) 
         f'  `XLA_FLAGS="{jax_scaling["xla_flags"]}"` (N = 1 or 2) and its CPU',
         "  affinity set to N cores before jax starts: XLA's CPU ops run single-threaded and the",
         "  process can use only N cores. jax-dp is `Trainer(N)` at a global batch of 64 x N.",
+        *_no_communication_lines(jax_scaling),
     ]
     return lines
+
+
+def _no_communication_lines(scaling: dict[str, Any]) -> list[str]:
+    """What XLA's CPU runtime leaves of the ceiling with 2 devices in one process, by itself."""
+    measured = scaling.get("no_communication")
+    if measured is None:
+        return []
+    runs = measured["samples_per_second"]
+    return [
+        "- jax, 2 devices in one process, without jax-dp: the same convnet's step with no communication at all"
+        " (each device trains its own copy on a batch of its own, placed once; `shard_map`, no all-reduce;"
+        " `jax_bench_parts.no_communication`) reaches"
+        f" {measured['median_one_process_of_ceiling']:.2f} of two lone processes of it"
+        f" ({statistics.median(runs['one_process']):.0f} against {statistics.median(runs['lone_pair']):.0f}"
+        " samples/s, medians): that much of the ceiling is XLA's CPU runtime running 2 devices in one process,"
+        " before any data-parallel work. jax-dp's 2 replicas, with their all-reduce and input, run at"
+        f" {measured['median_jax_dp_of_one_process']:.2f}x that program.",
+    ]
 
 
 def memory_section(torch_results: dict[str, Any], jax_results: dict[str, Any]) -> list[str]:
@@ -767,6 +786,13 @@ def shortfalls(torch_results: dict[str, Any], jax_results: dict[str, Any], steps
                     "the 2-device process runs both devices' steps, the cross-device reductions and the Python thread"
                     " that places each batch on the same 2 cores, where each lone process has a core to itself"
                 )
+                measured = results["weak_scaling"].get("no_communication")
+                if measured is not None:
+                    cause += (
+                        "; a step with no communication at all, on 2 devices of one process, already reaches only"
+                        f" {measured['median_one_process_of_ceiling']:.2f} of two lone processes (XLA's CPU runtime"
+                        f" itself), and jax-dp runs at {measured['median_jax_dp_of_one_process']:.2f}x that step"
+                    )
             if statistics.median(cores) < 0.9 * total:
                 cause += f"; and these runs had a median of only {statistics.median(cores):.2f} of {total} cores"
             lines.append(

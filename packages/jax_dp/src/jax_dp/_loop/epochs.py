@@ -59,7 +59,8 @@ class EpochTrainer(Protocol):
 
 class EpochRun(Protocol):
     """One epoch's steps of one kind: its ``batches()`` from the epoch's start step, ``run`` the
-    step on one (its report only when asked for), and the epoch's ``logs`` with the optimizer state it ends with (None: read it from the model)."""
+    step on one (its report only when asked for), and the epoch's ``logs`` with the optimizer state
+    it ends with (None: read it from the model)."""
 
     @property
     def timer(self) -> StepTimer | NoStepTimer:
