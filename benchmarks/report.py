@@ -44,15 +44,17 @@ KEPT_SECTIONS = (
 REST_OF_LOOP = {
     "torch": "is the loop's other per-step work and the rounds' noise, not broken down further",
     "jax": (
-        "is the reporting step's own extra work (it also sums the replicas' metric states, a second"
-        " cross-device all-reduce, and returns the logs) and the devices waiting through the host's turn"
-        " (the hooks run before the next step starts, as in `model.fit`), not broken down further"
+        "is the loop's other per-step work for a batch callback (the hooks run with the model holding the"
+        " current state, before the next step starts, as in `model.fit`), not broken down further"
     ),
 }
 # What a Trainer does to produce a step's logs for the caller, for the per-step table.
 TRAINER_LOGS = {
     "torch": "rank 0 computes the logs from the metric states summed over the replicas, in `logs_of`",
-    "jax": "the logs are copied from the devices, which waits for the step, in `report_on_host`",
+    "jax": (
+        "the logs are copied from the devices, which waits for the step and its reporting work (the replicas'"
+        " metric states summed: a second cross-device all-reduce), in `report_on_host`"
+    ),
 }
 BASELINE_NAMES = {
     "ddp_loop": "Keras guide's DDP loop (torch optimizer and loss, no metrics, Dropout off)",
