@@ -23,8 +23,9 @@ three global batches, without and with a batch callback or the progress bar (``j
 Then, each in a fresh process (``jax_bench_parts.py``): weak scaling of jax_dp from 1 to
 2 devices (64 rows and the same sample count per device, one core and one XLA thread per
 device, interleaved rounds) against the machine's ceiling (two lone 1-device processes at
-once, each on a core of its own), and the peak RSS growth of one jax_dp process fitting a
-linear model on a 1 GiB array over 2 devices.
+once, each on a core of its own); jax_dp on 2 devices with and without glibc's malloc told to keep
+its heap (``KEPT_HEAP``, environment variables set before Python starts); and the peak RSS growth
+of one jax_dp process fitting a linear model on a 1 GiB array over 2 devices.
 
     python benchmarks/bench_jax.py [--quick] --output docs/benchmarks/jax.json
 """
@@ -38,13 +39,14 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -258,6 +260,47 @@ def weak_scaling(samples_per_device: int, epochs: int, rounds: int) -> dict[str,
     }
 
 
+# glibc's malloc settings that keep XLA:CPU's per-step buffers (tens of MB a device) in the heap for
+# the next step, instead of mapping them fresh (and page-faulting them in) every step.
+KEPT_HEAP = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**30)}
+
+
+def kept_heap(samples_per_device: int, epochs: int, rounds: int) -> dict[str, Any]:
+    """jax_dp on 2 devices in a fresh process, with and without ``KEPT_HEAP`` in its environment
+    (set before Python starts), interleaved rounds: what glibc's allocator costs a CPU step."""
+    flags = SCALING_XLA_FLAGS.format(devices=2)
+    options = ("--samples-per-device", str(samples_per_device), "--epochs", str(epochs))
+    runs: dict[str, list[float]] = {"default": [], "kept_heap": []}
+    for round_index in range(rounds):
+        for name, _ in round_order(runs, round_index):
+            with _environment(KEPT_HEAP if name == "kept_heap" else {}):
+                runs[name].append(_in_fresh_process("scaling", 2, flags, *options)["samples_per_s"])
+            print(
+                f"round {round_index}: jax_dp on 2 devices, malloc {name}: {runs[name][-1]:.0f} samples/s", flush=True
+            )
+    ratios = [kept / default for kept, default in zip(runs["kept_heap"], runs["default"], strict=True)]
+    return {
+        "environment": KEPT_HEAP,
+        "samples_per_second": runs,
+        "ratio_per_round": ratios,
+        "median_ratio": statistics.median(ratios),
+    }
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def peak_memory(rows: int) -> dict[str, float]:
     """jax_dp's peak RSS growth fitting on ``rows`` x 4096 float32 (65,536 rows: 1 GiB), 2 devices."""
     flags = f"--xla_force_host_platform_device_count={NUM_DEVICES}"
@@ -309,11 +352,13 @@ def main() -> None:
         results = benchmark(num_samples=GLOBAL_BATCH * 8, rounds=1, epochs=2)
         results["keras_distribution"] = versus_keras_distribution(num_samples=512, rounds=1, epochs=2, batches=(64,))
         results["weak_scaling"] = weak_scaling(samples_per_device=256, epochs=2, rounds=1)
+        results["kept_heap"] = kept_heap(samples_per_device=256, epochs=2, rounds=1)
         results["memory"] = peak_memory(rows=16384)
     else:
         results = benchmark(num_samples=GLOBAL_BATCH * 30, rounds=6, epochs=3)  # 2 timed epochs of 30 steps
         results["keras_distribution"] = versus_keras_distribution(num_samples=3840, rounds=5, epochs=3)
         results["weak_scaling"] = weak_scaling(samples_per_device=1024, epochs=3, rounds=5)
+        results["kept_heap"] = kept_heap(samples_per_device=1024, epochs=3, rounds=3)
         results["memory"] = peak_memory(rows=65536)
     results["quick"] = args.quick
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
