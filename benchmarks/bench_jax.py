@@ -39,14 +39,13 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
 
 import argparse
-import contextlib
 import json
 import platform
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +57,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax_bench_parts import EpochTimer, FirstStepClock
 from jax_vs_keras import versus_keras_distribution
-from machine import round_order, usable_cores
+from machine import environment, round_order, usable_cores
 
 import jax_dp
 
@@ -273,7 +272,7 @@ def kept_heap(samples_per_device: int, epochs: int, rounds: int) -> dict[str, An
     runs: dict[str, list[float]] = {"default": [], "kept_heap": []}
     for round_index in range(rounds):
         for name, _ in round_order(runs, round_index):
-            with _environment(KEPT_HEAP if name == "kept_heap" else {}):
+            with environment(**(KEPT_HEAP if name == "kept_heap" else {})):
                 runs[name].append(_in_fresh_process("scaling", 2, flags, *options)["samples_per_s"])
             print(
                 f"round {round_index}: jax_dp on 2 devices, malloc {name}: {runs[name][-1]:.0f} samples/s", flush=True
@@ -285,20 +284,6 @@ def kept_heap(samples_per_device: int, epochs: int, rounds: int) -> dict[str, An
         "ratio_per_round": ratios,
         "median_ratio": statistics.median(ratios),
     }
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def peak_memory(rows: int) -> dict[str, float]:

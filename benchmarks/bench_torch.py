@@ -30,7 +30,6 @@ time from the call to the first step, and peak RSS/PSS per worker and over all p
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -39,7 +38,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
@@ -48,7 +46,7 @@ import keras
 import torch
 import torch.multiprocessing as mp
 from guide_convnet import compiled_convnet, linear_classifier, synthetic_mnist, wide_rows
-from machine import round_order, usable_cores
+from machine import environment, round_order, usable_cores
 from torch_bench_parts import EpochClock, ddp_worker, free_port, lone_fit_worker, watch_memory
 
 import torch_dp
@@ -57,21 +55,6 @@ GLOBAL_BATCH_SIZE = 128
 MEMORY_ROWS = 65536  # x 4096 float32 columns: a 1 GiB array
 MEMORY_BATCH_SIZE = 2048
 DDP_LOOP_TIMEOUT_S = 180
-
-
-@contextlib.contextmanager
-def environment(**values: str) -> Iterator[None]:
-    """``os.environ`` with ``values`` set (spawned workers inherit it), restored afterwards."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _steady_throughput(times: dict[str, list[float]], num_samples: int) -> float:

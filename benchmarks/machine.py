@@ -3,11 +3,13 @@ the contenders run in."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import resource
 import threading
 import time
+from collections.abc import Iterator
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -41,3 +43,18 @@ def round_order(contenders: dict[str, T], round_index: int) -> list[tuple[str, T
     """Every contender once per round (interleaved, so drift hits all alike), in reverse order
     every other round, so that none always runs first or right after the same one."""
     return list(contenders.items())[:: -1 if round_index % 2 else 1]
+
+
+@contextlib.contextmanager
+def environment(**values: str) -> Iterator[None]:
+    """``os.environ`` with ``values`` set (processes started meanwhile inherit it), restored afterwards."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
