@@ -206,17 +206,16 @@ def weak_scaling(samples_per_device: int, epochs: int, rounds: int) -> dict[str,
     lone_pair: list[float] = []
     no_communication: dict[str, list[float]] = {"one_process": [], "lone_pair": []}
     cores: list[float] = []
+    options = ("--samples-per-device", str(samples_per_device), "--epochs", str(epochs))
+    steps = ("--steps", str(NO_COMMUNICATION_STEPS))
     for round_index in range(rounds):
         cores.append(usable_cores())
         for devices, samples_per_s in per_devices.items():
             flags = SCALING_XLA_FLAGS.format(devices=devices)
-            options = ("--samples-per-device", str(samples_per_device), "--epochs", str(epochs))
             samples_per_s.append(_in_fresh_process("scaling", devices, flags, *options)["samples_per_s"])
             print(f"round {round_index}: jax_dp on {devices} device(s) {samples_per_s[-1]:10.0f} samples/s", flush=True)
-        options = ("--samples-per-device", str(samples_per_device), "--epochs", str(epochs))
         lone_pair.append(_lone_pair("scaling", *options))
         print(f"round {round_index}: 2 lone 1-device processes {lone_pair[-1]:10.0f} samples/s", flush=True)
-        steps = ("--steps", str(NO_COMMUNICATION_STEPS))
         flags = SCALING_XLA_FLAGS.format(devices=2)
         no_communication["one_process"].append(_in_fresh_process("no_communication", 2, flags, *steps)["samples_per_s"])
         no_communication["lone_pair"].append(_lone_pair("no_communication", *steps))

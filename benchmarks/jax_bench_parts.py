@@ -30,7 +30,6 @@ import keras
 from guide_convnet import compiled_convnet, linear_classifier, synthetic_mnist, wide_rows
 
 PER_REPLICA_BATCH_SIZE = 64  # the convnet runs' 128 over 2 replicas
-NO_COMMUNICATION_LAYERS = 24  # tanh(x @ w), 512 x 512 on 512 rows: tens of ms a step, like the convnet's
 MEMORY_BATCH_SIZE = 2048
 
 
