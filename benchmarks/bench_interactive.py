@@ -21,7 +21,9 @@ as rank 0 and one worker; jax: ``jax_dp.Trainer(2)`` on 2 forced host devices):
   first; the ratio is the median over rounds of each round's ratio. Plain ``model.fit`` is
   measured the same way, for what the callback costs in Keras itself. So is the Keras progress bar
   (``verbose=1``, its lines sent to ``os.devnull``), a batch-level callback every terminal user has.
-  ``per_step``: in the
+  On jax, ``bare_step``: the same model's bare jitted step waiting for every step's loss, over
+  back to back (``jax_bare_step``), the floor under any loop that hands each step's logs to the
+  host. ``per_step``: in the
   same runs, milliseconds per step of the step and of the parts of the Trainer's loop (in this
   process) that a batch callback adds, timed by wrappers (``trainer_parts``); medians over rounds.
 
@@ -379,6 +381,12 @@ def measure(backend: str, *, quick: bool) -> dict[str, Any]:
     finally:
         _close(backend, trainer)
     keras_throughput = throughput(Calls(), keras_model, x, y, rounds, {})
+    if backend == "jax":  # the floor under a batch callback's cost: a bare step waiting for every step
+        from jax_bare_step import sync_cost
+
+        trainer_throughput["bare_step"] = sync_cost(
+            dense_model(), x, y, batch_size=GLOBAL_BATCH_SIZE, rounds=rounds, seconds=ROUND_SECONDS
+        )
     return {
         "quick": quick,
         "versions": _versions(backend),
