@@ -1,7 +1,5 @@
 """Keras callbacks: called once per event, with aggregated logs; stop decisions honoured; a
-non-finite loss stops training (or its step is skipped). Batch callbacks run both ways a fit
-steps for them: each step started before the previous step's hooks ran (small states), and
-one step at a time."""
+non-finite loss stops training (or its step is skipped)."""
 
 from __future__ import annotations
 

@@ -17,36 +17,58 @@ from jax_dp._loop.hooks import STOP_CHECK_STEPS, BatchEndReporter
 pytestmark = pytest.mark.timeout(240)
 
 
-class FirstBatchLogs(keras.callbacks.ProgbarLogger):
-    """The progress bar, recording the logs it gets at each epoch's first batch end."""
+class BatchEndLogs(keras.callbacks.ProgbarLogger):
+    """The progress bar, recording each batch end it gets: ``(epoch, batch, logs)``."""
 
     def __init__(self):
         super().__init__()
-        self.first = []
+        self.ends = []
 
     def on_epoch_begin(self, epoch, logs=None):
-        self.batches = 0
+        self.epoch = epoch
         super().on_epoch_begin(epoch, logs)
 
     def on_train_batch_end(self, batch, logs=None):
-        if self.batches == 0:
-            self.first.append(dict(logs or {}))
-        self.batches += 1
+        self.ends.append((self.epoch, batch, dict(logs or {})))
         super().on_train_batch_end(batch, logs)
+
+    def first(self):
+        """The logs of each epoch's first batch end."""
+        return [
+            logs for index, (epoch, _, logs) in enumerate(self.ends) if index == 0 or self.ends[index - 1][0] != epoch
+        ]
 
 
 def test_the_progress_bar_shows_the_metrics_from_the_first_step_of_every_epoch(data):
     """As ``model.fit``'s does: its logs at each epoch's first batch name the loss and metrics."""
     x, y, _, _ = data
-    keras_bar, bar = FirstBatchLogs(), FirstBatchLogs()
+    keras_bar, bar = BatchEndLogs(), BatchEndLogs()
     dense_bn_model().fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, callbacks=[keras_bar])
     jax_dp.Trainer(2).fit(
         dense_bn_model(), x, y, global_batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, callbacks=[bar]
     )
-    assert [sorted(logs) for logs in keras_bar.first] == [["loss", "mae"]] * 2
-    assert [sorted(logs) for logs in bar.first] == [["loss", "mae"]] * 2
-    for got, want in zip(bar.first, keras_bar.first, strict=True):
+    assert [sorted(logs) for logs in keras_bar.first()] == [["loss", "mae"]] * 2
+    assert [sorted(logs) for logs in bar.first()] == [["loss", "mae"]] * 2
+    for got, want in zip(bar.first(), keras_bar.first(), strict=True):
         np.testing.assert_allclose([got["loss"], got["mae"]], [want["loss"], want["mae"]], atol=1e-5)
+
+
+def test_the_progress_bar_ends_each_epoch_at_its_last_step_with_the_epoch_logs(data):
+    """The bar reads a step's logs once the next step runs, and the last step's after the epoch's
+    steps: it still gets every epoch's first and last step, in order, the last with the logs the
+    epoch ends with, as ``model.fit``'s does."""
+    x, y, _, _ = data  # 99 rows: 4 steps an epoch
+    bar = BatchEndLogs()
+    history = jax_dp.Trainer(2).fit(
+        dense_bn_model(), x, y, global_batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, callbacks=[bar]
+    )
+    for epoch in (0, 1):
+        batches = [batch for seen_epoch, batch, _ in bar.ends if seen_epoch == epoch]
+        assert batches[0] == 0 and batches[-1] == 3 and batches == sorted(set(batches))
+        last = next(logs for seen_epoch, batch, logs in bar.ends if (seen_epoch, batch) == (epoch, 3))
+        np.testing.assert_allclose(
+            [last["loss"], last["mae"]], [history.history["loss"][epoch], history.history["mae"][epoch]], rtol=1e-6
+        )
 
 
 def test_with_several_processes_the_progress_bar_is_reported_at_the_first_step_too():

@@ -3,7 +3,8 @@
 Keras's own train step (``KerasSteps``) and a model's own ``train_step`` (``CustomSteps``) plug
 into ``train_epoch``, which alone decides what happens around each step, and in which order:
 the batch-begin hook; the step; its report read on the host when a hook or a checkpoint needs
-it (with ``stop_on_nonfinite``, a non-finite loss ends the loop there); the batch-end hook,
+it (the progress bar's alone once the next step runs; with ``stop_on_nonfinite``, a non-finite
+loss ends the loop there); the batch-end hook,
 before a checkpoint writes the state back over what a hook changed; the checkpoint; the
 preemption check (the same step on every process); the stop decision (process 0's, exchanged
 at fixed steps). The state lives on the mesh during an epoch and in the caller's model around
@@ -174,9 +175,10 @@ def _train_steps(
     step with a non-finite loss (the steps after it changed nothing); the caller then
     raises. ``checkpoint(state, steps_done)`` runs after the steps ``checkpoint_due`` asks for.
 
-    When a callback acts at every batch, the model holds the current state when a batch hook
-    reads it (as in ``model.fit``), and what the hook changes (weights, learning rate) is read
-    back before the next step (``ModelOnRequest``).
+    A report only the progress bar reads is read, and its hooks called, once the next step is
+    dispatched. When a callback acts at every batch, the model holds the current state when a
+    batch hook reads it (as in ``model.fit``), and what the hook changes (weights, learning
+    rate) is read back before the next step (``ModelOnRequest``).
     """
     reporter = BatchEndReporter(callbacks, "train", plan.steps)
     on_request = None
@@ -190,6 +192,20 @@ def _train_steps(
             return state
         return on_request.around(state, hook, *arguments)
 
+    def report_stops(report: Report | None, step: int, *, hooks: bool) -> bool:
+        """Reads ``report`` (waits for its step), calls the batch-end hooks with its logs; whether
+        a non-finite loss ends the loop there."""
+        nonlocal state
+        skipped, logs = (0, {}) if report is None else report_on_host(report)
+        if skipped and stop_on_nonfinite:
+            return True
+        if hooks:  # before a checkpoint writes the state back over what a hook changed
+            state = call(state, callbacks.on_train_batch_end, step, logs)
+        return False
+
+    # When only the progress bar reads a step's logs, they are read once the next step runs, so
+    # that the devices do not wait for the host's turn; the bar shows them a step later.
+    progress: tuple[Report | None, int] | None = None
     timer = run.timer
     timer.start()
     with contextlib.nullcontext() if on_request is None else on_request.installed():
@@ -200,11 +216,14 @@ def _train_steps(
             reporting = reporter.due(step)
             saving = checkpoint is not None and checkpoint_due is not None and checkpoint_due(done)
             state, report = run.run(state, batch, report=reporting or (saving and stop_on_nonfinite))
-            skipped, logs = (0, {}) if report is None else report_on_host(report)
-            if skipped and stop_on_nonfinite:
+            if progress is not None:
+                read, progress = progress, None
+                if report_stops(*read, hooks=True):
+                    break  # the step just run changed nothing: the one before had a non-finite loss
+            if reporting and not saving and not reporter.every_step:
+                progress = (report, step)
+            elif report_stops(report, step, hooks=reporting):
                 break
-            if reporting:  # before a checkpoint writes the state back over what a hook changed
-                state = call(state, callbacks.on_train_batch_end, step, logs)
             if saving and checkpoint is not None:
                 checkpoint(state, done)
                 if on_request is not None:
@@ -214,6 +233,8 @@ def _train_steps(
             timer.end_step()
             if stop_requested(kind.model, done, plan.steps):
                 break
+        if progress is not None:
+            report_stops(*progress, hooks=True)  # a non-finite loss: the caller raises or warns
     return state, run
 
 
