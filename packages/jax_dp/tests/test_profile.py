@@ -58,7 +58,13 @@ def test_two_devices_have_a_bound_and_no_straggler_spread(profiled):
     assert report.speedup == pytest.approx(one.scaling_report.step_seconds / report.step_seconds)
     document = json.loads((folder / "scaling_report.json").read_text())
     assert sorted(document["reports"]) == ["1", "2"]
-    assert document["reports"]["2"]["phases"]["all_reduce"]["how"] == ESTIMATED_FROM_PARTS
+    # the JSON says what the report says: estimated, or on a loaded machine too short to time apart
+    all_reduce = document["reports"]["2"]["phases"]["all_reduce"]
+    assert (all_reduce["how"], all_reduce["seconds"]) == (
+        report.phases["all_reduce"].how,
+        report.phases["all_reduce"].seconds,
+    )
+    assert all_reduce["how"] in (ESTIMATED_FROM_PARTS, "too short to time apart")
     assert (folder / "scaling_report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
