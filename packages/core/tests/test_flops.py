@@ -2,7 +2,6 @@
 MFU in the report, its line and its JSON (read back from files written before it existed)."""
 
 import json
-import time
 
 import pytest
 
@@ -56,24 +55,45 @@ def test_every_row_has_every_dtype_but_volta_bfloat16_and_unknown_names_have_non
     assert volta.flops_per_second is None and volta.how == "no datasheet number for bfloat16 on the V100 SXM2"
 
 
+class _SimulatedDevice:
+    """A device that multiplies at exactly ``rate`` FLOP/s on a simulated clock: the measurement's
+    ``time.perf_counter`` is this clock, so what it finds does not depend on how loaded the machine is."""
+
+    def __init__(self, monkeypatch, rate):
+        self.now, self.rate, self.sides = 0.0, rate, []
+        monkeypatch.setattr(dp_core._flops.time, "perf_counter", lambda: self.now)
+
+    def matmul_of(self, size):
+        self.sides.append(size)
+
+        def multiply():
+            self.now += 2 * size**3 / self.rate
+
+        return multiply
+
+
 def test_a_cpu_or_an_unknown_device_is_measured_and_labelled_so():
     peak = dp_core.peak_flops("cpu", "float32", measure=lambda: 95e9)
     assert peak == dp_core.PeakFlops(95e9, "measured", "cpu, float32 matmul")
-    start = time.perf_counter()
     measured = dp_core.peak_flops("cpu", "bfloat16")  # numpy's float32 matmul by default
-    assert time.perf_counter() - start < 0.5
     assert measured.how == "measured" and measured.flops_per_second > 1e8  # any CPU of this century
 
 
-def test_the_measurement_counts_two_n_cubed_flops_per_product():
-    sides = []
+def test_the_measurement_counts_two_n_cubed_flops_per_product(monkeypatch):
+    device = _SimulatedDevice(monkeypatch, rate=1e9)
+    assert dp_core.measure_peak_flops(device.matmul_of, seconds=0.2) == pytest.approx(1e9)
+    assert device.sides == [256]  # 34 ms a product: over the 10 ms that stops the search for a larger side
 
-    def matmul_of(size):  # a "device" that multiplies at exactly 1e9 FLOP/s
-        sides.append(size)
-        return lambda: time.sleep(2 * size**3 / 1e9)
 
-    assert dp_core.measure_peak_flops(matmul_of, seconds=0.2) == pytest.approx(1e9, rel=0.1)
-    assert sides == [256]  # 34 ms a product: over the 10 ms that stops the search for a larger side
+def test_the_measurement_grows_the_side_while_a_product_is_short_and_keeps_to_its_time(monkeypatch):
+    device = _SimulatedDevice(monkeypatch, rate=100e12)  # 256: 0.3 us a product; 4096: 1.4 ms
+    assert dp_core.measure_peak_flops(device.matmul_of, seconds=0.25) == pytest.approx(100e12)
+    assert device.sides == [256, 512, 1024, 2048, 4096]  # stops at LARGEST_MATMUL
+    # the timed products stop before the one that would pass the deadline
+    assert 0.25 - 2 * 4096**3 / 100e12 <= device.now <= 0.25
+    slow = _SimulatedDevice(monkeypatch, rate=1e9)  # 256: 34 ms; 512 would take 268 ms, past 0.25 s
+    dp_core.measure_peak_flops(slow.matmul_of, seconds=0.25)
+    assert slow.sides == [256] and slow.now <= 0.25
 
 
 def _report(**extra):
