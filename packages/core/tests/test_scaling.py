@@ -2,7 +2,6 @@
 
 import json
 import sys
-import time
 
 import pytest
 
@@ -146,19 +145,26 @@ def test_profile_argument_names_the_folder(tmp_path, monkeypatch):
         dp_core.scaling_report_folder(3)  # type: ignore[arg-type]
 
 
-def test_step_timer_laps_tile_each_step_and_skip_the_first():
+def test_step_timer_laps_tile_each_step_and_skip_the_first(monkeypatch):
+    clock = [100.0]  # a simulated perf_counter: each phase takes exactly what the step says
+
+    def spend(seconds):
+        clock[0] += seconds
+
+    monkeypatch.setattr(dp_core._scaling.time, "perf_counter", lambda: clock[0])
     timer = StepTimer()
     timer.start()
-    for pause in (0.05, 0.01, 0.01):  # the first step (compile, allocation) is not counted
-        time.sleep(pause)
+    for pause in (0.05, 0.01, 0.03):  # the first step (compile, allocation) is not counted
+        spend(pause)
         timer.lap("input")
-        time.sleep(0.01)
+        spend(0.02)
         timer.lap("forward_backward")
         timer.lap("all_reduce")
+        spend(0.001)  # between the last lap and the step's end: in the wall time, in no phase
         timer.end_step()
     phases, step_seconds, steps = timer.counted()
     assert steps == 2 and set(phases) == set(SCALING_PHASES)
-    assert phases["input"] == pytest.approx(0.01, abs=0.008)
-    assert sum(phases.values()) == pytest.approx(step_seconds, rel=0.05)
-    assert step_seconds < 0.04  # the 50 ms first step is left out
+    assert phases["input"] == pytest.approx(0.02)  # (0.01 + 0.03) / 2, the 50 ms first step left out
+    assert phases["forward_backward"] == pytest.approx(0.02) and phases["all_reduce"] == 0.0
+    assert step_seconds == pytest.approx(0.041)
     assert phases["optimizer"] == 0.0  # a phase a step never lapped
