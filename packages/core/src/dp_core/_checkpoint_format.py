@@ -82,8 +82,13 @@ def check_compatible(checkpoint: Checkpoint, weights: list[Any], *, model_name: 
     )
 
 
-def check_checkpoint_arguments(checkpoint_dir: Any, checkpoint_every_steps: Any) -> None:
+def check_checkpoint_arguments(checkpoint_dir: Any, checkpoint_every_steps: Any, in_background: Any = True) -> None:
     """``fit``'s checkpoint arguments, checked before anything starts."""
+    if not isinstance(in_background, bool):
+        raise ValueError(
+            f"checkpoint_in_background must be True (write each checkpoint from a copy while training goes on) "
+            f"or False (training waits for each write), got {in_background!r}."
+        )
     if checkpoint_every_steps is None:
         return
     if isinstance(checkpoint_every_steps, bool) or not isinstance(checkpoint_every_steps, int):

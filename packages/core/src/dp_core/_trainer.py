@@ -47,6 +47,7 @@ class Trainer(Protocol):
         warmup_steps: int = 0,
         checkpoint_dir: str | None = None,
         checkpoint_every_steps: int | None = None,
+        checkpoint_in_background: bool = True,
     ) -> Any:
         """Train like ``model.fit`` (``batch_size`` is the global batch); returns a
         ``keras.callbacks.History`` whose ``.model`` is the trained model."""

@@ -17,8 +17,9 @@ The contract, what a backend calls on the way from the user's call to its step:
 - the epoch: ``callback_list``, ``needs_every_batch``, ``python_logs``;
 - the learning rate: ``plan_learning_rate``, ``learning_rate_policy_installed``
   (``LearningRatePolicy``);
-- checkpoints: ``CheckpointWriter``, ``resumable_checkpoint``, ``restore_model``, ``start_of``
-  (``Start``), ``print_resume`` (the line a resumed fit prints).
+- checkpoints: ``CheckpointWriter`` (``checkpoints_finished``: its last write waited for),
+  ``resumable_checkpoint``, ``restore_model``, ``start_of`` (``Start``), ``print_resume`` (the line
+  a resumed fit prints).
 
 Helpers, for what a backend does its own way:
 
@@ -49,6 +50,7 @@ from dp_core.keras._callbacks import needs_every_batch as needs_every_batch
 from dp_core.keras._callbacks import nonfinite_action as nonfinite_action
 from dp_core.keras._checkpoints import CheckpointWriter as CheckpointWriter
 from dp_core.keras._checkpoints import Start as Start
+from dp_core.keras._checkpoints import checkpoints_finished as checkpoints_finished
 from dp_core.keras._checkpoints import print_resume as print_resume
 from dp_core.keras._checkpoints import restore_model as restore_model
 from dp_core.keras._checkpoints import resumable_checkpoint as resumable_checkpoint
@@ -125,6 +127,7 @@ __all__ = [
     "check_shard_mode",
     "checked_call",
     "checked_model_and_inputs",
+    "checkpoints_finished",
     "compare_replica_counts",
     "fit_arguments",
     "flatten",

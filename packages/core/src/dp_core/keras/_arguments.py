@@ -52,6 +52,7 @@ class FitArguments:
     steps_per_epoch: int | None = None  # arrays only (a source keeps its own): epochs read on across passes
     checkpoint_dir: str | None = None
     checkpoint_every_steps: int | None = None
+    checkpoint_in_background: bool = True
     verbose: Verbose = "auto"
 
     def epoch_rows_options(self, epoch: int) -> dict[str, Any]:
@@ -234,6 +235,7 @@ def fit_arguments(
     seed: int = 0,
     checkpoint_dir: str | os.PathLike[str] | None = None,
     checkpoint_every_steps: int | None = None,
+    checkpoint_in_background: bool = True,
     verbose: Verbose = "auto",
     steps_per_epoch: int | None = None,
 ) -> FitArguments:
@@ -241,7 +243,7 @@ def fit_arguments(
     kept for arrays (a source counts its own); ``shuffle="batch"`` shuffles an array input's
     rows within each batch (``dp_core.epoch_order``), and a source's batch order as ``True`` does,
     as Keras's adapters read it."""
-    check_checkpoint_arguments(checkpoint_dir, checkpoint_every_steps)
+    check_checkpoint_arguments(checkpoint_dir, checkpoint_every_steps, checkpoint_in_background)
     epochs = check_epochs(epochs)
     initial_epoch = check_integer("initial_epoch", initial_epoch, minimum=0)
     seed = check_integer("seed", seed, minimum=0)
@@ -281,6 +283,7 @@ def fit_arguments(
         seed=seed,
         checkpoint_dir=None if checkpoint_dir is None else os.fspath(checkpoint_dir),
         checkpoint_every_steps=checkpoint_every_steps,
+        checkpoint_in_background=checkpoint_in_background,
         verbose=verbose,
         steps_per_epoch=steps_per_epoch,
     )

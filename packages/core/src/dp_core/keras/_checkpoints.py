@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
@@ -24,6 +26,7 @@ import keras
 import numpy as np
 
 from dp_core._checkpoint import save_checkpoint
+from dp_core._checkpoint_background import BackgroundWrites
 from dp_core._checkpoint_format import Checkpoint, CheckpointError, check_compatible
 from dp_core._checkpoint_read import latest_checkpoint
 from dp_core.keras._callbacks import verbosity
@@ -180,7 +183,9 @@ class CheckpointWriter:
     """What every checkpoint of one ``fit(checkpoint_dir=...)`` shares, and where they go.
 
     Every process asks ``due`` at the same steps (summing metric states is a collective);
-    only the primary process calls ``write``.
+    only the primary process calls ``write``. With ``in_background`` (the default) a write copies
+    the state and returns while a thread of its own writes the copy; ``finish`` waits for it, and
+    the fit's end calls it (``checkpoints_finished``).
     """
 
     directory: str
@@ -189,6 +194,8 @@ class CheckpointWriter:
     global_batch_size: int
     num_replicas: int
     lr_policy: dict[str, Any] | None
+    in_background: bool = True
+    _writes: BackgroundWrites = field(default_factory=BackgroundWrites, compare=False, repr=False)
 
     def due(self, steps_done: int, steps: int | None) -> bool:
         """Whether a checkpoint is due after ``steps_done`` of the epoch's ``steps`` (None: not
@@ -205,21 +212,48 @@ class CheckpointWriter:
         metric_variables: list[Any],
         optimizer_variables: list[Any] | None = None,
     ) -> None:
-        """``model`` (holding the trained weights) at ``step`` steps into ``epoch``, atomically."""
-        save_checkpoint(
-            self.directory,
-            model_checkpoint(
-                model,
-                epoch=epoch,
-                step=step,
-                seed=self.seed,
-                global_batch_size=self.global_batch_size,
-                num_replicas=self.num_replicas,
-                lr_policy=self.lr_policy,
-                metric_variables=metric_variables,
-                optimizer_variables=optimizer_variables,
-            ),
+        """``model`` (holding the trained weights) at ``step`` steps into ``epoch``, atomically: written
+        before this returns, or in the background from a copy taken before it returns."""
+        checkpoint = model_checkpoint(
+            model,
+            epoch=epoch,
+            step=step,
+            seed=self.seed,
+            global_batch_size=self.global_batch_size,
+            num_replicas=self.num_replicas,
+            lr_policy=self.lr_policy,
+            metric_variables=metric_variables,
+            optimizer_variables=optimizer_variables,
         )
+        if self.in_background:
+            self._writes.save(self.directory, checkpoint)
+        else:
+            save_checkpoint(self.directory, checkpoint)
+
+    def finish(self) -> None:
+        """Waits for the checkpoint being written, and raises its error if it failed."""
+        self._writes.close()
+
+
+@contextmanager
+def checkpoints_finished(writer: CheckpointWriter | None) -> Iterator[None]:
+    """The block (a fit), then the checkpoint still being written, also when the block raised
+    (``Preempted``: the checkpoint it took lands before the fit returns). A failed write is raised;
+    after another error, it is added to that error's notes."""
+    if writer is None:
+        yield
+        return
+    try:
+        yield
+    except BaseException as error:
+        try:
+            writer.finish()
+        except Exception as failed:
+            note = f"The checkpoint being written when this was raised was lost: {type(failed).__name__}: {failed}"
+            if hasattr(error, "add_note"):  # Python 3.11+
+                error.add_note(note)
+        raise
+    writer.finish()
 
 
 def restore_model(checkpoint: Checkpoint, model: keras.Model, *, metrics: bool = True) -> None:
