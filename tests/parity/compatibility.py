@@ -179,8 +179,9 @@ def page() -> str:
     lines += ["", "## Beyond `model.fit`'s arguments", "", *_table("argument or option", extra)]
     lines += [
         "",
-        "`lr_scaling=`, `warmup_steps=`, `checkpoint_dir=` and `checkpoint_every_steps=` have no Keras",
-        "counterpart; see [LR scaling and warmup](lr-scaling.md) and [Checkpoints and resume](checkpoints.md).",
+        "`lr_scaling=`, `warmup_steps=`, `checkpoint_dir=`, `checkpoint_every_steps=` and",
+        "`checkpoint_in_background=` have no Keras counterpart; see [LR scaling and warmup](lr-scaling.md)",
+        "and [Checkpoints and resume](checkpoints.md).",
         "",
         "## Scenarios",
         "",

@@ -54,6 +54,28 @@ def test_resume_on_another_replica_count_continues_like_an_uninterrupted_run(dat
     assert dp_core.latest_checkpoint(tmp_path).epoch == 3
 
 
+@pytest.mark.parametrize("optimizer", ["keras", "optax"])
+def test_checkpoints_written_in_the_background_hold_what_waiting_writes_hold(data, tmp_path, optimizer):
+    x, y, _, _ = data
+    initial = dense_bn_model("adam").get_weights()
+    written = {}
+    for in_background in (True, False):
+        model = dense_bn_model("adam")
+        model.set_weights(initial)
+        directory = tmp_path / str(in_background)
+        trainer(2, optimizer).fit(
+            model, x, y, global_batch_size=GLOBAL_BATCH, epochs=2, seed=1, checkpoint_dir=str(directory),
+            checkpoint_every_steps=1, checkpoint_in_background=in_background, verbose=0,
+        )  # fmt: skip
+        written[in_background] = [dp_core.load_checkpoint(path) for path in dp_core.list_checkpoints(directory)]
+    assert [c.name for c in written[True]] == [c.name for c in written[False]]
+    assert written[True][-1].name == "step-000002-000000000"  # the last one landed before fit returned
+    for background, waited in zip(written[True], written[False], strict=True):
+        for group in ("weights", "optimizer_variables", "metric_variables"):
+            for mine, theirs in zip(getattr(background, group), getattr(waited, group), strict=True):
+                np.testing.assert_array_equal(mine, theirs, err_msg=f"{background.name} {group}")
+
+
 def test_resume_with_another_seed_is_refused(data, tmp_path):
     x, y, _, _ = data
     two = jax_dp.Trainer(2)

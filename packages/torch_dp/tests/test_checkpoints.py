@@ -151,6 +151,28 @@ def test_checkpoint_contents_and_a_damaged_newest_falls_back_to_the_previous(tmp
         np.testing.assert_array_equal(mine, theirs)  # resumed from epoch 1, step 2: same steps, same bits
 
 
+def test_checkpoints_written_in_the_background_hold_what_waiting_writes_hold(tmp_path):
+    x, y = testing.data()
+    initial = testing.dense_batchnorm_model("adam").get_weights()
+    written = {}
+    with torch_dp.Trainer(num_replicas=2) as trainer:  # both fits on the same replicas
+        for in_background in (True, False):
+            model = testing.dense_batchnorm_model("adam")
+            model.set_weights(initial)
+            directory = tmp_path / str(in_background)
+            trainer.fit(
+                model, x, y, **{**FIT, "epochs": 2}, checkpoint_dir=str(directory), checkpoint_every_steps=1,
+                checkpoint_in_background=in_background,
+            )  # fmt: skip
+            written[in_background] = [dp_core.load_checkpoint(path) for path in dp_core.list_checkpoints(directory)]
+    assert [c.name for c in written[True]] == [c.name for c in written[False]]
+    assert written[True][-1].name == "step-000002-000000000"  # the last one landed before fit returned
+    for background, waited in zip(written[True], written[False], strict=True):
+        for group in ("weights", "optimizer_variables", "metric_variables"):
+            for mine, theirs in zip(getattr(background, group), getattr(waited, group), strict=True):
+                np.testing.assert_array_equal(mine, theirs, err_msg=f"{background.name} {group}")
+
+
 def test_another_architecture_seed_or_global_batch_is_a_clear_checkpoint_error(tmp_path):
     x, y = testing.data()
     trainer = torch_dp.Trainer(num_replicas=2, timeout=60)

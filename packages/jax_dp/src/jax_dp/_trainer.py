@@ -177,12 +177,14 @@ class Trainer:
         warmup_steps: int = 0,
         checkpoint_dir: str | None = None,
         checkpoint_every_steps: int | None = None,
+        checkpoint_in_background: bool = True,
         accumulate_steps: int | None = None,
     ) -> keras.callbacks.History:
         """Train like ``model.fit``; returns the History, whose ``.model`` holds the trained weights.
 
-        ``checkpoint_dir`` gets a checkpoint at every epoch end and, with
-        ``checkpoint_every_steps``, every that many steps; a fit pointed at one resumes.
+        ``checkpoint_dir`` gets a checkpoint at every epoch end and every ``checkpoint_every_steps``
+        steps; a fit pointed at one resumes. A checkpoint is a copy of the state taken at its step and
+        written while training goes on; ``checkpoint_in_background=False`` waits for each write.
 
         Gradient accumulation: each replica sums its own gradients over the window and they are
         all-reduced once per update, not at every step. With the model's Keras optimizer, set
@@ -213,8 +215,8 @@ class Trainer:
             initial_epoch=initial_epoch, validation_split=validation_split, validation_data=validation_data,
             validation_batch_size=validation_batch_size, validation_freq=validation_freq,
             validation_steps=validation_steps, callbacks=callbacks, shuffle=shuffle, seed=seed,
-            checkpoint_dir=checkpoint_dir, checkpoint_every_steps=checkpoint_every_steps, verbose=verbose,
-            steps_per_epoch=steps_per_epoch,
+            checkpoint_dir=checkpoint_dir, checkpoint_every_steps=checkpoint_every_steps,
+            checkpoint_in_background=checkpoint_in_background, verbose=verbose, steps_per_epoch=steps_per_epoch,
         )  # fmt: skip
         return self._train(model, inputs, arguments, global_batch_size, lr_scaling, warmup_steps, accumulate_steps)
 
@@ -239,13 +241,9 @@ class Trainer:
         with optimizer.learning_rate_policy(
             global_batch_size=global_batch_size, lr_scaling=lr_scaling, warmup_steps=warmup_steps
         ) as policy:
+            replicas = self.num_replicas
             start, checkpoints = resume_and_writer(
-                arguments,
-                model,
-                optimizer,
-                global_batch_size=global_batch_size,
-                num_replicas=self.num_replicas,
-                policy=policy,
+                arguments, model, optimizer, global_batch_size=global_batch_size, num_replicas=replicas, policy=policy
             )
             profile = None if self.profile is None else FitProfile()
             with PreemptionNotice():

@@ -206,12 +206,15 @@ class Trainer:
         warmup_steps: int = 0,
         checkpoint_dir: str | None = None,
         checkpoint_every_steps: int | None = None,
+        checkpoint_in_background: bool = True,
     ) -> keras.callbacks.History:
         """Train ``model`` like ``model.fit``; returns a History whose ``.model`` is the trained model.
 
         With ``checkpoint_dir``, rank 0 writes a dp-core checkpoint there at every epoch end
         and every ``checkpoint_every_steps`` steps, and a directory that already holds one
-        resumes from the newest valid checkpoint, continuing the same data order.
+        resumes from the newest valid checkpoint, continuing the same data order. A checkpoint is
+        a copy of the state taken at its step and written while training goes on;
+        ``checkpoint_in_background=False`` waits for each write.
         """
         keras_model, inputs, global_batch_size = checked_call(
             model,
@@ -229,24 +232,13 @@ class Trainer:
         if checkpoint_dir is not None:
             _require_checkpointable(keras_model)
         arguments = fit_arguments(
-            inputs,
-            global_batch_size=global_batch_size,
-            num_replicas=self.num_replicas,
-            epochs=epochs,
-            initial_epoch=initial_epoch,
-            validation_split=validation_split,
-            validation_data=validation_data,
-            validation_batch_size=validation_batch_size,
-            validation_freq=validation_freq,
-            validation_steps=validation_steps,
-            callbacks=callbacks,
-            shuffle=shuffle,
-            seed=seed,
-            checkpoint_dir=checkpoint_dir,
-            checkpoint_every_steps=checkpoint_every_steps,
-            verbose=verbose,
-            steps_per_epoch=steps_per_epoch,
-        )
+            inputs, global_batch_size=global_batch_size, num_replicas=self.num_replicas, epochs=epochs,
+            initial_epoch=initial_epoch, validation_split=validation_split, validation_data=validation_data,
+            validation_batch_size=validation_batch_size, validation_freq=validation_freq,
+            validation_steps=validation_steps, callbacks=callbacks, shuffle=shuffle, seed=seed,
+            checkpoint_dir=checkpoint_dir, checkpoint_every_steps=checkpoint_every_steps,
+            checkpoint_in_background=checkpoint_in_background, verbose=verbose, steps_per_epoch=steps_per_epoch,
+        )  # fmt: skip
         job = self._fit_job(
             arguments,
             keras_model,

@@ -57,6 +57,7 @@ def resume_and_writer(
         global_batch_size=global_batch_size,
         num_replicas=num_replicas,
         lr_policy=policy,
+        in_background=arguments.checkpoint_in_background,
     )
     return start, writer
 

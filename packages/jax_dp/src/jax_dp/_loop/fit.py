@@ -13,7 +13,15 @@ import keras
 import numpy as np
 
 from dp_core import ReplicaLayout
-from dp_core.keras import BatchSource, CheckpointWriter, FitArguments, Start, callback_list, internals
+from dp_core.keras import (
+    BatchSource,
+    CheckpointWriter,
+    FitArguments,
+    Start,
+    callback_list,
+    checkpoints_finished,
+    internals,
+)
 from jax_dp._comm.hosts import agree, is_primary, same_on_all_processes
 from jax_dp._data.sources import epoch_plan
 from jax_dp._loop.checkpoints import holding_checkpoint_dir, save
@@ -35,7 +43,7 @@ def fit_loop(
 ) -> keras.callbacks.History:
     """Every epoch from ``start``: train, validate, call back, checkpoint; returns the model's History.
     Process 0 holds ``checkpoint_dir`` throughout (``holding_checkpoint_dir``)."""
-    with holding_checkpoint_dir(arguments.checkpoint_dir):
+    with holding_checkpoint_dir(arguments.checkpoint_dir), checkpoints_finished(checkpoints):
         return _fit_epochs(
             model,
             arguments,

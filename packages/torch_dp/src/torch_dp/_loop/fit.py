@@ -16,6 +16,7 @@ from dp_core.keras import (
     CheckpointWriter,
     Start,
     callback_list,
+    checkpoints_finished,
     internals,
     needs_every_batch,
     print_resume,
@@ -52,7 +53,7 @@ def fit_loop(
     (``Trainer(profile=...)``) times the phases of Keras's own train steps. Rank 0 holds
     ``checkpoint_dir`` from before the first step to the end (``holding_checkpoint_dir``). ``state``
     is the training state as the replicas hold it: whole on each, or sharded (``_step.shards``)."""
-    with holding_checkpoint_dir(job.arguments.checkpoint_dir, replica):
+    with holding_checkpoint_dir(job.arguments.checkpoint_dir, replica), checkpoints_finished(checkpoints):
         return _fit_epochs(
             model,
             job,

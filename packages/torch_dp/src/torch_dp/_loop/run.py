@@ -122,6 +122,7 @@ def run_fit(model: keras.Model, job: FitJob, replica: Replica) -> keras.callback
                 global_batch_size=job.arguments.global_batch_size,
                 num_replicas=replica.num_replicas,
                 lr_policy=None if job.lr_policy is None else job.lr_policy.config(),
+                in_background=job.arguments.checkpoint_in_background,
             )
         timer = NO_STEP_TIMER if job.profile is None else step_timer(replica)
         counted = job.profile is not None and replica.is_primary and not custom.train  # the MFU's FLOPs
