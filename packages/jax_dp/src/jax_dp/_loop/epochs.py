@@ -32,6 +32,7 @@ from jax_dp._data.batches import Plan, device_batches, padded_batches, whole_las
 from jax_dp._loop import preemption
 from jax_dp._loop.checkpoints import save
 from jax_dp._loop.hooks import STOP_CHECK_STEPS, BatchEndReporter, host_logs, metrics_result_or_logs
+from jax_dp._mesh.mesh import waits_for_each_step
 from jax_dp._step.accumulation import accumulates
 from jax_dp._step.custom import CustomTrainStep, step_data
 from jax_dp._step.metrics import summed_to_host
@@ -206,6 +207,7 @@ def _train_steps(
     # When only the progress bar reads a step's logs, they are read once the next step runs, so
     # that the devices do not wait for the host's turn; the bar shows them a step later.
     progress: tuple[Report | None, int] | None = None
+    one_at_a_time = waits_for_each_step(kind.mesh)
     timer = run.timer
     timer.start()
     with contextlib.nullcontext() if on_request is None else on_request.installed():
@@ -216,6 +218,8 @@ def _train_steps(
             reporting = reporter.due(step)
             saving = checkpoint is not None and checkpoint_due is not None and checkpoint_due(done)
             state, report = run.run(state, batch, report=reporting or (saving and stop_on_nonfinite))
+            if one_at_a_time:
+                jax.block_until_ready(state.counts)  # the step has ended on every device
             if progress is not None:
                 read, progress = progress, None
                 if report_stops(*read, hooks=True):

@@ -158,3 +158,16 @@ def put_sharded(value: object, sharding: NamedSharding) -> jax.Array:
     """A host value (the same on every process) placed as ``sharding`` says: each device its part."""
     array = np.asarray(value)
     return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def waits_for_each_step(mesh: Mesh) -> bool:
+    """Whether the host waits for each train step before it dispatches the next: on a mesh of
+    several CPU devices in one process. There XLA's runtime can deadlock when steps queue up: with
+    matmuls a thousand columns wide, a step's all-reduce waits for a device busy with a later step,
+    until XLA aborts the process after 40 s. Waiting costs little on CPU, where the devices share
+    the host's cores anyway, and the next batch is still prepared while a step runs. GPUs and TPUs
+    queue steps. Several processes keep queuing: a wait there would meet a lost process as a gloo
+    error before jax's own report of which process failed."""
+    devices = list(mesh.devices.flat)
+    one_process = jax.process_count() == 1
+    return one_process and len(devices) > 1 and all(device.platform == "cpu" for device in devices)
