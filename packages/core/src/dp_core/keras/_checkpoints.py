@@ -250,8 +250,9 @@ def checkpoints_finished(writer: CheckpointWriter | None) -> Iterator[None]:
             writer.finish()
         except Exception as failed:
             note = f"The checkpoint being written when this was raised was lost: {type(failed).__name__}: {failed}"
-            if hasattr(error, "add_note"):  # Python 3.11+
-                error.add_note(note)
+            add_note = getattr(error, "add_note", None)  # Python 3.11+
+            if add_note is not None:
+                add_note(note)
         raise
     writer.finish()
 

@@ -172,14 +172,13 @@ def _train_steps(
 ) -> tuple[TrainState, EpochRun]:
     """Steps ``start..`` of one epoch; returns the state and the run that took them.
 
-    With ``stop_on_nonfinite`` the loop ends at the first report or checkpoint after a
-    step with a non-finite loss (the steps after it changed nothing); the caller then
-    raises. ``checkpoint(state, steps_done)`` runs after the steps ``checkpoint_due`` asks for.
+    With ``stop_on_nonfinite`` the loop ends at the first report or checkpoint after a non-finite loss (later
+    steps changed nothing; the caller raises). ``checkpoint(state, steps_done)`` follows ``checkpoint_due``.
 
     A report only the progress bar reads is read, and its hooks called, once the next step is
     dispatched. When a callback acts at every batch, the model holds the current state when a
-    batch hook reads it (as in ``model.fit``), and what the hook changes (weights, learning
-    rate) is read back before the next step (``ModelOnRequest``).
+    batch hook reads it (as in ``model.fit``), and what the hook changes (weights, learning rate) is
+    read back before the next step (``ModelOnRequest``).
     """
     reporter = BatchEndReporter(callbacks, "train", plan.steps)
     on_request = None
