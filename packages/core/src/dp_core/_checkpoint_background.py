@@ -39,8 +39,8 @@ class BackgroundWrites:
 
     def save(self, directory: str | os.PathLike[str], checkpoint: Checkpoint, *, keep: int = 3) -> None:
         """Starts writing a snapshot of ``checkpoint`` and returns: the state may change at once."""
+        self.wait()  # the one before lands first, or its error stops this one; one copy in memory at a time
         snapshot = owned(checkpoint)
-        self.wait()  # the one before lands first, or its error stops this one
         self._submit(lambda: save_checkpoint(directory, snapshot, keep=keep))
 
     def wait(self) -> Path | None:
