@@ -1,5 +1,9 @@
 import json
 import os
+import signal
+import subprocess
+import sys
+import textwrap
 import zipfile
 
 import numpy as np
@@ -84,6 +88,39 @@ def test_interrupted_write_leaves_no_checkpoint(tmp_path):
     (tmp_path / ".tmp-crashed" / "arrays.npz").write_bytes(b"partial")
     latest = latest_checkpoint(tmp_path)
     assert latest is not None and (latest.epoch, latest.step) == (0, 1)
+
+
+KILLED_WHILE_PRUNING = textwrap.dedent(
+    """
+    import os, shutil, signal, sys
+    import numpy as np
+    import dp_core, dp_core._checkpoint as writer
+
+    def remove_one_file_then_die(path, ignore_errors=False):
+        os.remove(os.path.join(path, sorted(os.listdir(path))[0]))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def checkpoint(step):
+        return dp_core.Checkpoint(0, step, 7, 32, 2, weights=[np.full(3, step, dtype="float32")])
+
+    for step in (1, 2):
+        dp_core.save_checkpoint(sys.argv[1], checkpoint(step), keep=2)
+    writer.shutil.rmtree = remove_one_file_then_die  # the process dies while pruning step 1
+    dp_core.save_checkpoint(sys.argv[1], checkpoint(3), keep=2)
+    """
+)
+
+
+def test_a_writer_killed_while_pruning_leaves_only_whole_checkpoints(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-c", KILLED_WHILE_PRUNING, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    listed = list_checkpoints(tmp_path)
+    assert [p.name for p in listed] == ["step-000000-000000002", "step-000000-000000003"]
+    for path, step in zip(listed, (2, 3), strict=True):
+        assert load_checkpoint(path).weights[0].tolist() == [step] * 3
+    assert [p.name.startswith(".tmp-pruned-") for p in tmp_path.iterdir() if p.name.startswith(".tmp")] == [True]
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "manifest"])

@@ -81,8 +81,20 @@ def save_checkpoint(directory: str | os.PathLike[str], checkpoint: Checkpoint, *
         # a checkpoint named later than this one (say, damaged, skipped) never evicts it, and one
         # of a newer format is never removed by a version that cannot read it
         if old != final and newer_format_version(old) is None:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
     return final
+
+
+def _remove(checkpoint: Path) -> None:
+    """Remove an old checkpoint whole: renamed out of the listing first, so a writer killed while
+    deleting its files (a background write when a process dies) leaves a ``.tmp-*`` directory,
+    never a ``step-*`` one with files missing."""
+    aside = checkpoint.parent / f".tmp-pruned-{uuid.uuid4().hex[:8]}"
+    try:
+        os.replace(checkpoint, aside)
+    except OSError:  # pruned meanwhile by another writer, or not ours to remove
+        return
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _plain_array(group: str, index: int, value: Any) -> np.ndarray:
