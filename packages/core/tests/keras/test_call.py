@@ -82,6 +82,29 @@ def test_a_batch_source_gives_its_own_global_batch_size():
     assert isinstance(checked.inputs, BatchSource) and checked.global_batch_size == 6
 
 
+class Started:
+    """A re-iterable source (like a DataLoader) that counts the iterations started."""
+
+    def __init__(self):
+        self.started = 0
+
+    def __iter__(self):
+        self.started += 1
+        yield np.zeros((4, 3), "float32"), np.zeros((4, 1), "float32")
+
+
+def test_fit_and_evaluate_start_a_source_where_model_fit_does_only_to_build_the_model():
+    source, model = Started(), compiled_model()  # its compiled loss is not built: Keras reads a batch
+    checked = call(model, source, None, global_batch_size=None)
+    assert checked.global_batch_size == 4
+    assert source.started == 2  # the first batch, read once for the batch size, and Keras's start
+    call(model, source, None, global_batch_size=None, compiled=False)  # predict: Keras reads none first
+    assert source.started == 3
+    model.fit(np.zeros((4, 3)), np.zeros((4, 1)), verbose=0)  # built now: a second fit reads none first
+    call(model, source, None, global_batch_size=None)
+    assert source.started == 4
+
+
 def test_arrays_take_steps_per_epoch_and_without_a_batch_size_keras_s_batch_of_rows_over_steps():
     given = call(compiled_model(), batch_size=4, global_batch_size=None, steps=3, steps_name="steps_per_epoch")
     assert isinstance(given.inputs, Inputs) and given.global_batch_size == 4

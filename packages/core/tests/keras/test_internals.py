@@ -28,6 +28,15 @@ def model():
     return model
 
 
+def test_builds_from_a_batch_until_the_layers_loss_and_metrics_are_built(model):
+    assert internals.builds_from_a_batch(model) is False  # symbolic_build built them all
+    fresh = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])  # its layers are built
+    fresh.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    assert internals.builds_from_a_batch(fresh) is True  # its compiled loss and metrics are not
+    internals.symbolic_build(fresh, (np.zeros((2, 4), "float32"), np.zeros((2, 1), "float32"), None))
+    assert internals.builds_from_a_batch(fresh) is False
+
+
 def test_every_accessor_reads_a_compiled_model(model):
     assert model.built and model.optimizer.built
     assert internals.call_has_training_arg(model) is True

@@ -76,6 +76,19 @@ def test_a_reiterable_is_read_anew_each_epoch():
     assert not source.exhausted and BatchSource(Reiterable()).num_batches is None
 
 
+def test_a_reiterables_first_batch_is_read_once():
+    class Counted(Reiterable):
+        started = 0
+
+        def __iter__(self):
+            Counted.started += 1
+            return super().__iter__()
+
+    source = BatchSource(Counted())
+    assert source.global_batch_size == 4 and len(source.first_rows(2)[0]) == 2 and len(source.first_batch()[0]) == 4
+    assert Counted.started == 1
+
+
 def test_each_replica_takes_its_contiguous_part_and_a_short_batch_is_padded():
     batch = (np.arange(6).reshape(6, 1), np.arange(6), None)
     (x, y, weights), mask = replica_part(batch, global_batch_size=8, replicas=range(1, 2), num_replicas=2)

@@ -26,7 +26,7 @@ Helpers, for what a backend does its own way:
 - the checks ``checked_call`` is made of: ``global_batch_size_of``, ``checked_model_and_inputs``,
   ``resolve_model``, ``require_backend``, ``require_compiled``, ``overrides``;
 - inputs: ``validation_inputs``, ``FirstRows``, ``batch_source``, ``is_batch_source``,
-  ``replica_part``, ``batch_rows``, ``padded_batch_size``, ``flatten``, ``map_structure``;
+  ``replica_part``, ``replica_positions``, ``batch_rows``, ``padded_batch_size``, ``flatten``, ``map_structure``;
 - losses and the learning rate: ``ReplicaRows``, ``activity_regularizer_divides_by_batch_size``,
   ``KerasSchedule``;
 - callbacks and checkpoints: ``verbosity``, ``model_checkpoint``;
@@ -99,6 +99,7 @@ from dp_core.keras._sources import batch_rows as batch_rows
 from dp_core.keras._sources import is_batch_source as is_batch_source
 from dp_core.keras._sources import padded_batch_size as padded_batch_size
 from dp_core.keras._sources import replica_part as replica_part
+from dp_core.keras._sources import replica_positions as replica_positions
 
 __all__ = [
     "BATCH_NORM_MODES",
@@ -147,6 +148,7 @@ __all__ = [
     "python_logs",
     "replica_losses",
     "replica_part",
+    "replica_positions",
     "require_backend",
     "require_compiled",
     "resolve_model",

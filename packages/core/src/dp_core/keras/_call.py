@@ -76,7 +76,7 @@ def checked_call(
        but ``fit``'s ``steps_per_epoch`` (without a batch size, the batch is then Keras's
        ``ceil(rows / steps_per_epoch)``).
 
-    A batch source's batches are the global batches: its ``global_batch_size`` is returned.
+    A batch source's batches are the global batches: its ``global_batch_size`` is returned (see ``_source_call``).
 
     >>> import numpy as np
     >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
@@ -111,9 +111,18 @@ def checked_call(
         steps_name=steps_name,
     )
     if isinstance(inputs, BatchSource):
-        return CheckedCall(keras_model, inputs, inputs.global_batch_size)
+        return _source_call(keras_model, inputs, starts=compiled)
     if keras_step_runs and (num_replicas > 1 or inputs.num_samples % size):
         check_batch_metrics(keras_model, inputs)
     if keras_step_runs and splits_batch_terms:
         warn_terms_not_split(keras_model, inputs, num_replicas=num_replicas, package=package)
     return CheckedCall(keras_model, inputs, size)
+
+
+def _source_call(model: keras.Model, source: BatchSource, *, starts: bool) -> CheckedCall:
+    """A batch source's call, its batches the global batches. ``fit`` and ``evaluate`` (``starts``)
+    start it where ``model.fit`` does: by reading a batch to build an unbuilt model."""
+    size = source.global_batch_size  # its first batch, read with the source's draws left as they were
+    if starts:
+        source.starts_as_keras(model)
+    return CheckedCall(model, source, size)

@@ -21,6 +21,14 @@ def symbolic_build(model: keras.Model, data_batch: tuple[Any, Any, Any]) -> None
     model._symbolic_build(data_batch=data_batch)
 
 
+def builds_from_a_batch(model: keras.Model) -> bool:
+    """Whether ``model.fit`` or ``evaluate`` reads a batch of its input before the first step, to
+    build the model's layers, compiled loss or metrics (``Trainer._symbolic_build``'s condition)."""
+    layers_unbuilt = not all(layer.built for layer in model._flatten_layers())
+    metrics, loss = compile_metrics(model), compile_loss(model)
+    return layers_unbuilt or (metrics is not None and not metrics.built) or (loss is not None and not loss.built)
+
+
 def call_has_training_arg(model: keras.Model) -> bool:
     """Whether ``model.call`` takes ``training``; Keras's own trainers check the same flag."""
     return bool(model._call_has_training_arg)

@@ -28,7 +28,9 @@ generator is; so does this.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import sys
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -85,6 +87,7 @@ class BatchSource:
         self.restarts = restarts
         self._peeked: list[GlobalBatch] = []  # an iterator's first batches, read early, served first
         self._global_batch_size: int | None = None
+        self._first: GlobalBatch | None = None
         if self._num_source_batches() is None and steps_per_epoch is None and self.is_py_dataset:
             raise ValueError(
                 f"{name} is a PyDataset without num_batches (endless); pass steps_per_epoch to say how many "
@@ -110,12 +113,18 @@ class BatchSource:
         return self.steps_per_epoch if known is None else min(known, self.steps_per_epoch)
 
     def first_batch(self) -> GlobalBatch:
-        """The first batch, to build the model from and to learn the global batch size; an
-        iterator's is kept and served again as its first."""
+        """The first batch, to build the model from and to learn the global batch size, read once;
+        an iterator's is served again as its first. Reading an iterable's first batch leaves torch's
+        random state as it was (see ``starts_as_keras``)."""
+        if self._first is not None:
+            return self._first
         if self.is_py_dataset:
-            return self._standardize(self.source[0])
+            self._first = self._standardize(self.source[0])
+            return self._first
         if not self.one_shot:
-            return self._standardize(next(iter(self.source)))
+            with _random_state_kept(self.source):
+                self._first = self._standardize(next(iter(self.source)))
+            return self._first
         if not self._peeked:
             # Keras's generator adapter reads two batches ahead and serves them again at every restart
             ahead = _internals.generator_batches_read_ahead() if self.restarts else 1
@@ -123,6 +132,15 @@ class BatchSource:
             if not self._peeked:
                 raise ValueError(f"{self.name} ({type(self.source).__name__}) yielded no batch.")
         return self._peeked[0]
+
+    def starts_as_keras(self, model: keras.Model) -> None:
+        """Start to iterate an iterable that is iterated anew each epoch (a ``DataLoader``,
+        ``tf.data``, grain) where ``model.fit`` and ``evaluate`` do: to build a model whose layers,
+        compiled loss or metrics are not built yet, they read one batch first. Starting an
+        iteration draws randomness (a shuffled ``DataLoader``'s order, its workers' seed), so the
+        epochs after it are drawn as ``model.fit``'s are."""
+        if not self.one_shot and not self.is_py_dataset and _internals.builds_from_a_batch(model):
+            next(iter(self.source), None)
 
     @property
     def global_batch_size(self) -> int:
@@ -161,6 +179,18 @@ class BatchSource:
         short = count == 0 if self.steps_per_epoch is None else count < self.steps_per_epoch
         if self.one_shot and short:
             self._ran_out(epoch)
+        if not self.one_shot:
+            self.end_of_pass()
+
+    def end_of_pass(self) -> None:
+        """What ``model.fit`` does after a whole pass over an iterable read anew each epoch (Keras's
+        ``EpochIterator``): it starts the next iteration, which the next epoch replaces with one of
+        its own. A torch ``DataLoader`` draws its workers' seed when an iteration starts, from its
+        generator or torch's, so that draw is made here too (its workers are not started)."""
+        torch = sys.modules.get("torch")
+        loader_type = getattr(getattr(getattr(torch, "utils", None), "data", None), "DataLoader", None)
+        if self.steps_per_epoch is None and loader_type is not None and isinstance(self.source, loader_type):
+            torch.empty((), dtype=torch.int64).random_(generator=self.source.generator)  # type: ignore[union-attr]
 
     def _py_dataset_epoch(self, epoch: int, *, shuffle: bool, seed: int) -> Iterator[GlobalBatch]:
         dataset = self.source
@@ -190,6 +220,26 @@ class BatchSource:
         return as_keras_reads(x, y, sample_weight, class_weight=self.class_weight)
 
 
+@contextlib.contextmanager
+def _random_state_kept(source: Any) -> Iterator[None]:
+    """Torch's random state, and a ``DataLoader``'s own generator, as they were before: starting to
+    iterate a loader draws from them (its workers' seed, a shuffling sampler's order), and looking
+    at its first batch must not move the order of the epochs that ``model.fit`` would see."""
+    torch = sys.modules.get("torch")
+    if torch is None:  # no torch loaded: no torch DataLoader to read
+        yield
+        return
+    generator = getattr(source, "generator", None)
+    generator = generator if isinstance(generator, torch.Generator) else None
+    states = torch.random.get_rng_state(), None if generator is None else generator.get_state()
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(states[0])
+        if generator is not None:
+            generator.set_state(states[1])
+
+
 def batch_rows(batch: GlobalBatch) -> int:
     """The row count of a global batch, after checking its arrays agree on it."""
     counts = {int(np.shape(leaf)[0]) for leaf in flatten(batch)}
@@ -210,7 +260,21 @@ def replica_part(
     """The rows of ``replicas`` (consecutive replica indices) of one global batch, padded to the
     global batch size (rounded up to a multiple of ``num_replicas``), and their mask (1 for real
     rows)."""
-    rows = batch_rows(batch)
+    rows, mask = replica_positions(
+        batch_rows(batch), global_batch_size=global_batch_size, replicas=replicas, num_replicas=num_replicas
+    )
+    return tuple(take_rows(part, rows) for part in batch), mask  # type: ignore[return-value]
+
+
+def replica_positions(
+    rows: int, *, global_batch_size: int, replicas: range, num_replicas: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Which rows of a global batch of ``rows`` rows ``replicas`` hold (``replica_part``), and
+    their mask: for a process that reads only its own rows of each batch.
+
+    >>> replica_positions(3, global_batch_size=4, replicas=range(1, 2), num_replicas=2)
+    (array([2, 0]), array([ True, False]))
+    """
     if rows > global_batch_size:
         raise ValueError(
             f"A batch has {rows} rows but the first batch had {global_batch_size}: every batch of a source must "
@@ -219,8 +283,7 @@ def replica_part(
     per_replica = padded_batch_size(global_batch_size, num_replicas) // num_replicas
     positions = np.arange(replicas.start * per_replica, replicas.stop * per_replica)
     mask = positions < rows
-    indices = np.where(mask, positions, 0)  # padding repeats row 0 and weighs nothing
-    return tuple(take_rows(part, indices) for part in batch), mask  # type: ignore[return-value]
+    return np.where(mask, positions, 0), mask  # padding repeats row 0 and weighs nothing
 
 
 def _to_numpy(item: Any) -> Any:

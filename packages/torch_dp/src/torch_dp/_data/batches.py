@@ -21,15 +21,15 @@ from dp_core import Shuffle, epoch_rows, num_steps, split_indices
 from dp_core.keras import (
     BatchSource,
     Inputs,
-    batch_rows,
     map_structure,
     padded_batch_size,
-    replica_part,
+    replica_positions,
     runs_last_batch_whole,
 )
 from torch_dp._comm.replica import Replica
+from torch_dp._data.loaders import replica_rows
 from torch_dp._data.prefetch import pinned, pins_memory, prefetched, reads_ahead, to_device
-from torch_dp._data.sources import Readable, SourceOnPrimary, global_batches
+from torch_dp._data.sources import Readable, SourceOnPrimary
 
 
 @dataclass
@@ -137,30 +137,24 @@ def _source_batches(
 ) -> Iterator[Batch]:
     """A source's global batches, each replica keeping its contiguous part, padded and masked
     as an array input's; with ``whole_last`` a short one whole."""
-    for batch in global_batches(source, replica, epoch, seed, shuffle, first_step):
-        real = batch_rows(batch)
+    padded = padded_batch_size(global_batch_size, replica.num_replicas)
+
+    def rule(real: int) -> tuple[np.ndarray, np.ndarray]:
         if whole_last and real < global_batch_size:
-            x, y, sample_weight = (map_structure(keras.ops.convert_to_tensor, part) for part in batch)
+            return np.arange(real), np.ones(real, dtype=bool)
+        mine, count = range(replica.rank, replica.rank + 1), replica.num_replicas
+        return replica_positions(real, global_batch_size=global_batch_size, replicas=mine, num_replicas=count)
+
+    options = {"epoch": epoch, "seed": seed, "shuffle": shuffle, "first_step": first_step}
+    for part, mask, real in replica_rows(source, replica, rule=rule, **options):
+        x, y, sample_weight = (map_structure(keras.ops.convert_to_tensor, piece) for piece in part)
+        if whole_last and real < global_batch_size:
             yield Batch(x, y, sample_weight, None, real, real, real, real, whole=True)
             continue
-        yield _part(batch, replica, global_batch_size)
-
-
-def _part(batch: tuple[Any, Any, Any], replica: Replica, global_batch_size: int) -> Batch:
-    (x, y, sample_weight), mask = replica_part(
-        batch,
-        global_batch_size=global_batch_size,
-        replicas=range(replica.rank, replica.rank + 1),
-        num_replicas=replica.num_replicas,
-    )
-    converted = (map_structure(keras.ops.convert_to_tensor, part) for part in (x, y, sample_weight))
-    x, y, sample_weight = converted
-    real = batch_rows(batch)
-    padded = padded_batch_size(global_batch_size, replica.num_replicas)
-    mask_tensor = None
-    if real < padded:
-        mask_tensor = cast(torch.Tensor, keras.ops.convert_to_tensor(mask.astype(keras.backend.floatx())))
-    return Batch(x, y, sample_weight, mask_tensor, int(mask.sum()), len(mask), real, padded)
+        mask_tensor = None
+        if real < padded:
+            mask_tensor = cast(torch.Tensor, keras.ops.convert_to_tensor(mask.astype(keras.backend.floatx())))
+        yield Batch(x, y, sample_weight, mask_tensor, int(mask.sum()), len(mask), real, padded)
 
 
 def _batch(
@@ -254,12 +248,16 @@ def even_batches(
     if prefetch is None:
         prefetch = reads_ahead(replica.device)
     if not isinstance(inputs, Inputs):
-        for batch in global_batches(inputs, replica, epoch, seed, bool(shuffle), first_step):
-            real = batch_rows(batch)
+
+        def rule(real: int) -> tuple[np.ndarray, np.ndarray]:
             start, count = even_part(real, replica.num_replicas, replica.rank)
-            rows = slice(start, start + count) if count else slice(0, 1)
-            part = tuple(map_structure(lambda leaf, rows=rows: leaf[rows], piece) for piece in batch)
-            yield _even_batch(part, count, real, replica)
+            if count == 0:  # fewer rows than replicas: a copy of the first, weighing nothing
+                return np.zeros(1, dtype=int), np.zeros(1, dtype=bool)
+            return np.arange(start, start + count), np.ones(count, dtype=bool)
+
+        options = {"epoch": epoch, "seed": seed, "shuffle": bool(shuffle), "first_step": first_step}
+        for part, mask, real in replica_rows(inputs, replica, rule=rule, **options):
+            yield _even_batch(part, int(mask.sum()), real, replica)
         return
     order = epoch_rows(
         inputs.num_samples,

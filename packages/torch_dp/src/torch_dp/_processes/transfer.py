@@ -23,6 +23,7 @@ import keras
 import torch
 
 from dp_core.keras import BatchSource, Inputs, internals
+from torch_dp._data.loaders import LoaderOnReplicas, read_on_replicas
 from torch_dp._data.sources import Readable, SourceOnPrimary
 from torch_dp._loop.jobs import FitJob, Job
 from torch_dp._loop.trainable import TrainableFlags, set_trainable, trainable_flags
@@ -307,10 +308,13 @@ def shippable(request: Request) -> bytes:
 
 def for_workers(job: Job, share: Callable[[Inputs], Inputs]) -> Job:
     """What the worker replicas get of ``job``: its arrays shared (``share``), a batch-yielding
-    input as its stand-in (rank 0 reads it and broadcasts each batch) and no callbacks (rank 0
-    runs them, in the caller; the loops broadcast what they decide)."""
+    input as its stand-in (rank 0 reads it and broadcasts each batch; a DataLoader's dataset, which
+    each replica reads its own rows of: ``_data.loaders``) and no callbacks (rank 0 runs them, in
+    the caller; the loops broadcast what they decide)."""
 
     def stand_in(inputs: Readable) -> Readable:
+        if isinstance(inputs, BatchSource) and read_on_replicas(inputs):
+            return LoaderOnReplicas.of(inputs).for_workers()
         if isinstance(inputs, BatchSource):
             return SourceOnPrimary(inputs.first_rows(2), inputs.num_batches)
         return share(inputs) if isinstance(inputs, Inputs) else inputs

@@ -4,6 +4,7 @@ the caller's group, then runs each call the caller sends (``_loop.run.run_job``)
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 from multiprocessing.connection import Connection
@@ -40,6 +41,9 @@ def pool_worker(
     leftovers = directory if rank == 1 else None
     exit_with_parent(parent, leftovers)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle
+    # A daemon to its caller's multiprocessing (which ends it at exit), but a DataLoader's workers
+    # are its children: multiprocessing refuses children to a process it marks a daemon.
+    multiprocessing.current_process().daemon = False
     try:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         connection.send(("ready",))
