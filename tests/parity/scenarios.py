@@ -258,13 +258,16 @@ def generator_steps_per_epoch(run: Runner) -> Any:
 
 @scenario("input.DataLoader", backends=("torch",), cross_backend=False)
 def dataloader(run: Runner) -> Any:
-    """A torch `DataLoader(batch_size=32)`: each batch it yields is one global batch."""
+    """A shuffled, seeded torch `DataLoader(batch_size=32)`: each batch one global batch, in `model.fit`'s order."""
     import torch
 
     x, y = tabular("dataloader")
     rows = torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
+    shuffled = torch.utils.data.DataLoader(
+        rows, batch_size=BATCH_SIZE, shuffle=True, generator=torch.Generator().manual_seed(0)
+    )
     loader = torch.utils.data.DataLoader(rows, batch_size=BATCH_SIZE, shuffle=False)
-    history = run.fit(mlp("dataloader"), loader, epochs=EPOCHS, shuffle=False, verbose=0)
+    history = run.fit(mlp("dataloader"), shuffled, epochs=EPOCHS, shuffle=False, verbose=0)
     model = history.model
     return {
         "weights": model.get_weights(),

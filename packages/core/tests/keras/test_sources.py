@@ -71,9 +71,32 @@ def test_an_iterators_first_batch_can_be_read_early_and_is_still_trained_on():
 
 
 def test_a_reiterable_is_read_anew_each_epoch():
-    source = BatchSource(Reiterable(), steps_per_epoch=1)
-    assert [len(list(source.epoch(epoch))) for epoch in range(3)] == [1, 1, 1]
-    assert not source.exhausted and BatchSource(Reiterable()).num_batches is None
+    source = BatchSource(Reiterable())
+    assert [len(list(source.epoch(epoch))) for epoch in range(3)] == [2, 2, 2]
+    assert not source.exhausted and source.num_batches is None
+
+
+class Numbered:
+    """An iterable of ``length`` batches, batch i holding the number i, read anew at each ``iter``."""
+
+    def __init__(self, length):
+        self.length = length
+
+    def __len__(self):
+        return self.length
+
+    def __iter__(self):
+        return ((np.full((2, 1), i), np.zeros(2)) for i in range(self.length))
+
+
+def test_with_steps_per_epoch_a_reiterable_goes_on_where_the_last_epoch_stopped_as_keras_reads_it():
+    source = BatchSource(Numbered(5), steps_per_epoch=3)
+    with pytest.warns(UserWarning, match="ran out of data") as caught:
+        epochs = [[int(x[0, 0]) for x, _, _ in source.epoch(epoch)] for epoch in range(4)]
+    assert epochs == [[0, 1, 2], [3, 4], [0, 1, 2], [3, 4]]  # an epoch stops at the end of a pass
+    assert len(caught) == 2 and not source.exhausted and source.num_batches == 3
+    unsized = BatchSource(Reiterable(), steps_per_epoch=1)  # a pass of unknown length: no epoch left empty
+    assert [len(list(unsized.epoch(epoch))) for epoch in range(3)] == [1, 1, 1]
 
 
 def test_a_reiterables_first_batch_is_read_once():

@@ -16,8 +16,9 @@ Epochs, as Keras's adapters run them:
   ``random``); an endless one (``num_batches`` None) needs ``steps_per_epoch``;
 - an iterator or generator is read once: each epoch continues where the last stopped, for
   ``steps_per_epoch`` batches or until it ends (an ended one stops training, with Keras's warning);
-- any other iterable (a ``DataLoader``, ``tf.data``, grain) is iterated anew each epoch, its own
-  shuffling included, at most ``steps_per_epoch`` batches.
+- any other iterable (a ``DataLoader``, ``tf.data``, grain) is read in passes, its own shuffling
+  included: an epoch is a pass, or with ``steps_per_epoch`` goes on where the last stopped
+  (``BatchSource.passes``).
 
 ``validation_data`` is read as Keras reads it (``restarts=True``): every validation starts from
 the beginning, "so the same validation samples are used every time" (Keras's words). An
@@ -32,7 +33,7 @@ import contextlib
 import itertools
 import sys
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import keras
@@ -44,6 +45,12 @@ from dp_core.keras import _internals
 from dp_core.keras._inputs import as_keras_reads
 
 GlobalBatch = tuple[Any, Any, Any]  # (x, y, sample_weight) as numpy, y and sample_weight may be None
+_END = object()
+_PASS_ENDED = (
+    "Your input ran out of data; interrupting training. Make sure that your dataset or generator can generate at "
+    "least `steps_per_epoch * epochs` batches. You may need to use the `.repeat()` function when building your "
+    "dataset."
+)  # Keras's words when an epoch reaches the end of a pass before steps_per_epoch
 
 
 def is_batch_source(x: Any) -> bool:
@@ -88,6 +95,8 @@ class BatchSource:
         self._peeked: list[GlobalBatch] = []  # an iterator's first batches, read early, served first
         self._global_batch_size: int | None = None
         self._first: GlobalBatch | None = None
+        self._pass: Iterator[Any] | None = None  # with steps_per_epoch: the pass epochs go on reading
+        self._seen = 0  # its items read
         if self._num_source_batches() is None and steps_per_epoch is None and self.is_py_dataset:
             raise ValueError(
                 f"{name} is a PyDataset without num_batches (endless); pass steps_per_epoch to say how many "
@@ -134,11 +143,11 @@ class BatchSource:
         return self._peeked[0]
 
     def starts_as_keras(self, model: keras.Model) -> None:
-        """Start to iterate an iterable that is iterated anew each epoch (a ``DataLoader``,
-        ``tf.data``, grain) where ``model.fit`` and ``evaluate`` do: to build a model whose layers,
-        compiled loss or metrics are not built yet, they read one batch first. Starting an
-        iteration draws randomness (a shuffled ``DataLoader``'s order, its workers' seed), so the
-        epochs after it are drawn as ``model.fit``'s are."""
+        """Start to iterate an iterable read in passes (a ``DataLoader``, ``tf.data``, grain)
+        where ``model.fit`` and ``evaluate`` do: to build a model whose layers, compiled loss or
+        metrics are not built yet, they read one batch first. Starting an iteration draws
+        randomness (a shuffled ``DataLoader``'s order, its workers' seed), so the epochs after it
+        are drawn as ``model.fit``'s are."""
         if not self.one_shot and not self.is_py_dataset and _internals.builds_from_a_batch(model):
             next(iter(self.source), None)
 
@@ -161,14 +170,17 @@ class BatchSource:
         if self.is_py_dataset:
             yield from self._py_dataset_epoch(epoch, shuffle=shuffle, seed=seed)
             return
-        iterator = self.source if self.one_shot else iter(self.source)
-        if self.one_shot and self.restarts:
+        if not self.one_shot:
+            yield from (self._standardize(item) for item in self.passes(epoch))
+            return
+        iterator = self.source
+        if self.restarts:
             self.first_batch()
             iterator = itertools.chain(self._peeked, (self._standardize(item) for item in iterator))
             yield from iterator if self.steps_per_epoch is None else itertools.islice(iterator, self.steps_per_epoch)
             return
         if self._peeked:
-            iterator = itertools.chain(self._peeked, iterator)  # type: ignore[assignment]
+            iterator = itertools.chain(self._peeked, iterator)
             self._peeked = []
         batches = iterator if self.steps_per_epoch is None else itertools.islice(iterator, self.steps_per_epoch)
         count = 0
@@ -176,11 +188,41 @@ class BatchSource:
             count += 1
             yield self._standardize(item)
         # an iterator ends for good: an epoch that got none (or fewer than asked) ends training, as in Keras
-        short = count == 0 if self.steps_per_epoch is None else count < self.steps_per_epoch
-        if self.one_shot and short:
+        if count == 0 if self.steps_per_epoch is None else count < self.steps_per_epoch:
             self._ran_out(epoch)
-        if not self.one_shot:
+
+    def passes(self, epoch: int, start: Callable[[], Iterator[Any]] | None = None) -> Iterator[Any]:
+        """Epoch ``epoch``'s items of an iterable read in passes (a ``DataLoader``, tf.data, grain),
+        unconverted, as Keras's ``EpochIterator`` takes them; ``start`` starts a pass (by default
+        ``iter(source)``: a backend that draws a pass itself gives its own).
+
+        Without ``steps_per_epoch`` (and for validation, which starts again each time) an epoch is
+        a new pass. With it, an epoch takes at most ``steps_per_epoch`` items and the next goes on
+        where it stopped; the epoch that reaches the end of a pass (``len(source)`` items) stops
+        there, with Keras's warning when it wanted more, and the next epoch starts a new pass.
+        """
+        start = start or (lambda: iter(self.source))
+        if self.steps_per_epoch is None or self.restarts:
+            items = start()
+            yield from items if self.steps_per_epoch is None else itertools.islice(items, self.steps_per_epoch)
             self.end_of_pass()
+            return
+        length = self._num_source_batches()
+        if self._pass is None:
+            self._pass, self._seen = start(), 0
+        for step in range(self.steps_per_epoch):
+            read = length is not None and self._seen >= length  # the pass is read: the epoch stops here
+            item = _END if read else next(self._pass, _END)
+            if item is _END and not read:  # the pass ended before its length (or it has none): a new one
+                self._pass, self._seen = start(), 0
+                item = next(self._pass, _END) if step == 0 else _END  # no epoch is left empty
+            if item is _END:
+                warnings.warn(_PASS_ENDED, UserWarning, stacklevel=3)
+                break
+            self._seen += 1
+            yield item
+        if length is not None and self._seen >= length:  # Keras starts the next pass here
+            self._pass, self._seen = start(), 0
 
     def end_of_pass(self) -> None:
         """What ``model.fit`` does after a whole pass over an iterable read anew each epoch (Keras's
@@ -189,7 +231,9 @@ class BatchSource:
         generator or torch's, so that draw is made here too (its workers are not started)."""
         torch = sys.modules.get("torch")
         loader_type = getattr(getattr(getattr(torch, "utils", None), "data", None), "DataLoader", None)
-        if self.steps_per_epoch is None and loader_type is not None and isinstance(self.source, loader_type):
+        if loader_type is None or not isinstance(self.source, loader_type) or self._num_source_batches() is None:
+            return  # Keras starts no next iteration of a loader of unknown length
+        if self.steps_per_epoch is None:
             torch.empty((), dtype=torch.int64).random_(generator=self.source.generator)  # type: ignore[union-attr]
 
     def _py_dataset_epoch(self, epoch: int, *, shuffle: bool, seed: int) -> Iterator[GlobalBatch]:

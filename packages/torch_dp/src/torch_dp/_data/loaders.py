@@ -11,7 +11,6 @@ read by rank 0 and broadcast (``_data.sources``).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import multiprocessing
 import warnings
 import weakref
@@ -47,6 +46,7 @@ class LoaderOnReplicas(SourceOnPrimary):
     options: Mapping[str, Any] = field(default_factory=dict)
     pin_memory: bool = False
     class_weight: Mapping[int, float] | None = None
+    seed: int = 0  # the loader's generator's (or torch's) seed, which the replicas' workers' seeds come from
     source: BatchSource | None = field(default=None, compare=False)
 
     @classmethod
@@ -67,6 +67,7 @@ class LoaderOnReplicas(SourceOnPrimary):
             options=options,
             pin_memory=loader.pin_memory,
             class_weight=source.class_weight,
+            seed=(loader.generator or torch.default_generator).initial_seed(),
             source=source,
         )
 
@@ -128,7 +129,7 @@ def replica_rows(
     ``first_step`` on, their mask, and the global batch's real rows."""
     loader = on_replicas(source, replica)
     if loader is not None:
-        yield from _read_own_rows(loader, replica, first_step, rule)
+        yield from _read_own_rows(loader, replica, epoch, first_step, rule)
         return
     for batch in global_batches(source, replica, epoch, seed, shuffle, first_step):
         real = batch_rows(batch)
@@ -137,23 +138,23 @@ def replica_rows(
 
 
 def _read_own_rows(
-    loader: LoaderOnReplicas, replica: Replica, first_step: int, rule: Rule
+    loader: LoaderOnReplicas, replica: Replica, epoch: int, first_step: int, rule: Rule
 ) -> Iterator[tuple[GlobalBatch, np.ndarray, int]]:
     """Each padding row repeats the first row read, so a batch's padding is read once at most (a
     replica with no real rows in a short batch reads that batch's first row)."""
-    seed, batches = _epoch_batches(loader, replica)
+    batches = _epoch_batches(loader, replica, epoch)
     chosen = []
     for batch in batches[first_step:]:
         positions, mask = rule(len(batch))
         reads = max(int(mask.sum()), 1)  # real rows come first
         chosen.append((len(batch), batch[positions[:reads]].tolist(), np.where(mask, np.arange(len(mask)), 0), mask))
-    generator = torch.Generator()
-    generator.manual_seed(int(np.random.SeedSequence([seed % 2**63, replica.rank]).generate_state(1)[0]))
+    generator = torch.Generator()  # this replica's workers' seeds: each replica's, each epoch's differ
+    generator.manual_seed(int(np.random.SeedSequence([loader.seed, epoch, replica.rank]).generate_state(1)[0]))
     own = torch.utils.data.DataLoader(
         loader.dataset,
         batch_sampler=[indices for _, indices, _, _ in chosen],
         pin_memory=loader.pin_memory and replica.device.startswith("cuda"),
-        generator=generator,  # this replica's workers' seeds: each replica's differ
+        generator=generator,
         **loader.options,
     )
     reader = BatchSource(own, class_weight=loader.class_weight)  # converted as Keras reads a batch
@@ -161,18 +162,20 @@ def _read_own_rows(
         yield (_take(rows[0], padded), _take(rows[1], padded), _take(rows[2], padded)), mask, real
 
 
-def _epoch_batches(loader: LoaderOnReplicas, replica: Replica) -> tuple[int, list[np.ndarray]]:
-    """The seed of this epoch's workers and the indices of each of its batches, drawn on rank 0 as
-    ``iter(loader)`` draws them (its workers' seed first, then the sampler's order), on every replica."""
+def _epoch_batches(loader: LoaderOnReplicas, replica: Replica, epoch: int) -> list[np.ndarray]:
+    """The indices of each batch of epoch ``epoch``, drawn on rank 0 as ``model.fit`` iterating the
+    loader would draw them (``BatchSource.passes``: each pass starts with the workers' seed, then
+    the sampler's order), on every replica."""
     message: list[Any] = [None]
     if replica.rank == 0:
         assert loader.source is not None, "rank 0 holds the user's loader"
         user = loader.source.source
-        seed = int(torch.empty((), dtype=torch.int64).random_(generator=user.generator).item())
-        drawn = itertools.islice(user.batch_sampler, loader.num_batches)
-        batches = [np.asarray(batch, dtype=np.int64) for batch in drawn]
-        loader.source.end_of_pass()
-        message = [(seed, batches)]
+
+        def start() -> Iterator[Any]:
+            torch.empty((), dtype=torch.int64).random_(generator=user.generator)  # as iter(loader) draws first
+            return iter(user.batch_sampler)
+
+        message = [[np.asarray(batch, dtype=np.int64) for batch in loader.source.passes(epoch, start)]]
     if replica.distributed:
         dist.broadcast_object_list(message, src=0)
     return message[0]
