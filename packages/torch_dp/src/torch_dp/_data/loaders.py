@@ -57,9 +57,11 @@ class LoaderOnReplicas(SourceOnPrimary):
             options.pop("prefetch_factor")
             options.pop("multiprocessing_context")
         elif loader.multiprocessing_context is None:
-            # how the caller's loader would start its workers; a spawned replica's own default is
-            # spawn, which imports torch and Keras again in each worker, at every epoch
-            options["multiprocessing_context"] = multiprocessing.get_start_method()
+            # how the caller's loader would start its workers (asked without fixing the caller's
+            # choice); a spawned replica's own default is spawn, which imports torch and Keras
+            # again in each worker, at every epoch
+            chosen = multiprocessing.get_start_method(allow_none=True)
+            options["multiprocessing_context"] = chosen or multiprocessing.get_all_start_methods()[0]
         return cls(
             first=source.first_rows(2),
             num_batches=source.num_batches,
