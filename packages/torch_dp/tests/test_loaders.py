@@ -3,7 +3,6 @@ each batch the loader yields (no replica reads or receives another's), and the f
 predict equal model.fit's on the same loader, shuffled, with a short last batch."""
 
 import os
-import threading
 
 import keras
 import numpy as np
@@ -14,29 +13,6 @@ import torch_dp_testing as testing
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 ROWS, BATCH = 100, 32  # batches of 32, 32, 32 and 4 rows
-
-
-class Recorded(torch.utils.data.Dataset):
-    """Rows of ``x`` and ``y``; every read is written down in ``folder``, one file per process."""
-
-    def __init__(self, x, y, folder):
-        self.x, self.y, self.folder = x, y, str(folder)
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, index):
-        with open(os.path.join(self.folder, str(os.getpid())), "a") as f:
-            f.write(f"{index}\n")
-        return self.x[index], self.y[index]
-
-
-class Unsendable(Recorded):
-    """The same rows, holding a lock: it cannot travel to another process."""
-
-    def __init__(self, x, y, folder):
-        super().__init__(x, y, folder)
-        self.lock = threading.Lock()
 
 
 def reads(folder):
@@ -73,7 +49,7 @@ def folders(tmp_path):
 def fitted_by_keras(x, y, folder):
     """model.fit on the loader, and the batches of each epoch it read."""
     model = mlp()
-    history = model.fit(loader(Recorded(x, y, folder)), epochs=2, verbose=0)
+    history = model.fit(loader(testing.Recorded(x, y, folder)), epochs=2, verbose=0)
     (read,) = reads(folder).values()
     first, epochs = read[:BATCH], [read[BATCH : BATCH + ROWS], read[BATCH + ROWS :]]  # Keras built the model first
     batches = [rows[start : start + BATCH] for rows in epochs for start in range(0, ROWS, BATCH)]
@@ -86,7 +62,7 @@ def test_each_replica_reads_its_own_rows_and_the_fit_equals_keras(trainer, tmp_p
     reference, expected, first, batches = fitted_by_keras(x, y, keras_reads)
 
     model = mlp()
-    history = trainer.fit(model, loader(Recorded(x, y, trainer_reads)), epochs=2, verbose=0)
+    history = trainer.fit(model, loader(testing.Recorded(x, y, trainer_reads)), epochs=2, verbose=0)
 
     for name, values in expected.history.items():
         np.testing.assert_allclose(history.history[name], values, rtol=1e-5, err_msg=name)
@@ -109,10 +85,10 @@ def test_with_steps_per_epoch_each_epoch_goes_on_where_the_last_stopped_as_in_mo
     keras_reads, trainer_reads = folders(tmp_path)
     reference = mlp()
     with pytest.warns(UserWarning, match="ran out of data"):
-        expected = reference.fit(loader(Recorded(x, y, keras_reads)), steps_per_epoch=3, epochs=3, verbose=0)
-    model = mlp()
+        expected = reference.fit(loader(testing.Recorded(x, y, keras_reads)), steps_per_epoch=3, epochs=3, verbose=0)
+    model, recorded = mlp(), loader(testing.Recorded(x, y, trainer_reads))
     with pytest.warns(UserWarning, match="ran out of data"):
-        history = trainer.fit(model, loader(Recorded(x, y, trainer_reads)), steps_per_epoch=3, epochs=3, verbose=0)
+        history = trainer.fit(model, recorded, steps_per_epoch=3, epochs=3, verbose=0)
     for name, values in expected.history.items():
         np.testing.assert_allclose(history.history[name], values, rtol=1e-5, err_msg=name)
     for mine, theirs in zip(model.get_weights(), reference.get_weights(), strict=True):
@@ -132,7 +108,7 @@ def test_with_loader_workers_validation_evaluate_and_predict_equal_keras(trainer
     (tmp_path / "rows").mkdir()
 
     def rows(x, y):
-        return torch.utils.data.DataLoader(Recorded(x, y, tmp_path / "rows"), batch_size=BATCH, num_workers=1)
+        return torch.utils.data.DataLoader(testing.Recorded(x, y, tmp_path / "rows"), batch_size=BATCH, num_workers=1)
 
     reference = mlp()
     expected = reference.fit(rows(x, y), epochs=2, validation_data=rows(xv, yv), verbose=0)
@@ -154,7 +130,7 @@ def test_a_dataset_that_cannot_travel_is_read_by_the_caller_with_a_warning(train
 
     model = mlp()
     with pytest.warns(UserWarning, match=r"cannot be sent to the replicas \(TypeError: cannot pickle '_thread.lock'"):
-        history = trainer.fit(model, loader(Unsendable(x, y, trainer_reads)), epochs=2, verbose=0)
+        history = trainer.fit(model, loader(testing.Unsendable(x, y, trainer_reads)), epochs=2, verbose=0)
     np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-5)
     for mine, theirs in zip(model.get_weights(), reference.get_weights(), strict=True):
         np.testing.assert_allclose(mine, theirs, atol=1e-6)
@@ -171,14 +147,14 @@ def test_a_shuffled_loader_is_drawn_as_model_fit_draws_it_in_a_first_and_a_secon
     keras_reads, trainer_reads = folders(tmp_path)
     reference = mlp()
     for _ in range(2):
-        reference.fit(loader(Recorded(x, y, keras_reads)), epochs=2, verbose=0)
+        reference.fit(loader(testing.Recorded(x, y, keras_reads)), epochs=2, verbose=0)
     (expected,) = reads(keras_reads).values()
     first_fit = BATCH + 2 * ROWS  # the batch that built the model, then 2 epochs
 
     model = mlp()
     with torch_dp.Trainer(num_replicas=1) as trainer:
         for _ in range(2):
-            trainer.fit(model, loader(Recorded(x, y, trainer_reads)), epochs=2, verbose=0)
+            trainer.fit(model, loader(testing.Recorded(x, y, trainer_reads)), epochs=2, verbose=0)
     # each fit also read its first batch to learn the batch size, leaving the loader's draws as they were
     second = expected[first_fit:]
     assert reads(trainer_reads) == {os.getpid(): expected[:BATCH] + expected[:first_fit] + second[:BATCH] + second}

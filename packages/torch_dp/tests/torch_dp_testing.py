@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import threading
 import time
 from typing import Any
 
@@ -516,3 +517,26 @@ def squared_error(y_true: Any, y_pred: Any) -> Any:
 
 def absolute_error(y_true: Any, y_pred: Any) -> Any:
     return keras.ops.mean(keras.ops.abs(y_true - y_pred), axis=-1)
+
+
+class Recorded(torch.utils.data.Dataset):
+    """Rows of ``x`` and ``y``; every read is written down in ``folder``, one file per process."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, folder: Any) -> None:
+        self.x, self.y, self.folder = x, y, str(folder)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        with open(os.path.join(self.folder, str(os.getpid())), "a") as f:
+            f.write(f"{index}\n")
+        return self.x[index], self.y[index]
+
+
+class Unsendable(Recorded):
+    """The same rows, holding a lock: it cannot travel to another process."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, folder: Any) -> None:
+        super().__init__(x, y, folder)
+        self.lock = threading.Lock()
