@@ -7,7 +7,7 @@ import keras
 import numpy as np
 import pytest
 
-from jax_dp._data.padding import padding_aware
+from jax_dp._step.padding import padding_aware
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -23,7 +23,7 @@ import jax_dp
 from jax_dp._processes import local
 from jax_dp._processes.admission import admit
 from jax_dp._processes.handshake import ANSWER_S, TAG, join, proof
-from jax_dp._processes.launchers import SLURM_VARIABLES, TORCHRUN_VARIABLES, JobId, job_id, placement
+from jax_dp._processes.cluster import SLURM_VARIABLES, TORCHRUN_VARIABLES, JobId, job_id, cluster_of
 
 JOB = JobId("job-a", "job_id=")
 SECRET = b"the job's secret, 32 characters."
@@ -127,14 +127,14 @@ def test_slurm_values_come_from_jax_s_own_detection(no_launcher):
     }.items():
         no_launcher.setenv(name, value)
     port = 4242 % 2**12 + 65535 - 2**12 + 1  # jax's port for that job
-    assert placement(None, None, None, None, 60) == (f"node007:{port}", 4, 3, [1])
-    assert placement("10.0.0.1:99", None, None, [0, 1], 60) == ("10.0.0.1:99", 4, 3, [0, 1])  # given ones win
+    assert cluster_of(None, None, None, None, 60) == (f"node007:{port}", 4, 3, [1])
+    assert cluster_of("10.0.0.1:99", None, None, [0, 1], 60) == ("10.0.0.1:99", 4, 3, [0, 1])  # given ones win
     no_launcher.setenv("CUDA_VISIBLE_DEVICES", "5")  # --gpus-per-task 1
-    assert placement(None, None, None, None, 60).local_device_ids == [0]
-    assert placement(None, None, None, [1], 60).local_device_ids == [1]  # given: as given
+    assert cluster_of(None, None, None, None, 60).local_device_ids == [0]
+    assert cluster_of(None, None, None, [1], 60).local_device_ids == [1]  # given: as given
     no_launcher.delenv("CUDA_VISIBLE_DEVICES")
     no_launcher.setenv("JAX_COORDINATOR_PORT", "1234")
-    assert placement(None, None, None, None, 60).coordinator_address == "node007:1234"
+    assert cluster_of(None, None, None, None, 60).coordinator_address == "node007:1234"
     assert job_id(None) == ("4242", "SLURM_JOB_ID")
     no_launcher.setenv("SLURM_STEP_ID", "2")
     assert job_id(None) == ("4242.2", "SLURM_JOB_ID.SLURM_STEP_ID")
@@ -148,11 +148,11 @@ def test_torchrun_values_win_over_slurm_s(no_launcher):
     for name, value in {"MASTER_ADDR": "node3", "MASTER_PORT": "29500", "RANK": "5", "WORLD_SIZE": "8"}.items():
         no_launcher.setenv(name, value)
     no_launcher.setenv("LOCAL_RANK", "1")
-    assert placement(None, None, None, None, 60) == ("node3:29501", 8, 5, [1])  # torchrun's store holds 29500
+    assert cluster_of(None, None, None, None, 60) == ("node3:29501", 8, 5, [1])  # torchrun's store holds 29500
     no_launcher.setenv("CUDA_VISIBLE_DEVICES", "3")  # one GPU per process: it is device 0 there
-    assert placement(None, None, None, None, 60).local_device_ids == [0]
+    assert cluster_of(None, None, None, None, 60).local_device_ids == [0]
     no_launcher.setenv("CUDA_VISIBLE_DEVICES", "2,3")
-    assert placement(None, None, None, None, 60).local_device_ids == [1]
+    assert cluster_of(None, None, None, None, 60).local_device_ids == [1]
     no_launcher.delenv("CUDA_VISIBLE_DEVICES")
     no_launcher.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's default: not an id of this job
     assert job_id(None) == ("1", "SLURM_JOB_ID")

@@ -12,7 +12,7 @@ import pytest
 from jax_dp_helpers import GLOBAL_BATCH, dense_bn_model
 
 import jax_dp
-from jax_dp._loop.hooks import STOP_CHECK_STEPS, BatchEndReporter
+from jax_dp._loop.reporting import STOP_CHECK_STEPS, BatchEndReporter
 
 pytestmark = pytest.mark.timeout(240)
 

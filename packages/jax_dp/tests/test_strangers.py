@@ -26,7 +26,7 @@ import jax_dp
 from jax_dp._processes import local
 from jax_dp._processes.admission import admit
 from jax_dp._processes.handshake import join
-from jax_dp._processes.launchers import JobId
+from jax_dp._processes.cluster import JobId
 
 STRANGER = "kdp-jax-stranger"
 WORKER = os.path.join(os.path.dirname(__file__), "jax_dp_mp_worker.py")

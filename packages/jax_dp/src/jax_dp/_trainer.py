@@ -41,7 +41,7 @@ from dp_core.keras import (
 from jax_dp._comm.hosts import is_primary
 from jax_dp._data.sources import epoch_plan
 from jax_dp._loop.checkpoints import resume_and_writer
-from jax_dp._loop.epochs import CustomSteps, EpochTrainer, KerasSteps, epochs_of
+from jax_dp._loop.epochs import OwnSteps, EpochTrainer, KerasSteps, epochs_of
 from jax_dp._loop.evaluate import custom_predict_loop, evaluator, predict_loop
 from jax_dp._loop.fit import fit_loop
 from jax_dp._loop.preemption import PreemptionNotice
@@ -380,7 +380,7 @@ class Trainer:
         action = nonfinite_action(self.on_nonfinite_loss, callbacks)
         stop_on_nonfinite, recipes = action == "stop", self._recipes(apply_nonfinite=action == "apply")
         if overrides(model, "train_step"):
-            kind = CustomSteps(model, optimizer, recipes.custom_train_step(model, optimizer), self.mesh)
+            kind = OwnSteps(model, optimizer, recipes.custom_train_step(model, optimizer), self.mesh)
             return epochs_of(kind, checkpoints=checkpoints, stop_on_nonfinite=stop_on_nonfinite)
         kind = KerasSteps(model, optimizer, recipes.steps(model, optimizer), self.mesh, profile)
         return epochs_of(kind, checkpoints=checkpoints, stop_on_nonfinite=stop_on_nonfinite)

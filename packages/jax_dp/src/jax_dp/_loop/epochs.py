@@ -1,6 +1,6 @@
 """The one epoch skeleton: an epoch's train steps, whatever the step, in one fixed order.
 
-Keras's own train step (``KerasSteps``) and a model's own ``train_step`` (``CustomSteps``) plug
+Keras's own train step (``KerasSteps``) and a model's own ``train_step`` (``OwnSteps``) plug
 into ``train_epoch``, which alone decides what happens around each step, and in which order:
 the batch-begin hook; the step; its report read on the host when a hook or a checkpoint needs
 it (the progress bar's alone once the next step runs; with ``stop_on_nonfinite``, a non-finite
@@ -31,7 +31,7 @@ from jax_dp._comm.hosts import agree, is_primary, replicated_to_host
 from jax_dp._data.batches import Plan, device_batches, padded_batches, whole_last_batch
 from jax_dp._loop import preemption
 from jax_dp._loop.checkpoints import save
-from jax_dp._loop.hooks import STOP_CHECK_STEPS, BatchEndReporter, host_logs, metrics_result_or_logs
+from jax_dp._loop.reporting import STOP_CHECK_STEPS, BatchEndReporter, host_logs, metrics_result_or_logs
 from jax_dp._mesh.mesh import waits_for_each_step
 from jax_dp._step.accumulation import accumulates
 from jax_dp._step.custom import CustomTrainStep, step_data
@@ -339,7 +339,7 @@ class _KerasRun:
 
 
 @final
-class CustomSteps:
+class OwnSteps:
     """The model's own ``train_step`` (``_step.custom``) in the skeleton, as Keras's ``JAXTrainer``
     runs it: the metric values go with the state; the epoch's logs are the model's metric results
     when the step's logs name exactly those metrics, else the last step's logs."""
@@ -360,8 +360,8 @@ class CustomSteps:
             whole_metrics=True,
         )
 
-    def epoch(self, plan: Plan, state: TrainState, *, start: int, every_batch: bool) -> _CustomRun:
-        return _CustomRun(self, plan, start=start)
+    def epoch(self, plan: Plan, state: TrainState, *, start: int, every_batch: bool) -> _OwnRun:
+        return _OwnRun(self, plan, start=start)
 
     def checkpoint(self, writer: CheckpointWriter, state: TrainState, *, epoch: int, step: int) -> None:
         write_back(self.model, self.optimizer, state, metrics=True)
@@ -370,10 +370,10 @@ class CustomSteps:
 
 
 @final
-class _CustomRun:
+class _OwnRun:
     """One epoch of the model's own step, one at a time; not profiled."""
 
-    def __init__(self, kind: CustomSteps, plan: Plan, *, start: int) -> None:
+    def __init__(self, kind: OwnSteps, plan: Plan, *, start: int) -> None:
         self.kind, self.plan, self.start = kind, plan, start
         self.last_logs: Any = None  # the last step's, on the devices; None when no step ran
 

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from dp_core.keras import internals, overrides
 from jax_dp._comm.hosts import agree, replicated_to_host, rows_to_host
 from jax_dp._data.batches import Plan, device_batches, whole_last_batch
-from jax_dp._loop.hooks import BatchEndReporter, host_logs, metrics_result_or_logs
+from jax_dp._loop.reporting import BatchEndReporter, host_logs, metrics_result_or_logs
 from jax_dp._step.custom import CustomPredictStep, CustomTestStep, EvaluationState, step_data
 from jax_dp._step.metrics import metrics_on_mesh
 from jax_dp._step.recipes import Recipes

@@ -123,7 +123,7 @@ def _axes_of(spec: Spec) -> list[str]:
     return [axis for entry in spec if entry is not None for axis in (entry if isinstance(entry, tuple) else (entry,))]
 
 
-class Placement(NamedTuple):
+class WeightShardings(NamedTuple):
     """One model's shardings, in ``trainable_variables``/``non_trainable_variables`` order."""
 
     trainable: list[NamedSharding]
@@ -171,7 +171,7 @@ def shard_mode_of(model: keras.Model, mesh: Mesh) -> ShardMode | None:
     return placed_as(model, mesh).shard
 
 
-def weight_shardings(model: keras.Model, mesh: Mesh) -> Placement:
+def weight_shardings(model: keras.Model, mesh: Mesh) -> WeightShardings:
     """Where each of the model's variables lies on ``mesh``: as its layout says, and with
     ``shard="full"`` a large trainable one split over ``"batch"`` too."""
     _, layout, shard = placed_as(model, mesh)
@@ -179,7 +179,7 @@ def weight_shardings(model: keras.Model, mesh: Mesh) -> Placement:
     if shard == "full":
         pairs = zip(model.trainable_variables, trainable, strict=True)
         trainable = [_split_over_batch(s, tuple(v.shape)) for v, s in pairs]
-    return Placement(
+    return WeightShardings(
         trainable=trainable,
         non_trainable=[_checked_sharding(v, layout, mesh) for v in model.non_trainable_variables],
     )

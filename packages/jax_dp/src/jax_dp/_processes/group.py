@@ -27,8 +27,8 @@ from jax._src import distributed as jax_distributed  # the client jax.distribute
 from dp_core import JOB_SECRET_VARIABLE, SET_JOB_SECRET, JobId, NonFiniteLossError, Preempted, job_secret_of
 from jax_dp._processes import handshake, local
 from jax_dp._processes.admission import Admission, admit, busy_port
-from jax_dp._processes.launchers import Placement, placement
-from jax_dp._processes.launchers import job_id as job_id_of
+from jax_dp._processes.cluster import Cluster, cluster_of
+from jax_dp._processes.cluster import job_id as job_id_of
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -90,42 +90,42 @@ def initialize(
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}.")
     if jax.distributed.is_initialized():
         raise RuntimeError("jax_dp.initialize was already called in this process: call it once per process.")
-    place = placement(coordinator_address, num_processes, process_id, local_device_ids, initialization_timeout)
+    cluster = cluster_of(coordinator_address, num_processes, process_id, local_device_ids, initialization_timeout)
     job = job_id_of(job_id)
-    secret = _job_secret(place.coordinator_address)
+    secret = _job_secret(cluster.coordinator_address)
     options.setdefault("heartbeat_timeout_seconds", math.ceil(timeout))
     # jax's coordinator listens on every interface unless told: listen on the address given only
     # (127.0.0.1 keeps a single-host run off the network; there it goes on a Unix socket).
     own_socket = "coordinator_bind_address" not in options
-    options.setdefault("coordinator_bind_address", place.coordinator_address)
+    options.setdefault("coordinator_bind_address", cluster.coordinator_address)
     # CPU processes talk through gloo; without it cross-process CPU collectives fail.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    admission, jax_address = _admitted(place, job, options, secret, initialization_timeout, own_socket)
+    admission, jax_address = _admitted(cluster, job, options, secret, initialization_timeout, own_socket)
     try:
         jax.distributed.initialize(
             coordinator_address=jax_address,
-            num_processes=place.num_processes,
-            process_id=place.process_id,
-            local_device_ids=place.local_device_ids,
+            num_processes=cluster.num_processes,
+            process_id=cluster.process_id,
+            local_device_ids=cluster.local_device_ids,
             initialization_timeout=initialization_timeout,
             **options,
         )
     except Exception as error:
         if admission is not None:
             admission.close()
-        if place.process_id == 0 and "Failed to start RPC server" in str(error):  # taken since the handshake
-            raise busy_port(place.coordinator_address) from error
+        if cluster.process_id == 0 and "Failed to start RPC server" in str(error):  # taken since the handshake
+            raise busy_port(cluster.coordinator_address) from error
         raise
-    _started(place, admission)
+    _started(cluster, admission)
 
 
-def _started(place: Placement, admission: Admission | None) -> None:
-    """Once jax started: a failure, or a place claimed twice, ends every process."""
+def _started(cluster: Cluster, admission: Admission | None) -> None:
+    """Once jax started: a failure, or a cluster claimed twice, ends every process."""
     # The address the job was given, as before; jax itself is connected through jax_address.
-    jax_distributed.global_state.coordinator_address = place.coordinator_address
-    if place.num_processes > 1:
-        _end_together(jax_distributed.global_state.client, place.process_id, place.num_processes)
-    if admission is not None:  # from now on a place claimed twice ends the job through jax's store
+    jax_distributed.global_state.coordinator_address = cluster.coordinator_address
+    if cluster.num_processes > 1:
+        _end_together(jax_distributed.global_state.client, cluster.process_id, cluster.num_processes)
+    if admission is not None:  # from now on a cluster claimed twice ends the job through jax's store
         admission.on_conflict = _end_for_conflict
         if admission.conflict is not None:
             _end_for_conflict(admission.conflict)
@@ -146,18 +146,18 @@ def _job_secret(coordinator_address: str) -> bytes | None:
 
 
 def _admitted(
-    place: Placement, job: JobId, options: dict[str, Any], secret: bytes | None, timeout: float, own_socket: bool
+    cluster: Cluster, job: JobId, options: dict[str, Any], secret: bytes | None, timeout: float, own_socket: bool
 ) -> tuple[Admission | None, str]:
     """Before jax's coordinator starts: process 0 admits each other process of the job once, and
     each other process joins it (``_processes.admission``, ``_processes.handshake``). Returns
     process 0's admission while it still listens, and the address jax's coordinator has: on one
     host a Unix socket in this user's own folder (nobody else can reach it), else the port."""
-    address = place.coordinator_address
-    if place.process_id != 0:
-        return None, handshake.join(address, place.process_id, place.num_processes, job, timeout, secret) or address
+    address = cluster.coordinator_address
+    if cluster.process_id != 0:
+        return None, handshake.join(address, cluster.process_id, cluster.num_processes, job, timeout, secret) or address
     host, port = handshake.split(address)
     path = local.socket_path(port) if own_socket and local.is_loopback(host) else None
-    admission = admit(options["coordinator_bind_address"], address, place.num_processes, job, timeout, secret, path)
+    admission = admit(options["coordinator_bind_address"], address, cluster.num_processes, job, timeout, secret, path)
     if path is None:
         return None, address
     options["coordinator_bind_address"] = f"unix:{path}"

@@ -50,7 +50,7 @@ from dp_core import (
 from dp_core.keras import internals
 from jax_dp._comm.hosts import is_primary
 from jax_dp._data.batches import Batch
-from jax_dp._data.padding import padding_aware
+from jax_dp._step.padding import padding_aware
 from jax_dp._mesh.layout import shard_mode_of
 from jax_dp._mesh.mesh import BATCH_AXIS
 from jax_dp._step.accumulation import accumulates

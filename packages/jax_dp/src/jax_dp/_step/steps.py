@@ -7,7 +7,7 @@ data-parallel one: it all-reduces gradients and BatchNormalization moments over 
 global batch. Metric states stay per replica (``_step.metrics``); logs are read apart.
 
 Exact loss: when the epoch's last batch is padded, each compiled loss's values carry the
-padding as a Keras mask (``_data.padding``), so Keras's own reduction divides by the real rows'
+padding as a Keras mask (``_step.padding``), so Keras's own reduction divides by the real rows'
 values (or valid mask positions), exactly what single-device Keras computes on its smaller
 last batch; the user's sample weights pass through unchanged. A model that overrides
 ``compute_loss`` gets ``sample_weight * mask * B / real_rows`` instead, which is exact for
@@ -37,7 +37,7 @@ from dp_core import BatchNormMode
 from dp_core.keras import internals, python_logs
 from jax_dp._comm.hosts import replicated_to_host
 from jax_dp._data.batches import Batch, WholeBatch, row_weights
-from jax_dp._data.padding import computes_own_loss, padding_aware
+from jax_dp._step.padding import computes_own_loss, padding_aware
 from jax_dp._mesh.layout import gradient_shardings, weight_shardings
 from jax_dp._mesh.mesh import batch_sharded, num_replicas_of, replicated
 from jax_dp._step.accumulation import accumulated_shardings, accumulated_update, accumulates

@@ -20,7 +20,7 @@ TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 SLURM_VARIABLES = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NODELIST")
 
 
-class Placement(NamedTuple):
+class Cluster(NamedTuple):
     """Where this process stands in the job, as given or detected."""
 
     coordinator_address: str
@@ -29,22 +29,22 @@ class Placement(NamedTuple):
     local_device_ids: Sequence[int] | None
 
 
-def placement(
+def cluster_of(
     coordinator_address: str | None,
     num_processes: int | None,
     process_id: int | None,
     local_device_ids: Sequence[int] | None,
     initialization_timeout: int,
-) -> Placement:
+) -> Cluster:
     """The arguments given, with the ones left out read from torchrun's or SLURM's variables."""
     if coordinator_address is not None and num_processes is not None and process_id is not None:
-        return Placement(coordinator_address, num_processes, process_id, local_device_ids)
+        return Cluster(coordinator_address, num_processes, process_id, local_device_ids)
     launch = launch_of() if all(name in os.environ for name in TORCHRUN_VARIABLES) else None
     if launch is not None:  # first: torchrun may run inside a SLURM step
         assert launch.address is not None and launch.port is not None
         assert launch.num_processes is not None and launch.rank is not None
         port = os.environ.get("JAX_COORDINATOR_PORT") or str(launch.port + 1)
-        detected = Placement(
+        detected = Cluster(
             f"{launch.address}:{port}",
             launch.num_processes,
             launch.rank,
@@ -56,7 +56,7 @@ def placement(
             None, None, None, None, "slurm", initialization_timeout
         )
         assert address is not None and count is not None and index is not None  # SLURM's variables are all set
-        detected = Placement(address, count, index, devices)
+        detected = Cluster(address, count, index, devices)
     else:
         given = {"coordinator_address": coordinator_address, "num_processes": num_processes, "process_id": process_id}
         missing = ", ".join(name for name, value in given.items() if value is None)
@@ -66,7 +66,7 @@ def placement(
             "process with torchrun or srun, or pass coordinator_address='<process 0's host>:<free port>', "
             "num_processes and process_id to each (a single process needs no jax_dp.initialize)."
         )
-    return Placement(
+    return Cluster(
         coordinator_address if coordinator_address is not None else detected.coordinator_address,
         num_processes if num_processes is not None else detected.num_processes,
         process_id if process_id is not None else detected.process_id,
