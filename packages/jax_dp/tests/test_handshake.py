@@ -22,8 +22,8 @@ from jax_dp_helpers import Thread, free_port
 import jax_dp
 from jax_dp._processes import local
 from jax_dp._processes.admission import admit
+from jax_dp._processes.cluster import SLURM_VARIABLES, TORCHRUN_VARIABLES, JobId, cluster_of, job_id
 from jax_dp._processes.handshake import ANSWER_S, TAG, join, proof
-from jax_dp._processes.cluster import SLURM_VARIABLES, TORCHRUN_VARIABLES, JobId, job_id, cluster_of
 
 JOB = JobId("job-a", "job_id=")
 SECRET = b"the job's secret, 32 characters."

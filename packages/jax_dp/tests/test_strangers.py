@@ -25,8 +25,8 @@ from jax_dp_helpers import Thread, free_port, start_workers
 import jax_dp
 from jax_dp._processes import local
 from jax_dp._processes.admission import admit
-from jax_dp._processes.handshake import join
 from jax_dp._processes.cluster import JobId
+from jax_dp._processes.handshake import join
 
 STRANGER = "kdp-jax-stranger"
 WORKER = os.path.join(os.path.dirname(__file__), "jax_dp_mp_worker.py")

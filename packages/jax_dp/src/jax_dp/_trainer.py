@@ -41,7 +41,7 @@ from dp_core.keras import (
 from jax_dp._comm.hosts import is_primary
 from jax_dp._data.sources import epoch_plan
 from jax_dp._loop.checkpoints import resume_and_writer
-from jax_dp._loop.epochs import OwnSteps, EpochTrainer, KerasSteps, epochs_of
+from jax_dp._loop.epochs import EpochTrainer, KerasSteps, OwnSteps, epochs_of
 from jax_dp._loop.evaluate import custom_predict_loop, evaluator, predict_loop
 from jax_dp._loop.fit import fit_loop
 from jax_dp._loop.preemption import PreemptionNotice

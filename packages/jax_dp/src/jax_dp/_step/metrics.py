@@ -23,9 +23,9 @@ from jax.sharding import PartitionSpec as P
 from dp_core.keras import internals
 from jax_dp._comm.hosts import replicated_to_host, same_on_all_processes
 from jax_dp._data.batches import Batch, row_weights
-from jax_dp._step.padding import masked_metrics
 from jax_dp._mesh.mesh import BATCH_AXIS, batch_sharded, num_replicas_of, replicated
 from jax_dp._step.compile_cache import held_weakly
+from jax_dp._step.padding import masked_metrics
 
 Logs = dict[str, Any]
 

@@ -50,12 +50,12 @@ from dp_core import (
 from dp_core.keras import internals
 from jax_dp._comm.hosts import is_primary
 from jax_dp._data.batches import Batch
-from jax_dp._step.padding import padding_aware
 from jax_dp._mesh.layout import shard_mode_of
 from jax_dp._mesh.mesh import BATCH_AXIS
 from jax_dp._step.accumulation import accumulates
 from jax_dp._step.compile_cache import held_weakly
 from jax_dp._step.optimizers import Optimizer
+from jax_dp._step.padding import padding_aware
 from jax_dp._step.state import TrainState, train_state_on_mesh
 from jax_dp._step.steps import _loss_and_updates, make_train_step
 

@@ -37,13 +37,13 @@ from dp_core import BatchNormMode
 from dp_core.keras import internals, python_logs
 from jax_dp._comm.hosts import replicated_to_host
 from jax_dp._data.batches import Batch, WholeBatch, row_weights
-from jax_dp._step.padding import computes_own_loss, padding_aware
 from jax_dp._mesh.layout import gradient_shardings, weight_shardings
 from jax_dp._mesh.mesh import batch_sharded, num_replicas_of, replicated
 from jax_dp._step.accumulation import accumulated_shardings, accumulated_update, accumulates
 from jax_dp._step.compile_cache import held_weakly
 from jax_dp._step.metrics import Logs, make_metric_update, results_of, whole_batch_metric_update, zero_states
 from jax_dp._step.optimizers import Optimizer
+from jax_dp._step.padding import computes_own_loss, padding_aware
 from jax_dp._step.state import TrainState, Weights, step_taken
 
 

@@ -28,8 +28,8 @@ from dp_core import Checkpoint, check_checkpoint_dir, claim_checkpoint_dir, load
 from dp_core.keras import CheckpointWriter, Start, restore_model, start_of
 from torch_dp._comm.collectives import all_gather_rows, all_reduce_sum
 from torch_dp._comm.replica import Replica
-from torch_dp._step.shards import REPLICATED, TrainingState
 from torch_dp._step.broadcast import same_state_as_primary
+from torch_dp._step.shards import REPLICATED, TrainingState
 
 if TYPE_CHECKING:
     from torch_dp._step.accumulation import Window

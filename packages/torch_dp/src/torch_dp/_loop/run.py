@@ -33,12 +33,12 @@ from torch_dp._loop.evaluate import evaluate_loop, predict_loop
 from torch_dp._loop.fit import fit_loop
 from torch_dp._loop.jobs import EvaluateJob, FitJob, Job, PredictJob
 from torch_dp._step.batchnorm import masked_batch_norm
+from torch_dp._step.broadcast import check_same_variables, same_state_as_primary
 from torch_dp._step.custom import custom_steps, overrides
 from torch_dp._step.flops import COUNTED, flops_per_step, rows_to_count
 from torch_dp._step.placement import check_placement
 from torch_dp._step.profile import finish_report, step_timer, timing_batch_norm
 from torch_dp._step.shards import sharded
-from torch_dp._step.broadcast import check_same_variables, same_state_as_primary
 
 
 def build(model: keras.Model, job: Job) -> None:

@@ -54,8 +54,8 @@ from torch_dp._comm.collectives import all_reduce_sum, broadcast_from_primary
 from torch_dp._comm.replica import Replica
 from torch_dp._data.batches import EvenBatch
 from torch_dp._step.batchnorm import real_rows
-from torch_dp._step.metrics import logs_of
 from torch_dp._step.broadcast import check_same_optimizer_variables
+from torch_dp._step.metrics import logs_of
 
 STEPS = ("train_step", "test_step", "predict_step")
 
