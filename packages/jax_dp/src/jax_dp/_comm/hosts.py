@@ -13,8 +13,9 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import distributed as jax_distributed  # the client jax.distributed keeps; no public accessor
 from jax.experimental import multihost_utils
+
+from jax_dp._internals import distributed_client
 
 _texts = itertools.count()  # every process asks in the same order: the same key on each
 
@@ -25,7 +26,7 @@ def text_from_primary(name: str, text: str | None) -> str:
     if jax.process_count() == 1:
         assert text is not None
         return text
-    client: Any = jax_distributed.global_state.client
+    client: Any = distributed_client()
     if is_primary():
         assert text is not None
         client.key_value_set(key, text)

@@ -17,10 +17,10 @@ from types import FrameType, TracebackType
 from typing import Any
 
 import jax
-from jax._src import distributed as jax_distributed  # the preemption service jax.distributed keeps; no public accessor
 from jax.experimental import multihost_utils
 
 from dp_core import Preempted, PreemptionWatch, list_checkpoints
+from jax_dp._internals import preemption_service_running
 
 # Every process calls the sync point at every step of every fit, in the same order, with
 # ids that only grow (jax's protocol): one counter for the process's lifetime.
@@ -70,7 +70,7 @@ class PreemptionNotice:
         self._watch = PreemptionWatch() if self.processes == 1 else None
         # Without jax's preemption service (jax_enable_preemption_service=False) no step can be
         # agreed on: notices then keep their usual effect.
-        self._service = self.processes > 1 and jax_distributed.global_state.preemption_sync_manager is not None
+        self._service = self.processes > 1 and preemption_service_running()
         self._previous_usr1: object = None
 
     def __enter__(self) -> PreemptionNotice:

@@ -12,9 +12,8 @@ import os
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from jax._src import clusters  # jax's cluster detection; no public accessor
-
 from dp_core import JobId, job_id_of, launch_of
+from jax_dp._internals import in_slurm_step, slurm_cluster
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 SLURM_VARIABLES = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NODELIST")
@@ -51,12 +50,8 @@ def cluster_of(
             # one device per process, like jax under SLURM
             [launch.local_rank] if launch.local_rank is not None else None,
         )
-    elif clusters.SlurmCluster.is_env_present():
-        address, count, index, devices = clusters.ClusterEnv.auto_detect_unset_distributed_params(
-            None, None, None, None, "slurm", initialization_timeout
-        )
-        assert address is not None and count is not None and index is not None  # SLURM's variables are all set
-        detected = Cluster(address, count, index, devices)
+    elif in_slurm_step():
+        detected = Cluster(*slurm_cluster(initialization_timeout))
     else:
         given = {"coordinator_address": coordinator_address, "num_processes": num_processes, "process_id": process_id}
         missing = ", ".join(name for name, value in given.items() if value is None)

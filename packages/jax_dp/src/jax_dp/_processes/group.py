@@ -22,9 +22,9 @@ from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
 import jax
-from jax._src import distributed as jax_distributed  # the client jax.distributed keeps; no public accessor
 
 from dp_core import JOB_SECRET_VARIABLE, SET_JOB_SECRET, JobId, NonFiniteLossError, Preempted, job_secret_of
+from jax_dp._internals import distributed_client, set_coordinator_address
 from jax_dp._processes import handshake, local
 from jax_dp._processes.admission import Admission, admit, busy_port
 from jax_dp._processes.cluster import Cluster, cluster_of
@@ -122,9 +122,9 @@ def initialize(
 def _started(cluster: Cluster, admission: Admission | None) -> None:
     """Once jax started: a failure, or a cluster claimed twice, ends every process."""
     # The address the job was given, as before; jax itself is connected through jax_address.
-    jax_distributed.global_state.coordinator_address = cluster.coordinator_address
+    set_coordinator_address(cluster.coordinator_address)
     if cluster.num_processes > 1:
-        _end_together(jax_distributed.global_state.client, cluster.process_id, cluster.num_processes)
+        _end_together(distributed_client(), cluster.process_id, cluster.num_processes)
     if admission is not None:  # from now on a cluster claimed twice ends the job through jax's store
         admission.on_conflict = _end_for_conflict
         if admission.conflict is not None:
