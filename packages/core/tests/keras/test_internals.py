@@ -206,6 +206,8 @@ def test_gradient_accumulation_state():
     assert int(keras.ops.convert_to_numpy(internals.apply_count(optimizer))) == 1
     assert int(keras.ops.convert_to_numpy(optimizer.iterations)) == 0  # one step into a window of 2
     (accumulator,) = internals.gradient_accumulators(optimizer)
+    (trained,) = internals.trained_variables(optimizer)
+    assert trained is variable and internals.trained_variables(keras.optimizers.SGD()) == []
     assert internals.gradient_accumulator(optimizer, variable) is accumulator
     assert keras.ops.convert_to_numpy(accumulator).tolist() == [1.0, 2.0]
     assert len(internals.moving_averages(optimizer)) == 1

@@ -260,6 +260,12 @@ def apply_count(optimizer: keras.optimizers.Optimizer) -> keras.Variable:
     return optimizer._iterations
 
 
+def trained_variables(optimizer: keras.optimizers.Optimizer) -> list[keras.Variable]:
+    """The model's variables ``optimizer`` was built to update, in its own order (none before it is
+    built): ``optimizer.variables`` lists its slots instead."""
+    return list(getattr(optimizer, "_trainable_variables", None) or [])
+
+
 def gradient_accumulators(optimizer: keras.optimizers.Optimizer) -> list[keras.Variable]:
     """The sums of the gradients ``apply`` has seen since the last update, one per variable
     the optimizer was built on (``gradient_accumulation_steps``; no public name)."""
