@@ -1,7 +1,8 @@
-"""The private torch attributes torch-dp uses, each with its reason."""
+"""The private torch (and multiprocessing) attributes torch-dp uses, each with its reason."""
 
 from __future__ import annotations
 
+import multiprocessing
 from datetime import timedelta
 
 import torch
@@ -21,3 +22,10 @@ def set_collective_timeout(seconds: float) -> None:
     own), and torch has no public setter for another one after that; ``_set_pg_timeout`` is
     what ``torch.distributed.breakpoint`` uses to lengthen it."""
     distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
+
+
+def starting_as_spawned_child() -> bool:
+    """Whether this process is a spawned child still importing its parent's main module
+    (``Process._inheriting``, the flag ``multiprocessing.spawn`` itself checks before it refuses
+    a start from an unguarded main)."""
+    return bool(getattr(multiprocessing.current_process(), "_inheriting", False))
