@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, NamedTuple, ParamSpec, TypeVar
 
 import jax
 
@@ -97,31 +97,45 @@ def initialize(
     # jax's coordinator listens on every interface unless told: listen on the address given only
     # (127.0.0.1 keeps a single-host run off the network; there it goes on a Unix socket).
     own_socket = "coordinator_bind_address" not in options
-    options.setdefault("coordinator_bind_address", cluster.coordinator_address)
-    # CPU processes talk through gloo; without it cross-process CPU collectives fail.
+    bind_address = options.pop("coordinator_bind_address", cluster.coordinator_address)
+    coordinator = _admitted(cluster, job, secret, initialization_timeout, bind_address, own_socket=own_socket)
+    _start(cluster, coordinator, initialization_timeout, options)
+    _started(cluster, coordinator.admission)
+
+
+class Coordinator(NamedTuple):
+    """jax's coordinator, as process 0 set it up for this job (``_admitted``)."""
+
+    address: str  # where the processes reach it: a Unix socket on one host, else the job's address
+    bind_address: str  # where process 0's coordinator listens
+    admission: Admission | None  # process 0's on one host, listening until jax has started
+
+
+def _start(cluster: Cluster, coordinator: Coordinator, initialization_timeout: int, options: dict[str, Any]) -> None:
+    """``jax.distributed.initialize`` with gloo for CPU collectives (without it cross-process CPU
+    collectives fail; harmless on accelerators). A port taken since the handshake is a clear error."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    admission, jax_address = _admitted(cluster, job, options, secret, initialization_timeout, own_socket)
     try:
         jax.distributed.initialize(
-            coordinator_address=jax_address,
+            coordinator_address=coordinator.address,
             num_processes=cluster.num_processes,
             process_id=cluster.process_id,
             local_device_ids=cluster.local_device_ids,
             initialization_timeout=initialization_timeout,
+            coordinator_bind_address=coordinator.bind_address,
             **options,
         )
     except Exception as error:
-        if admission is not None:
-            admission.close()
-        if cluster.process_id == 0 and "Failed to start RPC server" in str(error):  # taken since the handshake
+        if coordinator.admission is not None:
+            coordinator.admission.close()
+        if cluster.process_id == 0 and "Failed to start RPC server" in str(error):
             raise busy_port(cluster.coordinator_address) from error
         raise
-    _started(cluster, admission)
 
 
 def _started(cluster: Cluster, admission: Admission | None) -> None:
     """Once jax started: a failure, or a cluster claimed twice, ends every process."""
-    # The address the job was given, as before; jax itself is connected through jax_address.
+    # The address the job was given, as before; jax itself is connected through the coordinator's.
     set_coordinator_address(cluster.coordinator_address)
     if cluster.num_processes > 1:
         _end_together(distributed_client(), cluster.process_id, cluster.num_processes)
@@ -146,24 +160,24 @@ def _job_secret(coordinator_address: str) -> bytes | None:
 
 
 def _admitted(
-    cluster: Cluster, job: JobId, options: dict[str, Any], secret: bytes | None, timeout: float, own_socket: bool
-) -> tuple[Admission | None, str]:
+    cluster: Cluster, job: JobId, secret: bytes | None, timeout: float, bind_address: str, *, own_socket: bool
+) -> Coordinator:
     """Before jax's coordinator starts: process 0 admits each other process of the job once, and
-    each other process joins it (``_processes.admission``, ``_processes.handshake``). Returns
-    process 0's admission while it still listens, and the address jax's coordinator has: on one
-    host a Unix socket in this user's own folder (nobody else can reach it), else the port."""
+    each other process joins it (``_processes.admission``, ``_processes.handshake``). On one host
+    (unless ``own_socket`` is off: a bind address was given) the coordinator listens on a Unix
+    socket in this user's own folder (nobody else can reach it), else on the job's port."""
     address = cluster.coordinator_address
     if cluster.process_id != 0:
-        return None, handshake.join(address, cluster.process_id, cluster.num_processes, job, timeout, secret) or address
+        joined = handshake.join(address, cluster.process_id, cluster.num_processes, job, timeout, secret)
+        return Coordinator(joined or address, bind_address, None)
     host, port = handshake.split(address)
     path = local.socket_path(port) if own_socket and local.is_loopback(host) else None
-    admission = admit(options["coordinator_bind_address"], address, cluster.num_processes, job, timeout, secret, path)
+    admission = admit(bind_address, address, cluster.num_processes, job, timeout, secret, path)
     if path is None:
-        return None, address
-    options["coordinator_bind_address"] = f"unix:{path}"
+        return Coordinator(address, bind_address, None)
     atexit.register(admission.close)  # runs before jax's exit-time shutdown (registered earlier)
     _Run.admission = admission  # closed by _exit_now too, which skips atexit
-    return admission, f"unix:{path}"
+    return Coordinator(f"unix:{path}", f"unix:{path}", admission)
 
 
 def _end_for_conflict(reason: str) -> None:
