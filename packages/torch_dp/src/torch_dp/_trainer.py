@@ -24,8 +24,11 @@ from dp_core import (
 )
 from dp_core.keras import (
     BatchSource,
+    EvaluateJob,
     FitArguments,
+    FitJob,
     Inputs,
+    PredictJob,
     build_model,
     check_batch_norm_mode,
     check_nonfinite_mode,
@@ -37,7 +40,6 @@ from dp_core.keras import (
     plan_learning_rate,
     resumable_checkpoint,
 )
-from torch_dp._loop.jobs import EvaluateJob, FitJob, PredictJob
 from torch_dp._processes.cluster import is_primary_process
 from torch_dp._processes.group import Timeouts
 from torch_dp._processes.launchers import Launcher, choose_launcher
@@ -339,12 +341,12 @@ class Trainer:
         return FitJob(
             arguments,
             self.batch_norm,
-            self.log_every_steps,
             nonfinite_action(self.on_nonfinite_loss, arguments.callbacks),  # a TerminateOnNaN's stop, as in Keras
-            policy,
-            resume,
             profile=profile,
             shard=self.shard,
+            log_every_steps=self.log_every_steps,
+            lr_policy=policy,
+            resume_from=resume,
         )
 
     @property

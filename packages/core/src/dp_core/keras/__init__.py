@@ -10,6 +10,8 @@ The contract, what a backend calls on the way from the user's call to its step:
 
 - the call: ``checked_call`` (every check before anything starts; a ``CheckedCall``, the
   backend's ``OwnStepsCheck`` for a model's own steps), then ``fit_arguments`` (``FitArguments``);
+- the job: ``FitJob``, ``EvaluateJob``, ``PredictJob`` (``Job``), what a trainer hands the
+  backend's run, for backend authors (a ``SourceStandIn`` may replace a source where it is not read);
 - the inputs: ``Inputs`` (arrays and map-style datasets, read by row), ``BatchSource``
   (batch-yielding sources, each batch a global batch);
 - the model: ``build_model``;
@@ -56,6 +58,11 @@ from dp_core.keras._checkpoints import restore_model as restore_model
 from dp_core.keras._checkpoints import resumable_checkpoint as resumable_checkpoint
 from dp_core.keras._checkpoints import start_of as start_of
 from dp_core.keras._inputs import Inputs as Inputs
+from dp_core.keras._jobs import EvaluateJob as EvaluateJob
+from dp_core.keras._jobs import FitJob as FitJob
+from dp_core.keras._jobs import Job as Job
+from dp_core.keras._jobs import PredictJob as PredictJob
+from dp_core.keras._jobs import SourceStandIn as SourceStandIn
 from dp_core.keras._learning_rate import LearningRatePolicy as LearningRatePolicy
 from dp_core.keras._learning_rate import learning_rate_policy_installed as learning_rate_policy_installed
 from dp_core.keras._learning_rate import plan_learning_rate as plan_learning_rate
@@ -108,13 +115,18 @@ __all__ = [
     "BatchTerms",
     "CheckedCall",
     "CheckpointWriter",
+    "EvaluateJob",
     "FirstRows",
     "FitArguments",
+    "FitJob",
     "Inputs",
+    "Job",
     "KerasSchedule",
     "LearningRatePolicy",
     "OwnStepsCheck",
+    "PredictJob",
     "ReplicaRows",
+    "SourceStandIn",
     "Start",
     "activity_regularizer_divides_by_batch_size",
     "batch_rows",

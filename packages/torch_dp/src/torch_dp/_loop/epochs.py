@@ -22,13 +22,12 @@ import numpy as np
 import torch
 
 from dp_core import NO_STEP_TIMER, NonFiniteAction, NoStepTimer, Preempted, PreemptionWatch, StepTimer, list_checkpoints
-from dp_core.keras import CheckpointWriter, internals, nonfinite_loss_stopped, skipped_message
+from dp_core.keras import CheckpointWriter, FitJob, internals, nonfinite_loss_stopped, skipped_message
 from torch_dp._comm.collectives import all_reduce_sum, broadcast_floats
 from torch_dp._comm.replica import Replica
 from torch_dp._data.batches import Batch, EvenBatch, even_batches, replica_batches, whole_last_batch
 from torch_dp._loop.changes import Changes
 from torch_dp._loop.checkpoints import save
-from torch_dp._loop.jobs import FitJob
 from torch_dp._step.accumulation import Window
 from torch_dp._step.custom import CustomSteps, optimizers_of
 from torch_dp._step.metrics import global_logs, logs_due, logs_of

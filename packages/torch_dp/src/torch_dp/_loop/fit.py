@@ -14,6 +14,7 @@ from dp_core import NO_STEP_TIMER, NoStepTimer, PreemptionWatch, StepTimer
 from dp_core.keras import (
     BatchSource,
     CheckpointWriter,
+    FitJob,
     Start,
     callback_list,
     checkpoints_finished,
@@ -29,7 +30,6 @@ from torch_dp._loop.checkpoints import check_same_start, holding_checkpoint_dir,
 from torch_dp._loop.epochs import EpochSteps, KerasSteps, OwnSteps, share_decisions, train_epoch
 from torch_dp._loop.evaluate import evaluate_loop
 from torch_dp._loop.hooks import on_whole_state
-from torch_dp._loop.jobs import FitJob
 from torch_dp._step.accumulation import Window, accumulation_window
 from torch_dp._step.custom import CustomSteps
 from torch_dp._step.shards import REPLICATED, TrainingState

@@ -2,7 +2,7 @@
 variables on this replica's device, rank 0's state everywhere), then the job's loop.
 
 ``run_job`` serves every replica: the caller's own process (one replica, rank 0 of spawned
-replicas, or one of torchrun's) and each spawned worker. Jobs are data (``_loop.jobs``); what each
+replicas, or one of torchrun's) and each spawned worker. Jobs are data (``dp_core.keras``'s); what each
 kind of job does on a replica is here (``run_fit``, ``run_evaluate``, ``run_predict``).
 """
 
@@ -17,7 +17,11 @@ import torch
 from dp_core import NO_STEP_TIMER, PreemptionWatch, StepTimer
 from dp_core.keras import (
     CheckpointWriter,
+    EvaluateJob,
+    FitJob,
     Inputs,
+    Job,
+    PredictJob,
     batch_terms,
     build_model,
     check_losses_split,
@@ -31,7 +35,6 @@ from torch_dp._data.sources import Readable
 from torch_dp._loop.checkpoints import resume_from
 from torch_dp._loop.evaluate import evaluate_loop, predict_loop
 from torch_dp._loop.fit import fit_loop
-from torch_dp._loop.jobs import EvaluateJob, FitJob, Job, PredictJob
 from torch_dp._step.batchnorm import masked_batch_norm
 from torch_dp._step.broadcast import check_same_variables, same_state_as_primary
 from torch_dp._step.custom import custom_steps, overrides

@@ -19,8 +19,8 @@ import keras
 import torch
 import torch.distributed as dist
 
+from dp_core.keras import Job
 from torch_dp._comm.replica import Replica
-from torch_dp._loop.jobs import Job
 from torch_dp._loop.run import run_job
 from torch_dp._processes.cluster import Cluster, cluster_of
 from torch_dp._processes.group import Timeouts, device_for, join_cluster_group, leave_group

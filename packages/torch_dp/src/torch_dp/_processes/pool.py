@@ -46,10 +46,10 @@ import torch
 import torch.distributed as dist
 
 from dp_core import threads_per_replica, warn_oversubscribed
+from dp_core.keras import FitJob, Job
 from torch_dp._comm.collectives import count_collectives_in
 from torch_dp._comm.replica import Replica
 from torch_dp._internals import version
-from torch_dp._loop.jobs import FitJob, Job
 from torch_dp._loop.run import build, check_losses, run_job
 from torch_dp._loop.trainable import trainable_flags
 from torch_dp._processes.failures import (

@@ -22,10 +22,9 @@ import cloudpickle
 import keras
 import torch
 
-from dp_core.keras import BatchSource, Inputs, internals
+from dp_core.keras import BatchSource, FitJob, Inputs, Job, internals
 from torch_dp._data.loaders import LoaderOnReplicas, read_on_replicas
 from torch_dp._data.sources import Readable, SourceOnPrimary
-from torch_dp._loop.jobs import FitJob, Job
 from torch_dp._loop.trainable import TrainableFlags, set_trainable, trainable_flags
 from torch_dp._processes.shared_arrays import open_shared
 
