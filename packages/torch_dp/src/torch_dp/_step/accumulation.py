@@ -54,15 +54,14 @@ from dp_core.keras import internals, nonfinite_loss_stopped, skipped_message
 from torch_dp._comm.collectives import all_reduce_sum
 from torch_dp._comm.replica import Replica
 from torch_dp._data.batches import Batch
-from torch_dp._step.steps import (
-    Trained,
-    _decisions,
-    _flag,
-    _learning_rate_variable,
-    _state_to_undo,
-    act_on_decisions,
-    local_gradients,
+from torch_dp._step.reduction import (
+    ReductionLayout,
+    all_reduce_after,
+    decisions_on_device,
+    flag,
+    learning_rate_variable,
 )
+from torch_dp._step.steps import Trained, _state_to_undo, act_on_agreed, backward, forward_loss
 
 Saved = list[tuple[keras.Variable, torch.Tensor]]
 
@@ -146,32 +145,32 @@ class Window:
         last = (self.applied + 1) % self.steps == 0
         exchange = last or sum_metrics  # something must travel: the gradients, or every batch's logs
         before = _state_to_undo(model) if exchange else []
-        loss, trainable, local, _ = local_gradients(model, batch, replica)
+        loss = forward_loss(model, batch, replica)
+        trainable, local = backward(model, loss, replica)
         timer.lap("forward_backward", sync=True)
         nonfinite = (~torch.isfinite(torch.as_tensor(loss).detach().reshape(1))).to(torch.float32)
         if not exchange:
             self._accumulate(model, local, trainable, nonfinite)
             return Trained(True)
-        payload = self._window_sums(model, local, trainable) if last else []
-        states = [v.value.detach() for v in model.metrics_variables] if sum_metrics else []
-        rate = _learning_rate_variable(model)
-        decisions = [_decisions(rate, replica, stop, changed)] if sum_metrics else []
-        control = torch.cat([self.nonfinite + nonfinite, _flag(preempt, replica)])
-        summed = all_reduce_sum([*payload, control, *states, *decisions], replica)
-        values = [summed[len(payload)], *([summed[-1]] if decisions else [])]
-        anyone_nonfinite, anyone_preempted, *decided = torch.cat(values).tolist()
+        layout = ReductionLayout.of(model, logs=sum_metrics, counts_nonfinite=True)
+        rate = learning_rate_variable(model)
+        decisions = decisions_on_device(rate, replica, stop=stop, changed=changed) if sum_metrics else None
+        extras = layout.pack(self.nonfinite + nonfinite, flag(preempt, replica), model, decisions)
+        shares = self._window_sums(model, local, trainable) if last else []  # this replica's share of the window's
+        window_sums, summed = all_reduce_after(shares, extras, replica)
+        agreed = layout.read(summed)
         timer.lap("all_reduce")
-        ended = act_on_decisions(model, before, replica, rate, anyone_preempted=anyone_preempted, decided=decided)
+        ended = act_on_agreed(model, before, replica, rate, agreed)
         if ended is not None:
             return ended
-        metric_sums = summed[len(payload) + 1 : -1] if sum_metrics else None
+        metric_sums = layout.metric_sums(summed) if sum_metrics else None
         if not last:
             self._accumulate(model, local, trainable, nonfinite)
             return Trained(True, metric_sums=metric_sums)
-        if anyone_nonfinite:
+        if agreed.nonfinite:
             self._leave_out(model)
             return Trained(False)
-        self._apply(model, local, trainable, payload_sums=summed[: len(payload)])
+        self._apply(model, local, trainable, window_sums=window_sums)
         timer.lap("optimizer", sync=True)
         return Trained(True, metric_sums=metric_sums)
 
@@ -251,7 +250,7 @@ class Window:
         local: list[torch.Tensor | None],
         trainable: list[keras.Variable],
         *,
-        payload_sums: list[torch.Tensor],
+        window_sums: list[torch.Tensor],
     ) -> None:
         """The window's update: accumulators zeroed, then ``apply`` on the summed window, which
         Keras divides by k, as on one device."""
@@ -259,7 +258,7 @@ class Window:
         with torch.no_grad(), _unscaled(optimizer):
             for accumulator in internals.gradient_accumulators(optimizer):
                 accumulator.assign(torch.zeros_like(accumulator.value))
-            optimizer.apply([None if g is None else s for g, s in zip(local, payload_sums, strict=True)], trainable)
+            optimizer.apply([None if g is None else s for g, s in zip(local, window_sums, strict=True)], trainable)
         self.applied += 1
         self.nonfinite.zero_()
         self.start = None

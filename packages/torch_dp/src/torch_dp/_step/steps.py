@@ -16,7 +16,7 @@ model in DDP: Keras variables are not registered the way DDP's reducer expects o
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import keras
@@ -29,6 +29,14 @@ from torch_dp._comm.replica import Replica
 from torch_dp._data.batches import Batch
 from torch_dp._step.batchnorm import real_rows
 from torch_dp._step.buckets import GradientBuckets
+from torch_dp._step.reduction import (
+    Agreed,
+    ReductionLayout,
+    all_reduce_after,
+    decisions_on_device,
+    flag,
+    learning_rate_variable,
+)
 from torch_dp._step.shards import REPLICATED, TrainingState
 
 
@@ -166,60 +174,51 @@ def train_step(
 
     With ``sum_metrics`` (callbacks act at every batch) that one all-reduce also carries the
     metric states (metrics read only this step's predictions, so they are updated before it)
-    and rank 0's decisions since the last step: its learning rate, which every replica takes
-    before applying, and ``stop`` (rank 0 stopped training: every replica undoes this step
-    and leaves the epoch), and ``changed`` (rank 0's callbacks changed its model or optimizer:
-    every replica undoes this step, to take it again on rank 0's state, ``_loop.changes``). So a
-    batch-level callback costs no collective of its own.
+    and rank 0's ``Decisions`` since the last step (``_step.reduction``): its learning rate, which
+    every replica takes before applying, ``stop`` (every replica undoes this step and leaves the
+    epoch) and ``changed`` (rank 0's callbacks changed its model or optimizer: every replica undoes
+    this step, to take it again on rank 0's state, ``_loop.changes``). So a batch-level callback
+    costs no collective of its own. ``preempt`` (this replica got a preemption notice) rides on it
+    always: when any replica sends it, every replica undoes this step, so all stop at the same step.
 
-    ``preempt`` (this replica got a preemption notice) rides on it always: when any replica
-    sends it, every replica undoes this step, so all stop at the same step boundary.
-
-    The host reads one device value per step, once the all-reduce is done: a few floats (the
-    summed loss is finite, anyone preempted, rank 0's decisions) that decide whether the update
-    is applied. It cannot wait for the logs: a skipped or stopped step must leave the weights
-    and the optimizer untouched on every replica, and Keras's optimizer cannot be told on the
-    device to leave a step out. Everything else (logs, metrics) stays on the device until read.
-
-    With ``apply_nonfinite`` (a ``TerminateOnNaN`` among the callbacks) such a step is applied, as
-    ``model.fit`` applies it, and the callback stops training at its batch end.
+    The host reads the few values that decide the update once the all-reduce is done (``Agreed``):
+    a skipped or stopped step must leave the weights and the optimizer untouched on every replica,
+    and Keras's optimizer cannot be told on the device to leave a step out. Everything else (logs,
+    metrics) stays on the device until read. With ``apply_nonfinite`` (a ``TerminateOnNaN`` among
+    the callbacks) such a step is applied, as ``model.fit`` applies it, and the callback stops
+    training at its batch end.
 
     ``timer`` (``Trainer(profile=...)``; else one that records nothing) gets laps for forward+backward,
-    the all-reduce and the optimizer.
-    With ``buckets`` (large gradients, ``_step.buckets``) the gradients are summed in buckets started during
-    backward, and the few floats above travel in a small all-reduce of their own after it.
+    the all-reduce and the optimizer. With ``buckets`` (large gradients, ``_step.buckets``) the
+    gradients are summed in buckets started during backward, the other values riding in the last.
     ``state`` applies the update: on every replica, or each on its own variables (``_step.shards``).
     """
     before = _state_to_undo(model)
-    shared = sum_metrics and replica.distributed
-    rate = _learning_rate_variable(model)
-
-    decisions = [_decisions(rate, replica, stop, changed)] if shared else []
-
-    def to_sum(loss: Any) -> list[torch.Tensor]:
-        # the loss, and whether this replica was asked to stop (preemption): any replica's notice stops all
-        local_loss = torch.cat([torch.as_tensor(loss).detach().reshape(1).to(torch.float32), _flag(preempt, replica)])
-        return [local_loss, *([v.value.detach() for v in model.metrics_variables] if shared else []), *decisions]
-
-    _, trainable, local, extras = local_gradients(model, batch, replica, buckets=buckets, to_sum=to_sum)
+    shared = sum_metrics and replica.distributed  # one replica: its own states are the global ones
+    rate = learning_rate_variable(model)
+    decisions = decisions_on_device(rate, replica, stop=stop, changed=changed) if shared else None
+    loss = forward_loss(model, batch, replica)
+    layout = ReductionLayout.of(model, logs=shared)  # once the metrics are built
+    extras = layout.pack(
+        torch.as_tensor(loss).detach().reshape(1).to(torch.float32), flag(preempt, replica), model, decisions
+    )
+    trainable, local = backward(model, loss, replica, buckets=buckets, extras=extras)
     timer.lap("forward_backward", sync=True)
-    summed = _summed(trainable, local, extras, replica, buckets, timer)
-    summed_gradients, (summed_loss, preempted) = summed[: len(trainable)], summed[len(trainable)]
-    finite, anyone_preempted, *decided = _read_on_host(summed_loss, preempted, summed[-1] if decisions else None)
+    summed_gradients, summed = _summed(trainable, local, extras, replica, buckets, timer)
+    agreed = layout.read(summed)
     timer.lap("all_reduce")  # the host read waited for the all-reduce, and so for the slowest replica
-    ended = act_on_decisions(model, before, replica, rate, anyone_preempted=anyone_preempted, decided=decided)
+    ended = act_on_agreed(model, before, replica, rate, agreed)
     if ended is not None:
         return ended
-    if not finite and not apply_nonfinite:  # ``apply_nonfinite``: as model.fit, for a TerminateOnNaN to stop
+    if agreed.nonfinite and not apply_nonfinite:  # ``apply_nonfinite``: as model.fit, for a TerminateOnNaN to stop
         _undo(model, before)
         return Trained(False)
     state.apply(model, trainable, local, summed_gradients, timer)
     timer.lap("optimizer", sync=True)
     if not sum_metrics:
         return Trained(True)
-    if not shared:  # one replica: its own states are the global ones
-        return Trained(True, metric_sums=[v.value.detach() for v in model.metrics_variables])
-    return Trained(True, metric_sums=summed[len(trainable) + 1 : -1])
+    metric_sums = layout.metric_sums(summed) if shared else [v.value.detach() for v in model.metrics_variables]
+    return Trained(True, metric_sums=metric_sums)
 
 
 def _summed(
@@ -229,41 +228,22 @@ def _summed(
     replica: Replica,
     buckets: GradientBuckets | None,
     timer: StepTimer | NoStepTimer,
-) -> list[torch.Tensor]:
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The gradients and ``extras`` summed over replicas: in the buckets backward started, or in one
     all-reduce. Zeros keep the buffer the same size on every replica; a variable with no gradient here
     is still skipped by the optimizer, as in Keras."""
     if buckets is None:
         gradients = [torch.zeros_like(v.value) if g is None else g for v, g in zip(trainable, local, strict=True)]
-        return all_reduce_sum([*gradients, *extras], replica)
+        return all_reduce_after(gradients, extras, replica)
     summed_gradients, summed_extras = buckets.summed(trainable)
     timer.note("all_reduce_overlapped", buckets.overlapped)
-    return [*summed_gradients, *(all_reduce_sum(extras, replica) if summed_extras is None else summed_extras)]
+    return summed_gradients, all_reduce_sum(extras, replica) if summed_extras is None else summed_extras
 
 
-class LocalGradients(NamedTuple):
-    """One replica's forward and backward pass: its loss (``num_replicas`` times its share of the
-    global batch's), the trainable variables, their gradients (None where one got none), and what
-    ``to_sum`` made of the loss."""
-
-    loss: Any
-    trainable: list[keras.Variable]
-    gradients: list[torch.Tensor | None]
-    extras: list[torch.Tensor]
-
-
-def local_gradients(
-    model: keras.Model,
-    batch: Batch,
-    replica: Replica,
-    *,
-    buckets: GradientBuckets | None = None,
-    to_sum: Callable[[Any], list[torch.Tensor]] | None = None,
-) -> LocalGradients:
-    """Forward, loss, metric update and backward on this replica's rows; no collective but the
-    synchronized BatchNorm moments (``_step.batchnorm``) and, with ``buckets``, the gradients' own
-    all-reduces, started during backward (``GradientBuckets.summed`` collects them). ``to_sum``: the
-    step's other values to sum, made from the loss before backward (they ride in the last bucket)."""
+def forward_loss(model: keras.Model, batch: Batch, replica: Replica) -> Any:
+    """Forward, loss and metric update on this replica's rows; returns the loss (``num_replicas``
+    times its share of the global batch's). No collective but the synchronized BatchNorm moments
+    (``_step.batchnorm``)."""
     with _counted_once(model, batch, replica):
         with replica_losses(model, _replica_rows(batch, replica)):  # activity regularizers run in the forward pass
             with real_rows(batch.mask, whole=batch.whole):
@@ -273,74 +253,61 @@ def local_gradients(
                 loss = _compute_loss(model, batch, y_pred, training=True)
         with torch.no_grad():
             _update_metrics(model, batch, _detached(y_pred))
+    return loss
+
+
+class LocalGradients(NamedTuple):
+    """One replica's backward pass: the trainable variables and their gradients (None where one got none)."""
+
+    trainable: list[keras.Variable]
+    gradients: list[torch.Tensor | None]
+
+
+def backward(
+    model: keras.Model,
+    loss: Any,
+    replica: Replica,
+    *,
+    buckets: GradientBuckets | None = None,
+    extras: list[torch.Tensor] | None = None,
+) -> LocalGradients:
+    """This replica's gradients of ``forward_loss``'s ``loss``. With ``buckets``, the gradients' own
+    all-reduces start during backward (``GradientBuckets.summed`` collects them), and the step's
+    ``extras`` (``ReductionLayout.pack``'s) ride in the last bucket."""
     trainable = model.trainable_weights[:]
-    extras = [] if to_sum is None else to_sum(loss)
     if trainable:
         # Back-propagate the share itself (the loss is num_replicas times it; on a whole batch,
         # every replica's is the batch's own) and sum the gradients: every row's gradient then has
         # Keras's own magnitude, so float16 loss scaling overflows exactly where model.fit's does.
-        with contextlib.nullcontext() if buckets is None else buckets.reducing(trainable, extras):
+        with contextlib.nullcontext() if buckets is None else buckets.reducing(trainable, extras or []):
             model.optimizer.scale_loss(loss / replica.num_replicas).backward()
-    return LocalGradients(loss, trainable, [v.value.grad for v in trainable], extras)
+    return LocalGradients(trainable, [v.value.grad for v in trainable])
 
 
-def act_on_decisions(
+def act_on_agreed(
     model: keras.Model,
     before: list[tuple[keras.Variable, torch.Tensor]],
     replica: Replica,
     rate: keras.Variable | None,
-    *,
-    anyone_preempted: float,
-    decided: list[float],
+    agreed: Agreed,
 ) -> Trained | None:
-    """What every replica does with a step's shared flags: a preemption notice or rank 0's stop
-    undoes the step (the ``Trained`` to return); otherwise rank 0's learning rate is taken, None."""
-    if anyone_preempted:
+    """What every replica does with a step's ``Agreed`` values: a preemption notice or rank 0's stop
+    or change undoes the step (the ``Trained`` to return); otherwise rank 0's learning rate is taken, None."""
+    if agreed.preempted:
         _undo(model, before)
         return Trained(False, preempted=True)
-    if decided:
-        stopped, learning_rate, changed = decided
-        if stopped:
-            _undo(model, before)
-            return Trained(False, stopped=True)
-        if changed:
-            _undo(model, before)
-            return Trained(False, changed=True)
-        if rate is not None and not replica.is_primary:
-            rate.assign(learning_rate)
+    decisions = agreed.decisions
+    if decisions is None:
+        return None
+    if decisions.stop:
+        _undo(model, before)
+        return Trained(False, stopped=True)
+    if decisions.changed:
+        _undo(model, before)
+        return Trained(False, changed=True)
+    if rate is not None and not replica.is_primary:
+        rate.assign(decisions.learning_rate)
     return None
-
-
-def _read_on_host(summed_loss: torch.Tensor, preempted: torch.Tensor, decisions: torch.Tensor | None) -> list[float]:
-    """``[loss is finite, preempted, *decisions]`` in one device-to-host read (one wait for the
-    device per step, not one per value)."""
-    values = [torch.isfinite(summed_loss).to(torch.float32).reshape(1), preempted.reshape(1)]
-    if decisions is not None:
-        values.append(decisions)
-    return torch.cat(values).tolist()
-
-
-def _flag(value: bool, replica: Replica) -> torch.Tensor:
-    # filled on the device: torch.tensor(..., device="cuda") would copy from the host and wait
-    return torch.full((1,), float(value), dtype=torch.float32, device=replica.device)
-
-
-def _learning_rate_variable(model: keras.Model) -> keras.Variable | None:
-    rate = internals.learning_rate_object(model.optimizer)
-    return rate if isinstance(rate, keras.Variable) else None
-
-
-def _decisions(rate: keras.Variable | None, replica: Replica, stop: bool, changed: bool = False) -> torch.Tensor:
-    """Rank 0's ``[stop, learning rate, changed]`` (zeros elsewhere: summed, rank 0's), in the
-    gradients' dtype, built on the device (reading the rate would wait for the device)."""
-    decisions = torch.zeros(3, dtype=torch.float32, device=replica.device)
-    if not replica.is_primary:
-        return decisions
-    decisions[0] = float(stop)
-    decisions[2] = float(changed)
-    if rate is not None:
-        decisions[1] = rate.value.detach().reshape(())  # a copy on the device, rounded to float32
-    return decisions
 
 
 def _state_to_undo(model: keras.Model) -> list[tuple[keras.Variable, torch.Tensor]]:
