@@ -1,5 +1,6 @@
 """``checked_call``: the checks before a trainer's call, in their order, with the values they give."""
 
+import dataclasses
 import re
 import warnings
 
@@ -7,7 +8,7 @@ import keras
 import numpy as np
 import pytest
 
-from dp_core.keras import BatchSource, CheckedCall, Inputs, checked_call, overrides
+from dp_core.keras import BatchSource, CallChecks, CheckedCall, Inputs, checked_call, overrides
 
 X, Y = np.zeros((8, 3), "float32"), np.zeros((8, 1), "float32")
 
@@ -37,16 +38,14 @@ class Batches(keras.utils.PyDataset):
         return np.zeros((6, 3), "float32"), np.zeros((6, 1), "float32")
 
 
+CHECKS = CallChecks(backend=keras.backend.backend(), package="a_dp", num_replicas=2)
+
+
 def call(model, x=X, y=Y, **options):
-    given = {
-        "batch_size": None,
-        "global_batch_size": 4,
-        "backend": keras.backend.backend(),
-        "package": "a_dp",
-        "num_replicas": 2,
-        "step_names": ("train_step",),
-    }
-    return checked_call(model, x, y, **{**given, **options})
+    """``checked_call`` with ``CHECKS``; options named as a ``CallChecks`` field replace that field."""
+    fields = {name: options.pop(name) for name in list(options) if name in CallChecks.__dataclass_fields__}
+    given = {"batch_size": None, "global_batch_size": 4, "step_names": ("train_step",)}
+    return checked_call(model, x, y, checks=dataclasses.replace(CHECKS, **fields), **{**given, **options})
 
 
 class Seen:
@@ -222,3 +221,16 @@ def test_a_metric_of_one_value_per_batch_is_refused_before_anything_runs():
     with pytest.raises(ValueError, match=r"The metric 'rmse_of_batch' \(function batch_rmse\) returns one"):
         call(model)
     call(model, compiled=False, step_names=("predict_step",))  # predict computes no metric
+
+
+def test_call_checks_name_a_models_own_steps_once_the_backend_accepted_them():
+    seen, model = Seen(), own_train_step_model()
+    checks = CallChecks("jax", "a_dp", 2, check_own_steps=seen)
+    assert checks.own_steps(model, ("train_step", "test_step"), compiled=False) == ("train_step",)
+    assert seen.calls == [(model, ("train_step",), False)]
+    assert checks.own_steps(model, ("test_step",), compiled=True) == () and len(seen.calls) == 1
+    assert checks.own_steps("not a model", ("train_step",), compiled=True) == ()  # resolve_model says why
+    with pytest.raises(NotImplementedError, match="overrides train_step"):
+        CallChecks("jax", "a_dp", 2).own_steps(model, ("train_step",), compiled=True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        checks.num_replicas = 4  # type: ignore[misc]

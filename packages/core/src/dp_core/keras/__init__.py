@@ -8,8 +8,9 @@ docs/architecture.md. ``import dp_core`` alone never imports this module, nor ke
 
 The contract, what a backend calls on the way from the user's call to its step:
 
-- the call: ``checked_call`` (every check before anything starts; a ``CheckedCall``, the
-  backend's ``OwnStepsCheck`` for a model's own steps), then ``fit_arguments`` (``FitArguments``);
+- the call: ``checked_call`` (every check before anything starts; a ``CheckedCall``; the
+  backend's ``CallChecks``, with its ``OwnStepsCheck`` for a model's own steps), then
+  ``fit_arguments`` (``FitArguments``);
 - the job: ``FitJob``, ``EvaluateJob``, ``PredictJob`` (``Job``), what a trainer hands the
   backend's run, for backend authors (a ``SourceStandIn`` may replace a source where it is not read);
 - the inputs: ``Inputs`` (arrays and map-style datasets, read by row), ``BatchSource``
@@ -44,6 +45,7 @@ from dp_core.keras._arguments import fit_arguments as fit_arguments
 from dp_core.keras._batch_terms import BatchTerms as BatchTerms
 from dp_core.keras._batch_terms import batch_terms as batch_terms
 from dp_core.keras._batch_terms import runs_last_batch_whole as runs_last_batch_whole
+from dp_core.keras._call import CallChecks as CallChecks
 from dp_core.keras._call import CheckedCall as CheckedCall
 from dp_core.keras._call import OwnStepsCheck as OwnStepsCheck
 from dp_core.keras._call import checked_call as checked_call
@@ -113,6 +115,7 @@ __all__ = [
     "SHARD_MODES",
     "BatchSource",
     "BatchTerms",
+    "CallChecks",
     "CheckedCall",
     "CheckpointWriter",
     "EvaluateJob",

@@ -1,15 +1,16 @@
 """The checks every ``fit``, ``evaluate`` and ``predict`` of a trainer makes before anything
 starts, written once: ``checked_call``.
 
-A backend passes what differs between backends: its Keras backend and package name, the
-Keras steps the call runs, and what it asks of a model that overrides one of them (its own
-``check_own_steps``). Each check raises the same error, with the same message, whichever
-backend calls it.
+A backend passes what differs between backends, once per trainer (``CallChecks``: its Keras
+backend and package name, its replicas, what it asks of a model that overrides a step the call
+runs), and per call the Keras steps the call runs. Each check raises the same error, with the
+same message, whichever backend calls it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 import keras
@@ -37,6 +38,40 @@ class CheckedCall(NamedTuple):
     global_batch_size: int
 
 
+@dataclass(frozen=True)
+class CallChecks:
+    """What a backend asks of ``checked_call``, the same at every call of one trainer."""
+
+    backend: str  # the Keras backend its calls run on
+    package: str  # the backend's package, named in the errors
+    num_replicas: int
+    # the backend's errors for a model's own steps; None: a model may not override a step the call runs
+    check_own_steps: OwnStepsCheck | None = None
+    # each replica computes a batch's ``add_loss`` and ``compute_loss`` terms on its own rows
+    splits_batch_terms: bool = False
+
+    def own_steps(self, model: Any, step_names: tuple[str, ...], *, compiled: bool) -> tuple[str, ...]:
+        """The steps of ``step_names`` that ``model`` (if a ``keras.Model``) overrides, once the
+        backend's ``check_own_steps`` accepted them (``compiled``: the call needs ``model.compile``);
+        without one, an override is an error (``require_keras_steps``)."""
+        own = tuple(name for name in step_names if isinstance(model, keras.Model) and overrides(model, name))
+        if own and self.check_own_steps is None:
+            require_keras_steps(model, own, self.package)
+        elif own and self.check_own_steps is not None:
+            self.check_own_steps(model, own, compiled=compiled)
+        return own
+
+    def check_split_batches(self, model: keras.Model, inputs: Inputs, global_batch_size: int) -> None:
+        """For arrays a Keras step runs on: no compiled metric of one value per batch where a batch
+        is split or the last one short (``check_batch_metrics``); where the backend splits a batch's
+        terms, a warning for an ``add_loss`` or ``compute_loss`` term that is not a mean over rows
+        (``warn_terms_not_split``; a short last batch then runs whole: ``runs_last_batch_whole``)."""
+        if self.num_replicas > 1 or inputs.num_samples % global_batch_size:
+            check_batch_metrics(model, inputs)
+        if self.splits_batch_terms:
+            warn_terms_not_split(model, inputs, num_replicas=self.num_replicas, package=self.package)
+
+
 def checked_call(
     model: Any,
     x: Any,
@@ -45,13 +80,9 @@ def checked_call(
     *,
     batch_size: Any,
     global_batch_size: Any,
-    backend: str,
-    package: str,
-    num_replicas: int,
+    checks: CallChecks,
     step_names: tuple[str, ...],
     compiled: bool = True,
-    check_own_steps: OwnStepsCheck | None = None,
-    splits_batch_terms: bool = False,
     class_weight: Mapping[int, float] | None = None,
     steps: int | None = None,
     steps_name: str = "steps",
@@ -59,30 +90,24 @@ def checked_call(
     """Every check of a call that needs no device, in this order, so the first mistake is the
     one reported:
 
-    1. one global batch size from ``batch_size`` and ``global_batch_size`` (``global_batch_size_of``);
-    2. Keras runs on ``backend`` (``require_backend``, naming ``package``);
+    1. one global batch size from ``batch_size`` and ``global_batch_size`` (``global_batch_size_of``;
+       with neither, for arrays, ``fit``'s ``steps_per_epoch`` gives Keras's ``ceil(rows / steps)``);
+    2. Keras runs on ``checks.backend`` (``require_backend``, naming ``checks.package``);
     3. a zero-argument factory is called (once);
-    4. the steps of ``step_names`` the model overrides: ``check_own_steps`` gets them (with
-       ``compiled``); without one, an override is an error (``require_keras_steps``);
-    5. a ``keras.Model`` (``resolve_model``) and, when ``compiled`` (not for ``predict``) and a
-       Keras step of ``step_names`` runs, one compiled with a loss (``require_compiled``);
-       then, for array inputs, no compiled metric of one value per batch (``check_batch_metrics``)
-       and, with ``splits_batch_terms`` (the backend computes a batch's terms on each replica's
-       rows), a warning for an ``add_loss`` or ``compute_loss`` term that is not a mean over rows
-       (``warn_terms_not_split``). (A short last batch runs whole where the model has such terms:
-       ``runs_last_batch_whole``.)
-    6. the inputs: a batch source (``steps`` its batches per epoch), or arrays whose global
-       batch divides over ``num_replicas`` and that take no ``steps`` (named ``steps_name``)
-       but ``fit``'s ``steps_per_epoch`` (without a batch size, the batch is then Keras's
-       ``ceil(rows / steps_per_epoch)``).
-
-    A batch source's batches are the global batches: its ``global_batch_size`` is returned (see ``_source_call``).
+    4. the steps of ``step_names`` the model overrides (``CallChecks.own_steps``);
+    5. a ``keras.Model`` (``resolve_model``), compiled with a loss when ``compiled`` (not for
+       ``predict``) and a Keras step of ``step_names`` runs;
+    6. the inputs (``checked_inputs``): a batch source (``steps`` its batches per epoch, each a
+       global batch: its ``global_batch_size`` is returned), or arrays whose global batch divides
+       over the replicas and that take no ``steps`` (named ``steps_name``) but ``steps_per_epoch``;
+    7. for arrays a Keras step runs on, its metrics and batch terms (``CallChecks.check_split_batches``).
 
     >>> import numpy as np
     >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     >>> model.compile(optimizer="sgd", loss="mse")
+    >>> checks = CallChecks(backend=keras.backend.backend(), package="a_dp", num_replicas=2)
     >>> call = checked_call(model, np.zeros((8, 3)), np.zeros((8, 1)), batch_size=4, global_batch_size=None,
-    ...                     backend=keras.backend.backend(), package="a_dp", num_replicas=2, step_names=("train_step",))
+    ...                     checks=checks, step_names=("train_step",))
     >>> call.model is model, call.inputs.num_samples, call.global_batch_size
     (True, 8, 4)
     """
@@ -90,14 +115,10 @@ def checked_call(
     unsized = batch_size is None and global_batch_size is None
     if steps is not None and steps_name == "steps_per_epoch" and unsized and not is_batch_source(x):
         size = steps_batch_size(x, y, sample_weight, steps)  # Keras's array adapter: ceil(rows / steps)
-    require_backend(backend, package)
+    require_backend(checks.backend, checks.package)
     if not isinstance(model, keras.Model) and callable(model):
         model = model()  # a factory is called once, here
-    own = tuple(name for name in step_names if isinstance(model, keras.Model) and overrides(model, name))
-    if own and check_own_steps is None:
-        require_keras_steps(model, own, package)
-    elif own and check_own_steps is not None:
-        check_own_steps(model, own, compiled=compiled)
+    own = checks.own_steps(model, step_names, compiled=compiled)
     keras_step_runs = compiled and len(own) < len(step_names)
     keras_model = resolve_model(model, compiled=keras_step_runs)  # not a model: a TypeError
     inputs = checked_inputs(
@@ -105,17 +126,15 @@ def checked_call(
         y,
         sample_weight,
         global_batch_size=size,
-        num_replicas=num_replicas,
+        num_replicas=checks.num_replicas,
         class_weight=class_weight,
         steps=steps,
         steps_name=steps_name,
     )
     if isinstance(inputs, BatchSource):
         return _source_call(keras_model, inputs, starts=compiled)
-    if keras_step_runs and (num_replicas > 1 or inputs.num_samples % size):
-        check_batch_metrics(keras_model, inputs)
-    if keras_step_runs and splits_batch_terms:
-        warn_terms_not_split(keras_model, inputs, num_replicas=num_replicas, package=package)
+    if keras_step_runs:
+        checks.check_split_batches(keras_model, inputs, size)
     return CheckedCall(keras_model, inputs, size)
 
 
