@@ -68,6 +68,7 @@ def _all_reduced_bytes(trainer: Any, model: keras.Model, x: Any, y: Any) -> tupl
     from dp_core.keras import checked_call
     from jax_dp._data.batches import device_batches
     from jax_dp._data.sources import epoch_plan
+    from jax_dp._mesh.layout import Placement
     from jax_dp._step.hlo import all_reduces
     from jax_dp._step.optimizers import KerasOptimizer
     from jax_dp._step.state import train_state_on_mesh
@@ -83,9 +84,10 @@ def _all_reduced_bytes(trainer: Any, model: keras.Model, x: Any, y: Any) -> tupl
         **trainer._call_checks,
     )
     optimizer = KerasOptimizer(model)
-    step: Any = make_train_step(model, optimizer, trainer.mesh, batch_norm="global", skip_nonfinite=False)
+    placement = Placement(trainer.mesh)
+    step: Any = make_train_step(model, optimizer, placement, batch_norm="global", skip_nonfinite=False)
     state = train_state_on_mesh(
-        model, optimizer, trainer.mesh, previous_optimizer_state=None, metric_sums=None, accumulate=True
+        model, optimizer, placement, previous_optimizer_state=None, metric_sums=None, accumulate=True
     )
     plan = epoch_plan(inputs, layout=trainer.layout, global_batch_size=GLOBAL_BATCH_SIZE)
     batch = next(iter(device_batches(plan, trainer.mesh)))

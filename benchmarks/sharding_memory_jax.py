@@ -50,7 +50,7 @@ import jax_dp
 from dp_core.keras import build_model, checked_call
 from jax_dp._data.batches import device_batches
 from jax_dp._data.sources import epoch_plan
-from jax_dp._mesh.layout import gradient_shardings, place
+from jax_dp._mesh.layout import Placement, gradient_shardings, place
 from jax_dp._step.optimizers import KerasOptimizer
 from jax_dp._step.state import train_state_on_mesh
 from jax_dp._step.steps import make_train_step
@@ -84,10 +84,10 @@ def step_and_state(widths: tuple[int, ...], num_replicas: int, shard: str | None
         mlp(widths), x, y, batch_size=None, global_batch_size=BATCH, step_names=("train_step",), **trainer._call_checks
     )
     build_model(model, inputs)
-    place(model, trainer.mesh, trainer.variable_layout, trainer.shard)
+    placement = place(model, trainer.mesh, trainer.variable_layout, trainer.shard)
     optimizer = KerasOptimizer(model)
-    step = make_train_step(model, optimizer, trainer.mesh, batch_norm="global", skip_nonfinite=False)
-    state = train_state_on_mesh(model, optimizer, trainer.mesh, previous_optimizer_state=None, metric_sums=None)
+    step = make_train_step(model, optimizer, placement, batch_norm="global", skip_nonfinite=False)
+    state = train_state_on_mesh(model, optimizer, placement, previous_optimizer_state=None, metric_sums=None)
     batch = next(iter(device_batches(epoch_plan(inputs, layout=trainer.layout, global_batch_size=BATCH), trainer.mesh)))
     return step, state, batch, model
 
@@ -106,7 +106,7 @@ def memory(widths: tuple[int, ...], num_replicas: int, shard: str | None) -> dic
     weights = [v for v in state.trainable]
     slots = [a for a, v in zip(state.optimizer, model.optimizer.variables, strict=True) if len(v.shape) > 0]
     weight_bytes = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in weights)
-    placed = gradient_shardings(model, state.trainable[0].sharding.mesh)
+    placed = gradient_shardings(model, Placement(state.trainable[0].sharding.mesh, shard=shard))  # type: ignore[arg-type]
     shardings = placed or [a.sharding for a in weights]  # unplaced: all-reduced, replicated
     gradient_bytes = sum(
         int(np.prod(s.shard_shape(a.shape))) * a.dtype.itemsize if placed else int(np.prod(a.shape)) * a.dtype.itemsize

@@ -21,6 +21,7 @@ import jax_dp
 from dp_core.keras import build_model, checked_call
 from jax_dp._data.batches import device_batches
 from jax_dp._data.sources import epoch_plan
+from jax_dp._mesh.layout import Placement
 from jax_dp._step.hlo import all_reduces
 from jax_dp._step.optimizers import KerasOptimizer
 from jax_dp._step.state import train_state_on_mesh
@@ -135,9 +136,10 @@ def compiled_step(x: np.ndarray, y: np.ndarray, steps: int) -> str:
     )
     build_model(model, inputs)
     optimizer = KerasOptimizer(model)
-    step = make_train_step(model, optimizer, trainer.mesh, batch_norm="global", skip_nonfinite=False)
+    placement = Placement(trainer.mesh)
+    step = make_train_step(model, optimizer, placement, batch_norm="global", skip_nonfinite=False)
     state = train_state_on_mesh(
-        model, optimizer, trainer.mesh, previous_optimizer_state=None, metric_sums=None, accumulate=True
+        model, optimizer, placement, previous_optimizer_state=None, metric_sums=None, accumulate=True
     )
     batch = next(
         iter(device_batches(epoch_plan(inputs, layout=trainer.layout, global_batch_size=GLOBAL_BATCH), trainer.mesh))

@@ -21,6 +21,7 @@ from jax_dp_helpers import GLOBAL_BATCH, NUM_SAMPLES, Run, assert_same_run, kera
 import dp_core
 import jax_dp
 from jax_dp._loop import epochs as _epochs
+from jax_dp._mesh import layout as _layout
 from jax_dp._mesh.mesh import replica_layout
 from jax_dp._step import state as _state
 
@@ -194,10 +195,29 @@ def test_a_keras_layout_map_is_taken_as_is(inputs):
     trainer = jax_dp.Trainer(mesh=mesh_of((2, 2)), layout=layout_map)
     model = build()
     trainer.evaluate(model, *inputs, global_batch_size=GLOBAL_BATCH, verbose=0)
-    weights = _state.weights_on_mesh(model, trainer.mesh)
+    weights = _state.weights_on_mesh(model, _layout.place(model, trainer.mesh, trainer.variable_layout))
     specs = {short(v.path): a.sharding.spec for v, a in zip(model.trainable_variables, weights.trainable, strict=True)}
     assert specs["dense_in/kernel"] == P(None, "model")
     assert specs["dense_out/bias"] == specs["dense_out/kernel"] == P()
+
+
+def test_the_placement_a_call_builds_alone_says_where_the_state_lies():
+    mesh, model = mesh_of((2, 2)), build()
+    placement = _layout.place(model, mesh, _layout.Layout(LAYOUT))
+    # equal placements (the compile cache's key), built per call from the mesh, layout and shard mode
+    assert placement == _layout.Placement(mesh, _layout.Layout(LAYOUT), None)
+    assert hash(placement) == hash(_layout.Placement(mesh, _layout.Layout(LAYOUT)))
+    assert placement != _layout.Placement(mesh, _layout.Layout(LAYOUT), "full") != _layout.Placement(mesh)
+    paths = [short(v.path) for v in model.trainable_variables]
+
+    def specs(placement: _layout.Placement) -> dict[str, P]:
+        shardings = _layout.weight_shardings(model, placement).trainable
+        return {path: s.spec for path, s in zip(paths, shardings, strict=True)}
+
+    assert specs(placement) == {path: EXPECTED_SPECS[path] for path in paths}
+    # another call's placement of the same model: nothing of the first one's carries over
+    assert set(specs(_layout.Placement(mesh)).values()) == {P()}
+    assert specs(placement) == {path: EXPECTED_SPECS[path] for path in paths}
 
 
 def _mesh_over_processes(shape: tuple[int, int], processes: list[int]) -> SimpleNamespace:

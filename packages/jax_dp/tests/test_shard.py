@@ -274,10 +274,10 @@ def compiled_step(inputs, shard: str | None) -> tuple[str, str]:
         **trainer._call_checks,
     )  # fmt: skip
     build_model(model, batches)
-    _layout.place(model, trainer.mesh, trainer.variable_layout, trainer.shard)
+    placement = _layout.place(model, trainer.mesh, trainer.variable_layout, trainer.shard)
     optimizer = KerasOptimizer(model)
-    step = make_train_step(model, optimizer, trainer.mesh, batch_norm="global", skip_nonfinite=False)
-    state = train_state_on_mesh(model, optimizer, trainer.mesh, previous_optimizer_state=None, metric_sums=None)
+    step = make_train_step(model, optimizer, placement, batch_norm="global", skip_nonfinite=False)
+    state = train_state_on_mesh(model, optimizer, placement, previous_optimizer_state=None, metric_sums=None)
     batch = next(iter(device_batches(epoch_plan(batches, layout=trainer.layout, global_batch_size=32), trainer.mesh)))
     lowered = step.lower(state, batch, True)
     return lowered.as_text(), lowered.compile().as_text()
@@ -319,7 +319,8 @@ def test_the_compile_cache_keys_on_the_shard_mode(inputs):
     cache, mesh, optimizer = CompileCache(), jax_dp.Trainer(2).mesh, KerasOptimizer(model)
 
     def train_step(shard: str | None) -> Any:
-        recipes = Recipes(cache, mesh, _layout.Layout(), batch_norm="global", skip_nonfinite=False, shard=shard)  # type: ignore[arg-type]
+        placement = _layout.Placement(mesh, _layout.Layout(), shard)  # type: ignore[arg-type]
+        recipes = Recipes(cache, placement, batch_norm="global", skip_nonfinite=False)
         return recipes.steps(model, optimizer).train
 
     unsharded = train_step(None)

@@ -9,6 +9,7 @@ import numpy as np
 from jax_dp_helpers import dense_bn_model
 
 from dp_core.keras import Inputs, build_model
+from jax_dp._mesh.layout import Placement
 from jax_dp._mesh.mesh import make_mesh
 from jax_dp._step.optimizers import KerasOptimizer
 from jax_dp._step.state import train_state_on_mesh, write_back
@@ -19,7 +20,9 @@ def test_variables_written_back_outlive_the_next_donating_step(data):
     model = dense_bn_model("adam")
     build_model(model, Inputs(x, y))
     optimizer = KerasOptimizer(model)
-    state = train_state_on_mesh(model, optimizer, make_mesh(2), previous_optimizer_state=None, metric_sums=None)
+    state = train_state_on_mesh(
+        model, optimizer, Placement(make_mesh(2)), previous_optimizer_state=None, metric_sums=None
+    )
     written = jax.tree.map(lambda array: np.asarray(array.addressable_data(0)).copy(), state)
 
     write_back(model, optimizer, state)

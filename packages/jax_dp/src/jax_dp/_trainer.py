@@ -45,7 +45,7 @@ from jax_dp._loop.epochs import EpochTrainer, KerasSteps, OwnSteps, epochs_of
 from jax_dp._loop.evaluate import custom_predict_loop, evaluator, predict_loop
 from jax_dp._loop.fit import fit_loop
 from jax_dp._loop.preemption import PreemptionNotice
-from jax_dp._mesh.layout import Layout, place
+from jax_dp._mesh.layout import Layout, Placement, place
 from jax_dp._mesh.mesh import check_mesh, make_mesh, num_replicas_of, replica_layout
 from jax_dp._processes.group import ends_the_run_on_failure
 from jax_dp._step.accumulation import check_accumulate_steps
@@ -237,7 +237,7 @@ class Trainer:
             KerasOptimizer(model) if self._optax is None else OptaxOptimizer(self._optax, accumulate_steps=steps)
         )
         build_model(model, inputs)
-        place(model, self.mesh, self.variable_layout, self.shard)
+        placement = place(model, self.mesh, self.variable_layout, self.shard)
         with optimizer.learning_rate_policy(
             global_batch_size=global_batch_size, lr_scaling=lr_scaling, warmup_steps=warmup_steps
         ) as policy:
@@ -251,8 +251,10 @@ class Trainer:
                     model,
                     arguments,
                     optimizer=optimizer,
-                    train_epoch=self._epochs(model, optimizer, checkpoints, profile, callbacks=arguments.callbacks),
-                    evaluate=evaluator(model, self._recipes()),
+                    train_epoch=self._epochs(
+                        model, optimizer, placement, checkpoints, profile, callbacks=arguments.callbacks
+                    ),
+                    evaluate=evaluator(model, self._recipes(placement)),
                     layout=self.layout,
                     start=start,
                     checkpoints=checkpoints,
@@ -262,11 +264,11 @@ class Trainer:
                     profile,
                     model,
                     optimizer,
-                    self.mesh,
+                    placement,
                     global_batch_size=global_batch_size,
                     batch_norm=self.batch_norm,
                     folder=str(self.profile),
-                    cached=self._recipes().profile_pieces(model, optimizer),
+                    cached=self._recipes(placement).profile_pieces(model, optimizer),
                 )
                 history.scaling_report = self.scaling_report  # pyright: ignore[reportAttributeAccessIssue]
             return history
@@ -300,13 +302,13 @@ class Trainer:
             **self._call_checks,
         )
         build_model(model, inputs)
-        place(model, self.mesh, self.variable_layout, self.shard)
+        placement = place(model, self.mesh, self.variable_layout, self.shard)
         plan = epoch_plan(inputs, layout=self.layout, global_batch_size=global_batch_size)
         hooks = callback_list(
             callbacks, model, is_primary=is_primary(), verbose=verbose, steps=plan.steps, history=False
         )
         hooks.on_test_begin()
-        logs = evaluator(model, self._recipes())(plan, hooks)
+        logs = evaluator(model, self._recipes(placement))(plan, hooks)
         hooks.on_test_end(logs)
         return logs if return_dict else internals.metrics_in_order(model, logs)
 
@@ -335,17 +337,17 @@ class Trainer:
             **self._call_checks,
         )
         build_model(model, inputs, for_predict=True)
-        place(model, self.mesh, self.variable_layout, self.shard)
+        placement = place(model, self.mesh, self.variable_layout, self.shard)
         plan = epoch_plan(inputs, layout=self.layout, global_batch_size=global_batch_size)
         hooks = callback_list(
             callbacks, model, is_primary=is_primary(), verbose=verbose, steps=plan.steps, history=False
         )
         hooks.on_predict_begin()
-        mesh, recipes = self.mesh, self._recipes()
+        recipes = self._recipes(placement)
         if overrides(model, "predict_step"):
-            outputs = custom_predict_loop(recipes.custom_predict_step(model), model, plan, mesh, hooks)
+            outputs = custom_predict_loop(recipes.custom_predict_step(model), model, plan, placement, hooks)
         else:
-            outputs = predict_loop(recipes.predict_step(model), model, plan, mesh, hooks)
+            outputs = predict_loop(recipes.predict_step(model), model, plan, placement, hooks)
         hooks.on_predict_end()
         return outputs
 
@@ -370,6 +372,7 @@ class Trainer:
         self,
         model: keras.Model,
         optimizer: Optimizer,
+        placement: Placement,
         checkpoints: CheckpointWriter | None,
         profile: FitProfile | None = None,
         *,
@@ -378,21 +381,19 @@ class Trainer:
         """How one fit trains an epoch: with the model's own ``train_step`` or Keras's; at a non-finite
         loss as the trainer's option says, or as model.fit with a ``TerminateOnNaN`` in ``callbacks``."""
         action = nonfinite_action(self.on_nonfinite_loss, callbacks)
-        stop_on_nonfinite, recipes = action == "stop", self._recipes(apply_nonfinite=action == "apply")
+        stop_on_nonfinite, recipes = action == "stop", self._recipes(placement, apply_nonfinite=action == "apply")
         if overrides(model, "train_step"):
-            kind = OwnSteps(model, optimizer, recipes.custom_train_step(model, optimizer), self.mesh)
+            kind = OwnSteps(model, optimizer, recipes.custom_train_step(model, optimizer), placement)
             return epochs_of(kind, checkpoints=checkpoints, stop_on_nonfinite=stop_on_nonfinite)
-        kind = KerasSteps(model, optimizer, recipes.steps(model, optimizer), self.mesh, profile)
+        kind = KerasSteps(model, optimizer, recipes.steps(model, optimizer), placement, profile)
         return epochs_of(kind, checkpoints=checkpoints, stop_on_nonfinite=stop_on_nonfinite)
 
-    def _recipes(self, *, apply_nonfinite: bool = False) -> Recipes:
-        """The steps' recipes for the trainer's mesh, layout and options as they are now."""
+    def _recipes(self, placement: Placement, *, apply_nonfinite: bool = False) -> Recipes:
+        """The steps' recipes for the call's ``placement`` and the trainer's options as they are now."""
         return Recipes(
             self._compile_cache,
-            self.mesh,
-            self.variable_layout,
+            placement,
             batch_norm=self.batch_norm,
             skip_nonfinite=self.on_nonfinite_loss == "skip",
             apply_nonfinite=apply_nonfinite,
-            shard=self.shard,
         )

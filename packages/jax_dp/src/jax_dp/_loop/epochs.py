@@ -23,7 +23,6 @@ from typing import Any, Protocol, final
 
 import jax
 import keras
-from jax.sharding import Mesh
 
 from dp_core import NO_STEP_TIMER, NoStepTimer, StepTimer
 from dp_core.keras import CheckpointWriter, Start, nonfinite_loss_stopped, skipped_message
@@ -32,6 +31,7 @@ from jax_dp._data.batches import Plan, device_batches, padded_batches, whole_las
 from jax_dp._loop import preemption
 from jax_dp._loop.checkpoints import save
 from jax_dp._loop.reporting import STOP_CHECK_STEPS, BatchEndReporter, host_logs, metrics_result_or_logs
+from jax_dp._mesh.layout import Placement
 from jax_dp._mesh.mesh import waits_for_each_step
 from jax_dp._step.accumulation import accumulates
 from jax_dp._step.custom import CustomTrainStep, step_data
@@ -82,7 +82,7 @@ class StepKind(Protocol):
 
     model: keras.Model
     optimizer: Optimizer
-    mesh: Mesh
+    placement: Placement
     metrics: bool
 
     def state_on_mesh(self, start: Start, optimizer_state: Any | None) -> TrainState: ...
@@ -183,7 +183,7 @@ def _train_steps(
     reporter = BatchEndReporter(callbacks, "train", plan.steps)
     on_request = None
     if reporter.every_step:
-        on_request = ModelOnRequest(kind.model, kind.optimizer, kind.mesh, state, metrics=kind.metrics)
+        on_request = ModelOnRequest(kind.model, kind.optimizer, kind.placement, state, metrics=kind.metrics)
     run = kind.epoch(plan, state, start=start, every_batch=on_request is not None)
 
     def call(state: TrainState, hook: Callable[..., None], *arguments: Any) -> TrainState:
@@ -206,7 +206,7 @@ def _train_steps(
     # When only the progress bar reads a step's logs, they are read once the next step runs, so
     # that the devices do not wait for the host's turn; the bar shows them a step later.
     progress: tuple[Report | None, int] | None = None
-    one_at_a_time = waits_for_each_step(kind.mesh)
+    one_at_a_time = waits_for_each_step(kind.placement.mesh)
     timer = run.timer
     timer.start()
     with contextlib.nullcontext() if on_request is None else on_request.installed():
@@ -270,15 +270,16 @@ class KerasSteps:
     metrics = False
 
     def __init__(
-        self, model: keras.Model, optimizer: Optimizer, steps: Steps, mesh: Mesh, profile: FitProfile | None
+        self, model: keras.Model, optimizer: Optimizer, steps: Steps, placement: Placement, profile: FitProfile | None
     ) -> None:
-        self.model, self.optimizer, self.steps, self.mesh, self.profile = model, optimizer, steps, mesh, profile
+        self.model, self.optimizer, self.steps, self.profile = model, optimizer, steps, profile
+        self.placement = placement
 
     def state_on_mesh(self, start: Start, optimizer_state: Any | None) -> TrainState:
         return train_state_on_mesh(
             self.model,
             self.optimizer,
-            self.mesh,
+            self.placement,
             previous_optimizer_state=optimizer_state,
             metric_sums=start.metric_variables if start.step else None,
             accumulate=True,
@@ -289,9 +290,9 @@ class KerasSteps:
 
     def checkpoint(self, writer: CheckpointWriter, state: TrainState, *, epoch: int, step: int) -> None:
         model, optimizer = self.model, self.optimizer
-        sums = summed_to_host(state.metrics, self.mesh)  # a collective: every process
+        sums = summed_to_host(state.metrics, self.placement.mesh)  # a collective: every process
         write_back(model, optimizer, state)
-        optimizer_state = optimizer_state_of(model, optimizer, state)  # mid-window: one device's accumulators
+        optimizer_state = optimizer_state_of(optimizer, state)  # mid-window: one device's accumulators
         save(writer, model, optimizer, optimizer_state, epoch=epoch, step=step, metric_variables=sums)
 
 
@@ -306,7 +307,8 @@ class _KerasRun:
         whole_last = not accumulates(kind.optimizer) and whole_last_batch(kind.model, plan)
         padded = padded_batches(plan, whole_last=whole_last)
         self._padded, self._every_batch = padded, every_batch
-        self._batches = enumerate(device_batches(plan, kind.mesh, start=start, whole_last=whole_last), start=start)
+        batches = device_batches(plan, kind.placement.mesh, start=start, whole_last=whole_last)
+        self._batches = enumerate(batches, start=start)
         self._upcoming = next(self._batches, None)
         self._state = state  # what the last step returned: a profile's synced lap waits for it
         first = None if self._upcoming is None else self._upcoming[1]
@@ -335,7 +337,7 @@ class _KerasRun:
 
     def logs(self, state: TrainState) -> tuple[dict[str, Any], Any]:
         kind = self.kind
-        return host_logs(kind.steps.results(state.metrics)), optimizer_state_of(kind.model, kind.optimizer, state)
+        return host_logs(kind.steps.results(state.metrics)), optimizer_state_of(kind.optimizer, state)
 
 
 @final
@@ -346,15 +348,17 @@ class OwnSteps:
 
     metrics = True
 
-    def __init__(self, model: keras.Model, optimizer: Optimizer, train_step: CustomTrainStep, mesh: Mesh) -> None:
-        self.model, self.optimizer, self.train_step, self.mesh = model, optimizer, train_step, mesh
+    def __init__(
+        self, model: keras.Model, optimizer: Optimizer, train_step: CustomTrainStep, placement: Placement
+    ) -> None:
+        self.model, self.optimizer, self.train_step, self.placement = model, optimizer, train_step, placement
 
     def state_on_mesh(self, start: Start, optimizer_state: Any | None) -> TrainState:
         del optimizer_state  # a Keras optimizer's: read from the model every epoch
         return train_state_on_mesh(
             self.model,
             self.optimizer,
-            self.mesh,
+            self.placement,
             previous_optimizer_state=None,
             metric_sums=start.metric_variables if start.step else None,
             whole_metrics=True,
@@ -382,7 +386,7 @@ class _OwnRun:
         return NO_STEP_TIMER
 
     def batches(self) -> Iterator[tuple[int, Any]]:
-        return enumerate(step_data(self.plan, self.kind.mesh, start=self.start), start=self.start)
+        return enumerate(step_data(self.plan, self.kind.placement.mesh, start=self.start), start=self.start)
 
     def run(self, state: TrainState, batch: Any, *, report: bool) -> tuple[TrainState, Report | None]:
         state, step_report = self.kind.train_step(state, batch)

@@ -16,12 +16,12 @@ from typing import Any, Protocol, final
 import jax
 import keras
 import numpy as np
-from jax.sharding import Mesh
 
 from dp_core.keras import internals, overrides
 from jax_dp._comm.hosts import agree, replicated_to_host, rows_to_host
 from jax_dp._data.batches import Plan, device_batches, whole_last_batch
 from jax_dp._loop.reporting import BatchEndReporter, host_logs, metrics_result_or_logs
+from jax_dp._mesh.layout import Placement
 from jax_dp._step.custom import CustomPredictStep, CustomTestStep, EvaluationState, step_data
 from jax_dp._step.metrics import metrics_on_mesh
 from jax_dp._step.recipes import Recipes
@@ -45,19 +45,19 @@ class Evaluator(Protocol):
 
 def evaluator(model: keras.Model, recipes: Recipes) -> Evaluator:
     """How ``evaluate`` and validation run: with the model's own ``test_step`` or Keras's, on the
-    mesh of ``recipes``, which give the steps."""
-    mesh = recipes.mesh
+    placement of ``recipes``, which give the steps."""
+    placement = recipes.placement
     if overrides(model, "test_step"):
         test_step = recipes.custom_test_step(model)
 
         def evaluate_custom(plan: Plan, callbacks: keras.callbacks.CallbackList | None) -> dict[str, Any]:
-            return custom_evaluate_loop(model, test_step, plan, mesh, callbacks)
+            return custom_evaluate_loop(model, test_step, plan, placement, callbacks)
 
         return evaluate_custom
     steps = recipes.steps(model)
 
     def evaluate(plan: Plan, callbacks: keras.callbacks.CallbackList | None) -> dict[str, Any]:
-        return evaluate_loop(model, steps, plan, mesh, callbacks)
+        return evaluate_loop(model, steps, plan, placement, callbacks)
 
     return evaluate
 
@@ -66,12 +66,13 @@ def evaluate_loop(
     model: keras.Model,
     steps: Steps,
     plan: Plan,
-    mesh: Mesh,
+    placement: Placement,
     callbacks: keras.callbacks.CallbackList | None = None,
 ) -> dict[str, Any]:
     """Loss and metrics of the model's current weights over every sample of the plan (running
     means over real rows); batch-end ``callbacks`` as ``model.evaluate`` calls them."""
-    weights = weights_on_mesh(model, mesh)
+    mesh = placement.mesh
+    weights = weights_on_mesh(model, placement)
     metrics = metrics_on_mesh(model, mesh)
     reporter = None if callbacks is None else BatchEndReporter(callbacks, "test", plan.steps)
     whole_last = whole_last_batch(model, plan, training=False)
@@ -86,15 +87,15 @@ def predict_loop(
     predict_step: Callable[[Weights, Any], Any],
     model: keras.Model,
     plan: Plan,
-    mesh: Mesh,
+    placement: Placement,
     callbacks: keras.callbacks.CallbackList,
 ) -> Any:
     """The model's outputs for every sample, in the plan's (input) order, padding dropped."""
     build_for_predict(model, plan)
-    weights = weights_on_mesh(model, mesh)
+    weights = weights_on_mesh(model, placement)
     reporter = BatchEndReporter(callbacks, "predict", plan.steps)
     outputs = []
-    for step, batch in enumerate(device_batches(plan, mesh)):
+    for step, batch in enumerate(device_batches(plan, placement.mesh)):
         outputs.append(predict_step(weights, batch.x))
         if reporter.due(step):
             real = plan.real_rows(step)  # the batch's outputs as model.predict hands them over: no padding
@@ -123,16 +124,16 @@ def custom_evaluate_loop(
     model: keras.Model,
     test_step: CustomTestStep,
     plan: Plan,
-    mesh: Mesh,
+    placement: Placement,
     callbacks: keras.callbacks.CallbackList | None = None,
 ) -> dict[str, Any]:
     """The model's own ``test_step`` over every batch of ``plan``, as ``model.evaluate`` runs it:
     metrics reset first, the state (metric variables included) written back at the end."""
-    state = EvaluationState(*weights_on_mesh(model, mesh), metric_values_on_mesh(model, mesh))
+    state = EvaluationState(*weights_on_mesh(model, placement), metric_values_on_mesh(model, placement.mesh))
     reporter = None if callbacks is None else BatchEndReporter(callbacks, "test", plan.steps)
     last_logs = None
-    with _EvaluationOnRequest(model, mesh) as on_request:
-        for step, data in enumerate(step_data(plan, mesh)):
+    with _EvaluationOnRequest(model, placement) as on_request:
+        for step, data in enumerate(step_data(plan, placement.mesh)):
             if reporter is not None and callbacks is not None and reporter.every_step:
                 state = on_request.around(state, callbacks.on_test_batch_begin, step)
             state, last_logs = test_step(state, data)
@@ -148,9 +149,9 @@ class _EvaluationOnRequest:
     the current state into the model, and a state the callback changed is read back before the
     next step: ``ModelOnRequest`` for an evaluation's state."""
 
-    def __init__(self, model: keras.Model, mesh: Mesh) -> None:
+    def __init__(self, model: keras.Model, placement: Placement) -> None:
         self.model = model
-        self.mesh = mesh
+        self.placement = placement
         self._offered: EvaluationState | None = None
         self._written: list[Any] | None = None
 
@@ -176,7 +177,8 @@ class _EvaluationOnRequest:
         if not changed:
             return state
         return EvaluationState(
-            *weights_on_mesh(self.model, self.mesh), variables_on_mesh(self.model.metrics_variables, self.mesh)
+            *weights_on_mesh(self.model, self.placement),
+            variables_on_mesh(self.model.metrics_variables, self.placement.mesh),
         )
 
     def _sync(self) -> None:
@@ -201,16 +203,16 @@ def custom_predict_loop(
     predict_step: CustomPredictStep,
     model: keras.Model,
     plan: Plan,
-    mesh: Mesh,
+    placement: Placement,
     callbacks: keras.callbacks.CallbackList,
 ) -> Any:
     """The model's own ``predict_step`` on every batch, outputs concatenated in input order as
     ``model.predict`` does; the non-trainable values it returns end in the model, as in Keras."""
     build_for_predict(model, plan)
-    weights = weights_on_mesh(model, mesh)
+    weights = weights_on_mesh(model, placement)
     reporter = BatchEndReporter(callbacks, "predict", plan.steps)
     outputs = []
-    for step, data in enumerate(step_data(plan, mesh)):
+    for step, data in enumerate(step_data(plan, placement.mesh)):
         weights, batch_outputs = predict_step(weights, data)
         outputs.append(batch_outputs)
         if reporter.due(step):

@@ -11,9 +11,9 @@ A model's variables, its Keras optimizer's slots (each slot like the variable it
 for: Keras names a slot after its variable's path) and an optax state's per-parameter leaves
 lie on the mesh as ``NamedSharding(mesh, P(*spec))``; the jitted steps keep them so, and
 XLA's SPMD partitioner adds the collectives over ``"model"``. ``place`` checks a model's
-rules against the mesh before anything runs and records them for the model, so every
-placement of its state during the call (``weight_shardings``, ``optimizer_shardings``)
-follows them.
+rules against the mesh before anything runs and returns the call's ``Placement`` (mesh, layout,
+shard mode), which every function that puts the call's state on the mesh takes
+(``weight_shardings``, ``optimizer_shardings``, ...): nothing is recorded between calls.
 
 Sharded state (``Trainer(shard=...)``, ZeRO-1/2/3): ``"optimizer"`` and ``"gradients"`` split each
 optimizer slot of a large trainable variable over ``"batch"`` as well, ``"full"`` its weight too
@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import math
 import re
-import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import jax
@@ -130,53 +130,31 @@ class WeightShardings(NamedTuple):
     non_trainable: list[NamedSharding]
 
 
-class Placed(NamedTuple):
-    """How a trainer call placed a model's state: its mesh, layout and shard mode."""
+@dataclass(frozen=True)
+class Placement:
+    """Where one trainer call puts a model's state: the mesh, the variable layout and the shard
+    mode. Built per call (``place``) and handed to the steps and the state that follow it; equal
+    placements compile the same steps (``_step.recipes``). ``Placement(mesh)``: replicated."""
 
     mesh: Mesh
-    layout: Layout
-    shard: ShardMode | None
+    layout: Layout = field(default_factory=Layout)
+    shard: ShardMode | None = None  # None: the state replicated over "batch"
 
 
-# How each model was last placed (by the trainer call that runs it), and the Keras optimizer
-# each model steps with, so the optimizer's slots follow the model's layout and shard mode.
-_PLACED: weakref.WeakKeyDictionary[keras.Model, Placed] = weakref.WeakKeyDictionary()
-_OPTIMIZER_OF: weakref.WeakKeyDictionary[Any, weakref.ref[keras.Model]] = weakref.WeakKeyDictionary()
-
-
-def place(model: keras.Model, mesh: Mesh, layout: Layout, shard: ShardMode | None = None) -> None:
-    """Check ``layout`` against ``model``'s variables on ``mesh`` (a clear error for a rule that does
-    not fit) and record it with ``shard``: the model's state is placed by them until the next call
-    places it again."""
+def place(model: keras.Model, mesh: Mesh, layout: Layout, shard: ShardMode | None = None) -> Placement:
+    """The call's placement, with ``layout`` checked against ``model``'s variables on ``mesh`` (a
+    clear error for a rule that does not fit)."""
     for variable in [*model.trainable_variables, *model.non_trainable_variables]:
         _checked_sharding(variable, layout, mesh)
-    _PLACED[model] = Placed(mesh, layout, shard)
-    if getattr(model, "optimizer", None) is not None:
-        _OPTIMIZER_OF[model.optimizer] = weakref.ref(model)
+    return Placement(mesh, layout, shard)
 
 
-def placed_as(model: keras.Model, mesh: Mesh) -> Placed:
-    """How ``model`` was placed on ``mesh`` (never: replicated, unsharded)."""
-    placed = _PLACED.get(model)
-    return placed if placed is not None and placed.mesh == mesh else Placed(mesh, Layout(), None)
-
-
-def layout_of(model: keras.Model, mesh: Mesh) -> Layout:
-    """The layout ``model`` was placed with on ``mesh`` (none: replicated)."""
-    return placed_as(model, mesh).layout
-
-
-def shard_mode_of(model: keras.Model, mesh: Mesh) -> ShardMode | None:
-    """The shard mode ``model`` was placed with on ``mesh`` (None: state replicated over ``"batch"``)."""
-    return placed_as(model, mesh).shard
-
-
-def weight_shardings(model: keras.Model, mesh: Mesh) -> WeightShardings:
-    """Where each of the model's variables lies on ``mesh``: as its layout says, and with
-    ``shard="full"`` a large trainable one split over ``"batch"`` too."""
-    _, layout, shard = placed_as(model, mesh)
+def weight_shardings(model: keras.Model, placement: Placement) -> WeightShardings:
+    """Where each of the model's variables lies: as the layout says, and with ``shard="full"``
+    a large trainable one split over ``"batch"`` too."""
+    mesh, layout = placement.mesh, placement.layout
     trainable = [_checked_sharding(v, layout, mesh) for v in model.trainable_variables]
-    if shard == "full":
+    if placement.shard == "full":
         pairs = zip(model.trainable_variables, trainable, strict=True)
         trainable = [_split_over_batch(s, tuple(v.shape)) for v, s in pairs]
     return WeightShardings(
@@ -185,22 +163,22 @@ def weight_shardings(model: keras.Model, mesh: Mesh) -> WeightShardings:
     )
 
 
-def slot_shardings(model: keras.Model, mesh: Mesh) -> list[NamedSharding]:
+def slot_shardings(model: keras.Model, placement: Placement) -> list[NamedSharding]:
     """Where the optimizer state of each trainable variable lies: like the variable, and in any
     shard mode split over ``"batch"`` when large (``sharded_spec``)."""
-    weights = weight_shardings(model, mesh).trainable
-    if shard_mode_of(model, mesh) is None:
+    weights = weight_shardings(model, placement).trainable
+    if placement.shard is None:
         return weights
     return [_split_over_batch(s, tuple(v.shape)) for v, s in zip(model.trainable_variables, weights, strict=True)]
 
 
-def gradient_shardings(model: keras.Model, mesh: Mesh) -> list[NamedSharding] | None:
+def gradient_shardings(model: keras.Model, placement: Placement) -> list[NamedSharding] | None:
     """Where the train step puts the global gradients before the optimizer update: with
     ``shard="gradients"`` or ``"full"`` like the slots, so XLA reduce-scatters them rather than
     all-reducing; None (XLA's choice: all-reduced, replicated) otherwise."""
-    if shard_mode_of(model, mesh) not in ("gradients", "full"):
+    if placement.shard not in ("gradients", "full"):
         return None
-    return slot_shardings(model, mesh)
+    return slot_shardings(model, placement)
 
 
 def sharded_spec(spec: Spec, shape: tuple[int, ...], batch_size: int) -> Spec:
@@ -254,20 +232,20 @@ def _checked_sharding(variable: Any, layout: Layout, mesh: Mesh) -> NamedShardin
     return NamedSharding(mesh, P(*spec))
 
 
-def optimizer_shardings(optimizer: keras.optimizers.Optimizer, mesh: Mesh) -> list[NamedSharding]:
-    """Where each of a Keras optimizer's variables lies: a slot like the variable it was made
-    for, the rest (iterations, learning rate, loss scale) replicated.
+def optimizer_shardings(
+    optimizer: keras.optimizers.Optimizer, model: keras.Model, placement: Placement
+) -> list[NamedSharding]:
+    """Where each variable of ``model``'s Keras optimizer lies: a slot like the variable it was
+    made for, the rest (iterations, learning rate, loss scale) replicated.
 
     Keras names a slot ``{variable.path with '/' as '_'}_{slot}`` with the variable's shape
     (``add_variable_from_reference``); the longest such variable path wins. Slots are Adam's
     moments, momentum, EMA copies and the gradient accumulators alike."""
-    replicated = NamedSharding(mesh, P())
-    model_ref = _OPTIMIZER_OF.get(optimizer)
-    model = None if model_ref is None else model_ref()
-    if model is None or (not layout_of(model, mesh) and shard_mode_of(model, mesh) is None):
+    replicated = NamedSharding(placement.mesh, P())
+    if not placement.layout and placement.shard is None:
         return [replicated] * len(optimizer.variables)
     owners = sorted(
-        zip(model.trainable_variables, slot_shardings(model, mesh), strict=True),
+        zip(model.trainable_variables, slot_shardings(model, placement), strict=True),
         key=lambda pair: -len(pair[0].path),
     )
     shardings = []
@@ -297,10 +275,10 @@ def optax_state_shardings(transformation: optax.GradientTransformation, params: 
     )
 
 
-def abstract_slots(model: keras.Model, mesh: Mesh) -> list[jax.ShapeDtypeStruct]:
+def abstract_slots(model: keras.Model, placement: Placement) -> list[jax.ShapeDtypeStruct]:
     """The model's trainable variables as the shapes and dtypes of their optimizer state, with
     its shardings (``slot_shardings``)."""
-    shardings = slot_shardings(model, mesh)
+    shardings = slot_shardings(model, placement)
     return [
         jax.ShapeDtypeStruct(tuple(v.shape), v.dtype, sharding=s)
         for v, s in zip(model.trainable_variables, shardings, strict=True)

@@ -48,7 +48,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dp_core.keras import internals
-from jax_dp._mesh.layout import gradient_shardings, weight_shardings
+from jax_dp._mesh.layout import Placement, gradient_shardings, weight_shardings
 from jax_dp._mesh.mesh import BATCH_AXIS, batch_sharded, num_replicas_of
 from jax_dp._step.optimizers import Optimizer
 
@@ -84,13 +84,13 @@ def accumulates(optimizer: Optimizer) -> bool:
     return optimizer.accumulation_steps > 1
 
 
-def accumulated_shardings(model: keras.Model, optimizer: Optimizer, mesh: Mesh) -> Any:
+def accumulated_shardings(model: keras.Model, optimizer: Optimizer, placement: Placement) -> Any:
     """Where ``TrainState.accumulated`` lies: each partial sum split over ``"batch"`` on its
     leading replica axis, and like its variable on the rest (a pytree prefix)."""
     if not accumulates(optimizer):
-        return batch_sharded(mesh)  # the field is empty
-    weights = weight_shardings(model, mesh).trainable
-    return [NamedSharding(mesh, P(BATCH_AXIS, *_whole_over_batch(s.spec))) for s in weights]
+        return batch_sharded(placement.mesh)  # the field is empty
+    weights = weight_shardings(model, placement).trainable
+    return [NamedSharding(placement.mesh, P(BATCH_AXIS, *_whole_over_batch(s.spec))) for s in weights]
 
 
 def _whole_over_batch(spec: Any) -> tuple[Any, ...]:
@@ -111,7 +111,7 @@ def _whole_over_batch(spec: Any) -> tuple[Any, ...]:
 def accumulated_update(
     model: keras.Model,
     optimizer: Optimizer,
-    mesh: Mesh,
+    placement: Placement,
     state: Any,
     batch: Any,
     *,
@@ -123,8 +123,9 @@ def accumulated_update(
 
     ``loss_and_updates(model, trainable, non_trainable, batch, training=, call=)`` is the step's
     loss; ``per_replica``: gradients per replica where the model allows it (global BN)."""
+    mesh = placement.mesh
     num_replicas = num_replicas_of(mesh)
-    shardings = accumulated_shardings(model, optimizer, mesh)
+    shardings = accumulated_shardings(model, optimizer, placement)
     copies = [
         jax.lax.with_sharding_constraint(jnp.broadcast_to(v, (num_replicas, *v.shape)), sharding)
         for v, sharding in zip(state.trainable, shardings, strict=True)
@@ -153,7 +154,7 @@ def accumulated_update(
         for held, g, s, sharding in zip(state.accumulated, grads, shared, shardings, strict=True)
     ]
     ends_window = optimizer.window_position(state.optimizer) == optimizer.accumulation_steps - 1
-    placed = gradient_shardings(model, mesh)  # with shard="gradients"/"full": a reduce-scatter
+    placed = gradient_shardings(model, placement)  # with shard="gradients"/"full": a reduce-scatter
     window_sum = jax.lax.cond(
         ends_window, lambda p: _placed(_summed(p), placed), lambda p: _placed(_zeros(p), placed), partial
     )
@@ -265,35 +266,38 @@ def _global_moments(layer: Any, rows_mask: Any) -> Callable[[Any, Any], tuple[An
     return moments
 
 
-def split(model: keras.Model, optimizer: Optimizer, optimizer_state: Any, mesh: Mesh) -> tuple[Any, list[jax.Array]]:
+def split(
+    model: keras.Model, optimizer: Optimizer, optimizer_state: Any, placement: Placement
+) -> tuple[Any, list[jax.Array]]:
     """One device's optimizer state as the accumulating step holds it: the window's sum so far in
     replica 0's partial sum, the optimizer's own zero."""
-    num_replicas = num_replicas_of(mesh)
+    num_replicas = num_replicas_of(placement.mesh)
 
     def parts(state: Any) -> tuple[Any, list[Any]]:
         held = optimizer.held_sum(state)
         partial = [jnp.zeros((num_replicas, *h.shape), h.dtype).at[0].set(h) for h in held]
         return optimizer.with_held_sum(state, [jnp.zeros_like(h) for h in held]), partial
 
-    shardings = (optimizer.state_shardings(model, mesh), accumulated_shardings(model, optimizer, mesh))
+    shardings = (optimizer.state_shardings(model, placement), accumulated_shardings(model, optimizer, placement))
     return jax.jit(parts, out_shardings=shardings)(optimizer_state)
 
 
-def merged(model: keras.Model, optimizer: Optimizer, optimizer_state: Any, partial: list[jax.Array], mesh: Mesh) -> Any:
-    """The optimizer state one device would hold: the partial sums summed into it (a collective:
-    every process calls it)."""
+def merged(optimizer: Optimizer, optimizer_state: Any, partial: list[jax.Array]) -> Any:
+    """The optimizer state one device would hold, where it lies: the partial sums summed into it
+    (a collective: every process calls it)."""
 
     def merge(state: Any, partial: list[Any]) -> Any:
         held = optimizer.held_sum(state)
         return optimizer.with_held_sum(state, [h + jnp.sum(p, axis=0) for h, p in zip(held, partial, strict=True)])
 
-    return jax.jit(merge, out_shardings=optimizer.state_shardings(model, mesh))(optimizer_state, partial)
+    where = jax.tree.map(lambda leaf: leaf.sharding, optimizer_state)
+    return jax.jit(merge, out_shardings=where)(optimizer_state, partial)
 
 
-def without_held_sum(model: keras.Model, optimizer: Optimizer, optimizer_state: Any, mesh: Mesh) -> Any:
+def without_held_sum(model: keras.Model, optimizer: Optimizer, optimizer_state: Any, placement: Placement) -> Any:
     """``optimizer_state`` with its own accumulators zero (the partial sums hold the window)."""
 
     def cleared(state: Any) -> Any:
         return optimizer.with_held_sum(state, [jnp.zeros_like(h) for h in optimizer.held_sum(state)])
 
-    return jax.jit(cleared, out_shardings=optimizer.state_shardings(model, mesh))(optimizer_state)
+    return jax.jit(cleared, out_shardings=optimizer.state_shardings(model, placement))(optimizer_state)

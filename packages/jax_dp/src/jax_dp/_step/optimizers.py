@@ -23,12 +23,11 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 import optax
-from jax.sharding import Mesh
 
 from dp_core import Checkpoint, CheckpointError, LearningRateScaling, learning_rate_policy
 from dp_core.keras import KerasSchedule, internals, learning_rate_policy_installed, plan_learning_rate, restore_model
 from jax_dp._comm.hosts import replicated_to_host, same_on_all_processes
-from jax_dp._mesh.layout import abstract_slots, optax_state_shardings, optimizer_shardings
+from jax_dp._mesh.layout import Placement, abstract_slots, optax_state_shardings, optimizer_shardings
 from jax_dp._mesh.mesh import put_sharded
 from jax_dp._step.compile_cache import TracedFrom, config_value, keras_optimizer_state
 
@@ -49,15 +48,17 @@ class Optimizer(abc.ABC):
         traced from the same things computes the same updates."""
 
     @abc.abstractmethod
-    def initial_state(self, model: keras.Model, trainable: list[jax.Array], mesh: Mesh, *, previous: Any | None) -> Any:
-        """The state an epoch starts from for ``model``'s ``trainable`` values, on ``mesh`` as
+    def initial_state(
+        self, model: keras.Model, trainable: list[jax.Array], placement: Placement, *, previous: Any | None
+    ) -> Any:
+        """The state an epoch starts from for ``model``'s ``trainable`` values, on the mesh as
         ``state_shardings`` says; ``previous`` is the last epoch's (None: first)."""
 
     @abc.abstractmethod
-    def state_shardings(self, model: keras.Model, mesh: Mesh) -> Any:
-        """Where the state's arrays lie on ``mesh`` (a pytree like the state): a per-variable
-        array like its variable, or split over ``"batch"`` in a shard mode (``_mesh.layout``), the
-        rest replicated."""
+    def state_shardings(self, model: keras.Model, placement: Placement) -> Any:
+        """Where the state's arrays lie as the call's ``placement`` says (a pytree like the state):
+        a per-variable array like its variable, or split over ``"batch"`` in a shard mode
+        (``_mesh.layout``), the rest replicated."""
 
     @abc.abstractmethod
     def scale_loss(self, loss: Any, state: Any) -> Any:
@@ -127,18 +128,17 @@ class KerasOptimizer(Optimizer):
         return keras_optimizer_state(self.optimizer)
 
     def initial_state(
-        self, model: keras.Model, trainable: list[jax.Array], mesh: Mesh, *, previous: Any | None
+        self, model: keras.Model, trainable: list[jax.Array], placement: Placement, *, previous: Any | None
     ) -> list[jax.Array]:
-        del model, trainable, previous  # read from the variables every epoch: callbacks may change them (the rate)
+        del trainable, previous  # read from the variables every epoch: callbacks may change them (the rate)
         values = same_on_all_processes(
             [np.asarray(keras.ops.convert_to_numpy(v.value)) for v in self.optimizer.variables]
         )
-        shardings = optimizer_shardings(self.optimizer, mesh)
+        shardings = self.state_shardings(model, placement)
         return [put_sharded(v, sharding) for v, sharding in zip(values, shardings, strict=True)]
 
-    def state_shardings(self, model: keras.Model, mesh: Mesh) -> list[Any]:
-        del model  # the optimizer knows the model it was placed with (``_mesh.layout.place``)
-        return optimizer_shardings(self.optimizer, mesh)
+    def state_shardings(self, model: keras.Model, placement: Placement) -> list[Any]:
+        return optimizer_shardings(self.optimizer, model, placement)
 
     def scale_loss(self, loss: Any, state: list[Any]) -> Any:
         # Mixed precision: a LossScaleOptimizer scales the loss with its own (stateless) scale.
@@ -233,10 +233,12 @@ class OptaxOptimizer(Optimizer):
         # A transformation is a NamedTuple (no weak references): its two functions stand for it.
         return TracedFrom([self.given.init, self.given.update], [config_value(self.policy), self.steps])
 
-    def initial_state(self, model: keras.Model, trainable: list[jax.Array], mesh: Mesh, *, previous: Any | None) -> Any:
+    def initial_state(
+        self, model: keras.Model, trainable: list[jax.Array], placement: Placement, *, previous: Any | None
+    ) -> Any:
         if previous is not None:  # optax state lives on the mesh for the whole fit
             return previous
-        shardings = self.state_shardings(model, mesh)
+        shardings = self.state_shardings(model, placement)
         state = jax.jit(self.transformation.init, out_shardings=shardings)(trainable)
         if self._saved is None:
             return state
@@ -245,8 +247,8 @@ class OptaxOptimizer(Optimizer):
         placed = [put_sharded(value, leaf.sharding) for value, leaf in zip(self._saved, leaves, strict=True)]
         return jax.tree.unflatten(structure, placed)
 
-    def state_shardings(self, model: keras.Model, mesh: Mesh) -> Any:
-        return optax_state_shardings(self.transformation, abstract_slots(model, mesh), mesh)
+    def state_shardings(self, model: keras.Model, placement: Placement) -> Any:
+        return optax_state_shardings(self.transformation, abstract_slots(model, placement), placement.mesh)
 
     def scale_loss(self, loss: Any, state: Any) -> Any:
         return loss

@@ -50,7 +50,7 @@ from dp_core import (
 from dp_core.keras import internals
 from jax_dp._comm.hosts import is_primary
 from jax_dp._data.batches import Batch
-from jax_dp._mesh.layout import shard_mode_of
+from jax_dp._mesh.layout import Placement
 from jax_dp._mesh.mesh import BATCH_AXIS
 from jax_dp._step.accumulation import accumulates
 from jax_dp._step.compile_cache import held_weakly
@@ -107,9 +107,10 @@ class Pieces(NamedTuple):
     train: Any  # the fit's train step, jitted (``lower`` for its cost analysis)
 
 
-def make_pieces(model: keras.Model, optimizer: Optimizer, mesh: Mesh, batch_norm: BatchNormMode) -> Pieces:
+def make_pieces(model: keras.Model, optimizer: Optimizer, placement: Placement, batch_norm: BatchNormMode) -> Pieces:
     """Each device's gradient on its own rows (``shard_map``, nothing summed), the all-reduce of
     those gradients alone, the optimizer update alone, and a ``psum`` of the probe."""
+    mesh = placement.mesh
     model_now = held_weakly(model)
     replicated, sharded = P(), P(BATCH_AXIS)
 
@@ -135,7 +136,7 @@ def make_pieces(model: keras.Model, optimizer: Optimizer, mesh: Mesh, batch_norm
         all_reduce=shard_mapped(lambda parts: [jax.lax.psum(p[0], BATCH_AXIS) for p in parts], sharded, replicated),
         apply=jax.jit(optimizer.apply),
         probe=shard_mapped(lambda part: jax.lax.psum(part, BATCH_AXIS), sharded, replicated),
-        train=make_train_step(model, optimizer, mesh, batch_norm=batch_norm, skip_nonfinite=False),
+        train=make_train_step(model, optimizer, placement, batch_norm=batch_norm, skip_nonfinite=False),
     )
 
 
@@ -176,19 +177,19 @@ def _increment(value: jax.Array) -> jax.Array:
 
 
 def flops_per_step(
-    pieces: Pieces, model: keras.Model, optimizer: Optimizer, mesh: Mesh, state: TrainState, batch: Batch
+    pieces: Pieces, model: keras.Model, optimizer: Optimizer, placement: Placement, state: TrainState, batch: Batch
 ) -> float | None:
     """A train step's FLOPs on ``batch`` (a global batch) from ``state``, from XLA's cost analysis of
     the compiled step: that of one device's program (SPMD), times the devices. None where XLA gives none."""
     if accumulates(optimizer):  # Keras's step then keeps each replica's gradient sums beside the optimizer's
         state = train_state_on_mesh(
-            model, optimizer, mesh, previous_optimizer_state=None, metric_sums=None, accumulate=True
+            model, optimizer, placement, previous_optimizer_state=None, metric_sums=None, accumulate=True
         )
     cost = pieces.train.lower(state, batch, False).compile().cost_analysis()
     if isinstance(cost, list | tuple):  # older jax: one analysis per program
         cost = cost[0] if cost else None
     flops = float((cost or {}).get("flops", 0.0))
-    return flops * mesh.devices.size if flops > 0 else None
+    return flops * placement.mesh.devices.size if flops > 0 else None
 
 
 def compute_dtype(model: keras.Model) -> str:
@@ -239,7 +240,7 @@ def finish_report(
     profile: FitProfile,
     model: keras.Model,
     optimizer: Optimizer,
-    mesh: Mesh,
+    placement: Placement,
     *,
     global_batch_size: int,
     batch_norm: BatchNormMode,
@@ -255,9 +256,9 @@ def finish_report(
             print("scaling report: no step was timed (a model's own train_step is not profiled)", flush=True)
         return None
     phases = {name: Phase(laps[name]) for name in ("input", "callbacks")}
-    state = train_state_on_mesh(model, optimizer, mesh, previous_optimizer_state=None, metric_sums=None)
-    pieces = cached(lambda: make_pieces(model, optimizer, mesh, batch_norm))
-    shard = shard_mode_of(model, mesh)
+    state = train_state_on_mesh(model, optimizer, placement, previous_optimizer_state=None, metric_sums=None)
+    pieces = cached(lambda: make_pieces(model, optimizer, placement, batch_norm))
+    mesh, shard = placement.mesh, placement.shard
     if mesh.axis_names == (BATCH_AXIS,) and shard is None:
         parts = _split_parts(pieces, mesh, state, profile.batch)
         if sum(parts) > 0:
@@ -277,7 +278,7 @@ def finish_report(
     if not is_primary():
         return None
     peak = device_peak(model, mesh)
-    flops = flops_per_step(pieces, model, optimizer, mesh, state, profile.batch)
+    flops = flops_per_step(pieces, model, optimizer, placement, state, profile.batch)
     report = ScalingReport(
         backend="jax",
         num_replicas=_replicas(mesh),

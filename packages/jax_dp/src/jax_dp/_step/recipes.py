@@ -2,9 +2,9 @@
 
 A step is taken from the trainer's compile cache (``_step.compile_cache``) while everything its trace
 read from Python is the same (``TracedFrom``); the key of each kind of step lists exactly that:
-the model's structure, what ``model.compile`` made, the optimizer as traced, the mesh, the
-variable layout and shard mode (where the state lies is compiled into a step), and the
-trainer's options that reach the step.
+the model's structure, what ``model.compile`` made, the optimizer as traced, the call's
+placement (mesh, variable layout and shard mode: where the state lies is compiled into a step),
+and the trainer's options that reach the step.
 """
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ from collections.abc import Callable
 from typing import Any, final
 
 import keras
-from jax.sharding import Mesh
 
-from dp_core import BatchNormMode, ShardMode
-from jax_dp._mesh.layout import Layout
+from dp_core import BatchNormMode
+from jax_dp._mesh.layout import Placement
 from jax_dp._step.compile_cache import CompileCache, TracedFrom, compile_state, model_structure
 from jax_dp._step.custom import (
     CustomPredictStep,
@@ -43,26 +42,24 @@ from jax_dp._step.steps import (
 @final
 class Recipes:
     """The steps of one trainer call, each from ``cache`` when traced from the same things: the
-    trainer's mesh, variable layout and options as they are at the call."""
+    call's placement and the trainer's options as they are at the call."""
 
     def __init__(
         self,
         cache: CompileCache,
-        mesh: Mesh,
-        variable_layout: Layout,
+        placement: Placement,
         *,
         batch_norm: BatchNormMode,
         skip_nonfinite: bool,
         apply_nonfinite: bool = False,
-        shard: ShardMode | None = None,
     ) -> None:
-        self.cache, self.mesh, self.variable_layout, self.shard = cache, mesh, variable_layout, shard
+        self.cache, self.placement = cache, placement
         self.batch_norm, self.skip_nonfinite, self.apply_nonfinite = batch_norm, skip_nonfinite, apply_nonfinite
 
     def steps(self, model: keras.Model, optimizer: Optimizer | None = None) -> Steps:
         """The jitted steps of one fit (without ``optimizer``: of evaluate alone), from the
         compile cache when they were traced from the same model, compile state and options."""
-        mesh = self.mesh
+        placement, mesh = self.placement, self.placement.mesh
         evaluation = model_structure(model) + compile_state(model) + self._placement()
         recipes: dict[str, tuple[TracedFrom, Callable[[], Any]]] = {
             "test": (evaluation, lambda: make_test_step(model, mesh)),
@@ -76,10 +73,10 @@ class Recipes:
                 "apply_nonfinite": self.apply_nonfinite,
             }
             training = evaluation + optimizer.traced_from() + TracedFrom(values=list(options.values()))
-            recipes["train"] = (training, lambda: make_train_step(model, optimizer, mesh, **options))
+            recipes["train"] = (training, lambda: make_train_step(model, optimizer, placement, **options))
             recipes["train_reporting"] = (
                 training,
-                lambda: make_reporting_train_step(model, optimizer, mesh, **options),
+                lambda: make_reporting_train_step(model, optimizer, placement, **options),
             )
 
         def fetch(kind: str) -> Any:
@@ -89,12 +86,13 @@ class Recipes:
         return Steps(fetch)
 
     def custom_train_step(self, model: keras.Model, optimizer: Optimizer) -> CustomTrainStep:
-        mesh, skip_nonfinite, apply_nonfinite = self.mesh, self.skip_nonfinite, self.apply_nonfinite
+        mesh, skip_nonfinite, apply_nonfinite = self.placement.mesh, self.skip_nonfinite, self.apply_nonfinite
         traced_from = (
             model_structure(model)
             + compile_state(model)
             + optimizer.traced_from()
-            + TracedFrom(values=[mesh, skip_nonfinite, apply_nonfinite])
+            + self._placement()
+            + TracedFrom(values=[skip_nonfinite, apply_nonfinite])
         )
         return self.cache.step(
             model,
@@ -104,16 +102,16 @@ class Recipes:
         )
 
     def custom_test_step(self, model: keras.Model) -> CustomTestStep:
-        mesh = self.mesh
-        traced_from = model_structure(model) + compile_state(model) + TracedFrom(values=[mesh])
+        mesh = self.placement.mesh
+        traced_from = model_structure(model) + compile_state(model) + self._placement()
         return self.cache.step(model, "custom_test", traced_from, lambda: make_custom_test_step(model, mesh))
 
     def predict_step(self, model: keras.Model) -> Callable[[Weights, Any], Any]:
-        mesh = self.mesh
+        mesh = self.placement.mesh
         return self.cache.step(model, "predict", self._predicting(model), lambda: make_predict_step(model, mesh))
 
     def custom_predict_step(self, model: keras.Model) -> CustomPredictStep:
-        mesh = self.mesh
+        mesh = self.placement.mesh
         traced_from = self._predicting(model)
         return self.cache.step(model, "custom_predict", traced_from, lambda: make_custom_predict_step(model, mesh))
 
@@ -121,8 +119,8 @@ class Recipes:
         return model_structure(model) + self._placement()
 
     def _placement(self) -> TracedFrom:
-        """Where the state lies: the mesh, the layout and the shard mode."""
-        return TracedFrom(values=[self.mesh, self.variable_layout, self.shard])
+        """Where the state lies: the call's mesh, layout and shard mode."""
+        return TracedFrom(values=[self.placement])
 
     def profile_pieces(self, model: keras.Model, optimizer: Optimizer) -> Callable[[Callable[[], Pieces]], Pieces]:
         """The scaling report's separately jitted pieces of the train step, kept between fits."""

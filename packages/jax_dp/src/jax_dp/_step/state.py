@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 
 from dp_core.keras import internals
 from jax_dp._comm.hosts import agree, on_own_devices, replicated_to_host, same_on_all_processes
-from jax_dp._mesh.layout import weight_shardings
+from jax_dp._mesh.layout import Placement, weight_shardings
 from jax_dp._mesh.mesh import put_replicated, put_sharded
 from jax_dp._step.accumulation import accumulates, merged, split, without_held_sum
 from jax_dp._step.metrics import metrics_on_mesh
@@ -61,12 +61,12 @@ class TrainState(NamedTuple):
     accumulated: Any = ()  # gradient accumulation's per-replica partial sums, sharded (``_step.accumulation``)
 
 
-def weights_on_mesh(model: keras.Model, mesh: Mesh) -> Weights:
-    """The model's values, process 0's, on the mesh: replicated, or split as its layout says (``_mesh.layout``)."""
-    placement = weight_shardings(model, mesh)
+def weights_on_mesh(model: keras.Model, placement: Placement) -> Weights:
+    """The model's values, process 0's, on the mesh: replicated, or split as ``placement`` says (``_mesh.layout``)."""
+    shardings = weight_shardings(model, placement)
     return Weights(
-        trainable=variables_on_mesh(model.trainable_variables, mesh, placement.trainable),
-        non_trainable=variables_on_mesh(model.non_trainable_variables, mesh, placement.non_trainable),
+        trainable=variables_on_mesh(model.trainable_variables, placement.mesh, shardings.trainable),
+        non_trainable=variables_on_mesh(model.non_trainable_variables, placement.mesh, shardings.non_trainable),
     )
 
 
@@ -81,7 +81,7 @@ def variables_on_mesh(variables: list[Any], mesh: Mesh, shardings: list[Any] | N
 def train_state_on_mesh(
     model: keras.Model,
     optimizer: Optimizer,
-    mesh: Mesh,
+    placement: Placement,
     *,
     previous_optimizer_state: Any | None,
     metric_sums: list[np.ndarray] | None,
@@ -92,11 +92,12 @@ def train_state_on_mesh(
     when it continues a checkpointed epoch; ``whole_metrics``: the metric values replicated,
     not per-replica stacks; ``accumulate``: for Keras's train step, which accumulates gradients
     per replica when the optimizer accumulates (``_step.accumulation``)."""
-    trainable, non_trainable = weights_on_mesh(model, mesh)
-    optimizer_state = optimizer.initial_state(model, trainable, mesh, previous=previous_optimizer_state)
+    mesh = placement.mesh
+    trainable, non_trainable = weights_on_mesh(model, placement)
+    optimizer_state = optimizer.initial_state(model, trainable, placement, previous=previous_optimizer_state)
     accumulated: Any = ()
     if accumulate and accumulates(optimizer):
-        optimizer_state, accumulated = split(model, optimizer, optimizer_state, mesh)
+        optimizer_state, accumulated = split(model, optimizer, optimizer_state, placement)
     return TrainState(
         trainable=trainable,
         non_trainable=non_trainable,
@@ -153,16 +154,16 @@ def write_back(
     for variables, values in pairs:
         for variable, value in zip(variables, replicated_to_host(values), strict=True):
             variable.assign(value)
-    optimizer.write_back(optimizer_state_of(model, optimizer, state) if collective_ok else state.optimizer)
+    optimizer.write_back(optimizer_state_of(optimizer, state) if collective_ok else state.optimizer)
     return model_values(model, metrics=metrics)
 
 
-def optimizer_state_of(model: keras.Model, optimizer: Optimizer, state: TrainState) -> Any:
+def optimizer_state_of(optimizer: Optimizer, state: TrainState) -> Any:
     """The optimizer state as one device holds it (with the gradients accumulated so far in the
-    window); a collective when the state accumulates per replica."""
+    window), where it lies; a collective when the state accumulates per replica."""
     if not state.accumulated:
         return state.optimizer
-    return merged(model, optimizer, state.optimizer, state.accumulated, state.accumulated[0].sharding.mesh)
+    return merged(optimizer, state.optimizer, state.accumulated)
 
 
 def model_values(model: keras.Model, *, metrics: bool = False) -> list[Any]:
@@ -196,11 +197,17 @@ class ModelOnRequest:
     """
 
     def __init__(
-        self, model: keras.Model, optimizer: Optimizer, mesh: Mesh, state: TrainState, *, metrics: bool = False
+        self,
+        model: keras.Model,
+        optimizer: Optimizer,
+        placement: Placement,
+        state: TrainState,
+        *,
+        metrics: bool = False,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
-        self.mesh = mesh
+        self.placement = placement
         self.metrics = metrics
         self._offered: TrainState | None = None
         self._written_state: TrainState | None = None
@@ -232,7 +239,7 @@ class ModelOnRequest:
             changed = agree(changed)
         if not changed:
             return state
-        state = state_from_model(self.model, self.optimizer, self.mesh, state, metrics=self.metrics)
+        state = state_from_model(self.model, self.optimizer, self.placement, state, metrics=self.metrics)
         self.written_back(state)
         return state
 
@@ -251,19 +258,19 @@ class ModelOnRequest:
 
 
 def state_from_model(
-    model: keras.Model, optimizer: Optimizer, mesh: Mesh, state: TrainState, *, metrics: bool = False
+    model: keras.Model, optimizer: Optimizer, placement: Placement, state: TrainState, *, metrics: bool = False
 ) -> TrainState:
     """``state`` with the model's current weights and optimizer variables (with ``metrics``, also
     its metric values, replicated; else the metrics are kept, as are the counts)."""
-    trainable, non_trainable = weights_on_mesh(model, mesh)
-    optimizer_state = optimizer.initial_state(model, trainable, mesh, previous=state.optimizer)
+    trainable, non_trainable = weights_on_mesh(model, placement)
+    optimizer_state = optimizer.initial_state(model, trainable, placement, previous=state.optimizer)
     if state.accumulated:  # the window's gradients stay in the partial sums
-        optimizer_state = without_held_sum(model, optimizer, optimizer_state, mesh)
+        optimizer_state = without_held_sum(model, optimizer, optimizer_state, placement)
     return state._replace(
         trainable=trainable,
         non_trainable=non_trainable,
         optimizer=optimizer_state,
-        metrics=variables_on_mesh(model.metrics_variables, mesh) if metrics else state.metrics,
+        metrics=variables_on_mesh(model.metrics_variables, placement.mesh) if metrics else state.metrics,
     )
 
 

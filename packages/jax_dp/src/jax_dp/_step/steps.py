@@ -37,7 +37,7 @@ from dp_core import BatchNormMode
 from dp_core.keras import internals, python_logs
 from jax_dp._comm.hosts import replicated_to_host
 from jax_dp._data.batches import Batch, WholeBatch, row_weights
-from jax_dp._mesh.layout import gradient_shardings, weight_shardings
+from jax_dp._mesh.layout import Placement, gradient_shardings, weight_shardings
 from jax_dp._mesh.mesh import batch_sharded, num_replicas_of, replicated
 from jax_dp._step.accumulation import accumulated_shardings, accumulated_update, accumulates
 from jax_dp._step.compile_cache import held_weakly
@@ -114,7 +114,7 @@ class Steps:
 def make_train_step(
     model: keras.Model,
     optimizer: Optimizer,
-    mesh: Mesh,
+    placement: Placement,
     *,
     batch_norm: BatchNormMode,
     skip_nonfinite: bool,
@@ -123,17 +123,22 @@ def make_train_step(
     """One optimizer step on one global batch: ``(state, batch, padded) -> state``; the state
     argument is donated; ``padded`` (static) says whether any batch of the epoch is padded."""
     train_step = _train_step(
-        model, optimizer, mesh, batch_norm=batch_norm, skip_nonfinite=skip_nonfinite, apply_nonfinite=apply_nonfinite
+        model,
+        optimizer,
+        placement,
+        batch_norm=batch_norm,
+        skip_nonfinite=skip_nonfinite,
+        apply_nonfinite=apply_nonfinite,
     )
     return jax.jit(
-        train_step, donate_argnums=0, static_argnums=2, out_shardings=_state_shardings(model, optimizer, mesh)
+        train_step, donate_argnums=0, static_argnums=2, out_shardings=_state_shardings(model, optimizer, placement)
     )
 
 
 def make_reporting_train_step(
     model: keras.Model,
     optimizer: Optimizer,
-    mesh: Mesh,
+    placement: Placement,
     *,
     batch_norm: BatchNormMode,
     skip_nonfinite: bool,
@@ -143,7 +148,12 @@ def make_reporting_train_step(
     replicated. One program a step: on CPU, where the devices share the host's cores, each
     program launched costs a short step more than the work it does."""
     train_step = _train_step(
-        model, optimizer, mesh, batch_norm=batch_norm, skip_nonfinite=skip_nonfinite, apply_nonfinite=apply_nonfinite
+        model,
+        optimizer,
+        placement,
+        batch_norm=batch_norm,
+        skip_nonfinite=skip_nonfinite,
+        apply_nonfinite=apply_nonfinite,
     )
     model_now = held_weakly(model)
 
@@ -151,7 +161,7 @@ def make_reporting_train_step(
         state = train_step(state, batch, padded)
         return state, report_of(results_of(model_now(), state.metrics), state.counts.skipped)
 
-    shardings = (_state_shardings(model, optimizer, mesh), replicated(mesh))
+    shardings = (_state_shardings(model, optimizer, placement), replicated(placement.mesh))
     return jax.jit(reporting_train_step, donate_argnums=0, static_argnums=2, out_shardings=shardings)
 
 
@@ -165,26 +175,26 @@ def make_report(model: keras.Model, mesh: Mesh) -> Callable[[list[jax.Array], ja
     return jax.jit(report, out_shardings=replicated(mesh))
 
 
-def _state_shardings(model: keras.Model, optimizer: Optimizer, mesh: Mesh) -> Any:
+def _state_shardings(model: keras.Model, optimizer: Optimizer, placement: Placement) -> Any:
     # A sharding in place of a field (a pytree prefix) applies to every array in it. Weights and
-    # optimizer state lie as the model's layout says (replicated without one: ``_mesh.layout``).
-    everywhere: Any = replicated(mesh)
-    per_replica: Any = batch_sharded(mesh)
-    weights = weight_shardings(model, mesh)
+    # optimizer state lie as the call's placement says (replicated without a layout: ``_mesh.layout``).
+    everywhere: Any = replicated(placement.mesh)
+    per_replica: Any = batch_sharded(placement.mesh)
+    weights = weight_shardings(model, placement)
     return TrainState(
         trainable=weights.trainable,
         non_trainable=weights.non_trainable,
-        optimizer=optimizer.state_shardings(model, mesh),
+        optimizer=optimizer.state_shardings(model, placement),
         metrics=per_replica,
         counts=everywhere,
-        accumulated=accumulated_shardings(model, optimizer, mesh),
+        accumulated=accumulated_shardings(model, optimizer, placement),
     )
 
 
 def _train_step(
     model: keras.Model,
     optimizer: Optimizer,
-    mesh: Mesh,
+    placement: Placement,
     *,
     batch_norm: BatchNormMode,
     skip_nonfinite: bool,
@@ -200,52 +210,38 @@ def _train_step(
     The step keeps ``optimizer`` for its pure ``scale_loss``/``apply``: a later fit reuses it
     only with an optimizer traced from the same things (``Optimizer.traced_from``).
     """
+    mesh = placement.mesh
     num_replicas = num_replicas_of(mesh)
     model_now = held_weakly(model)
 
     def train_step(state: TrainState, batch: Batch, padded: bool) -> TrainState:
         model = model_now()
-        if isinstance(batch, WholeBatch):
-            return whole_batch_step(model, state, batch)
-        update_metrics = make_metric_update(model, mesh)
-        with padding_aware(
-            model,
-            batch.mask,
-            real_rows=batch.real_rows,
-            padded=padded,
-            batch_norm=batch_norm,
-            num_replicas=num_replicas,
-        ):
-            accumulated = state.accumulated
-            if accumulates(optimizer):  # gradients summed per replica, all-reduced once per window
-                (loss, y_pred, non_trainable, increments), (trainable, optimizer_state, accumulated) = (
-                    accumulated_update(
-                        model,
-                        optimizer,
-                        mesh,
-                        state,
-                        batch,
-                        loss_and_updates=_loss_and_updates,
-                        per_replica=batch_norm == "global",
-                    )
-                )
-            else:
-                (loss, y_pred, non_trainable, increments), (trainable, optimizer_state) = _gradient_update(
-                    model, optimizer, mesh, state, batch
-                )
+        if isinstance(batch, WholeBatch):  # Keras's own step: no padding, no split; its metrics count once, in slot 0
+            forward, updated = _gradient_update(model, optimizer, placement, state, batch)
+            update_metrics = functools.partial(whole_batch_metric_update, model)
+        else:
+            with padding_aware(
+                model,
+                batch.mask,
+                real_rows=batch.real_rows,
+                padded=padded,
+                batch_norm=batch_norm,
+                num_replicas=num_replicas,
+            ):
+                forward, updated = gradient_update(model, state, batch)
+            update_metrics = make_metric_update(model, mesh)
+        (loss, y_pred, non_trainable, increments), (trainable, optimizer_state, accumulated) = forward, updated
         metrics = update_metrics(state.metrics, increments, loss, batch, y_pred)
         new = TrainState(trainable, non_trainable, optimizer_state, metrics, state.counts, accumulated)
         return step_taken(applied(loss, state), new, state)
 
-    def whole_batch_step(model: keras.Model, state: TrainState, batch: WholeBatch) -> TrainState:
-        """Keras's own step on a batch every device holds whole: no padding, no split (see
-        ``_data.batches.WholeBatch``); its metrics count once, in slot 0."""
-        (loss, y_pred, non_trainable, increments), (trainable, optimizer_state) = _gradient_update(
-            model, optimizer, mesh, state, batch
-        )
-        metrics = whole_batch_metric_update(model, state.metrics, increments, loss, batch, y_pred)
-        new = TrainState(trainable, non_trainable, optimizer_state, metrics, state.counts, state.accumulated)
-        return step_taken(applied(loss, state), new, state)
+    def gradient_update(model: keras.Model, state: TrainState, batch: Batch) -> Any:
+        if accumulates(optimizer):  # gradients summed per replica, all-reduced once per window
+            per_replica = batch_norm == "global"
+            return accumulated_update(
+                model, optimizer, placement, state, batch, loss_and_updates=_loss_and_updates, per_replica=per_replica
+            )
+        return _gradient_update(model, optimizer, placement, state, batch)
 
     def applied(loss: Any, state: TrainState) -> Any:
         """Whether the step's update is kept: always with ``apply_nonfinite``, else a finite loss (and,
@@ -258,12 +254,13 @@ def _train_step(
 
 
 def _gradient_update(
-    model: keras.Model, optimizer: Optimizer, mesh: Mesh, state: TrainState, batch: Batch
-) -> tuple[tuple[Any, Any, list[Any], list[Any]], tuple[list[Any], Any]]:
+    model: keras.Model, optimizer: Optimizer, placement: Placement, state: TrainState, batch: Batch
+) -> tuple[tuple[Any, Any, list[Any], list[Any]], tuple[list[Any], Any, Any]]:
     """One gradient step on ``batch`` within a train step: ``(loss, y_pred, non-trainable weights,
     metric increments)`` of the forward pass, then the trainable weights and optimizer state after
-    ``optimizer.apply``; the loss is differentiated as ``optimizer.scale_loss`` scales it. With
-    ``shard="gradients"``/``"full"`` the gradients lie like the optimizer's slots before the update
+    ``optimizer.apply``, with the state's gradient sums unchanged (``accumulated_update``'s shape);
+    the loss is differentiated as ``optimizer.scale_loss`` scales it. With ``shard="gradients"``/
+    ``"full"`` the gradients lie like the optimizer's slots before the update
     (``_mesh.layout.gradient_shardings``): XLA reduce-scatters them, each device summing its part."""
 
     def loss_fn(trainable: list[Any]) -> tuple[Any, Any]:
@@ -271,12 +268,15 @@ def _gradient_update(
         return optimizer.scale_loss(loss, state.optimizer), (loss, *aux)
 
     (_, forward), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.trainable)
-    return forward, optimizer.apply(state.optimizer, placed_gradients(model, mesh, grads), state.trainable)
+    trainable, optimizer_state = optimizer.apply(
+        state.optimizer, placed_gradients(model, placement, grads), state.trainable
+    )
+    return forward, (trainable, optimizer_state, state.accumulated)
 
 
-def placed_gradients(model: keras.Model, mesh: Mesh, grads: list[Any]) -> list[Any]:
+def placed_gradients(model: keras.Model, placement: Placement, grads: list[Any]) -> list[Any]:
     """Inside a jitted step: ``grads`` constrained to ``gradient_shardings`` (unchanged when None)."""
-    shardings = gradient_shardings(model, mesh)
+    shardings = gradient_shardings(model, placement)
     if shardings is None:
         return grads
     return [jax.lax.with_sharding_constraint(g, s) for g, s in zip(grads, shardings, strict=True)]
