@@ -168,3 +168,50 @@ def test_step_timer_laps_tile_each_step_and_skip_the_first(monkeypatch):
     assert phases["forward_backward"] == pytest.approx(0.02) and phases["all_reduce"] == 0.0
     assert step_seconds == pytest.approx(0.041)
     assert phases["optimizer"] == 0.0  # a phase a step never lapped
+
+
+class _Weight:
+    def __init__(self, *shape):
+        self.shape = shape
+
+
+class _Model:
+    """What a report reads of a Keras model (``dp_core._scaling.ReportedModel``)."""
+
+    name = "dense_7"
+    weights = (_Weight(3, 4), _Weight(4))
+
+    def count_params(self):
+        return 16
+
+
+def test_a_report_of_a_fit_takes_the_backend_measurements_and_adds_the_model_and_host():
+    phases = {name: Phase(0.01) for name in SCALING_PHASES}
+    measured = dp_core.FitMeasurements(
+        backend="torch",
+        num_replicas=2,
+        steps=9,
+        step_seconds=0.05,
+        phases=phases,
+        gradient_bytes=64,
+        link_bytes_per_second=1e9,
+        peak=dp_core.PeakFlops(2e12, "datasheet", "cpu float32"),
+        flops_per_step=None,
+        flops_how="counted: ignored, nothing was counted",
+        per_replica_compute_seconds=[0.02, 0.035],
+        threads_per_replica=3,
+    )
+    report = ScalingReport.of_fit(_Model(), 32, measured)
+    assert (report.backend, report.num_replicas, report.model, report.parameters) == ("torch", 2, "dense_7", 16)
+    assert (report.global_batch_size, report.steps, report.step_seconds, report.phases) == (32, 9, 0.05, phases)
+    assert report.straggler_spread_seconds == pytest.approx(0.015)
+    assert report.per_replica_compute_seconds == [0.02, 0.035] and report.threads_per_replica == 3
+    assert (report.flops_per_step, report.flops_how) == (None, "")
+    assert (report.peak_flops_per_second, report.peak_how, report.peak_device) == (2e12, "datasheet", "cpu float32")
+    assert report.cores == dp_core.available_cores()
+    assert report.architecture == ScalingReport.architecture_of("_Model", [(3, 4), (4,)])
+    jax_like = dp_core.FitMeasurements(
+        "jax", 4, 9, 0.05, phases, 64, None, dp_core.PeakFlops(None, "unknown", "tpu"), 1e9, "cost analysis"
+    )
+    other = ScalingReport.of_fit(_Model(), 32, jax_like)
+    assert other.straggler_spread_seconds is None and (other.flops_per_step, other.flops_how) == (1e9, "cost analysis")

@@ -57,6 +57,7 @@ from dp_core._scaling import ESTIMATED_FROM_PARTS as ESTIMATED_FROM_PARTS
 from dp_core._scaling import NO_STEP_TIMER as NO_STEP_TIMER
 from dp_core._scaling import SCALING_PHASES as SCALING_PHASES
 from dp_core._scaling import BatchNormSync as BatchNormSync
+from dp_core._scaling import FitMeasurements as FitMeasurements
 from dp_core._scaling import NoStepTimer as NoStepTimer
 from dp_core._scaling import Phase as Phase
 from dp_core._scaling import ScalingReport as ScalingReport
@@ -70,6 +71,7 @@ from dp_core._scaling_checks import oversubscription as oversubscription
 from dp_core._scaling_checks import suspect_speedup as suspect_speedup
 from dp_core._scaling_checks import threads_per_replica as threads_per_replica
 from dp_core._scaling_checks import warn_oversubscribed as warn_oversubscribed
+from dp_core._scaling_files import publish_scaling_report as publish_scaling_report
 from dp_core._scaling_files import read_scaling_reports as read_scaling_reports
 from dp_core._scaling_files import scaling_report_folder as scaling_report_folder
 from dp_core._scaling_files import write_scaling_report as write_scaling_report
@@ -106,6 +108,7 @@ __all__ = [
     "Constant",
     "CosineDecay",
     "EquivalenceReport",
+    "FitMeasurements",
     "JobId",
     "Launch",
     "LearningRateScaling",
@@ -155,6 +158,7 @@ __all__ = [
     "oversubscription",
     "peak_flops",
     "per_replica_batch_size",
+    "publish_scaling_report",
     "read_scaling_reports",
     "save_checkpoint",
     "scale_learning_rate",

@@ -12,10 +12,10 @@ import hashlib
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from dp_core._flops import mfu_summary, model_flops_utilization
-from dp_core._scaling_checks import suspect_speedup
+from dp_core._flops import PeakFlops, mfu_summary, model_flops_utilization
+from dp_core._scaling_checks import available_cores, suspect_speedup
 
 SCALING_PHASES = ("input", "forward_backward", "all_reduce", "optimizer", "callbacks")
 MEASURED = "measured"
@@ -131,6 +131,44 @@ class BatchNormSync:
         return self.forward_seconds + self.backward_seconds
 
 
+class ReportedModel(Protocol):
+    """What a report reads of the model it profiled (a Keras model): its name, parameters and weights' shapes."""
+
+    name: str
+
+    @property
+    def weights(self) -> Sequence[Any]: ...  # each with a ``shape``
+
+    def count_params(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class FitMeasurements:
+    """What one backend measured of a profiled fit: the part of its ``ScalingReport`` that differs per
+    backend (``ScalingReport.of_fit`` adds the model's facts and the host's cores). A backend leaves
+    at None or "" what it does not measure; the notes say why."""
+
+    backend: str
+    num_replicas: int
+    steps: int  # the steps counted (``StepTimer.counted``)
+    step_seconds: float  # their mean wall time
+    phases: dict[str, Phase]
+    gradient_bytes: int
+    link_bytes_per_second: float | None
+    peak: PeakFlops  # one device's
+    flops_per_step: float | None = None
+    flops_how: str = ""  # how ``flops_per_step`` was counted (dropped where it was not)
+    shard: str | None = None
+    per_replica_compute_seconds: list[float] | None = None  # each replica's, for the straggler spread
+    straggler_note: str = ""
+    overlapped_seconds: float | None = None
+    batch_norm_sync: list[BatchNormSync] | None = None
+    batch_norm_note: str = ""
+    threads_per_replica: int | None = None
+    weights_gather_seconds: float | None = None
+    devices: int | None = None  # where not one per replica
+
+
 @dataclass
 class ScalingReport:
     """One fit's scaling report (one replica count). ``phases`` are mean seconds per step; their sum
@@ -180,6 +218,40 @@ class ScalingReport:
     peak_device: str = ""
     devices: int | None = None  # the devices a step ran on, where not one per replica (a model-parallel mesh)
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+
+    @classmethod
+    def of_fit(cls, model: ReportedModel, global_batch_size: int, measured: FitMeasurements) -> ScalingReport:
+        """The report of a fit of ``model`` on ``global_batch_size`` rows a step, as a backend ``measured`` it."""
+        per_replica = measured.per_replica_compute_seconds
+        return cls(
+            backend=measured.backend,
+            num_replicas=measured.num_replicas,
+            model=model.name,
+            parameters=int(model.count_params()),
+            global_batch_size=global_batch_size,
+            steps=measured.steps,
+            step_seconds=measured.step_seconds,
+            phases=measured.phases,
+            gradient_bytes=measured.gradient_bytes,
+            link_bytes_per_second=measured.link_bytes_per_second,
+            overlapped_seconds=measured.overlapped_seconds,
+            straggler_spread_seconds=max(per_replica) - min(per_replica) if per_replica else None,
+            straggler_note=measured.straggler_note,
+            per_replica_compute_seconds=per_replica,
+            batch_norm_sync=measured.batch_norm_sync,
+            batch_norm_note=measured.batch_norm_note,
+            threads_per_replica=measured.threads_per_replica,
+            cores=available_cores(),
+            architecture=cls.architecture_of(type(model).__name__, [tuple(w.shape) for w in model.weights]),
+            shard=measured.shard,
+            weights_gather_seconds=measured.weights_gather_seconds,
+            flops_per_step=measured.flops_per_step,
+            flops_how=measured.flops_how if measured.flops_per_step is not None else "",
+            peak_flops_per_second=measured.peak.flops_per_second,
+            peak_how=measured.peak.how,
+            peak_device=measured.peak.device,
+            devices=measured.devices,
+        )
 
     @property
     def samples_per_second(self) -> float:

@@ -1,7 +1,7 @@
 """The scaling report's folder: ``scaling_report.json``, one entry per replica count, and
 ``scaling_report.png`` where matplotlib is installed (``pip install dp-core[report]``; imported
 when a plot is drawn). A fit's report is added with ``write_scaling_report``, which also returns the
-one line the trainer prints; ``read_scaling_reports`` reads a folder back.
+one line the trainer prints (``publish_scaling_report`` prints it); ``read_scaling_reports`` reads a folder back.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dp_core._scaling import MEASURED, SCALING_PHASES, ScalingReport, scaling_summary, with_speedup
+from dp_core._scaling_checks import oversubscription
 
 DEFAULT_FOLDER = "scaling-report"
 JSON_NAME = "scaling_report.json"
@@ -73,6 +74,20 @@ def write_scaling_report(report: ScalingReport, folder: str | os.PathLike[str]) 
     except ImportError:
         line += f" (no plot: pip install 'dp-core[report]' for {PNG_NAME}; the JSON is written)"
     return report, line
+
+
+def publish_scaling_report(
+    report: ScalingReport, folder: str | os.PathLike[str], *, cpu_replicas: int | None = None, threads: int = 1
+) -> ScalingReport:
+    """A profiled fit's end on the process that reports: ``report`` added to ``folder``
+    (``write_scaling_report``) and its line printed, after a warning when ``cpu_replicas`` (this
+    host's replicas, where they run on its CPU; None elsewhere) of ``threads`` each outnumber its
+    cores. Returns the report with its speedup."""
+    report, line = write_scaling_report(report, folder)
+    if cpu_replicas is not None and (crowded := oversubscription(cpu_replicas, threads=threads)):
+        print(f"scaling report: {crowded}", flush=True)
+    print(line, flush=True)
+    return report
 
 
 def plot_scaling_reports(reports: Sequence[ScalingReport], path: str | os.PathLike[str]) -> None:

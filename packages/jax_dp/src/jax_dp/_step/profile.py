@@ -23,7 +23,6 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, NamedTuple, cast, final
 
 import jax
@@ -36,16 +35,15 @@ from jax.sharding import PartitionSpec as P
 from dp_core import (
     ESTIMATED_FROM_PARTS,
     BatchNormMode,
+    FitMeasurements,
     PeakFlops,
     Phase,
     ScalingReport,
     StepTimer,
-    available_cores,
     bus_bandwidth,
     measure_peak_flops,
-    oversubscription,
     peak_flops,
-    write_scaling_report,
+    publish_scaling_report,
 )
 from dp_core.keras import internals
 from jax_dp._comm.hosts import is_primary
@@ -236,6 +234,26 @@ def _batch_norm_note(model: keras.Model, batch_norm: BatchNormMode) -> str:
     return "not timed per layer: XLA sums the statistics inside the compiled step (part of forward_backward)"
 
 
+def _step_split(
+    step_seconds: float, pieces: Pieces, placement: Placement, state: TrainState, batch: Batch
+) -> dict[str, Phase]:
+    """The fused step's mean seconds split into the report's three phases (``SPLIT``), in proportion
+    to its pieces' times; kept whole in ``forward_backward`` where the pieces do not apply or are too short."""
+    mesh, shard = placement.mesh, placement.shard
+    if mesh.axis_names != (BATCH_AXIS,) or shard is not None:  # the pieces assume replicated variables
+        where = "on a model-parallel mesh" if shard is None else f"with shard={shard!r}"
+        phases = {name: Phase(0.0, f"not split {where}") for name in SPLIT}
+        return {**phases, "forward_backward": Phase(step_seconds, f"measured: the whole step, not split {where}")}
+    parts = _split_parts(pieces, mesh, state, batch)
+    if sum(parts) > 0:
+        scale = step_seconds / sum(parts)
+        return {name: Phase(part * scale, ESTIMATED_FROM_PARTS) for name, part in zip(SPLIT, parts, strict=True)}
+    # every part as short as an empty program's launch: nothing to split by, keep the step whole
+    phases = {name: Phase(0.0, "too short to time apart") for name in SPLIT}
+    whole = "measured: the whole step, its parts too short to time apart"
+    return {**phases, "forward_backward": Phase(step_seconds, whole)}
+
+
 def finish_report(
     profile: FitProfile,
     model: keras.Model,
@@ -255,59 +273,38 @@ def finish_report(
         if is_primary():
             print("scaling report: no step was timed (a model's own train_step is not profiled)", flush=True)
         return None
-    phases = {name: Phase(laps[name]) for name in ("input", "callbacks")}
     state = train_state_on_mesh(model, optimizer, placement, previous_optimizer_state=None, metric_sums=None)
     pieces = cached(lambda: make_pieces(model, optimizer, placement, batch_norm))
     mesh, shard = placement.mesh, placement.shard
-    if mesh.axis_names == (BATCH_AXIS,) and shard is None:
-        parts = _split_parts(pieces, mesh, state, profile.batch)
-        if sum(parts) > 0:
-            scale = laps[STEP] / sum(parts)
-            phases.update(
-                {name: Phase(part * scale, ESTIMATED_FROM_PARTS) for name, part in zip(SPLIT, parts, strict=True)}
-            )
-        else:  # every part as short as an empty program's launch: nothing to split by, keep the step whole
-            phases.update({name: Phase(0.0, "too short to time apart") for name in SPLIT})
-            whole = "measured: the whole step, its parts too short to time apart"
-            phases["forward_backward"] = Phase(laps[STEP], whole)
-    else:  # a model-parallel mesh or sharded state: the pieces above assume replicated variables
-        where = "on a model-parallel mesh" if shard is None else f"with shard={shard!r}"
-        phases.update({name: Phase(0.0, f"not split {where}") for name in SPLIT})
-        phases["forward_backward"] = Phase(laps[STEP], f"measured: the whole step, not split {where}")
+    split = _step_split(laps[STEP], pieces, placement, state, profile.batch)
+    phases = {"input": Phase(laps["input"]), **split, "callbacks": Phase(laps["callbacks"])}
     bandwidth = link_bandwidth(pieces, mesh)
     if not is_primary():
         return None
     peak = device_peak(model, mesh)
     flops = flops_per_step(pieces, model, optimizer, placement, state, profile.batch)
-    report = ScalingReport(
+    measured = FitMeasurements(
         backend="jax",
         num_replicas=_replicas(mesh),
-        model=model.name,
-        parameters=int(model.count_params()),
-        global_batch_size=global_batch_size,
         steps=steps,
         step_seconds=step_seconds,
-        phases={name: phases[name] for name in ("input", *SPLIT, "callbacks")},
+        phases=phases,
         gradient_bytes=sum(int(value.nbytes) for value in state.trainable),
         link_bytes_per_second=bandwidth,
+        peak=peak,
+        flops_per_step=flops,
+        flops_how=COUNTED,
+        shard=shard,
         straggler_note=(
             "not applicable: one controller runs every device in lock-step"
             if jax.process_count() == 1
             else "not measured per process"
         ),
         batch_norm_note=_batch_norm_note(model, batch_norm),
-        cores=available_cores(),  # threads_per_replica None: one XLA thread pool serves every device of a process
-        architecture=ScalingReport.architecture_of(type(model).__name__, [tuple(w.shape) for w in model.weights]),
-        shard=shard,
-        flops_per_step=flops,
-        flops_how=COUNTED if flops is not None else "",
-        peak_flops_per_second=peak.flops_per_second,
-        peak_how=peak.how,
-        peak_device=peak.device,
+        # threads_per_replica None: one XLA thread pool serves every device of a process
         devices=int(mesh.devices.size) if mesh.devices.size != _replicas(mesh) else None,
     )
-    report, line = write_scaling_report(report, Path(folder))
-    if jax.default_backend() == "cpu" and (crowded := oversubscription(len(mesh.local_devices))):
-        print(f"scaling report: {crowded}", flush=True)
-    print(line, flush=True)
-    return report
+    cpu_devices = len(mesh.local_devices) if jax.default_backend() == "cpu" else None
+    return publish_scaling_report(
+        ScalingReport.of_fit(model, global_batch_size, measured), folder, cpu_replicas=cpu_devices
+    )

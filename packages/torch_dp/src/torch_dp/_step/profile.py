@@ -17,7 +17,6 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import keras
 import torch
@@ -25,18 +24,17 @@ import torch.distributed as dist
 
 from dp_core import (
     BatchNormSync,
+    FitMeasurements,
     NoStepTimer,
     PeakFlops,
     Phase,
     ScalingReport,
     ShardMode,
     StepTimer,
-    available_cores,
     bus_bandwidth,
     measure_peak_flops,
-    oversubscription,
     peak_flops,
-    write_scaling_report,
+    publish_scaling_report,
 )
 from torch_dp._comm.collectives import all_gather_rows, sum_in_place
 from torch_dp._comm.replica import Replica
@@ -95,6 +93,11 @@ def _batch_norm_sync(timer: StepTimer) -> list[BatchNormSync]:
         )
         for layer in layers
     ]
+
+
+def _noted(timer: StepTimer, name: str) -> float:
+    """Mean seconds per step noted as ``name`` (``StepTimer.note``)."""
+    return timer.counted(phases=(name,))[0][name]
 
 
 def step_timer(replica: Replica) -> StepTimer:
@@ -182,45 +185,35 @@ def finish_report(
         device=replica.device,
     )
     gathered = [part.tolist() for part in all_gather_rows(compute, replica)]
-    per_replica = [float(seconds) for seconds, _ in gathered]
     peaks = [float(value) for _, value in gathered]
     peak_per_device = None if any(math.isnan(value) for value in peaks) else sum(peaks) / len(peaks)
     bandwidth = link_bandwidth(replica)
-    bucketed = any(OVERLAPPED in step for step in timer.per_step)  # gradients summed in buckets (``_step.buckets``)
-    overlapped = timer.counted(phases=(OVERLAPPED,))[0][OVERLAPPED] if bucketed else None
-    weights_gathered = timer.counted(phases=(WEIGHTS_GATHER,))[0][WEIGHTS_GATHER] if shard is not None else None
     if not replica.is_primary:
         return None
-    report = ScalingReport(
+    bucketed = any(OVERLAPPED in step for step in timer.per_step)  # gradients summed in buckets (``_step.buckets``)
+    measured = FitMeasurements(
         backend="torch",
         num_replicas=replica.num_replicas,
-        model=model.name,
-        parameters=int(model.count_params()),
-        global_batch_size=global_batch_size,
         steps=steps,
         step_seconds=step_seconds,
         phases={name: Phase(seconds) for name, seconds in phases.items()},
         gradient_bytes=sum(v.value.numel() * v.value.element_size() for v in model.trainable_weights),
         link_bytes_per_second=bandwidth,
-        overlapped_seconds=overlapped,
-        straggler_spread_seconds=max(per_replica) - min(per_replica),
+        peak=PeakFlops(peak_per_device, peak.how, peak.device),  # the replicas' mean
+        flops_per_step=flops_per_step,
+        flops_how=flops_how,
+        shard=shard,
+        per_replica_compute_seconds=[float(seconds) for seconds, _ in gathered],
         straggler_note="slowest minus fastest replica's forward+backward+optimizer per step",
-        per_replica_compute_seconds=per_replica,
+        overlapped_seconds=_noted(timer, OVERLAPPED) if bucketed else None,
         batch_norm_sync=_batch_norm_sync(timer),
         threads_per_replica=torch.get_num_threads(),  # this replica's; a pool gives each the same
-        cores=available_cores(),
-        architecture=ScalingReport.architecture_of(type(model).__name__, [tuple(w.shape) for w in model.weights]),
-        shard=shard,
-        weights_gather_seconds=weights_gathered,
-        flops_per_step=flops_per_step,
-        flops_how=flops_how if flops_per_step is not None else "",
-        peak_flops_per_second=peak_per_device,
-        peak_how=peak.how,
-        peak_device=peak.device,
+        weights_gather_seconds=_noted(timer, WEIGHTS_GATHER) if shard is not None else None,
     )
-    report, line = write_scaling_report(report, Path(folder))
     here = int(os.environ.get("LOCAL_WORLD_SIZE", replica.num_replicas))  # this host's replicas (torchrun sets it)
-    if replica.device == "cpu" and (crowded := oversubscription(here, threads=torch.get_num_threads())):
-        print(f"scaling report: {crowded}", flush=True)
-    print(line, flush=True)
-    return report
+    return publish_scaling_report(
+        ScalingReport.of_fit(model, global_batch_size, measured),
+        folder,
+        cpu_replicas=here if replica.device == "cpu" else None,
+        threads=torch.get_num_threads(),
+    )
