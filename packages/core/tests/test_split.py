@@ -172,3 +172,44 @@ def test_split_indices_pads_an_epoch_of_steps_per_epoch():
     real = np.concatenate([s.indices[s.mask] for s in shards])
     assert sorted(real.tolist()) == list(range(64, 99))  # the pass's last 35 rows, 29 rows of padding
     assert sum(int(s.mask.sum()) for s in shards) == 35
+
+
+def test_an_epoch_order_cuts_passes_into_epochs_from_the_initial_epoch():
+    # 99 rows in batches of 32 (a pass: 32, 32, 32, 3), 3 steps an epoch, a fit from epoch 2
+    orders = [dp_core.EpochOrder(32, shuffle=False, epoch=e, first_epoch=2, steps_per_epoch=3) for e in range(2, 6)]
+    assert [order.steps(99) for order in orders] == [3, 1, 3, 1]
+    assert orders[0].rows(99).tolist() == list(range(96))
+    assert orders[1].rows(99).tolist() == [96, 97, 98]  # the pass's end: one short step
+    assert orders[2].rows(99).tolist() == list(range(96))  # a new pass
+    with pytest.raises(ValueError, match="epoch must be >= first_epoch, got epoch=1, first_epoch=2"):
+        dp_core.EpochOrder(32, shuffle=False, epoch=1, first_epoch=2).rows(99)
+
+
+def test_an_epoch_order_shuffled_by_batch_orders_each_pass_by_its_first_epoch():
+    # 5 rows in batches of 2 (a pass: 2, 2, 1), 2 steps an epoch, a fit from epoch 1, seed 7
+    orders = [
+        dp_core.EpochOrder(2, shuffle="batch", seed=7, epoch=e, first_epoch=1, steps_per_epoch=2) for e in (1, 2, 3)
+    ]
+    assert [order.rows(5).tolist() for order in orders] == [[1, 0, 3, 2], [4], [0, 1, 3, 2]]
+    assert [order.steps(5) for order in orders] == [2, 1, 2]
+    pass_0, pass_1 = (epoch_order(5, seed=7, epoch=e, shuffle="batch", batch_size=2).tolist() for e in (1, 2))
+    assert pass_0 == [1, 0, 3, 2, 4] and pass_1 == [0, 1, 3, 2, 4]  # pass k: ordered as epoch first_epoch + k
+    assert orders[0].shuffles_batches and not dp_core.EpochOrder(2, shuffle=False).shuffles_batches
+
+
+def test_an_epoch_order_is_what_the_keyword_functions_read():
+    order = dp_core.EpochOrder(32, shuffle=True, seed=4, epoch=5, first_epoch=3, steps_per_epoch=2)
+    keywords = {"epoch": 5, "first_epoch": 3, "steps_per_epoch": 2}
+    assert order.rows(99).tolist() == dp_core.epoch_rows(99, 32, seed=4, **keywords).tolist()  # shuffle=True there
+    assert order.steps(99) == dp_core.epoch_steps(99, 32, **keywords) == 2
+    shard = order.shard(99, num_shards=2, shard_index=1)
+    expected = split_indices(99, num_shards=2, shard_index=1, global_batch_size=32, seed=4, **keywords)
+    assert shard.indices.tolist() == expected.indices.tolist() and shard.mask.tolist() == expected.mask.tolist()
+
+
+def test_an_epoch_order_in_input_order_is_one_pass_as_given():
+    order = dp_core.EpochOrder.in_input_order(4)
+    assert (order.shuffle, order.epoch, order.steps_per_epoch) == (False, 0, None)
+    assert order.rows(10).tolist() == list(range(10)) and order.steps(10) == 3
+    shard = order.shard(10, num_shards=2, shard_index=1)
+    assert shard.indices.tolist() == [2, 3, 6, 7, 0, 1] and shard.mask.tolist() == [True] * 4 + [False] * 2

@@ -132,7 +132,7 @@ def compiled_step(x: np.ndarray, y: np.ndarray, steps: int) -> str:
         batch_size=None,
         global_batch_size=GLOBAL_BATCH,
         step_names=("train_step",),
-        **trainer._call_checks,
+        checks=trainer._call_checks,
     )
     build_model(model, inputs)
     optimizer = KerasOptimizer(model)
@@ -141,9 +141,8 @@ def compiled_step(x: np.ndarray, y: np.ndarray, steps: int) -> str:
     state = train_state_on_mesh(
         model, optimizer, placement, previous_optimizer_state=None, metric_sums=None, accumulate=True
     )
-    batch = next(
-        iter(device_batches(epoch_plan(inputs, layout=trainer.layout, global_batch_size=GLOBAL_BATCH), trainer.mesh))
-    )
+    plan = epoch_plan(inputs, layout=trainer.layout, order=dp_core.EpochOrder.in_input_order(GLOBAL_BATCH))
+    batch = next(iter(device_batches(plan, trainer.mesh)))
     return step.lower(state, batch, True).compile().as_text()
 
 

@@ -87,14 +87,14 @@ def test_dict_inputs_and_two_outputs_match_single_device_keras(data):
 
 
 def test_an_epoch_plan_with_steps_per_epoch_reads_on_where_the_last_epoch_stopped():
-    from dp_core import ReplicaLayout
+    from dp_core import EpochOrder, ReplicaLayout
     from dp_core.keras import Inputs
     from jax_dp._data.sources import epoch_plan
 
     inputs = Inputs(np.arange(99, dtype="float32")[:, None], np.arange(99))
     layout = ReplicaLayout(num_processes=1, process_index=0, num_replicas=2)
     plans = [
-        epoch_plan(inputs, layout=layout, global_batch_size=32, epoch=e, steps_per_epoch=2, shuffle=False)
+        epoch_plan(inputs, layout=layout, order=EpochOrder(32, shuffle=False, epoch=e, steps_per_epoch=2))
         for e in range(3)
     ]
     assert [plan.steps for plan in plans] == [2, 2, 2]
@@ -106,7 +106,7 @@ def test_an_epoch_plan_with_steps_per_epoch_reads_on_where_the_last_epoch_stoppe
 
 
 def test_a_short_last_batch_whole_is_replicated_and_unpadded_full_ones_stay_sharded():
-    from dp_core import ReplicaLayout
+    from dp_core import EpochOrder, ReplicaLayout
     from dp_core.keras import Inputs
     from jax_dp._data.batches import EpochPlan, WholeBatch, device_batches, padded_batches
     from jax_dp._mesh.mesh import make_mesh
@@ -114,7 +114,7 @@ def test_a_short_last_batch_whole_is_replicated_and_unpadded_full_ones_stay_shar
     mesh = make_mesh(2)
     x = np.arange(99 * 2, dtype="float32").reshape(99, 2)
     layout = ReplicaLayout(num_processes=1, process_index=0, num_replicas=2)
-    plan = EpochPlan(Inputs(x, np.arange(99)), layout=layout, global_batch_size=32)
+    plan = EpochPlan(Inputs(x, np.arange(99)), layout=layout, order=EpochOrder.in_input_order(32))
     *full, last = device_batches(plan, mesh, whole_last=True)
     assert not any(isinstance(batch, WholeBatch) for batch in full)
     assert all(not batch.x.sharding.is_fully_replicated for batch in full)

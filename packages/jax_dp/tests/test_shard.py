@@ -271,14 +271,15 @@ def compiled_step(inputs, shard: str | None) -> tuple[str, str]:
     trainer = jax_dp.Trainer(2, shard=shard)  # type: ignore[arg-type]
     model, batches, _ = checked_call(
         build(sgd), *inputs, batch_size=None, global_batch_size=GLOBAL_BATCH, step_names=("train_step",),
-        **trainer._call_checks,
+        checks=trainer._call_checks,
     )  # fmt: skip
     build_model(model, batches)
     placement = _layout.place(model, trainer.mesh, trainer.variable_layout, trainer.shard)
     optimizer = KerasOptimizer(model)
     step = make_train_step(model, optimizer, placement, batch_norm="global", skip_nonfinite=False)
     state = train_state_on_mesh(model, optimizer, placement, previous_optimizer_state=None, metric_sums=None)
-    batch = next(iter(device_batches(epoch_plan(batches, layout=trainer.layout, global_batch_size=32), trainer.mesh)))
+    plan = epoch_plan(batches, layout=trainer.layout, order=dp_core.EpochOrder.in_input_order(32))
+    batch = next(iter(device_batches(plan, trainer.mesh)))
     lowered = step.lower(state, batch, True)
     return lowered.as_text(), lowered.compile().as_text()
 
@@ -315,7 +316,7 @@ def test_gradients_mode_reduce_scatters_and_optimizer_mode_gathers_the_weights(i
 def test_the_compile_cache_keys_on_the_shard_mode(inputs):
     model = build()
     build_model(model, checked_call(model, *inputs, batch_size=None, global_batch_size=32, step_names=("train_step",),
-                                    **jax_dp.Trainer(2)._call_checks)[1])  # fmt: skip
+                                    checks=jax_dp.Trainer(2)._call_checks)[1])  # fmt: skip
     cache, mesh, optimizer = CompileCache(), jax_dp.Trainer(2).mesh, KerasOptimizer(model)
 
     def train_step(shard: str | None) -> Any:

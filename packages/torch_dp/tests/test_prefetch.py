@@ -13,6 +13,7 @@ import torch_dp_testing as testing
 
 import dp_core
 import torch_dp
+from dp_core import EpochOrder
 from dp_core.keras import Inputs
 from torch_dp._comm.replica import Replica
 from torch_dp._data import batches as _batches
@@ -69,9 +70,9 @@ def test_prefetched_batches_equal_the_plain_reader_including_the_padded_last(tmp
     inputs = _memmap_inputs(tmp_path)
     for rank in range(num_replicas):
         replica = Replica(rank, num_replicas)
-        options = {"global_batch_size": 32, "epoch": 1, "seed": 3, "shuffle": True}
-        plain = list(replica_batches(inputs, replica, prefetch=False, **options))
-        ahead = list(replica_batches(inputs, replica, prefetch=True, **options))
+        order = EpochOrder(32, shuffle=True, seed=3, epoch=1)
+        plain = list(replica_batches(inputs, replica, order, prefetch=False))
+        ahead = list(replica_batches(inputs, replica, order, prefetch=True))
         assert len(plain) == len(ahead) == 4
         assert ahead[-1].partial and ahead[-1].global_real_rows == 99 - 3 * 32
         for mine, theirs in zip(ahead, plain, strict=True):
@@ -85,7 +86,7 @@ def test_prefetched_batches_equal_the_plain_reader_including_the_padded_last(tmp
                 np.testing.assert_array_equal(value, expected)
         assert str(ahead[0].sample_weight.dtype) == "torch.float32"
         # from a step in the middle, and a caller that stops early: the same batches, no thread left
-        resumed = replica_batches(inputs, replica, first_step=2, **options)
+        resumed = replica_batches(inputs, replica, order, first_step=2)
         first = next(resumed)
         np.testing.assert_array_equal(first.x.numpy(), plain[2].x.numpy())
         resumed.close()
@@ -96,8 +97,8 @@ def test_prefetched_even_batches_equal_the_plain_reader(tmp_path):
     inputs = _memmap_inputs(tmp_path, num_samples=37)
     for rank in range(2):
         replica = Replica(rank, 2)
-        plain = list(even_batches(inputs, replica, global_batch_size=16, prefetch=False))
-        ahead = list(even_batches(inputs, replica, global_batch_size=16))
+        plain = list(even_batches(inputs, replica, EpochOrder.in_input_order(16), prefetch=False))
+        ahead = list(even_batches(inputs, replica, EpochOrder.in_input_order(16)))
         assert [b.rows for b in ahead] == [b.rows for b in plain] == [8, 8, 3 if rank == 0 else 2]
         for mine, theirs in zip(ahead, plain, strict=True):
             for value, expected in zip(keras.tree.flatten(mine.data), keras.tree.flatten(theirs.data), strict=True):
@@ -128,7 +129,7 @@ class _DatasetFailingAt:
 
 def test_an_error_while_reading_ahead_reaches_the_caller_as_itself():
     dataset = _DatasetFailingAt(bad=25)  # in global batch 2 of 10 rows
-    batches = replica_batches(Inputs(dataset), Replica(0, 1), global_batch_size=10, prefetch=True)
+    batches = replica_batches(Inputs(dataset), Replica(0, 1), EpochOrder.in_input_order(10), prefetch=True)
     assert next(batches).x[3, 0].item() == 3.0
     assert next(batches).x[0, 0].item() == 10.0
     with pytest.raises(_UnreadableRowError, match="row 25 is unreadable"):
@@ -141,7 +142,7 @@ def test_a_cpu_replica_reads_each_batch_itself_and_an_accelerator_reads_ahead():
     assert not reads_ahead("cpu") and not reads_ahead(torch.device("cpu"))
     assert reads_ahead("cuda:1") and reads_ahead(torch.device("cuda", 0))
     dataset = _DatasetFailingAt(bad=-1)
-    assert len(list(replica_batches(Inputs(dataset), Replica(0, 1), global_batch_size=10))) == 4
+    assert len(list(replica_batches(Inputs(dataset), Replica(0, 1), EpochOrder.in_input_order(10)))) == 4
     assert dataset.threads == {threading.current_thread().name}
 
 
@@ -167,7 +168,7 @@ def test_pinned_memory_and_non_blocking_copies_only_for_cuda(tmp_path, monkeypat
     assert pins_memory("cuda") and pins_memory("cuda:1") and pins_memory(torch.device("cuda", 0))
     assert not pins_memory("cpu") and not pins_memory(torch.device("cpu"))
     inputs = _memmap_inputs(tmp_path)
-    on_cpu = next(replica_batches(inputs, Replica(0, 2), global_batch_size=32))
+    on_cpu = next(replica_batches(inputs, Replica(0, 2), EpochOrder.in_input_order(32)))
     assert not any(leaf.is_pinned() for leaf in keras.tree.flatten((on_cpu.x, on_cpu.y, on_cpu.sample_weight)))
 
     # a CUDA replica on this host without one: every host tensor is pinned, every copy non-blocking
@@ -181,7 +182,7 @@ def test_pinned_memory_and_non_blocking_copies_only_for_cuda(tmp_path, monkeypat
         return tensor
 
     monkeypatch.setattr(torch.Tensor, "to", to)
-    last = list(replica_batches(inputs, Replica(1, 2, "cuda:1"), global_batch_size=32))[-1]
+    last = list(replica_batches(inputs, Replica(1, 2, "cuda:1"), EpochOrder.in_input_order(32)))[-1]
     assert last.mask is not None and id(last.mask) in pinned_ids
     assert len(copies) == 3 * 4 + 1 and all(copies)  # x, y, sample_weight of 4 batches, the last one's mask
     pinned_ids.clear()
@@ -193,9 +194,9 @@ def test_pinned_memory_and_non_blocking_copies_only_for_cuda(tmp_path, monkeypat
 def test_a_short_last_batch_whole_is_every_row_of_it_on_every_replica_unpadded(rank):
     x = np.arange(99 * 2, dtype="float32").reshape(99, 2)
     inputs, replica = Inputs(x, np.arange(99)), Replica(rank, 2)
-    options = {"global_batch_size": 32, "shuffle": True, "seed": 5, "epoch": 1}
-    padded = list(replica_batches(inputs, replica, **options))
-    whole = list(replica_batches(inputs, replica, whole_last=True, **options))
+    order = EpochOrder(32, shuffle=True, seed=5, epoch=1)
+    padded = list(replica_batches(inputs, replica, order))
+    whole = list(replica_batches(inputs, replica, order, whole_last=True))
     for before, after in zip(padded[:-1], whole[:-1], strict=True):  # full batches: split as before
         assert not after.whole and torch.equal(before.x, after.x)
     last = whole[-1]

@@ -198,14 +198,13 @@ def test_mixed_bfloat16_predict_returns_keras_s_bfloat16_outputs():
 
 
 def test_replica_batches_with_steps_per_epoch_read_on_where_the_last_epoch_stopped():
+    from dp_core import EpochOrder
     from dp_core.keras import Inputs
     from torch_dp._data.batches import replica_batches
 
     inputs = Inputs(np.arange(99, dtype="float32")[:, None], np.arange(99))
-    epochs = [
-        list(replica_batches(inputs, Replica(0, 1), global_batch_size=32, epoch=e, steps_per_epoch=2, prefetch=False))
-        for e in range(3)
-    ]
+    orders = [EpochOrder(32, shuffle=False, epoch=e, steps_per_epoch=2) for e in range(3)]
+    epochs = [list(replica_batches(inputs, Replica(0, 1), order, prefetch=False)) for order in orders]
     assert [[batch.global_real_rows for batch in epoch] for epoch in epochs] == [[32, 32], [32, 3], [32, 32]]
     labels = [batch.y[: batch.real_rows].tolist() for batch in epochs[1]]
     assert labels == [list(range(64, 96)), [96, 97, 98]]  # the pass's end; epoch 3 starts a new one

@@ -78,6 +78,7 @@ from dp_core._scaling_files import write_scaling_report as write_scaling_report
 from dp_core._secret import JOB_SECRET_VARIABLE as JOB_SECRET_VARIABLE
 from dp_core._secret import SET_JOB_SECRET as SET_JOB_SECRET
 from dp_core._secret import job_secret_of as job_secret_of
+from dp_core._split import EpochOrder as EpochOrder
 from dp_core._split import Shard as Shard
 from dp_core._split import Shuffle as Shuffle
 from dp_core._split import epoch_order as epoch_order
@@ -107,6 +108,7 @@ __all__ = [
     "CheckpointVersionError",
     "Constant",
     "CosineDecay",
+    "EpochOrder",
     "EquivalenceReport",
     "FitMeasurements",
     "JobId",

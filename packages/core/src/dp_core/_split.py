@@ -14,6 +14,7 @@ policy, and sorting is exact, so orders are the same on every platform and relea
 
 from __future__ import annotations
 
+from dataclasses import KW_ONLY, dataclass
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -68,6 +69,89 @@ def epoch_order(
     return np.argsort(keys, kind="stable").astype(np.int64)
 
 
+@dataclass(frozen=True)
+class EpochOrder:
+    """Which rows of an array input one epoch reads, in which order, ``global_batch_size`` a step:
+    one value for backend authors, built once (``dp_core.keras.FitArguments.epoch_order``) and
+    handed to the batch readers. A batch-yielding source reads only ``epoch``, ``seed`` and
+    ``shuffles_batches``.
+
+    ``shuffle`` has no default here: a fit passes its own (``model.fit``'s default, True, is the
+    default of ``epoch_rows`` and ``split_indices``, which take these fields as keywords), and
+    ``in_input_order`` is what ``evaluate`` and ``predict`` read.
+
+    10 rows in batches of 4 (a pass is 3 batches), 2 steps an epoch, a fit begun at epoch 1:
+    its second epoch ends the pass, with one short step::
+
+        >>> order = EpochOrder(4, shuffle=False, epoch=2, first_epoch=1, steps_per_epoch=2)
+        >>> order.rows(10).tolist(), order.steps(10)
+        ([8, 9], 1)
+    """
+
+    global_batch_size: int
+    shuffle: Shuffle  # True, False or "batch" (``epoch_order``)
+    _: KW_ONLY
+    seed: int = 0
+    epoch: int = 0
+    first_epoch: int = 0  # the fit's initial epoch: its pass k is ordered as epoch first_epoch + k
+    steps_per_epoch: int | None = None  # None: an epoch is one pass; else passes are cut into epochs
+
+    @classmethod
+    def in_input_order(cls, global_batch_size: int) -> EpochOrder:
+        """One pass over the rows as they are given: what ``evaluate`` and ``predict`` read."""
+        return cls(global_batch_size, shuffle=False)
+
+    @property
+    def shuffles_batches(self) -> bool:
+        """Whether a batch-yielding source's batch order is shuffled: by any true ``shuffle``
+        (``"batch"`` too), as Keras's PyDataset adapter reads it."""
+        return bool(self.shuffle)
+
+    def rows(self, num_samples: int) -> np.ndarray:
+        """The rows this epoch reads, in order (``epoch_rows``)."""
+        passes, start, stop = self._batches(num_samples)
+        size = self.global_batch_size
+        order = epoch_order(num_samples, seed=self.seed, epoch=passes, shuffle=self.shuffle, batch_size=size)
+        return order[start * size : stop * size]
+
+    def steps(self, num_samples: int) -> int:
+        """The steps of this epoch: the global batches of its ``rows`` (``epoch_steps``)."""
+        _, start, stop = self._batches(num_samples)
+        return stop - start
+
+    def shard(self, num_samples: int, *, num_shards: int, shard_index: int, drop_remainder: bool = False) -> Shard:
+        """Shard ``shard_index``'s part of this epoch's rows, padded and masked (``split_indices``)."""
+        batch = per_replica_batch_size(self.global_batch_size, num_shards)
+        if not isinstance(shard_index, int) or not 0 <= shard_index < num_shards:
+            raise ValueError(f"shard_index must be in [0, {num_shards}), got {shard_index!r}.")
+        order = self.rows(num_samples)
+        steps = num_steps(len(order), self.global_batch_size, drop_remainder=drop_remainder)
+        total = steps * self.global_batch_size
+        mask = np.arange(total) < len(order)
+        indices = np.resize(order, total)  # repeats from the start: valid, masked out
+        cut = (slice(None), shard_index)
+        return Shard(
+            indices=indices.reshape(steps, num_shards, batch)[cut].reshape(-1),
+            mask=mask.reshape(steps, num_shards, batch)[cut].reshape(-1),
+        )
+
+    def _batches(self, num_samples: int) -> tuple[int, int, int]:
+        """``(pass key, first batch, end batch)`` of this epoch's part of its pass (``epoch_rows``)."""
+        _check_positive_int("global_batch_size", self.global_batch_size)
+        epoch, first_epoch, steps_per_epoch = self.epoch, self.first_epoch, self.steps_per_epoch
+        if epoch < first_epoch:
+            raise ValueError(f"epoch must be >= first_epoch, got epoch={epoch}, first_epoch={first_epoch}.")
+        batches = num_steps(num_samples, self.global_batch_size)
+        if steps_per_epoch is not None:
+            _check_positive_int("steps_per_epoch", steps_per_epoch)
+        if steps_per_epoch is None or steps_per_epoch >= batches:
+            return epoch, 0, batches
+        epochs_a_pass = -(-batches // steps_per_epoch)
+        passes, part = divmod(epoch - first_epoch, epochs_a_pass)
+        start = part * steps_per_epoch
+        return first_epoch + passes, start, min(start + steps_per_epoch, batches)
+
+
 def epoch_rows(
     num_samples: int,
     global_batch_size: int,
@@ -88,7 +172,7 @@ def epoch_rows(
     divide ``P``, and Keras warns that the input ran out), and the next epoch starts a new
     pass in a new order. ``steps_per_epoch >= P`` is one pass an epoch. Pass ``k`` of the
     fit is ordered by ``epoch_order(..., epoch=first_epoch + k)``, so without cuts every
-    epoch keeps its own order.
+    epoch keeps its own order. (``EpochOrder.rows`` with these fields.)
 
     With 10 rows, batches of 4 (a pass is 3 batches) and 2 steps an epoch::
 
@@ -97,44 +181,29 @@ def epoch_rows(
         >>> epoch_rows(10, 4, epoch=1, steps_per_epoch=5, shuffle=False).tolist()
         [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
     """
-    passes, start, stop = _epoch_batches(num_samples, global_batch_size, epoch, first_epoch, steps_per_epoch)
-    order = epoch_order(num_samples, seed=seed, epoch=passes, shuffle=shuffle, batch_size=global_batch_size)
-    return order[start * global_batch_size : stop * global_batch_size]
+    order = EpochOrder(
+        global_batch_size, shuffle, seed=seed, epoch=epoch, first_epoch=first_epoch, steps_per_epoch=steps_per_epoch
+    )
+    return order.rows(num_samples)
 
 
 def epoch_steps(
     num_samples: int,
     global_batch_size: int,
     *,
+    steps_per_epoch: int | None = None,
     epoch: int = 0,
     first_epoch: int = 0,
-    steps_per_epoch: int | None = None,
 ) -> int:
-    """The steps of epoch ``epoch``: the global batches of its ``epoch_rows``.
+    """The steps of epoch ``epoch``: the global batches of its ``epoch_rows`` (``EpochOrder.steps``).
 
     >>> [epoch_steps(99, 32, epoch=e, steps_per_epoch=3) for e in range(3)]
     [3, 1, 3]
     """
-    _, start, stop = _epoch_batches(num_samples, global_batch_size, epoch, first_epoch, steps_per_epoch)
-    return stop - start
-
-
-def _epoch_batches(
-    num_samples: int, global_batch_size: int, epoch: int, first_epoch: int, steps_per_epoch: int | None
-) -> tuple[int, int, int]:
-    """``(pass key, first batch, end batch)`` of an epoch's part of its pass (``epoch_rows``)."""
-    _check_positive_int("global_batch_size", global_batch_size)
-    if epoch < first_epoch:
-        raise ValueError(f"epoch must be >= first_epoch, got epoch={epoch}, first_epoch={first_epoch}.")
-    batches = num_steps(num_samples, global_batch_size)
-    if steps_per_epoch is not None:
-        _check_positive_int("steps_per_epoch", steps_per_epoch)
-    if steps_per_epoch is None or steps_per_epoch >= batches:
-        return epoch, 0, batches
-    epochs_a_pass = -(-batches // steps_per_epoch)
-    passes, part = divmod(epoch - first_epoch, epochs_a_pass)
-    start = part * steps_per_epoch
-    return first_epoch + passes, start, min(start + steps_per_epoch, batches)
+    order = EpochOrder(
+        global_batch_size, shuffle=False, epoch=epoch, first_epoch=first_epoch, steps_per_epoch=steps_per_epoch
+    )
+    return order.steps(num_samples)
 
 
 def num_steps(num_samples: int, global_batch_size: int, *, drop_remainder: bool = False) -> int:
@@ -171,24 +240,7 @@ def split_indices(
         shard 0: indices [0 1 4 5 8 9]  mask [T T T T T T]
         shard 1: indices [2 3 6 7 0 1]  mask [T T T T F F]
     """
-    batch = per_replica_batch_size(global_batch_size, num_shards)
-    if not isinstance(shard_index, int) or not 0 <= shard_index < num_shards:
-        raise ValueError(f"shard_index must be in [0, {num_shards}), got {shard_index!r}.")
-    order = epoch_rows(
-        num_samples,
-        global_batch_size,
-        epoch=epoch,
-        first_epoch=first_epoch,
-        steps_per_epoch=steps_per_epoch,
-        seed=seed,
-        shuffle=shuffle,
+    order = EpochOrder(
+        global_batch_size, shuffle, seed=seed, epoch=epoch, first_epoch=first_epoch, steps_per_epoch=steps_per_epoch
     )
-    steps = num_steps(len(order), global_batch_size, drop_remainder=drop_remainder)
-    total = steps * global_batch_size
-    mask = np.arange(total) < len(order)
-    indices = np.resize(order, total)  # repeats from the start: valid, masked out
-    cut = (slice(None), shard_index)
-    return Shard(
-        indices=indices.reshape(steps, num_shards, batch)[cut].reshape(-1),
-        mask=mask.reshape(steps, num_shards, batch)[cut].reshape(-1),
-    )
+    return order.shard(num_samples, num_shards=num_shards, shard_index=shard_index, drop_remainder=drop_remainder)

@@ -4,6 +4,7 @@ import keras
 import numpy as np
 import pytest
 
+from dp_core import EpochOrder
 from dp_core.keras import Inputs, checked_model_and_inputs, fit_arguments, global_batch_size_of
 from dp_core.keras._arguments import batch_source
 
@@ -124,14 +125,8 @@ def test_steps_per_epoch_of_arrays_is_kept_and_a_cut_short_epoch_is_warned_of():
     x, y = np.zeros((10, 3)), np.zeros(10)  # batches of 8: a pass is 2 batches
     kept = arguments(Inputs(x, y), steps_per_epoch=1, initial_epoch=1)
     assert kept.steps_per_epoch == 1
-    assert kept.epoch_rows_options(2) == {
-        "global_batch_size": 8,
-        "epoch": 2,
-        "first_epoch": 1,
-        "steps_per_epoch": 1,
-        "seed": 0,
-        "shuffle": True,
-    }
+    assert kept.epoch_order(2) == EpochOrder(8, shuffle=True, seed=0, epoch=2, first_epoch=1, steps_per_epoch=1)
+    assert [kept.steps_in(epoch) for epoch in (1, 2, 3)] == [1, 1, 1]
     with pytest.warns(UserWarning, match=r"steps_per_epoch=3, but one pass over the 10 rows is 2 batches of 8"):
         arguments(Inputs(x, y), steps_per_epoch=3)
     with pytest.warns(UserWarning, match=r"one pass over the 8 rows is 1 batch of 8"):

@@ -24,6 +24,7 @@ from dp_core import (
 )
 from dp_core.keras import (
     BatchSource,
+    CallChecks,
     EvaluateJob,
     FitArguments,
     FitJob,
@@ -229,7 +230,7 @@ class Trainer:
             class_weight=class_weight,
             steps=steps_per_epoch,
             steps_name="steps_per_epoch",
-            **self._call_checks,
+            checks=self._call_checks,
         )
         if checkpoint_dir is not None:
             _require_checkpointable(keras_model)
@@ -241,16 +242,7 @@ class Trainer:
             checkpoint_dir=checkpoint_dir, checkpoint_every_steps=checkpoint_every_steps,
             checkpoint_in_background=checkpoint_in_background, verbose=verbose, steps_per_epoch=steps_per_epoch,
         )  # fmt: skip
-        job = self._fit_job(
-            arguments,
-            keras_model,
-            inputs,
-            global_batch_size=global_batch_size,
-            seed=seed,
-            shuffle=arguments.shuffle,
-            lr_scaling=lr_scaling,
-            warmup_steps=warmup_steps,
-        )
+        job = self._fit_job(arguments, keras_model, inputs, lr_scaling=lr_scaling, warmup_steps=warmup_steps)
         history = self._launcher.run(job, keras_model, model)
         self.scaling_report = getattr(history, "scaling_report", None)
         return history
@@ -281,7 +273,7 @@ class Trainer:
             global_batch_size=global_batch_size,
             step_names=("test_step",),
             steps=steps,
-            **self._call_checks,
+            checks=self._call_checks,
         )
         job = EvaluateJob(
             inputs, global_batch_size, self.batch_norm, verbose, self.log_every_steps, list(callbacks or [])
@@ -311,7 +303,7 @@ class Trainer:
             step_names=("predict_step",),
             compiled=False,
             steps=steps,
-            **self._call_checks,
+            checks=self._call_checks,
         )
         return self._launcher.run(
             PredictJob(inputs, global_batch_size, verbose, list(callbacks or [])), keras_model, model
@@ -323,20 +315,16 @@ class Trainer:
         model: keras.Model,
         inputs: Inputs | BatchSource,
         *,
-        global_batch_size: int,
-        seed: int,
-        shuffle: bool | str,
         lr_scaling: LearningRateScaling | None,
         warmup_steps: int,
     ) -> FitJob:
-        """A checked fit's job: its learning-rate plan made, the checkpoint to resume from chosen, and
-        the trainer's options."""
+        """A checked fit's job: its learning-rate plan made, the checkpoint to resume from chosen (``inputs``:
+        the fit's, before ``validation_split``), and the trainer's options."""
+        size = arguments.global_batch_size
         policy = plan_learning_rate(
-            model.optimizer, global_batch_size=global_batch_size, lr_scaling=lr_scaling, warmup_steps=warmup_steps
+            model.optimizer, global_batch_size=size, lr_scaling=lr_scaling, warmup_steps=warmup_steps
         )
-        resume = _checkpoint_to_resume(
-            arguments.checkpoint_dir, model, inputs, seed=seed, global_batch_size=global_batch_size, shuffle=shuffle
-        )
+        resume = _checkpoint_to_resume(arguments, model, inputs)
         profile = None if self.profile is None else str(self.profile)
         return FitJob(
             arguments,
@@ -350,33 +338,27 @@ class Trainer:
         )
 
     @property
-    def _call_checks(self) -> dict[str, Any]:
-        """What torch_dp's calls pass to ``checked_call``: each replica computes a batch's terms on its rows."""
-        return {
-            "backend": "torch",
-            "package": "torch_dp",
-            "num_replicas": self.num_replicas,
-            "check_own_steps": functools.partial(check_custom_steps, shard=self.shard),
-            "splits_batch_terms": True,
-        }
+    def _call_checks(self) -> CallChecks:
+        """What torch_dp's calls ask of ``checked_call``: each replica computes a batch's terms on its rows."""
+        check_own_steps = functools.partial(check_custom_steps, shard=self.shard)
+        return CallChecks("torch", "torch_dp", self.num_replicas, check_own_steps, splits_batch_terms=True)
 
 
-def _checkpoint_to_resume(
-    checkpoint_dir: str | None,
-    model: keras.Model,
-    inputs: Inputs | BatchSource,
-    *,
-    seed: int,
-    global_batch_size: int,
-    shuffle: bool | str,
-) -> str | None:
+def _checkpoint_to_resume(arguments: FitArguments, model: keras.Model, inputs: Inputs | BatchSource) -> str | None:
     """The checkpoint in ``checkpoint_dir`` a fit resumes from (None: it starts afresh), chosen and
     checked here, so a bad one fails before any worker starts; in a cluster, by rank 0 for all."""
+    checkpoint_dir = arguments.checkpoint_dir
     if checkpoint_dir is None or not is_primary_process():
         return None
     check_checkpoint_dir(checkpoint_dir)  # writable, and held by no other run: refused before any replica starts
     build_model(model, inputs)
-    found = resumable_checkpoint(checkpoint_dir, model, seed=seed, global_batch_size=global_batch_size, shuffle=shuffle)
+    found = resumable_checkpoint(
+        checkpoint_dir,
+        model,
+        seed=arguments.seed,
+        global_batch_size=arguments.global_batch_size,
+        shuffle=arguments.shuffle,
+    )
     return None if found is None else os.path.join(checkpoint_dir, found.name)
 
 

@@ -21,7 +21,7 @@ from dp_core._batch import per_replica_batch_size
 from dp_core._checkpoint_format import check_checkpoint_arguments
 from dp_core._data import map_structure
 from dp_core._options import check_epochs, check_integer
-from dp_core._split import Shuffle, epoch_steps, num_steps
+from dp_core._split import EpochOrder, Shuffle, num_steps
 from dp_core._trainer import Verbose
 from dp_core.keras._inputs import Inputs, validation_inputs
 from dp_core.keras._losses import warn_added_losses_see_padding
@@ -55,26 +55,24 @@ class FitArguments:
     checkpoint_in_background: bool = True
     verbose: Verbose = "auto"
 
-    def epoch_rows_options(self, epoch: int) -> dict[str, Any]:
-        """What ``dp_core.epoch_rows`` (and ``split_indices``) need, besides the row count, to give
-        the rows of ``epoch`` of an array input."""
-        return {
-            "global_batch_size": self.global_batch_size,
-            "epoch": epoch,
-            "first_epoch": self.initial_epoch,
-            "steps_per_epoch": self.steps_per_epoch,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-        }
+    def epoch_order(self, epoch: int) -> EpochOrder:
+        """Which rows epoch ``epoch`` of an array input reads, in which order (a source reads its
+        ``epoch``, ``seed`` and ``shuffles_batches``)."""
+        return EpochOrder(
+            self.global_batch_size,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            epoch=epoch,
+            first_epoch=self.initial_epoch,
+            steps_per_epoch=self.steps_per_epoch,
+        )
 
     def steps_in(self, epoch: int) -> int | None:
-        """The steps epoch ``epoch`` runs (``dp_core.epoch_steps``; a source's own count, None if it
+        """The steps epoch ``epoch`` runs (``EpochOrder.steps``; a source's own count, None if it
         does not say; a backend's stand-in for a source says its ``num_batches`` too)."""
         if not isinstance(self.inputs, Inputs):
             return self.inputs.num_batches
-        options = self.epoch_rows_options(epoch)
-        del options["seed"], options["shuffle"]
-        return epoch_steps(self.inputs.num_samples, **options)
+        return self.epoch_order(epoch).steps(self.inputs.num_samples)
 
     @property
     def steps_shown(self) -> int | None:
@@ -224,25 +222,25 @@ def fit_arguments(
     global_batch_size: int,
     num_replicas: int,
     epochs: Any,
-    initial_epoch: Any = 0,
+    verbose: Verbose = "auto",
+    callbacks: Sequence[keras.callbacks.Callback] | None = None,
     validation_split: float = 0.0,
     validation_data: Any = None,
+    shuffle: Shuffle = True,
+    initial_epoch: Any = 0,
+    steps_per_epoch: int | None = None,
+    validation_steps: int | None = None,
     validation_batch_size: int | None = None,
     validation_freq: Any = 1,
-    validation_steps: int | None = None,
-    callbacks: Sequence[keras.callbacks.Callback] | None = None,
-    shuffle: Shuffle = True,
     seed: int = 0,
     checkpoint_dir: str | os.PathLike[str] | None = None,
     checkpoint_every_steps: int | None = None,
     checkpoint_in_background: bool = True,
-    verbose: Verbose = "auto",
-    steps_per_epoch: int | None = None,
 ) -> FitArguments:
-    """``fit``'s arguments checked, after ``checked_model_and_inputs``. ``steps_per_epoch`` is
-    kept for arrays (a source counts its own); ``shuffle="batch"`` shuffles an array input's
-    rows within each batch (``dp_core.epoch_order``), and a source's batch order as ``True`` does,
-    as Keras's adapters read it."""
+    """``fit``'s arguments checked, after ``checked_model_and_inputs`` (in ``model.fit``'s order, then
+    keras-dp's own). ``steps_per_epoch`` is kept for arrays (a source counts its own);
+    ``shuffle="batch"`` shuffles an array input's rows within each batch (``dp_core.epoch_order``),
+    and a source's batch order as ``True`` does, as Keras's adapters read it."""
     check_checkpoint_arguments(checkpoint_dir, checkpoint_every_steps, checkpoint_in_background)
     epochs = check_epochs(epochs)
     initial_epoch = check_integer("initial_epoch", initial_epoch, minimum=0)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from dp_core import ReplicaLayout, Shuffle, epoch_rows, num_steps, split_indices
+from dp_core import EpochOrder, ReplicaLayout
 from dp_core.keras import BatchSource, Inputs, map_structure, runs_last_batch_whole
 from jax_dp._mesh.mesh import batch_sharded, put_replicated, replicated
 
@@ -60,40 +60,17 @@ def row_weights(batch: Batch, *, scale_to_real_rows: bool) -> Any:
 
 
 class EpochPlan:
-    """This process's rows for every step of one epoch, in replica order."""
+    """This process's rows for every step of one epoch (``order``'s), in replica order."""
 
-    def __init__(
-        self,
-        inputs: Inputs,
-        *,
-        layout: ReplicaLayout,
-        global_batch_size: int,
-        epoch: int = 0,
-        seed: int = 0,
-        shuffle: Shuffle = False,
-        first_epoch: int = 0,
-        steps_per_epoch: int | None = None,
-    ) -> None:
+    def __init__(self, inputs: Inputs, *, layout: ReplicaLayout, order: EpochOrder) -> None:
         self.inputs = inputs
-        self.global_batch_size = global_batch_size
+        self.global_batch_size = order.global_batch_size
         self._layout = layout
-        self._order = {
-            "epoch": epoch,
-            "seed": seed,
-            "shuffle": shuffle,
-            "first_epoch": first_epoch,
-            "steps_per_epoch": steps_per_epoch,
-        }
-        self.num_samples = len(epoch_rows(inputs.num_samples, global_batch_size, **self._order))  # this epoch's
-        self.steps = num_steps(self.num_samples, global_batch_size)
+        self._order = order
+        self.num_samples = len(order.rows(inputs.num_samples))  # this epoch's
+        self.steps = order.steps(inputs.num_samples)
         shards = [
-            split_indices(
-                inputs.num_samples,
-                num_shards=layout.num_replicas,
-                shard_index=replica,
-                global_batch_size=global_batch_size,
-                **self._order,
-            )
+            order.shard(inputs.num_samples, num_shards=layout.num_replicas, shard_index=replica)
             for replica in layout.local_replica_indices
         ]
         # (steps, local replicas * per-replica rows): row s is this process's part of batch s.
@@ -113,12 +90,7 @@ class EpochPlan:
         """This epoch as one process driving every replica reads it: whole global batches."""
         if self._layout.num_processes == 1:
             return self
-        return EpochPlan(
-            self.inputs,
-            layout=all_replicas_local(self._layout),
-            global_batch_size=self.global_batch_size,
-            **self._order,
-        )
+        return EpochPlan(self.inputs, layout=all_replicas_local(self._layout), order=self._order)
 
     def host_batches(self, start: int = 0) -> Iterator[HostBatch]:
         """This process's rows of every global batch from ``start``."""

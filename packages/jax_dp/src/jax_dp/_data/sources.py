@@ -12,34 +12,16 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from dp_core import ReplicaLayout, Shuffle
+from dp_core import EpochOrder, ReplicaLayout
 from dp_core.keras import BatchSource, Inputs, batch_rows, padded_batch_size, replica_part
 from jax_dp._data.batches import EpochPlan, HostBatch, Plan, all_replicas_local
 
 
-def epoch_plan(
-    inputs: Inputs | BatchSource,
-    *,
-    layout: ReplicaLayout,
-    global_batch_size: int,
-    epoch: int = 0,
-    seed: int = 0,
-    shuffle: Shuffle = False,
-    first_epoch: int = 0,
-    steps_per_epoch: int | None = None,
-) -> Plan:
-    """The plan of one epoch: of rows (``dp_core.epoch_rows``: ``first_epoch`` and
-    ``steps_per_epoch`` say where in which pass), or of a source's batches."""
-    options = {
-        "layout": layout,
-        "global_batch_size": global_batch_size,
-        "epoch": epoch,
-        "seed": seed,
-        "shuffle": shuffle,
-    }
+def epoch_plan(inputs: Inputs | BatchSource, *, layout: ReplicaLayout, order: EpochOrder) -> Plan:
+    """The plan of one epoch: of ``order``'s rows, or of a source's batches (epoch ``order.epoch``)."""
     if isinstance(inputs, BatchSource):
-        return SourcePlan(inputs, **options)
-    return EpochPlan(inputs, **options, first_epoch=first_epoch, steps_per_epoch=steps_per_epoch)
+        return SourcePlan(inputs, layout=layout, order=order)
+    return EpochPlan(inputs, layout=layout, order=order)
 
 
 class SourcePlan:
@@ -47,22 +29,13 @@ class SourcePlan:
 
     padded = True  # any batch may be short, so the steps always leave padded rows out
 
-    def __init__(
-        self,
-        source: BatchSource,
-        *,
-        layout: ReplicaLayout,
-        global_batch_size: int,
-        epoch: int = 0,
-        seed: int = 0,
-        shuffle: bool = False,
-    ) -> None:
+    def __init__(self, source: BatchSource, *, layout: ReplicaLayout, order: EpochOrder) -> None:
         self.inputs = source
-        self.source_batch_size = global_batch_size
-        self.global_batch_size = padded_batch_size(global_batch_size, layout.num_replicas)  # what the mesh holds
+        self.source_batch_size = order.global_batch_size
+        self.global_batch_size = padded_batch_size(order.global_batch_size, layout.num_replicas)  # what the mesh holds
         self.steps = source.num_batches
         self._layout = layout
-        self._epoch, self._seed, self._shuffle = epoch, seed, shuffle
+        self._order = order
         self._real_rows: list[int] = []
 
     def real_rows(self, step: int) -> int:
@@ -73,19 +46,13 @@ class SourcePlan:
         """This epoch as one process driving every replica reads it (before it is read): whole batches."""
         if self._layout.num_processes == 1:
             return self
-        return SourcePlan(
-            self.inputs,
-            layout=all_replicas_local(self._layout),
-            global_batch_size=self.source_batch_size,
-            epoch=self._epoch,
-            seed=self._seed,
-            shuffle=self._shuffle,
-        )
+        return SourcePlan(self.inputs, layout=all_replicas_local(self._layout), order=self._order)
 
     def host_batches(self, start: int = 0) -> Iterator[HostBatch]:
         """This process's rows of every global batch from ``start`` (earlier ones are read and skipped)."""
         replicas = self._layout.local_replica_indices
-        for step, batch in enumerate(self.inputs.epoch(self._epoch, shuffle=self._shuffle, seed=self._seed)):
+        order = self._order
+        for step, batch in enumerate(self.inputs.epoch(order.epoch, shuffle=order.shuffles_batches, seed=order.seed)):
             (x, y, sample_weight), mask = replica_part(
                 batch,
                 global_batch_size=self.source_batch_size,

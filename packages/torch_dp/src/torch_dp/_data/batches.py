@@ -17,7 +17,7 @@ import keras
 import numpy as np
 import torch
 
-from dp_core import Shuffle, epoch_rows, num_steps, split_indices
+from dp_core import EpochOrder, num_steps
 from dp_core.keras import (
     BatchSource,
     Inputs,
@@ -73,40 +73,24 @@ def whole_last_batch(model: keras.Model, inputs: Readable, global_batch_size: in
 def replica_batches(
     inputs: Readable,
     replica: Replica,
+    order: EpochOrder,
     *,
-    global_batch_size: int,
-    epoch: int = 0,
-    seed: int = 0,
-    shuffle: Shuffle = False,
     first_step: int = 0,
     prefetch: bool | None = None,
-    first_epoch: int = 0,
-    steps_per_epoch: int | None = None,
     whole_last: bool = False,
 ) -> Iterator[Batch]:
     """This replica's batches of one epoch from ``first_step`` on; every replica gets the same number.
-    An array input's epoch reads ``dp_core.epoch_rows`` (``first_epoch`` and ``steps_per_epoch`` say
-    where in which pass). With ``prefetch`` (None: on an accelerator, ``reads_ahead``) an array
-    input's next batch is read in the background (the same batches). With ``whole_last``, a short
-    last batch is the whole one on every replica (``Batch.whole``)."""
+    An array input's epoch reads ``order``'s rows. With ``prefetch`` (None: on an accelerator,
+    ``reads_ahead``) an array input's next batch is read in the background (the same batches). With
+    ``whole_last``, a short last batch is the whole one on every replica (``Batch.whole``)."""
     if prefetch is None:
         prefetch = reads_ahead(replica.device)
     if not isinstance(inputs, Inputs):
-        # a source's batch order: any true shuffle shuffles it, as Keras's PyDataset adapter reads it
-        yield from _source_batches(
-            inputs, replica, global_batch_size, epoch, seed, bool(shuffle), first_step, whole_last
-        )
+        yield from _source_batches(inputs, replica, order, first_step, whole_last)
         return
-    order = {"epoch": epoch, "seed": seed, "shuffle": shuffle, "first_epoch": first_epoch}
-    order["steps_per_epoch"] = steps_per_epoch
-    shard = split_indices(
-        inputs.num_samples,
-        num_shards=replica.num_replicas,
-        shard_index=replica.rank,
-        global_batch_size=global_batch_size,
-        **order,
-    )
-    this_epoch = epoch_rows(inputs.num_samples, global_batch_size, **order)
+    global_batch_size = order.global_batch_size
+    shard = order.shard(inputs.num_samples, num_shards=replica.num_replicas, shard_index=replica.rank)
+    this_epoch = order.rows(inputs.num_samples)
     num_samples = len(this_epoch)
     rows = global_batch_size // replica.num_replicas
     pin = prefetch and pins_memory(replica.device)
@@ -126,17 +110,11 @@ def replica_batches(
 
 
 def _source_batches(
-    source: BatchSource | SourceOnPrimary,
-    replica: Replica,
-    global_batch_size: int,
-    epoch: int,
-    seed: int,
-    shuffle: bool,
-    first_step: int,
-    whole_last: bool,
+    source: BatchSource | SourceOnPrimary, replica: Replica, order: EpochOrder, first_step: int, whole_last: bool
 ) -> Iterator[Batch]:
     """A source's global batches, each replica keeping its contiguous part, padded and masked
     as an array input's; with ``whole_last`` a short one whole."""
+    global_batch_size = order.global_batch_size
     padded = padded_batch_size(global_batch_size, replica.num_replicas)
 
     def rule(real: int) -> tuple[np.ndarray, np.ndarray]:
@@ -145,8 +123,7 @@ def _source_batches(
         mine, count = range(replica.rank, replica.rank + 1), replica.num_replicas
         return replica_positions(real, global_batch_size=global_batch_size, replicas=mine, num_replicas=count)
 
-    options = {"epoch": epoch, "seed": seed, "shuffle": shuffle, "first_step": first_step}
-    for part, mask, real in replica_rows(source, replica, rule=rule, **options):
+    for part, mask, real in replica_rows(source, replica, order, first_step=first_step, rule=rule):
         x, y, sample_weight = (map_structure(keras.ops.convert_to_tensor, piece) for piece in part)
         if whole_last and real < global_batch_size:
             yield Batch(x, y, sample_weight, None, real, real, real, real, whole=True)
@@ -231,17 +208,7 @@ def even_part(global_real_rows: int, num_replicas: int, rank: int) -> tuple[int,
 
 
 def even_batches(
-    inputs: Readable,
-    replica: Replica,
-    *,
-    global_batch_size: int,
-    epoch: int = 0,
-    seed: int = 0,
-    shuffle: Shuffle = False,
-    first_step: int = 0,
-    prefetch: bool | None = None,
-    first_epoch: int = 0,
-    steps_per_epoch: int | None = None,
+    inputs: Readable, replica: Replica, order: EpochOrder, *, first_step: int = 0, prefetch: bool | None = None
 ) -> Iterator[EvenBatch]:
     """This replica's ``EvenBatch`` of each global batch of one epoch from ``first_step`` on
     (the same global batches, in the same order, as ``replica_batches``, read ahead likewise)."""
@@ -255,25 +222,15 @@ def even_batches(
                 return np.zeros(1, dtype=int), np.zeros(1, dtype=bool)
             return np.arange(start, start + count), np.ones(count, dtype=bool)
 
-        options = {"epoch": epoch, "seed": seed, "shuffle": bool(shuffle), "first_step": first_step}
-        for part, mask, real in replica_rows(inputs, replica, rule=rule, **options):
+        for part, mask, real in replica_rows(inputs, replica, order, first_step=first_step, rule=rule):
             yield _even_batch(part, int(mask.sum()), real, replica)
         return
-    order = epoch_rows(
-        inputs.num_samples,
-        global_batch_size,
-        epoch=epoch,
-        first_epoch=first_epoch,
-        steps_per_epoch=steps_per_epoch,
-        seed=seed,
-        shuffle=shuffle,
-    )
-    num_samples = len(order)
+    rows, global_batch_size = order.rows(inputs.num_samples), order.global_batch_size
     pin = prefetch and pins_memory(replica.device)
 
     def read() -> Iterator[tuple[Any, int, int]]:
-        for step in range(first_step, num_steps(num_samples, global_batch_size)):
-            indices = order[step * global_batch_size : (step + 1) * global_batch_size]
+        for step in range(first_step, num_steps(len(rows), global_batch_size)):
+            indices = rows[step * global_batch_size : (step + 1) * global_batch_size]
             start, count = even_part(len(indices), replica.num_replicas, replica.rank)
             mine = indices[start : start + count] if count else indices[:1]
             yield _host_tensors(inputs.rows(mine), pin=pin), count, len(indices)

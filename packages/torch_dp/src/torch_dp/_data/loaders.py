@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.data
 
+from dp_core import EpochOrder
 from dp_core.keras import BatchSource, batch_rows, map_structure
 from torch_dp._comm.replica import Replica
 from torch_dp._data.sources import SourceOnPrimary, global_batches
@@ -120,20 +121,18 @@ def on_replicas(source: Any, replica: Replica) -> LoaderOnReplicas | None:
 def replica_rows(
     source: BatchSource | SourceOnPrimary,
     replica: Replica,
+    order: EpochOrder,
     *,
-    epoch: int,
-    seed: int,
-    shuffle: bool,
     first_step: int,
     rule: Rule,
 ) -> Iterator[tuple[GlobalBatch, np.ndarray, int]]:
     """This replica's rows (at ``rule``'s positions) of each global batch of a source from
-    ``first_step`` on, their mask, and the global batch's real rows."""
+    ``first_step`` on (epoch ``order.epoch``), their mask, and the global batch's real rows."""
     loader = on_replicas(source, replica)
     if loader is not None:
-        yield from _read_own_rows(loader, replica, epoch, first_step, rule)
+        yield from _read_own_rows(loader, replica, order.epoch, first_step, rule)
         return
-    for batch in global_batches(source, replica, epoch, seed, shuffle, first_step):
+    for batch in global_batches(source, replica, order, first_step):
         real = batch_rows(batch)
         positions, mask = rule(real)
         yield (_take(batch[0], positions), _take(batch[1], positions), _take(batch[2], positions)), mask, real

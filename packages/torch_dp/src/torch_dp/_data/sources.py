@@ -12,7 +12,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dp_core import num_steps
+from dp_core import EpochOrder, num_steps
 from dp_core.keras import BatchSource, Inputs, map_structure
 from torch_dp._comm.replica import Replica
 
@@ -41,12 +41,12 @@ def steps_of(inputs: Readable, global_batch_size: int) -> int | None:
 
 
 def global_batches(
-    source: BatchSource | SourceOnPrimary, replica: Replica, epoch: int, seed: int, shuffle: bool, first_step: int
+    source: BatchSource | SourceOnPrimary, replica: Replica, order: EpochOrder, first_step: int
 ) -> Iterator[tuple[Any, Any, Any]]:
-    """A source's whole global batches from ``first_step`` on, read by rank 0 and broadcast
-    (``None`` ends the epoch)."""
+    """A source's whole global batches of epoch ``order.epoch`` from ``first_step`` on, read by rank 0
+    and broadcast (``None`` ends the epoch)."""
     if isinstance(source, BatchSource):
-        batches: Iterator[Any] = source.epoch(epoch, shuffle=shuffle, seed=seed)
+        batches: Iterator[Any] = source.epoch(order.epoch, shuffle=order.shuffles_batches, seed=order.seed)
         for step, batch in enumerate(batches):
             if step >= first_step:
                 yield _shared_from_primary(batch, replica)

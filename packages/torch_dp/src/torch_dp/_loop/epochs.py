@@ -132,8 +132,8 @@ class KerasSteps:
 
     def batches(self, job: FitJob, epoch: int, first_step: int) -> Iterator[Batch]:
         whole_last = self.window is None and whole_last_batch(self.model, job.inputs, job.arguments.global_batch_size)
-        order = _epoch_order(job, epoch)
-        return replica_batches(job.inputs, self.replica, first_step=first_step, whole_last=whole_last, **order)
+        order = job.arguments.epoch_order(epoch)
+        return replica_batches(job.inputs, self.replica, order, first_step=first_step, whole_last=whole_last)
 
     def take(
         self,
@@ -202,7 +202,7 @@ class OwnSteps:
     returned: Any = None  # what the last step returned
 
     def batches(self, job: FitJob, epoch: int, first_step: int) -> Iterator[EvenBatch]:
-        return even_batches(job.inputs, self.replica, first_step=first_step, **_epoch_order(job, epoch))
+        return even_batches(job.inputs, self.replica, job.arguments.epoch_order(epoch), first_step=first_step)
 
     def take(
         self,
@@ -238,11 +238,6 @@ def logs_due_at(step: int, steps: int | None, every: int, *, first_step: int = 0
     [0, 9, 19, 24]
     """
     return every > 0 and (step == first_step or logs_due(step, steps, every))
-
-
-def _epoch_order(job: FitJob, epoch: int) -> dict[str, Any]:
-    """Which rows epoch ``epoch`` reads, in what order (``dp_core.epoch_rows``)."""
-    return job.arguments.epoch_rows_options(epoch)
 
 
 def train_epoch(
@@ -291,18 +286,9 @@ def train_epoch(
         timer.lap("callbacks")
         if kind.decisions == BEFORE_THE_STEP and share_decisions(model, replica, stopped=stopped, changes=changes):
             return kind.epoch_logs()
-        asked = notice is not None and notice.requested is not None
-        changed = kind.decisions == WITH_THE_STEP and changes is not None and changes.seen()
-        trained = kind.take(batch, epoch, step, preempt=asked, stop=False, timer=timer, changed=changed)
-        if trained.changed and changes is not None:  # every replica left the step out: again, on rank 0's state
-            changes.share()
-            trained = kind.take(batch, epoch, step, preempt=asked, stop=False, timer=timer)
-        if changes is not None and kind.decisions != AT_THE_EPOCH_END and not trained.stopped:
-            changes.mark()  # the step changed every replica alike (a stop leaves rank 0's changes to share)
+        trained = _take(kind, batch, epoch, step, notice=notice, changes=changes, timer=timer)
         if trained.preempted:
-            _preempted(
-                model, replica, notice, checkpoints, epoch=epoch, step=step, window=kind.window, state=kind.state
-            )
+            _preempted(model, replica, notice, checkpoints, kind, epoch=epoch, step=step)
         if trained.stopped:
             model.stop_training = True
             return kind.epoch_logs()
@@ -320,21 +306,45 @@ def train_epoch(
     return kind.epoch_logs()
 
 
+def _take(
+    kind: EpochSteps,
+    batch: Any,
+    epoch: int,
+    step: int,
+    *,
+    notice: PreemptionWatch | None,
+    changes: Changes | None,
+    timer: StepTimer | NoStepTimer,
+) -> Trained:
+    """``kind``'s step on every replica, carrying this replica's preemption ``notice``. When rank 0's
+    callbacks changed its state and that travelled with the step, every replica left it out: it is
+    taken again, on rank 0's state (``_loop.changes``)."""
+    asked = notice is not None and notice.requested is not None
+    changed = kind.decisions == WITH_THE_STEP and changes is not None and changes.seen()
+    trained = kind.take(batch, epoch, step, preempt=asked, stop=False, timer=timer, changed=changed)
+    if trained.changed and changes is not None:
+        changes.share()
+        trained = kind.take(batch, epoch, step, preempt=asked, stop=False, timer=timer)
+    if changes is not None and kind.decisions != AT_THE_EPOCH_END and not trained.stopped:
+        changes.mark()  # the step changed every replica alike (a stop leaves rank 0's changes to share)
+    return trained
+
+
 def _preempted(
     model: keras.Model,
     replica: Replica,
     notice: PreemptionWatch | None,
     checkpoints: CheckpointWriter | None,
+    kind: EpochSteps,
     *,
     epoch: int,
     step: int,
-    window: Window | None = None,
-    state: TrainingState = REPLICATED,
 ) -> NoReturn:
-    """Every replica stops before ``step`` of ``epoch``: a checkpoint of that boundary, then ``Preempted``."""
+    """Every replica stops before ``step`` of ``epoch``: a checkpoint of that boundary (``kind``'s
+    window and state in it), then ``Preempted``."""
     path = None
     if checkpoints is not None:
-        save(checkpoints, model, replica, epoch=epoch, step=step, window=window, state=state)
+        save(checkpoints, model, replica, epoch=epoch, step=step, window=kind.window, state=kind.state)
         written = list_checkpoints(checkpoints.directory) if replica.is_primary else []
         path = str(written[-1]) if written else checkpoints.directory
     signal_name = notice.requested if notice is not None and notice.requested else "a notice to another replica"

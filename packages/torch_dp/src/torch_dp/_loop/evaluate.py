@@ -11,6 +11,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from dp_core import EpochOrder
 from dp_core.keras import callback_list, needs_every_batch, verbosity
 from torch_dp._comm.collectives import broadcast_floats
 from torch_dp._comm.replica import Replica
@@ -65,7 +66,7 @@ def evaluate_loop(
     logs: dict[str, Any] = {}
     if custom is not None and custom.test:
         returned: Any = None
-        for step, batch in enumerate(even_batches(inputs, replica, global_batch_size=global_batch_size)):
+        for step, batch in enumerate(even_batches(inputs, replica, EpochOrder.in_input_order(global_batch_size))):
             hooks.on_test_batch_begin(step)
             returned = custom.test_step(batch)
             if logs_due_at(step, steps, every):
@@ -75,7 +76,7 @@ def evaluate_loop(
         hooks.on_test_end(logs)
         return logs
     whole_last = whole_last_batch(model, inputs, global_batch_size, training=False)
-    batches = replica_batches(inputs, replica, global_batch_size=global_batch_size, whole_last=whole_last)
+    batches = replica_batches(inputs, replica, EpochOrder.in_input_order(global_batch_size), whole_last=whole_last)
     for step, batch in enumerate(batches):
         hooks.on_test_batch_begin(step)
         test_step(model, batch, replica)
@@ -112,9 +113,9 @@ def predict_loop(
     outputs: list[Any] = []
     real_rows: list[int] = []
     batches = (
-        even_batches(inputs, replica, global_batch_size=global_batch_size)
+        even_batches(inputs, replica, EpochOrder.in_input_order(global_batch_size))
         if custom is not None and custom.predict
-        else replica_batches(inputs, replica, global_batch_size=global_batch_size)
+        else replica_batches(inputs, replica, EpochOrder.in_input_order(global_batch_size))
     )
     for step, batch in enumerate(batches):
         hooks.on_predict_batch_begin(step)

@@ -6,7 +6,7 @@ and so does what its callbacks change in the model or optimizer at any hook (``_
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import keras
 
@@ -53,97 +53,79 @@ def fit_loop(
     (``Trainer(profile=...)``) times the phases of Keras's own train steps. Rank 0 holds
     ``checkpoint_dir`` from before the first step to the end (``holding_checkpoint_dir``). ``state``
     is the training state as the replicas hold it: whole on each, or sharded (``_step.shards``)."""
-    with holding_checkpoint_dir(job.arguments.checkpoint_dir, replica), checkpoints_finished(checkpoints):
-        return _fit_epochs(
-            model,
-            job,
-            replica,
-            start=start,
-            checkpoints=checkpoints,
-            custom=custom,
-            notice=notice,
-            timer=timer,
-            state=state,
-        )
-
-
-def _fit_epochs(
-    model: keras.Model,
-    job: FitJob,
-    replica: Replica,
-    *,
-    start: Start,
-    checkpoints: CheckpointWriter | None = None,
-    custom: CustomSteps | None = None,
-    notice: PreemptionWatch | None = None,
-    timer: StepTimer | NoStepTimer = NO_STEP_TIMER,
-    state: TrainingState = REPLICATED,
-) -> keras.callbacks.History:
-    """``fit_loop`` once ``checkpoint_dir`` is held."""
     arguments = job.arguments
-    steps = arguments.steps_shown
-    listed = callback_list(
-        arguments.callbacks, model, is_primary=replica.is_primary, verbose=arguments.verbose, epochs=arguments.epochs,
-        steps=steps,
-    )  # fmt: skip
-    callbacks = on_whole_state(listed, arguments.callbacks, state, replica)  # sharded: rank 0's hooks see it all
-    # Every replica must agree on when metrics are synced, so rank 0's needs are shared.
-    wants = [needs_every_batch(arguments.callbacks), verbosity(arguments.verbose) == 1]
-    batch_logs, progress = (bool(flag) for flag in broadcast_floats(wants, replica))
-    every = 1 if batch_logs else (job.log_every_steps if progress else 0)
-    batch_hooks = batch_logs or progress or _has_progress_bar(arguments.callbacks)
-    changes = Changes(model, replica, sharded=state.sharded_variables())
-    start = _begin(model, callbacks, start, arguments.initial_epoch, replica, changes)
-    if replica.is_primary:  # rank 0's checkpoint, which every replica resumed from
-        print_resume(job.resume_from, start, epochs=arguments.epochs, verbose=arguments.verbose, package="torch_dp")
-    # gradient accumulation: one gradient all-reduce per window (None: one per step)
-    # a window's non-finite loss is acted on at its end: raised, even with a TerminateOnNaN
-    nonfinite = "stop" if job.on_nonfinite_loss == "apply" else job.on_nonfinite_loss
-    # (sharded: every step sums its gradients, and Keras accumulates each owner's own, as over one device's)
-    window = None if (custom and custom.train) or state.mode else accumulation_window(model, replica, nonfinite)
-    epoch_logs: dict[str, Any] = {}
-    for epoch in range(start.epoch, arguments.epochs):
-        model.reset_metrics()
-        first_step = start.step if epoch == start.epoch else 0
-        if first_step:
-            restore_metrics(model, start, replica)
-        callbacks.on_epoch_begin(epoch)
-        if share_decisions(model, replica, changes=changes):
-            break
-        kind = _epoch_steps(
-            model, job, replica, custom, window, every, batch_logs=batch_logs, batch_hooks=batch_hooks, state=state
-        )
-        timed = timer if isinstance(kind, KerasSteps) else NO_STEP_TIMER  # a model's own step is not timed
-        epoch_logs = train_epoch(
-            model,
-            job,
-            epoch,
-            replica,
-            callbacks,
-            kind,
-            first_step=first_step,
-            checkpoints=checkpoints,
-            notice=notice,
-            timer=timed,
-            changes=changes,
-        )
-        model.eval()
-        if arguments.validates_after(epoch):
-            epoch_logs.update(_validation_logs(model, job, replica, callbacks, custom, changes))
-        callbacks.on_epoch_end(epoch, epoch_logs)
-        if checkpoints is not None:
-            save(checkpoints, model, replica, epoch=epoch + 1, step=0, window=window, state=state)
-        if isinstance(job.inputs, BatchSource) and job.inputs.exhausted:
-            model.stop_training = True  # an iterator that ran out ends training, as in Keras (rank 0 reads it)
-        if share_decisions(model, replica, changes=changes):
-            break
-    if window is not None:  # the caller's model holds the accumulators as one device would
-        window.settle(model, replica)
-    state.gather()  # every replica's optimizer whole again, for the moving averages' swap and the caller
-    if arguments.epochs > start.epoch:
-        model.optimizer.finalize_variable_values(model.trainable_weights)
-    callbacks.on_train_end(logs=epoch_logs)
-    return model.history
+    with holding_checkpoint_dir(arguments.checkpoint_dir, replica), checkpoints_finished(checkpoints):
+        listed = callback_list(
+            arguments.callbacks, model, is_primary=replica.is_primary, verbose=arguments.verbose,
+            epochs=arguments.epochs, steps=arguments.steps_shown,
+        )  # fmt: skip
+        callbacks = on_whole_state(listed, arguments.callbacks, state, replica)  # sharded: rank 0's hooks see it all
+        logging = _batch_logging(job, replica)
+        changes = Changes(model, replica, sharded=state.sharded_variables())
+        start = _begin(model, callbacks, start, arguments.initial_epoch, replica, changes)
+        if replica.is_primary:  # rank 0's checkpoint, which every replica resumed from
+            print_resume(job.resume_from, start, epochs=arguments.epochs, verbose=arguments.verbose, package="torch_dp")
+        window = _gradient_window(model, job, replica, custom, state)
+        epoch_logs: dict[str, Any] = {}
+        for epoch in range(start.epoch, arguments.epochs):
+            model.reset_metrics()
+            first_step = start.step if epoch == start.epoch else 0
+            if first_step:
+                restore_metrics(model, start, replica)
+            callbacks.on_epoch_begin(epoch)
+            if share_decisions(model, replica, changes=changes):
+                break
+            kind = _epoch_steps(model, job, replica, custom, window, logging, state)
+            timed = timer if isinstance(kind, KerasSteps) else NO_STEP_TIMER  # a model's own step is not timed
+            epoch_logs = train_epoch(
+                model, job, epoch, replica, callbacks, kind,
+                first_step=first_step, checkpoints=checkpoints, notice=notice, timer=timed, changes=changes,
+            )  # fmt: skip
+            model.eval()
+            if arguments.validates_after(epoch):
+                epoch_logs.update(_validation_logs(model, job, replica, callbacks, custom, changes))
+            callbacks.on_epoch_end(epoch, epoch_logs)
+            if checkpoints is not None:
+                save(checkpoints, model, replica, epoch=epoch + 1, step=0, window=window, state=state)
+            if isinstance(job.inputs, BatchSource) and job.inputs.exhausted:
+                model.stop_training = True  # an iterator that ran out ends training, as in Keras (rank 0 reads it)
+            if share_decisions(model, replica, changes=changes):
+                break
+        if window is not None:  # the caller's model holds the accumulators as one device would
+            window.settle(model, replica)
+        state.gather()  # every replica's optimizer whole again, for the moving averages' swap and the caller
+        if arguments.epochs > start.epoch:
+            model.optimizer.finalize_variable_values(model.trainable_weights)
+        callbacks.on_train_end(logs=epoch_logs)
+        return model.history
+
+
+class BatchLogging(NamedTuple):
+    """How a fit's batches are logged, as rank 0's callbacks and progress bar need it (every replica
+    must agree on when metrics are summed, so rank 0's needs are shared)."""
+
+    every: int  # the logs are summed every so many steps (0: never)
+    each_step: bool  # a callback reads every batch's logs: they and rank 0's decisions travel with each step
+    hooks: bool  # the batch hooks are called (a callback or a progress bar acts at a batch)
+
+
+def _batch_logging(job: FitJob, replica: Replica) -> BatchLogging:
+    callbacks = job.arguments.callbacks
+    wants = [needs_every_batch(callbacks), verbosity(job.arguments.verbose) == 1]
+    each_step, progress = (bool(flag) for flag in broadcast_floats(wants, replica))
+    every = 1 if each_step else (job.log_every_steps if progress else 0)
+    return BatchLogging(every, each_step, each_step or progress or _has_progress_bar(callbacks))
+
+
+def _gradient_window(
+    model: keras.Model, job: FitJob, replica: Replica, custom: CustomSteps | None, state: TrainingState
+) -> Window | None:
+    """The fit's gradient accumulation window: one gradient all-reduce per window (None: one per step).
+    A window's non-finite loss is acted on at its end: raised, even with a TerminateOnNaN. Sharded, every
+    step sums its gradients, and Keras accumulates each owner's own, as over one device's."""
+    if (custom and custom.train) or state.mode:
+        return None
+    return accumulation_window(model, replica, "stop" if job.on_nonfinite_loss == "apply" else job.on_nonfinite_loss)
 
 
 def _epoch_steps(
@@ -152,23 +134,20 @@ def _epoch_steps(
     replica: Replica,
     custom: CustomSteps | None,
     window: Window | None,
-    every: int,
-    *,
-    batch_logs: bool,
-    batch_hooks: bool,
+    logging: BatchLogging,
     state: TrainingState = REPLICATED,
 ) -> EpochSteps:
-    """How an epoch's steps run: the model's own ``train_step`` where it has one, else Keras's,
-    its logs summed every ``every`` steps (at each step when ``batch_logs``: a callback reads them)."""
+    """How an epoch's steps run: the model's own ``train_step`` where it has one, else Keras's, logged as
+    ``logging`` says."""
     if custom is not None and custom.train:
-        return OwnSteps(model, replica, custom, log_every=every)
+        return OwnSteps(model, replica, custom, log_every=logging.every)
     return KerasSteps(
         model,
         replica,
         window,
-        every,
-        decide_each_step=batch_logs,
-        batch_hooks=batch_hooks,
+        logging.every,
+        decide_each_step=logging.each_step,
+        batch_hooks=logging.hooks,
         apply_nonfinite=job.on_nonfinite_loss == "apply",
         state=state,
     )
