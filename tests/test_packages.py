@@ -68,23 +68,87 @@ def test_backends_import_only_public_dp_core_names(package):
 
 
 NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make"}  # public despite the underscore
+ATTRIBUTE_FUNCTIONS = {"getattr", "setattr", "hasattr", "delattr"}  # name an attribute by a string
+OBJECT_METHODS = {"__getattribute__", "__setattr__", "__delattr__"}  # object.__setattr__(obj, "_x", ...)
 
 
-def test_no_private_keras_attribute_outside_the_internals_module():
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__") and name not in NAMEDTUPLE_API
+
+
+def _private_reads(tree: ast.AST) -> list[tuple[int, str]]:
+    """Where ``tree`` reads or writes an attribute with a private name of something not its own:
+    ``x._name``, and ``getattr(x, "_name")`` (or ``setattr``, ``hasattr``, ``object.__setattr__``)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls", "os")):  # own state; os._exit
+                found.append((node.lineno, f".{node.attr}"))
+        elif isinstance(node, ast.Call) and len(node.args) >= 2:
+            function = node.func
+            by_string = (isinstance(function, ast.Name) and function.id in ATTRIBUTE_FUNCTIONS) or (
+                isinstance(function, ast.Attribute) and function.attr in OBJECT_METHODS
+            )
+            owner, name = node.args[0], node.args[1]
+            own = isinstance(owner, ast.Name) and owner.id in ("self", "cls")
+            named = isinstance(name, ast.Constant) and isinstance(name.value, str) and _private(name.value)
+            if by_string and named and not own:
+                found.append((node.lineno, f'"{name.value}"'))
+    return found
+
+
+def test_no_private_attribute_outside_the_internals_modules():
+    """Keras's private attributes are read in ``dp_core.keras.internals`` only, torch's, jax's and
+    Python's in the backend's own ``_internals.py``, each with its reason."""
     sources = [*SOURCES.values(), Path(__file__).parents[1] / "packages" / "core" / "src" / "dp_core"]
     found = [
-        f"{path.relative_to(path.parents[3])}:{node.lineno}: .{node.attr}"
+        f"{path.relative_to(path.parents[3])}:{line}: {name}"
         for root in sources
         for path in sorted(root.rglob("*.py"))
         if path.name != "_internals.py"
-        for node in ast.walk(ast.parse(path.read_text()))
-        if isinstance(node, ast.Attribute)
-        and node.attr.startswith("_")
-        and not node.attr.startswith("__")
-        and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls", "os"))  # own state; os._exit
-        and node.attr not in NAMEDTUPLE_API
+        for line, name in _private_reads(ast.parse(path.read_text()))
     ]
-    assert found == [], "read private Keras attributes through dp_core.keras.internals"
+    assert found == [], "read private attributes through dp_core.keras.internals or the backend's _internals.py"
+
+
+def test_the_private_attribute_rule_sees_attributes_and_strings():
+    code = """
+self._own, cls._own, os._exit, point._replace, x.__class__, getattr(x, "__name__"), getattr(self, "_own")
+model._loss_tracker
+getattr(optimizer, "_trainable_variables", [])
+setattr(process, "_inheriting", True)
+hasattr(model, "_compile_loss")
+object.__setattr__(layer, "_moments", None)
+"""
+    assert [name for _, name in _private_reads(ast.parse(code))] == [
+        "._loss_tracker",
+        '"_trainable_variables"',
+        '"_inheriting"',
+        '"_compile_loss"',
+        '"_moments"',
+    ]
+    modules = ["jax._src", "jax._src.distributed", "keras.src.backend", "jax.experimental", "jax_dp._internals"]
+    assert [_private_module(module) for module in modules] == [True, True, True, False, False]
+
+
+def _private_module(module: str) -> bool:
+    """``jax._src``, ``keras.src.backend``, ``torch.distributed._tools``: another package's private module."""
+    parts = module.split(".")
+    return parts[0] not in ("dp_core", *SOURCES) and (parts[1:2] == ["src"] or any(map(_private, parts[1:])))
+
+
+def test_private_modules_of_other_packages_are_imported_by_the_internals_modules_only():
+    """``jax._src``, ``keras.src`` and the like: where a release moves them, one module shows it."""
+    sources = [*SOURCES.values(), Path(__file__).parents[1] / "packages" / "core" / "src" / "dp_core"]
+    found = [
+        f"{path.relative_to(path.parents[3])}: {module}"
+        for root in sources
+        for path in sorted(root.rglob("*.py"))
+        if path.name != "_internals.py"
+        for module in _imported_modules(path)
+        if _private_module(module)
+    ]
+    assert found == [], "import private modules in dp_core.keras's internals or the backend's _internals.py"
 
 
 @pytest.mark.parametrize(("module", "page"), [("dp_core", "dp_core.md"), ("dp_core.keras", "dp_core_keras.md")])

@@ -165,7 +165,7 @@ class KerasOptimizer(Optimizer):
 
     @property
     def accumulation_steps(self) -> int:
-        trainable = getattr(self.optimizer, "_trainable_variables", [])
+        trainable = internals.trained_variables(self.optimizer)
         if any(getattr(v, "overwrite_with_gradient", False) for v in trainable):
             return 1  # float8 scales accumulate by maximum: left to Keras's own accumulation
         return int(self.optimizer.gradient_accumulation_steps or 1)

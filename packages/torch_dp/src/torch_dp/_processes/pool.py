@@ -33,7 +33,6 @@ This module holds process-global state. The invariants a change must keep:
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
 import sys
 import warnings
@@ -49,7 +48,7 @@ from dp_core import threads_per_replica, warn_oversubscribed
 from dp_core.keras import FitJob, Job
 from torch_dp._comm.collectives import count_collectives_in
 from torch_dp._comm.replica import Replica
-from torch_dp._internals import version
+from torch_dp._internals import starting_as_spawned_child, version
 from torch_dp._loop.run import build, check_losses, run_job
 from torch_dp._loop.trainable import trainable_flags
 from torch_dp._processes.failures import (
@@ -347,7 +346,7 @@ def refuse_while_starting() -> None:
     """In a worker that is still starting, a call means it is re-running the caller's script (spawn
     imports it, and a call outside ``if __name__ == "__main__":`` runs again there): it tells its
     caller so, through a file in the caller's folder, and ends, instead of starting workers of its own."""
-    if not getattr(multiprocessing.current_process(), "_inheriting", False):
+    if not starting_as_spawned_child():
         return
     script = getattr(sys.modules.get("__mp_main__"), "__file__", None) or "your script"
     folder = os.environ.get(STARTING_FOLDER)
