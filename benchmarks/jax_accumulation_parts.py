@@ -81,7 +81,7 @@ def _all_reduced_bytes(trainer: Any, model: keras.Model, x: Any, y: Any) -> tupl
         batch_size=None,
         global_batch_size=GLOBAL_BATCH_SIZE,
         step_names=("train_step",),
-        **trainer._call_checks,
+        checks=trainer._call_checks,
     )
     optimizer = KerasOptimizer(model)
     placement = Placement(trainer.mesh)

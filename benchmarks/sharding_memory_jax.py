@@ -81,7 +81,13 @@ def step_and_state(widths: tuple[int, ...], num_replicas: int, shard: str | None
     trainer = jax_dp.Trainer(num_replicas, shard=shard)  # type: ignore[arg-type]
     x, y = data(widths, BATCH)
     model, inputs, _ = checked_call(
-        mlp(widths), x, y, batch_size=None, global_batch_size=BATCH, step_names=("train_step",), **trainer._call_checks
+        mlp(widths),
+        x,
+        y,
+        batch_size=None,
+        global_batch_size=BATCH,
+        step_names=("train_step",),
+        checks=trainer._call_checks,
     )
     build_model(model, inputs)
     placement = place(model, trainer.mesh, trainer.variable_layout, trainer.shard)
