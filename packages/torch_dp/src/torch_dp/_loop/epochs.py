@@ -35,6 +35,25 @@ from torch_dp._step.shards import REPLICATED, TrainingState
 from torch_dp._step.steps import Trained, train_step
 
 
+@dataclass(frozen=True)
+class SharedDecisions:
+    """Rank 0's decisions as ``share_decisions`` broadcasts them outside a step (one float each, in
+    field order): its stop, whether its callbacks changed its state, and each variable learning rate
+    of the model's optimizers (``optimizers_of`` order)."""
+
+    stop: bool
+    changed: bool
+    learning_rates: tuple[float, ...]
+
+    def floats(self) -> list[float]:
+        return [float(self.stop), float(self.changed), *self.learning_rates]
+
+    @classmethod
+    def of_floats(cls, values: list[float]) -> SharedDecisions:
+        stop, changed, *learning_rates = values
+        return cls(bool(stop), bool(changed), tuple(learning_rates))
+
+
 def share_decisions(
     model: keras.Model, replica: Replica, *, stopped: bool | None = None, changes: Changes | None = None
 ) -> bool:
@@ -47,22 +66,22 @@ def share_decisions(
     effect after the coming step, as in Keras, and is kept for the next call."""
     rates = [internals.learning_rate_object(optimizer) for optimizer in optimizers_of(model)]
     variables = [rate for rate in rates if isinstance(rate, keras.Variable)]
-    mine = [
-        float(bool(model.stop_training if stopped is None else stopped)),
-        float(changes is not None and changes.seen()),
-        *(np.asarray(keras.ops.convert_to_numpy(rate)).item() for rate in variables),
-    ]
-    stop, changed, *learning_rates = broadcast_floats(mine, replica)
+    mine = SharedDecisions(
+        stop=bool(model.stop_training if stopped is None else stopped),
+        changed=changes is not None and changes.seen(),
+        learning_rates=tuple(np.asarray(keras.ops.convert_to_numpy(rate)).item() for rate in variables),
+    )
+    shared = SharedDecisions.of_floats(broadcast_floats(mine.floats(), replica))
     if not replica.is_primary:
-        for rate, learning_rate in zip(variables, learning_rates, strict=True):
+        for rate, learning_rate in zip(variables, shared.learning_rates, strict=True):
             rate.assign(learning_rate)
-    if changed and changes is not None:
+    if shared.changed and changes is not None:
         changes.share()
     if stopped is None:
-        model.stop_training = bool(stop)
+        model.stop_training = shared.stop
         return model.stop_training
-    model.stop_training = bool(stop) or bool(model.stop_training)
-    return bool(stop)
+    model.stop_training = shared.stop or bool(model.stop_training)
+    return shared.stop
 
 
 # Where rank 0's stop (and learning rates) reach the other replicas during an epoch:
