@@ -23,11 +23,12 @@ from dp_core import (
 )
 from dp_core.keras import (
     BatchSource,
-    CheckpointWriter,
+    CallChecks,
+    EvaluateJob,
     FitArguments,
+    FitJob,
     Inputs,
-    build_model,
-    callback_list,
+    PredictJob,
     check_batch_norm_mode,
     check_nonfinite_mode,
     check_shard_mode,
@@ -35,25 +36,15 @@ from dp_core.keras import (
     fit_arguments,
     internals,
     nonfinite_action,
-    overrides,
     require_backend,
 )
-from jax_dp._comm.hosts import is_primary
-from jax_dp._data.sources import epoch_plan
-from jax_dp._loop.checkpoints import resume_and_writer
-from jax_dp._loop.epochs import EpochTrainer, KerasSteps, OwnSteps, epochs_of
-from jax_dp._loop.evaluate import custom_predict_loop, evaluator, predict_loop
-from jax_dp._loop.fit import fit_loop
-from jax_dp._loop.preemption import PreemptionNotice
-from jax_dp._mesh.layout import Layout, Placement, place
+from jax_dp._loop.run import TrainerSettings, run_job
+from jax_dp._mesh.layout import Layout
 from jax_dp._mesh.mesh import check_mesh, make_mesh, num_replicas_of, replica_layout
 from jax_dp._processes.group import ends_the_run_on_failure
-from jax_dp._step.accumulation import check_accumulate_steps
 from jax_dp._step.compile_cache import CompileCache
 from jax_dp._step.custom import check_custom_steps
-from jax_dp._step.optimizers import KerasOptimizer, OptaxOptimizer, Optimizer
-from jax_dp._step.profile import FitProfile, finish_report
-from jax_dp._step.recipes import Recipes
+from jax_dp._step.optimizers import OptaxOptimizer
 
 PACKAGE = "jax_dp"
 
@@ -196,20 +187,11 @@ class Trainer:
         a checkpoint taken inside one holds the gradients summed so far, as one device would.
         """
         model, inputs, global_batch_size = checked_call(
-            model,
-            x,
-            y,
-            sample_weight,
-            batch_size=batch_size,
-            global_batch_size=global_batch_size,
-            step_names=("train_step", "test_step")
-            if validation_data is not None or validation_split
-            else ("train_step",),
-            class_weight=class_weight,
-            steps=steps_per_epoch,
-            steps_name="steps_per_epoch",
-            **self._call_checks,
-        )
+            model, x, y, sample_weight, batch_size=batch_size, global_batch_size=global_batch_size,
+            step_names=("train_step", "test_step") if validation_data is not None or validation_split
+            else ("train_step",), class_weight=class_weight, steps=steps_per_epoch, steps_name="steps_per_epoch",
+            checks=self._call_checks,
+        )  # fmt: skip
         arguments = fit_arguments(
             inputs, global_batch_size=global_batch_size, num_replicas=self.num_replicas, epochs=epochs,
             initial_epoch=initial_epoch, validation_split=validation_split, validation_data=validation_data,
@@ -218,60 +200,36 @@ class Trainer:
             checkpoint_dir=checkpoint_dir, checkpoint_every_steps=checkpoint_every_steps,
             checkpoint_in_background=checkpoint_in_background, verbose=verbose, steps_per_epoch=steps_per_epoch,
         )  # fmt: skip
-        return self._train(model, inputs, arguments, global_batch_size, lr_scaling, warmup_steps, accumulate_steps)
+        settings = self._settings
+        job = self._fit_job(
+            settings, arguments, lr_scaling=lr_scaling, warmup_steps=warmup_steps, accumulate=accumulate_steps
+        )
+        history = run_job(model, job, settings)
+        if settings.profile is not None:
+            self.scaling_report = history.scaling_report  # the report on process 0, None elsewhere
+        return history
 
-    def _train(
-        self,
-        model: keras.Model,
-        inputs: Inputs | BatchSource,
+    @staticmethod
+    def _fit_job(
+        settings: TrainerSettings,
         arguments: FitArguments,
-        global_batch_size: int,
+        *,
         lr_scaling: LearningRateScaling | None,
         warmup_steps: int,
-        accumulate_steps: int | None,
-    ) -> keras.callbacks.History:
-        """``fit`` after its checks: the optimizer and learning-rate policy, resuming, the epochs
-        within a preemption notice, and the scaling report."""
-        steps = check_accumulate_steps(accumulate_steps, model.optimizer, optax=self._optax is not None)
-        optimizer = (
-            KerasOptimizer(model) if self._optax is None else OptaxOptimizer(self._optax, accumulate_steps=steps)
+        accumulate: int | None,
+    ) -> FitJob[Inputs | BatchSource]:
+        """A checked fit's job: its arguments, the trainer's options, and what the run resolves (the
+        learning-rate policy, gradient accumulation)."""
+        return FitJob(
+            arguments,
+            settings.batch_norm,
+            nonfinite_action(settings.on_nonfinite_loss, arguments.callbacks),  # a TerminateOnNaN's stop, as in Keras
+            profile=settings.profile,
+            shard=settings.shard,
+            lr_scaling=lr_scaling,
+            warmup_steps=warmup_steps,
+            accumulate_steps=accumulate,
         )
-        build_model(model, inputs)
-        placement = place(model, self.mesh, self.variable_layout, self.shard)
-        with optimizer.learning_rate_policy(
-            global_batch_size=global_batch_size, lr_scaling=lr_scaling, warmup_steps=warmup_steps
-        ) as policy:
-            replicas = self.num_replicas
-            start, checkpoints = resume_and_writer(
-                arguments, model, optimizer, global_batch_size=global_batch_size, num_replicas=replicas, policy=policy
-            )
-            profile = None if self.profile is None else FitProfile()
-            with PreemptionNotice():
-                history = fit_loop(
-                    model,
-                    arguments,
-                    optimizer=optimizer,
-                    train_epoch=self._epochs(
-                        model, optimizer, placement, checkpoints, profile, callbacks=arguments.callbacks
-                    ),
-                    evaluate=evaluator(model, self._recipes(placement)),
-                    layout=self.layout,
-                    start=start,
-                    checkpoints=checkpoints,
-                )
-            if profile is not None and self.profile is not None:
-                self.scaling_report = finish_report(
-                    profile,
-                    model,
-                    optimizer,
-                    placement,
-                    global_batch_size=global_batch_size,
-                    batch_norm=self.batch_norm,
-                    folder=str(self.profile),
-                    cached=self._recipes(placement).profile_pieces(model, optimizer),
-                )
-                history.scaling_report = self.scaling_report  # pyright: ignore[reportAttributeAccessIssue]
-            return history
 
     @one_call_at_a_time
     @ends_the_run_on_failure
@@ -299,17 +257,10 @@ class Trainer:
             global_batch_size=global_batch_size,
             step_names=("test_step",),
             steps=steps,
-            **self._call_checks,
+            checks=self._call_checks,
         )
-        build_model(model, inputs)
-        placement = place(model, self.mesh, self.variable_layout, self.shard)
-        plan = epoch_plan(inputs, layout=self.layout, global_batch_size=global_batch_size)
-        hooks = callback_list(
-            callbacks, model, is_primary=is_primary(), verbose=verbose, steps=plan.steps, history=False
-        )
-        hooks.on_test_begin()
-        logs = evaluator(model, self._recipes(placement))(plan, hooks)
-        hooks.on_test_end(logs)
+        job = EvaluateJob(inputs, global_batch_size, self.batch_norm, verbose, callbacks=list(callbacks or []))
+        logs = run_job(model, job, self._settings)
         return logs if return_dict else internals.metrics_in_order(model, logs)
 
     @one_call_at_a_time
@@ -334,32 +285,14 @@ class Trainer:
             step_names=("predict_step",),
             compiled=False,
             steps=steps,
-            **self._call_checks,
+            checks=self._call_checks,
         )
-        build_model(model, inputs, for_predict=True)
-        placement = place(model, self.mesh, self.variable_layout, self.shard)
-        plan = epoch_plan(inputs, layout=self.layout, global_batch_size=global_batch_size)
-        hooks = callback_list(
-            callbacks, model, is_primary=is_primary(), verbose=verbose, steps=plan.steps, history=False
-        )
-        hooks.on_predict_begin()
-        recipes = self._recipes(placement)
-        if overrides(model, "predict_step"):
-            outputs = custom_predict_loop(recipes.custom_predict_step(model), model, plan, placement, hooks)
-        else:
-            outputs = predict_loop(recipes.predict_step(model), model, plan, placement, hooks)
-        hooks.on_predict_end()
-        return outputs
+        return run_job(model, PredictJob(inputs, global_batch_size, verbose, list(callbacks or [])), self._settings)
 
     @property
-    def _call_checks(self) -> dict[str, Any]:
-        """What jax_dp's calls pass to ``checked_call``."""
-        return {
-            "backend": "jax",
-            "package": PACKAGE,
-            "num_replicas": self.num_replicas,
-            "check_own_steps": self._check_own_steps,
-        }
+    def _call_checks(self) -> CallChecks:
+        """What jax_dp's calls ask of ``checked_call``."""
+        return CallChecks("jax", PACKAGE, self.num_replicas, check_own_steps=self._check_own_steps)
 
     def _check_own_steps(self, model: keras.Model, step_names: tuple[str, ...], *, compiled: bool) -> None:
         """What a model's own steps (``step_names``, among those the call runs) cannot do here."""
@@ -368,32 +301,17 @@ class Trainer:
             layout=bool(self.variable_layout), shard=self.shard,
         )  # fmt: skip
 
-    def _epochs(
-        self,
-        model: keras.Model,
-        optimizer: Optimizer,
-        placement: Placement,
-        checkpoints: CheckpointWriter | None,
-        profile: FitProfile | None = None,
-        *,
-        callbacks: Any = None,
-    ) -> EpochTrainer:
-        """How one fit trains an epoch: with the model's own ``train_step`` or Keras's; at a non-finite
-        loss as the trainer's option says, or as model.fit with a ``TerminateOnNaN`` in ``callbacks``."""
-        action = nonfinite_action(self.on_nonfinite_loss, callbacks)
-        stop_on_nonfinite, recipes = action == "stop", self._recipes(placement, apply_nonfinite=action == "apply")
-        if overrides(model, "train_step"):
-            kind = OwnSteps(model, optimizer, recipes.custom_train_step(model, optimizer), placement)
-            return epochs_of(kind, checkpoints=checkpoints, stop_on_nonfinite=stop_on_nonfinite)
-        kind = KerasSteps(model, optimizer, recipes.steps(model, optimizer), placement, profile)
-        return epochs_of(kind, checkpoints=checkpoints, stop_on_nonfinite=stop_on_nonfinite)
-
-    def _recipes(self, placement: Placement, *, apply_nonfinite: bool = False) -> Recipes:
-        """The steps' recipes for the call's ``placement`` and the trainer's options as they are now."""
-        return Recipes(
-            self._compile_cache,
-            placement,
+    @property
+    def _settings(self) -> TrainerSettings:
+        """What the calls run with: the trainer's mesh, compile cache, optimizer and options as they are now."""
+        return TrainerSettings(
+            mesh=self.mesh,
+            layout=self.layout,
+            variable_layout=self.variable_layout,
+            compile_cache=self._compile_cache,
+            optax=self._optax,
             batch_norm=self.batch_norm,
-            skip_nonfinite=self.on_nonfinite_loss == "skip",
-            apply_nonfinite=apply_nonfinite,
+            on_nonfinite_loss=self.on_nonfinite_loss,
+            shard=self.shard,
+            profile=None if self.profile is None else str(self.profile),
         )

@@ -12,7 +12,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from dp_core import ReplicaLayout
+from dp_core import EpochOrder, ReplicaLayout
 from dp_core.keras import (
     BatchSource,
     CheckpointWriter,
@@ -87,7 +87,7 @@ def _fit_epochs(
     for epoch in range(start.epoch, arguments.epochs):
         model.reset_metrics()  # before the hook, as in model.fit
         callbacks.on_epoch_begin(epoch)
-        plan = epoch_plan(arguments.inputs, layout=layout, **arguments.epoch_rows_options(epoch))
+        plan = epoch_plan(arguments.inputs, layout=layout, order=arguments.epoch_order(epoch))
         logs, optimizer_state = train_epoch(
             plan,
             callbacks,
@@ -97,7 +97,9 @@ def _fit_epochs(
         if arguments.validates_after(epoch):
             assert arguments.validation is not None
             validation = epoch_plan(
-                arguments.validation, layout=layout, global_batch_size=arguments.validation_global_batch_size
+                arguments.validation,
+                layout=layout,
+                order=EpochOrder.in_input_order(arguments.validation_global_batch_size),
             )
             callbacks.on_test_begin()  # the fit's callbacks get the test hooks, as in model.fit
             val_logs = evaluate(validation, callbacks)
