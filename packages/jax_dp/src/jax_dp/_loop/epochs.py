@@ -1,14 +1,14 @@
 """The one epoch skeleton: an epoch's train steps, whatever the step, in one fixed order.
 
 Keras's own train step (``KerasSteps``) and a model's own ``train_step`` (``OwnSteps``) plug
-into ``train_epoch``, which alone decides what happens around each step, and in which order:
-the batch-begin hook; the step; its report read on the host when a hook or a checkpoint needs
-it (the progress bar's alone once the next step runs; with ``stop_on_nonfinite``, a non-finite
-loss ends the loop there); the batch-end hook,
-before a checkpoint writes the state back over what a hook changed; the checkpoint; the
-preemption check (the same step on every process); the stop decision (process 0's, exchanged
-at fixed steps). The state lives on the mesh during an epoch and in the caller's model around
-the callbacks that end it (``_step.state``).
+into ``EpochTrainer``, whose ``_train_steps`` alone decides what happens around each step, and in
+which order: the batch-begin hook; the step; its report read on the host when a hook or a
+checkpoint needs it (the progress bar's alone once the next step runs, ``Pending``; with
+``stop_on_nonfinite``, a non-finite loss ends the loop there); the batch-end hook, before a
+checkpoint writes the state back over what a hook changed; the checkpoint; the preemption check
+(the same step on every process); the stop decision (process 0's, exchanged at fixed steps).
+The state lives on the mesh during an epoch (``HookedState`` holds the current one) and in the
+caller's model around the callbacks that end it (``_step.state``).
 
 A step kind brings how the epoch's state is read from the model, how its batches reach the
 step and the step runs (``EpochRun``), how a checkpoint is taken, and the epoch's logs.
@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol, final
 
 import jax
@@ -47,16 +48,6 @@ from jax_dp._step.state import (
     write_back,
 )
 from jax_dp._step.steps import Report, Steps, report_on_host
-
-
-class EpochTrainer(Protocol):
-    """Trains one epoch's ``plan`` from ``start`` (its epoch, and the step a checkpoint left it at);
-    returns the epoch's logs and the optimizer state to start the next epoch from (None: read it
-    from the model). The model holds the trained state afterwards."""
-
-    def __call__(
-        self, plan: Plan, callbacks: keras.callbacks.CallbackList, *, start: Start, optimizer_state: Any | None
-    ) -> tuple[dict[str, Any], Any | None]: ...
 
 
 class EpochRun(Protocol):
@@ -92,71 +83,111 @@ class StepKind(Protocol):
     def checkpoint(self, writer: CheckpointWriter, state: TrainState, *, epoch: int, step: int) -> None: ...
 
 
-def epochs_of(kind: StepKind, *, checkpoints: CheckpointWriter | None, stop_on_nonfinite: bool) -> EpochTrainer:
-    """How a fit trains each epoch with ``kind``'s step."""
+@dataclass(frozen=True)
+class EpochTrainer:
+    """How a fit trains each epoch: with ``kind``'s step, its checkpoints written by ``checkpoints``,
+    and at a non-finite loss stopping (``stop_on_nonfinite``) or not."""
 
-    def train_epoch_of_kind(
-        plan: Plan, callbacks: keras.callbacks.CallbackList, *, start: Start, optimizer_state: Any | None
+    kind: StepKind
+    checkpoints: CheckpointWriter | None
+    stop_on_nonfinite: bool
+
+    def __call__(
+        self, plan: Plan, callbacks: keras.callbacks.CallbackList, *, start: Start, optimizer_state: Any | None
     ) -> tuple[dict[str, Any], Any | None]:
-        return train_epoch(
-            kind,
-            plan,
-            callbacks,
-            start=start,
-            optimizer_state=optimizer_state,
-            checkpoints=checkpoints,
-            stop_on_nonfinite=stop_on_nonfinite,
-        )
+        """One epoch's ``plan`` on the mesh from ``start`` (its epoch, and the step a checkpoint left it
+        at): its logs and the optimizer state to start the next epoch from (None: read it from the model).
 
-    return train_epoch_of_kind
+        The model holds the trained state afterwards, for the callbacks; the rest of the state is let
+        go, so validation does not hold a second copy of the weights on the devices. A preemption
+        notice writes the state of the step every process stops at back, checkpoints it, and raises
+        ``dp_core.Preempted``.
+        """
+        kind, checkpoints, stop_on_nonfinite = self.kind, self.checkpoints, self.stop_on_nonfinite
+        model, optimizer = kind.model, kind.optimizer
+        state = kind.state_on_mesh(start, optimizer_state)
+
+        def checkpoint(state: TrainState, steps_done: int) -> None:
+            assert checkpoints is not None
+            kind.checkpoint(checkpoints, state, epoch=start.epoch, step=steps_done)
+
+        try:
+            state, run = _train_steps(
+                kind,
+                state,
+                plan,
+                callbacks,
+                start=start,
+                stop_on_nonfinite=stop_on_nonfinite,
+                checkpoints=checkpoints,
+            )
+        except preemption.StoppedAt as stop:
+            raise preemption.preempted(
+                stop,
+                epoch=start.epoch,
+                write_back=lambda state: write_back(model, optimizer, state, metrics=kind.metrics),
+                checkpoint=None if checkpoints is None else checkpoint,
+                directory=None if checkpoints is None else checkpoints.directory,
+            ) from None
+        write_back(model, optimizer, state, metrics=kind.metrics)
+        check_skipped(state, start, stop_on_nonfinite=stop_on_nonfinite)
+        return run.logs(state)
 
 
-def train_epoch(
-    kind: StepKind,
-    plan: Plan,
-    callbacks: keras.callbacks.CallbackList,
-    *,
-    start: Start,
-    optimizer_state: Any | None,
-    checkpoints: CheckpointWriter | None,
-    stop_on_nonfinite: bool,
-) -> tuple[dict[str, Any], Any | None]:
-    """One epoch on the mesh from ``start.step``: its logs and the optimizer state it ends with.
+@dataclass(frozen=True)
+class Pending:
+    """A step's report that only the progress bar reads: read, and its batch-end hooks called, once
+    the next step is dispatched, so that the devices do not wait for the host's turn (the bar
+    shows it a step later)."""
 
-    The model holds the trained state afterwards, for the callbacks; the rest of the state is let
-    go, so validation does not hold a second copy of the weights on the devices. A preemption
-    notice writes the state of the step every process stops at back, checkpoints it, and raises
-    ``dp_core.Preempted``.
-    """
-    model, optimizer = kind.model, kind.optimizer
-    state = kind.state_on_mesh(start, optimizer_state)
+    report: Report | None
+    step: int
 
-    def checkpoint(state: TrainState, steps_done: int) -> None:
-        assert checkpoints is not None
-        kind.checkpoint(checkpoints, state, epoch=start.epoch, step=steps_done)
 
-    try:
-        state, run = _train_steps(
-            kind,
-            state,
-            plan,
-            callbacks,
-            start=start.step,
-            stop_on_nonfinite=stop_on_nonfinite,
-            checkpoint=None if checkpoints is None else checkpoint,
-            checkpoint_due=None if checkpoints is None else lambda done: checkpoints.due(done, plan.steps),
-        )
-    except preemption.StoppedAt as stop:
-        raise preemption.preempted(
-            stop,
-            epoch=start.epoch,
-            write_back=lambda state: write_back(model, optimizer, state, metrics=kind.metrics),
-            checkpoint=None if checkpoints is None else checkpoint,
-            directory=None if checkpoints is None else checkpoints.directory,
-        ) from None
-    write_back(model, optimizer, state, metrics=kind.metrics)
-    check_skipped(state, start, stop_on_nonfinite=stop_on_nonfinite)
-    return run.logs(state)
+@final
+class HookedState:
+    """An epoch's current state, and its batch hooks called on it. When a callback acts at every
+    batch (``on_request``), the model holds ``state`` when a hook reads it, as in ``model.fit``,
+    and what the hook changed (weights, learning rate) is read back into ``state`` (``ModelOnRequest``)."""
+
+    def __init__(
+        self,
+        callbacks: keras.callbacks.CallbackList,
+        state: TrainState,
+        on_request: ModelOnRequest | None,
+        *,
+        stop_on_nonfinite: bool,
+    ) -> None:
+        self.callbacks, self.state, self.on_request = callbacks, state, on_request
+        self.stop_on_nonfinite = stop_on_nonfinite
+        self.pending: Pending | None = None  # the progress bar's report, not read yet
+
+    def call(self, hook: Callable[..., None], *arguments: Any) -> None:
+        if self.on_request is None:
+            hook(*arguments)
+        else:
+            self.state = self.on_request.around(self.state, hook, *arguments)
+
+    def report_stops(self, report: Report | None, step: int, *, hooks: bool) -> bool:
+        """Reads ``report`` (waits for its step) and calls the batch-end hooks with its logs, before
+        a checkpoint writes the state back over what a hook changed; whether a non-finite loss
+        ends the loop there (``stop_on_nonfinite``)."""
+        skipped, logs = (0, {}) if report is None else report_on_host(report)
+        if skipped and self.stop_on_nonfinite:
+            return True
+        if hooks:
+            self.call(self.callbacks.on_train_batch_end, step, logs)
+        return False
+
+    def pending_stops(self) -> bool:
+        """``report_stops`` for the pending report, if any (then none is pending)."""
+        pending, self.pending = self.pending, None
+        return pending is not None and self.report_stops(pending.report, pending.step, hooks=True)
+
+    def checkpointed(self) -> None:
+        """A checkpoint wrote the state into the model."""
+        if self.on_request is not None:
+            self.on_request.written_back(self.state)
 
 
 def _train_steps(
@@ -165,80 +196,51 @@ def _train_steps(
     plan: Plan,
     callbacks: keras.callbacks.CallbackList,
     *,
-    start: int,
+    start: Start,
     stop_on_nonfinite: bool,
-    checkpoint: Callable[[TrainState, int], None] | None,
-    checkpoint_due: Callable[[int], bool] | None,
+    checkpoints: CheckpointWriter | None,
 ) -> tuple[TrainState, EpochRun]:
-    """Steps ``start..`` of one epoch; returns the state and the run that took them.
+    """Steps ``start.step..`` of one epoch; returns the state and the run that took them.
 
-    With ``stop_on_nonfinite`` the loop ends at the first report or checkpoint after a non-finite loss (later
-    steps changed nothing; the caller raises). ``checkpoint(state, steps_done)`` follows ``checkpoint_due``.
-
-    A report only the progress bar reads is read, and its hooks called, once the next step is
-    dispatched. When a callback acts at every batch, the model holds the current state when a
-    batch hook reads it (as in ``model.fit``), and what the hook changes (weights, learning rate) is
-    read back before the next step (``ModelOnRequest``).
+    With ``stop_on_nonfinite`` the loop ends at the first report or checkpoint after a non-finite
+    loss (later steps changed nothing; the caller raises). A report only the progress bar reads
+    waits for the next step's dispatch (``Pending``).
     """
     reporter = BatchEndReporter(callbacks, "train", plan.steps)
     on_request = None
     if reporter.every_step:
         on_request = ModelOnRequest(kind.model, kind.optimizer, kind.placement, state, metrics=kind.metrics)
-    run = kind.epoch(plan, state, start=start, every_batch=on_request is not None)
-
-    def call(state: TrainState, hook: Callable[..., None], *arguments: Any) -> TrainState:
-        if on_request is None:
-            hook(*arguments)
-            return state
-        return on_request.around(state, hook, *arguments)
-
-    def report_stops(report: Report | None, step: int, *, hooks: bool) -> bool:
-        """Reads ``report`` (waits for its step), calls the batch-end hooks with its logs; whether
-        a non-finite loss ends the loop there."""
-        nonlocal state
-        skipped, logs = (0, {}) if report is None else report_on_host(report)
-        if skipped and stop_on_nonfinite:
-            return True
-        if hooks:  # before a checkpoint writes the state back over what a hook changed
-            state = call(state, callbacks.on_train_batch_end, step, logs)
-        return False
-
-    # When only the progress bar reads a step's logs, they are read once the next step runs, so
-    # that the devices do not wait for the host's turn; the bar shows them a step later.
-    progress: tuple[Report | None, int] | None = None
+    run = kind.epoch(plan, state, start=start.step, every_batch=on_request is not None)
+    current = HookedState(callbacks, state, on_request, stop_on_nonfinite=stop_on_nonfinite)
     one_at_a_time = waits_for_each_step(kind.placement.mesh)
     timer = run.timer
     timer.start()
     with contextlib.nullcontext() if on_request is None else on_request.installed():
         for step, batch in run.batches():
-            state = call(state, callbacks.on_train_batch_begin, step)
+            current.call(callbacks.on_train_batch_begin, step)
             timer.lap("callbacks")
             done = step + 1
             reporting = reporter.due(step)
-            saving = checkpoint is not None and checkpoint_due is not None and checkpoint_due(done)
-            state, report = run.run(state, batch, report=reporting or (saving and stop_on_nonfinite))
+            saving = checkpoints is not None and checkpoints.due(done, plan.steps)
+            current.state, report = run.run(current.state, batch, report=reporting or (saving and stop_on_nonfinite))
             if one_at_a_time:
-                jax.block_until_ready(state.counts)  # the step has ended on every device
-            if progress is not None:
-                read, progress = progress, None
-                if report_stops(*read, hooks=True):
-                    break  # the step just run changed nothing: the one before had a non-finite loss
-            if reporting and not saving and not reporter.every_step:
-                progress = (report, step)
-            elif report_stops(report, step, hooks=reporting):
+                jax.block_until_ready(current.state.counts)  # the step has ended on every device
+            if current.pending_stops():
+                break  # the step just run changed nothing: the one before had a non-finite loss
+            if reporting and not saving and not reporter.every_step:  # only the progress bar reads it
+                current.pending = Pending(report, step)
+            elif current.report_stops(report, step, hooks=reporting):
                 break
-            if saving and checkpoint is not None:
-                checkpoint(state, done)
-                if on_request is not None:
-                    on_request.written_back(state)
-            preemption.check(done, state)
+            if saving and checkpoints is not None:
+                kind.checkpoint(checkpoints, current.state, epoch=start.epoch, step=done)
+                current.checkpointed()
+            preemption.check(done, current.state)
             timer.lap("callbacks")  # logs, hooks and checkpoints
             timer.end_step()
             if stop_requested(kind.model, done, plan.steps):
                 break
-        if progress is not None:
-            report_stops(*progress, hooks=True)  # a non-finite loss: the caller raises or warns
-    return state, run
+        current.pending_stops()  # a non-finite loss: the caller raises or warns
+    return current.state, run
 
 
 def stop_requested(model: keras.Model, done: int, steps: int | None) -> bool:

@@ -44,79 +44,64 @@ def fit_loop(
     """Every epoch from ``start``: train, validate, call back, checkpoint; returns the model's History.
     Process 0 holds ``checkpoint_dir`` throughout (``holding_checkpoint_dir``)."""
     with holding_checkpoint_dir(arguments.checkpoint_dir), checkpoints_finished(checkpoints):
-        return _fit_epochs(
+        callbacks = callback_list(
+            arguments.callbacks,
             model,
-            arguments,
-            optimizer=optimizer,
-            train_epoch=train_epoch,
-            evaluate=evaluate,
-            layout=layout,
-            start=start,
-            checkpoints=checkpoints,
+            is_primary=is_primary(),
+            verbose=arguments.verbose,
+            epochs=arguments.epochs,
+            steps=arguments.steps_shown,
         )
-
-
-def _fit_epochs(
-    model: keras.Model,
-    arguments: FitArguments,
-    *,
-    optimizer: Optimizer,
-    train_epoch: EpochTrainer,
-    evaluate: Evaluator,
-    layout: ReplicaLayout,
-    start: Start,
-    checkpoints: CheckpointWriter | None,
-) -> keras.callbacks.History:
-    """``fit_loop`` once ``checkpoint_dir`` is held."""
-    callbacks = callback_list(
-        arguments.callbacks,
-        model,
-        is_primary=is_primary(),
-        verbose=arguments.verbose,
-        epochs=arguments.epochs,
-        steps=arguments.steps_shown,
-    )
-    model.stop_training = False
-    optimizer_state = None  # kept on the mesh between epochs where the optimizer keeps it there (optax)
-    logs: dict[str, Any] = {}
-    callbacks.on_train_begin()
-    if start.epoch or start.step:  # History continues from the checkpoint
-        model.history.epoch, model.history.history = list(range(start.epoch)), start.history
-    else:
-        start = Start(epoch=_initial_epoch(model, arguments.initial_epoch))
-    for epoch in range(start.epoch, arguments.epochs):
-        model.reset_metrics()  # before the hook, as in model.fit
-        callbacks.on_epoch_begin(epoch)
-        plan = epoch_plan(arguments.inputs, layout=layout, order=arguments.epoch_order(epoch))
-        logs, optimizer_state = train_epoch(
-            plan,
-            callbacks,
-            start=start if epoch == start.epoch else Start(epoch=epoch),  # a checkpoint's place is in its epoch
-            optimizer_state=optimizer_state,
-        )
-        if arguments.validates_after(epoch):
-            assert arguments.validation is not None
-            validation = epoch_plan(
-                arguments.validation,
-                layout=layout,
-                order=EpochOrder.in_input_order(arguments.validation_global_batch_size),
+        model.stop_training = False
+        optimizer_state = None  # kept on the mesh between epochs where the optimizer keeps it there (optax)
+        logs: dict[str, Any] = {}
+        callbacks.on_train_begin()
+        if start.epoch or start.step:  # History continues from the checkpoint
+            model.history.epoch, model.history.history = list(range(start.epoch)), start.history
+        else:
+            start = Start(epoch=_initial_epoch(model, arguments.initial_epoch))
+        for epoch in range(start.epoch, arguments.epochs):
+            model.reset_metrics()  # before the hook, as in model.fit
+            callbacks.on_epoch_begin(epoch)
+            plan = epoch_plan(arguments.inputs, layout=layout, order=arguments.epoch_order(epoch))
+            logs, optimizer_state = train_epoch(
+                plan,
+                callbacks,
+                start=start if epoch == start.epoch else Start(epoch=epoch),  # a checkpoint's place is in its epoch
+                optimizer_state=optimizer_state,
             )
-            callbacks.on_test_begin()  # the fit's callbacks get the test hooks, as in model.fit
-            val_logs = evaluate(validation, callbacks)
-            callbacks.on_test_end(val_logs)
-            logs.update({f"val_{name}": value for name, value in val_logs.items()})
-        callbacks.on_epoch_end(epoch, logs)
-        if checkpoints is not None:
-            save(checkpoints, model, optimizer, optimizer_state, epoch=epoch + 1, step=0)
-        if isinstance(arguments.inputs, BatchSource) and arguments.inputs.exhausted:
-            model.stop_training = True  # an iterator that ran out ends training, as in Keras
-        if agree(bool(model.stop_training)):
-            model.stop_training = True
-            break
-    if arguments.epochs > start.epoch:
-        optimizer.finish(model)
-    callbacks.on_train_end(logs)
-    return model.history
+            if arguments.validates_after(epoch):
+                logs.update(_validation_logs(arguments, evaluate, callbacks, layout=layout))
+            callbacks.on_epoch_end(epoch, logs)
+            if checkpoints is not None:
+                save(checkpoints, model, optimizer, optimizer_state, epoch=epoch + 1, step=0)
+            if isinstance(arguments.inputs, BatchSource) and arguments.inputs.exhausted:
+                model.stop_training = True  # an iterator that ran out ends training, as in Keras
+            if agree(bool(model.stop_training)):
+                model.stop_training = True
+                break
+        if arguments.epochs > start.epoch:
+            optimizer.finish(model)
+        callbacks.on_train_end(logs)
+        return model.history
+
+
+def _validation_logs(
+    arguments: FitArguments,
+    evaluate: Evaluator,
+    callbacks: keras.callbacks.CallbackList,
+    *,
+    layout: ReplicaLayout,
+) -> dict[str, Any]:
+    """Validation at an epoch's end, as ``model.fit`` runs it: the fit's callbacks get the test
+    hooks; its logs named ``val_...``."""
+    assert arguments.validation is not None
+    order = EpochOrder.in_input_order(arguments.validation_global_batch_size)
+    plan = epoch_plan(arguments.validation, layout=layout, order=order)
+    callbacks.on_test_begin()
+    val_logs = evaluate(plan, callbacks)
+    callbacks.on_test_end(val_logs)
+    return {f"val_{name}": value for name, value in val_logs.items()}
 
 
 def _initial_epoch(model: keras.Model, initial_epoch: int) -> int:

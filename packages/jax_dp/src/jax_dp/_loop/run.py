@@ -34,7 +34,7 @@ from dp_core.keras import (
 from jax_dp._comm.hosts import is_primary
 from jax_dp._data.sources import epoch_plan
 from jax_dp._loop.checkpoints import resume_and_writer
-from jax_dp._loop.epochs import EpochTrainer, KerasSteps, OwnSteps, epochs_of
+from jax_dp._loop.epochs import EpochTrainer, KerasSteps, OwnSteps
 from jax_dp._loop.evaluate import custom_predict_loop, evaluator, predict_loop
 from jax_dp._loop.fit import fit_loop
 from jax_dp._loop.preemption import PreemptionNotice
@@ -151,9 +151,9 @@ def _epoch_trainer(
     stop_on_nonfinite, recipes = action == "stop", settings.recipes(placement, apply_nonfinite=action == "apply")
     if overrides(model, "train_step"):
         kind = OwnSteps(model, optimizer, recipes.custom_train_step(model, optimizer), placement)
-        return epochs_of(kind, checkpoints=checkpoints, stop_on_nonfinite=stop_on_nonfinite)
+        return EpochTrainer(kind, checkpoints, stop_on_nonfinite=stop_on_nonfinite)
     kind = KerasSteps(model, optimizer, recipes.steps(model, optimizer), placement, profile)
-    return epochs_of(kind, checkpoints=checkpoints, stop_on_nonfinite=stop_on_nonfinite)
+    return EpochTrainer(kind, checkpoints, stop_on_nonfinite=stop_on_nonfinite)
 
 
 def run_evaluate(
