@@ -371,6 +371,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a small model: a smoke run")
     parser.add_argument("--output", type=Path, default=Path("docs/benchmarks/sharding_torch.json"))
     parser.add_argument("--no-page", action="store_true", help="write the JSON only, not docs/benchmarks.md")
+    parser.add_argument("--page-only", action="store_true", help="write docs/benchmarks.md's section from --output")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -385,6 +386,11 @@ def main() -> None:
         else:
             result = child_speed(args.quick, int(rest[0]))
         print(json.dumps(result))
+        return
+    if args.page_only:
+        from page_sections import write_section
+
+        write_section(HEADING, page(json.loads(args.output.read_text())))
         return
     results = measure_all(args.quick)
     args.output.parent.mkdir(parents=True, exist_ok=True)

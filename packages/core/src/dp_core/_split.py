@@ -197,8 +197,10 @@ def epoch_steps(
 ) -> int:
     """The steps of epoch ``epoch``: the global batches of its ``epoch_rows`` (``EpochOrder.steps``).
 
-    >>> [epoch_steps(99, 32, epoch=e, steps_per_epoch=3) for e in range(3)]
-    [3, 1, 3]
+    99 rows in batches of 32 (a pass is 4 batches), 3 steps an epoch::
+
+        >>> [epoch_steps(99, 32, epoch=e, steps_per_epoch=3) for e in range(3)]
+        [3, 1, 3]
     """
     order = EpochOrder(
         global_batch_size, shuffle=False, epoch=epoch, first_epoch=first_epoch, steps_per_epoch=steps_per_epoch
