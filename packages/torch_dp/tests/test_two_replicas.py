@@ -183,14 +183,49 @@ def test_torchrun_two_processes_equal_keras(tmp_path):
     command += [os.path.join(HERE, "torchrun_script.py"), str(output)]
     finished = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=180)
     assert finished.returncode == 0, finished.stderr[-3000:]
-    result = json.loads(output.read_text())
+    result = _same_on_every_rank(output)
     reference, _, expected = _keras_reference("sgd", epochs=2)
     assert result["num_replicas"] == 2
+    assert not result["default_group"]  # torch_dp's group is its own: Keras (3.16) sees none
     np.testing.assert_allclose(result["loss"], expected.history["loss"], rtol=1e-5)
     for mine, theirs in zip(result["weights"], reference.get_weights(), strict=True):
         np.testing.assert_allclose(np.array(mine), theirs, atol=1e-5)
-    # every replica holds the same trained weights and the same aggregated History
-    assert result["same_on_every_rank"]
+
+
+def _same_on_every_rank(output):
+    """torchrun_script.py's results of rank 0, once every rank's equal them: every replica holds
+    the same trained weights and the same aggregated History."""
+    results = [json.loads(output.with_name(f"{output.name}.rank{rank}").read_text()) for rank in range(2)]
+    assert results[1] == results[0]
+    return results[0]
+
+
+def test_torchrun_with_the_users_own_default_group_trains_in_it_and_leaves_it_to_the_script(tmp_path):
+    """A script that forms torch's default group itself under torchrun (to use torch.distributed of
+    its own): torch_dp trains in that group, equal to Keras, and leaves it to the script, which
+    gathers through it after the fit; a plain ``model.fit`` on every rank then equals one device's
+    (Keras 3.16 wraps it in DistributedDataParallel over that group: every rank the same data)."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    output = tmp_path / "result.json"
+    environment = {**os.environ, "KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    environment["PYTHONPATH"] = os.pathsep.join([HERE, environment.get("PYTHONPATH", "")])
+    environment["TORCH_DP_TEST_USER_GROUP"] = "1"
+    command = [torchrun, "--nproc-per-node", "2", "--master-port", str(_free_port())]
+    command += [os.path.join(HERE, "torchrun_script.py"), str(output)]
+    finished = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=180)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    result = _same_on_every_rank(output)
+    reference, _, expected = _keras_reference("sgd", epochs=2)
+    assert result["default_group"]  # the user's, left as it was
+    assert result["gathered_losses"] == [result["loss"], result["loss"]]
+    np.testing.assert_allclose(result["loss"], expected.history["loss"], rtol=1e-5)
+    for mine, theirs in zip(result["weights"], reference.get_weights(), strict=True):
+        np.testing.assert_allclose(np.array(mine), theirs, atol=1e-5)
+    plain = testing.dense_batchnorm_model()
+    plain_expected = plain.fit(*testing.data(), batch_size=32, epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(result["plain"]["loss"], plain_expected.history["loss"], rtol=1e-5)
+    for mine, theirs in zip(result["plain"]["weights"], plain.get_weights(), strict=True):
+        np.testing.assert_allclose(np.array(mine), theirs, atol=1e-5)
 
 
 def test_two_tasks_started_as_srun_starts_them_form_a_group_and_equal_keras(tmp_path):
@@ -224,10 +259,10 @@ def test_two_tasks_started_as_srun_starts_them_form_a_group_and_equal_keras(tmp_
         for task in tasks:
             task.kill()
     assert [task.returncode for task in tasks] == [0, 0], "\n".join(error[-3000:] for error in errors)
-    result = json.loads(output.read_text())
+    result = _same_on_every_rank(output)
     reference, _, expected = _keras_reference("sgd", epochs=2)
     assert result["num_replicas"] == 2 and result["shard"] == "full"
+    assert not result["default_group"]
     np.testing.assert_allclose(result["loss"], expected.history["loss"], rtol=1e-5)
     for mine, theirs in zip(result["weights"], reference.get_weights(), strict=True):
         np.testing.assert_allclose(np.array(mine), theirs, atol=1e-5)
-    assert result["same_on_every_rank"]

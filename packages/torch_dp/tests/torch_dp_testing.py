@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
 import signal
 import socket
@@ -78,6 +79,14 @@ class StopAtBatch(keras.callbacks.Callback):
             self.model.stop_training = True
 
 
+def worker_rank() -> int | None:
+    """The rank of the replica pool's worker this runs in (worker k is the process named
+    "torch_dp-replica-k"), None in any other process: torch_dp's group is never torch's default
+    one, so ``torch.distributed.get_rank()`` cannot say."""
+    name = multiprocessing.current_process().name
+    return int(name.removeprefix("torch_dp-replica-")) if name.startswith("torch_dp-replica-") else None
+
+
 class FailingFactory:
     """Builds the model, but raises on worker replica ``failing_rank``, recording its pid."""
 
@@ -86,8 +95,8 @@ class FailingFactory:
         self.failing_rank = failing_rank
 
     def __call__(self) -> keras.Model:
-        if dist.is_initialized() and dist.get_rank() == self.failing_rank:
-            with open(os.path.join(self.pid_dir, f"pid_{dist.get_rank()}"), "w") as f:
+        if worker_rank() == self.failing_rank:
+            with open(os.path.join(self.pid_dir, f"pid_{self.failing_rank}"), "w") as f:
                 f.write(str(os.getpid()))
             raise RuntimeError("boom on purpose in the model factory")
         return dense_batchnorm_model()
@@ -132,7 +141,7 @@ class FailInStep(keras.layers.Layer):
         self.rank, self.call_index, self.how, self.calls = rank, call_index, how, 0
 
     def call(self, x, training=False):
-        if training and dist.is_initialized() and dist.get_rank() == self.rank:
+        if training and worker_rank() == self.rank:
             self.calls += 1
             if self.calls == self.call_index:
                 if self.how == "kill":
@@ -331,7 +340,7 @@ class RecordsWorkerSettings:
 
     def __call__(self) -> keras.Model:
         model = mixed_precision_model()
-        if dist.is_initialized() and dist.get_rank() == 1:
+        if worker_rank() == 1:
             with open(self.path, "w") as f:
                 json.dump(
                     {
@@ -419,6 +428,37 @@ def row_counting_model() -> keras.Model:
     return model
 
 
+class GroupSeeingModel(RowCountingModel):
+    """``RowCountingModel`` with a metric of its own more, ``default_group``: the steps (on every
+    replica, summed) in which ``torch.distributed.is_initialized()`` was true, and a
+    ``get_metrics_result`` of its own, which torch_dp reads on the states summed over replicas
+    (Keras 3.16's, reached through ``super()``, all-reduces them again over a default group)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.default_group = keras.metrics.Sum(name="default_group")
+
+    def compute_metrics(self, x: Any, y: Any, y_pred: Any, sample_weight: Any = None) -> dict[str, Any]:
+        results = super().compute_metrics(x, y, y_pred, sample_weight)
+        self.default_group.update_state(float(dist.is_initialized()))
+        results["default_group"] = self.default_group.result()
+        return results
+
+    def get_metrics_result(self) -> dict[str, Any]:
+        return dict(super().get_metrics_result())
+
+
+def group_seeing_model() -> keras.Model:
+    """``row_counting_model`` as a ``GroupSeeingModel``."""
+    keras.utils.set_random_seed(0)
+    model = GroupSeeingModel(
+        [layer.__class__.from_config(layer.get_config()) for layer in dense_batchnorm_model().layers]
+    )
+    model.build((None, 5))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
 class TwoPartError(Exception):
     """An exception whose class needs two arguments to be built, but keeps one (its message):
     unpickling it in the caller fails."""
@@ -436,7 +476,7 @@ class _OutOfMemoryOnRank(keras.layers.Layer):
         self.rank = rank
 
     def call(self, x, training=False):
-        if training and dist.is_initialized() and dist.get_rank() == self.rank:
+        if training and worker_rank() == self.rank:
             np.empty((2**40,), dtype=np.float64)
         return x
 
@@ -449,7 +489,7 @@ class RaisingOnRankFactory:
         self.rank, self.how = rank, how
 
     def __call__(self) -> keras.Model:
-        if self.how == "two-part" and dist.is_initialized() and dist.get_rank() == self.rank:
+        if self.how == "two-part" and worker_rank() == self.rank:
             raise TwoPartError("left", "right")
         keras.utils.set_random_seed(0)
         model = keras.Sequential(

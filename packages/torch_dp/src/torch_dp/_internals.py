@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 from torch.distributed import distributed_c10d  # pyright: ignore[reportPrivateImportUsage]
 
 
@@ -16,12 +19,56 @@ def version(tensor: torch.Tensor) -> int:
     return tensor._version
 
 
-def set_collective_timeout(seconds: float) -> None:
-    """Bound each later collective of this process's default group by ``seconds``. A group is
-    formed under one timeout (gloo and NCCL wait for their peers' addresses under the group's
-    own), and torch has no public setter for another one after that; ``_set_pg_timeout`` is
-    what ``torch.distributed.breakpoint`` uses to lengthen it."""
-    distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
+def set_collective_timeout(seconds: float, group: dist.ProcessGroup) -> None:
+    """Bound each later collective of ``group`` by ``seconds``. A group is formed under one
+    timeout (gloo and NCCL wait for their peers' addresses under the group's own), and torch has
+    no public setter for another one after that; ``_set_pg_timeout`` is what
+    ``torch.distributed.breakpoint`` uses to lengthen it."""
+    distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+
+
+def hide_default_group() -> dist.ProcessGroup:
+    """The group ``init_process_group`` just formed, taken out of torch's default place
+    (``_world.default_pg``, all that ``is_initialized`` reads) and left registered
+    (``_world.pg_map``, ``pg_group_ranks``: what a collective given ``group=`` reads).
+
+    Keras 3.16's torch backend changes behaviour whenever ``is_initialized()``: a plain
+    ``model.fit`` wraps the model in ``DistributedDataParallel`` (which waits for peers that never
+    come while a pool is kept), ``Model.get_metrics_result`` all-reduces over the default group.
+    torch-dp's group is its own: each of its collectives names it. torch has no public way to form
+    a group without a default one."""
+    group = distributed_c10d._world.default_pg
+    assert group is not None, "called right after init_process_group"
+    distributed_c10d._world.default_pg = None
+    return group
+
+
+def destroy_hidden_group(group: dist.ProcessGroup) -> None:
+    """Destroy ``group`` (``hide_default_group``'s). While no other default group took its place it
+    is put back and destroyed as the default, as before it was hidden: torch then also resets its
+    count of groups, which names the next group (and prefixes its keys in the rendezvous store), so
+    a later pool's caller names its group as its fresh workers do. A group already destroyed (the
+    user's ``destroy_process_group()`` of a default group of their own destroys every group) is left."""
+    if group not in distributed_c10d._world.pg_map:
+        return
+    if distributed_c10d._world.default_pg is None:
+        distributed_c10d._world.default_pg = group
+        dist.destroy_process_group()
+    else:  # the user formed a default group of their own meanwhile: it stays
+        dist.destroy_process_group(group)
+
+
+@contextlib.contextmanager
+def no_default_group() -> Iterator[None]:
+    """No default group while torch-dp reads a model's own ``get_metrics_result`` on summed states:
+    under torchrun with the user's own default group (which torch-dp then uses, and leaves as it
+    is), Keras 3.16's would all-reduce the sums again. Put back after, also on an error."""
+    default = distributed_c10d._world.default_pg
+    distributed_c10d._world.default_pg = None
+    try:
+        yield
+    finally:
+        distributed_c10d._world.default_pg = default
 
 
 def starting_as_spawned_child() -> bool:

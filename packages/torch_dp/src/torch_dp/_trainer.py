@@ -48,7 +48,7 @@ from torch_dp._step.custom import check_custom_steps, optimizers_of
 
 P = ParamSpec("P")
 R = TypeVar("R")
-# One process holds one group of replicas (torch.distributed's default group): a second Trainer
+# One process holds one group of replicas (torch-dp's own torch.distributed group): a second Trainer
 # here would stop or share this one's, so concurrent work goes to another process.
 _CONCURRENT_WORK = (
     "run it in another process (one process holds one torch_dp group of replicas at a time: another Trainer "

@@ -41,18 +41,18 @@ def _entering() -> None:
 GATHER_AT_MOST_BYTES = 1 << 20
 
 
-def sum_in_place(tensor: torch.Tensor) -> None:
-    """``tensor`` replaced by its element-wise sum over the replicas of the default group.
+def sum_in_place(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """``tensor`` replaced by its element-wise sum over the replicas of ``group`` (None: torch's default group).
 
     The sum is in rank order, the same on every replica; every replica takes the same path, as
     the choice depends only on the tensor's size, dtype and device, which the replicas share.
     """
-    world_size = dist.get_world_size()
+    world_size = dist.get_world_size(group)
     if tensor.device.type != "cpu" or tensor.numel() * tensor.element_size() * world_size > GATHER_AT_MOST_BYTES:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
         return
     parts = [torch.empty_like(tensor) for _ in range(world_size)]
-    dist.all_gather(parts, tensor.contiguous())
+    dist.all_gather(parts, tensor.contiguous(), group=group)
     torch.sum(torch.stack(parts), dim=0, out=tensor)
 
 
@@ -92,7 +92,7 @@ def all_reduce_sum(tensors: Sequence[torch.Tensor], replica: Replica) -> list[to
     if not replica.distributed:
         return list(tensors)
     _entering()
-    return _coalesced(tensors, sum_in_place)
+    return _coalesced(tensors, lambda flat: sum_in_place(flat, replica.group))
 
 
 def broadcast_from_primary(tensors: Sequence[torch.Tensor], replica: Replica) -> list[torch.Tensor]:
@@ -100,7 +100,7 @@ def broadcast_from_primary(tensors: Sequence[torch.Tensor], replica: Replica) ->
     if not replica.distributed:
         return list(tensors)
     _entering()
-    return _coalesced(tensors, lambda flat: dist.broadcast(flat, src=0))
+    return _coalesced(tensors, lambda flat: dist.broadcast(flat, src=0, group=replica.group))
 
 
 def broadcast_object(value: Any, replica: Replica) -> Any:
@@ -109,7 +109,7 @@ def broadcast_object(value: Any, replica: Replica) -> Any:
         return value
     message = [value]
     _entering()
-    dist.broadcast_object_list(message, src=0)
+    dist.broadcast_object_list(message, src=0, group=replica.group)
     return message[0]
 
 
@@ -119,7 +119,7 @@ def broadcast_floats(values: Sequence[float], replica: Replica) -> list[float]:
         return [float(value) for value in values]
     buffer = torch.tensor([float(value) for value in values], dtype=torch.float64, device=replica.device)
     _entering()
-    dist.broadcast(buffer, src=0)
+    dist.broadcast(buffer, src=0, group=replica.group)
     return buffer.cpu().tolist()
 
 
@@ -129,7 +129,7 @@ def all_gather_rows(tensor: torch.Tensor, replica: Replica) -> list[torch.Tensor
         return [tensor]
     parts = [torch.empty_like(tensor) for _ in range(replica.num_replicas)]
     _entering()
-    dist.all_gather(parts, tensor.contiguous())
+    dist.all_gather(parts, tensor.contiguous(), group=replica.group)
     return parts
 
 

@@ -178,7 +178,7 @@ def _epoch_batches(loader: LoaderOnReplicas, replica: Replica, epoch: int) -> li
 
         message = [[np.asarray(batch, dtype=np.int64) for batch in loader.source.passes(epoch, start)]]
     if replica.distributed:
-        dist.broadcast_object_list(message, src=0)
+        dist.broadcast_object_list(message, src=0, group=replica.group)
     return message[0]
 
 

@@ -61,5 +61,5 @@ def _shared_from_primary(batch: Any, replica: Replica) -> Any:
     if not replica.distributed:
         return batch
     message = [batch]
-    dist.broadcast_object_list(message, src=0)
+    dist.broadcast_object_list(message, src=0, group=replica.group)
     return message[0]

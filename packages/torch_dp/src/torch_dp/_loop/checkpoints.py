@@ -109,11 +109,11 @@ def text_from_primary(text: str, replica: Replica) -> str:
     """Rank 0's ``text`` on every replica (theirs is ignored): its length, then its bytes."""
     encoded = np.frombuffer(text.encode(), dtype=np.uint8) if replica.is_primary else np.zeros(0, np.uint8)
     length = torch.tensor([encoded.size], dtype=torch.int64, device=replica.device)
-    dist.broadcast(length, src=0)
+    dist.broadcast(length, src=0, group=replica.group)
     buffer = torch.zeros(int(length.item()), dtype=torch.uint8, device=replica.device)
     if replica.is_primary:
         buffer.copy_(torch.from_numpy(encoded.copy()))
-    dist.broadcast(buffer, src=0)
+    dist.broadcast(buffer, src=0, group=replica.group)
     return buffer.cpu().numpy().tobytes().decode()
 
 

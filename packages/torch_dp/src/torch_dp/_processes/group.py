@@ -3,6 +3,11 @@ caller's as rank 0 of its pool, and a cluster process's), the choice of NCCL or 
 rendezvous store (a file in the pool's own folder on one host, the launcher's TCP store in a
 cluster), and the timeouts the group forms and waits under.
 
+Each group torch-dp forms is its own, never torch's default one (``formed_group``): Keras 3.16's
+torch backend turns to data parallelism of its own whenever ``torch.distributed.is_initialized()``,
+and a plain ``model.fit`` next to a kept Trainer must stay one device's. Every collective of
+torch-dp names the group (``Replica.group``).
+
 A group is formed under the rendezvous timeout (gloo and NCCL wait for their peers' addresses
 under the group's own), then each collective is bounded by the collective timeout.
 """
@@ -11,7 +16,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import torch
@@ -19,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed import FileStore, PrefixStore, TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
 from torch_dp._comm.replica import Replica
-from torch_dp._internals import set_collective_timeout
+from torch_dp._internals import destroy_hidden_group, hide_default_group, set_collective_timeout
 from torch_dp._processes.cluster import Cluster
 from torch_dp._processes.spawn import environment_variables
 
@@ -57,10 +62,12 @@ class Timeouts:
         )
 
 
-def bound_collectives_by(seconds: float) -> None:
-    """From now on, bound each collective of this process's group by ``seconds``: the group is
-    formed under the rendezvous timeout, then given its collective one."""
-    set_collective_timeout(seconds)
+def formed_group(collective_timeout: float) -> dist.ProcessGroup:
+    """The group ``init_process_group`` just formed, out of torch's default place, each of its
+    later collectives bounded by ``collective_timeout`` (it formed under the rendezvous timeout)."""
+    group = hide_default_group()
+    set_collective_timeout(collective_timeout, group)
+    return group
 
 
 def device_for(local_rank: int) -> str:
@@ -107,13 +114,12 @@ def join_group(rank: int, num_replicas: int, rendezvous: Rendezvous) -> Replica:
         world_size=num_replicas,
         timeout=timedelta(seconds=rendezvous.timeouts.rendezvous),
     )
-    bound_collectives_by(rendezvous.timeouts.collective)
-    return Replica(rank, num_replicas, device)
+    return Replica(rank, num_replicas, device, formed_group(rendezvous.timeouts.collective))
 
 
-def serve_group(rendezvous: Rendezvous, replica: Replica, *, on_cpu: bool) -> None:
-    """The caller joins its pool's group as rank 0, through the pool's rendezvous file. One host:
-    every replica's sockets stay on loopback (gloo's, and NCCL's bootstrap)."""
+def serve_group(rendezvous: Rendezvous, replica: Replica, *, on_cpu: bool) -> Replica:
+    """The caller joins its pool's group as rank 0, through the pool's rendezvous file: ``replica``
+    with the group. One host: every replica's sockets stay on loopback (gloo's, and NCCL's bootstrap)."""
     loopback = {"GLOO_SOCKET_IFNAME": "lo"} if on_cpu else {"NCCL_SOCKET_IFNAME": "lo"}
     with environment_variables(loopback):
         dist.init_process_group(
@@ -123,13 +129,13 @@ def serve_group(rendezvous: Rendezvous, replica: Replica, *, on_cpu: bool) -> No
             world_size=replica.num_replicas,
             timeout=timedelta(seconds=rendezvous.timeouts.rendezvous),
         )
-    bound_collectives_by(rendezvous.timeouts.collective)
+    return replace(replica, group=formed_group(rendezvous.timeouts.collective))
 
 
-def join_cluster_group(cluster: Cluster, device: str, timeouts: Timeouts) -> None:
+def join_cluster_group(cluster: Cluster, device: str, timeouts: Timeouts) -> dist.ProcessGroup:
     """Join the group of a cluster's processes (torchrun's, SLURM's) through the store at its
     address, under a prefix per job and restart attempt, with ``device``'s backend; ``timeouts``
-    bound the rendezvous and each collective after it.
+    bound the rendezvous and each collective after it. Returns the group (not torch's default).
 
     After a torchrun restart (``--max-restarts``) the store on MASTER_PORT can still hold the
     previous attempt's keys, among them the addresses of dead processes; a prefix with
@@ -167,10 +173,10 @@ def join_cluster_group(cluster: Cluster, device: str, timeouts: Timeouts) -> Non
         world_size=cluster.num_processes,
         timeout=timedelta(seconds=timeouts.rendezvous),  # the group forms under it: gloo and NCCL wait under it
     )
-    bound_collectives_by(timeouts.collective)
+    return formed_group(timeouts.collective)
 
 
-def leave_group() -> None:
-    """Destroy this process's default group, if it belongs to one."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def leave_group(group: dist.ProcessGroup | None) -> None:
+    """Destroy ``group``, one ``formed_group`` gave (None: this process holds none)."""
+    if group is not None:
+        destroy_hidden_group(group)

@@ -101,11 +101,17 @@ class ClusterProcess:
 
     @property
     def replica(self) -> Replica:
-        if not dist.is_initialized():
+        """This process's replica in the group it joined at the first call (kept by the process,
+        for every later Trainer), or in the user's own default group when the script formed one
+        before (``init_process_group``): torch-dp then uses that one, left as it is."""
+        global _joined
+        if _joined is None and dist.is_initialized():
+            return Replica(dist.get_rank(), self.num_replicas, self.device)
+        if _joined is None:
             device_for(self.cluster.local_rank)  # current again, in case the caller changed it
-            join_cluster_group(self.cluster, self.device, self.timeouts)
+            _joined = join_cluster_group(self.cluster, self.device, self.timeouts)
             atexit.register(_leave_group)
-        return Replica(dist.get_rank(), self.num_replicas, self.device)
+        return Replica(_joined.rank(), self.num_replicas, self.device, _joined)
 
     def run(self, job: Job, model: keras.Model, model_argument: Any) -> Any:
         return run_job(model, job, self.replica)  # which checks the variables' devices first
@@ -114,11 +120,18 @@ class ClusterProcess:
         pass  # the launcher's group is the job's: it ends with the processes
 
 
+# The cluster's group this process joined (torch-dp's own, not torch's default), kept until exit:
+# the process is one of the cluster's for its whole life, whichever Trainer calls.
+_joined: dist.ProcessGroup | None = None
+
+
 def _leave_group() -> None:
     """Destroy the group this process joined before the interpreter shuts down, as torch asks: a
     gloo group left to the C++ runtime's teardown at exit can abort the process (SIGABRT, "terminate
     called without an active exception") after its work is done, which torchrun counts as a failure."""
-    leave_group()
+    global _joined
+    leave_group(_joined)
+    _joined = None
 
 
 def choose_launcher(num_replicas: int | None, *, threads: int | None, timeouts: Timeouts) -> Launcher:

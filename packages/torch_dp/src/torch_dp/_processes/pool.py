@@ -9,10 +9,10 @@ recompiled), and rank 0's state when it changed since the last call.
 
 This module holds process-global state. The invariants a change must keep:
 
-- **One pool per process.** ``_active`` is the pool holding this process's default
-  ``torch.distributed`` group and ``_comm.collectives``' counters; starting a pool closes any
-  other, and ``close_active_pool`` (registered with ``atexit`` by ``_processes.launchers``) closes the one
-  left at interpreter exit.
+- **One pool per process.** ``_active`` is the pool holding this process's ``torch.distributed``
+  group (its own, never torch's default: ``_processes.group``) and ``_comm.collectives``' counters;
+  starting a pool closes any other, and ``close_active_pool`` (registered with ``atexit`` by
+  ``_processes.launchers``) closes the one left at interpreter exit.
 - **Close on every failure.** Any exception while the workers start or during a call closes
   the pool (workers ended, group destroyed, shared files removed) before it is raised, and the
   next call starts a fresh one: no call inherits workers a failed call left in an unknown state.
@@ -70,7 +70,7 @@ from torch_dp._processes.spawn import Worker, start_process, stop_processes, tor
 from torch_dp._processes.transfer import KerasSettings, Request, for_workers, ship_model, shippable
 from torch_dp._processes.worker import pool_worker
 
-_active: ReplicaPool | None = None  # the pool holding this process's default group
+_active: ReplicaPool | None = None  # the pool holding this process's group of replicas
 STARTING_FOLDER = "TORCH_DP_STARTING_FOLDER"  # a starting worker's variable: its caller's folder
 UNGUARDED_MAIN = "unguarded_main"  # the file a worker writes there when it re-ran the script's fit
 
@@ -181,7 +181,8 @@ class ReplicaPool:
         if _active is self:
             _active = None
             count_collectives_in(None, 0)
-            leave_group()
+            leave_group(self._replica.group)
+            self._replica = Replica(0, self.num_replicas)
         self._entered = None
         self._model, self._compiled, self._state = None, (), None
         if self._directory is not None:
@@ -213,7 +214,7 @@ class ReplicaPool:
             return
         if _active is not None:
             _active.close()
-        if dist.is_initialized():
+        if dist.is_initialized():  # the user's default group: torch-dp's own groups never show as one
             raise RuntimeError(
                 "torch_dp.Trainer(num_replicas=...) starts its own process group, but this process already belongs "
                 "to one (torch.distributed.init_process_group was called). Call "
@@ -237,8 +238,7 @@ class ReplicaPool:
                 theirs.close()
                 self._workers.append(Worker(process, mine))
             self._wait_for_workers(expect="ready", timeout=self.start_timeout)
-            self._replica = Replica(0, self.num_replicas, device_for(0))
-            serve_group(rendezvous, self._replica, on_cpu=self._on_cpu())
+            self._replica = serve_group(rendezvous, Replica(0, self.num_replicas, device_for(0)), on_cpu=self._on_cpu())
             count_collectives_in(self._entered, 0)
             _active = self
         except BaseException:

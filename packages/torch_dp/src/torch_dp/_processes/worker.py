@@ -59,7 +59,7 @@ def pool_worker(
             set_trainable(model, request.trainable)
             run_job(model, opened(request.job), replica, sync=request.sync)
             connection.send(("done",))
-        leave_group()
+        leave_group(replica.group)
         os._exit(0)  # nothing left to tear down that the caller should wait for
     except EOFError:  # the caller's end of the pipe closed: it is gone
         caller_gone(leftovers)

@@ -61,27 +61,27 @@ class _SumOverReplicas(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, layer: str) -> torch.Tensor:
-        ctx.weight, ctx.layer = getattr(_current, "weight", 1.0), layer
+    def forward(ctx: Any, tensor: torch.Tensor, layer: str, replica: Replica) -> torch.Tensor:
+        ctx.weight, ctx.layer, ctx.replica = getattr(_current, "weight", 1.0), layer, replica
         summed = tensor.clone(memory_format=torch.contiguous_format)
-        sum_batch_norm_statistics(summed, layer, "forward")
+        sum_batch_norm_statistics(summed, layer, "forward", replica.group)
         return summed
 
     @staticmethod
-    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         weight = ctx.weight
         summed = grad_outputs[0].clone(memory_format=torch.contiguous_format)
         if weight != 1.0:
             summed.mul_(weight)
-        sum_batch_norm_statistics(summed, ctx.layer, "backward")
+        sum_batch_norm_statistics(summed, ctx.layer, "backward", ctx.replica.group)
         if weight == 1.0:
-            return summed, None
+            return summed, None, None
         # a replica of weight 0 holds no real row: nothing of its own reaches the statistics
-        return (summed.div_(weight) if weight else summed.zero_()), None
+        return (summed.div_(weight) if weight else summed.zero_()), None, None
 
 
 def _moments(
-    layer: Any, inputs: torch.Tensor, mask: Any, *, synchronized: bool, keras_moments: Any
+    layer: Any, inputs: torch.Tensor, mask: Any, *, synchronized: Replica | None, keras_moments: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if getattr(_current, "whole", False):
         return keras_moments(inputs, mask)
@@ -97,8 +97,8 @@ def _moments(
         squares = (weighted * inputs).sum(axes)
         count = weights.expand_as(inputs).sum(axes)
     stats = torch.stack([total, squares, count])
-    if synchronized:
-        stats = _SumOverReplicas.apply(stats, layer.name)
+    if synchronized is not None:
+        stats = _SumOverReplicas.apply(stats, layer.name, synchronized)
     total, squares, count = stats.unbind(0)
     count = count.clamp_min(1.0)  # a replica, or a whole batch, may hold no real row
     mean = total / count
@@ -119,7 +119,7 @@ def _row_weights(inputs: torch.Tensor, keras_mask: Any) -> torch.Tensor | None:
 
 
 def _call(
-    layer: Any, keras_call: Any, inputs: Any, training: Any = None, mask: Any = None, *, synchronized: bool
+    layer: Any, keras_call: Any, inputs: Any, training: Any = None, mask: Any = None, *, synchronized: Replica | None
 ) -> Any:
     """Keras's ``call``, or the fused one when no row or position is left out and every replica
     holds as many rows. Every replica makes the same choice (a padded global batch is masked on
@@ -141,9 +141,10 @@ def batch_norm_layers(model: keras.Model) -> list[keras.layers.BatchNormalizatio
 def masked_batch_norm(model: keras.Model, mode: BatchNormMode, replica: Replica) -> Iterator[None]:
     """Within the block, every BN layer of ``model`` uses masked moments, summed over
     ``replica``'s group when ``mode`` is global (not the process's group: a one-replica
-    trainer may run in a process whose pool holds one)."""
+    trainer may run in a process whose pool holds one). ``synchronized``, below and in
+    ``_step.fused_batchnorm``: the replicas whose statistics are summed, None for this one's own."""
     check_batch_norm_mode(mode)
-    synchronized = mode == "global" and replica.distributed
+    synchronized = replica if mode == "global" and replica.distributed else None
     restores = []
     for layer in batch_norm_layers(model):
         moments = functools.partial(

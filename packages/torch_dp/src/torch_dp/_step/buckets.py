@@ -84,16 +84,23 @@ class GradientBuckets:
         self._variables = [(id(v), tuple(v.shape)) for v in variables]
         self._launched: list[tuple[torch.Tensor, list[Any], list[torch.Tensor]]] = []
         self._extras: list[torch.Tensor] = []  # the step's other values, in the last bucket
+        self._group: dist.ProcessGroup | None = None  # the replicas' group, given by each ``reducing``
         self.overlapped = 0.0  # the last backward's seconds with an all-reduce in flight
 
     def serves(self, variables: Sequence[keras.Variable]) -> bool:
         return [(id(v), tuple(v.shape)) for v in variables] == self._variables
 
     @contextlib.contextmanager
-    def reducing(self, variables: Sequence[keras.Variable], extras: Sequence[torch.Tensor] = ()) -> Iterator[None]:
-        """Around ``backward``: each bucket's all-reduce starts once its gradients exist; ``extras``
-        (float32, summed over replicas) ride in the last one when it is all-reduced in float32
-        (``summed`` says whether they did)."""
+    def reducing(
+        self,
+        variables: Sequence[keras.Variable],
+        extras: Sequence[torch.Tensor] = (),
+        group: dist.ProcessGroup | None = None,
+    ) -> Iterator[None]:
+        """Around ``backward``: each bucket's all-reduce (over ``group``, the replicas') starts once
+        its gradients exist; ``extras`` (float32, summed over replicas) ride in the last one when it
+        is all-reduced in float32 (``summed`` says whether they did)."""
+        self._group = group
         values = [v.value for v in variables]
         last = len(self.buckets) - 1
         rides = last >= 0 and self.destinations[last] is None
@@ -137,15 +144,17 @@ class GradientBuckets:
         _entering()
         destination = self.destinations[b]
         if destination is None:
-            self._launched.append((flat, [dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)], []))
+            self._launched.append(
+                (flat, [dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self._group, async_op=True)], [])
+            )
             return
         if destination == self.rank:  # every other replica's copy, to add to this one's
             others = [torch.empty_like(flat) for _ in range(self.num_replicas - 1)]
             sources = [r for r in range(self.num_replicas) if r != self.rank]
-            received = [dist.irecv(copy, src=r) for copy, r in zip(others, sources, strict=True)]
+            received = [dist.irecv(copy, src=r, group=self._group) for copy, r in zip(others, sources, strict=True)]
             self._launched.append((flat, received, others))
             return
-        self._launched.append((flat, [dist.isend(flat, dst=destination)], []))
+        self._launched.append((flat, [dist.isend(flat, dst=destination, group=self._group)], []))
         if not self.keep_sent:  # another replica's: sent, so this one's copy goes
             for i in self.buckets[b]:
                 values[i].grad = None

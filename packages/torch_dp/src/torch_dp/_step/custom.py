@@ -55,7 +55,7 @@ from torch_dp._comm.replica import Replica
 from torch_dp._data.batches import EvenBatch
 from torch_dp._step.batchnorm import real_rows
 from torch_dp._step.broadcast import check_same_optimizer_variables
-from torch_dp._step.metrics import logs_of
+from torch_dp._step.metrics import logs_of, metrics_result
 
 STEPS = ("train_step", "test_step", "predict_step")
 
@@ -192,7 +192,7 @@ class CustomSteps:
         another dict gives its own values, scalars averaged with the step's weights.
         """
         model, replica = self.model, self.replica
-        own = isinstance(returned, Mapping) and set(returned) != set(model.get_metrics_result())
+        own = isinstance(returned, Mapping) and set(returned) != set(metrics_result(model))
         if not own:
             states = [v.value.detach().to(torch.float64) for v in model.metrics_variables]
             return logs_of(model, all_reduce_sum(states, replica))

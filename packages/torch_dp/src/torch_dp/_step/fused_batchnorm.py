@@ -19,6 +19,7 @@ import keras
 import torch
 
 from dp_core.keras import internals
+from torch_dp._comm.replica import Replica
 from torch_dp._step.profile import sum_batch_norm_statistics
 
 
@@ -38,9 +39,11 @@ def applies(layer: keras.layers.BatchNormalization, inputs: Any, training: Any) 
     )
 
 
-def batch_norm(layer: keras.layers.BatchNormalization, inputs: torch.Tensor, *, synchronized: bool) -> torch.Tensor:
-    """``layer(inputs, training=True)`` with statistics over every replica's rows when
-    ``synchronized`` (each replica's loss weighing the same in the gradient)."""
+def batch_norm(
+    layer: keras.layers.BatchNormalization, inputs: torch.Tensor, *, synchronized: Replica | None
+) -> torch.Tensor:
+    """``layer(inputs, training=True)`` with statistics over the rows of every replica of
+    ``synchronized`` (each replica's loss weighing the same in the gradient); None: this one's own."""
     norm: Any = layer  # its variables exist once built
     channels = inputs.shape[-1]
     gamma = norm.gamma.value if norm.scale else None
@@ -64,8 +67,8 @@ class _Normalized(torch.autograd.Function):
         # [sum, sum of squares, count]: the count rides along for free, whatever the replicas' shapes
         count = rows.new_full((1,), float(rows.shape[0]))
         stats = torch.cat([rows.sum(0), (rows * rows).sum(0), count])
-        if synchronized:
-            sum_batch_norm_statistics(stats, layer, "forward")
+        if synchronized is not None:
+            sum_batch_norm_statistics(stats, layer, "forward", synchronized.group)
         total, squares, count = stats.split([channels, channels, 1])
         count = count.clamp_min(1.0)
         mean = total / count
@@ -88,8 +91,8 @@ class _Normalized(torch.autograd.Function):
         grad_gamma = sum_dy_xmu * invstd if ctx.has_gamma else None  # this replica's: averaged with the others
         grad_beta = sum_dy if ctx.has_beta else None
         shared = torch.cat([sum_dy, sum_dy_xmu])
-        if ctx.synchronized:
-            sum_batch_norm_statistics(shared, ctx.layer, "backward")
+        if ctx.synchronized is not None:
+            sum_batch_norm_statistics(shared, ctx.layer, "backward", ctx.synchronized.group)
         mean_dy, mean_dy_xmu = (shared / count).split(centered.shape[1])
         # scale * (dy - mean_dy - (x - mean) * invstd^2 * mean_dy_xmu)
         grad_rows = torch.addcmul(-scale * mean_dy, grad, scale).addcmul_(

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from dp_core.keras import internals
 from torch_dp._comm.collectives import _entering
+from torch_dp._comm.replica import Replica
 from torch_dp._step.owners import dtype_of, numel, release
 
 
@@ -45,9 +46,9 @@ class JustInTime:
     """The model's layers, each gathering its own sharded weights around its calls."""
 
     def __init__(
-        self, model: keras.Model, variables: Sequence[keras.Variable], owners: Sequence[int], rank: int, device: Any
+        self, model: keras.Model, variables: Sequence[keras.Variable], owners: Sequence[int], replica: Replica
     ) -> None:
-        self.rank, self.device = rank, device
+        self.rank, self.device, self.group = replica.rank, replica.device, replica.group
         self._owner = {id(v): owners[i] for i, v in enumerate(variables) if shardable(v)}
         self._layers: list[tuple[keras.layers.Layer, list[keras.Variable]]] = []
         claimed: set[int] = set()  # a weight shared by two layers is gathered by the first
@@ -144,7 +145,7 @@ class JustInTime:
             else:
                 flat = torch.empty(sum(sizes), dtype=dtype, device=self.device)
             _entering()
-            dist.broadcast(flat, src=owner)
+            dist.broadcast(flat, src=owner, group=self.group)
             if owner != self.rank:
                 for variable, piece in zip(group, torch.split(flat, sizes), strict=True):
                     internals.stored_value(variable).data = piece.view(tuple(variable.shape))

@@ -15,6 +15,7 @@ import torch
 from dp_core.keras import python_logs
 from torch_dp._comm.collectives import all_reduce_sum
 from torch_dp._comm.replica import Replica
+from torch_dp._internals import no_default_group
 
 
 def logs_due(step: int, steps: int | None, every: int) -> bool:
@@ -26,10 +27,18 @@ def global_logs(model: keras.Model, replica: Replica) -> dict[str, Any]:
     """Metric results over every replica's rows, in one coalesced all-reduce."""
     variables = model.metrics_variables
     if not replica.distributed or not variables:
-        return python_logs(model.get_metrics_result())
+        return python_logs(metrics_result(model))
     # float64 so that summed counts stay exact past 2**24 rows
     summed = all_reduce_sum([v.value.detach().to(torch.float64) for v in variables], replica)
     return logs_of(model, summed)
+
+
+def metrics_result(model: keras.Model) -> dict[str, Any]:
+    """``model.get_metrics_result()`` of this replica's states as they are, with no default group
+    in sight: Keras 3.16's torch backend all-reduces them over it when there is one (the user's own,
+    under torchrun), which would count states torch-dp already summed once per replica."""
+    with no_default_group():
+        return model.get_metrics_result()
 
 
 def logs_of(model: keras.Model, metric_sums: list[torch.Tensor]) -> dict[str, Any]:
@@ -55,7 +64,7 @@ def _read_in_place(model: keras.Model, variables: list[keras.Variable], sums: li
     try:
         for variable, value in zip(variables, sums, strict=True):
             variable.assign(value)
-        return python_logs(model.get_metrics_result())
+        return python_logs(metrics_result(model))
     finally:
         for variable, value in zip(variables, local, strict=True):
             variable.assign(value)

@@ -32,11 +32,11 @@ def onto_primary(by_owner: ByOwner, replica: Replica) -> dict[int, tuple[int, in
         if replica.rank == owner:
             for flat in flat_by_dtype(variables):
                 _entering()
-                dist.send(flat, dst=0)
+                dist.send(flat, dst=0, group=replica.group)
         elif replica.is_primary:
             for group, flat in empty_by_dtype(variables, replica.device):
                 _entering()
-                dist.recv(flat, src=owner)
+                dist.recv(flat, src=owner, group=replica.group)
                 fill(group, flat)
     if replica.is_primary:
         for variables in by_owner[1:]:
@@ -55,11 +55,11 @@ def back_to_owners(by_owner: ByOwner, replica: Replica, filled: dict[int, tuple[
             if replica.is_primary:
                 for flat in flat_by_dtype(variables):
                     _entering()
-                    dist.send(flat, dst=owner)
+                    dist.send(flat, dst=owner, group=replica.group)
             elif replica.rank == owner:
                 for group, flat in empty_by_dtype(variables, replica.device):
                     _entering()
-                    dist.recv(flat, src=0)
+                    dist.recv(flat, src=0, group=replica.group)
                     for variable, piece in zip(group, _pieces(group, flat), strict=True):
                         variable.assign(piece)
     if replica.is_primary:
@@ -77,7 +77,7 @@ def onto_everyone(by_owner: ByOwner, replica: Replica) -> None:
             buffers = empty_by_dtype(variables, replica.device)
         for group, flat in buffers:
             _entering()
-            dist.broadcast(flat, src=owner)
+            dist.broadcast(flat, src=owner, group=replica.group)
             if replica.rank != owner:
                 fill(group, flat)
 
@@ -99,7 +99,7 @@ def share_updated(by_owner: ByOwner, replica: Replica) -> None:
             mine[: lengths[replica.rank]] = torch.cat([v.value.reshape(-1) for v in parts[replica.rank]])
         gathered = [torch.empty_like(mine) for _ in range(replica.num_replicas)]
         _entering()
-        dist.all_gather(gathered, mine)
+        dist.all_gather(gathered, mine, group=replica.group)
         for owner, part in enumerate(parts):
             if owner == replica.rank or not part:
                 continue

@@ -64,17 +64,19 @@ def timing_batch_norm(timer: StepTimer | NoStepTimer) -> Iterator[None]:
         _batch_norm_timer = previous
 
 
-def sum_batch_norm_statistics(tensor: torch.Tensor, layer: str, direction: str) -> None:
-    """``sum_in_place(tensor)`` for BatchNorm ``layer``'s statistics (``direction``: forward or
-    backward), timed, waiting for the slowest replica included, while a fit is profiled."""
+def sum_batch_norm_statistics(
+    tensor: torch.Tensor, layer: str, direction: str, group: dist.ProcessGroup | None
+) -> None:
+    """``sum_in_place(tensor, group)`` for BatchNorm ``layer``'s statistics (``direction``: forward
+    or backward), timed, waiting for the slowest replica included, while a fit is profiled."""
     timer = _batch_norm_timer
     if timer is None:
-        sum_in_place(tensor)
+        sum_in_place(tensor, group)
         return
     if tensor.is_cuda:  # what was queued before is not the collective's time
         torch.cuda.synchronize(tensor.device)
     start = time.perf_counter()
-    sum_in_place(tensor)
+    sum_in_place(tensor, group)
     if tensor.is_cuda:
         torch.cuda.synchronize(tensor.device)
     timer.note(f"{BATCH_NORM}{layer}/{direction}", time.perf_counter() - start)
@@ -114,12 +116,12 @@ def link_bandwidth(replica: Replica) -> float | None:
     if not replica.distributed:
         return None
     buffer = torch.ones(PROBE_BYTES // 4, dtype=torch.float32, device=replica.device)
-    dist.all_reduce(buffer)  # warm-up: the first collective sets up connections
+    dist.all_reduce(buffer, group=replica.group)  # warm-up: the first collective sets up connections
     times = []
     for _ in range(PROBE_ROUNDS):
-        dist.barrier()
+        dist.barrier(group=replica.group)
         start = time.perf_counter()
-        dist.all_reduce(buffer)
+        dist.all_reduce(buffer, group=replica.group)
         if replica.device.startswith("cuda"):
             torch.cuda.synchronize(torch.device(replica.device))
         times.append(time.perf_counter() - start)

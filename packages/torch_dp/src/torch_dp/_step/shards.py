@@ -143,7 +143,7 @@ class Sharded:
         self.slots = slots_of(optimizer, self.variables)
         self.weights: JustInTime | None = None
         if mode == "full" and replica.distributed:
-            self.weights = JustInTime(model, self.variables, self.owners, replica.rank, replica.device)
+            self.weights = JustInTime(model, self.variables, self.owners, replica)
         sharded_weights = {id(v) for v in self.weights.sharded} if self.weights is not None else set()
         # each replica's variables the others do not hold during the fit; and those all hold whole
         self.by_owner = [self._sharded_of(owner) for owner in range(replica.num_replicas)]

@@ -279,7 +279,7 @@ def backward(
         # Back-propagate the share itself (the loss is num_replicas times it; on a whole batch,
         # every replica's is the batch's own) and sum the gradients: every row's gradient then has
         # Keras's own magnitude, so float16 loss scaling overflows exactly where model.fit's does.
-        with contextlib.nullcontext() if buckets is None else buckets.reducing(trainable, extras or []):
+        with contextlib.nullcontext() if buckets is None else buckets.reducing(trainable, extras or [], replica.group):
             model.optimizer.scale_loss(loss / replica.num_replicas).backward()
     return LocalGradients(trainable, [v.value.grad for v in trainable])
 
