@@ -26,14 +26,13 @@ from jax_dp._step.custom import CustomPredictStep, CustomTestStep, EvaluationSta
 from jax_dp._step.metrics import metrics_on_mesh
 from jax_dp._step.recipes import Recipes
 from jax_dp._step.state import (
-    Weights,
     metric_values_on_mesh,
     model_changed,
     model_values,
     variables_on_mesh,
     weights_on_mesh,
 )
-from jax_dp._step.steps import Steps
+from jax_dp._step.steps import PredictStep, Steps
 
 
 class Evaluator(Protocol):
@@ -77,30 +76,36 @@ def evaluate_loop(
     reporter = None if callbacks is None else BatchEndReporter(callbacks, "test", plan.steps)
     whole_last = whole_last_batch(model, plan, training=False)
     for step, batch in enumerate(device_batches(plan, mesh, whole_last=whole_last)):
-        metrics = steps.test(weights, metrics, batch, plan.padded)
+        non_trainable, metrics = steps.test(weights, metrics, batch, plan.padded)
+        weights = weights._replace(non_trainable=non_trainable)  # a seed generator advances, as in model.evaluate
         if reporter is not None and callbacks is not None and reporter.due(step):
             callbacks.on_test_batch_end(step, host_logs(steps.results(metrics)))
+    write_non_trainable(model, weights.non_trainable)
     return host_logs(steps.results(metrics))
 
 
 def predict_loop(
-    predict_step: Callable[[Weights, Any], Any],
+    predict_step: PredictStep,
     model: keras.Model,
     plan: Plan,
     placement: Placement,
     callbacks: keras.callbacks.CallbackList,
 ) -> Any:
-    """The model's outputs for every sample, in the plan's (input) order, padding dropped."""
+    """The model's outputs for every sample, in the plan's (input) order, padding dropped; the
+    non-trainable values the calls leave written back, as ``model.predict`` does."""
     build_for_predict(model, plan)
     weights = weights_on_mesh(model, placement)
     reporter = BatchEndReporter(callbacks, "predict", plan.steps)
     outputs = []
     for step, batch in enumerate(device_batches(plan, placement.mesh)):
-        outputs.append(predict_step(weights, batch.x))
+        batch_outputs, non_trainable = predict_step(weights, batch.x)
+        weights = weights._replace(non_trainable=non_trainable)  # a seed generator advances, as in model.predict
+        outputs.append(batch_outputs)
         if reporter.due(step):
             real = plan.real_rows(step)  # the batch's outputs as model.predict hands them over: no padding
             batch_outputs = jax.tree.map(lambda output, real=real: output[:real], outputs[-1])
             callbacks.on_predict_batch_end(step, {"outputs": batch_outputs})
+    write_non_trainable(model, weights.non_trainable)
     # Pulled at the end, not per batch, so the devices never wait for the host.
     host = [_real_rows_to_host(output, plan.real_rows(step)) for step, output in enumerate(outputs)]
     return jax.tree.map(lambda *parts: np.concatenate(parts), *host)
@@ -114,6 +119,13 @@ def build_for_predict(model: keras.Model, plan: Plan) -> None:
         x, _, _ = plan.inputs.first_rows()
         with keras.StatelessScope():  # creates the variables, changes no state
             model(x)
+
+
+def write_non_trainable(model: keras.Model, values: list[Any]) -> None:
+    """The non-trainable values an evaluation or prediction ends with into the model, as Keras's
+    ``jax_state_sync`` writes them: a seed generator drawn from in ``call`` goes on from there."""
+    for variable, value in zip(model.non_trainable_variables, replicated_to_host(values), strict=True):
+        variable.assign(value)
 
 
 def _real_rows_to_host(output: Any, real_rows: int) -> Any:
@@ -217,8 +229,7 @@ def custom_predict_loop(
         outputs.append(batch_outputs)
         if reporter.due(step):
             callbacks.on_predict_batch_end(step, {"outputs": batch_outputs})
-    for variable, value in zip(model.non_trainable_variables, replicated_to_host(weights.non_trainable), strict=True):
-        variable.assign(value)
+    write_non_trainable(model, weights.non_trainable)
     # Pulled at the end, not per batch, so the devices never wait for the host.
     host = [jax.tree.map(rows_to_host, batch_outputs) for batch_outputs in outputs]
     return jax.tree.map(lambda *parts: np.concatenate(parts), *host)

@@ -28,8 +28,8 @@ from jax_dp._step.custom import (
 from jax_dp._step.metrics import make_results
 from jax_dp._step.optimizers import Optimizer
 from jax_dp._step.profile import Pieces
-from jax_dp._step.state import Weights
 from jax_dp._step.steps import (
+    PredictStep,
     Steps,
     make_predict_step,
     make_report,
@@ -62,7 +62,7 @@ class Recipes:
         placement, mesh = self.placement, self.placement.mesh
         evaluation = model_structure(model) + compile_state(model) + self._placement()
         recipes: dict[str, tuple[TracedFrom, Callable[[], Any]]] = {
-            "test": (evaluation, lambda: make_test_step(model, mesh)),
+            "test": (evaluation, lambda: make_test_step(model, placement)),
             "results": (evaluation, lambda: make_results(model, mesh)),
             "report": (evaluation, lambda: make_report(model, mesh)),
         }
@@ -106,9 +106,9 @@ class Recipes:
         traced_from = model_structure(model) + compile_state(model) + self._placement()
         return self.cache.step(model, "custom_test", traced_from, lambda: make_custom_test_step(model, mesh))
 
-    def predict_step(self, model: keras.Model) -> Callable[[Weights, Any], Any]:
-        mesh = self.placement.mesh
-        return self.cache.step(model, "predict", self._predicting(model), lambda: make_predict_step(model, mesh))
+    def predict_step(self, model: keras.Model) -> PredictStep:
+        placement = self.placement
+        return self.cache.step(model, "predict", self._predicting(model), lambda: make_predict_step(model, placement))
 
     def custom_predict_step(self, model: keras.Model) -> CustomPredictStep:
         mesh = self.placement.mesh

@@ -75,7 +75,8 @@ def report_on_host(report: Report) -> tuple[int, dict[str, Any]]:
 
 TrainStep = Callable[[TrainState, Batch, bool], TrainState]
 ReportingStep = Callable[[TrainState, Any, bool], tuple[TrainState, Report]]
-TestStep = Callable[[Weights, list[Any], Batch, bool], list[Any]]
+TestStep = Callable[[Weights, list[Any], Batch, bool], tuple[list[Any], list[Any]]]
+PredictStep = Callable[[Weights, Any], tuple[Any, list[Any]]]
 
 
 @final
@@ -103,7 +104,7 @@ class Steps:
 
     @functools.cached_property
     def test(self) -> TestStep:
-        """``(weights, metric stacks, batch, padded) -> metric stacks``."""
+        """``(weights, metric stacks, batch, padded) -> (non-trainable values, metric stacks)``."""
         return self._fetch("test")
 
     @functools.cached_property
@@ -282,38 +283,45 @@ def placed_gradients(model: keras.Model, placement: Placement, grads: list[Any])
     return [jax.lax.with_sharding_constraint(g, s) for g, s in zip(grads, shardings, strict=True)]
 
 
-def make_test_step(model: keras.Model, mesh: Mesh) -> TestStep:
-    """Loss and metrics on one global batch: ``(weights, metric stacks, batch, padded) -> metric stacks``."""
+def make_test_step(model: keras.Model, placement: Placement) -> TestStep:
+    """Loss and metrics on one global batch: ``(weights, metric stacks, batch, padded) -> (non-trainable
+    values, metric stacks)``; the non-trainable values as the forward pass leaves them (a seed
+    generator advanced), which Keras's ``evaluate`` keeps from step to step and writes back."""
+    mesh = placement.mesh
     model_now = held_weakly(model)
 
-    def test_step(weights: Weights, metrics: list[Any], batch: Batch, padded: bool) -> list[Any]:
+    def test_step(weights: Weights, metrics: list[Any], batch: Batch, padded: bool) -> tuple[list[Any], list[Any]]:
         model = model_now()
         if isinstance(batch, WholeBatch):
-            loss, (y_pred, _, increments) = _loss_and_updates(
+            loss, (y_pred, non_trainable, increments) = _loss_and_updates(
                 model, weights.trainable, weights.non_trainable, batch, training=False
             )
-            return whole_batch_metric_update(model, metrics, increments, loss, batch, y_pred)
+            return non_trainable, whole_batch_metric_update(model, metrics, increments, loss, batch, y_pred)
         with padding_aware(model, batch.mask, real_rows=batch.real_rows, padded=padded):
-            loss, (y_pred, _, increments) = _loss_and_updates(
+            loss, (y_pred, non_trainable, increments) = _loss_and_updates(
                 model, weights.trainable, weights.non_trainable, batch, training=False
             )
-        return make_metric_update(model, mesh)(metrics, increments, loss, batch, y_pred)
+        return non_trainable, make_metric_update(model, mesh)(metrics, increments, loss, batch, y_pred)
 
-    return jax.jit(test_step, donate_argnums=1, static_argnums=3, out_shardings=batch_sharded(mesh))
+    shardings = (weight_shardings(model, placement).non_trainable, batch_sharded(mesh))
+    return jax.jit(test_step, donate_argnums=1, static_argnums=3, out_shardings=shardings)
 
 
-def make_predict_step(model: keras.Model, mesh: Mesh) -> Callable[[Weights, Any], Any]:
-    """The model's outputs on one global batch of inputs, sharded like the batch."""
+def make_predict_step(model: keras.Model, placement: Placement) -> PredictStep:
+    """The model's outputs on one global batch of inputs, sharded like the batch, and the
+    non-trainable values the call leaves (a seed generator advanced), as Keras's ``predict``
+    keeps them from step to step: ``(weights, x) -> (outputs, non-trainable values)``."""
     model_now = held_weakly(model)
 
-    def predict_step(weights: Weights, x: Any) -> Any:
+    def predict_step(weights: Weights, x: Any) -> tuple[Any, list[Any]]:
         model = model_now()
-        outputs, _ = cast(Any, model.stateless_call)(
+        outputs, non_trainable = cast(Any, model.stateless_call)(
             weights.trainable, weights.non_trainable, x, **internals.training_kwargs(model, False)
         )
-        return outputs
+        return outputs, non_trainable
 
-    return jax.jit(predict_step, out_shardings=batch_sharded(mesh))
+    shardings = (batch_sharded(placement.mesh), weight_shardings(model, placement).non_trainable)
+    return jax.jit(predict_step, out_shardings=shardings)
 
 
 def _loss_and_updates(

@@ -1,0 +1,63 @@
+"""Where ``fit``/``evaluate``/``predict`` follow Keras's own loops (issue 43): each against plain
+``model.fit``/``evaluate``/``predict`` on one device, same seed and data."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+from jax_dp_helpers import GLOBAL_BATCH
+
+import jax_dp
+
+pytestmark = pytest.mark.timeout(240)
+
+
+class NoisyAtInference(keras.layers.Layer):
+    """Draws dropout noise at inference too, from its own seed generator."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed_gen = keras.random.SeedGenerator(7)
+
+    def call(self, inputs):
+        return keras.random.dropout(inputs, 0.5, seed=self.seed_gen)
+
+
+def _noisy_model() -> keras.Model:
+    keras.utils.set_random_seed(4)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3), NoisyAtInference()])
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def _seed_state(model: keras.Model) -> np.ndarray:
+    return keras.ops.convert_to_numpy(model.layers[-1].seed_gen.state.value)
+
+
+@pytest.mark.parametrize("num_replicas", [1, 4])
+def test_predict_advances_a_seed_generator_as_model_predict_does(data, num_replicas):
+    x = data[0][:64]  # two whole global batches
+    expected_model, model = _noisy_model(), _noisy_model()
+    expected = [expected_model.predict(x, batch_size=GLOBAL_BATCH, verbose=0) for _ in range(2)]
+    trainer = jax_dp.Trainer(num_replicas)
+    got = [trainer.predict(model, x, global_batch_size=GLOBAL_BATCH, verbose=0) for _ in range(2)]
+
+    assert not np.array_equal(got[0], got[1])  # the noise differs from call to call
+    np.testing.assert_array_equal(_seed_state(model), _seed_state(expected_model))
+    # one global batch's noise is drawn whole (jax's partitionable threefry): the same bits on any number of devices
+    for want, have in zip(expected, got, strict=True):
+        np.testing.assert_allclose(have, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("num_replicas", [1, 4])
+def test_evaluate_advances_a_seed_generator_as_model_evaluate_does(data, num_replicas):
+    x, y = data[0][:64], data[1][:64, :1].repeat(3, axis=1)
+    expected_model, model = _noisy_model(), _noisy_model()
+    expected = [expected_model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0) for _ in range(2)]
+    trainer = jax_dp.Trainer(num_replicas)
+    got = [trainer.evaluate(model, x, y, global_batch_size=GLOBAL_BATCH, verbose=0) for _ in range(2)]
+
+    assert got[0] != got[1]
+    np.testing.assert_array_equal(_seed_state(model), _seed_state(expected_model))
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
