@@ -6,7 +6,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-from jax_dp_helpers import GLOBAL_BATCH
+from jax_dp_helpers import GLOBAL_BATCH, assert_history_close
 
 import jax_dp
 
@@ -61,3 +61,32 @@ def test_evaluate_advances_a_seed_generator_as_model_evaluate_does(data, num_rep
     assert got[0] != got[1]
     np.testing.assert_array_equal(_seed_state(model), _seed_state(expected_model))
     np.testing.assert_allclose(got, expected, rtol=1e-5)
+
+
+class KeepsItsState(keras.metrics.MeanSquaredError):
+    """A metric whose own ``reset_state`` keeps what it has: Keras calls it at each epoch's start."""
+
+    def reset_state(self):
+        pass
+
+
+def _kept_metric_model() -> keras.Model:
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=[KeepsItsState(name="kept")])
+    return model
+
+
+@pytest.mark.parametrize("validation", [False, True])
+def test_a_metrics_own_reset_state_is_what_resets_it_between_epochs(data, validation):
+    x, y, x_val, y_val = data
+    val = {"validation_data": (x_val, y_val)} if validation else {}
+    expected = _kept_metric_model().fit(x, y, batch_size=GLOBAL_BATCH, epochs=3, shuffle=False, verbose=0, **val)
+    model = _kept_metric_model()
+    history = jax_dp.Trainer(2).fit(
+        model, x, y, global_batch_size=GLOBAL_BATCH, epochs=3, shuffle=False, verbose=0, **val
+    )
+
+    assert_history_close(expected.history, history.history)
+    kept = np.asarray(history.history["kept"])
+    assert not np.allclose(kept, history.history["loss"])  # it carried over: not each epoch's own mean

@@ -31,7 +31,7 @@ from jax_dp._comm.hosts import agree, is_primary, replicated_to_host
 from jax_dp._data.batches import Plan, device_batches, padded_batches, whole_last_batch
 from jax_dp._loop import preemption
 from jax_dp._loop.checkpoints import save
-from jax_dp._loop.reporting import STOP_CHECK_STEPS, BatchEndReporter, host_logs, metrics_result_or_logs
+from jax_dp._loop.reporting import STOP_CHECK_STEPS, BatchEndReporter, final_logs, metrics_result_or_logs
 from jax_dp._mesh.layout import Placement
 from jax_dp._mesh.mesh import waits_for_each_step
 from jax_dp._step.accumulation import accumulates
@@ -339,7 +339,8 @@ class _KerasRun:
 
     def logs(self, state: TrainState) -> tuple[dict[str, Any], Any]:
         kind = self.kind
-        return host_logs(kind.steps.results(state.metrics)), optimizer_state_of(kind.optimizer, state)
+        logs = final_logs(kind.model, kind.steps, state.metrics, kind.placement.mesh)
+        return logs, optimizer_state_of(kind.optimizer, state)
 
 
 @final

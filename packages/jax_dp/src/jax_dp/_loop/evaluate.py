@@ -20,7 +20,7 @@ import numpy as np
 from dp_core.keras import internals, overrides
 from jax_dp._comm.hosts import agree, replicated_to_host, rows_to_host
 from jax_dp._data.batches import Plan, device_batches, whole_last_batch
-from jax_dp._loop.reporting import BatchEndReporter, host_logs, metrics_result_or_logs
+from jax_dp._loop.reporting import BatchEndReporter, final_logs, host_logs, metrics_result_or_logs
 from jax_dp._mesh.layout import Placement
 from jax_dp._step.custom import CustomPredictStep, CustomTestStep, EvaluationState, step_data
 from jax_dp._step.metrics import metrics_on_mesh
@@ -69,7 +69,8 @@ def evaluate_loop(
     callbacks: keras.callbacks.CallbackList | None = None,
 ) -> dict[str, Any]:
     """Loss and metrics of the model's current weights over every sample of the plan (running
-    means over real rows); batch-end ``callbacks`` as ``model.evaluate`` calls them."""
+    means over real rows), the metric states left in the model as ``model.evaluate`` leaves them;
+    batch-end ``callbacks`` as ``model.evaluate`` calls them."""
     mesh = placement.mesh
     weights = weights_on_mesh(model, placement)
     metrics = metrics_on_mesh(model, mesh)
@@ -81,7 +82,7 @@ def evaluate_loop(
         if reporter is not None and callbacks is not None and reporter.due(step):
             callbacks.on_test_batch_end(step, host_logs(steps.results(metrics)))
     write_non_trainable(model, weights.non_trainable)
-    return host_logs(steps.results(metrics))
+    return final_logs(model, steps, metrics, mesh)
 
 
 def predict_loop(

@@ -11,10 +11,12 @@ from typing import Any
 
 import jax
 import keras
+from jax.sharding import Mesh
 
 from dp_core.keras import needs_every_batch, python_logs
 from jax_dp._comm.hosts import agree, replicated_to_host
-from jax_dp._step.metrics import Logs
+from jax_dp._step.metrics import Logs, write_metrics
+from jax_dp._step.steps import Steps
 
 PROGRESS_SECONDS = 0.2  # progress-bar refresh: often enough to watch, rarely enough not to stall the devices
 STOP_CHECK_STEPS = 16  # with several processes, how often a mid-epoch stop decision is exchanged
@@ -60,6 +62,14 @@ class BatchEndReporter:
 def host_logs(logs: Logs | None) -> dict[str, Any]:
     """Device logs as ``model.fit`` gives them: Python floats, numpy arrays for vector metrics."""
     return python_logs(replicated_to_host(logs)) if logs else {}
+
+
+def final_logs(model: keras.Model, steps: Steps, stacks: list[jax.Array], mesh: Mesh) -> dict[str, Any]:
+    """The logs an epoch or an evaluation of Keras's step ends with; the summed metric states go
+    into the model first, where Keras's ``jax_state_sync`` leaves them, so a metric whose own
+    ``reset_state`` keeps its state goes on from them. A collective: every process."""
+    write_metrics(model, stacks, mesh)
+    return host_logs(steps.results(stacks))
 
 
 def metrics_result_or_logs(model: keras.Model, last_logs: Any) -> dict[str, Any]:

@@ -136,3 +136,12 @@ def summed(stacks: list[Any]) -> list[Any]:
 def summed_to_host(stacks: list[jax.Array], mesh: Mesh) -> list[np.ndarray]:
     """The summed states as host arrays, on every process (for checkpoints)."""
     return replicated_to_host(jax.jit(summed, out_shardings=replicated(mesh))(stacks))
+
+
+def write_metrics(model: keras.Model, stacks: list[jax.Array], mesh: Mesh) -> None:
+    """The summed states into the model's metric variables, as Keras's ``jax_state_sync`` leaves
+    them after an epoch or an evaluation: a metric whose own ``reset_state`` keeps its state goes
+    on from them (Keras calls it, through ``model.reset_metrics``, where the next epoch starts).
+    A collective: every process."""
+    for variable, value in zip(model.metrics_variables, summed_to_host(stacks, mesh), strict=True):
+        variable.assign(value)
