@@ -90,3 +90,50 @@ def test_a_metrics_own_reset_state_is_what_resets_it_between_epochs(data, valida
     assert_history_close(expected.history, history.history)
     kept = np.asarray(history.history["kept"])
     assert not np.allclose(kept, history.history["loss"])  # it carried over: not each epoch's own mean
+
+
+class BatchHooks(keras.callbacks.Callback):
+    """Records every test and predict batch hook with its batch index."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, int]] = []
+
+    def on_test_batch_begin(self, batch, logs=None):
+        self.calls.append(("test_begin", batch))
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.calls.append(("test_end", batch))
+
+    def on_predict_batch_begin(self, batch, logs=None):
+        self.calls.append(("predict_begin", batch))
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self.calls.append(("predict_end", batch))
+
+
+class OwnPredictStep(keras.Sequential):
+    def predict_step(self, state, data):
+        return super().predict_step(state, data)
+
+
+@pytest.mark.parametrize("own_predict_step", [False, True])
+def test_test_and_predict_batch_begin_hooks_run_before_each_batch_as_in_keras(data, own_predict_step):
+    x, y, _, _ = data  # 99 rows: 4 batches, the last short
+    calls = {}
+    for name in ("keras", "jax_dp"):
+        keras.utils.set_random_seed(6)
+        model = (OwnPredictStep if own_predict_step else keras.Sequential)([keras.Input((5,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        hooks = BatchHooks()
+        if name == "keras":
+            model.evaluate(x, y, batch_size=GLOBAL_BATCH, callbacks=[hooks], verbose=0)
+            model.predict(x, batch_size=GLOBAL_BATCH, callbacks=[hooks], verbose=0)
+        else:
+            trainer = jax_dp.Trainer(2)
+            trainer.evaluate(model, x, y, global_batch_size=GLOBAL_BATCH, callbacks=[hooks], verbose=0)
+            trainer.predict(model, x, global_batch_size=GLOBAL_BATCH, callbacks=[hooks], verbose=0)
+        calls[name] = hooks.calls
+
+    assert calls["jax_dp"] == calls["keras"]
+    assert calls["keras"][:2] == [("test_begin", 0), ("test_end", 0)] and len(calls["keras"]) == 16

@@ -77,6 +77,8 @@ def evaluate_loop(
     reporter = None if callbacks is None else BatchEndReporter(callbacks, "test", plan.steps)
     whole_last = whole_last_batch(model, plan, training=False)
     for step, batch in enumerate(device_batches(plan, mesh, whole_last=whole_last)):
+        if reporter is not None and callbacks is not None and reporter.every_step:
+            callbacks.on_test_batch_begin(step)
         non_trainable, metrics = steps.test(weights, metrics, batch, plan.padded)
         weights = weights._replace(non_trainable=non_trainable)  # a seed generator advances, as in model.evaluate
         if reporter is not None and callbacks is not None and reporter.due(step):
@@ -99,6 +101,8 @@ def predict_loop(
     reporter = BatchEndReporter(callbacks, "predict", plan.steps)
     outputs = []
     for step, batch in enumerate(device_batches(plan, placement.mesh)):
+        if reporter.every_step:
+            callbacks.on_predict_batch_begin(step)
         batch_outputs, non_trainable = predict_step(weights, batch.x)
         weights = weights._replace(non_trainable=non_trainable)  # a seed generator advances, as in model.predict
         outputs.append(batch_outputs)
@@ -226,6 +230,8 @@ def custom_predict_loop(
     reporter = BatchEndReporter(callbacks, "predict", plan.steps)
     outputs = []
     for step, data in enumerate(step_data(plan, placement.mesh)):
+        if reporter.every_step:
+            callbacks.on_predict_batch_begin(step)
         weights, batch_outputs = predict_step(weights, data)
         outputs.append(batch_outputs)
         if reporter.due(step):
