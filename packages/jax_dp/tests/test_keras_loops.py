@@ -137,3 +137,54 @@ def test_test_and_predict_batch_begin_hooks_run_before_each_batch_as_in_keras(da
 
     assert calls["jax_dp"] == calls["keras"]
     assert calls["keras"][:2] == [("test_begin", 0), ("test_end", 0)] and len(calls["keras"]) == 16
+
+
+class StopsAfter(keras.callbacks.Callback):
+    """Stops the evaluation and the prediction at the end of batch ``batch``."""
+
+    def __init__(self, batch: int) -> None:
+        super().__init__()
+        self.batch = batch
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.model.stop_evaluating = batch == self.batch
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self.model.stop_predicting = batch == self.batch
+
+
+class Counted:
+    """A finite generator of global batches that counts the batches read."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray | None = None) -> None:
+        self.x, self.y, self.read = x, y, 0
+
+    def __iter__(self):
+        for start in range(0, len(self.x), GLOBAL_BATCH):
+            self.read += 1
+            rows = slice(start, start + GLOBAL_BATCH)
+            yield (self.x[rows],) if self.y is None else (self.x[rows], self.y[rows])
+
+
+def test_a_callback_stopping_evaluation_and_prediction_ends_them_after_that_batch(data):
+    x, y = (np.concatenate([part] * 2) for part in data[:2])  # 198 rows: 7 batches
+    runs = {}
+    for name in ("keras", "jax_dp"):
+        keras.utils.set_random_seed(6)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+        evaluated, predicted = Counted(x, y), Counted(x)
+        if name == "keras":
+            logs = model.evaluate(iter(evaluated), callbacks=[StopsAfter(1)], verbose=0, return_dict=True)
+            outputs = model.predict(iter(predicted), callbacks=[StopsAfter(1)], verbose=0)
+        else:
+            trainer = jax_dp.Trainer(4)
+            logs = trainer.evaluate(model, iter(evaluated), callbacks=[StopsAfter(1)], verbose=0, return_dict=True)
+            outputs = trainer.predict(model, iter(predicted), callbacks=[StopsAfter(1)], verbose=0)
+        runs[name] = logs, outputs, evaluated.read, predicted.read
+
+    (expected_logs, expected_outputs, *expected_read), (logs, outputs, *read) = runs["keras"], runs["jax_dp"]
+    assert read == expected_read
+    assert outputs.shape == expected_outputs.shape == (2 * GLOBAL_BATCH, 1)
+    np.testing.assert_allclose(outputs, expected_outputs, rtol=1e-5, atol=1e-6)
+    assert_history_close(expected_logs, logs)

@@ -157,9 +157,12 @@ def padded_batches(plan: Plan, *, whole_last: bool) -> bool:
     return plan.padded and not (whole_last and isinstance(plan, EpochPlan))
 
 
-def device_batches(plan: Plan, mesh: Mesh, *, start: int = 0, whole_last: bool = False) -> Iterator[Batch]:
-    """The plan's batches on the mesh, ``PREFETCH`` ahead of the consumer; with ``whole_last``, a
-    short last batch as a ``WholeBatch``.
+def device_batches(
+    plan: Plan, mesh: Mesh, *, start: int = 0, whole_last: bool = False, prefetch: int = PREFETCH
+) -> Iterator[Batch]:
+    """The plan's batches on the mesh, ``prefetch`` ahead of the consumer (1: none read ahead, as
+    Keras reads, where a callback may stop the loop after any batch); with ``whole_last``, a short
+    last batch as a ``WholeBatch``.
 
     jax dispatch is asynchronous, so gathering and transferring batch ``s+1`` here
     overlaps with the step the caller just dispatched on batch ``s``.
@@ -179,7 +182,7 @@ def device_batches(plan: Plan, mesh: Mesh, *, start: int = 0, whole_last: bool =
             no_padding = _put_rows([np.ones_like(host.mask)], plan.global_batch_size, mesh)[0]
         mask = no_padding if full else None
         ahead.append(_put(host, plan.global_batch_size, mesh, real_rows[host.real_rows], mask))
-        if len(ahead) >= PREFETCH:
+        if len(ahead) >= prefetch:
             yield ahead.popleft()
     while ahead:
         yield ahead.popleft()

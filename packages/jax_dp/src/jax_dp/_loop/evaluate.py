@@ -20,7 +20,14 @@ import numpy as np
 from dp_core.keras import internals, overrides
 from jax_dp._comm.hosts import agree, replicated_to_host, rows_to_host
 from jax_dp._data.batches import Plan, device_batches, whole_last_batch
-from jax_dp._loop.reporting import BatchEndReporter, final_logs, host_logs, metrics_result_or_logs
+from jax_dp._loop.reporting import (
+    BatchEndReporter,
+    final_logs,
+    host_logs,
+    metrics_result_or_logs,
+    read_ahead,
+    stopped,
+)
 from jax_dp._mesh.layout import Placement
 from jax_dp._step.custom import CustomPredictStep, CustomTestStep, EvaluationState, step_data
 from jax_dp._step.metrics import metrics_on_mesh
@@ -76,13 +83,17 @@ def evaluate_loop(
     metrics = metrics_on_mesh(model, mesh)
     reporter = None if callbacks is None else BatchEndReporter(callbacks, "test", plan.steps)
     whole_last = whole_last_batch(model, plan, training=False)
-    for step, batch in enumerate(device_batches(plan, mesh, whole_last=whole_last)):
+    batches = device_batches(plan, mesh, whole_last=whole_last, prefetch=read_ahead(reporter))
+    for step, batch in enumerate(batches):
         if reporter is not None and callbacks is not None and reporter.every_step:
             callbacks.on_test_batch_begin(step)
         non_trainable, metrics = steps.test(weights, metrics, batch, plan.padded)
         weights = weights._replace(non_trainable=non_trainable)  # a seed generator advances, as in model.evaluate
-        if reporter is not None and callbacks is not None and reporter.due(step):
+        reported = reporter is not None and callbacks is not None and reporter.due(step)
+        if reported and callbacks is not None:
             callbacks.on_test_batch_end(step, host_logs(steps.results(metrics)))
+        if stopped(model, "stop_evaluating", reported=reported):
+            break
     write_non_trainable(model, weights.non_trainable)
     return final_logs(model, steps, metrics, mesh)
 
@@ -100,16 +111,18 @@ def predict_loop(
     weights = weights_on_mesh(model, placement)
     reporter = BatchEndReporter(callbacks, "predict", plan.steps)
     outputs = []
-    for step, batch in enumerate(device_batches(plan, placement.mesh)):
+    for step, batch in enumerate(device_batches(plan, placement.mesh, prefetch=read_ahead(reporter))):
         if reporter.every_step:
             callbacks.on_predict_batch_begin(step)
         batch_outputs, non_trainable = predict_step(weights, batch.x)
         weights = weights._replace(non_trainable=non_trainable)  # a seed generator advances, as in model.predict
         outputs.append(batch_outputs)
-        if reporter.due(step):
+        if reported := reporter.due(step):
             real = plan.real_rows(step)  # the batch's outputs as model.predict hands them over: no padding
             batch_outputs = jax.tree.map(lambda output, real=real: output[:real], outputs[-1])
             callbacks.on_predict_batch_end(step, {"outputs": batch_outputs})
+        if stopped(model, "stop_predicting", reported=reported):
+            break
     write_non_trainable(model, weights.non_trainable)
     # Pulled at the end, not per batch, so the devices never wait for the host.
     host = [_real_rows_to_host(output, plan.real_rows(step)) for step, output in enumerate(outputs)]
@@ -150,12 +163,15 @@ def custom_evaluate_loop(
     reporter = None if callbacks is None else BatchEndReporter(callbacks, "test", plan.steps)
     last_logs = None
     with _EvaluationOnRequest(model, placement) as on_request:
-        for step, data in enumerate(step_data(plan, placement.mesh)):
+        for step, data in enumerate(step_data(plan, placement.mesh, prefetch=read_ahead(reporter))):
             if reporter is not None and callbacks is not None and reporter.every_step:
                 state = on_request.around(state, callbacks.on_test_batch_begin, step)
             state, last_logs = test_step(state, data)
-            if reporter is not None and callbacks is not None and reporter.due(step):
+            reported = reporter is not None and callbacks is not None and reporter.due(step)
+            if reported and callbacks is not None:
                 state = on_request.around(state, callbacks.on_test_batch_end, step, host_logs(last_logs))
+            if stopped(model, "stop_evaluating", reported=reported):
+                break
         _write_evaluation(model, state)
     return metrics_result_or_logs(model, last_logs)
 
@@ -229,13 +245,15 @@ def custom_predict_loop(
     weights = weights_on_mesh(model, placement)
     reporter = BatchEndReporter(callbacks, "predict", plan.steps)
     outputs = []
-    for step, data in enumerate(step_data(plan, placement.mesh)):
+    for step, data in enumerate(step_data(plan, placement.mesh, prefetch=read_ahead(reporter))):
         if reporter.every_step:
             callbacks.on_predict_batch_begin(step)
         weights, batch_outputs = predict_step(weights, data)
         outputs.append(batch_outputs)
-        if reporter.due(step):
+        if reported := reporter.due(step):
             callbacks.on_predict_batch_end(step, {"outputs": batch_outputs})
+        if stopped(model, "stop_predicting", reported=reported):
+            break
     write_non_trainable(model, weights.non_trainable)
     # Pulled at the end, not per batch, so the devices never wait for the host.
     host = [jax.tree.map(rows_to_host, batch_outputs) for batch_outputs in outputs]

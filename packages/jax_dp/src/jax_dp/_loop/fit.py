@@ -71,7 +71,7 @@ def fit_loop(
                 optimizer_state=optimizer_state,
             )
             if arguments.validates_after(epoch):
-                logs.update(_validation_logs(arguments, evaluate, callbacks, layout=layout))
+                logs.update(_validation_logs(model, arguments, evaluate, callbacks, layout=layout))
             callbacks.on_epoch_end(epoch, logs)
             if checkpoints is not None:
                 save(checkpoints, model, optimizer, optimizer_state, epoch=epoch + 1, step=0)
@@ -87,6 +87,7 @@ def fit_loop(
 
 
 def _validation_logs(
+    model: keras.Model,
     arguments: FitArguments,
     evaluate: Evaluator,
     callbacks: keras.callbacks.CallbackList,
@@ -98,6 +99,7 @@ def _validation_logs(
     assert arguments.validation is not None
     order = EpochOrder.in_input_order(arguments.validation_global_batch_size)
     plan = epoch_plan(arguments.validation, layout=layout, order=order)
+    model.stop_evaluating = False  # as model.fit's evaluate sets it, before the first test hook
     callbacks.on_test_begin()
     val_logs = evaluate(plan, callbacks)
     callbacks.on_test_end(val_logs)

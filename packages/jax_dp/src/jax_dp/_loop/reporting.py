@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 
 from dp_core.keras import needs_every_batch, python_logs
 from jax_dp._comm.hosts import agree, replicated_to_host
+from jax_dp._data.batches import PREFETCH
 from jax_dp._step.metrics import Logs, write_metrics
 from jax_dp._step.steps import Steps
 
@@ -57,6 +58,26 @@ class BatchEndReporter:
             self.last = time.monotonic()
             return True
         return False
+
+
+def stopped(model: keras.Model, flag: str, *, reported: bool) -> bool:
+    """Whether a callback stopped an evaluation or a prediction (``flag``: ``"stop_evaluating"`` or
+    ``"stop_predicting"``), read after each batch's end hook as Keras's loops read it. With several
+    processes every one must stop at the same step: process 0's flag is exchanged at the steps that
+    ``reported`` (the same steps on every process: every step when a callback needs every batch)."""
+    if jax.process_count() == 1:
+        return bool(getattr(model, flag, False))
+    if reported and agree(bool(getattr(model, flag, False))):
+        setattr(model, flag, True)
+        return True
+    return False
+
+
+def read_ahead(reporter: BatchEndReporter | None) -> int:
+    """How many batches an evaluation or a prediction prepares ahead: none when a callback acts at
+    every batch (it may stop the loop there, and Keras reads no batch past the stop), else
+    ``PREFETCH``, to hide the host's gather behind a step."""
+    return 1 if reporter is not None and reporter.every_step else PREFETCH
 
 
 def host_logs(logs: Logs | None) -> dict[str, Any]:

@@ -165,6 +165,7 @@ def run_evaluate(
     hooks = callback_list(
         job.callbacks, model, is_primary=is_primary(), verbose=job.verbose, steps=plan.steps, history=False
     )
+    model.stop_evaluating = False  # before the first hook, as in model.evaluate: a callback may set it
     hooks.on_test_begin()
     logs = evaluator(model, settings.recipes(placement))(plan, hooks)
     hooks.on_test_end(logs)
@@ -178,6 +179,7 @@ def run_predict(model: keras.Model, job: PredictJob[Inputs | BatchSource], setti
     hooks = callback_list(
         job.callbacks, model, is_primary=is_primary(), verbose=job.verbose, steps=plan.steps, history=False
     )
+    model.stop_predicting = False  # before the first hook, as in model.predict: a callback may set it
     hooks.on_predict_begin()
     recipes = settings.recipes(placement)
     if overrides(model, "predict_step"):

@@ -197,14 +197,14 @@ def _loss_is_finite(logs: Any) -> Any:
     return jnp.all(jnp.isfinite(jnp.asarray(logs["loss"])))
 
 
-def step_data(plan: Plan, mesh: Mesh, *, start: int = 0) -> Iterator[Any]:
-    """The plan's global batches from ``start`` as the steps take them, ``PREFETCH`` ahead (see
+def step_data(plan: Plan, mesh: Mesh, *, start: int = 0, prefetch: int = PREFETCH) -> Iterator[Any]:
+    """The plan's global batches from ``start`` as the steps take them, ``prefetch`` ahead (see
     ``_data.batches.device_batches``): each the real rows of the whole batch, sharded over ``"batch"``
     when they divide over the replicas, else replicated. Every process reads whole batches."""
     ahead: collections.deque[Any] = collections.deque()
     for host in plan.every_replica().host_batches(start):
         ahead.append(_on_mesh(host, mesh))
-        if len(ahead) >= PREFETCH:
+        if len(ahead) >= prefetch:
             yield ahead.popleft()
     while ahead:
         yield ahead.popleft()

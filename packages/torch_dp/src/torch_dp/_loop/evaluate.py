@@ -56,9 +56,11 @@ def evaluate_loop(
         changes.mark()
     model.eval()
     model.reset_metrics()
+    model.stop_evaluating = False  # before the first hook, as in model.evaluate: a callback may set it
     hooks.on_test_begin()
-    # rank 0's needs decide when logs are synced (only it holds the callbacks), and its changes travel
-    wants = [needs_every_batch(callbacks, "test"), in_fit is None and verbosity(verbose) == 1, changes.seen()]
+    # rank 0's needs decide when logs and its stop are synced (only it holds the callbacks; in a fit,
+    # the fit's), and its changes travel
+    wants = [needs_every_batch(hooks.callbacks, "test"), in_fit is None and verbosity(verbose) == 1, changes.seen()]
     batch_logs, progress, changed = (bool(flag) for flag in broadcast_floats(wants, replica))
     if changed:
         changes.share()
@@ -72,6 +74,8 @@ def evaluate_loop(
             if logs_due_at(step, steps, every):
                 logs = custom.logs(returned)
             hooks.on_test_batch_end(step, logs)
+            if batch_logs and stop_shared(model, "stop_evaluating", replica):
+                break
         logs = custom.logs(returned)
         hooks.on_test_end(logs)
         return logs
@@ -83,9 +87,20 @@ def evaluate_loop(
         if logs_due_at(step, steps, every):
             logs = global_logs(model, replica)
         hooks.on_test_batch_end(step, logs)
+        if batch_logs and stop_shared(model, "stop_evaluating", replica):
+            break
     logs = global_logs(model, replica)
     hooks.on_test_end(logs)
     return logs
+
+
+def stop_shared(model: keras.Model, flag: str, replica: Replica) -> bool:
+    """Whether a callback stopped the evaluation or prediction (``flag``: ``"stop_evaluating"`` or
+    ``"stop_predicting"``), read after each batch's end hook as Keras reads it: rank 0's, on every
+    replica, so all stop at the same step (every replica calls this at the same steps)."""
+    (stop,) = broadcast_floats([bool(getattr(model, flag, False))], replica)
+    setattr(model, flag, bool(stop))
+    return bool(stop)
 
 
 def predict_loop(
@@ -106,8 +121,11 @@ def predict_loop(
     model.eval()
     changes = Changes(model, replica, optimizer=False)
     changes.mark()
+    model.stop_predicting = False  # before the first hook, as in model.predict: a callback may set it
     hooks.on_predict_begin()
-    (changed,) = broadcast_floats([changes.seen()], replica)  # ``SwapEMAWeights`` swaps the averages in here
+    # ``SwapEMAWeights`` swaps the averages in here; rank 0's stop is shared where a callback acts at each batch
+    wants = [changes.seen(), needs_every_batch(hooks.callbacks, "predict")]
+    changed, every_batch = (bool(flag) for flag in broadcast_floats(wants, replica))
     if changed:
         changes.share()
     outputs: list[Any] = []
@@ -126,5 +144,7 @@ def predict_loop(
             outputs.append(predict_step(model, batch))
         real_rows.append(batch.global_real_rows)
         hooks.on_predict_batch_end(step, {"outputs": outputs[-1]})
+        if every_batch and stop_shared(model, "stop_predicting", replica):
+            break
     hooks.on_predict_end()
     return keras.tree.map_structure(lambda *parts: np.concatenate(parts), *outputs), real_rows
