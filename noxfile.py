@@ -471,8 +471,10 @@ DOCS = ["mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"]
 
 @session(python="3.11")
 def site(session: nox.Session) -> None:
-    """The user guide and API reference built with warnings as errors, alone (under a minute): a broken
-    link, anchor or cross-reference fails it. mkdocstrings reads the packages' sources, not their imports."""
+    """The user guide and API reference built with warnings as errors, alone (under a minute).
+
+    A broken link, anchor or cross-reference fails it. mkdocstrings reads the packages' sources, not
+    their imports, so nothing but the docs tools is installed."""
     session.install(*DOCS)
     session.env["NO_MKDOCS_2_WARNING"] = "1"
     session.run("mkdocs", "build", "--strict", "--site-dir", os.path.join(session.create_tmp(), "site"))
