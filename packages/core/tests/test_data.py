@@ -1,7 +1,9 @@
+import collections
+
 import numpy as np
 import pytest
 
-from dp_core._data import flatten, from_pandas, is_map_dataset, is_pandas, num_rows, take_rows
+from dp_core._data import flatten, from_pandas, is_map_dataset, is_pandas, map_structure, num_rows, take_rows
 
 
 class Squares:
@@ -96,3 +98,28 @@ def test_pandas_rows_go_by_position_as_keras_reads_them():
     assert is_pandas(frame) and is_pandas(series) and not is_pandas(np.zeros(3))
     assert num_rows(frame, series) == 3
     assert from_pandas(series).shape == (3, 1) and from_pandas(frame).shape == (3, 2)
+
+
+Pair = collections.namedtuple("Pair", "a b")
+
+
+def test_a_namedtuple_is_rebuilt_as_itself_and_a_none_leaf_stays_none():
+    """Issue 43 items 8, 9: an optional input fed None is in every batch as None; namedtuples keep their type."""
+    data = {"x": Pair(np.arange(4), [np.ones((4, 2)), None]), "o": None}
+    assert num_rows(data) == 4 and len(flatten(data)) == 2
+    rows = take_rows(data, np.array([2, 0]))
+    assert isinstance(rows["x"], Pair) and rows["x"].a.tolist() == [2, 0] and rows["x"].b[1] is None
+    assert rows["o"] is None
+    assert map_structure(lambda leaf: leaf.shape, data) == {"x": Pair((4,), [(4, 2), None]), "o": None}
+
+
+def test_a_dataset_of_namedtuple_items_collates_to_that_namedtuple():
+    class Items:
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, i):
+            return Pair(np.float32(i), None), np.int64(i)
+
+    x, y = take_rows(Items(), np.array([2, 1]))
+    assert isinstance(x, Pair) and x.a.tolist() == [2.0, 1.0] and x.b is None and y.tolist() == [2, 1]

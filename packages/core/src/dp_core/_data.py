@@ -58,14 +58,28 @@ def flatten(structure: Any) -> list[Any]:
 
 
 def map_structure(fn: Any, structure: Any) -> Any:
-    """Apply ``fn`` to every leaf, keeping the nesting; ``None`` stays ``None``."""
+    """Apply ``fn`` to every leaf, keeping the nesting (a namedtuple stays one); ``None`` stays
+    ``None`` wherever it is, as Keras's array adapter keeps an optional input fed ``None``.
+
+    >>> import collections
+    >>> Y = collections.namedtuple("Y", "a b")
+    >>> map_structure(lambda leaf: leaf * 2, {"x": Y(1, [2, None]), "o": None})
+    {'x': Y(a=2, b=[4, None]), 'o': None}
+    """
     if structure is None:
         return None
     if isinstance(structure, Mapping):
         return {key: map_structure(fn, value) for key, value in structure.items()}
     if isinstance(structure, (tuple, list)):
-        return type(structure)(map_structure(fn, item) for item in structure)
+        return _rebuilt(structure, [map_structure(fn, item) for item in structure])
     return fn(structure)
+
+
+def _rebuilt(sequence: tuple[Any, ...] | list[Any], items: list[Any]) -> Any:
+    """A tuple or list of the same type holding ``items``: a namedtuple takes them as arguments."""
+    if isinstance(sequence, tuple) and hasattr(sequence, "_fields"):
+        return type(sequence)(*items)
+    return type(sequence)(items)
 
 
 def num_rows(x: Any, y: Any = None, sample_weight: Any = None) -> int:
@@ -92,6 +106,8 @@ def num_rows(x: Any, y: Any = None, sample_weight: Any = None) -> int:
         if len(set(counts.values())) > 1:
             described = ", ".join(f"{name} has {rows}" for name, rows in counts.items())
             raise ValueError(f"All inputs must have the same number of rows (samples), but {described}.")
+        if not counts:
+            raise ValueError("x holds no array, only None: pass the training inputs.")
         count = next(iter(counts.values()))
     if count < 1:
         raise ValueError("The data has no samples: x has 0 rows.")
@@ -133,7 +149,7 @@ def _collate(items: Sequence[Any]) -> Any:
     if isinstance(first, Mapping):
         return {key: _collate([item[key] for item in items]) for key in first}
     if isinstance(first, (tuple, list)):
-        return type(first)(_collate([item[i] for item in items]) for i in range(len(first)))
+        return _rebuilt(first, [_collate([item[i] for item in items]) for i in range(len(first))])
     if first is None:
         return None
     return np.stack([np.asarray(item) for item in items])

@@ -1,5 +1,7 @@
 """dp_core.keras's input adapter, model resolution, logs and callback checks."""
 
+import collections
+
 import keras
 import numpy as np
 import pytest
@@ -57,6 +59,22 @@ def test_nested_inputs_keep_their_structure_and_count_rows_once():
     assert len(inputs.array_leaves()) == 5
     mapped = inputs.map_arrays(lambda leaf: leaf.shape)
     assert mapped.num_samples == 4 and mapped.x["b"][1] == (4,)
+
+
+def test_an_input_fed_none_stays_none_and_namedtuple_targets_stay_namedtuples():
+    """As Keras's array adapter reads them (issue 43 items 8, 9): an optional input fed None is None
+    in every batch, and a namedtuple of targets comes back as that namedtuple, with a sample weight per field."""
+    targets = collections.namedtuple("Targets", "value label")
+    x = {"o": None, "x": np.arange(12, dtype="float64").reshape(4, 3)}  # "o" sorts first
+    inputs = Inputs(x, targets(np.zeros((4, 1)), np.arange(4)), np.array([1, 2, 3, 4]))
+    assert inputs.num_samples == 4 and len(inputs.array_leaves()) == 4
+    rx, ry, weights = inputs.rows(np.array([3, 1]))
+    assert rx["o"] is None and rx["x"].dtype == np.float32 and rx["x"][:, 0].tolist() == [9.0, 3.0]
+    assert isinstance(ry, targets) and ry.label.tolist() == [3, 1]
+    assert isinstance(weights, targets) and weights.label.tolist() == [4.0, 2.0]
+    assert inputs.first_rows(2)[0]["o"] is None and inputs.map_arrays(lambda leaf: leaf.shape).x["o"] is None
+    with pytest.raises(ValueError, match="only None"):
+        Inputs({"o": None})
 
 
 def test_row_count_errors_name_the_argument():

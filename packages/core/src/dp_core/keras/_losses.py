@@ -36,7 +36,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from dp_core._data import map_structure
+from dp_core._data import flatten, map_structure
 from dp_core.keras import _internals
 from dp_core.keras._inputs import FirstRows
 
@@ -101,7 +101,7 @@ def check_losses_split(model: keras.Model, inputs: FirstRows) -> None:
     Runs the model in inference mode on the first rows; metric states are left as they were.
     """
     first = inputs.first_rows(2)
-    count = len(keras.tree.flatten(first[0])[0])
+    count = len(flatten(first[0])[0])  # dp_core's flatten skips an optional input fed None
     x, y, sample_weight = (map_structure(ops.convert_to_tensor, part) for part in first)
     # A row mask of ones: every row is real, yet the loss must split (Keras's own reduction is not used).
     rows = ReplicaRows(count, count, row_mask=ops.ones((count,)))
@@ -257,7 +257,7 @@ _row_dependent_added_losses: weakref.WeakKeyDictionary[keras.Model, list[str]] =
 def _probe_added_losses(model: keras.Model, inputs: FirstRows) -> list[str]:
     """The layers whose ``add_loss`` terms differ between the first two rows."""
     x, _, _ = inputs.first_rows(2)
-    rows = len(keras.tree.flatten(x)[0])
+    rows = len(flatten(x)[0])
     try:
         terms = [_added_losses(model, map_structure(lambda a, i=i: a[i : i + 1], x)) for i in range(min(rows, 2))]
     except Exception:  # a model without call() (its train_step does the work): the run itself will tell

@@ -23,7 +23,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from dp_core import per_replica_batch_size
-from dp_core.keras import internals, map_structure
+from dp_core.keras import flatten, internals, map_structure
 from torch_dp._data.sources import Readable
 from torch_dp._step.batchnorm import real_rows
 
@@ -40,7 +40,7 @@ def flops_per_step(model: keras.Model, rows: tuple[Any, Any, Any], *, global_bat
     ``rows`` (``rows_to_count``), per row, times the global batch. None when torch counted none
     (no op it knows, or no rows)."""
     x, y, sample_weight = (map_structure(keras.ops.convert_to_tensor, part) for part in rows)
-    counted_rows = len(keras.tree.flatten(x)[0])
+    counted_rows = len(flatten(x)[0])  # dp_core's flatten skips an optional input fed None
     if counted_rows == 0:
         return None
     counter = FlopCounterMode(display=False)

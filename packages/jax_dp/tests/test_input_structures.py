@@ -1,0 +1,91 @@
+"""Inputs shaped as Keras takes them: an optional input fed ``None``, namedtuple targets (issue 43
+items 8 and 9), against ``model.fit``/``evaluate``/``predict`` on one device."""
+
+import collections
+
+import keras
+import numpy as np
+import pytest
+
+import jax_dp
+
+pytestmark = pytest.mark.timeout(240)
+Targets = collections.namedtuple("Targets", "value label")
+ROWS, BATCH = 20, 8  # a short last batch
+
+
+def optional_input_model(*, optional: bool = True) -> keras.Model:
+    keras.utils.set_random_seed(3)
+    x = keras.Input((3,), name="x")
+    other = keras.Input((2,), name="o", optional=optional)  # fed None: the model reads x only
+    hidden = keras.layers.Dense(4, activation="relu")(x)
+    model = keras.Model({"x": x, "o": other}, keras.layers.Dense(1)(hidden))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+    return model
+
+
+def two_output_model() -> keras.Model:
+    keras.utils.set_random_seed(4)
+    x = keras.Input((3,))
+    hidden = keras.layers.Dense(4, activation="relu")(x)
+    model = keras.Model(x, [keras.layers.Dense(1, name="value")(hidden), keras.layers.Dense(2, name="label")(hidden)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=["mse", "mae"])
+    return model
+
+
+def _data() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(ROWS, 3)).astype("float32")
+    return x, rng.normal(size=(ROWS, 1)).astype("float32"), rng.normal(size=(ROWS, 2)).astype("float32")
+
+
+def _same_as_keras(trainer, build, x, y) -> None:
+    """fit, evaluate and predict through ``trainer`` give ``model.fit``'s weights, History, logs and outputs."""
+    reference = build()
+    expected = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    model = build()
+    history = trainer.fit(model, x, y, global_batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    for name, values in expected.history.items():
+        np.testing.assert_allclose(history.history[name], values, rtol=1e-5, atol=1e-6)
+    for mine, theirs in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+    logs = trainer.evaluate(model, x, y, global_batch_size=BATCH, verbose=0, return_dict=True)
+    expected_logs = reference.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    assert logs == pytest.approx(expected_logs, rel=1e-5, abs=1e-6)
+    outputs = keras.tree.flatten(trainer.predict(model, x, global_batch_size=BATCH, verbose=0))
+    expected_outputs = keras.tree.flatten(reference.predict(x, batch_size=BATCH, verbose=0))
+    for mine, theirs in zip(outputs, expected_outputs, strict=True):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_an_optional_input_fed_none_and_namedtuple_targets_train_as_model_fit_on_four_devices():
+    x, value, label = _data()
+    trainer = jax_dp.Trainer(4)
+    _same_as_keras(trainer, optional_input_model, {"x": x, "o": None}, value)
+    _same_as_keras(trainer, two_output_model, x, Targets(value, label))
+
+
+def test_a_required_input_fed_none_gets_keras_own_error():
+    x, value, _ = _data()
+    with pytest.raises(ValueError, match="not optional"):
+        optional_input_model(optional=False).fit({"x": x, "o": None}, value, batch_size=BATCH, verbose=0)
+    with pytest.raises(ValueError, match="not optional"):
+        jax_dp.Trainer(4).fit(
+            optional_input_model(optional=False), {"x": x, "o": None}, value, global_batch_size=BATCH, verbose=0
+        )
+
+
+def test_a_generator_yielding_none_for_an_optional_input_trains_as_model_fit():
+    x, value, _ = _data()
+
+    def batches():
+        for start in range(0, ROWS, BATCH):
+            yield {"x": x[start : start + BATCH], "o": None}, value[start : start + BATCH]
+
+    reference = optional_input_model()
+    expected = reference.fit(batches(), shuffle=False, verbose=0)
+    model = optional_input_model()
+    history = jax_dp.Trainer(4).fit(model, batches(), shuffle=False, verbose=0)
+    assert history.history["loss"] == pytest.approx(expected.history["loss"], rel=1e-5)
+    for mine, theirs in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
