@@ -1,18 +1,16 @@
 """Inputs shaped as Keras takes them: an optional input fed ``None``, namedtuple targets (issue 43
 items 8 and 9), against ``model.fit``/``evaluate``/``predict`` on one device."""
 
-import collections
-
 import keras
 import numpy as np
 import pytest
+from torch_dp_testing import Targets
 
 import torch_dp
 from dp_core.keras import Inputs
 from torch_dp._processes.shared_arrays import SharedArrays, open_shared
 
 pytestmark = pytest.mark.timeout(240)
-Targets = collections.namedtuple("Targets", "value label")
 ROWS, BATCH = 20, 8  # a short last batch
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import multiprocessing
@@ -580,3 +581,8 @@ class Unsendable(Recorded):
     def __init__(self, x: np.ndarray, y: np.ndarray, folder: Any) -> None:
         super().__init__(x, y, folder)
         self.lock = threading.Lock()
+
+
+# A namedtuple of targets travels to the worker replicas by reference: it is defined here, where they
+# can import it (under the pytest script the repository root is not on their path).
+Targets = collections.namedtuple("Targets", "value label")
