@@ -8,7 +8,7 @@ import keras
 import numpy as np
 import pytest
 
-from dp_core.keras import BatchSource, CallChecks, CheckedCall, Inputs, checked_call, overrides
+from dp_core.keras import BatchSource, CallChecks, CheckedCall, Executions, Inputs, checked_call, overrides
 
 X, Y = np.zeros((8, 3), "float32"), np.zeros((8, 1), "float32")
 
@@ -147,8 +147,11 @@ def test_a_call_that_runs_a_keras_step_needs_a_compiled_model_with_a_loss():
     with pytest.raises(ValueError, match=r"Model '.*' is not compiled: the trainer uses the optimizer, loss"):
         call(uncompiled)
     call(uncompiled, compiled=False, step_names=("predict_step",))  # predict needs no compile
-    with pytest.raises(ValueError, match="steps_per_execution=2"):
-        call(compiled_model(steps_per_execution=2))
+    assert call(compiled_model(steps_per_execution=3)).executions == Executions(3)
+    model = compiled_model()
+    model.steps_per_execution = 0
+    with pytest.raises(ValueError, match=r"steps_per_execution=0; a trainer needs a positive int"):
+        call(model)
 
 
 def test_a_models_own_steps_go_to_the_backends_check_and_need_no_compiled_loss():

@@ -125,7 +125,9 @@ def test_resolve_model():
         resolve_model("model", compiled=False)
     several = small_model()
     several.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
-    with pytest.raises(ValueError, match=r"steps_per_execution=4, but a trainer runs one step per global batch"):
+    assert resolve_model(several) is several  # the trainers run groups of steps as Keras
+    several.steps_per_execution = "auto"
+    with pytest.raises(ValueError, match=r"steps_per_execution='auto'; a trainer needs a positive int"):
         resolve_model(several)
 
 

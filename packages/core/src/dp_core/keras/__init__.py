@@ -17,7 +17,8 @@ The contract, what a backend calls on the way from the user's call to its step:
   (batch-yielding sources, each batch a global batch);
 - the model: ``build_model``;
 - the step's loss: ``replica_losses``, ``check_losses_split``;
-- the epoch: ``callback_list``, ``needs_every_batch``, ``python_logs``;
+- the epoch: ``callback_list``, ``needs_every_batch``, ``python_logs``; ``Executions`` (Keras's
+  ``steps_per_execution``: which steps the batch hooks surround; ``concatenated`` a group's predictions);
 - the learning rate: ``plan_learning_rate``, ``learning_rate_policy_installed``
   (``LearningRatePolicy``);
 - checkpoints: ``CheckpointWriter`` (``checkpoints_finished``: its last write waited for),
@@ -59,6 +60,9 @@ from dp_core.keras._checkpoints import print_resume as print_resume
 from dp_core.keras._checkpoints import restore_model as restore_model
 from dp_core.keras._checkpoints import resumable_checkpoint as resumable_checkpoint
 from dp_core.keras._checkpoints import start_of as start_of
+from dp_core.keras._executions import ONE_STEP as ONE_STEP
+from dp_core.keras._executions import Executions as Executions
+from dp_core.keras._executions import concatenated as concatenated
 from dp_core.keras._inputs import Inputs as Inputs
 from dp_core.keras._jobs import EvaluateJob as EvaluateJob
 from dp_core.keras._jobs import FitJob as FitJob
@@ -112,6 +116,7 @@ from dp_core.keras._sources import replica_positions as replica_positions
 
 __all__ = [
     "BATCH_NORM_MODES",
+    "ONE_STEP",
     "SHARD_MODES",
     "BatchSource",
     "BatchTerms",
@@ -119,6 +124,7 @@ __all__ = [
     "CheckedCall",
     "CheckpointWriter",
     "EvaluateJob",
+    "Executions",
     "FirstRows",
     "FitArguments",
     "FitJob",
@@ -145,6 +151,7 @@ __all__ = [
     "checked_model_and_inputs",
     "checkpoints_finished",
     "compare_replica_counts",
+    "concatenated",
     "fit_arguments",
     "flatten",
     "global_batch_size_of",

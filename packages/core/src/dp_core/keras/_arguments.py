@@ -23,6 +23,7 @@ from dp_core._data import map_structure
 from dp_core._options import check_epochs, check_integer
 from dp_core._split import EpochOrder, Shuffle, num_steps
 from dp_core._trainer import Verbose
+from dp_core.keras._executions import ONE_STEP, Executions
 from dp_core.keras._inputs import Inputs, validation_inputs
 from dp_core.keras._losses import warn_added_losses_see_padding
 from dp_core.keras._model import require_backend, require_keras_steps, resolve_model
@@ -50,6 +51,7 @@ class FitArguments:
     shuffle: Shuffle = True
     seed: int = 0
     steps_per_epoch: int | None = None  # arrays only (a source keeps its own): epochs read on across passes
+    executions: Executions = ONE_STEP  # ``steps_per_execution``: an epoch reads whole groups
     checkpoint_dir: str | None = None
     checkpoint_every_steps: int | None = None
     checkpoint_in_background: bool = True
@@ -64,7 +66,7 @@ class FitArguments:
             seed=self.seed,
             epoch=epoch,
             first_epoch=self.initial_epoch,
-            steps_per_epoch=self.steps_per_epoch,
+            steps_per_epoch=self.executions.rounded(self.steps_per_epoch),
         )
 
     def steps_in(self, epoch: int) -> int | None:
@@ -236,11 +238,13 @@ def fit_arguments(
     checkpoint_dir: str | os.PathLike[str] | None = None,
     checkpoint_every_steps: int | None = None,
     checkpoint_in_background: bool = True,
+    executions: Executions = ONE_STEP,
 ) -> FitArguments:
     """``fit``'s arguments checked, after ``checked_model_and_inputs`` (in ``model.fit``'s order, then
     keras-dp's own). ``steps_per_epoch`` is kept for arrays (a source counts its own);
     ``shuffle="batch"`` shuffles an array input's rows within each batch (``dp_core.epoch_order``),
-    and a source's batch order as ``True`` does, as Keras's adapters read it."""
+    and a source's batch order as ``True`` does, as Keras's adapters read it. With ``executions``
+    (``model.steps_per_execution``) an epoch of ``steps_per_epoch`` reads whole groups, as Keras."""
     check_checkpoint_arguments(checkpoint_dir, checkpoint_every_steps, checkpoint_in_background)
     epochs = check_epochs(epochs)
     initial_epoch = check_integer("initial_epoch", initial_epoch, minimum=0)
@@ -267,7 +271,7 @@ def fit_arguments(
             )
         inputs, validation = _split_off_validation(inputs, validation_split)
     if steps_per_epoch is not None and isinstance(inputs, Inputs):  # the rows left to train on
-        _warn_epochs_cut_short(inputs.num_samples, global_batch_size, steps_per_epoch)
+        _warn_epochs_cut_short(inputs.num_samples, global_batch_size, executions.rounded(steps_per_epoch))
     return FitArguments(
         inputs,
         global_batch_size,
@@ -284,6 +288,7 @@ def fit_arguments(
         checkpoint_in_background=checkpoint_in_background,
         verbose=verbose,
         steps_per_epoch=steps_per_epoch,
+        executions=executions,
     )
 
 

@@ -17,6 +17,7 @@ import keras
 
 from dp_core.keras._arguments import checked_inputs, global_batch_size_of, steps_batch_size
 from dp_core.keras._batch_terms import check_batch_metrics, warn_terms_not_split
+from dp_core.keras._executions import ONE_STEP, Executions
 from dp_core.keras._inputs import Inputs
 from dp_core.keras._model import overrides, require_backend, require_keras_steps, resolve_model
 from dp_core.keras._sources import BatchSource, is_batch_source
@@ -31,11 +32,13 @@ class OwnStepsCheck(Protocol):
 
 class CheckedCall(NamedTuple):
     """What a call works on once every check passed: the Keras model (a factory's, called
-    once), the inputs, and the global batch size (a batch source's own)."""
+    once), the inputs, the global batch size (a batch source's own), and the model's
+    ``steps_per_execution``."""
 
     model: keras.Model
     inputs: Inputs | BatchSource
     global_batch_size: int
+    executions: Executions = ONE_STEP
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,7 @@ def checked_call(
         return _source_call(keras_model, inputs, starts=compiled)
     if keras_step_runs:
         checks.check_split_batches(keras_model, inputs, size)
-    return CheckedCall(keras_model, inputs, size)
+    return CheckedCall(keras_model, inputs, size, Executions.of(keras_model))
 
 
 def _source_call(model: keras.Model, source: BatchSource, *, starts: bool) -> CheckedCall:
@@ -144,4 +147,4 @@ def _source_call(model: keras.Model, source: BatchSource, *, starts: bool) -> Ch
     size = source.global_batch_size  # its first batch, read with the source's draws left as they were
     if starts:
         source.starts_as_keras(model)
-    return CheckedCall(model, source, size)
+    return CheckedCall(model, source, size, Executions.of(model))

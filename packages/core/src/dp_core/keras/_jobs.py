@@ -24,6 +24,7 @@ from dp_core._nonfinite import NonFiniteAction
 from dp_core._options import BatchNormMode, ShardMode
 from dp_core._trainer import Verbose
 from dp_core.keras._arguments import FitArguments
+from dp_core.keras._executions import ONE_STEP, Executions
 from dp_core.keras._inputs import Inputs
 from dp_core.keras._learning_rate import LearningRatePolicy
 from dp_core.keras._sources import BatchSource
@@ -82,6 +83,7 @@ class EvaluateJob(Generic[InputsT]):
     verbose: Verbose
     log_every_steps: int = 10  # torch's, as ``FitJob.log_every_steps``
     callbacks: Sequence[keras.callbacks.Callback] = ()
+    executions: Executions = ONE_STEP  # the model's ``steps_per_execution`` (a fit's: ``arguments.executions``)
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,7 @@ class PredictJob(Generic[InputsT]):
     global_batch_size: int
     verbose: Verbose
     callbacks: Sequence[keras.callbacks.Callback] = ()
+    executions: Executions = ONE_STEP
 
 
 Job = FitJob | EvaluateJob | PredictJob

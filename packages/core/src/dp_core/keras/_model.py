@@ -8,6 +8,7 @@ from typing import Any
 import keras
 
 from dp_core.keras import _internals
+from dp_core.keras._executions import Executions
 from dp_core.keras._inputs import FirstRows
 
 
@@ -45,13 +46,7 @@ def require_compiled(model: keras.Model) -> None:
         )
     if getattr(model, "loss", None) is None:
         raise ValueError(f"Model '{model.name}' was compiled without a loss; pass `loss=` to `model.compile`.")
-    steps = getattr(model, "steps_per_execution", 1)
-    if steps != 1:
-        raise ValueError(
-            f"Model '{model.name}' was compiled with steps_per_execution={steps}, but a trainer runs one step per "
-            "global batch (callbacks and the progress bar see every batch; gradients are reduced at each). "
-            "Recompile with steps_per_execution=1 (the default); to take larger steps, raise the global batch size."
-        )
+    Executions.of(model)  # a positive int
 
 
 def require_keras_steps(model: keras.Model, step_names: tuple[str, ...], package: str) -> None:
