@@ -186,7 +186,7 @@ class Trainer:
         ``optax.MultiSteps(optimizer, every_k_schedule=k)``. A window runs across epoch ends, and
         a checkpoint taken inside one holds the gradients summed so far, as one device would.
         """
-        model, inputs, global_batch_size = checked_call(
+        model, inputs, global_batch_size, executions = checked_call(
             model, x, y, sample_weight, batch_size=batch_size, global_batch_size=global_batch_size,
             step_names=("train_step", "test_step") if validation_data is not None or validation_split
             else ("train_step",), class_weight=class_weight, steps=steps_per_epoch, steps_name="steps_per_epoch",
@@ -248,7 +248,7 @@ class Trainer:
         return_dict: bool = False,
     ) -> Any:
         """Loss and metrics over every sample, as single-device ``model.evaluate`` computes them."""
-        model, inputs, global_batch_size = checked_call(
+        model, inputs, global_batch_size, executions = checked_call(
             model,
             x,
             y,
@@ -277,7 +277,7 @@ class Trainer:
         callbacks: Sequence[keras.callbacks.Callback] | None = None,
     ) -> Any:
         """The model's outputs for every row of ``x``, in input order, as numpy."""
-        model, inputs, global_batch_size = checked_call(
+        model, inputs, global_batch_size, executions = checked_call(
             model,
             x,
             batch_size=batch_size,

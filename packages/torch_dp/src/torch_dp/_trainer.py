@@ -219,7 +219,7 @@ class Trainer:
         a copy of the state taken at its step and written while training goes on;
         ``checkpoint_in_background=False`` waits for each write.
         """
-        keras_model, inputs, global_batch_size = checked_call(
+        keras_model, inputs, global_batch_size, executions = checked_call(
             model,
             x,
             y,
@@ -264,7 +264,7 @@ class Trainer:
         return_dict: bool = False,
     ) -> Any:
         """Loss and metrics over every sample, as single-device ``model.evaluate`` gives them."""
-        keras_model, inputs, global_batch_size = checked_call(
+        keras_model, inputs, global_batch_size, executions = checked_call(
             model,
             x,
             y,
@@ -295,7 +295,7 @@ class Trainer:
         callbacks: Sequence[keras.callbacks.Callback] | None = None,
     ) -> Any:
         """Predictions for every row of ``x``, in input order, like ``model.predict``."""
-        keras_model, inputs, global_batch_size = checked_call(
+        keras_model, inputs, global_batch_size, executions = checked_call(
             model,
             x,
             batch_size=batch_size,
