@@ -237,3 +237,35 @@ def test_call_checks_name_a_models_own_steps_once_the_backend_accepted_them():
         CallChecks("jax", "a_dp", 2).own_steps(model, ("train_step",), compiled=True)
     with pytest.raises(dataclasses.FrozenInstanceError):
         checks.num_replicas = 4  # type: ignore[misc]
+
+
+def test_a_call_under_a_keras_distribution_is_refused_naming_it_and_the_way_out():
+    model = compiled_model()
+    distribution = keras.distribution.DataParallel(devices=keras.distribution.list_devices()[:1])
+    with distribution.scope(), pytest.raises(RuntimeError, match=r"A Keras distribution is set \(<DataParallel"):
+        call(model)
+    keras.distribution.set_distribution(distribution)
+    try:
+        with pytest.raises(RuntimeError, match=r"set_distribution\(None\), or leave the distribution's scope"):
+            call(model, compiled=False, step_names=("predict_step",))
+    finally:
+        keras.distribution.set_distribution(None)
+    assert call(model).model is model  # once it is unset, the same call runs
+
+
+class Spread:
+    """A stand-in for a torch DTensor value (Keras 3.16's torch ModelParallel)."""
+
+
+def test_a_model_whose_variables_keras_made_dtensors_is_refused():
+    model = compiled_model()
+    kernel = model.layers[0].kernel
+    spread_type = type("DTensor", (Spread,), {})
+    original = type(kernel).value
+    try:
+        type(kernel).value = property(lambda variable: spread_type() if variable is kernel else original.fget(variable))
+        made = r"holds variables Keras's ModelParallel made DTensors \(sequential.*kernel"
+        with pytest.raises(RuntimeError, match=made):
+            call(model)
+    finally:
+        type(kernel).value = original

@@ -17,6 +17,7 @@ import keras
 
 from dp_core.keras._arguments import checked_inputs, global_batch_size_of, steps_batch_size
 from dp_core.keras._batch_terms import check_batch_metrics, warn_terms_not_split
+from dp_core.keras._distribution import require_no_keras_distribution
 from dp_core.keras._executions import ONE_STEP, Executions
 from dp_core.keras._inputs import Inputs
 from dp_core.keras._model import overrides, require_backend, require_keras_steps, resolve_model
@@ -99,7 +100,8 @@ def checked_call(
     3. a zero-argument factory is called (once);
     4. the steps of ``step_names`` the model overrides (``CallChecks.own_steps``);
     5. a ``keras.Model`` (``resolve_model``), compiled with a loss when ``compiled`` (not for
-       ``predict``) and a Keras step of ``step_names`` runs;
+       ``predict``) and a Keras step of ``step_names`` runs; no Keras distribution set
+       (``require_no_keras_distribution``);
     6. the inputs (``checked_inputs``): a batch source (``steps`` its batches per epoch, each a
        global batch: its ``global_batch_size`` is returned), or arrays whose global batch divides
        over the replicas and that take no ``steps`` (named ``steps_name``) but ``steps_per_epoch``;
@@ -124,6 +126,7 @@ def checked_call(
     own = checks.own_steps(model, step_names, compiled=compiled)
     keras_step_runs = compiled and len(own) < len(step_names)
     keras_model = resolve_model(model, compiled=keras_step_runs)  # not a model: a TypeError
+    require_no_keras_distribution(keras_model, checks.package)
     inputs = checked_inputs(
         x,
         y,

@@ -1,0 +1,32 @@
+"""A Keras distribution (``keras.distribution``) and a trainer never share a call.
+
+Keras's ``DataParallel``/``ModelParallel`` place variables and shard each batch themselves (on jax,
+and on torch since Keras 3.16: DDP around the model, DTensor variables). A trainer places both its
+own way; with a distribution also set, a call would run half of each. So a call made while one is
+set (``set_distribution``, or inside its ``scope()``), or on a model whose variables Keras's torch
+``ModelParallel`` made DTensors, is refused before anything starts, with the way out.
+"""
+
+from __future__ import annotations
+
+import keras
+
+
+def require_no_keras_distribution(model: keras.Model, package: str) -> None:
+    """A clear error for a call made under a Keras distribution, or on a model built under torch's."""
+    distribution = keras.distribution.distribution()
+    if distribution is not None:
+        raise RuntimeError(
+            f"A Keras distribution is set ({distribution!r}) while {package} is called: the trainer places the "
+            "model and the batches itself, so Keras's layouts and input sharding would be half used. Call "
+            "keras.distribution.set_distribution(None), or leave the distribution's scope(), before calling the "
+            "trainer. Its data parallel is what the trainer does on every replica; for a ModelParallel layout_map, "
+            "jax_dp.Trainer(mesh=..., layout=...) takes the same rules (docs/migrating.md)."
+        )
+    spread = [variable.path for variable in model.variables if type(variable.value).__name__ == "DTensor"]
+    if spread:
+        raise RuntimeError(
+            f"Model '{model.name}' holds variables Keras's ModelParallel made DTensors ({', '.join(spread[:3])}"
+            f"{', ...' if len(spread) > 3 else ''}); {package} places whole variables on its replicas. Build the "
+            "model without a Keras distribution (outside its scope()) and pass it to the trainer."
+        )
