@@ -199,6 +199,7 @@ class Trainer:
             validation_steps=validation_steps, callbacks=callbacks, shuffle=shuffle, seed=seed,
             checkpoint_dir=checkpoint_dir, checkpoint_every_steps=checkpoint_every_steps,
             checkpoint_in_background=checkpoint_in_background, verbose=verbose, steps_per_epoch=steps_per_epoch,
+            executions=executions,
         )  # fmt: skip
         settings = self._settings
         job = self._fit_job(
@@ -259,7 +260,9 @@ class Trainer:
             steps=steps,
             checks=self._call_checks,
         )
-        job = EvaluateJob(inputs, global_batch_size, self.batch_norm, verbose, callbacks=list(callbacks or []))
+        job = EvaluateJob(
+            inputs, global_batch_size, self.batch_norm, verbose, callbacks=list(callbacks or []), executions=executions
+        )
         logs = run_job(model, job, self._settings)
         return logs if return_dict else internals.metrics_in_order(model, logs)
 
@@ -287,7 +290,8 @@ class Trainer:
             steps=steps,
             checks=self._call_checks,
         )
-        return run_job(model, PredictJob(inputs, global_batch_size, verbose, list(callbacks or [])), self._settings)
+        job = PredictJob(inputs, global_batch_size, verbose, list(callbacks or []), executions=executions)
+        return run_job(model, job, self._settings)
 
     @property
     def _call_checks(self) -> CallChecks:
