@@ -18,6 +18,7 @@ import keras
 import numpy as np
 
 import dp_core
+from parity.grouped import one_step_at_a_time, restore
 
 
 class Runner(Protocol):
@@ -68,9 +69,27 @@ class KerasRunner:
         **arguments: Any,
     ) -> keras.callbacks.History:
         model, (x, y) = _model(model), self._nudged(*_arrays_of_rows(x, y))
+        arguments["callbacks"] = grouped = one_step_at_a_time(model, arguments.get("callbacks"))
+        try:
+            return self._fit(
+                model, x, y, batch_size=batch_size or global_batch_size, shuffle=shuffle, seed=seed, **arguments
+            )
+        finally:
+            restore(model, grouped)
+
+    def _fit(
+        self,
+        model: keras.Model,
+        x: Any,
+        y: Any,
+        *,
+        batch_size: int | None,
+        shuffle: bool | str,
+        seed: int,
+        **arguments: Any,
+    ) -> keras.callbacks.History:
         if self.nudge is not None and isinstance(validation := arguments.get("validation_data"), tuple):
             arguments["validation_data"] = (self._nudged(validation[0], None)[0], *validation[1:])
-        batch_size = batch_size or global_batch_size
         if not shuffle:
             return model.fit(x, y, batch_size=batch_size, shuffle=False, **arguments)
         if not _is_arrays(x):
@@ -83,11 +102,21 @@ class KerasRunner:
 
     def evaluate(self, model: Any, x: Any = None, y: Any = None, **arguments: Any) -> Any:
         x, y = self._nudged(*_arrays_of_rows(x, y))
-        return _model(model).evaluate(x, y, **_keras_batch(arguments))
+        model = _model(model)
+        arguments["callbacks"] = grouped = one_step_at_a_time(model, arguments.get("callbacks"))
+        try:
+            return model.evaluate(x, y, **_keras_batch(arguments))
+        finally:
+            restore(model, grouped)
 
     def predict(self, model: Any, x: Any, **arguments: Any) -> Any:
         x, _ = self._nudged(*_arrays_of_rows(x, None))
-        return _model(model).predict(x, **_keras_batch(arguments))
+        model = _model(model)
+        arguments["callbacks"] = grouped = one_step_at_a_time(model, arguments.get("callbacks"))
+        try:
+            return model.predict(x, **_keras_batch(arguments))
+        finally:
+            restore(model, grouped)
 
     def _nudged(self, x: Any, y: Any) -> tuple[Any, Any]:
         """``x``'s float elements times ``1 +- nudge``; ``y`` as it is. Not one factor for all: the first

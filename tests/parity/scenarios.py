@@ -744,14 +744,6 @@ def loaded_model_predict(run: Runner) -> Any:
 # ---- clear errors (run by the Trainer only) ---------------------------------------------------------
 
 
-# n/a by design: a Trainer step is one global batch, and callbacks see every one of them
-@scenario("compile.steps_per_execution", errors=everywhere(("ValueError",), "steps_per_execution"))
-def steps_per_execution(run: Runner) -> None:
-    """`compile(steps_per_execution=2)`: the Trainer runs one step per global batch and says so."""
-    x, y = tabular("steps_per_execution")
-    _fit(run, mlp("steps_per_execution", steps_per_execution=2), x, y)
-
-
 @scenario("evaluate.kwargs", errors=everywhere(("TypeError",), "_use_cached_eval_dataset"))
 def evaluate_private_keyword(run: Runner) -> None:
     """`evaluate(**kwargs)` in Keras takes only its own private `_use_cached_eval_dataset`."""
@@ -764,6 +756,7 @@ from parity import (  # noqa: E402
     scenarios_applications,  # noqa: F401
     scenarios_batch_terms,  # noqa: F401
     scenarios_callbacks,  # noqa: F401
+    scenarios_executions,  # noqa: F401
     scenarios_inputs,  # noqa: F401
     scenarios_models,  # noqa: F401
 )
