@@ -15,11 +15,12 @@ from typing import Any, NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from dp_core import EpochOrder, ReplicaLayout
 from dp_core.keras import BatchSource, Inputs, map_structure, runs_last_batch_whole
-from jax_dp._mesh.mesh import batch_sharded, put_replicated, replicated
+from jax_dp._mesh.mesh import BATCH_AXIS, batch_sharded, put_replicated, replicated
 
 PREFETCH = 2  # batches prepared ahead: enough to hide the host's gather behind a step
 
@@ -167,25 +168,43 @@ def device_batches(
     jax dispatch is asynchronous, so gathering and transferring batch ``s+1`` here
     overlaps with the step the caller just dispatched on batch ``s``.
     """
+    place = BatchPlacer(plan, mesh, whole_last=whole_last)
     ahead: collections.deque[Batch] = collections.deque()
-    real_rows: dict[int, jax.Array] = {}  # few distinct values per epoch: placed once each
-    no_padding: jax.Array | None = None  # the mask of every full batch, placed once
     for step, host in enumerate(plan.host_batches(start), start=start):
-        if host.real_rows not in real_rows:
-            real_rows[host.real_rows] = put_replicated(np.float32(host.real_rows), mesh)
-        full = host.real_rows == plan.global_batch_size
-        whole = _whole(plan, host, step) if whole_last and not full else None
-        if whole is not None:
-            ahead.append(_put_whole(whole, mesh, real_rows[host.real_rows]))
-            continue
-        if full and no_padding is None:
-            no_padding = _put_rows([np.ones_like(host.mask)], plan.global_batch_size, mesh)[0]
-        mask = no_padding if full else None
-        ahead.append(_put(host, plan.global_batch_size, mesh, real_rows[host.real_rows], mask))
+        ahead.append(place(host, step))
         if len(ahead) >= prefetch:
             yield ahead.popleft()
     while ahead:
         yield ahead.popleft()
+
+
+class BatchPlacer:
+    """Puts one plan's host batches on the mesh: split over ``"batch"``, padded; with ``whole_last``,
+    a short last batch as a ``WholeBatch``. Keeps what every full batch shares (its mask, the real-row
+    counts), placed once."""
+
+    def __init__(self, plan: Plan, mesh: Mesh, *, whole_last: bool) -> None:
+        self.plan, self.mesh, self.whole_last = plan, mesh, whole_last
+        self._real_rows: dict[int, jax.Array] = {}  # few distinct values per epoch: placed once each
+        self._no_padding: jax.Array | None = None  # the mask of every full batch, placed once
+
+    def goes_whole(self, host: HostBatch) -> bool:
+        """Whether ``host`` may be placed whole (a short batch with ``whole_last``)."""
+        return self.whole_last and host.real_rows != self.plan.global_batch_size
+
+    def __call__(self, host: HostBatch, step: int) -> Batch:
+        """Global batch ``step``, whose rows on this process are ``host``, on the mesh."""
+        plan, mesh = self.plan, self.mesh
+        if host.real_rows not in self._real_rows:
+            self._real_rows[host.real_rows] = put_replicated(np.float32(host.real_rows), mesh)
+        real_rows = self._real_rows[host.real_rows]
+        whole = _whole(plan, host, step) if self.goes_whole(host) else None
+        if whole is not None:
+            return _put_whole(whole, mesh, real_rows)
+        full = host.real_rows == plan.global_batch_size
+        if full and self._no_padding is None:
+            self._no_padding = put_rows([np.ones_like(host.mask)], plan.global_batch_size, mesh)[0]
+        return _put(host, plan.global_batch_size, mesh, real_rows, self._no_padding if full else None)
 
 
 def _put(host: HostBatch, global_batch_size: int, mesh: Mesh, real_rows: jax.Array, mask: jax.Array | None) -> Batch:
@@ -193,18 +212,22 @@ def _put(host: HostBatch, global_batch_size: int, mesh: Mesh, real_rows: jax.Arr
     placed (a full batch's), else the host's is placed too."""
     parts = (host.x, host.y, host.sample_weight, host.mask if mask is None else None)
     leaves, structure = jax.tree.flatten(parts)
-    x, y, sample_weight, own_mask = jax.tree.unflatten(structure, _put_rows(leaves, global_batch_size, mesh))
+    x, y, sample_weight, own_mask = jax.tree.unflatten(structure, put_rows(leaves, global_batch_size, mesh))
     return Batch(x=x, y=y, sample_weight=sample_weight, mask=own_mask if mask is None else mask, real_rows=real_rows)
 
 
-def _put_rows(leaves: list[np.ndarray], global_batch_size: int, mesh: Mesh) -> list[jax.Array]:
+def put_rows(leaves: list[np.ndarray], global_batch_size: int, mesh: Mesh, *, stacked: bool = False) -> list[jax.Array]:
     """This process's rows of each global batch array, split over ``"batch"``: one batched transfer
-    when this process holds every row (a Python call per array costs a short step much of its time)."""
-    sharding = batch_sharded(mesh)
+    when this process holds every row (a Python call per array costs a short step much of its time).
+    ``stacked``: each array holds several batches on a leading axis, the rows on the second."""
+    sharding = NamedSharding(mesh, P(None, BATCH_AXIS)) if stacked else batch_sharded(mesh)
     if jax.process_count() == 1:
         return jax.device_put(leaves, [sharding] * len(leaves))
+    lead = 2 if stacked else 1
     return [
-        jax.make_array_from_process_local_data(sharding, local, (global_batch_size, *local.shape[1:]))
+        jax.make_array_from_process_local_data(
+            sharding, local, (*local.shape[: lead - 1], global_batch_size, *local.shape[lead:])
+        )
         for local in leaves
     ]
 

@@ -1,5 +1,10 @@
 """The evaluate and predict loops, over Keras's own steps and over a model's own.
 
+With ``steps_per_execution`` (``dp_core.keras.Executions``) the batch hooks and the stop flags
+come at the ends of groups, as in Keras: the begin hook before a group's first step, the end hook
+after its last, given the group's hook step and the logs after its last step (``predict``: the
+group's outputs, concatenated). The steps of a group run one by one, each its own program.
+
 Around a model's own ``test_step``/``predict_step`` (``_step.custom``) they do what Keras's
 ``JAXTrainer`` does: metrics reset before each evaluation; the state written into the model when
 a callback reads it (``jax_state_sync``) and read back only if the callback changed it; batch
@@ -17,9 +22,10 @@ import jax
 import keras
 import numpy as np
 
-from dp_core.keras import internals, overrides
+from dp_core.keras import ONE_STEP, Executions, concatenated, internals, overrides
 from jax_dp._comm.hosts import agree, replicated_to_host, rows_to_host
 from jax_dp._data.batches import Plan, device_batches, whole_last_batch
+from jax_dp._data.groups import Group, groups_of
 from jax_dp._loop.reporting import (
     BatchEndReporter,
     final_logs,
@@ -44,9 +50,12 @@ from jax_dp._step.steps import PredictStep, Steps
 
 class Evaluator(Protocol):
     """Loss and metrics of the model's current weights over every batch of ``plan``, as
-    ``model.evaluate`` logs them; batch-end ``callbacks`` as ``model.evaluate`` calls them."""
+    ``model.evaluate`` logs them; batch-end ``callbacks`` as ``model.evaluate`` calls them, once per
+    group of ``executions``."""
 
-    def __call__(self, plan: Plan, callbacks: keras.callbacks.CallbackList | None) -> dict[str, Any]: ...
+    def __call__(
+        self, plan: Plan, callbacks: keras.callbacks.CallbackList | None, executions: Executions = ONE_STEP
+    ) -> dict[str, Any]: ...
 
 
 def evaluator(model: keras.Model, recipes: Recipes) -> Evaluator:
@@ -56,14 +65,18 @@ def evaluator(model: keras.Model, recipes: Recipes) -> Evaluator:
     if overrides(model, "test_step"):
         test_step = recipes.custom_test_step(model)
 
-        def evaluate_custom(plan: Plan, callbacks: keras.callbacks.CallbackList | None) -> dict[str, Any]:
-            return custom_evaluate_loop(model, test_step, plan, placement, callbacks)
+        def evaluate_custom(
+            plan: Plan, callbacks: keras.callbacks.CallbackList | None, executions: Executions = ONE_STEP
+        ) -> dict[str, Any]:
+            return custom_evaluate_loop(model, test_step, plan, placement, callbacks, executions)
 
         return evaluate_custom
     steps = recipes.steps(model)
 
-    def evaluate(plan: Plan, callbacks: keras.callbacks.CallbackList | None) -> dict[str, Any]:
-        return evaluate_loop(model, steps, plan, placement, callbacks)
+    def evaluate(
+        plan: Plan, callbacks: keras.callbacks.CallbackList | None, executions: Executions = ONE_STEP
+    ) -> dict[str, Any]:
+        return evaluate_loop(model, steps, plan, placement, callbacks, executions)
 
     return evaluate
 
@@ -74,24 +87,26 @@ def evaluate_loop(
     plan: Plan,
     placement: Placement,
     callbacks: keras.callbacks.CallbackList | None = None,
+    executions: Executions = ONE_STEP,
 ) -> dict[str, Any]:
     """Loss and metrics of the model's current weights over every sample of the plan (running
     means over real rows), the metric states left in the model as ``model.evaluate`` leaves them;
-    batch-end ``callbacks`` as ``model.evaluate`` calls them."""
+    batch-end ``callbacks`` as ``model.evaluate`` calls them, once per group of ``executions``."""
     mesh = placement.mesh
     weights = weights_on_mesh(model, placement)
     metrics = metrics_on_mesh(model, mesh)
     reporter = None if callbacks is None else BatchEndReporter(callbacks, "test", plan.steps)
     whole_last = whole_last_batch(model, plan, training=False)
     batches = device_batches(plan, mesh, whole_last=whole_last, prefetch=read_ahead(reporter))
-    for step, batch in enumerate(batches):
+    for group in groups_of(batches, executions, plan.steps):
         if reporter is not None and callbacks is not None and reporter.every_step:
-            callbacks.on_test_batch_begin(step)
-        non_trainable, metrics = steps.test(weights, metrics, batch, plan.padded)
-        weights = weights._replace(non_trainable=non_trainable)  # a seed generator advances, as in model.evaluate
-        reported = reporter is not None and callbacks is not None and reporter.due(step)
+            callbacks.on_test_batch_begin(group.first)
+        for batch in group.batches:
+            non_trainable, metrics = steps.test(weights, metrics, batch, plan.padded)
+            weights = weights._replace(non_trainable=non_trainable)  # a seed generator advances, as in model.evaluate
+        reported = reporter is not None and callbacks is not None and reporter.due(group.last, first=group.first)
         if reported and callbacks is not None:
-            callbacks.on_test_batch_end(step, host_logs(steps.results(metrics)))
+            callbacks.on_test_batch_end(executions.hook_step(group.last), host_logs(steps.results(metrics)))
         if stopped(model, "stop_evaluating", reported=reported):
             break
     write_non_trainable(model, weights.non_trainable)
@@ -104,6 +119,7 @@ def predict_loop(
     plan: Plan,
     placement: Placement,
     callbacks: keras.callbacks.CallbackList,
+    executions: Executions = ONE_STEP,
 ) -> Any:
     """The model's outputs for every sample, in the plan's (input) order, padding dropped; the
     non-trainable values the calls leave written back, as ``model.predict`` does."""
@@ -111,22 +127,40 @@ def predict_loop(
     weights = weights_on_mesh(model, placement)
     reporter = BatchEndReporter(callbacks, "predict", plan.steps)
     outputs = []
-    for step, batch in enumerate(device_batches(plan, placement.mesh, prefetch=read_ahead(reporter))):
+    batches = device_batches(plan, placement.mesh, prefetch=read_ahead(reporter))
+    for group in groups_of(batches, executions, plan.steps):
         if reporter.every_step:
-            callbacks.on_predict_batch_begin(step)
-        batch_outputs, non_trainable = predict_step(weights, batch.x)
-        weights = weights._replace(non_trainable=non_trainable)  # a seed generator advances, as in model.predict
-        outputs.append(batch_outputs)
-        if reported := reporter.due(step):
-            real = plan.real_rows(step)  # the batch's outputs as model.predict hands them over: no padding
-            batch_outputs = jax.tree.map(lambda output, real=real: output[:real], outputs[-1])
-            callbacks.on_predict_batch_end(step, {"outputs": batch_outputs})
+            callbacks.on_predict_batch_begin(group.first)
+        for batch in group.batches:
+            batch_outputs, non_trainable = predict_step(weights, batch.x)
+            weights = weights._replace(non_trainable=non_trainable)  # a seed generator advances, as in model.predict
+            outputs.append(batch_outputs)
+        if reported := reporter.due(group.last, first=group.first):
+            real = [plan.real_rows(step) for step in range(group.first, group.last + 1)]
+            _predicted(callbacks, executions, group, outputs[-group.size :], real)
         if stopped(model, "stop_predicting", reported=reported):
             break
     write_non_trainable(model, weights.non_trainable)
     # Pulled at the end, not per batch, so the devices never wait for the host.
     host = [_real_rows_to_host(output, plan.real_rows(step)) for step, output in enumerate(outputs)]
     return jax.tree.map(lambda *parts: np.concatenate(parts), *host)
+
+
+def _predicted(
+    callbacks: keras.callbacks.CallbackList,
+    executions: Executions,
+    group: Group[Any],
+    outputs: list[Any],
+    real_rows: list[int] | None = None,
+) -> None:
+    """The predict end hook after ``group``: its steps' ``outputs`` as ``model.predict`` hands them
+    over, without padding (``real_rows`` of each step; None: none padded), concatenated."""
+    if real_rows is not None:
+        outputs = [
+            jax.tree.map(lambda leaf, real=real: leaf[:real], output)
+            for output, real in zip(outputs, real_rows, strict=True)
+        ]
+    callbacks.on_predict_batch_end(executions.hook_step(group.last), {"outputs": concatenated(outputs)})
 
 
 def build_for_predict(model: keras.Model, plan: Plan) -> None:
@@ -156,20 +190,25 @@ def custom_evaluate_loop(
     plan: Plan,
     placement: Placement,
     callbacks: keras.callbacks.CallbackList | None = None,
+    executions: Executions = ONE_STEP,
 ) -> dict[str, Any]:
     """The model's own ``test_step`` over every batch of ``plan``, as ``model.evaluate`` runs it:
-    metrics reset first, the state (metric variables included) written back at the end."""
+    metrics reset first, the state (metric variables included) written back at the end; the batch
+    hooks once per group of ``executions``."""
     state = EvaluationState(*weights_on_mesh(model, placement), metric_values_on_mesh(model, placement.mesh))
     reporter = None if callbacks is None else BatchEndReporter(callbacks, "test", plan.steps)
     last_logs = None
     with _EvaluationOnRequest(model, placement) as on_request:
-        for step, data in enumerate(step_data(plan, placement.mesh, prefetch=read_ahead(reporter))):
+        data = step_data(plan, placement.mesh, prefetch=read_ahead(reporter))
+        for group in groups_of(data, executions, plan.steps):
             if reporter is not None and callbacks is not None and reporter.every_step:
-                state = on_request.around(state, callbacks.on_test_batch_begin, step)
-            state, last_logs = test_step(state, data)
-            reported = reporter is not None and callbacks is not None and reporter.due(step)
+                state = on_request.around(state, callbacks.on_test_batch_begin, group.first)
+            for batch_data in group.batches:
+                state, last_logs = test_step(state, batch_data)
+            reported = reporter is not None and callbacks is not None and reporter.due(group.last, first=group.first)
             if reported and callbacks is not None:
-                state = on_request.around(state, callbacks.on_test_batch_end, step, host_logs(last_logs))
+                hook_step = executions.hook_step(group.last)
+                state = on_request.around(state, callbacks.on_test_batch_end, hook_step, host_logs(last_logs))
             if stopped(model, "stop_evaluating", reported=reported):
                 break
         _write_evaluation(model, state)
@@ -238,6 +277,7 @@ def custom_predict_loop(
     plan: Plan,
     placement: Placement,
     callbacks: keras.callbacks.CallbackList,
+    executions: Executions = ONE_STEP,
 ) -> Any:
     """The model's own ``predict_step`` on every batch, outputs concatenated in input order as
     ``model.predict`` does; the non-trainable values it returns end in the model, as in Keras."""
@@ -245,13 +285,14 @@ def custom_predict_loop(
     weights = weights_on_mesh(model, placement)
     reporter = BatchEndReporter(callbacks, "predict", plan.steps)
     outputs = []
-    for step, data in enumerate(step_data(plan, placement.mesh, prefetch=read_ahead(reporter))):
+    for group in groups_of(step_data(plan, placement.mesh, prefetch=read_ahead(reporter)), executions, plan.steps):
         if reporter.every_step:
-            callbacks.on_predict_batch_begin(step)
-        weights, batch_outputs = predict_step(weights, data)
-        outputs.append(batch_outputs)
-        if reported := reporter.due(step):
-            callbacks.on_predict_batch_end(step, {"outputs": batch_outputs})
+            callbacks.on_predict_batch_begin(group.first)
+        for data in group.batches:
+            weights, batch_outputs = predict_step(weights, data)
+            outputs.append(batch_outputs)
+        if reported := reporter.due(group.last, first=group.first):
+            _predicted(callbacks, executions, group, outputs[-group.size :])
         if stopped(model, "stop_predicting", reported=reported):
             break
     write_non_trainable(model, weights.non_trainable)

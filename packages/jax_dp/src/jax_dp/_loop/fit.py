@@ -101,7 +101,7 @@ def _validation_logs(
     plan = epoch_plan(arguments.validation, layout=layout, order=order)
     model.stop_evaluating = False  # as model.fit's evaluate sets it, before the first test hook
     callbacks.on_test_begin()
-    val_logs = evaluate(plan, callbacks)
+    val_logs = evaluate(plan, callbacks, arguments.executions)  # in the fit's groups, as model.fit's
     callbacks.on_test_end(val_logs)
     return {f"val_{name}": value for name, value in val_logs.items()}
 

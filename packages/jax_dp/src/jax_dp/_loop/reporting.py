@@ -24,13 +24,14 @@ STOP_CHECK_STEPS = 16  # with several processes, how often a mid-epoch stop deci
 
 
 class BatchEndReporter:
-    """Calls batch-end callbacks every step only if a callback needs every step.
+    """Calls batch-end callbacks every step (every ``steps_per_execution`` group: ``due`` is asked
+    at a group's last step) only if a callback needs every step.
 
     Otherwise (progress bar only) at the first step, then at most every ``PROGRESS_SECONDS``
     and at the last step, because each report sums the metric states and waits for the devices:
     the bar shows the metrics from the first step, as in ``model.fit``. With several processes
     that sum is a collective, so every process reports at the same steps: every step if process
-    0 needs it, else the first and every ``STOP_CHECK_STEPS``.
+    0 needs it, else the first and the groups holding a multiple of ``STOP_CHECK_STEPS``.
     """
 
     def __init__(self, callbacks: keras.callbacks.CallbackList, mode: str, steps: int | None) -> None:
@@ -45,7 +46,9 @@ class BatchEndReporter:
         self.last = 0.0
         self.first = True  # the epoch's first step (where a resumed epoch starts) is always reported
 
-    def due(self, step: int) -> bool:
+    def due(self, step: int, *, first: int | None = None) -> bool:
+        """Whether the batch-end hooks run after ``step``, the last of a group that began at ``first``
+        (default: ``step``, a group of one)."""
         if not self.enabled:
             return False
         first, self.first = self.first, False
@@ -53,11 +56,17 @@ class BatchEndReporter:
             self.last = time.monotonic()
             return True
         if self.several_processes:
-            return (step + 1) % STOP_CHECK_STEPS == 0
+            return crossed_check_step(step if first is None else first, step)
         if time.monotonic() - self.last >= PROGRESS_SECONDS:
             self.last = time.monotonic()
             return True
         return False
+
+
+def crossed_check_step(first: int, last: int) -> bool:
+    """Whether the steps ``first..last`` (a group) hold one after which several processes exchange
+    a decision: every ``STOP_CHECK_STEPS``-th."""
+    return (last + 1) // STOP_CHECK_STEPS > first // STOP_CHECK_STEPS
 
 
 def stopped(model: keras.Model, flag: str, *, reported: bool) -> bool:

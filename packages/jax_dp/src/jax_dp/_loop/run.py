@@ -34,10 +34,11 @@ from dp_core.keras import (
 from jax_dp._comm.hosts import is_primary
 from jax_dp._data.sources import epoch_plan
 from jax_dp._loop.checkpoints import resume_and_writer
-from jax_dp._loop.epochs import EpochTrainer, KerasSteps, OwnSteps
+from jax_dp._loop.epochs import EpochTrainer
 from jax_dp._loop.evaluate import custom_predict_loop, evaluator, predict_loop
 from jax_dp._loop.fit import fit_loop
 from jax_dp._loop.preemption import PreemptionNotice
+from jax_dp._loop.step_kinds import KerasSteps, OwnSteps
 from jax_dp._mesh.layout import Layout, Placement, place
 from jax_dp._step.accumulation import check_accumulate_steps
 from jax_dp._step.compile_cache import CompileCache
@@ -147,13 +148,13 @@ def _epoch_trainer(
 ) -> EpochTrainer:
     """How the fit trains an epoch: with the model's own ``train_step`` or Keras's; at a non-finite
     loss as the job's action says (the trainer's option, or model.fit's with a ``TerminateOnNaN``)."""
-    action = job.on_nonfinite_loss
+    action, executions = job.on_nonfinite_loss, job.arguments.executions
     stop_on_nonfinite, recipes = action == "stop", settings.recipes(placement, apply_nonfinite=action == "apply")
     if overrides(model, "train_step"):
         kind = OwnSteps(model, optimizer, recipes.custom_train_step(model, optimizer), placement)
-        return EpochTrainer(kind, checkpoints, stop_on_nonfinite=stop_on_nonfinite)
+        return EpochTrainer(kind, checkpoints, stop_on_nonfinite=stop_on_nonfinite, executions=executions)
     kind = KerasSteps(model, optimizer, recipes.steps(model, optimizer), placement, profile)
-    return EpochTrainer(kind, checkpoints, stop_on_nonfinite=stop_on_nonfinite)
+    return EpochTrainer(kind, checkpoints, stop_on_nonfinite=stop_on_nonfinite, executions=executions)
 
 
 def run_evaluate(
@@ -167,7 +168,7 @@ def run_evaluate(
     )
     model.stop_evaluating = False  # before the first hook, as in model.evaluate: a callback may set it
     hooks.on_test_begin()
-    logs = evaluator(model, settings.recipes(placement))(plan, hooks)
+    logs = evaluator(model, settings.recipes(placement))(plan, hooks, job.executions)
     hooks.on_test_end(logs)
     return logs
 
@@ -183,8 +184,9 @@ def run_predict(model: keras.Model, job: PredictJob[Inputs | BatchSource], setti
     hooks.on_predict_begin()
     recipes = settings.recipes(placement)
     if overrides(model, "predict_step"):
-        outputs = custom_predict_loop(recipes.custom_predict_step(model), model, plan, placement, hooks)
+        predict_step = recipes.custom_predict_step(model)
+        outputs = custom_predict_loop(predict_step, model, plan, placement, hooks, job.executions)
     else:
-        outputs = predict_loop(recipes.predict_step(model), model, plan, placement, hooks)
+        outputs = predict_loop(recipes.predict_step(model), model, plan, placement, hooks, job.executions)
     hooks.on_predict_end()
     return outputs

@@ -89,13 +89,6 @@ def check_custom_steps(
             f"Model '{model.name}' is not compiled: {overriding}, which Keras runs with what `model.compile` sets up "
             "(the optimizer the step's state carries, the metrics). Call `model.compile(optimizer=...)` first."
         )
-    steps_per_execution = getattr(model, "steps_per_execution", 1)
-    if compiled and steps_per_execution != 1:
-        raise ValueError(
-            f"Model '{model.name}' was compiled with steps_per_execution={steps_per_execution}, but a trainer runs "
-            "one step per global batch (callbacks and the progress bar see every batch). Recompile with "
-            "steps_per_execution=1 (the default); to take larger steps, raise the global batch size."
-        )
     if "train_step" not in step_names:
         return
     if optax:

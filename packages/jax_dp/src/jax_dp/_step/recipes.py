@@ -28,6 +28,7 @@ from jax_dp._step.custom import (
 from jax_dp._step.metrics import make_results
 from jax_dp._step.optimizers import Optimizer
 from jax_dp._step.profile import Pieces
+from jax_dp._step.scan import make_scanned_train_step
 from jax_dp._step.steps import (
     PredictStep,
     Steps,
@@ -77,6 +78,10 @@ class Recipes:
             recipes["train_reporting"] = (
                 training,
                 lambda: make_reporting_train_step(model, optimizer, placement, **options),
+            )
+            recipes["train_scanned"] = (
+                training,
+                lambda: make_scanned_train_step(model, optimizer, placement, **options),
             )
 
         def fetch(kind: str) -> Any:

@@ -98,6 +98,11 @@ class Steps:
         return self._fetch("train_reporting")
 
     @functools.cached_property
+    def train_scanned(self) -> Callable[[TrainState, Batch, bool], tuple[TrainState, Report]]:
+        """A group of ``steps_per_execution`` steps in one program, with its report (``_step.scan``)."""
+        return self._fetch("train_scanned")
+
+    @functools.cached_property
     def report(self) -> Callable[[list[jax.Array], jax.Array], Report]:
         """``(metric stacks, skipped count) -> report``."""
         return self._fetch("report")
@@ -123,7 +128,7 @@ def make_train_step(
 ) -> TrainStep:
     """One optimizer step on one global batch: ``(state, batch, padded) -> state``; the state
     argument is donated; ``padded`` (static) says whether any batch of the epoch is padded."""
-    train_step = _train_step(
+    train_step = train_step_of(
         model,
         optimizer,
         placement,
@@ -132,7 +137,7 @@ def make_train_step(
         apply_nonfinite=apply_nonfinite,
     )
     return jax.jit(
-        train_step, donate_argnums=0, static_argnums=2, out_shardings=_state_shardings(model, optimizer, placement)
+        train_step, donate_argnums=0, static_argnums=2, out_shardings=state_shardings(model, optimizer, placement)
     )
 
 
@@ -148,7 +153,7 @@ def make_reporting_train_step(
     """``make_train_step``'s step (its state donated) with its report: the logs and skipped count,
     replicated. One program a step: on CPU, where the devices share the host's cores, each
     program launched costs a short step more than the work it does."""
-    train_step = _train_step(
+    train_step = train_step_of(
         model,
         optimizer,
         placement,
@@ -162,7 +167,7 @@ def make_reporting_train_step(
         state = train_step(state, batch, padded)
         return state, report_of(results_of(model_now(), state.metrics), state.counts.skipped)
 
-    shardings = (_state_shardings(model, optimizer, placement), replicated(placement.mesh))
+    shardings = (state_shardings(model, optimizer, placement), replicated(placement.mesh))
     return jax.jit(reporting_train_step, donate_argnums=0, static_argnums=2, out_shardings=shardings)
 
 
@@ -176,7 +181,7 @@ def make_report(model: keras.Model, mesh: Mesh) -> Callable[[list[jax.Array], ja
     return jax.jit(report, out_shardings=replicated(mesh))
 
 
-def _state_shardings(model: keras.Model, optimizer: Optimizer, placement: Placement) -> Any:
+def state_shardings(model: keras.Model, optimizer: Optimizer, placement: Placement) -> Any:
     # A sharding in place of a field (a pytree prefix) applies to every array in it. Weights and
     # optimizer state lie as the call's placement says (replicated without a layout: ``_mesh.layout``).
     everywhere: Any = replicated(placement.mesh)
@@ -192,7 +197,7 @@ def _state_shardings(model: keras.Model, optimizer: Optimizer, placement: Placem
     )
 
 
-def _train_step(
+def train_step_of(
     model: keras.Model,
     optimizer: Optimizer,
     placement: Placement,
