@@ -1,0 +1,200 @@
+"""``compile(steps_per_execution=N)``: what a group of steps saves, a Trainer against ``model.fit``.
+
+For N in 1, 8 and 32, on the interactive benchmark's small model (20 features -> Dense(64) ->
+Dense(3), 2,048 rows at a global batch of 64: 32 steps an epoch, nearly all of a step's time the
+host's) and on the Keras guide's MNIST convnet (2,048 random MNIST-shaped rows, batch 64), on one
+device each, so both sides do the same work: ``model.fit`` against a Trainer of one replica
+(``torch_dp.Trainer(num_replicas=1)``, ``jax_dp.Trainer(1)``). Interleaved rounds, the order
+reversed every other round; each run's milliseconds per step from its median epoch after the first
+(the first holds compiling); the ratio is the median over rounds of ``model.fit``'s time over the
+Trainer's (above 1: the Trainer is faster). Where Keras's own loop refuses N > 1 (torch before
+Keras 3.16) ``model.fit`` runs N = 1, said in the output (``keras_steps_per_execution``).
+
+    python benchmarks/bench_steps_per_execution.py [--quick] --output docs/benchmarks/steps_per_execution.json
+    python benchmarks/bench_steps_per_execution.py --backend torch --output ...   # one backend, here
+
+Each backend runs in a fresh process of this interpreter and writes its part of ``--output``; run
+the torch part with an interpreter that has Keras 3.16 for ``model.fit``'s own groups on torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from machine import round_order, usable_cores
+
+BACKENDS = ("torch", "jax")
+SIZES = (1, 8, 32)
+ROWS, FEATURES, CLASSES, GLOBAL_BATCH_SIZE = 2048, 20, 3, 64
+STEPS_PER_EPOCH = ROWS // GLOBAL_BATCH_SIZE
+EPOCHS = 4  # the first holds compiling; the median of the others is the run's
+ROUNDS = 3
+
+
+def small_model(size: int) -> Any:
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(CLASSES, activation="softmax"),
+        ]
+    )
+    model.compile(
+        optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"], steps_per_execution=size
+    )
+    return model
+
+
+def convnet(size: int) -> Any:
+    from guide_convnet import mnist_convnet
+
+    model = mnist_convnet()
+    model.compile(
+        optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"], steps_per_execution=size
+    )
+    return model
+
+
+def data(name: str) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    if name == "convnet":
+        from guide_convnet import synthetic_mnist
+
+        return synthetic_mnist(ROWS)
+    return rng.standard_normal((ROWS, FEATURES), dtype=np.float32), rng.integers(0, CLASSES, ROWS).astype("int64")
+
+
+def keras_groups_itself() -> bool:
+    import keras
+
+    major, minor = (int(part) for part in keras.version().split(".")[:2])
+    return keras.backend.backend() != "torch" or (major, minor) >= (3, 16)
+
+
+class EpochTimes:
+    """Each epoch's seconds, through epoch hooks only (no batch hook: the loops run as without one)."""
+
+    def __init__(self) -> None:
+        self.begins: list[float] = []
+        self.seconds: list[float] = []
+
+    def callback(self) -> Any:
+        import keras
+
+        return keras.callbacks.LambdaCallback(
+            on_epoch_begin=lambda epoch, logs: self.begins.append(time.perf_counter()),
+            on_epoch_end=lambda epoch, logs: self.seconds.append(time.perf_counter() - self.begins[-1]),
+        )
+
+    def ms_per_step(self) -> float:
+        return 1000 * statistics.median(self.seconds[1:]) / STEPS_PER_EPOCH
+
+
+def one_run(trainer: Any, name: str, size: int, x: np.ndarray, y: np.ndarray) -> float:
+    """Milliseconds per step of one ``fit`` (``trainer`` None: ``model.fit``)."""
+    build = convnet if name == "convnet" else small_model
+    times = EpochTimes()
+    arguments = {"epochs": EPOCHS, "callbacks": [times.callback()], "verbose": 0, "shuffle": False}
+    if trainer is None:
+        model = build(size if keras_groups_itself() else 1)
+        model.fit(x, y, batch_size=GLOBAL_BATCH_SIZE, **arguments)
+    else:
+        trainer.fit(build(size), x, y, global_batch_size=GLOBAL_BATCH_SIZE, **arguments)
+    return times.ms_per_step()
+
+
+def new_trainer(backend: str) -> Any:
+    if backend == "torch":
+        import torch_dp
+
+        return torch_dp.Trainer(num_replicas=1)
+    import jax_dp
+
+    return jax_dp.Trainer(1)
+
+
+def measure(backend: str, *, quick: bool) -> dict[str, Any]:
+    trainer, results = new_trainer(backend), {}
+    rounds = 1 if quick else ROUNDS
+    try:
+        for name in ("small", "convnet"):
+            x, y = data(name)
+            for size in SIZES:
+                runs: dict[str, list[float]] = {"keras": [], "trainer": []}
+                for index in range(rounds):
+                    for who, contender in round_order({"keras": None, "trainer": trainer}, index):
+                        runs[who].append(one_run(contender, name, size, x, y))
+                ratios = [keras_ms / mine for keras_ms, mine in zip(runs["keras"], runs["trainer"], strict=True)]
+                results[f"{name}/{size}"] = {
+                    "ms_per_step": {who: statistics.median(values) for who, values in runs.items()},
+                    "rounds_ms_per_step": runs,
+                    "samples_per_s": {
+                        who: 1000 * GLOBAL_BATCH_SIZE / statistics.median(values) for who, values in runs.items()
+                    },
+                    "median_ratio": statistics.median(ratios),
+                    "ratios": ratios,
+                }
+                print(f"{backend} {name} N={size}: {results[f'{name}/{size}']['ms_per_step']} ratio {ratios}")
+    finally:
+        if backend == "torch":
+            trainer.close()
+    return results
+
+
+def run_backend(backend: str, *, quick: bool, output: Path) -> None:
+    import keras
+
+    cores = usable_cores()
+    results = measure(backend, quick=quick)
+    document = json.loads(output.read_text()) if output.exists() else {}
+    document["setup"] = {
+        "rows": ROWS,
+        "global_batch_size": GLOBAL_BATCH_SIZE,
+        "steps_per_epoch": STEPS_PER_EPOCH,
+        "epochs": EPOCHS,
+        "rounds": 1 if quick else ROUNDS,
+        "sizes": list(SIZES),
+    }
+    document["host"] = {"machine": platform.machine(), "cpu_count": os.cpu_count(), "python": platform.python_version()}
+    document[backend] = {
+        "keras": keras.__version__,
+        "keras_steps_per_execution": "N" if keras_groups_itself() else "1 (this Keras's torch model.fit refuses N > 1)",
+        "usable_cores_before": cores,
+        "results": results,
+    }
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(document, indent=2) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: one round")
+    parser.add_argument("--output", type=Path, default=Path("docs/benchmarks/steps_per_execution.json"))
+    parser.add_argument("--backend", choices=BACKENDS, help="measure only this backend, in this process")
+    parser.add_argument("--python", default=sys.executable, help="the interpreter of each backend's process")
+    args = parser.parse_args()
+    if args.backend is not None:
+        run_backend(args.backend, quick=args.quick, output=args.output)
+        return
+    for backend in BACKENDS:
+        environment = dict(os.environ, KERAS_BACKEND=backend, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+        command = [args.python, __file__, "--backend", backend, "--output", str(args.output)]
+        subprocess.run(command + (["--quick"] if args.quick else []), check=True, env=environment)
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
