@@ -241,6 +241,7 @@ class Trainer:
             validation_steps=validation_steps, callbacks=callbacks, shuffle=shuffle, seed=seed,
             checkpoint_dir=checkpoint_dir, checkpoint_every_steps=checkpoint_every_steps,
             checkpoint_in_background=checkpoint_in_background, verbose=verbose, steps_per_epoch=steps_per_epoch,
+            executions=executions,
         )  # fmt: skip
         job = self._fit_job(arguments, keras_model, inputs, lr_scaling=lr_scaling, warmup_steps=warmup_steps)
         history = self._launcher.run(job, keras_model, model)
@@ -276,7 +277,13 @@ class Trainer:
             checks=self._call_checks,
         )
         job = EvaluateJob(
-            inputs, global_batch_size, self.batch_norm, verbose, self.log_every_steps, list(callbacks or [])
+            inputs,
+            global_batch_size,
+            self.batch_norm,
+            verbose,
+            self.log_every_steps,
+            list(callbacks or []),
+            executions=executions,
         )
         logs = self._launcher.run(job, keras_model, model)
         return logs if return_dict else internals.metrics_in_order(keras_model, logs)
@@ -306,7 +313,9 @@ class Trainer:
             checks=self._call_checks,
         )
         return self._launcher.run(
-            PredictJob(inputs, global_batch_size, verbose, list(callbacks or [])), keras_model, model
+            PredictJob(inputs, global_batch_size, verbose, list(callbacks or []), executions=executions),
+            keras_model,
+            model,
         )
 
     def _fit_job(

@@ -59,3 +59,21 @@ def in_even_order(parts: list[list[np.ndarray]], real_rows: list[int]) -> list[n
                 offsets[rank] += count
         merged.append(np.concatenate(pieces))
     return merged
+
+
+def in_row_order(parts: list[np.ndarray], counts: list[list[int]]) -> np.ndarray:
+    """A few global batches' outputs from every replica's real rows of them (``parts[r]``: replica
+    ``r``'s rows, ``counts[r]``: how many of each batch), put back in row order: each batch's parts
+    side by side in rank order (replica ``r`` holds the ``r``-th contiguous part of each batch).
+
+    >>> in_row_order([np.array([0, 1, 4]), np.array([2, 3])], [[2, 1], [2, 0]]).tolist()
+    [0, 1, 2, 3, 4]
+    """
+    offsets = [0] * len(parts)
+    pieces = []
+    for batch in range(len(counts[0])):
+        for rank, part in enumerate(parts):
+            count = counts[rank][batch]
+            pieces.append(part[offsets[rank] : offsets[rank] + count])
+            offsets[rank] += count
+    return np.concatenate(pieces)

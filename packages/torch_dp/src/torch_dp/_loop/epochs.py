@@ -8,6 +8,8 @@ step carries them on its gradients' all-reduce when a callback acts at every bat
 a batch end waits for the epoch's end); a model's own ``train_step`` (``_step.custom``) runs on
 ``even_batches`` (unpadded rows), and its decisions travel in a small broadcast before each step,
 since the user's step owns the gradients' all-reduce.
+
+With ``steps_per_execution=N`` all of that happens at a group's boundaries only (``_loop.groups``).
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ from torch_dp._comm.replica import Replica
 from torch_dp._data.batches import Batch, EvenBatch, even_batches, replica_batches, whole_last_batch
 from torch_dp._loop.changes import Changes
 from torch_dp._loop.checkpoints import save
+from torch_dp._loop.groups import ALONE, InGroup, group_logs_due, in_group
 from torch_dp._step.accumulation import Window
 from torch_dp._step.custom import CustomSteps, optimizers_of
-from torch_dp._step.metrics import global_logs, logs_due, logs_of
+from torch_dp._step.metrics import global_logs, logs_of
 from torch_dp._step.shards import REPLICATED, TrainingState
 from torch_dp._step.steps import Trained, train_step
 
@@ -112,10 +115,12 @@ class EpochSteps(Protocol):
         stop: bool,
         timer: StepTimer | NoStepTimer,
         changed: bool = False,
+        place: InGroup = ALONE,
     ) -> Trained:
         """One step on every replica; ``preempt``: this replica got a notice (anyone's stops all);
         ``changed``: rank 0's callbacks changed its state (with the step's decisions: every replica
-        leaves the step out, for it to be taken again on rank 0's state)."""
+        leaves the step out, for it to be taken again on rank 0's state). ``place``: where the step
+        lies in its group (decisions travel with a group's first step, logs with its last)."""
         ...
 
     def logs(self, trained: Trained, due: bool, logs: dict[str, Any]) -> dict[str, Any]:
@@ -131,7 +136,7 @@ class KerasSteps:
     """Keras's own train step (``_step.steps.train_step``, or a gradient accumulation ``window``'s), on
     padded batches. With ``decide_each_step`` (callbacks act at every batch) every step sums the
     metric states and rank 0's decisions with the gradients; else logs are synced at the epoch's
-    first step and every ``log_every`` steps (0: never), as ``logs_due_at`` says. Without
+    first step and every ``log_every`` steps (0: never), as ``_loop.groups.logs_due_at`` says. Without
     ``batch_hooks`` (no callback acts at a batch, no progress bar) none is called: Keras would hand
     each step's ``on_train_batch_end`` to a thread of its own for nothing."""
 
@@ -164,8 +169,11 @@ class KerasSteps:
         stop: bool,
         timer: StepTimer | NoStepTimer,
         changed: bool = False,
+        place: InGroup = ALONE,
     ) -> Trained:
-        model, replica, sum_metrics = self.model, self.replica, self.decide_each_step
+        # rank 0's decisions ride on a group's first step, the metric states for its end hook on its last
+        model, replica = self.model, self.replica
+        sum_metrics, decide = self.decide_each_step and (place.first or place.last), place.first
         if self.window is None:
             return train_step(
                 model,
@@ -179,6 +187,7 @@ class KerasSteps:
                 buckets=self.buckets,
                 apply_nonfinite=self.apply_nonfinite,
                 state=self.state,
+                decide=decide,
             )
         return self.window.train_step(
             model,
@@ -191,6 +200,7 @@ class KerasSteps:
             changed=changed,
             preempt=preempt,
             timer=timer,
+            decide=decide,
         )
 
     def logs(self, trained: Trained, due: bool, logs: dict[str, Any]) -> dict[str, Any]:
@@ -233,9 +243,12 @@ class OwnSteps:
         stop: bool,
         timer: StepTimer | NoStepTimer,
         changed: bool = False,
+        place: InGroup = ALONE,
     ) -> Trained:  # rank 0's changes travel before the step (``share_decisions``)
-        # anyone's notice, in a small all-reduce of its own: the user's step owns the gradients' one
-        if all_reduce_sum([torch.tensor([float(preempt)], device=self.replica.device)], self.replica)[0].item():
+        # anyone's notice, at a group's first step, in a small all-reduce of its own: the user's step
+        # owns the gradients' one
+        notices = [torch.tensor([float(preempt)], device=self.replica.device)]
+        if place.first and all_reduce_sum(notices, self.replica)[0].item():
             return Trained(False, preempted=True)
         self.returned = self.custom.train_step(batch)
         return Trained(True)
@@ -245,18 +258,6 @@ class OwnSteps:
 
     def epoch_logs(self) -> dict[str, Any]:
         return self.custom.logs(self.returned)
-
-
-def logs_due_at(step: int, steps: int | None, every: int, *, first_step: int = 0) -> bool:
-    """Whether the logs are read (summed over replicas) after ``step``: the progress bar shows the
-    metrics from the epoch's first step (``first_step``, where a resumed epoch starts), as in
-    ``model.fit``, then new values every ``every`` steps (``Trainer(log_every_steps=...)``) and at
-    the last; never with ``every=0`` (nothing shows them). One small all-reduce each.
-
-    >>> [step for step in range(25) if logs_due_at(step, 25, 10)]
-    [0, 9, 19, 24]
-    """
-    return every > 0 and (step == first_step or logs_due(step, steps, every))
 
 
 def train_epoch(
@@ -274,38 +275,41 @@ def train_epoch(
     changes: Changes | None = None,
 ) -> dict[str, Any]:
     """One epoch of ``kind``'s steps from ``first_step``, checkpoints written as asked; returns the
-    epoch's logs. The one order of every epoch (``kind`` says where rank 0's decisions travel):
+    epoch's logs. The one order of every epoch (``kind`` says where rank 0's decisions travel), in
+    groups of ``steps_per_execution`` steps (``_loop.groups``; one step each by default):
 
-    rank 0's stop from the last batch end acted on (no hook for a step not taken) ->
-    ``on_train_batch_begin`` -> rank 0's decisions, when they travel before the step -> the step,
-    which carries this replica's preemption notice (any replica's stops all at this step boundary:
-    a checkpoint, then ``Preempted``) -> a stop that rode on it, a non-finite loss -> the logs ->
-    ``on_train_batch_end`` -> a checkpoint when due.
+    rank 0's stop from the last group's end acted on (no hook for a step not taken) ->
+    ``on_train_batch_begin`` -> rank 0's decisions, when they travel before the step -> the group's
+    first step, which carries this replica's preemption notice (any replica's stops all at this
+    boundary: a checkpoint, then ``Preempted``) -> a stop that rode on it, a non-finite loss -> the
+    group's other steps -> the logs -> ``on_train_batch_end`` -> a checkpoint when one of its steps was due.
 
-    What rank 0's batch hooks change in its state (``changes``) travels with its decisions: before
-    the step, or with it, which every replica then takes again on rank 0's state. Without batch
-    hooks that act, nothing changes during the epoch: the state is marked shared at its end.
-    """
+    What rank 0's batch hooks change in its state (``changes``) travels with its decisions: before the
+    step, or with it, which every replica then takes again on rank 0's state (without batch hooks that
+    act, nothing changes during the epoch: the state is marked shared at its end)."""
     model.train()
     steps = job.arguments.steps_in(epoch)
-    batches = kind.batches(job, epoch, first_step)
+    executions = job.arguments.executions
     logs: dict[str, Any] = {}
+    place, step = ALONE, first_step - 1
     timer.start()
-    for step, batch in enumerate(batches, start=first_step):
+    for step, batch in enumerate(kind.batches(job, epoch, first_step), start=first_step):
         timer.lap("input")
-        stopped = bool(model.stop_training)  # rank 0 stopped at the last batch end
-        ends = stopped and kind.decisions != AT_THE_EPOCH_END
-        if ends and kind.decisions == WITH_THE_STEP:
-            # the stop rides on this step's all-reduce, which every replica then undoes (the callbacks
-            # do not see this step)
-            kind.take(batch, epoch, step, preempt=False, stop=True, timer=NO_STEP_TIMER)
-            return kind.epoch_logs()
-        if kind.batch_hooks and not ends:
-            callbacks.on_train_batch_begin(step)
-        timer.lap("callbacks")
-        if kind.decisions == BEFORE_THE_STEP and share_decisions(model, replica, stopped=stopped, changes=changes):
-            return kind.epoch_logs()
-        trained = _take(kind, batch, epoch, step, notice=notice, changes=changes, timer=timer)
+        place = in_group(executions, step, steps, first_step=first_step)
+        if place.first:
+            stopped = bool(model.stop_training)  # rank 0 stopped at the last group's end
+            ends = stopped and kind.decisions != AT_THE_EPOCH_END
+            if ends and kind.decisions == WITH_THE_STEP:
+                # the stop rides on this step's all-reduce, which every replica then undoes (the callbacks
+                # do not see this step)
+                kind.take(batch, epoch, step, preempt=False, stop=True, timer=NO_STEP_TIMER)
+                return kind.epoch_logs()
+            if kind.batch_hooks and not ends:
+                callbacks.on_train_batch_begin(step)
+            timer.lap("callbacks")
+            if kind.decisions == BEFORE_THE_STEP and share_decisions(model, replica, stopped=stopped, changes=changes):
+                return kind.epoch_logs()
+        trained = _take(kind, batch, epoch, step, place, notice=notice, changes=changes, timer=timer)
         if trained.preempted:
             _preempted(model, replica, notice, checkpoints, kind, epoch=epoch, step=step)
         if trained.stopped:
@@ -313,16 +317,33 @@ def train_epoch(
             return kind.epoch_logs()
         if not trained.applied:
             _nonfinite_loss(job.on_nonfinite_loss, epoch, step, replica)
-        logs = kind.logs(trained, logs_due_at(step, steps, kind.log_every, first_step=first_step), logs)
-        if kind.batch_hooks:
-            callbacks.on_train_batch_end(step, logs)
-        if checkpoints is not None and checkpoints.due(step + 1, steps):
-            save(checkpoints, model, replica, epoch=epoch, step=step + 1, window=kind.window, state=kind.state)
+        if place.last:
+            due = group_logs_due(executions, step, steps, kind.log_every, first_step=first_step)
+            logs = kind.logs(trained, due, logs)
+            _group_end(model, job, epoch, step, replica, callbacks, kind, logs, checkpoints)
         timer.lap("callbacks")  # logs, hooks and checkpoints
         timer.end_step()
     if changes is not None and kind.decisions == AT_THE_EPOCH_END:
         changes.mark()
-    return kind.epoch_logs()
+    logs = kind.epoch_logs()
+    if not place.last:  # the data ended inside a group: it ends here (the epoch's checkpoint follows)
+        _group_end(model, job, epoch, step, replica, callbacks, kind, logs, None)
+    return logs
+
+
+def _group_end(
+    model: keras.Model, job: FitJob, epoch: int, step: int, replica: Replica, callbacks: keras.callbacks.CallbackList,
+    kind: EpochSteps, logs: dict[str, Any], checkpoints: CheckpointWriter | None,
+) -> None:  # fmt: skip
+    """After a group's last ``step``: ``on_train_batch_end`` with its ``logs`` and first step + N - 1, as Keras,
+    then a checkpoint when one of its steps was due (``Executions.checkpoint_due``), but at the epoch's end,
+    whose own checkpoint follows (as ``CheckpointWriter.due`` leaves the last step's)."""
+    executions, steps = job.arguments.executions, job.arguments.steps_in(epoch)
+    if kind.batch_hooks:
+        callbacks.on_train_batch_end(executions.hook_step(step), logs)
+    ends_epoch = steps is not None and step + 1 >= steps
+    if checkpoints is not None and not ends_epoch and executions.checkpoint_due(checkpoints.due, step + 1, steps):
+        save(checkpoints, model, replica, epoch=epoch, step=step + 1, window=kind.window, state=kind.state)
 
 
 def _take(
@@ -330,20 +351,21 @@ def _take(
     batch: Any,
     epoch: int,
     step: int,
+    place: InGroup,
     *,
     notice: PreemptionWatch | None,
     changes: Changes | None,
     timer: StepTimer | NoStepTimer,
 ) -> Trained:
-    """``kind``'s step on every replica, carrying this replica's preemption ``notice``. When rank 0's
-    callbacks changed its state and that travelled with the step, every replica left it out: it is
-    taken again, on rank 0's state (``_loop.changes``)."""
-    asked = notice is not None and notice.requested is not None
-    changed = kind.decisions == WITH_THE_STEP and changes is not None and changes.seen()
-    trained = kind.take(batch, epoch, step, preempt=asked, stop=False, timer=timer, changed=changed)
+    """``kind``'s step on every replica, carrying this replica's preemption ``notice`` at a group's
+    first step (``place``). When rank 0's callbacks changed its state and that travelled with the
+    step, every replica left it out: it is taken again, on rank 0's state (``_loop.changes``)."""
+    asked = place.first and notice is not None and notice.requested is not None
+    changed = place.first and kind.decisions == WITH_THE_STEP and changes is not None and changes.seen()
+    trained = kind.take(batch, epoch, step, preempt=asked, stop=False, timer=timer, changed=changed, place=place)
     if trained.changed and changes is not None:
         changes.share()
-        trained = kind.take(batch, epoch, step, preempt=asked, stop=False, timer=timer)
+        trained = kind.take(batch, epoch, step, preempt=asked, stop=False, timer=timer, place=place)
     if changes is not None and kind.decisions != AT_THE_EPOCH_END and not trained.stopped:
         changes.mark()  # the step changed every replica alike (a stop leaves rank 0's changes to share)
     return trained

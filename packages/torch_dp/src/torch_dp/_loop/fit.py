@@ -194,6 +194,7 @@ def _validation_logs(
         in_fit=callbacks,
         custom=custom,
         changes=changes,
+        executions=arguments.executions,  # a fit's validation groups its steps as the fit
     )
     return {f"val_{name}": value for name, value in val_logs.items()}
 

@@ -176,6 +176,7 @@ def run_evaluate(model: keras.Model, job: EvaluateJob, replica: Replica) -> dict
             verbose=job.verbose,
             log_every_steps=job.log_every_steps,
             custom=custom,
+            executions=job.executions,
         )
 
 
@@ -201,6 +202,7 @@ def run_predict(model: keras.Model, job: PredictJob, replica: Replica) -> Any:
             callbacks=job.callbacks,
             verbose=job.verbose,
             custom=custom,
+            executions=job.executions,
         )
     local = keras.tree.flatten(outputs)
     # gathered on every replica: one collective, and no replica needs to know which one reports

@@ -136,6 +136,7 @@ class Window:
         changed: bool = False,
         preempt: bool = False,
         timer: StepTimer | NoStepTimer = NO_STEP_TIMER,
+        decide: bool = True,
     ) -> Trained:
         """``_step.steps.train_step`` for step ``step`` of ``epoch`` inside a window: its gradient share
         accumulates locally, and the window's sum is all-reduced and applied on its last step.
@@ -152,9 +153,10 @@ class Window:
         if not exchange:
             self._accumulate(model, local, trainable, nonfinite)
             return Trained(True)
-        layout = ReductionLayout.of(model, logs=sum_metrics, counts_nonfinite=True)
+        decided = sum_metrics and decide  # as ``train_step``'s
+        layout = ReductionLayout.of(model, logs=sum_metrics, counts_nonfinite=True, decisions=decided)
         rate = learning_rate_variable(model)
-        decisions = decisions_on_device(rate, replica, stop=stop, changed=changed) if sum_metrics else None
+        decisions = decisions_on_device(rate, replica, stop=stop, changed=changed) if decided else None
         extras = layout.pack(self.nonfinite + nonfinite, flag(preempt, replica), model, decisions)
         shares = self._window_sums(model, local, trainable) if last else []  # this replica's share of the window's
         window_sums, summed = all_reduce_after(shares, extras, replica)

@@ -92,9 +92,9 @@ def check_custom_steps(
 ) -> None:
     """Clear errors, before any replica starts, for what the model's own steps (``step_names``, the
     ones a call runs) need when the call needs ``model.compile`` (``compiled``): not a compiled
-    loss, which a model's own step computes itself, as in Keras; but the optimizer, to train, and
-    one step per global batch. Its own ``train_step`` applies its optimizers to the whole state:
-    not with ``shard``."""
+    loss, which a model's own step computes itself, as in Keras; but the optimizer, to train. Its
+    own ``train_step`` applies its optimizers to the whole state: not with ``shard``. (With
+    ``steps_per_execution=N`` it runs once per batch, N batches between hooks, as in Keras.)"""
     if shard is not None and "train_step" in step_names and overrides(model, "train_step"):
         raise NotImplementedError(
             f"{type(model).__name__} overrides train_step, which applies its optimizers itself to the whole "
@@ -107,13 +107,6 @@ def check_custom_steps(
         raise ValueError(
             f"Model '{model.name}' is not compiled: its train_step applies the optimizer from "
             "`model.compile(optimizer=...)`. Call `model.compile(optimizer=...)` first."
-        )
-    steps = getattr(model, "steps_per_execution", 1)
-    if steps != 1:
-        raise ValueError(
-            f"Model '{model.name}' was compiled with steps_per_execution={steps}, but a trainer runs one step per "
-            "global batch (callbacks and the progress bar see every batch). Recompile with steps_per_execution=1 "
-            "(the default); to take larger steps, raise the global batch size."
         )
 
 

@@ -76,9 +76,14 @@ class ReductionLayout:
     counts_nonfinite: bool = False  # the control's first value counts non-finite losses, else it is the loss
 
     @classmethod
-    def of(cls, model: keras.Model, *, logs: bool, counts_nonfinite: bool = False) -> ReductionLayout:
-        """``logs``: the metric states and rank 0's decisions travel (callbacks act at every batch)."""
-        return cls(len(model.metrics_variables) if logs else 0, logs, counts_nonfinite)
+    def of(
+        cls, model: keras.Model, *, logs: bool, counts_nonfinite: bool = False, decisions: bool | None = None
+    ) -> ReductionLayout:
+        """``logs``: the metric states and rank 0's decisions travel (callbacks act at every batch);
+        ``decisions=False``: the states only (a step inside a group of ``steps_per_execution``)."""
+        return cls(
+            len(model.metrics_variables) if logs else 0, logs if decisions is None else decisions, counts_nonfinite
+        )
 
     def pack(
         self, first: torch.Tensor, preempted: torch.Tensor, model: keras.Model, decisions: torch.Tensor | None = None

@@ -165,6 +165,7 @@ def train_step(
     buckets: GradientBuckets | None = None,
     apply_nonfinite: bool = False,
     state: TrainingState = REPLICATED,
+    decide: bool = True,
 ) -> Trained:
     """Forward, exact global-batch gradient, Keras optimizer update, metric update.
 
@@ -178,7 +179,8 @@ def train_step(
     every replica takes before applying, ``stop`` (every replica undoes this step and leaves the
     epoch) and ``changed`` (rank 0's callbacks changed its model or optimizer: every replica undoes
     this step, to take it again on rank 0's state, ``_loop.changes``). So a batch-level callback
-    costs no collective of its own. ``preempt`` (this replica got a preemption notice) rides on it
+    costs no collective of its own (``decide=False``: the metric states travel without decisions, at
+    a group's last step, ``_loop.groups``). ``preempt`` (this replica got a preemption notice) rides on it
     always: when any replica sends it, every replica undoes this step, so all stop at the same step.
 
     The host reads the few values that decide the update once the all-reduce is done (``Agreed``):
@@ -196,9 +198,10 @@ def train_step(
     before = _state_to_undo(model)
     shared = sum_metrics and replica.distributed  # one replica: its own states are the global ones
     rate = learning_rate_variable(model)
-    decisions = decisions_on_device(rate, replica, stop=stop, changed=changed) if shared else None
+    decided = shared and decide
+    decisions = decisions_on_device(rate, replica, stop=stop, changed=changed) if decided else None
     loss = forward_loss(model, batch, replica)
-    layout = ReductionLayout.of(model, logs=shared)  # once the metrics are built
+    layout = ReductionLayout.of(model, logs=shared, decisions=decided)  # once the metrics are built
     extras = layout.pack(
         torch.as_tensor(loss).detach().reshape(1).to(torch.float32), flag(preempt, replica), model, decisions
     )
