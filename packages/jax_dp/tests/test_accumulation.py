@@ -125,7 +125,7 @@ def test_accumulate_steps_that_disagree_with_the_keras_optimizer_are_refused(dat
 def compiled_step(x: np.ndarray, y: np.ndarray, steps: int) -> str:
     """The compiled train step (HLO text) of a 2-replica fit with ``steps`` micro-steps a window."""
     trainer = jax_dp.Trainer(2)
-    model, inputs, _ = checked_call(
+    model, inputs, _, _ = checked_call(
         model_with(keras.optimizers.SGD(0.1, gradient_accumulation_steps=steps if steps > 1 else None)),
         x,
         y,

@@ -269,7 +269,7 @@ def compiled_step(inputs, shard: str | None) -> tuple[str, str]:
     """A 2-replica SGD train step in mode ``shard``: the lowered module (before XLA partitions it)
     and the compiled one, as text."""
     trainer = jax_dp.Trainer(2, shard=shard)  # type: ignore[arg-type]
-    model, batches, _ = checked_call(
+    model, batches, _, _ = checked_call(
         build(sgd), *inputs, batch_size=None, global_batch_size=GLOBAL_BATCH, step_names=("train_step",),
         checks=trainer._call_checks,
     )  # fmt: skip
