@@ -309,3 +309,29 @@ def test_a_whole_group_is_one_dispatch_of_one_scanned_program(monkeypatch):
     assert calls["train"] == 2 * 2
     assert "stablehlo.while" in lowered["train_scanned"]  # the group's steps are a loop in one program
     assert int(model.optimizer.iterations.numpy()) == 20
+
+
+def test_a_model_s_own_test_and_predict_steps_run_in_groups_as_keras():
+    from test_custom_steps import own_predict_step_model, own_test_step_model  # the models those tests use
+
+    x, y = rows()
+    evaluated, predicted = [own_test_step_model(), own_test_step_model()], [own_predict_step_model() for _ in "ab"]
+    for model in evaluated:
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"], steps_per_execution=3)
+    for model in predicted:
+        model.compile(steps_per_execution=3)
+    predicted[1].set_weights(predicted[0].get_weights())
+    want_hooks, got_hooks = Hooks(), Hooks()
+    trainer = jax_dp.Trainer(2)
+
+    want = evaluated[0].evaluate(x, y, batch_size=10, callbacks=[want_hooks], verbose=0, return_dict=True)
+    got = trainer.evaluate(evaluated[1], x, y, global_batch_size=10, callbacks=[got_hooks], return_dict=True)
+    want_outputs = predicted[0].predict(x, batch_size=10, verbose=0)
+    got_outputs = trainer.predict(predicted[1], x, global_batch_size=10, verbose=0)
+
+    assert_history_close(want, got)
+    assert_same_hooks(want_hooks, got_hooks)
+    assert [step for _, step in got_hooks.calls] == [0, 2, 3, 5, 6, 8, 9, 11]
+    for name in want_outputs:
+        np.testing.assert_allclose(got_outputs[name], want_outputs[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    assert float(predicted[1].batches.numpy()) == float(predicted[0].batches.numpy()) == 10.0
