@@ -21,7 +21,7 @@ from packaging.version import Version
 # Longest first: bare ``nox`` runs two sessions at a time (below), and the long ones set its end.
 nox.options.sessions = [
     "tests_torch",
-    "parity",
+    "parity(keras='newest')",  # keras='nightly' runs on request
     "tests_jax-3.13",
     "tests_jax-3.11",
     "conformance(keras='newest')",  # keras='nightly' runs on request
@@ -278,10 +278,8 @@ def conformance(session: nox.Session, keras: str) -> None:
     if keras == "newest":
         # A reused venv keeps the Keras it was made with until told to upgrade.
         session.install("--upgrade", pinned)
-    if keras == "nightly":  # keras-nightly installs the same ``keras`` module under another name:
-        # both go first, or removing one leaves the other's files half gone in a reused venv
-        session.run("python", "-m", "pip", "uninstall", "--yes", "keras", "keras-nightly")
-        session.install("--pre", "keras-nightly")
+    if keras == "nightly":
+        _install_keras_nightly(session)
     # Keras imports only with a backend chosen (its default, tensorflow, is not installed).
     version = "import jax, keras; print('keras', keras.__version__, 'on jax', jax.__version__)"
     session.run("python", "-c", version, env={"KERAS_BACKEND": "jax"})
@@ -291,6 +289,12 @@ def conformance(session: nox.Session, keras: str) -> None:
         # the GPU check's logic and the fault matrix's names do not depend on it: they run under the newest.
         session.run("pytest", "tests/test_conformance.py", "tests/test_packages.py", *session.posargs)
         session.run("pytest", f"{CORE}/tests/keras", *session.posargs, env={"KERAS_BACKEND": "jax"})
+        # Keras's own model.fit beside an open torch Trainer, and under torchrun in the user's own default
+        # group (3.16 turns to DDP whenever it sees a default process group)
+        torch_env = {"KERAS_BACKEND": "torch"}
+        session.run("pytest", f"{TORCH_DP}/tests/test_keras_sees_no_group.py", *session.posargs, env=torch_env)
+        torchrun = [f"{TORCH_DP}/tests/test_two_replicas.py", "-k", "users_own_default_group"]
+        session.run("pytest", *torchrun, *session.posargs, env=torch_env)
     if keras in {"newest", "nightly"}:  # dp_core.keras under the newest Keras is tests_core_keras's
         # the getting-started pages' code (a minute) runs in the docs session
         skip = ["--ignore=tests/parity", "--ignore=tests/ray", "--ignore=tests/test_doc_snippets.py"]
@@ -298,13 +302,14 @@ def conformance(session: nox.Session, keras: str) -> None:
 
 
 @session(python="3.11")
-def parity(session: nox.Session) -> None:
+@nox.parametrize("keras", ["newest", "nightly"])
+def parity(session: nox.Session, keras: str) -> None:
     """The Keras parity matrix (tests/parity): each scenario under model.fit and each Trainer, compared.
 
     Every scenario runs under plain Keras and under each backend's Trainer(num_replicas=2), compared
     on weights, History, evaluate and predict, and docs/keras-compatibility.md is checked against the
     scenarios (about 9 minutes on 2 cores; ``-- -k torch`` for one backend, ``-- -k class_weight`` for
-    one scenario)."""
+    one scenario). ``keras='nightly'``, on request, runs it under ``keras-nightly``, the next release."""
     pinned = f"keras{_keras_range()}"
     _install_everything(session, pinned, "pandas", *TEST_TOOLS)  # pandas: a DataFrame is an input kind
     session.install("--upgrade", pinned)
@@ -312,8 +317,17 @@ def parity(session: nox.Session) -> None:
     # (and tensorflow), but with the light ones its import needs
     session.install("--no-deps", "keras-hub>=0.32,<0.33")
     session.install("regex", "kagglehub", "tokenizers")
+    if keras == "nightly":
+        _install_keras_nightly(session)
     session.env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={JAX_HOST_DEVICES}"
     session.run("pytest", "tests/parity", *session.posargs)
+
+
+def _install_keras_nightly(session: nox.Session) -> None:
+    """keras-nightly in place of keras: it installs the same ``keras`` module under another name, so
+    both go first, or removing one leaves the other's files half gone in a reused venv."""
+    session.run("python", "-m", "pip", "uninstall", "--yes", "keras", "keras-nightly")
+    session.install("--pre", "keras-nightly")
 
 
 @session(python="3.11")
@@ -407,6 +421,18 @@ def bench_features(session: nox.Session) -> None:
     for backend in ("torch", "jax"):
         output = ["--quick", "--output", os.path.join(scratch, f"sharding_{backend}.json")] if quick else []
         session.run("python", f"benchmarks/sharding_memory_{backend}.py", *output, env={"KERAS_BACKEND": backend})
+
+
+@session(python="3.11", default=False, allow_parallel=False)
+def bench_keras_distribution(session: nox.Session) -> None:
+    """torch-dp against Keras's own torch DataParallel (keras-nightly), into its section of docs/benchmarks.md.
+
+    Correctness against one-device ``model.fit`` (arrays, a short last batch, weights, BatchNorm
+    statistics, predict, evaluate) and speed on the guides' BatchNorm convnet, 2 CPU processes each
+    side (about 6 minutes on 2 idle cores; ``-- --quick`` is a smoke run that writes nothing under docs/)."""
+    _install_everything(session)
+    _install_keras_nightly(session)  # DataParallel on torch is new in Keras 3.16
+    session.run("python", "benchmarks/keras_distribution_torch.py", *session.posargs, env={"KERAS_BACKEND": "torch"})
 
 
 def _fault_tests() -> dict[str, tuple[str, list[str]]]:
