@@ -7,7 +7,7 @@ import keras
 import numpy as np
 import pytest
 
-from dp_core.keras import Executions, Inputs, concatenated, fit_arguments
+from dp_core.keras import CallChecks, Executions, Inputs, checked_call, concatenated, fit_arguments
 
 ROWS, BATCH = 99, 10  # 10 batches, the last one short
 
@@ -90,6 +90,7 @@ def test_a_checkpoint_is_due_at_the_end_of_the_group_holding_its_step():
     executions = Executions(4)
     every_6 = lambda done, steps: done % 6 == 0  # noqa: E731
     assert [done for done in (4, 8, 12, 16) if executions.checkpoint_due(every_6, done, None)] == [8, 12]
+    assert not executions.checkpoint_due(every_6, 14, 14)  # the epoch's end: its own checkpoint follows
     assert Executions(1).checkpoint_due(every_6, 6, None) and not Executions(1).checkpoint_due(every_6, 5, None)
 
 
@@ -98,3 +99,24 @@ def test_a_groups_predictions_are_joined_on_rows():
     joined = concatenated(outputs)
     assert joined["a"].tolist() == [[0.0], [0.0], [1.0]] and joined["b"].tolist() == [1.0, 1.0, 0.0]
     assert concatenated(outputs[:1]) is outputs[0]
+
+
+class Batches(keras.utils.PyDataset):
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, index):
+        x, y = data()
+        return x[index * BATCH : (index + 1) * BATCH], y[index * BATCH : (index + 1) * BATCH]
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="Keras 3.15 runs steps_per_execution on jax only")
+def test_a_sources_steps_are_read_in_whole_groups_as_keras_s_evaluate_reads_them():
+    hooks, trained = Hooks(), model(3)
+    trained.evaluate(Batches(), steps=5, verbose=0, callbacks=[hooks])
+    assert hooks.calls == [("begin", 0), ("end", 2), ("begin", 3), ("end", 5)]  # 6 batches read
+    checks = CallChecks(backend=keras.backend.backend(), package="a_dp", num_replicas=2)
+    call = checked_call(
+        trained, Batches(), batch_size=None, global_batch_size=None, checks=checks, step_names=("test_step",), steps=5
+    )
+    assert call.inputs.num_batches == 6 and call.executions == Executions(3)

@@ -254,22 +254,9 @@ def fit_arguments(
         steps_per_epoch = None
     elif steps_per_epoch is not None:
         steps_per_epoch = check_integer("steps_per_epoch", steps_per_epoch, minimum=1)
-    validation: Inputs | BatchSource | None = None
-    if is_batch_source(validation_data):
-        validation = batch_source(validation_data, steps=validation_steps, name="validation_data", restarts=True)
-    elif validation_data is not None:
-        validation = validation_inputs(validation_data)
-        _check_no_steps(validation_steps, "validation_steps")
-    if validation_batch_size is not None:
-        validation_batch_size = check_integer("validation_batch_size", validation_batch_size, minimum=1)
-        per_replica_batch_size(validation_batch_size, num_replicas)
-    if validation is None and validation_split:
-        if isinstance(inputs, BatchSource):
-            raise ValueError(
-                f"validation_split is only supported for arrays (as in Keras), but x is a "
-                f"{type(inputs.source).__name__}. Pass validation_data=... instead."
-            )
-        inputs, validation = _split_off_validation(inputs, validation_split)
+    inputs, validation = _checked_validation(
+        inputs, validation_data, validation_split, validation_steps, validation_batch_size, num_replicas
+    )
     if steps_per_epoch is not None and isinstance(inputs, Inputs):  # the rows left to train on
         _warn_epochs_cut_short(inputs.num_samples, global_batch_size, executions.rounded(steps_per_epoch))
     return FitArguments(
@@ -290,6 +277,34 @@ def fit_arguments(
         steps_per_epoch=steps_per_epoch,
         executions=executions,
     )
+
+
+def _checked_validation(
+    inputs: Inputs | BatchSource,
+    validation_data: Any,
+    validation_split: float,
+    validation_steps: int | None,
+    validation_batch_size: int | None,
+    num_replicas: int,
+) -> tuple[Inputs | BatchSource, Inputs | BatchSource | None]:
+    """The inputs left to train on and the validation inputs: ``validation_data``, or the last rows
+    of arrays (``validation_split``), as Keras takes them."""
+    validation: Inputs | BatchSource | None = None
+    if is_batch_source(validation_data):
+        validation = batch_source(validation_data, steps=validation_steps, name="validation_data", restarts=True)
+    elif validation_data is not None:
+        validation = validation_inputs(validation_data)
+        _check_no_steps(validation_steps, "validation_steps")
+    if validation_batch_size is not None:
+        per_replica_batch_size(check_integer("validation_batch_size", validation_batch_size, minimum=1), num_replicas)
+    if validation is None and validation_split:
+        if isinstance(inputs, BatchSource):
+            raise ValueError(
+                f"validation_split is only supported for arrays (as in Keras), but x is a "
+                f"{type(inputs.source).__name__}. Pass validation_data=... instead."
+            )
+        inputs, validation = _split_off_validation(inputs, validation_split)
+    return inputs, validation
 
 
 def _checked_shuffle(shuffle: Any, inputs: Inputs | BatchSource) -> Shuffle:

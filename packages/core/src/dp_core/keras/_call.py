@@ -127,6 +127,7 @@ def checked_call(
     keras_step_runs = compiled and len(own) < len(step_names)
     keras_model = resolve_model(model, compiled=keras_step_runs)  # not a model: a TypeError
     require_no_keras_distribution(keras_model, checks.package)
+    executions = Executions.of(keras_model)
     inputs = checked_inputs(
         x,
         y,
@@ -134,20 +135,20 @@ def checked_call(
         global_batch_size=size,
         num_replicas=checks.num_replicas,
         class_weight=class_weight,
-        steps=steps,
+        steps=executions.rounded(steps) if is_batch_source(x) else steps,  # a source: whole groups, as Keras
         steps_name=steps_name,
     )
     if isinstance(inputs, BatchSource):
-        return _source_call(keras_model, inputs, starts=compiled)
+        return _source_call(keras_model, inputs, executions, starts=compiled)
     if keras_step_runs:
         checks.check_split_batches(keras_model, inputs, size)
-    return CheckedCall(keras_model, inputs, size, Executions.of(keras_model))
+    return CheckedCall(keras_model, inputs, size, executions)
 
 
-def _source_call(model: keras.Model, source: BatchSource, *, starts: bool) -> CheckedCall:
+def _source_call(model: keras.Model, source: BatchSource, executions: Executions, *, starts: bool) -> CheckedCall:
     """A batch source's call, its batches the global batches. ``fit`` and ``evaluate`` (``starts``)
     start it where ``model.fit`` does: by reading a batch to build an unbuilt model."""
     size = source.global_batch_size  # its first batch, read with the source's draws left as they were
     if starts:
         source.starts_as_keras(model)
-    return CheckedCall(model, source, size, Executions.of(model))
+    return CheckedCall(model, source, size, executions)

@@ -79,7 +79,10 @@ class Executions:
 
     def checkpoint_due(self, due: Any, done: int, steps: int | None) -> bool:
         """Whether a checkpoint is due at the end of the group that ends with ``done`` steps done:
-        ``due(steps_done, steps)`` (``CheckpointWriter.due``) held after any step of the group."""
+        ``due(steps_done, steps)`` (``CheckpointWriter.due``) held after any step of the group. None at
+        the epoch's end: the epoch's own checkpoint follows there."""
+        if steps is not None and done >= steps:
+            return False
         return any(due(steps_done, steps) for steps_done in range(self.group_start(done - 1) + 1, done + 1))
 
 
