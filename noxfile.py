@@ -295,6 +295,9 @@ def conformance(session: nox.Session, keras: str) -> None:
         session.run("pytest", f"{TORCH_DP}/tests/test_keras_sees_no_group.py", *session.posargs, env=torch_env)
         torchrun = [f"{TORCH_DP}/tests/test_two_replicas.py", "-k", "users_own_default_group"]
         session.run("pytest", *torchrun, *session.posargs, env=torch_env)
+    if keras == "nightly":  # torch-dp against Keras's own torch loop with steps_per_execution (3.16 on)
+        groups = [f"{TORCH_DP}/tests/test_steps_per_execution.py", "-k", "keras_316"]
+        session.run("pytest", *groups, *session.posargs, env={"KERAS_BACKEND": "torch"})
     if keras in {"newest", "nightly"}:  # dp_core.keras under the newest Keras is tests_core_keras's
         # the getting-started pages' code (a minute) runs in the docs session
         skip = ["--ignore=tests/parity", "--ignore=tests/ray", "--ignore=tests/test_doc_snippets.py"]
