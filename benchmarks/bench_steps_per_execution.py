@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 from machine import round_order, usable_cores
+from page_sections import write_section
 
 BACKENDS = ("torch", "jax")
 SIZES = (1, 8, 32)
@@ -179,13 +180,50 @@ def run_backend(backend: str, *, quick: bool, output: Path) -> None:
     output.write_text(json.dumps(document, indent=2) + "\n")
 
 
+HEADING = "## steps_per_execution: a Trainer against model.fit"
+MODELS = {"small": "the small model", "convnet": "the guide's convnet"}
+
+
+def section(document: dict[str, Any], source: str) -> str:
+    """The page's section from ``document`` (what ``--output`` holds)."""
+    lines = [
+        HEADING,
+        "",
+        f"Written by `benchmarks/bench_steps_per_execution.py` into `{source}`. One device on each side (a",
+        "Trainer of one replica against `model.fit`, the same work), "
+        f"{document['setup']['rows']} rows at a global batch of {document['setup']['global_batch_size']},",
+        f"medians over {document['setup']['rounds']} interleaved rounds of each run's median epoch after the first.",
+        "Ratio: `model.fit`'s time per step over the Trainer's (at least 1: the Trainer is as fast or faster).",
+        "",
+        "| backend (Keras) | model | N | model.fit ms/step | Trainer ms/step | Trainer samples/s | ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for backend in BACKENDS:
+        if backend not in document:
+            continue
+        part = document[backend]
+        label = f"{backend} ({part['keras']}; model.fit N: {part['keras_steps_per_execution']})"
+        for key, measured in part["results"].items():
+            name, size = key.split("/")
+            ms = measured["ms_per_step"]
+            lines.append(
+                f"| {label} | {MODELS[name]} | {size} | {ms['keras']:.3f} | {ms['trainer']:.3f} | "
+                f"{measured['samples_per_s']['trainer']:.0f} | {measured['median_ratio']:.2f}x |"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a smoke run: one round")
     parser.add_argument("--output", type=Path, default=Path("docs/benchmarks/steps_per_execution.json"))
     parser.add_argument("--backend", choices=BACKENDS, help="measure only this backend, in this process")
     parser.add_argument("--python", default=sys.executable, help="the interpreter of each backend's process")
+    parser.add_argument("--page", action="store_true", help="only write docs/benchmarks.md's section from --output")
     args = parser.parse_args()
+    if args.page:
+        write_section(HEADING, section(json.loads(args.output.read_text()), str(args.output)))
+        return
     if args.backend is not None:
         run_backend(args.backend, quick=args.quick, output=args.output)
         return
