@@ -432,7 +432,7 @@ def bench_keras_distribution(session: nox.Session) -> None:
 
     Correctness against one-device ``model.fit`` (arrays, a short last batch, weights, BatchNorm
     statistics, predict, evaluate) and speed on the guides' BatchNorm convnet, 2 CPU processes each
-    side (about 6 minutes on 2 idle cores; ``-- --quick`` is a smoke run that writes nothing under docs/)."""
+    side (about 3 minutes on 2 cores, installs aside; ``-- --quick`` is a smoke run that writes nothing under docs/)."""
     _install_everything(session)
     _install_keras_nightly(session)  # DataParallel on torch is new in Keras 3.16
     session.run("python", "benchmarks/keras_distribution_torch.py", *session.posargs, env={"KERAS_BACKEND": "torch"})

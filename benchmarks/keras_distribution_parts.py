@@ -92,7 +92,7 @@ def short(message: str) -> str:
     """A message's first line, without gloo's source location and its advice."""
     first = (message.strip().splitlines() or [""])[0]
     first = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\] ", "", first)
-    return first.split(" This is typically")[0][:200]
+    return first.split(" This is typically")[0][:400]
 
 
 def outcome_of(error: BaseException) -> str:
