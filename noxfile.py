@@ -438,6 +438,22 @@ def bench_keras_distribution(session: nox.Session) -> None:
     session.run("python", "benchmarks/keras_distribution_torch.py", *session.posargs, env={"KERAS_BACKEND": "torch"})
 
 
+@session(python="3.11", allow_parallel=False, default=False)
+def bench_steps_per_execution(session: nox.Session) -> None:
+    """A one-replica Trainer against model.fit with steps_per_execution 1, 8 and 32, into docs/benchmarks.md.
+
+    Both backends under ``keras-nightly`` (Keras 3.16 runs N > 1 in torch's ``model.fit`` too), the
+    small model and the guide's convnet, interleaved rounds (about 10 minutes on 2 cores; ``-- --quick``
+    is a smoke run that writes nothing under docs/)."""
+    _install_everything(session)
+    _install_keras_nightly(session)
+    quick = "--quick" in session.posargs
+    output = os.path.join(session.create_tmp(), "spe.json") if quick else "docs/benchmarks/steps_per_execution.json"
+    session.run("python", "benchmarks/bench_steps_per_execution.py", "--output", output, *session.posargs)
+    if not quick:
+        session.run("python", "benchmarks/bench_steps_per_execution.py", "--output", output, "--page")
+
+
 def _fault_tests() -> dict[str, tuple[str, list[str]]]:
     """The tests of the fault matrix (tests/reliability/matrix.py), by group: its Keras backend and node ids."""
     spec = importlib.util.spec_from_file_location("reliability_matrix", "tests/reliability/matrix.py")

@@ -39,6 +39,10 @@ KEPT_SECTIONS = (
     "## Scaling report",
     "## Synchronized BatchNorm",
     "## Model parallel: memory per device",
+    "## Sharded state on torch: memory per replica",
+    "## Sharded state on jax: memory per device",
+    "## Keras's own DataParallel on torch",
+    "## steps_per_execution: a Trainer against model.fit",
 )
 # What the per-step timers of a Trainer's loop with a batch callback leave out.
 REST_OF_LOOP = {
