@@ -8,7 +8,16 @@ import keras
 import numpy as np
 import pytest
 
-from dp_core.keras import BatchSource, CallChecks, CheckedCall, Executions, Inputs, checked_call, overrides
+from dp_core.keras import (
+    BatchSource,
+    CallChecks,
+    CheckedCall,
+    Executions,
+    Inputs,
+    checked_call,
+    mark_as_trainers,
+    overrides,
+)
 
 X, Y = np.zeros((8, 3), "float32"), np.zeros((8, 1), "float32")
 
@@ -251,6 +260,8 @@ def test_a_call_under_a_keras_distribution_is_refused_naming_it_and_the_way_out(
     finally:
         keras.distribution.set_distribution(None)
     assert call(model).model is model  # once it is unset, the same call runs
+    with mark_as_trainers(keras.distribution.DataParallel(devices=keras.distribution.list_devices()[:1])).scope():
+        assert call(model).model is model  # a trainer's own scope()
 
 
 class Spread:

@@ -36,7 +36,8 @@ Helpers, for what a backend does its own way:
 - callbacks and checkpoints: ``verbosity``, ``model_checkpoint``;
 - options: ``BATCH_NORM_MODES``, ``check_batch_norm_mode``, ``SHARD_MODES``, ``check_shard_mode``,
   ``check_nonfinite_mode``, ``nonfinite_action``, ``nonfinite_loss_stopped``, ``skipped_message``;
-- tools: ``compare_replica_counts``, ``run_check_command``;
+- tools: ``compare_replica_counts``, ``run_check_command``; ``mark_as_trainers`` (a distribution a
+  trainer's ``scope()`` made, which calls may run under);
 - ``internals``: every private Keras attribute, with its reason.
 """
 
@@ -60,6 +61,7 @@ from dp_core.keras._checkpoints import print_resume as print_resume
 from dp_core.keras._checkpoints import restore_model as restore_model
 from dp_core.keras._checkpoints import resumable_checkpoint as resumable_checkpoint
 from dp_core.keras._checkpoints import start_of as start_of
+from dp_core.keras._distribution import mark_as_trainers as mark_as_trainers
 from dp_core.keras._executions import ONE_STEP as ONE_STEP
 from dp_core.keras._executions import Executions as Executions
 from dp_core.keras._executions import concatenated as concatenated
@@ -159,6 +161,7 @@ __all__ = [
     "is_batch_source",
     "learning_rate_policy_installed",
     "map_structure",
+    "mark_as_trainers",
     "model_checkpoint",
     "needs_every_batch",
     "nonfinite_action",

@@ -4,18 +4,29 @@ Keras's ``DataParallel``/``ModelParallel`` place variables and shard each batch 
 and on torch since Keras 3.16: DDP around the model, DTensor variables). A trainer places both its
 own way; with a distribution also set, a call would run half of each. So a call made while one is
 set (``set_distribution``, or inside its ``scope()``), or on a model whose variables Keras's torch
-``ModelParallel`` made DTensors, is refused before anything starts, with the way out.
+``ModelParallel`` made DTensors, is refused before anything starts, with the way out. A trainer's
+own distribution (its ``scope()``, which places variables by the trainer's rule as they are
+created) says so with ``mark_as_trainers`` and is let through.
 """
 
 from __future__ import annotations
 
 import keras
 
+_TRAINERS = "_dp_core_trainers_own"  # set on a distribution a trainer made for its scope()
+
+
+def mark_as_trainers(distribution: keras.distribution.Distribution) -> keras.distribution.Distribution:
+    """``distribution``, marked as a trainer's own (made by its ``scope()``): calls may run under it."""
+    setattr(distribution, _TRAINERS, True)
+    return distribution
+
 
 def require_no_keras_distribution(model: keras.Model, package: str) -> None:
-    """A clear error for a call made under a Keras distribution, or on a model built under torch's."""
+    """A clear error for a call made under a Keras distribution (not a trainer's own), or on a model
+    built under torch's."""
     distribution = keras.distribution.distribution()
-    if distribution is not None:
+    if distribution is not None and not getattr(distribution, _TRAINERS, False):
         raise RuntimeError(
             f"A Keras distribution is set ({distribution!r}) while {package} is called: the trainer places the "
             "model and the batches itself, so Keras's layouts and input sharding would be half used. Call "
