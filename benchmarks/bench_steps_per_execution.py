@@ -1,8 +1,9 @@
 """``compile(steps_per_execution=N)``: what a group of steps saves, a Trainer against ``model.fit``.
 
 For N in 1, 8 and 32, on the interactive benchmark's small model (20 features -> Dense(64) ->
-Dense(3), 2,048 rows at a global batch of 64: 32 steps an epoch, nearly all of a step's time the
-host's) and on the Keras guide's MNIST convnet (2,048 random MNIST-shaped rows, batch 64), on one
+Dense(3), 16,384 rows at a global batch of 64: 256 steps an epoch, nearly all of a step's time the
+host's, so that what a loop does once an epoch weighs little) and on the Keras guide's MNIST
+convnet (2,048 random MNIST-shaped rows, batch 64: 32 steps an epoch), on one
 device each, so both sides do the same work: ``model.fit`` against a Trainer of one replica
 (``torch_dp.Trainer(num_replicas=1)``, ``jax_dp.Trainer(1)``). Interleaved rounds, the order
 reversed every other round; each run's milliseconds per step from its median epoch after the first
@@ -36,8 +37,8 @@ from page_sections import write_section
 
 BACKENDS = ("torch", "jax")
 SIZES = (1, 8, 32)
-ROWS, FEATURES, CLASSES, GLOBAL_BATCH_SIZE = 2048, 20, 3, 64
-STEPS_PER_EPOCH = ROWS // GLOBAL_BATCH_SIZE
+FEATURES, CLASSES, GLOBAL_BATCH_SIZE = 20, 3, 64
+ROWS = {"small": 16384, "convnet": 2048}
 EPOCHS = 4  # the first holds compiling; the median of the others is the run's
 ROUNDS = 3
 
@@ -74,8 +75,9 @@ def data(name: str) -> tuple[np.ndarray, np.ndarray]:
     if name == "convnet":
         from guide_convnet import synthetic_mnist
 
-        return synthetic_mnist(ROWS)
-    return rng.standard_normal((ROWS, FEATURES), dtype=np.float32), rng.integers(0, CLASSES, ROWS).astype("int64")
+        return synthetic_mnist(ROWS[name])
+    rows = ROWS[name]
+    return rng.standard_normal((rows, FEATURES), dtype=np.float32), rng.integers(0, CLASSES, rows).astype("int64")
 
 
 def keras_groups_itself() -> bool:
@@ -100,8 +102,8 @@ class EpochTimes:
             on_epoch_end=lambda epoch, logs: self.seconds.append(time.perf_counter() - self.begins[-1]),
         )
 
-    def ms_per_step(self) -> float:
-        return 1000 * statistics.median(self.seconds[1:]) / STEPS_PER_EPOCH
+    def ms_per_step(self, steps: int) -> float:
+        return 1000 * statistics.median(self.seconds[1:]) / steps
 
 
 def one_run(trainer: Any, name: str, size: int, x: np.ndarray, y: np.ndarray) -> float:
@@ -114,7 +116,7 @@ def one_run(trainer: Any, name: str, size: int, x: np.ndarray, y: np.ndarray) ->
         model.fit(x, y, batch_size=GLOBAL_BATCH_SIZE, **arguments)
     else:
         trainer.fit(build(size), x, y, global_batch_size=GLOBAL_BATCH_SIZE, **arguments)
-    return times.ms_per_step()
+    return times.ms_per_step(ROWS[name] // GLOBAL_BATCH_SIZE)
 
 
 def new_trainer(backend: str) -> Any:
@@ -164,7 +166,7 @@ def run_backend(backend: str, *, quick: bool, output: Path) -> None:
     document["setup"] = {
         "rows": ROWS,
         "global_batch_size": GLOBAL_BATCH_SIZE,
-        "steps_per_epoch": STEPS_PER_EPOCH,
+        "steps_per_epoch": {name: rows // GLOBAL_BATCH_SIZE for name, rows in ROWS.items()},
         "epochs": EPOCHS,
         "rounds": 1 if quick else ROUNDS,
         "sizes": list(SIZES),
@@ -190,8 +192,8 @@ def section(document: dict[str, Any], source: str) -> str:
         HEADING,
         "",
         f"Written by `benchmarks/bench_steps_per_execution.py` into `{source}`. One device on each side (a",
-        "Trainer of one replica against `model.fit`, the same work), "
-        f"{document['setup']['rows']} rows at a global batch of {document['setup']['global_batch_size']},",
+        "Trainer of one replica against `model.fit`, the same work), at a global batch of "
+        f"{document['setup']['global_batch_size']} (steps an epoch: {document['setup']['steps_per_epoch']}),",
         f"medians over {document['setup']['rounds']} interleaved rounds of each run's median epoch after the first.",
         "Ratio: `model.fit`'s time per step over the Trainer's (at least 1: the Trainer is as fast or faster).",
         "",
@@ -210,7 +212,42 @@ def section(document: dict[str, Any], source: str) -> str:
                 f"| {label} | {MODELS[name]} | {size} | {ms['keras']:.3f} | {ms['trainer']:.3f} | "
                 f"{measured['samples_per_s']['trainer']:.0f} | {measured['median_ratio']:.2f}x |"
             )
+    cores = ", ".join(
+        f"{backend} {document[backend]['usable_cores_before']:.2f}" for backend in BACKENDS if backend in document
+    )
+    lines += [
+        "",
+        f"Usable cores of 2 before each backend's runs (`benchmarks/machine.py`): {cores}.",
+        *_below_one(document),
+    ]
     return "\n".join(lines) + "\n"
+
+
+def _below_one(document: dict[str, Any]) -> list[str]:
+    """A line on each setting below 1.0x, with what the same file says of it: whether N = 1 is below
+    too (the Trainer's own work per step, which grouping does not remove)."""
+    lines = []
+    for backend in BACKENDS:
+        results = document.get(backend, {}).get("results", {})
+        for key, measured in results.items():
+            name, size = key.split("/")
+            if measured["median_ratio"] >= 1.0:
+                continue
+            alone = results[f"{name}/1"]
+            rounds = ", ".join(f"{ratio:.2f}" for ratio in measured["ratios"])
+            if size == "1":
+                lines.append(
+                    f"- Shortfall: {backend}, {MODELS[name]}, N=1: {measured['median_ratio']:.2f}x ({rounds})."
+                )
+                continue
+            lines.append(
+                f"- Shortfall: {backend}, {MODELS[name]}, N={size}: {measured['median_ratio']:.2f}x ({rounds}). "
+                f"At N=1 the same model is {alone['median_ratio']:.2f}x and the Trainer's time per step goes "
+                f"from {alone['ms_per_step']['trainer']:.3f} to {measured['ms_per_step']['trainer']:.3f} ms "
+                f"at N={size} "
+                f"(model.fit's from {alone['ms_per_step']['keras']:.3f} to {measured['ms_per_step']['keras']:.3f})."
+            )
+    return ["", *lines] if lines else []
 
 
 def main() -> None:
