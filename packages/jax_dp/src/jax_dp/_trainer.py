@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal, final
 
 import keras
@@ -39,8 +40,9 @@ from dp_core.keras import (
     require_backend,
 )
 from jax_dp._loop.run import TrainerSettings, run_job
-from jax_dp._mesh.layout import Layout
+from jax_dp._mesh.layout import Layout, Placement
 from jax_dp._mesh.mesh import check_mesh, make_mesh, num_replicas_of, replica_layout
+from jax_dp._mesh.scope import trainer_scope
 from jax_dp._processes.group import ends_the_run_on_failure
 from jax_dp._step.compile_cache import CompileCache
 from jax_dp._step.custom import check_custom_steps
@@ -63,7 +65,9 @@ class Trainer:
     ``batch_norm="per_replica"`` normalizes each replica's rows on their own.
 
     ``shard="optimizer"`` (ZeRO-1), ``"gradients"`` (ZeRO-2) or ``"full"`` (ZeRO-3, FSDP) splits the state
-    of each variable of ``2**14`` elements or more over ``"batch"``, exactly (docs/sharding.md).
+    of each variable of ``2**14`` elements or more over ``"batch"``, exactly (docs/sharding.md). A model
+    built in ``trainer.scope()`` is created sharded by that rule and stays so between calls; a model built
+    outside is whole in the caller after each call (``scope``).
     ``on_nonfinite_loss="stop"`` raises ``NonFiniteLossError`` naming the first step whose
     loss is NaN or infinite, leaving the model as it was before that step; ``"skip"``
     leaves such steps out (with a warning) and trains on. With a ``keras.callbacks.TerminateOnNaN``
@@ -139,6 +143,27 @@ class Trainer:
     @shard.setter
     def shard(self, shard: ShardMode | None) -> None:
         self._shard: ShardMode | None = check_shard_mode(shard)
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """Within the block, every variable Keras creates is a sharded ``jax.Array`` on the mesh, placed
+        by this trainer's ``shard=``/``layout=`` rule from the start (initializers run sharded), through
+        a Keras distribution of the trainer's own; optimizer slots follow their variable's placement,
+        whether built inside or at the first ``fit``. Batches are still placed by the trainer's calls.
+
+        A model built inside lives on the mesh: ``fit``, ``evaluate`` and ``predict`` take its state from
+        its variables and give it back there, on the devices, so after ``fit`` it holds the trained,
+        sharded arrays (nothing gathered whole on one device). ``model.save()``/``save_weights()`` write
+        standard Keras files one variable at a time, and ``model.load_weights()`` inside the scope sends
+        each device its part. A model built outside keeps the default: whole in the caller after a call.
+
+        >>> with trainer.scope():  # doctest: +SKIP
+        ...     model = build_model()
+        ...     model.compile(optimizer="adam", loss="mse")
+        >>> trainer.fit(model, x, y, global_batch_size=64)  # doctest: +SKIP
+        """
+        with trainer_scope(Placement(self.mesh, self.variable_layout, self.shard)):
+            yield
 
     @one_call_at_a_time
     @ends_the_run_on_failure

@@ -23,7 +23,7 @@ import keras
 import numpy as np
 
 from dp_core.keras import ONE_STEP, Executions, concatenated, internals, overrides
-from jax_dp._comm.hosts import agree, replicated_to_host, rows_to_host
+from jax_dp._comm.hosts import agree, rows_to_host
 from jax_dp._data.batches import Plan, device_batches, whole_last_batch
 from jax_dp._data.groups import Group, groups_of
 from jax_dp._loop.reporting import (
@@ -42,10 +42,10 @@ from jax_dp._step.state import (
     metric_values_on_mesh,
     model_changed,
     model_values,
-    variables_on_mesh,
     weights_on_mesh,
 )
 from jax_dp._step.steps import PredictStep, Steps
+from jax_dp._step.values import assign_all, variables_on_mesh
 
 
 class Evaluator(Protocol):
@@ -176,8 +176,7 @@ def build_for_predict(model: keras.Model, plan: Plan) -> None:
 def write_non_trainable(model: keras.Model, values: list[Any]) -> None:
     """The non-trainable values an evaluation or prediction ends with into the model, as Keras's
     ``jax_state_sync`` writes them: a seed generator drawn from in ``call`` goes on from there."""
-    for variable, value in zip(model.non_trainable_variables, replicated_to_host(values), strict=True):
-        variable.assign(value)
+    assign_all(model.non_trainable_variables, values)
 
 
 def _real_rows_to_host(output: Any, real_rows: int) -> Any:
@@ -267,8 +266,7 @@ def _write_evaluation(model: keras.Model, state: EvaluationState) -> None:
         (model.metrics_variables, state.metrics),
     )
     for variables, values in pairs:
-        for variable, value in zip(variables, replicated_to_host(values), strict=True):
-            variable.assign(value)
+        assign_all(variables, values)
 
 
 def custom_predict_loop(

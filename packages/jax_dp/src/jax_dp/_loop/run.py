@@ -40,6 +40,7 @@ from jax_dp._loop.fit import fit_loop
 from jax_dp._loop.preemption import PreemptionNotice
 from jax_dp._loop.step_kinds import KerasSteps, OwnSteps
 from jax_dp._mesh.layout import Layout, Placement, place
+from jax_dp._mesh.scope import lives_on_mesh, settle, trainer_scope
 from jax_dp._step.accumulation import check_accumulate_steps
 from jax_dp._step.compile_cache import CompileCache
 from jax_dp._step.optimizers import KerasOptimizer, OptaxOptimizer, Optimizer
@@ -84,9 +85,17 @@ def run_job(model: keras.Model, job: Job, settings: TrainerSettings) -> Any:
 def placed(
     model: keras.Model, inputs: Inputs | BatchSource, settings: TrainerSettings, *, for_predict: bool = False
 ) -> Placement:
-    """The call's placement, once every variable the call needs is built (``build_model``)."""
-    build_model(model, inputs, for_predict=for_predict)
-    return place(model, settings.mesh, settings.variable_layout, settings.shard)
+    """The call's placement, once every variable the call needs is built (``build_model``). A model
+    built in a trainer's ``scope()`` gets the variables made now (optimizer slots, metrics) placed by
+    the same rule, and any of its variables the call places elsewhere moved there (``settle``)."""
+    if not lives_on_mesh(model, settings.mesh):
+        build_model(model, inputs, for_predict=for_predict)
+        return place(model, settings.mesh, settings.variable_layout, settings.shard)
+    with trainer_scope(Placement(settings.mesh, settings.variable_layout, settings.shard)):
+        build_model(model, inputs, for_predict=for_predict)
+    placement = place(model, settings.mesh, settings.variable_layout, settings.shard)
+    settle(model, placement)
+    return placement
 
 
 def run_fit(

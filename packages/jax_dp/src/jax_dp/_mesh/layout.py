@@ -163,6 +163,23 @@ def weight_shardings(model: keras.Model, placement: Placement) -> WeightSharding
     )
 
 
+def variable_sharding(variable: Any, placement: Placement) -> NamedSharding:
+    """Where one variable lies under ``placement``, as ``weight_shardings`` places it: its layout's
+    spec, and with ``shard="full"`` split over ``"batch"`` too when it is large and trainable (a
+    trainer's ``scope()`` asks this as Keras creates each variable)."""
+    sharding = _checked_sharding(variable, placement.layout, placement.mesh)
+    if placement.shard == "full" and variable.trainable:
+        return _split_over_batch(sharding, tuple(variable.shape))
+    return sharding
+
+
+def variable_slot_sharding(variable: Any, placement: Placement) -> NamedSharding:
+    """Where the optimizer slots of one trainable variable lie under ``placement`` (``slot_shardings``'s
+    rule for one variable)."""
+    weight = variable_sharding(variable, placement)
+    return weight if placement.shard is None else _split_over_batch(weight, tuple(variable.shape))
+
+
 def slot_shardings(model: keras.Model, placement: Placement) -> list[NamedSharding]:
     """Where the optimizer state of each trainable variable lies: like the variable, and in any
     shard mode split over ``"batch"`` when large (``sharded_spec``)."""

@@ -26,10 +26,11 @@ import optax
 
 from dp_core import Checkpoint, CheckpointError, LearningRateScaling, learning_rate_policy
 from dp_core.keras import KerasSchedule, internals, learning_rate_policy_installed, plan_learning_rate, restore_model
-from jax_dp._comm.hosts import replicated_to_host, same_on_all_processes
+from jax_dp._comm.hosts import replicated_to_host
 from jax_dp._mesh.layout import Placement, abstract_slots, optax_state_shardings, optimizer_shardings
 from jax_dp._mesh.mesh import put_sharded
 from jax_dp._step.compile_cache import TracedFrom, config_value, keras_optimizer_state
+from jax_dp._step.values import assign_all, variables_on_mesh
 
 
 class Optimizer(abc.ABC):
@@ -131,11 +132,7 @@ class KerasOptimizer(Optimizer):
         self, model: keras.Model, trainable: list[jax.Array], placement: Placement, *, previous: Any | None
     ) -> list[jax.Array]:
         del trainable, previous  # read from the variables every epoch: callbacks may change them (the rate)
-        values = same_on_all_processes(
-            [np.asarray(keras.ops.convert_to_numpy(v.value)) for v in self.optimizer.variables]
-        )
-        shardings = self.state_shardings(model, placement)
-        return [put_sharded(v, sharding) for v, sharding in zip(values, shardings, strict=True)]
+        return variables_on_mesh(self.optimizer.variables, placement.mesh, self.state_shardings(model, placement))
 
     def state_shardings(self, model: keras.Model, placement: Placement) -> list[Any]:
         return optimizer_shardings(self.optimizer, model, placement)
@@ -149,9 +146,9 @@ class KerasOptimizer(Optimizer):
         return self.optimizer.stateless_apply(state, grads, trainable)
 
     def write_back(self, state: list[Any]) -> None:
-        # Host copies: the state's buffers are donated to the next step, which deletes them.
-        for variable, value in zip(self.optimizer.variables, replicated_to_host(state), strict=True):
-            variable.assign(value)
+        # Host copies (the state's buffers are donated to the next step, which deletes them), but
+        # the arrays themselves for a model that lives on the mesh (a trainer's scope()).
+        assign_all(self.optimizer.variables, state)
 
     def finish(self, model: keras.Model) -> None:
         """End of fit, as in ``model.fit``: e.g. EMA weights replace the trained ones."""

@@ -5,10 +5,12 @@ the learning rate) and written back when it ends, so callbacks and the caller al
 the trained values. When a callback acts at every batch, the state is also written back
 when a batch hook reads the model, and read again if it changed the model (``ModelOnRequest``).
 Write-back goes through host copies: a Keras variable never holds a buffer the next
-(donating) step deletes. A model's own ``train_step`` keeps its metric variables as one model's
-values, replicated (``whole_metrics``/``metrics=True``), and they go back and forth with the rest,
-as Keras's ``jax_state_sync`` moves them. ``TrainState`` and ``StepCounts`` are NamedTuples, hence jax pytrees:
-the jitted step takes, donates and returns them whole.
+(donating) step deletes; but a model built in a trainer's ``scope()`` lives on the mesh, and its
+state goes from its variables to the step and back on the devices (``_step.values``). A model's
+own ``train_step`` keeps its metric variables as one model's values, replicated
+(``whole_metrics``/``metrics=True``), and they go back and forth with the rest, as Keras's
+``jax_state_sync`` moves them. ``TrainState`` and ``StepCounts`` are NamedTuples, hence jax
+pytrees: the jitted step takes, donates and returns them whole.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ from jax.sharding import Mesh
 from dp_core.keras import internals
 from jax_dp._comm.hosts import agree, on_own_devices, replicated_to_host, same_on_all_processes
 from jax_dp._mesh.layout import Placement, weight_shardings
-from jax_dp._mesh.mesh import put_replicated, put_sharded
+from jax_dp._mesh.mesh import put_replicated
 from jax_dp._step.accumulation import accumulates, merged, split, without_held_sum
 from jax_dp._step.metrics import metrics_on_mesh
 from jax_dp._step.optimizers import Optimizer
+from jax_dp._step.values import assign_all, variables_on_mesh
 
 
 class Weights(NamedTuple):
@@ -68,14 +71,6 @@ def weights_on_mesh(model: keras.Model, placement: Placement) -> Weights:
         trainable=variables_on_mesh(model.trainable_variables, placement.mesh, shardings.trainable),
         non_trainable=variables_on_mesh(model.non_trainable_variables, placement.mesh, shardings.non_trainable),
     )
-
-
-def variables_on_mesh(variables: list[Any], mesh: Mesh, shardings: list[Any] | None = None) -> list[jax.Array]:
-    """The variables' values, process 0's, on the mesh: replicated, or as ``shardings`` say."""
-    values = same_on_all_processes([np.asarray(keras.ops.convert_to_numpy(v.value)) for v in variables])
-    if shardings is None:
-        return [put_replicated(value, mesh) for value in values]
-    return [put_sharded(value, sharding) for value, sharding in zip(values, shardings, strict=True)]
 
 
 def train_state_on_mesh(
@@ -152,8 +147,7 @@ def write_back(
     if metrics:
         pairs.append((model.metrics_variables, state.metrics))
     for variables, values in pairs:
-        for variable, value in zip(variables, replicated_to_host(values), strict=True):
-            variable.assign(value)
+        assign_all(variables, values)
     optimizer.write_back(optimizer_state_of(optimizer, state) if collective_ok else state.optimizer)
     return model_values(model, metrics=metrics)
 
