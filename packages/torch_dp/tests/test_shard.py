@@ -13,7 +13,8 @@ import torch_dp_testing as testing
 import torch_dp
 from dp_core.keras import internals
 from torch_dp._comm import collectives
-from torch_dp._step.owners import owners_of, slots_of
+from torch_dp._step.owners import Piece, owners_of, pieces_of, slots_of
+from torch_dp._step.parts import splittable
 from torch_dp._step.shards import Sharded
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
@@ -142,18 +143,23 @@ def test_sharded_fit_is_model_fit(trainer, monkeypatch, mode, optimizer):
     x, y = data()
     history = trainer.fit(trained, x, y, global_batch_size=GLOBAL_BATCH_SIZE, epochs=EPOCHS, shuffle=False, verbose=0)
     assert_like_keras(trainer, trained, history, reference, expected)
-    # during the fit rank 0 held the slots of its own variables only, and (sharding gradients) their
-    # gradients, and (sharding weights) their weights
-    owners = owners_of(trained.trainable_weights, 2)
-    assert owners == [1, 1, 0, 0, 0, 0]  # embedding, dense_in | gamma, beta, dense_out's kernel and bias
-    sizes = [int(np.prod(v.shape)) for v in trained.trainable_weights]
-    full = [sum(int(np.prod(s.shape)) for s in own) for own in slots_of(trained.optimizer, trained.trainable_weights)]
+    # during the fit rank 0 held the slots of its own pieces only (dense_in, 272 of the 387 weights, split
+    # in rows 0:9 and 9:17), and (sharding gradients) no gradient of its own but their sums, and (sharding
+    # weights) their weights
+    variables = trained.trainable_weights
+    pieces = pieces_of(variables, 2, splittable(trained.optimizer, variables))
+    assert pieces == [  # embedding | dense_in's rows | gamma, beta | dense_out's kernel and bias
+        Piece(0, 1, None), Piece(1, 0, (0, 9)), Piece(1, 1, (9, 17)), Piece(2, 1, None), Piece(3, 1, None),
+        Piece(4, 0, None), Piece(5, 0, None),
+    ]  # fmt: skip
+    sizes = [int(np.prod(v.shape)) for v in variables]
+    rank0 = [0, 9 * 16, 0, 0, 48, 3]  # what rank 0 owns of each variable
+    counts = [len(own) for own in slots_of(trained.optimizer, variables)]
     assert len(held.slot_sizes) == 8  # every step, 4 an epoch
     for weights, slot_sizes, gradients in zip(held.weights, held.slot_sizes, held.gradients, strict=True):
-        assert slot_sizes == [size if owner == 0 else 0 for size, owner in zip(full, owners, strict=True)]
-        assert gradients == [owner == 0 or mode == "optimizer" for owner in owners]
-        held_weights = [size if owner == 0 or mode != "full" else 0 for size, owner in zip(sizes, owners, strict=True)]
-        assert weights == held_weights
+        assert slot_sizes == [count * size for count, size in zip(counts, rank0, strict=True)]
+        assert gradients == [mode == "optimizer"] * len(variables)  # ZeRO-1 keeps them; else sent and freed
+        assert weights == (rank0 if mode == "full" else sizes)
 
 
 class Halving(keras.callbacks.Callback):

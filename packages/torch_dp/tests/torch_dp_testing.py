@@ -586,3 +586,63 @@ class Unsendable(Recorded):
 # A namedtuple of targets travels to the worker replicas by reference: it is defined here, where they
 # can import it (under the pytest script the repository root is not on their path).
 Targets = collections.namedtuple("Targets", "value label")
+
+
+@keras.saving.register_keras_serializable(package="torch_dp_testing")
+class HeldBytesAdam(keras.optimizers.Adam):
+    """Adam that, as each ``apply`` with variables begins (after the step's gradients are summed, before
+    the update), appends to ``record_dir/rank{r}.jsonl`` the bytes of the distinct storages this
+    replica holds: the optimizer's slots, the gradients (the variables' own ``.grad`` and the summed
+    ones given), the model's trainable weights. Distinct storages: a view counts its whole storage once.
+    A subclass is Keras's generic Adam on torch (``assign`` per slot), not its ``_foreach`` one."""
+
+    def __init__(self, *args: Any, record_dir: str = "", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.record_dir = record_dir
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "record_dir": self.record_dir}
+
+    def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
+        if self.record_dir and trainable_variables:
+            rank = worker_rank() or 0
+            skip = {id(self._iterations), id(self._learning_rate)}
+            slots = [v for v in self.variables if id(v) not in skip]
+            local = [w.grad for w in (_stored(v) for v in self._trainable_variables) if w.grad is not None]
+            counts = {
+                "slots": _storage_bytes([_stored(v) for v in slots]),
+                "gradients": _storage_bytes([*local, *(g for g in grads if g is not None)]),
+                "weights": _storage_bytes([_stored(v) for v in self._trainable_variables]),
+            }
+            with open(os.path.join(self.record_dir, f"rank{rank}.jsonl"), "a") as file:
+                file.write(json.dumps(counts) + "\n")
+        return super().apply(grads, trainable_variables)
+
+
+def _stored(variable: Any) -> torch.Tensor:
+    return variable._value  # the tensor itself (``.value`` may cast it under autocast)
+
+
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.numel()}
+    return sum(storages.values())
+
+
+def embedding_heavy_model(record_dir: str = "", vocabulary: int = 601) -> keras.Model:
+    """One embedding of about 60% of the parameters (601 rows: divides by neither 2, 3 nor 4) and
+    a tower of small Dense layers, none more than about 5% of the model."""
+    keras.utils.set_random_seed(3)
+    tokens = keras.Input((4,), dtype="int32")
+    hidden = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(vocabulary, 32, name="embedding")(tokens))
+    for index in range(7):
+        hidden = keras.layers.Dense(40, activation="relu", name=f"dense_{index}")(hidden)
+    outputs = keras.layers.Dense(8, activation="softmax", name="dense_out")(hidden)
+    model = keras.Model(tokens, outputs)
+    model.compile(optimizer=HeldBytesAdam(0.01, record_dir=record_dir), loss="sparse_categorical_crossentropy")
+    return model
+
+
+def embedding_heavy_data(num_samples: int = NUM_SAMPLES, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 601, size=(num_samples, 4)).astype("int32")
+    return tokens, (tokens[:, 0] % 8).astype("int64")

@@ -1,12 +1,14 @@
-"""The private torch (and multiprocessing) attributes torch-dp uses, each with its reason."""
+"""The private torch (and multiprocessing) attributes torch-dp uses, each with its reason (and the one
+private Keras attribute it sets itself: a variable's shape, ``with_keras_shape``)."""
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
+import keras
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d  # pyright: ignore[reportPrivateImportUsage]
@@ -17,6 +19,20 @@ def version(tensor: torch.Tensor) -> int:
     checks). Keras assigns variables in place, so an unchanged (identity, version) pair means
     an unchanged value: the replica pool skips re-sending a model nobody touched."""
     return tensor._version
+
+
+def with_keras_shape(variable: keras.Variable, shape: tuple[int, ...]) -> Callable[[], None]:
+    """``variable`` says it has ``shape`` (``KerasVariable._shape``, all that ``shape`` reads) until the
+    returned function puts its own back. Keras's optimizer updates a split variable's part through
+    the variable itself (``_step.parts``): its ``assign`` refuses a value of another shape than the
+    one the variable says it has, and Keras has no public way to change it."""
+    own = variable._shape
+    variable._shape = shape
+
+    def put_back() -> None:
+        variable._shape = own
+
+    return put_back
 
 
 def set_collective_timeout(seconds: float, group: dist.ProcessGroup) -> None:

@@ -153,11 +153,12 @@ def save(
     """A checkpoint at ``step`` steps into ``epoch``; every replica calls it (the metric sum is a collective).
     Inside a gradient accumulation ``window`` the accumulators are first summed onto rank 0, so
     the checkpoint holds what one device would (``Window.settle``); a sharded ``state`` sends rank 0
-    the optimizer slots it does not hold, for the write (``_step.shards``)."""
+    the optimizer slots (and weights) it does not hold, one variable at a time onto its host, for the
+    write (``_step.shards``)."""
     if window is not None:
         window.settle(model, replica)
     metric_variables = summed_metric_states(model, replica)
-    with state.whole_on_primary():
+    with state.on_primary_host():
         if replica.is_primary:
             writer.write(model, epoch=epoch, step=step, metric_variables=metric_variables)
 

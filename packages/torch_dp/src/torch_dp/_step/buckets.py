@@ -17,13 +17,16 @@ it sums everything in one all-reduce after backward, synchronously.
 Only ``train_step`` asks for them: a gradient-accumulation step that is not the last of its
 window (``_step.accumulation``) runs backward without buckets and sends nothing.
 
-With ``shard=`` (``_step.shards``) each bucket holds one owner's variables and is summed onto that
-owner alone, whatever the gradients' size: every other replica sends its copy straight to the owner,
-which adds them up in rank order (point to point: gloo's ``reduce`` runs a ring, moving as many
-bytes as an all-reduce, where a sum onto one replica needs each other one to send its copy once).
-With ``"gradients"`` and ``"full"`` every other replica then frees those gradients, so it keeps only
-its own variables' gradients; with ``"optimizer"`` it keeps its own copies, as ZeRO-1 does. The
-step's other values then travel in a small all-reduce of their own.
+With ``shard=`` (``_step.shards``) each bucket holds one owner's pieces (whole variables, or its rows
+of a variable split along dimension 0: ``_step.owners.Piece``) and is summed onto that owner alone,
+whatever the gradients' size: every other replica sends its copy straight to the owner, which adds
+them up in rank order (point to point: gloo's ``reduce`` runs a ring, moving as many bytes as an
+all-reduce, where a sum onto one replica needs each other one to send its copy once); a split
+variable's pieces, one bucket per owner, make a reduce-scatter. With ``"gradients"`` and ``"full"``
+every replica then frees a variable's own gradient once all its pieces are sent (the owner's copy is
+in its bucket), so it keeps only the sums of its own pieces (``freed`` says which variables had a
+gradient); with ``"optimizer"`` it keeps its own copies, as ZeRO-1 does. The step's other values then
+travel in a small all-reduce of their own.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import torch.distributed as dist
 
 from torch_dp._comm.collectives import _entering
 from torch_dp._comm.replica import Replica
-from torch_dp._step.owners import numel
+from torch_dp._step.owners import Piece, Rows, numel, rows_shape
 
 FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket (its _DEFAULT_FIRST_BUCKET_BYTES)
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
@@ -58,34 +61,41 @@ class GradientBuckets:
         self,
         variables: Sequence[keras.Variable],
         *,
-        owners: Sequence[int] | None = None,
+        pieces: Sequence[Piece] | None = None,
         rank: int = 0,
         num_replicas: int = 1,
         keep_sent: bool = False,
     ) -> None:
-        """``owners``: each variable's replica, which alone gets its sum (``rank`` is this one's, of
-        ``num_replicas``; ``keep_sent``: the others keep their own gradients once sent); None: every
+        """``pieces``: what each replica owns of the variables, and alone gets the sum of (``rank`` is
+        this one's, of ``num_replicas``; ``keep_sent``: gradients are kept once sent); None: every
         replica gets every sum."""
-        self.buckets: list[list[int]] = []
+        by_variable: list[list[tuple[Rows | None, int | None]]] = [[(None, None)] for _ in variables]
+        if pieces is not None:
+            by_variable = [[] for _ in variables]
+            for piece in pieces:
+                by_variable[piece.variable].append((piece.rows, piece.owner))
+        self.buckets: list[list[tuple[int, Rows | None]]] = []  # each bucket's variables (and rows, where split)
         self.destinations: list[int | None] = []
         size, dtype = 0, None
         for index in reversed(range(len(variables))):
             value = variables[index].value
-            owner = None if owners is None else owners[index]
-            cap = FIRST_BUCKET_BYTES if len(self.buckets) <= 1 else BUCKET_BYTES
-            full = size + _bytes(variables[index]) > cap
-            if not self.buckets or full or value.dtype != dtype or owner != self.destinations[-1]:
-                self.buckets.append([])
-                self.destinations.append(owner)
-                size, dtype = 0, value.dtype
-            self.buckets[-1].append(index)
-            size += _bytes(variables[index])
+            for rows, owner in by_variable[index]:
+                cap = FIRST_BUCKET_BYTES if len(self.buckets) <= 1 else BUCKET_BYTES
+                nbytes = _numel(rows_shape(variables[index].shape, rows)) * value.element_size()
+                if not self.buckets or size + nbytes > cap or value.dtype != dtype or owner != self.destinations[-1]:
+                    self.buckets.append([])
+                    self.destinations.append(owner)
+                    size, dtype = 0, value.dtype
+                self.buckets[-1].append((index, rows))
+                size += nbytes
+        self._last_bucket = {index: b for b, bucket in enumerate(self.buckets) for index, _ in bucket}
         self.rank, self.num_replicas, self.keep_sent = rank, num_replicas, keep_sent
         self._variables = [(id(v), tuple(v.shape)) for v in variables]
         self._launched: list[tuple[torch.Tensor, list[Any], list[torch.Tensor]]] = []
         self._extras: list[torch.Tensor] = []  # the step's other values, in the last bucket
         self._group: dist.ProcessGroup | None = None  # the replicas' group, given by each ``reducing``
         self.overlapped = 0.0  # the last backward's seconds with an all-reduce in flight
+        self.freed: set[int] = set()  # the variables whose gradient the last backward freed once sent
 
     def serves(self, variables: Sequence[keras.Variable]) -> bool:
         return [(id(v), tuple(v.shape)) for v in variables] == self._variables
@@ -104,13 +114,17 @@ class GradientBuckets:
         values = [v.value for v in variables]
         last = len(self.buckets) - 1
         rides = last >= 0 and self.destinations[last] is None
-        rides = rides and all(values[i].dtype == torch.float32 for i in self.buckets[last])
+        rides = rides and all(values[i].dtype == torch.float32 for i, _ in self.buckets[last])
         rides = rides and all(extra.dtype == torch.float32 for extra in extras)
         self._extras = list(extras) if rides else []
         shapes = [tuple(v.shape) for v in variables]  # a weight freed under shard="full" keeps its Keras shape
-        bucket_of = {index: b for b, bucket in enumerate(self.buckets) for index in bucket}
+        buckets_of: dict[int, list[int]] = {}
+        for b, bucket in enumerate(self.buckets):
+            for index, _ in bucket:
+                buckets_of.setdefault(index, []).append(b)
         ready = [0] * len(self.buckets)
         self._launched = []
+        self.freed = set()
         first_launch: list[float] = []
 
         def launch_ready() -> None:
@@ -124,7 +138,8 @@ class GradientBuckets:
 
         def on_gradient(index: int) -> Any:
             def hook(_: torch.Tensor) -> None:
-                ready[bucket_of[index]] += 1
+                for b in buckets_of[index]:
+                    ready[b] += 1
                 launch_ready()
 
             return hook
@@ -138,7 +153,7 @@ class GradientBuckets:
         self.overlapped = time.perf_counter() - first_launch[0] if first_launch else 0.0
 
     def _launch(self, values: Sequence[torch.Tensor], shapes: Sequence[tuple[int, ...]], b: int) -> None:
-        parts = [_gradient_or_zeros(values[i], shapes[i]).reshape(-1) for i in self.buckets[b]]
+        parts = [_rows(_gradient_or_zeros(values[i], shapes[i]), rows).reshape(-1) for i, rows in self.buckets[b]]
         tail = [extra.reshape(-1) for extra in self._extras] if b == len(self.buckets) - 1 else []
         flat = torch.cat([*parts, *tail])
         _entering()
@@ -153,16 +168,19 @@ class GradientBuckets:
             sources = [r for r in range(self.num_replicas) if r != self.rank]
             received = [dist.irecv(copy, src=r, group=self._group) for copy, r in zip(others, sources, strict=True)]
             self._launched.append((flat, received, others))
-            return
-        self._launched.append((flat, [dist.isend(flat, dst=destination, group=self._group)], []))
-        if not self.keep_sent:  # another replica's: sent, so this one's copy goes
-            for i in self.buckets[b]:
-                values[i].grad = None
+        else:
+            self._launched.append((flat, [dist.isend(flat, dst=destination, group=self._group)], []))
+        if not self.keep_sent:  # every piece sent (this replica's own copied into its bucket): the gradient goes
+            for i, _ in self.buckets[b]:
+                if self._last_bucket[i] == b and values[i].grad is not None:
+                    values[i].grad = None
+                    self.freed.add(i)
 
     def summed(self, variables: Sequence[keras.Variable]) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """After ``backward`` in ``reducing``: the remaining buckets started (zeros for variables
         without a gradient), every one waited for; each variable's summed gradient (None for
-        another replica's, with owners), and the extras' sums (None: they did not ride along)."""
+        another replica's, with pieces; this replica's rows of a split one), and the extras' sums
+        (None: they did not ride along)."""
         values = [v.value for v in variables]
         shapes = [tuple(v.shape) for v in variables]
         while len(self._launched) < len(self.buckets):
@@ -181,13 +199,25 @@ class GradientBuckets:
                 copies = [*others[: self.rank], flat, *others[self.rank :]]
                 flat = torch.stack(copies).sum(0) if len(copies) > 2 else copies[0] + copies[1]
             tail = extras if b == len(self.buckets) - 1 else []
-            pieces = torch.split(flat, [numel(variables[i]) for i in bucket] + [extra.numel() for extra in tail])
-            for index, piece in zip(bucket, pieces[: len(bucket)], strict=True):
-                summed[index] = piece.view(shapes[index])
+            bucket_shapes = [rows_shape(shapes[i], rows) for i, rows in bucket]
+            pieces = torch.split(flat, [_numel(shape) for shape in bucket_shapes] + [extra.numel() for extra in tail])
+            for (index, _), shape, piece in zip(bucket, bucket_shapes, pieces[: len(bucket)], strict=True):
+                summed[index] = piece.view(shape)
             if tail:
                 summed_extras = [p.view(extra.shape) for p, extra in zip(pieces[len(bucket) :], tail, strict=True)]
         self._launched = []
         return summed, summed_extras
+
+
+def _numel(shape: Sequence[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _rows(gradient: torch.Tensor, rows: Rows | None) -> torch.Tensor:
+    return gradient if rows is None else gradient[rows[0] : rows[1]]
 
 
 def _gradient_or_zeros(value: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

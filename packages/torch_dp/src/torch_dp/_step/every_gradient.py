@@ -6,7 +6,9 @@ things: a ``LossScaleOptimizer``'s finite check, ``global_clipnorm``'s norm and 
 of ``use_ema`` (``internals.applying_to``). The first two are computed here over every replica's
 variables before any applies its own: each variable's terms computed by its owner, as Keras
 computes them, gathered in one small all-reduce (where one owner adds each and the rest zeros) and
-summed in Keras's order, so the norm is the same to the bit.
+summed in Keras's order, so the norm is the same to the bit. A variable split along dimension 0
+(``_step.parts``) gets each part's sum of squares from its owner, added in float64 in that
+all-reduce: its term differs from Keras's float32 sum over the whole only by float32 rounding.
 """
 
 from __future__ import annotations
@@ -28,18 +30,19 @@ def over_every_gradient(
     optimizer: keras.optimizers.Optimizer,
     variables: list[keras.Variable],
     mine: list[int],
-    local: Sequence[torch.Tensor | None],
+    present: Sequence[bool],
     summed: Sequence[torch.Tensor | None],
     replica: Replica,
 ) -> Iterator[None]:
-    """Within the block, ``apply`` on this replica's variables (``mine``, indices into ``variables``)
-    decides and clips as over all of them; ``summed`` holds at least its own variables' sums."""
+    """Within the block, ``apply`` on this replica's variables (``mine``, indices into ``variables``:
+    those it owns or owns rows of) decides and clips as over all of them; ``present`` says which got a
+    gradient on this replica, ``summed`` holds at least its own pieces' sums."""
     scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
     inner: Any = optimizer.inner_optimizer if scaled else optimizer  # pyright: ignore[reportAttributeAccessIssue]
     clips = bool(inner.global_clipnorm) and inner.global_clipnorm > 0 and not inner.clipnorm
     undo = []
     if scaled or clips:
-        finite, norm = _finite_and_norm(optimizer, inner, variables, mine, local, summed, replica)
+        finite, norm = _finite_and_norm(optimizer, inner, variables, mine, present, summed, replica)
         if scaled:
             undo.append(internals.override(optimizer, "check_finite", lambda grads: finite))
         if clips:
@@ -57,7 +60,7 @@ def _finite_and_norm(
     inner: keras.optimizers.Optimizer,
     variables: list[keras.Variable],
     mine: list[int],
-    local: Sequence[torch.Tensor | None],
+    present: Sequence[bool],
     summed: Sequence[torch.Tensor | None],
     replica: Replica,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,16 +68,16 @@ def _finite_and_norm(
     of the gradients unscaled as ``apply`` unscales them, each variable's sum of squares added
     in the variables' order. One all-reduce: each replica gives its own variables' terms."""
     count = len(variables)
-    squares, nonfinite, present = torch.zeros((3, count), dtype=torch.float64, device=replica.device)
+    squares, nonfinite, counted = torch.zeros((3, count), dtype=torch.float64, device=replica.device)
     for index in mine:
         gradient = summed[index]
-        if local[index] is None or gradient is None:
+        if not present[index] or gradient is None:
             continue  # no gradient on any replica (the owner's was summed from theirs)
-        present[index] = 1.0
+        counted[index] = 1.0
         nonfinite[index] = float(not bool(torch.isfinite(gradient).all()))
         squares[index] = _tensor(keras.ops.sum(keras.ops.square(_unscaled(optimizer, inner, gradient))))
-    squares, nonfinite, present = all_reduce_sum([squares, nonfinite, present], replica)
-    with_gradient = [i for i in range(count) if present[i]]
+    squares, nonfinite, counted = all_reduce_sum([squares, nonfinite, counted], replica)
+    with_gradient = [i for i in range(count) if counted[i]]
     dtype = variables[with_gradient[0]].value.dtype if with_gradient else torch.float32
     terms = [squares[i].to(dtype) for i in with_gradient]  # a float32 square is exact in float64 and back
     norm = _tensor(keras.ops.sqrt(keras.ops.sum(keras.ops.stack(terms)))) if terms else torch.zeros((), dtype=dtype)

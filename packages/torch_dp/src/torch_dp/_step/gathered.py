@@ -4,7 +4,9 @@ backward, then frees them.
 
 Each layer with sharded weights of its own has its ``call`` shadowed on the instance (as the
 BatchNormalization sync does): before Keras's call the layer's weights are broadcast from their
-owners, after it the other replicas' copies are freed. Autograd keeps the ``Parameter``, not its
+owners, after it the other replicas' copies are freed. A variable split along dimension 0
+(``_step.owners.pieces_of``) is put together from every replica's rows, and each keeps its own rows
+only after. Autograd keeps the ``Parameter``, not its
 storage, so backward needs them again: a hook on the layer's outputs gathers them before autograd
 runs the layer's backward, and each weight is freed once its gradient is accumulated (its sum goes
 to its owner, ``_step.buckets``). Every replica runs the same layers in the same order, and a
@@ -33,7 +35,7 @@ import torch.distributed as dist
 from dp_core.keras import internals
 from torch_dp._comm.collectives import _entering
 from torch_dp._comm.replica import Replica
-from torch_dp._step.owners import dtype_of, numel, release
+from torch_dp._step.owners import Held, Piece, dtype_of, held_numel, pieces_of_flat, release
 
 
 def shardable(variable: keras.Variable) -> bool:
@@ -46,19 +48,25 @@ class JustInTime:
     """The model's layers, each gathering its own sharded weights around its calls."""
 
     def __init__(
-        self, model: keras.Model, variables: Sequence[keras.Variable], owners: Sequence[int], replica: Replica
+        self, model: keras.Model, variables: Sequence[keras.Variable], pieces: Sequence[Piece], replica: Replica
     ) -> None:
         self.rank, self.device, self.group = replica.rank, replica.device, replica.group
-        self._owner = {id(v): owners[i] for i, v in enumerate(variables) if shardable(v)}
+        self._pieces: dict[int, list[Piece]] = {}  # each shardable variable's: one whole, or one per replica
+        for piece in pieces:
+            if shardable(variables[piece.variable]):
+                self._pieces.setdefault(id(variables[piece.variable]), []).append(piece)
         self._layers: list[tuple[keras.layers.Layer, list[keras.Variable]]] = []
         claimed: set[int] = set()  # a weight shared by two layers is gathered by the first
         for layer in internals.flatten_layers(model, include_self=True):
-            own = [v for v in internals.own_trainable_variables(layer) if id(v) in self._owner and id(v) not in claimed]
+            own = [
+                v for v in internals.own_trainable_variables(layer) if id(v) in self._pieces and id(v) not in claimed
+            ]
             claimed.update(id(v) for v in own)
             if own:
                 self._layers.append((layer, own))
         self.sharded = [v for v in variables if id(v) in claimed]
         self._gathered: dict[int, set[int]] = {}  # layer id -> its weights still waiting for a gradient
+        self._rows: dict[int, torch.Tensor] = {}  # a split variable's own rows while it is gathered whole
         self._undo: list[Callable[[], None]] = []
         self.paused = False  # rank 0 holds every weight (a callback runs on it alone): no gathers
         self.seconds = 0.0  # spent gathering since the last ``take_seconds`` (the scaling report's)
@@ -75,6 +83,7 @@ class JustInTime:
         self.free_all()
 
     def uninstall(self) -> None:
+        self.free_all()  # a step left undone (preempted, stopped) may leave a layer gathered
         for undo in reversed(self._undo):
             undo()
         self._undo = []
@@ -83,16 +92,16 @@ class JustInTime:
     def free_all(self) -> None:
         """Every other replica's weights freed (after a step, where some got no gradient)."""
         for variable in self.sharded:
-            if self._owner[id(variable)] != self.rank:
-                release(variable)
+            self._release(variable)
         self._gathered = {}
 
     def take_seconds(self) -> float:
         seconds, self.seconds = self.seconds, 0.0
         return seconds
 
-    def owned(self, owner: int) -> list[keras.Variable]:
-        return [v for v in self.sharded if self._owner[id(v)] == owner]
+    def owned(self, owner: int) -> list[Held]:
+        """What ``owner`` holds of the sharded weights: its whole variables and its rows of the split ones."""
+        return [Held(v, p.rows) for v in self.sharded for p in self._pieces[id(v)] if p.owner == owner]
 
     def _call(self, layer: keras.layers.Layer, own: list[keras.Variable], keras_call: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -133,27 +142,45 @@ class JustInTime:
         return hook
 
     def _gather(self, layer: keras.layers.Layer, own: list[keras.Variable]) -> None:
-        """The layer's weights broadcast from their owners: one broadcast per owner and dtype."""
+        """The layer's weights broadcast from their owners (one broadcast per owner and dtype), a split
+        one's rows from each replica into its whole."""
         started = time.perf_counter()
-        groups: dict[tuple[int, torch.dtype], list[keras.Variable]] = {}
+        groups: dict[tuple[int, torch.dtype], list[Held]] = {}
+        wholes: dict[int, torch.Tensor] = {}
         for variable in own:
-            groups.setdefault((self._owner[id(variable)], dtype_of(variable)), []).append(variable)
+            for piece in self._pieces[id(variable)]:
+                groups.setdefault((piece.owner, dtype_of(variable)), []).append(Held(variable, piece.rows))
+            if len(self._pieces[id(variable)]) > 1:
+                rows = self._rows[id(variable)] = internals.stored_value(variable).data
+                wholes[id(variable)] = torch.empty(tuple(variable.shape), dtype=rows.dtype, device=self.device)
         for (owner, dtype), group in groups.items():
-            sizes = [numel(v) for v in group]
             if owner == self.rank:
-                flat = torch.cat([internals.stored_value(v).detach().reshape(-1) for v in group])
+                flat = torch.cat([internals.stored_value(h.variable).detach().reshape(-1) for h in group])
             else:
-                flat = torch.empty(sum(sizes), dtype=dtype, device=self.device)
+                flat = torch.empty(sum(held_numel(h) for h in group), dtype=dtype, device=self.device)
             _entering()
             dist.broadcast(flat, src=owner, group=self.group)
-            if owner != self.rank:
-                for variable, piece in zip(group, torch.split(flat, sizes), strict=True):
-                    internals.stored_value(variable).data = piece.view(tuple(variable.shape))
+            for held, piece in zip(group, pieces_of_flat(group, flat), strict=True):
+                if held.rows is not None:
+                    wholes[id(held.variable)][held.rows[0] : held.rows[1]] = piece
+                elif owner != self.rank:
+                    internals.stored_value(held.variable).data = piece
+        for variable in own:
+            if id(variable) in wholes:
+                internals.stored_value(variable).data = wholes[id(variable)]
         self._gathered[id(layer)] = set()
         self.seconds += time.perf_counter() - started
 
     def _free(self, layer: keras.layers.Layer, own: list[keras.Variable]) -> None:
         for variable in own:
-            if self._owner[id(variable)] != self.rank:
-                release(variable)
+            self._release(variable)
         self._gathered.pop(id(layer), None)
+
+    def _release(self, variable: keras.Variable) -> None:
+        """Another owner's whole variable freed; a split one back to its own rows (kept while gathered)."""
+        pieces = self._pieces[id(variable)]
+        if len(pieces) > 1:
+            if id(variable) in self._rows:
+                internals.stored_value(variable).data = self._rows.pop(id(variable))
+        elif pieces[0].owner != self.rank:
+            release(variable)

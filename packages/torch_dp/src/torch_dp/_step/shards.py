@@ -1,11 +1,14 @@
 """Sharded training state (``Trainer(shard="optimizer" | "gradients" | "full")``): ZeRO-1, 2 and 3
 over Keras's own optimizer.
 
-Each trainable variable belongs to one replica, its owner: whole variables, in runs of the order
-backward produces their gradients (the model's order reversed), one run per replica, balanced by
-bytes. The owner alone keeps that variable's optimizer slots (every optimizer variable Keras made
-for it: Adam's moments, momentum, moving averages, gradient accumulators) and alone updates it;
-the other replicas hold those slots empty (storage freed, shape kept).
+Each trainable variable larger than a quarter of a replica's share is split along dimension 0, one
+run of rows per replica (as FSDP2 splits every parameter); every other one belongs whole to one
+replica, in runs of the order backward produces their gradients (the model's order reversed), one
+run per replica, balanced by bytes (``_step.owners.pieces_of``). The owner of a piece (a whole
+variable, or rows of one) alone keeps its optimizer slots (every optimizer variable Keras made for
+the variable: Adam's moments, momentum, moving averages, gradient accumulators; of a split variable,
+their rows) and alone updates it, with Keras's own ``apply`` on the variable standing for its rows
+(``_step.parts``); the other replicas hold whole variables' slots empty (storage freed, shape kept).
 
 - ``"optimizer"`` (ZeRO-1): each bucket of gradients is summed onto its owner alone (started during
   backward: ``_step.buckets``), and each replica applies its own variables' only, so it holds 1/N
@@ -46,8 +49,17 @@ from torch_dp._comm.replica import Replica
 from torch_dp._step.buckets import GradientBuckets, gradient_buckets
 from torch_dp._step.every_gradient import count_step, over_every_gradient
 from torch_dp._step.gathered import JustInTime
-from torch_dp._step.moves import back_to_owners, onto_everyone, onto_primary, share_updated
-from torch_dp._step.owners import dtype_of, numel, owners_of, release, slots_of
+from torch_dp._step.moves import (
+    back_to_owners,
+    onto_everyone,
+    onto_host_of_primary,
+    onto_primary,
+    put_back,
+    share_updated,
+    to_shards,
+)
+from torch_dp._step.owners import Held, dtype_of, numel, pieces_of, slots_of
+from torch_dp._step.parts import Part, narrowed, splittable
 from torch_dp._step.profile import WEIGHTS_GATHER
 
 
@@ -77,8 +89,13 @@ class TrainingState(Protocol):
         ...
 
     def whole_on_primary(self, *, changes_kept: bool = False) -> contextlib.AbstractContextManager[None]:
-        """Within the block rank 0 holds every variable (a checkpoint or a callback reads them); with
-        ``changes_kept``, what it changed in them reaches every replica after."""
+        """Within the block rank 0 holds every variable (a callback reads them); with ``changes_kept``,
+        what it changed in them reaches every replica after."""
+        ...
+
+    def on_primary_host(self) -> contextlib.AbstractContextManager[None]:
+        """Within the block rank 0 can read every variable (a checkpoint's write): those it does not hold
+        whole hold a host copy, put together one variable at a time."""
         ...
 
     def gather(self) -> None:
@@ -116,6 +133,10 @@ class Replicated:
     def whole_on_primary(self, *, changes_kept: bool = False) -> Iterator[None]:
         yield
 
+    @contextlib.contextmanager
+    def on_primary_host(self) -> Iterator[None]:
+        yield
+
     def gather(self) -> None:
         pass
 
@@ -138,24 +159,27 @@ class Sharded:
         self.mode: ShardMode = mode
         self.replica = replica
         self.variables = list(model.trainable_weights)
-        self.owners = owners_of(self.variables, replica.num_replicas)
-        self.mine = [i for i, owner in enumerate(self.owners) if owner == replica.rank]
+        self.pieces = pieces_of(self.variables, replica.num_replicas, splittable(optimizer, self.variables))
+        self.mine = [p for p in self.pieces if p.owner == replica.rank]
         self.slots = slots_of(optimizer, self.variables)
         self.weights: JustInTime | None = None
         if mode == "full" and replica.distributed:
-            self.weights = JustInTime(model, self.variables, self.owners, replica)
+            self.weights = JustInTime(model, self.variables, self.pieces, replica)
         sharded_weights = {id(v) for v in self.weights.sharded} if self.weights is not None else set()
-        # each replica's variables the others do not hold during the fit; and those all hold whole
+        # each replica's holdings the others do not hold during the fit; and its weights all hold whole
         self.by_owner = [self._sharded_of(owner) for owner in range(replica.num_replicas)]
         self.whole_by_owner = [
-            [v for v, o in zip(self.variables, self.owners, strict=True) if o == owner and id(v) not in sharded_weights]
+            [
+                Held(self.variables[p.variable], p.rows)
+                for p in self.pieces
+                if p.owner == owner and id(self.variables[p.variable]) not in sharded_weights
+            ]
             for owner in range(replica.num_replicas)
         ]
         self._buckets: GradientBuckets | None = None
         self._whole = replica.num_replicas == 1
         if not self._whole:
-            for variable in self._others():
-                release(variable)
+            to_shards(self.by_owner, replica.rank)
             if self.weights is not None:
                 self.weights.install()
 
@@ -163,7 +187,7 @@ class Sharded:
         if self._buckets is None:  # every bucket goes to its owner, whatever the gradients' size
             self._buckets = GradientBuckets(
                 self.variables,
-                owners=self.owners,
+                pieces=self.pieces,
                 rank=replica.rank,
                 num_replicas=replica.num_replicas,
                 keep_sent=self.mode == "optimizer",  # ZeRO-1 keeps every gradient
@@ -182,21 +206,25 @@ class Sharded:
         if self.weights is not None:  # those a layer gathered for a gradient it did not get
             self.weights.free_all()
         optimizer = model.optimizer
-        mine = [i for i in self.mine if local[i] is not None]
-        grads = [summed[i] for i in mine]
-        variables = [trainable[i] for i in mine]
-        with torch.no_grad(), self._over_every_gradient(optimizer, local, summed):
+        freed = self._buckets.freed if self._buckets is not None else set()
+        present = [g is not None or i in freed for i, g in enumerate(local)]  # a gradient on this replica
+        mine = [p for p in self.mine if present[p.variable]]
+        grads = [summed[p.variable] for p in mine]
+        variables = [trainable[p.variable] for p in mine]
+        parts = [Part(trainable[p.variable], self.slots[p.variable], p.rows) for p in mine if p.rows is not None]
+        with torch.no_grad(), self._over_every_gradient(optimizer, present, summed), narrowed(parts):
             if variables:
                 optimizer.apply(grads, variables)
             else:
                 count_step(optimizer)
+        with torch.no_grad():
             started = time.perf_counter()
             share_updated(self.whole_by_owner, self.replica)
             gathered = self.weights.take_seconds() if self.weights is not None else 0.0  # for each layer
             timer.note(WEIGHTS_GATHER, time.perf_counter() - started + gathered)
 
     def sharded_variables(self) -> list[keras.Variable]:
-        return [v for variables in self.by_owner for v in variables]
+        return list({id(h.variable): h.variable for holdings in self.by_owner for h in holdings}.values())
 
     def _check_same(self, trainable: list[keras.Variable]) -> None:
         """The variables the fit began with still train (every replica sees the same: rank 0's
@@ -211,8 +239,8 @@ class Sharded:
 
     @contextlib.contextmanager
     def whole_on_primary(self, *, changes_kept: bool = False) -> Iterator[None]:
-        """Within the block rank 0 holds every variable (a checkpoint, a callback reads them); freed
-        again after. With ``changes_kept`` what rank 0 changed in them (a callback) reaches their owners."""
+        """Within the block rank 0 holds every variable whole (a callback reads them); as the fit holds
+        them again after. With ``changes_kept`` what rank 0 changed in them (a callback) reaches their owners."""
         if self._whole:
             yield
             return
@@ -227,8 +255,20 @@ class Sharded:
             if changes_kept:
                 back_to_owners(self.by_owner, self.replica, filled)
             elif self.replica.is_primary:
-                for variable in self._others():
-                    release(variable)
+                to_shards(self.by_owner, 0)
+
+    @contextlib.contextmanager
+    def on_primary_host(self) -> Iterator[None]:
+        """Within the block rank 0 reads every variable: those it does not hold whole hold a host copy,
+        gathered one variable at a time (its device never holds the whole state); its own storage after."""
+        if self._whole:
+            yield
+            return
+        originals = onto_host_of_primary(self.by_owner, self.replica)
+        try:
+            yield
+        finally:
+            put_back(originals)
 
     def gather(self) -> None:
         """Each owner's variables broadcast to every replica: the whole state everywhere."""
@@ -248,20 +288,19 @@ class Sharded:
                 internals.stored_value(variable).data = torch.zeros(tuple(variable.shape), dtype=dtype_of(variable))
         self._whole = True
 
-    def _sharded_of(self, owner: int) -> list[keras.Variable]:
-        slots = [slot for index, slots in enumerate(self.slots) if self.owners[index] == owner for slot in slots]
+    def _sharded_of(self, owner: int) -> list[Held]:
+        """What ``owner`` holds of the slots (and with ``"full"`` the weights): whole, or its rows."""
+        slots = [Held(slot, p.rows) for p in self.pieces if p.owner == owner for slot in self.slots[p.variable]]
         return slots + (self.weights.owned(owner) if self.weights is not None else [])
-
-    def _others(self) -> list[keras.Variable]:
-        return [v for owner, variables in enumerate(self.by_owner) if owner != self.replica.rank for v in variables]
 
     def _over_every_gradient(
         self,
         optimizer: keras.optimizers.Optimizer,
-        local: Sequence[torch.Tensor | None],
+        present: Sequence[bool],
         summed: Sequence[torch.Tensor | None],
     ) -> contextlib.AbstractContextManager[None]:
-        return over_every_gradient(optimizer, self.variables, self.mine, local, summed, self.replica)
+        mine = [p.variable for p in self.mine]
+        return over_every_gradient(optimizer, self.variables, mine, present, summed, self.replica)
 
 
 def training_state(model: keras.Model, mode: ShardMode | None, replica: Replica) -> TrainingState:
