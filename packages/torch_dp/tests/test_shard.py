@@ -85,7 +85,9 @@ def _numpy(variable) -> np.ndarray:
     return np.asarray(keras.ops.convert_to_numpy(variable))
 
 
-def assert_like_keras(trainer, trained, history, reference, expected, *, atol=1e-5, rtol=1e-5) -> None:
+def assert_like_keras(
+    trainer, trained, history, reference, expected, *, atol=1e-5, rtol=1e-5, batch_size=GLOBAL_BATCH_SIZE
+) -> None:
     """Weights, History, the optimizer's whole state, evaluate and predict: ``model.fit``'s."""
     for mine, theirs in zip(trained.get_weights(), reference.get_weights(), strict=True):
         np.testing.assert_allclose(mine, theirs, atol=atol)
@@ -96,12 +98,12 @@ def assert_like_keras(trainer, trained, history, reference, expected, *, atol=1e
     for mine, theirs in zip(trained.optimizer.variables, reference.optimizer.variables, strict=True):
         np.testing.assert_allclose(_numpy(mine), _numpy(theirs), atol=atol, err_msg=mine.path)  # all of it, here
     x, y = data(37, seed=1)
-    logs = trainer.evaluate(trained, x, y, global_batch_size=GLOBAL_BATCH_SIZE, return_dict=True, verbose=0)
-    for name, value in reference.evaluate(x, y, batch_size=GLOBAL_BATCH_SIZE, return_dict=True, verbose=0).items():
+    logs = trainer.evaluate(trained, x, y, global_batch_size=batch_size, return_dict=True, verbose=0)
+    for name, value in reference.evaluate(x, y, batch_size=batch_size, return_dict=True, verbose=0).items():
         np.testing.assert_allclose(logs[name], value, rtol=rtol, atol=atol, err_msg=name)
     np.testing.assert_allclose(
-        trainer.predict(trained, x, global_batch_size=GLOBAL_BATCH_SIZE, verbose=0),
-        reference.predict(x, batch_size=GLOBAL_BATCH_SIZE, verbose=0),
+        trainer.predict(trained, x, global_batch_size=batch_size, verbose=0),
+        reference.predict(x, batch_size=batch_size, verbose=0),
         atol=atol,
     )
 
