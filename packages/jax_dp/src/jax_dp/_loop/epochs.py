@@ -156,7 +156,7 @@ def _train_steps(
     one_at_a_time = waits_for_each_step(kind.placement.mesh)
     timer = run.timer
     timer.start()
-    with contextlib.nullcontext() if on_request is None else on_request.installed():
+    with contextlib.nullcontext() if on_request is None else on_request.installed(), _kept_on_error(kind, current):
         for group in run.groups():
             current.call(callbacks.on_train_batch_begin, group.first)
             timer.lap("callbacks")
@@ -182,6 +182,28 @@ def _train_steps(
                 break
         current.pending_stops()  # a non-finite loss: the caller raises or warns
     return current.state, run
+
+
+@contextlib.contextmanager
+def _kept_on_error(kind: StepKind, current: HookedState) -> Iterator[None]:
+    """On an error or an interrupt within the epoch, the state of the last group run goes into a
+    model whose own arrays the steps consumed (one built in ``Trainer.scope()``: its variables are the
+    state, donated to each step), so it never holds deleted arrays; nothing is gathered for it, and a
+    failure here never hides the error."""
+    try:
+        yield
+    except BaseException:
+        model = kind.model
+        consumed = any(_deleted(variable.value) for variable in model.variables)
+        alive = not any(_deleted(leaf) for leaf in jax.tree.leaves(current.state))
+        if consumed and alive:
+            with contextlib.suppress(Exception):
+                write_back(model, kind.optimizer, current.state, metrics=kind.metrics, every_process=False)
+        raise
+
+
+def _deleted(value: Any) -> bool:
+    return isinstance(value, jax.Array) and value.is_deleted()
 
 
 def stop_requested(model: keras.Model, done: int, steps: int | None, *, first: int) -> bool:
