@@ -320,8 +320,10 @@ def parity(session: nox.Session, keras: str) -> None:
     # (and tensorflow), but with the light ones its import needs
     session.install("--no-deps", "keras-hub>=0.32,<0.33")
     session.install("regex", "kagglehub", "tokenizers")
-    if keras == "nightly":
+    if keras == "nightly":  # and keras-hub's nightly: its release imports names keras-nightly moved
         _install_keras_nightly(session)
+        session.run("python", "-m", "pip", "uninstall", "--yes", "keras-hub", "keras-hub-nightly")
+        session.install("--pre", "--no-deps", "keras-hub-nightly")
     session.env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={JAX_HOST_DEVICES}"
     session.run("pytest", "tests/parity", *session.posargs)
 
