@@ -1,15 +1,22 @@
-"""The private jax modules jax-dp uses (``jax._src``), each with its reason, in one place.
+"""The private jax modules jax-dp uses (``jax._src``), and the private parts of Keras's jax backend
+a trainer's ``scope()`` hooks, each with its reason, in one place.
 
-jax has no public accessor for these; when a jax release moves one, this module is where it
-shows. Nothing else in jax-dp imports ``jax._src``.
+jax and Keras have no public accessor for these; when a release moves one, this module is where it
+shows. Nothing else in jax-dp imports ``jax._src`` or ``keras.src``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
+import keras
+import numpy as np
 from jax._src import clusters, distributed
+from jax.sharding import NamedSharding
+
+from dp_core.keras import internals as keras_internals
 
 
 def distributed_client() -> Any:
@@ -43,3 +50,71 @@ def slurm_cluster(initialization_timeout: int) -> tuple[str, int, int, Sequence[
     )
     assert address is not None and count is not None and index is not None  # SLURM's variables are all set
     return address, count, index, devices
+
+
+def install_keras_variable_hooks(
+    placed: Callable[[Any], NamedSharding | None],
+    on_trainer_mesh: Callable[[Any], bool],
+    slot_sharding: Callable[[Any], NamedSharding | None],
+) -> None:
+    """Keras's jax backend, hooked for variables a trainer places (``placed(variable)``: their
+    sharding, None for any other, which Keras handles as ever). Keras has no public hook for these:
+
+    - ``keras.src.backend.jax.core.should_shard_at_init``: Keras runs an initializer jitted into the
+      variable's sharding only above 250 MiB x devices and else makes the value whole on one device
+      first; for a layout on a trainer's mesh (``on_trainer_mesh``) every initializer runs sharded;
+    - ``JaxVariable._convert_to_tensor``: ``assign(numpy)`` (``load_weights``) makes the whole value on
+      the default device before splitting it; a placed variable's host value goes straight to its
+      sharding, each device receiving its part;
+    - ``JaxVariable.__array__`` (``np.array(variable)``, how Keras's saving reads each variable): jax
+      caches a sharded array's host copy on the array; the copy is taken from a fresh view of the same
+      shards, so the host holds one whole variable at a time while a model is saved;
+    - ``BaseOptimizer.add_variable_from_reference``: Keras gives a slot its variable's layout;
+      ``slot_sharding(reference)`` (None: Keras's rule) gives the slot's own placement instead.
+    """
+    from keras.src.backend.jax import core
+    from keras.src.optimizers import base_optimizer
+
+    if hasattr(core, "should_shard_at_init"):  # older Keras makes the value whole, then splits it
+        keras_should_shard = core.should_shard_at_init
+
+        def should_shard_at_init(layout: Any, shape: Any) -> bool:
+            return on_trainer_mesh(layout) or keras_should_shard(layout, shape)
+
+        core.should_shard_at_init = should_shard_at_init
+    variable_class: Any = core.JaxVariable
+    keras_convert, keras_array = variable_class._convert_to_tensor, variable_class.__array__
+
+    def convert_to_tensor(variable: Any, value: Any, dtype: Any = None) -> Any:
+        sharding = placed(variable)
+        if sharding is None or isinstance(value, jax.Array) or np.shape(value) != tuple(variable.shape):
+            return keras_convert(variable, value, dtype=dtype)
+        host = np.asarray(value, dtype=None if dtype is None else keras.backend.standardize_dtype(dtype))
+        return jax.device_put(host, sharding)  # each device receives its part from the host
+
+    def to_numpy(variable: Any, dtype: Any = None, **kwargs: Any) -> Any:
+        value = variable.value
+        if placed(variable) is None or not isinstance(value, jax.Array) or value.sharding.is_fully_replicated:
+            return keras_array(variable, dtype)
+        fresh = jax.make_array_from_single_device_arrays(
+            value.shape, value.sharding, [shard.data for shard in value.addressable_shards]
+        )  # the same shards, in a view whose host copy is let go with it
+        return np.asarray(fresh, dtype=dtype)
+
+    variable_class._convert_to_tensor = convert_to_tensor
+    variable_class.__array__ = to_numpy
+    optimizer_class: Any = base_optimizer.BaseOptimizer
+    keras_from_reference = optimizer_class.add_variable_from_reference
+
+    def add_variable_from_reference(optimizer: Any, reference: Any, *args: Any, **kwargs: Any) -> Any:
+        slot = slot_sharding(reference)
+        if slot is None:
+            return keras_from_reference(optimizer, reference, *args, **kwargs)
+        layout = keras_internals.variable_layout(reference)
+        keras_internals.set_variable_layout(reference, slot)  # Keras reads it for the slot's layout only
+        try:
+            return keras_from_reference(optimizer, reference, *args, **kwargs)
+        finally:
+            keras_internals.set_variable_layout(reference, layout)
+
+    optimizer_class.add_variable_from_reference = add_variable_from_reference

@@ -11,12 +11,15 @@ created) says so with ``mark_as_trainers`` and is let through.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import keras
 
+DistributionT = TypeVar("DistributionT")  # a keras.distribution.DataParallel, ModelParallel, ...
 _TRAINERS = "_dp_core_trainers_own"  # set on a distribution a trainer made for its scope()
 
 
-def mark_as_trainers(distribution: keras.distribution.Distribution) -> keras.distribution.Distribution:
+def mark_as_trainers(distribution: DistributionT) -> DistributionT:
     """``distribution``, marked as a trainer's own (made by its ``scope()``): calls may run under it."""
     setattr(distribution, _TRAINERS, True)
     return distribution

@@ -111,6 +111,17 @@ def stored_value(variable: keras.Variable) -> Any:
     return variable._value
 
 
+def variable_layout(variable: keras.Variable) -> Any:
+    """The layout a Keras distribution gave ``variable`` (on jax a ``NamedSharding``; None without one):
+    Keras keeps it on the variable and places every value assigned there."""
+    return getattr(variable, "_layout", None)
+
+
+def set_variable_layout(variable: keras.Variable, layout: Any) -> None:
+    """Give ``variable`` another layout: the next value assigned is placed by it."""
+    variable._layout = layout
+
+
 def own_trainable_variables(layer: keras.layers.Layer) -> list[keras.Variable]:
     """The trainable variables ``layer`` made itself (``add_weight``), not its sublayers'."""
     return list(layer._trainable_variables) if layer.trainable else []

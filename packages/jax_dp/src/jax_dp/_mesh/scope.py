@@ -6,25 +6,12 @@ model built inside holds sharded ``jax.Array``s from its first variable on. It p
 intermediate tensor: the trainer places batches itself.
 
 Process-global state: ``_TRAINER_MESHES`` (the meshes of the trainers whose scope was entered) and
-the Keras hooks ``install_keras_hooks`` puts in place once, the first time a scope is entered. Each
-hook acts only on a variable whose layout is a sharding on one of those meshes ("trainer-placed")
-and otherwise calls Keras's own method, so a plain ``model.fit`` runs as before. The hooks are never
-removed. Keras has no public hook for these; each private access and its reason:
-
-- ``keras.src.backend.jax.core.should_shard_at_init``: Keras runs an initializer jitted into the
-  variable's sharding only above 250 MiB x devices and else makes the value whole on one device
-  first. True for a trainer's mesh: every initializer runs sharded.
-- ``JaxVariable._convert_to_tensor``: ``assign(numpy)`` (``load_weights``) makes the whole value on the
-  default device before ``_direct_assign`` splits it; a trainer-placed variable's host value goes
-  straight to its sharding, each device receiving its part.
-- ``JaxVariable.__array__`` (``np.array(variable)``, how Keras's saving reads each variable): jax
-  keeps a sharded array's host copy cached on the array; the copy is taken from a fresh view of the
-  same shards, so the host holds one whole variable at a time while a model is saved.
-- ``BaseOptimizer.add_variable_from_reference``: Keras gives a slot its variable's ``_layout``; under
-  a trainer's distribution the slot gets the slot's placement (split over ``"batch"`` in every
-  ``shard=`` mode) instead.
-- ``variable._layout``: where Keras keeps a variable's sharding (``assign`` places values there);
-  ``settle`` moves it when the rule changed (another ``shard=``, a variable made non-trainable).
+the hooks of Keras's jax backend (``jax_dp._internals.install_keras_variable_hooks``, with their
+reasons) put in place once, the first time a scope is entered. Each hook acts only on a variable
+whose layout is a sharding on one of those meshes ("trainer-placed") and otherwise calls Keras's
+own method, so a plain ``model.fit`` runs as before. The hooks are never removed. ``settle`` moves a
+variable's Keras layout (``dp_core.keras.internals.variable_layout``) when the rule changed
+(another ``shard=``, a variable made non-trainable).
 """
 
 from __future__ import annotations
@@ -35,10 +22,11 @@ from typing import Any
 
 import jax
 import keras
-import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from dp_core.keras import internals as keras_internals
 from dp_core.keras import mark_as_trainers
+from jax_dp import _internals
 from jax_dp._mesh.layout import (
     Placement,
     optimizer_shardings,
@@ -81,7 +69,7 @@ class TrainerDistribution(keras.distribution.ModelParallel):
     def slot_sharding(self, reference: Any) -> NamedSharding | None:
         """Where an optimizer slot made for ``reference`` lies (None: ``reference`` is not one of this
         placement's trainable variables, and Keras's own rule applies)."""
-        layout = getattr(reference, "_layout", None)
+        layout = keras_internals.variable_layout(reference)
         if not (isinstance(layout, NamedSharding) and layout.mesh == self.placement.mesh and reference.trainable):
             return None
         return variable_slot_sharding(reference, self.placement)
@@ -112,7 +100,7 @@ def lives_on_mesh(model: keras.Model, mesh: Mesh) -> bool:
 
 
 def _placed_on(variable: Any, mesh: Mesh) -> bool:
-    layout = getattr(variable, "_layout", None)
+    layout = keras_internals.variable_layout(variable)
     return isinstance(layout, NamedSharding) and layout.mesh == mesh
 
 
@@ -129,8 +117,8 @@ def settle(model: keras.Model, placement: Placement) -> None:
     if optimizer is not None and optimizer.built:
         pairs += zip(optimizer.variables, optimizer_shardings(optimizer, model, placement), strict=True)
     for variable, sharding in pairs:
-        if getattr(variable, "_layout", None) != sharding or not _is_placed(variable.value, sharding):
-            variable._layout = sharding
+        if keras_internals.variable_layout(variable) != sharding or not _is_placed(variable.value, sharding):
+            keras_internals.set_variable_layout(variable, sharding)
             variable.assign(jax.device_put(variable.value, sharding))
 
 
@@ -141,64 +129,22 @@ def _is_placed(value: Any, sharding: NamedSharding) -> bool:
 def trainer_placed(variable: Any) -> NamedSharding | None:
     """The sharding of a variable that lives on a trainer's mesh (created in its scope, or moved there
     by ``settle``); None for any other. Such a variable's value is read and written on the devices."""
-    layout = getattr(variable, "_layout", None)
-    if isinstance(layout, NamedSharding) and layout.mesh in _TRAINER_MESHES:
-        return layout
-    return None
+    layout = keras_internals.variable_layout(variable)
+    return layout if _on_trainer_mesh(layout) else None
+
+
+def _on_trainer_mesh(layout: Any) -> bool:
+    return isinstance(layout, NamedSharding) and layout.mesh in _TRAINER_MESHES
+
+
+def _slot_sharding(reference: Any) -> NamedSharding | None:
+    distribution = keras.distribution.distribution()
+    return distribution.slot_sharding(reference) if isinstance(distribution, TrainerDistribution) else None
 
 
 def install_keras_hooks() -> None:
-    """Puts the module's Keras hooks in place, once (see the module's docstring)."""
+    """Puts the hooks of Keras's jax backend in place, once (see the module's docstring)."""
     global _hooks_installed
-    if _hooks_installed:
-        return
-    _hooks_installed = True
-    from keras.src.backend.jax import core
-    from keras.src.optimizers import base_optimizer
-
-    if hasattr(core, "should_shard_at_init"):  # older Keras makes the value whole, then splits it
-        keras_should_shard = core.should_shard_at_init
-
-        def should_shard_at_init(layout: Any, shape: Any) -> bool:
-            if isinstance(layout, NamedSharding) and layout.mesh in _TRAINER_MESHES:
-                return True
-            return keras_should_shard(layout, shape)
-
-        core.should_shard_at_init = should_shard_at_init
-    variable_class: Any = core.JaxVariable
-    keras_convert, keras_array = variable_class._convert_to_tensor, variable_class.__array__
-
-    def _convert_to_tensor(self: Any, value: Any, dtype: Any = None) -> Any:
-        sharding = trainer_placed(self)
-        if sharding is None or isinstance(value, jax.Array) or np.shape(value) != tuple(self.shape):
-            return keras_convert(self, value, dtype=dtype)
-        host = np.asarray(value, dtype=None if dtype is None else keras.backend.standardize_dtype(dtype))
-        return jax.device_put(host, sharding)  # each device receives its part from the host
-
-    def to_numpy(self: Any, dtype: Any = None, **kwargs: Any) -> Any:
-        value = self.value
-        if trainer_placed(self) is None or not isinstance(value, jax.Array) or value.sharding.is_fully_replicated:
-            return keras_array(self, dtype)
-        fresh = jax.make_array_from_single_device_arrays(
-            value.shape, value.sharding, [shard.data for shard in value.addressable_shards]
-        )  # the same shards, in a view whose host copy is let go with it
-        return np.asarray(fresh, dtype=dtype)
-
-    variable_class._convert_to_tensor = _convert_to_tensor
-    variable_class.__array__ = to_numpy
-    optimizer_class: Any = base_optimizer.BaseOptimizer
-    keras_from_reference = optimizer_class.add_variable_from_reference
-
-    def add_variable_from_reference(self: Any, reference_variable: Any, *args: Any, **kwargs: Any) -> Any:
-        distribution = keras.distribution.distribution()
-        slot = distribution.slot_sharding(reference_variable) if isinstance(distribution, TrainerDistribution) else None
-        if slot is None:
-            return keras_from_reference(self, reference_variable, *args, **kwargs)
-        layout = reference_variable._layout
-        reference_variable._layout = slot  # Keras reads it for the slot's layout, nothing else
-        try:
-            return keras_from_reference(self, reference_variable, *args, **kwargs)
-        finally:
-            reference_variable._layout = layout
-
-    optimizer_class.add_variable_from_reference = add_variable_from_reference
+    if not _hooks_installed:
+        _hooks_installed = True
+        _internals.install_keras_variable_hooks(trainer_placed, _on_trainer_mesh, _slot_sharding)
