@@ -8,7 +8,7 @@ shows. Nothing else in jax-dp imports ``jax._src`` or ``keras.src``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import keras
@@ -52,20 +52,32 @@ def slurm_cluster(initialization_timeout: int) -> tuple[str, int, int, Sequence[
     return address, count, index, devices
 
 
+class StoredValues(NamedTuple):
+    """Values ``load_weights`` reads by parts in a trainer's scope (``jax_dp._mesh.loading``)."""
+
+    active: Callable[[], bool]  # whether h5 datasets are read by parts now (a trainer's scope is entered)
+    stored: Callable[[Any, bool], Any]  # (an h5py dataset, stored as bfloat16) -> the value read by parts
+    is_stored: Callable[[Any], bool]  # whether an assigned value is one
+    placed_value: Callable[[Any, NamedSharding, Any], Any]  # (it, a sharding, a dtype) -> the jax.Array
+
+
 def install_keras_variable_hooks(
     placed: Callable[[Any], NamedSharding | None],
     on_trainer_mesh: Callable[[Any], bool],
     slot_sharding: Callable[[Any], NamedSharding | None],
+    stored_values: StoredValues,
 ) -> None:
     """Keras's jax backend, hooked for variables a trainer places (``placed(variable)``: their
     sharding, None for any other, which Keras handles as ever). Keras has no public hook for these:
 
     - ``keras.src.backend.jax.core.should_shard_at_init``: Keras runs an initializer jitted into the
       variable's sharding only above 250 MiB x devices and else makes the value whole on one device
-      first; for a layout on a trainer's mesh (``on_trainer_mesh``) every initializer runs sharded;
+      first; for a split layout on a trainer's mesh (``on_trainer_mesh``) every initializer runs sharded;
     - ``JaxVariable._convert_to_tensor``: ``assign(numpy)`` (``load_weights``) makes the whole value on
       the default device before splitting it; a placed variable's host value goes straight to its
-      sharding, each device receiving its part;
+      sharding, each device receiving its part, and a value read by parts (``stored_values``, which
+      ``install_keras_loading_hook`` makes ``load_weights`` assign in a trainer's scope) is read
+      part by part into it (any other variable reads it whole);
     - ``JaxVariable.__array__`` (``np.array(variable)``, how Keras's saving reads each variable): jax
       caches a sharded array's host copy on the array; the copy is taken from a fresh view of the same
       shards, so the host holds one whole variable at a time while a model is saved;
@@ -79,7 +91,11 @@ def install_keras_variable_hooks(
         keras_should_shard = core.should_shard_at_init
 
         def should_shard_at_init(layout: Any, shape: Any) -> bool:
-            return on_trainer_mesh(layout) or keras_should_shard(layout, shape)
+            # A replicated layout costs every device the whole value either way, and Keras's jitted
+            # path takes ``initializer.__call__``, which a plain function's (a SeedGenerator's, every
+            # Dropout's) cannot be jitted through: it is left to Keras's rule.
+            split = on_trainer_mesh(layout) and not layout.is_fully_replicated
+            return split or keras_should_shard(layout, shape)
 
         core.should_shard_at_init = should_shard_at_init
     variable_class: Any = core.JaxVariable
@@ -87,6 +103,10 @@ def install_keras_variable_hooks(
 
     def convert_to_tensor(variable: Any, value: Any, dtype: Any = None) -> Any:
         sharding = placed(variable)
+        if stored_values.is_stored(value):
+            if sharding is not None and tuple(value.shape) == tuple(variable.shape):
+                return stored_values.placed_value(value, sharding, dtype)
+            value = np.asarray(value)  # read whole, as Keras reads it
         if sharding is None or isinstance(value, jax.Array) or np.shape(value) != tuple(variable.shape):
             return keras_convert(variable, value, dtype=dtype)
         host = np.asarray(value, dtype=None if dtype is None else keras.backend.standardize_dtype(dtype))
@@ -118,3 +138,25 @@ def install_keras_variable_hooks(
             keras_internals.set_variable_layout(reference, layout)
 
     optimizer_class.add_variable_from_reference = add_variable_from_reference
+
+
+def install_keras_loading_hook(stored_values: StoredValues) -> None:
+    """``keras.src.saving.saving_lib.H5IOStore.__getitem__`` (how ``load_weights``, a ``.keras``
+    file's weights and keras-hub's ``from_preset`` read a variable) returns the whole dataset as a numpy
+    array; while ``stored_values.active()`` it returns the dataset read by parts instead, which the
+    variable's ``assign`` reads (``install_keras_variable_hooks``). Keras has no public hook between
+    the file and the variable. ``ShardedH5IOStore`` (a ``.weights.json`` of several files) is left as
+    it is: it closes a file right after reading from it."""
+    from keras.src.saving import saving_lib
+
+    store_class: Any = saving_lib.H5IOStore
+    keras_getitem = store_class.__getitem__
+
+    def getitem(store: Any, key: str) -> Any:
+        if type(store) is not store_class or not stored_values.active():
+            return keras_getitem(store, key)
+        dataset = saving_lib.safe_get_h5_dataset(store._h5_entry_group, key)  # Keras's checks (no links)
+        bfloat16 = "dtype" in dataset.attrs and dataset.attrs["dtype"] == "bfloat16"
+        return stored_values.stored(dataset, bfloat16)
+
+    store_class.__getitem__ = getitem

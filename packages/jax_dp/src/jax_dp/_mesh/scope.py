@@ -34,6 +34,7 @@ from jax_dp._mesh.layout import (
     variable_slot_sharding,
     weight_shardings,
 )
+from jax_dp._mesh.loading import StoredArray, placed_value
 from jax_dp._mesh.mesh import BATCH_AXIS
 
 _TRAINER_MESHES: list[Mesh] = []  # meshes of the trainers whose scope() was entered, this process
@@ -142,9 +143,26 @@ def _slot_sharding(reference: Any) -> NamedSharding | None:
     return distribution.slot_sharding(reference) if isinstance(distribution, TrainerDistribution) else None
 
 
+def _in_a_trainer_scope() -> bool:
+    return isinstance(keras.distribution.distribution(), TrainerDistribution)
+
+
+def _stored(dataset: Any, bfloat16: bool) -> StoredArray:
+    return StoredArray(dataset, bfloat16=bfloat16)
+
+
+def _is_stored(value: Any) -> bool:
+    return isinstance(value, StoredArray)
+
+
+_STORED_VALUES = _internals.StoredValues(_in_a_trainer_scope, _stored, _is_stored, placed_value)
+
+
 def install_keras_hooks() -> None:
-    """Puts the hooks of Keras's jax backend in place, once (see the module's docstring)."""
+    """Puts the hooks of Keras's jax backend and of its weights files in place, once (see the
+    module's docstring; ``load_weights`` in a scope: ``jax_dp._mesh.loading``)."""
     global _hooks_installed
     if not _hooks_installed:
         _hooks_installed = True
-        _internals.install_keras_variable_hooks(trainer_placed, _on_trainer_mesh, _slot_sharding)
+        _internals.install_keras_variable_hooks(trainer_placed, _on_trainer_mesh, _slot_sharding, _STORED_VALUES)
+        _internals.install_keras_loading_hook(_STORED_VALUES)
