@@ -242,3 +242,20 @@ def test_batch_hooks_run_inline_when_asked():
     (by_keras,) = ran_on(inline=False)
     assert by_keras != main  # Keras's own thread
     assert ran_on(inline=True) == [main]
+
+
+def test_state_sync_name_is_what_a_callback_s_model_calls():
+    """Keras's ``Callback.model`` puts a stateless trainer's state into the model through this method
+    (``state_sync`` from Keras 3.16, ``jax_state_sync`` before): a trainer overrides it to serve the
+    model on request."""
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    name = internals.state_sync_name(model)
+    assert name == ("state_sync" if hasattr(keras.Model, "state_sync") else "jax_state_sync")
+    called = []
+    restore = internals.override(model, name, lambda: called.append(True))
+    try:
+        callback = keras.callbacks.Callback()
+        callback.set_model(model)
+        assert callback.model is model and called == [True]
+    finally:
+        restore()

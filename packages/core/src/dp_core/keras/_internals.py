@@ -111,6 +111,13 @@ def stored_value(variable: keras.Variable) -> Any:
     return variable._value
 
 
+def state_sync_name(model: keras.Model) -> str:
+    """The method Keras's ``Callback.model`` calls to put a stateless trainer's state into the model
+    before a callback reads it: ``state_sync`` from Keras 3.16 (for every backend that has it),
+    ``jax_state_sync`` before."""
+    return "state_sync" if hasattr(type(model), "state_sync") else "jax_state_sync"
+
+
 def variable_layout(variable: keras.Variable) -> Any:
     """The layout a Keras distribution gave ``variable`` (on jax a ``NamedSharding``; None without one):
     Keras keeps it on the variable and places every value assigned there."""

@@ -216,7 +216,7 @@ def custom_evaluate_loop(
 
 @final
 class _EvaluationOnRequest:
-    """During an evaluation, Keras's ``jax_state_sync`` (a callback reading ``self.model``) writes
+    """During an evaluation, Keras's ``state_sync`` (a callback reading ``self.model``) writes
     the current state into the model, and a state the callback changed is read back before the
     next step: ``ModelOnRequest`` for an evaluation's state."""
 
@@ -227,7 +227,7 @@ class _EvaluationOnRequest:
         self._written: list[Any] | None = None
 
     def __enter__(self) -> _EvaluationOnRequest:
-        self._restore = internals.override(self.model, "jax_state_sync", self._sync)
+        self._restore = internals.override(self.model, internals.state_sync_name(self.model), self._sync)
         return self
 
     def __exit__(self, *exception: object) -> None:

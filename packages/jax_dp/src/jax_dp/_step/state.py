@@ -181,8 +181,8 @@ class ModelOnRequest:
     """During an epoch's steps, the caller's model gets the current state when a batch callback
     reads it, and what the callback changed comes back before the next step.
 
-    On jax, Keras's ``Callback.model`` calls ``model.jax_state_sync()`` before handing the model
-    over (Keras's own trainer also keeps the state off the model during an epoch); within
+    On jax, Keras's ``Callback.model`` calls ``model.state_sync()`` (before 3.16 ``jax_state_sync()``)
+    before handing the model over (Keras's own trainer also keeps the state off the model during an epoch); within
     ``installed()`` that call writes the state the running hooks see (``around``) into the
     model, once. So a callback that only reads its logs costs no transfer, and one that saves
     or changes the model sees the current values. A model reached another way (a closure)
@@ -210,7 +210,7 @@ class ModelOnRequest:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
-        restore = internals.override(self.model, "jax_state_sync", self._sync)
+        restore = internals.override(self.model, internals.state_sync_name(self.model), self._sync)
         try:
             yield
         finally:
