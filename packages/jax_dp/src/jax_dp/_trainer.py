@@ -42,7 +42,7 @@ from dp_core.keras import (
 from jax_dp._loop.run import TrainerSettings, run_job
 from jax_dp._mesh.layout import Layout, Placement
 from jax_dp._mesh.mesh import check_mesh, make_mesh, num_replicas_of, replica_layout
-from jax_dp._mesh.scope import trainer_scope
+from jax_dp._mesh.scope import built_in_scope, trainer_scope
 from jax_dp._processes.group import ends_the_run_on_failure
 from jax_dp._step.compile_cache import CompileCache
 from jax_dp._step.custom import check_custom_steps
@@ -197,6 +197,8 @@ class Trainer:
         accumulate_steps: int | None = None,
     ) -> keras.callbacks.History:
         """Train like ``model.fit``; returns the History, whose ``.model`` holds the trained weights.
+        With ``shard="full"`` a model factory (a zero-argument callable) is called inside ``scope()``,
+        so its model is created sharded and stays so.
 
         ``checkpoint_dir`` gets a checkpoint at every epoch end and every ``checkpoint_every_steps``
         steps; a fit pointed at one resumes. A checkpoint is a copy of the state taken at its step and
@@ -211,8 +213,9 @@ class Trainer:
         ``optax.MultiSteps(optimizer, every_k_schedule=k)``. A window runs across epoch ends, and
         a checkpoint taken inside one holds the gradients summed so far, as one device would.
         """
+        factory_or_model = built_in_scope(model, Placement(self.mesh, self.variable_layout, self.shard))
         model, inputs, global_batch_size, executions = checked_call(
-            model, x, y, sample_weight, batch_size=batch_size, global_batch_size=global_batch_size,
+            factory_or_model, x, y, sample_weight, batch_size=batch_size, global_batch_size=global_batch_size,
             step_names=("train_step", "test_step") if validation_data is not None or validation_split
             else ("train_step",), class_weight=class_weight, steps=steps_per_epoch, steps_name="steps_per_epoch",
             checks=self._call_checks,

@@ -17,7 +17,8 @@ variable's Keras layout (``dp_core.keras.internals.variable_layout``) when the r
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -92,6 +93,21 @@ def trainer_scope(placement: Placement) -> Iterator[TrainerDistribution]:
     distribution = trainer_distribution(placement)
     with distribution.scope():
         yield distribution
+
+
+def built_in_scope(model: Any, placement: Placement) -> Any:
+    """What ``fit`` calls with ``model``: under ``shard="full"`` a zero-argument model factory becomes
+    one that builds its model inside the trainer's scope (created sharded, as ``with trainer.scope():
+    model = factory()`` would); a model, or a factory under another mode (whose weights every device
+    holds whole anyway), is passed on as it is."""
+    if placement.shard != "full" or isinstance(model, keras.Model) or not callable(model):
+        return model
+    return functools.partial(_build_in_scope, model, placement)
+
+
+def _build_in_scope(factory: Callable[[], Any], placement: Placement) -> Any:
+    with trainer_scope(placement):
+        return factory()
 
 
 def lives_on_mesh(model: keras.Model, mesh: Mesh) -> bool:
