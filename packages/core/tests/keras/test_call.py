@@ -280,3 +280,19 @@ def test_a_model_whose_variables_keras_made_dtensors_is_refused():
             call(model)
     finally:
         type(kernel).value = original
+
+
+def test_a_layer_is_not_called_as_a_factory_and_a_layer_with_keras_s_trainer_gets_the_way_out():
+    from keras.src.trainers.trainer import Trainer  # what Keras's own trainer_test.py mixes in
+
+    class LayerWithTrainer(Trainer, keras.layers.Dense):
+        def __init__(self):
+            keras.layers.Dense.__init__(self, units=1)
+            Trainer.__init__(self)
+
+    layer = LayerWithTrainer()
+    layer.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(TypeError, match=r"got LayerWithTrainer \(a Keras layer with Keras.s Trainer mixed in"):
+        call(layer)
+    with pytest.raises(TypeError, match=r"must be a keras.Model .*got Dense \(a Keras layer"):
+        call(keras.layers.Dense(1), compiled=False, step_names=("predict_step",))

@@ -259,3 +259,19 @@ def test_state_sync_name_is_what_a_callback_s_model_calls():
         assert callback.model is model and called == [True]
     finally:
         restore()
+
+
+def test_a_variables_keras_layout_is_read_and_set():
+    """A variable made under a Keras distribution keeps its layout (``variable_layout``); another can
+    be given one (``set_variable_layout``), or none."""
+    plain = keras.Variable(np.zeros((4, 2)))
+    assert internals.variable_layout(plain) is None
+    distribution = keras.distribution.DataParallel(devices=keras.distribution.list_devices()[:1])
+    with distribution.scope():
+        placed = keras.Variable(np.zeros((4, 2)))
+    layout = internals.variable_layout(placed)
+    assert layout is not None
+    internals.set_variable_layout(plain, layout)
+    assert internals.variable_layout(plain) is layout
+    internals.set_variable_layout(plain, None)
+    assert internals.variable_layout(plain) is None

@@ -20,7 +20,7 @@ from dp_core.keras._batch_terms import check_batch_metrics, warn_terms_not_split
 from dp_core.keras._distribution import require_no_keras_distribution
 from dp_core.keras._executions import ONE_STEP, Executions
 from dp_core.keras._inputs import Inputs
-from dp_core.keras._model import overrides, require_backend, require_keras_steps, resolve_model
+from dp_core.keras._model import is_factory, overrides, require_backend, require_keras_steps, resolve_model
 from dp_core.keras._sources import BatchSource, is_batch_source
 
 
@@ -121,7 +121,7 @@ def checked_call(
     if steps is not None and steps_name == "steps_per_epoch" and unsized and not is_batch_source(x):
         size = steps_batch_size(x, y, sample_weight, steps)  # Keras's array adapter: ceil(rows / steps)
     require_backend(checks.backend, checks.package)
-    if not isinstance(model, keras.Model) and callable(model):
+    if is_factory(model):
         model = model()  # a factory is called once, here
     own = checks.own_steps(model, step_names, compiled=compiled)
     keras_step_runs = compiled and len(own) < len(step_names)

@@ -24,14 +24,27 @@ def require_backend(expected: str, package: str) -> None:
         )
 
 
+def is_factory(model: Any) -> bool:
+    """Whether ``model`` is a model factory to call: callable, and neither a ``keras.Model`` nor
+    another Keras layer (a layer with Keras's ``Trainer`` mixed in is callable too, on inputs)."""
+    return callable(model) and not isinstance(model, keras.layers.Layer)
+
+
 def resolve_model(model: Any, *, compiled: bool = True) -> keras.Model:
     """The model itself, or the one a zero-argument factory builds; ``compiled=False`` for
     ``predict``, which (like Keras's) needs no loss or optimizer."""
-    if not isinstance(model, keras.Model) and callable(model):
+    if is_factory(model):
         model = model()
     if not isinstance(model, keras.Model):
         kind = "a compiled keras.Model" if compiled else "a keras.Model"
-        raise TypeError(f"model must be {kind} or a zero-argument callable returning one, got {type(model).__name__}.")
+        layer = (
+            " (a Keras layer with Keras's Trainer mixed in: make it a keras.Model subclass, class M(keras.Model))"
+            if isinstance(model, keras.layers.Layer)
+            else ""
+        )
+        raise TypeError(
+            f"model must be {kind} or a zero-argument callable returning one, got {type(model).__name__}{layer}."
+        )
     if compiled:
         require_compiled(model)
     return model
