@@ -491,14 +491,13 @@ def reliability(session: nox.Session) -> None:
 
 @session(python="3.11", default=False, allow_parallel=False)
 def gpu(session: nox.Session) -> None:
-    """Only on a machine with NVIDIA GPUs: torch-dp and jax-dp against ``model.fit`` on the GPUs.
+    """Prepares the offline GPU check: the wheels the lent GPU machine lacks, into the ignored .device-wheels/.
 
-    Run on purpose: weights, step time, 2 GPUs, mixed_float16, peak memory, into docs/benchmarks.md.
-    Installs the CUDA builds (several GB), in this session's own virtualenv: torch 2.13.0's default
-    PyPI wheel is the CUDA one, and ``jax[cuda12]``. Exits with 1, the page untouched, without a GPU."""
-    _install_torch(session)
-    session.install("-e", CORE, "-e", TORCH_DP, "-e", JAX_DP, "jax[cuda12]")
-    session.run("python", "benchmarks/gpu_check.py", *session.posargs)
+    Needs the package index, not a GPU: Keras, keras-hub and what they need for Python 3.12 on
+    manylinux x86-64, and wheels of the three packages (benchmarks/fetch_device_wheels.sh, which
+    prints the kit's size). On the GPU machine, ``bash benchmarks/device_check.sh`` installs them
+    and runs benchmarks/gpu_check.py (docs/benchmarks.md, "GPU check", gives the one call)."""
+    session.run("bash", "benchmarks/fetch_device_wheels.sh", *session.posargs, env={"PYTHON": "python"}, external=True)
 
 
 @session(python="3.11")

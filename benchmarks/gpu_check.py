@@ -1,14 +1,16 @@
-"""A check for machines with NVIDIA GPUs: torch-dp and jax-dp against plain ``model.fit``.
+"""The GPU check: torch-dp and jax-dp on one NVIDIA GPU, against plain ``model.fit``, in parts.
 
-    nox -s gpu                      # installs the CUDA builds, then runs this script
-    python benchmarks/gpu_check.py [--output docs/benchmarks.md] [--steps 30] [--backends torch jax]
+    bash benchmarks/device_check.sh        # on the GPU machine: installs the carried wheels, runs this
+    python benchmarks/gpu_check.py --out results [--budget-s 330] [--only torch_float32 ...]
+    python benchmarks/gpu_check.py --cpu --out results      # the same parts on CPU, tiny sizes
+    python benchmarks/gpu_check.py --record results/gpu_check.json   # its results into docs/benchmarks.md
 
-For each backend, on the GPUs it sees: 1 replica against ``model.fit`` on the same GPU (weights
-after the same steps, within a stated tolerance, and the ratio of step times), 2 replicas
-against 1 when there are 2 GPUs, the same under ``mixed_float16``, and the peak GPU memory of
-each run. Every run is a process of its own (Keras's backend is chosen per process, and a
-fresh process gives each run its own peak memory). Prints a summary and replaces the page's
-"GPU check" section; with no NVIDIA GPU it says so, leaves the page alone and exits with 1.
+Each part (``PARTS``) runs in processes of its own (``gpu_check_runs``), bounded by a timeout, and
+reports whatever happens; the next part runs regardless. A part that would start after the
+budget is reported as not run. After every part the folder gets ``gpu_check.json`` (the
+``Report``), ``gpu_check.md`` (its table) and ``gpu_check.log`` (the end of each failed run's
+output), so a run cut short still leaves what it measured. ``--record`` writes a GPU report
+into the page's "GPU check" section (``gpu_check_page``); a CPU rehearsal is never recorded.
 
 Imports nothing heavy at module level: ``benchmarks/report.py`` uses its page helpers.
 """
@@ -21,32 +23,78 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-import page_sections  # this folder is on the path when the script runs
+from gpu_check_page import (
+    NOT_RUN,
+    SECTION_HEADING,
+    Machine,
+    PartResult,
+    Report,
+    render_section,
+    section_of,
+    with_section,
+)
+from gpu_check_runs import Run, RunResult
 
-SECTION_HEADING = "## GPU check"
+__all__ = ["NOT_RUN", "SECTION_HEADING", "section_of", "with_section"]  # report.py's
+
 NO_GPU_EXIT = 1
-GLOBAL_BATCH_SIZE = 128
+HERE = Path(__file__).resolve().parent
 # fp32 weights of runs that differ only in reduction order stay within this (max |difference|)
 FLOAT32_TOLERANCE = 1e-4
-# float16 compute rounds each activation to 11 bits: differences grow to this over the run
-MIXED_TOLERANCE = 1e-2
-CASES = ("fit", "dp1", "dp2", "fit_mixed", "dp1_mixed")
-NOT_RUN = """{heading}
+# bfloat16 compute keeps 8 bits of each activation: runs that round in another order drift this far
+MIXED_TOLERANCE = 5e-2
+GPU_BUDGET_S, CPU_BUDGET_S = 330.0, 900.0
+GPU_RUN_TIMEOUT_S, CPU_RUN_TIMEOUT_S = 120.0, 300.0
 
-No NVIDIA GPU was available to run this check, so it has no numbers yet. On a machine with one
-or more NVIDIA GPUs, `nox -s gpu` installs the CUDA builds (torch 2.13.0's default PyPI wheel,
-`jax[cuda12]`) and runs `benchmarks/gpu_check.py`, which replaces this section with its results:
-1 replica against `model.fit` on the same GPU (weights and step time), 2 replicas against 1 when
-there are 2 GPUs, `mixed_float16`, and the peak GPU memory, for torch-dp and jax-dp.
-"""
+
+@dataclass(frozen=True)
+class Part:
+    """One independent piece of the check: ``run`` (its own process, or one per rank), compared
+    with ``reference`` (a ``model.fit`` run, shared between parts and run once) within ``tolerance``."""
+
+    name: str
+    title: str
+    run: Run
+    reference: Run | None = None
+    tolerance: float | None = None
+
+
+def plan(cpu: bool) -> list[Part]:
+    """Every part, in the order they run (the most telling first)."""
+    parts = []
+    for backend in ("torch", "jax"):
+        for precision, tolerance in (("float32", FLOAT32_TOLERANCE), ("mixed_bfloat16", MIXED_TOLERANCE)):
+            reference = Run(f"{backend}_fit_{precision}", backend, precision=precision, cpu=cpu)
+            dp = Run(f"{backend}_dp1_{precision}", backend, trainer="dp", precision=precision, cpu=cpu)
+            title = f"{backend}-dp, 1 {'replica' if backend == 'torch' else 'device'}, {precision}"
+            parts.append(Part(f"{backend}_{precision}", title, dp, reference, tolerance))
+    torch_fit, jax_fit = parts[0].reference, parts[2].reference
+    where = "on CPU" if cpu else "sharing the one GPU (gloo)"
+    shards: tuple[tuple[Literal["full"] | None, str], ...] = ((None, ""), ("full", "_full"))
+    for shard, suffix in shards:
+        two = Run(f"torch_dp2{suffix}", "torch", trainer="dp", replicas=2, shard=shard, cpu=cpu)
+        label = f"torch-dp, 2 replicas {where}" + (', shard="full"' if shard else "")
+        parts.append(Part(f"torch_2_replicas{suffix}", label, two, torch_fit, FLOAT32_TOLERANCE))
+    full = Run("jax_dp1_full", "jax", trainer="dp", shard="full", cpu=cpu)
+    parts.append(Part("jax_full", 'jax-dp, 1 device, shard="full"', full, jax_fit, FLOAT32_TOLERANCE))
+    for kind, title in (("scaling", "scaling report (MFU), 1 replica"), ("host", "host time per step, small MLP")):
+        for backend in ("torch", "jax"):
+            parts.append(
+                Part(f"{backend}_{kind}", f"{backend}-dp, {title}", Run(f"{backend}_{kind}", backend, kind, cpu=cpu))
+            )
+    return parts
+
+
+# ---- weights ----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -79,78 +127,11 @@ def compare_weights(name: str, weights: list[Any], expected: list[Any], toleranc
     return Comparison(name, largest, tolerance)
 
 
-# ---- the page ---------------------------------------------------------------------------
+def _weights(folder: Path, run: Run) -> list[Any]:
+    import numpy as np
 
-
-def section_of(page: str) -> str | None:
-    """The page's "GPU check" section (heading to the next ``## `` heading), or None."""
-    return page_sections.section_of(page, SECTION_HEADING)
-
-
-def with_section(page: str, section: str) -> str:
-    """``page`` with its "GPU check" section replaced by ``section`` (added at the end if absent)."""
-    return page_sections.with_section(page, SECTION_HEADING, section)
-
-
-def render_section(report: dict[str, Any]) -> str:
-    """The markdown of one run's results."""
-    machine = report["machine"]
-    lines = [
-        SECTION_HEADING,
-        "",
-        f"Written by `nox -s gpu` (`benchmarks/gpu_check.py`) on {report['date']}: "
-        f"{len(machine['gpus'])} x {', '.join(sorted(set(machine['gpus'])))}, NVIDIA driver {machine['driver']}"
-        f" (CUDA {machine['driver_cuda']}). Each run: {report['steps']} steps of global batch {GLOBAL_BATCH_SIZE}"
-        " per epoch, 3 epochs, a small convnet (no Dropout, so that replicas and `model.fit` draw no random numbers);",
-        "step time is the median over the last 2 epochs. Weights are compared after all steps;"
-        f" tolerance {FLOAT32_TOLERANCE:g} (float32) and {MIXED_TOLERANCE:g} (`mixed_float16`) on the largest"
-        " absolute difference.",
-        "",
-        "| backend | run | against | max weight difference | within tolerance | step time | step-time ratio"
-        " | peak GPU memory |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for backend, result in report["backends"].items():
-        lines += _backend_rows(backend, result)
-    versions = "; ".join(f"{backend}: {result.get('versions', '-')}" for backend, result in report["backends"].items())
-    lines += ["", f"Versions: {versions}.", ""]
-    failures = [f"- {backend}: {problem}" for backend, r in report["backends"].items() for problem in r["problems"]]
-    if failures:
-        lines += ["Failures:", "", *failures, ""]
-    return "\n".join(lines)
-
-
-_AGAINST = {"dp1": "fit", "dp2": "dp1", "dp1_mixed": "fit_mixed"}
-_LABELS = {
-    "fit": "`model.fit`, 1 GPU",
-    "dp1": "1 replica",
-    "dp2": "2 replicas, 2 GPUs",
-    "fit_mixed": "`model.fit`, mixed_float16",
-    "dp1_mixed": "1 replica, mixed_float16",
-}
-
-
-def _backend_rows(backend: str, result: dict[str, Any]) -> list[str]:
-    rows = []
-    runs, comparisons = result["runs"], {c["name"]: c for c in result["comparisons"]}
-    for case in CASES:
-        run = runs.get(case)
-        if run is None:
-            continue
-        if "skipped" in run:
-            rows.append(f"| {backend} | {_LABELS[case]} | | {run['skipped']} | | | | |")
-            continue
-        against = _AGAINST.get(case)
-        comparison = comparisons.get(case)
-        difference = f"{comparison['max_difference']:.2e}" if comparison else ""
-        within = ("yes" if comparison["ok"] else "**no**") if comparison else ""
-        base = runs.get(against or "", {})
-        ratio = f"{run['step_s'] / base['step_s']:.2f}x" if "step_s" in run and "step_s" in base else ""
-        rows.append(
-            f"| {backend} | {_LABELS[case]} | {_LABELS.get(against or '', '')} | {difference} | {within} |"
-            f" {run['step_s'] * 1e3:.2f} ms | {ratio} | {run['peak_bytes'] / 2**20:.0f} MiB |"
-        )
-    return rows
+    with np.load(folder / f"{run.name}.npz") as saved:
+        return [saved[key] for key in saved.files]
 
 
 # ---- the machine ------------------------------------------------------------------------
@@ -177,205 +158,208 @@ def nvidia_gpus() -> tuple[list[str], str, str]:
     return [row[0].strip() for row in rows], rows[0][1].strip() if rows else "", cuda.group(1) if cuda else "?"
 
 
-def no_gpu_message(output: Path) -> str:
+def no_gpu_message() -> str:
     return (
-        "gpu_check: no NVIDIA GPU found (nvidia-smi is missing or lists none). This check needs a machine with "
-        f"one or more NVIDIA GPUs and their driver; {output} was left as it is. Run `nox -s gpu` there."
+        "gpu_check: no NVIDIA GPU found (nvidia-smi is missing or lists none). This check needs a machine with an "
+        "NVIDIA GPU and its driver (benchmarks/device_check.sh there); --cpu runs its parts on this CPU instead."
     )
 
 
-# ---- one run, in a process of its own ---------------------------------------------------
+# ---- running the parts ------------------------------------------------------------------
 
 
-def _run_case(backend: str, case: str, steps: int, directory: Path) -> None:
-    """Train the check's model as ``case`` says; write its weights, step time and peak memory."""
-    import keras
-    import numpy as np
-
-    if case.endswith("_mixed"):
-        keras.mixed_precision.set_global_policy("mixed_float16")
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(steps * GLOBAL_BATCH_SIZE, 28, 28, 1)).astype("float32")
-    y = rng.integers(0, 10, size=len(x))
-    _require_gpu(backend)
-    model = _model()
-    times = _epoch_timer()
-    options = {"epochs": 3, "shuffle": False, "verbose": 0, "callbacks": [times]}
-    if backend == "torch":
-        import torch
-
-        import torch_dp
-
-        torch.cuda.reset_peak_memory_stats()
-        if case.startswith("fit"):
-            model.fit(x, y, batch_size=GLOBAL_BATCH_SIZE, **options)
-        else:
-            with torch_dp.Trainer(num_replicas=2 if case == "dp2" else 1) as trainer:
-                trainer.fit(model, x, y, global_batch_size=GLOBAL_BATCH_SIZE, **options)
-        peak = torch.cuda.max_memory_allocated()  # the caller's GPU: replica 0's
-        versions = f"torch {torch.__version__} (CUDA {torch.version.cuda}), Keras {keras.__version__}"
-    else:
-        import jax
-
-        import jax_dp
-
-        device = jax.devices()[0]
-        if case.startswith("fit"):
-            model.fit(x, y, batch_size=GLOBAL_BATCH_SIZE, **options)
-        else:
-            trainer = jax_dp.Trainer(num_replicas=2 if case == "dp2" else 1)
-            trainer.fit(model, x, y, global_batch_size=GLOBAL_BATCH_SIZE, **options)
-        peak = max(int((d.memory_stats() or {}).get("peak_bytes_in_use", 0)) for d in jax.local_devices())
-        versions = f"jax {jax.__version__} ({device.client.platform_version}), Keras {keras.__version__}"
-    step_s = float(np.median(times.seconds[1:])) / steps
-    np.savez(directory / f"{case}.npz", *[np.asarray(w, dtype=np.float32) for w in model.get_weights()])
-    (directory / f"{case}.json").write_text(json.dumps({"step_s": step_s, "peak_bytes": peak, "versions": versions}))
+class RunError(Exception):
+    """A run's process failed or outlived its time; the message says which and how it ended."""
 
 
-def _require_gpu(backend: str) -> None:
-    """A clear error when the backend's build cannot use the GPU that nvidia-smi lists."""
-    if backend == "torch":
-        import torch
+@dataclass
+class Session:
+    """What the parts share: the work folder, the deadline, and the runs done so far (a reference
+    run once, whichever part needs it first)."""
 
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"torch {torch.__version__} sees no CUDA GPU (a CPU build?): install its CUDA wheel.")
-        return
-    import jax
+    folder: Path
+    deadline: float
+    run_timeout_s: float
+    log: Path
+    done: dict[str, RunResult | RunError] = field(default_factory=dict)
 
-    if jax.devices()[0].platform != "gpu":
-        raise RuntimeError(f"jax {jax.__version__} sees no GPU (devices: {jax.devices()}): install jax[cuda12].")
+    def result_of(self, run: Run) -> RunResult:
+        """``run``'s result (rank 0's), running it first where it has not run; ``RunError`` else."""
+        if run.name not in self.done:
+            try:
+                self.done[run.name] = self._launch(run)[0]
+            except RunError as failure:
+                self.done[run.name] = failure
+        result = self.done[run.name]
+        if isinstance(result, RunError):
+            raise result
+        return result
 
+    def ranks_of(self, run: Run) -> list[RunResult]:
+        """Every rank's result of ``run``."""
+        results = self._launch(run)
+        self.done[run.name] = results[0]
+        return results
 
-def _model() -> Any:
-    import keras
-
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [
-            keras.Input((28, 28, 1)),
-            keras.layers.Conv2D(16, 3, activation="relu"),
-            keras.layers.MaxPooling2D(2),
-            keras.layers.Flatten(),
-            keras.layers.Dense(64, activation="relu"),
-            keras.layers.Dense(10),
-        ]
-    )
-    model.compile(
-        optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return model
-
-
-def _epoch_timer() -> Any:
-    """A Keras callback that records seconds per epoch (it needs no per-batch logs, which would
-    make every step wait for the GPU)."""
-    import keras
-
-    class EpochTimes(keras.callbacks.Callback):
-        def __init__(self) -> None:
-            super().__init__()
-            self.seconds: list[float] = []
-            self._start = 0.0
-
-        def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-            self._start = time.perf_counter()
-
-        def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-            self.seconds.append(time.perf_counter() - self._start)
-
-    return EpochTimes()
-
-
-# ---- the whole check --------------------------------------------------------------------
-
-
-def _backend_results(backend: str, steps: int, num_gpus: int, directory: Path) -> dict[str, Any]:
-    """Every case of ``backend``, each in its own process, and their comparisons."""
-    import numpy as np
-
-    runs: dict[str, dict[str, Any]] = {}
-    problems: list[str] = []
-    directory = directory / backend
-    directory.mkdir()
-    env = {**os.environ, "KERAS_BACKEND": backend, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-    for case in CASES:
-        if case == "dp2" and num_gpus < 2:
-            runs[case] = {"skipped": f"needs 2 GPUs, this machine has {num_gpus}"}
-            continue
-        command = [sys.executable, __file__, "--run-case", backend, case, f"--steps={steps}", f"--dir={directory}"]
-        print(f"gpu_check: {backend} {case} ...", flush=True)
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
-        if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-            problems.append(f"{_LABELS[case]} failed (exit {done.returncode}): {last}")
-            continue
-        runs[case] = json.loads((directory / f"{case}.json").read_text())
-    comparisons = []
-    for case, against in _AGAINST.items():
-        if case in runs and against in runs and "skipped" not in runs[case]:
-            tolerance = MIXED_TOLERANCE if case.endswith("_mixed") else FLOAT32_TOLERANCE
-            weights, expected = (list(np.load(directory / f"{name}.npz").values()) for name in (case, against))
-            comparison = compare_weights(case, weights, expected, tolerance)
-            comparisons.append({"name": case, "max_difference": comparison.max_difference, "ok": comparison.ok})
-            if not comparison.ok:
-                problems.append(
-                    f"{_LABELS[case]} vs {_LABELS[against]}: weights differ by up to {comparison.max_difference:.3g}"
-                    f" (tolerance {tolerance:g})"
-                )
-    versions = next((run["versions"] for run in runs.values() if "versions" in run), "-")
-    return {"runs": runs, "comparisons": comparisons, "problems": problems, "versions": versions}
-
-
-def summary(report: dict[str, Any]) -> str:
-    """What the terminal shows: each comparison and step-time ratio, then any failure."""
-    lines = [f"GPU check, {report['date']}: {', '.join(report['machine']['gpus'])}"]
-    for backend, result in report["backends"].items():
-        runs = result["runs"]
-        for comparison in result["comparisons"]:
-            case = comparison["name"]
-            against = _AGAINST[case]
-            ratio = runs[case]["step_s"] / runs[against]["step_s"]
-            verdict = "ok" if comparison["ok"] else "TOO FAR"
-            lines.append(
-                f"  {backend}: {_LABELS[case]} vs {_LABELS[against]}: weights within {comparison['max_difference']:.2e}"
-                f" ({verdict}), step time {ratio:.2f}x, peak {runs[case]['peak_bytes'] / 2**20:.0f} MiB"
+    def _launch(self, run: Run) -> list[RunResult]:
+        timeout = min(self.run_timeout_s, self.deadline - time.monotonic())
+        if timeout <= 5:
+            raise RunError(f"{run.name}: not started, the check's time is spent")
+        command = [sys.executable, str(HERE / "gpu_check_runs.py"), json.dumps(asdict(run)), str(self.folder)]
+        port = _free_port()
+        processes = [
+            subprocess.Popen(
+                command, env=_environment(run, rank, port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
             )
-        lines += [f"  {backend}: {problem}" for problem in result["problems"]]
-    return "\n".join(lines)
+            for rank in range(run.replicas)
+        ]
+        outputs = _wait_all(processes, time.monotonic() + timeout)
+        failed = [rank for rank, process in enumerate(processes) if process.returncode != 0]
+        if failed:
+            rank = failed[0]
+            with self.log.open("a") as log:
+                log.write(f"==== {run.name}, rank {rank}: exit {processes[rank].returncode}\n{outputs[rank][-6000:]}\n")
+            ended = "timed out" if processes[rank].returncode == -9 else f"exit {processes[rank].returncode}"
+            lines = [line for line in outputs[rank].strip().splitlines() if line.strip()] or ["(no output)"]
+            raise RunError(f"{run.name} rank {rank} ({ended}): {lines[-1][:300]}")
+        return [
+            RunResult(**json.loads((self.folder / f"{run.name}.rank{rank}.json").read_text()))
+            for rank in range(run.replicas)
+        ]
+
+
+def _environment(run: Run, rank: int, port: int) -> dict[str, str]:
+    environment = {**os.environ, "KERAS_BACKEND": run.backend, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    if run.cpu:
+        environment.update({"CUDA_VISIBLE_DEVICES": "", "JAX_PLATFORMS": "cpu"})
+    if run.replicas > 1:  # one rank of a group as torchrun would start it, on this host
+        group = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": run.replicas, "LOCAL_WORLD_SIZE": run.replicas}
+        environment.update({name: str(value) for name, value in group.items()})
+        environment.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        if run.cpu:
+            environment["OMP_NUM_THREADS"] = "1"
+    return environment
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _wait_all(processes: list[subprocess.Popen[bytes]], deadline: float) -> list[str]:
+    """Each process's output; any still running at ``deadline`` is killed (and so are the others)."""
+    outputs = []
+    for process in processes:
+        try:
+            output, _ = process.communicate(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            for other in processes:
+                other.kill()
+            output, _ = process.communicate()
+        outputs.append(output.decode(errors="replace"))
+    return outputs
+
+
+def run_part(part: Part, session: Session) -> PartResult:
+    """One part's result; whatever fails is reported in it, nothing raised."""
+    start = time.monotonic()
+    result = PartResult(part.name, part.title, "error", 0.0)
+    try:
+        ranks = session.ranks_of(part.run)
+    except RunError as failure:
+        return replace(result, detail=str(failure), seconds=time.monotonic() - start)
+    result = replace(
+        result,
+        status="measured",
+        step_ms=ranks[0].step_s * 1e3 if ranks[0].step_s is not None else None,
+        peak_mib=[r.peak_bytes / 2**20 if r.peak_bytes is not None else None for r in ranks],
+        memory=ranks[0].memory,
+        device=ranks[0].device,
+        versions=ranks[0].versions,
+        numbers=ranks[0].numbers,
+    )
+    if part.reference is not None and part.tolerance is not None:
+        try:
+            reference = session.result_of(part.reference)
+        except RunError as failure:
+            return replace(result, status="error", detail=f"reference: {failure}", seconds=time.monotonic() - start)
+        weights, expected = _weights(session.folder, part.run), _weights(session.folder, part.reference)
+        comparison = compare_weights(part.name, weights, expected, part.tolerance)
+        result = replace(
+            result,
+            status="passed" if comparison.ok else "differs",
+            max_difference=comparison.max_difference,
+            tolerance=part.tolerance,
+            reference_step_ms=reference.step_s * 1e3 if reference.step_s is not None else None,
+            reference_peak_mib=reference.peak_bytes / 2**20 if reference.peak_bytes is not None else None,
+        )
+    return replace(result, seconds=time.monotonic() - start)
+
+
+def write_outputs(report: Report, out: Path) -> None:
+    (out / "gpu_check.json").write_text(json.dumps(asdict(report), indent=1) + "\n")
+    (out / "gpu_check.md").write_text(render_section(report))
+
+
+def run_check(parts: list[Part], machine: Machine, out: Path, budget_s: float, run_timeout_s: float) -> Report:
+    start = time.monotonic()
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    report = Report(date, machine, budget_s, [])
+    log = out / "gpu_check.log"
+    log.write_text("")
+    with tempfile.TemporaryDirectory(prefix="gpu_check-") as folder:
+        session = Session(Path(folder), start + budget_s, run_timeout_s, log)
+        for part in parts:
+            if start + budget_s - time.monotonic() <= 5:
+                report.parts.append(
+                    PartResult(part.name, part.title, "not run", 0.0, detail="the check's time is spent")
+                )
+            else:
+                print(f"gpu_check: {part.name} ...", flush=True)
+                report.parts.append(run_part(part, session))
+                print(f"gpu_check: {part.name}: {report.parts[-1].status} {report.parts[-1].detail}", flush=True)
+            write_outputs(report, out)
+    return report
+
+
+def record(results: Path, page: Path) -> int:
+    """Write a GPU run's ``gpu_check.json`` into ``page``'s "GPU check" section."""
+    report = Report.from_json(json.loads(results.read_text()))
+    if report.machine.cpu:
+        print(f"gpu_check: {results} is a CPU rehearsal; only a GPU's results go into {page}", file=sys.stderr)
+        return 1
+    text = page.read_text() if page.exists() else "# Benchmarks\n"
+    page.write_text(with_section(text, render_section(report)))
+    print(f"wrote the {SECTION_HEADING[3:]} section of {page}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="A check for machines with NVIDIA GPUs (nox -s gpu).")
-    parser.add_argument("--output", type=Path, default=Path("docs/benchmarks.md"))
-    parser.add_argument("--steps", type=int, default=30, help="steps per epoch")
-    parser.add_argument("--backends", nargs="+", default=["torch", "jax"], choices=["torch", "jax"])
-    parser.add_argument("--run-case", nargs=2, metavar=("BACKEND", "CASE"), help=argparse.SUPPRESS)
-    parser.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
+    parser = argparse.ArgumentParser(description="The GPU check (benchmarks/device_check.sh runs it on a GPU).")
+    parser.add_argument("--cpu", action="store_true", help="every part on CPU devices, tiny sizes")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "gpu-check-results"))
+    parser.add_argument(
+        "--budget-s", type=float, help=f"no part starts after it (default {GPU_BUDGET_S:g}; --cpu {CPU_BUDGET_S:g})"
+    )
+    parser.add_argument("--only", nargs="+", metavar="PART", help="these parts alone")
+    parser.add_argument("--record", type=Path, metavar="GPU_CHECK_JSON", help="write a GPU run's results into --output")
+    parser.add_argument("--output", type=Path, default=Path("docs/benchmarks.md"), help="the page --record writes")
     args = parser.parse_args(argv)
-    if args.run_case:
-        backend, case = args.run_case
-        _run_case(backend, case, args.steps, args.dir)
-        return 0
+    if args.record:
+        return record(args.record, args.output)
     gpus, driver, driver_cuda = nvidia_gpus()
-    if not gpus:
-        print(no_gpu_message(args.output), file=sys.stderr)
+    if not args.cpu and not gpus:
+        print(no_gpu_message(), file=sys.stderr)
         return NO_GPU_EXIT
-    report: dict[str, Any] = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": {"gpus": gpus, "driver": driver, "driver_cuda": driver_cuda},
-        "steps": args.steps,
-        "backends": {},
-    }
-    with tempfile.TemporaryDirectory() as directory:
-        for backend in args.backends:
-            report["backends"][backend] = _backend_results(backend, args.steps, len(gpus), Path(directory))
-    print(summary(report))
-    page = args.output.read_text() if args.output.exists() else "# Benchmarks\n"
-    args.output.write_text(with_section(page, render_section(report)))
-    print(f"wrote the {SECTION_HEADING[3:]} section of {args.output}")
-    return 0 if not any(result["problems"] for result in report["backends"].values()) else 1
+    parts = [part for part in plan(args.cpu) if not args.only or part.name in args.only]
+    args.out.mkdir(parents=True, exist_ok=True)
+    budget = args.budget_s or (CPU_BUDGET_S if args.cpu else GPU_BUDGET_S)
+    machine = Machine(gpus if not args.cpu else [], driver, driver_cuda, args.cpu)
+    report = run_check(parts, machine, args.out, budget, CPU_RUN_TIMEOUT_S if args.cpu else GPU_RUN_TIMEOUT_S)
+    print(render_section(report))
+    print(f"gpu_check: wrote gpu_check.json, gpu_check.md and gpu_check.log into {args.out}")
+    return 0 if all(part.status in ("passed", "measured") for part in report.parts) else 1
 
 
 if __name__ == "__main__":
