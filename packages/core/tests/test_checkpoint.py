@@ -150,7 +150,7 @@ def test_other_format_version_is_refused(tmp_path):
     manifest = json.loads((path / "manifest.json").read_text())
     manifest["format_version"] = 99
     (path / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(CheckpointError, match="version 99, expected keras-dp-checkpoint version 1"):
+    with pytest.raises(CheckpointError, match="version 99, expected keras-dp-checkpoint version 2"):
         load_checkpoint(path)
 
 

@@ -176,11 +176,11 @@ def _as_version(path, version):
 def test_a_newer_format_is_refused_naming_both_versions_and_never_pruned(tmp_path):
     newer = [save_checkpoint(tmp_path, make(epoch)) for epoch in (3, 4, 5)]
     for path in newer:
-        _as_version(path, 2)
-    with pytest.raises(CheckpointVersionError, match=r"format version 2 .*reads format version 1") as refused:
+        _as_version(path, 3)
+    with pytest.raises(CheckpointVersionError, match=r"format version 3 .*reads format version 2") as refused:
         latest_checkpoint(tmp_path)
-    assert refused.value.version == 2 and "Upgrade keras-dp" in str(refused.value)
-    with pytest.raises(CheckpointVersionError, match="version 2, expected keras-dp-checkpoint version 1"):
+    assert refused.value.version == 3 and "Upgrade keras-dp" in str(refused.value)
+    with pytest.raises(CheckpointVersionError, match="version 3, expected keras-dp-checkpoint version 2"):
         load_checkpoint(newer[0])
     assert list_checkpoints(tmp_path) == newer  # listed, as checkpoints
     mine = save_checkpoint(tmp_path, make(9), keep=1)  # the save a resumed run would make

@@ -4,6 +4,8 @@ from and into an unscoped run's."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Iterator
 
 import keras
@@ -12,6 +14,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from jax_dp_helpers import GLOBAL_BATCH, NUM_SAMPLES
 
+import dp_core
 import jax_dp
 from jax_dp._mesh import layout as _layout
 
@@ -58,4 +61,59 @@ def test_a_factory_is_built_in_the_scope_under_full_only(data, shard) -> None:
         build, x, y, global_batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0
     )
     for mine, theirs in zip(trained.model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=5e-6)
+
+
+def _fit(trainer: jax_dp.Trainer, model, x, y, folder, epochs: int):
+    return trainer.fit(model, x, y, global_batch_size=GLOBAL_BATCH, epochs=epochs, seed=SEED, verbose=0,
+                       checkpoint_dir=str(folder), checkpoint_every_steps=3)  # fmt: skip
+
+
+def _scoped(trainer: jax_dp.Trainer) -> keras.Model:
+    with trainer.scope():
+        return build()
+
+
+def test_a_scoped_model_s_checkpoint_holds_each_device_s_parts_and_resumes_anywhere(data, tmp_path) -> None:
+    """Format version 2: each split array as its 4 parts; resumed bitwise on 4 devices, and on 2
+    devices, in another mode and unscoped as closely as those runs agree; an unscoped run's checkpoint
+    resumes a scoped model."""
+    x, y = data
+    straight = jax_dp.Trainer(NUM_DEVICES, shard="full")
+    expected = _scoped(straight)
+    _fit(straight, expected, x, y, tmp_path / "straight", epochs=2)
+
+    first = jax_dp.Trainer(NUM_DEVICES, shard="full")
+    _fit(first, _scoped(first), x, y, tmp_path / "run", epochs=1)
+    newest = dp_core.list_checkpoints(tmp_path / "run")[-1]
+    manifest = json.loads((newest / "manifest.json").read_text())
+    assert manifest["format_version"] == 2 and sorted(manifest["files"]) == ["parts-0.npz", "state.json"]
+    kernel = manifest["parts"]["weights/0"]  # dense_in's 8 x 64 kernel, split on its columns
+    assert [entry[2] for entry in kernel] == [[0, 0], [0, 16], [0, 32], [0, 48]]
+    assert [entry[2] for entry in manifest["parts"]["weights/1"]] == [[0], [16], [32], [48]]  # its bias
+    restored = dp_core.load_checkpoint(newest)
+    assert restored.weights[0].shape == (8, 64)
+
+    for devices, shard, scoped in [(NUM_DEVICES, "full", True), (2, "optimizer", True), (2, None, False)]:
+        folder = tmp_path / f"resume-{devices}-{shard}"
+        shutil.copytree(tmp_path / "run", folder)
+        trainer = jax_dp.Trainer(devices, shard=shard)
+        model = _scoped(trainer) if scoped else build()
+        _fit(trainer, model, x, y, folder, epochs=2)
+        for mine, theirs in zip(model.get_weights(), expected.get_weights(), strict=True):
+            if devices == NUM_DEVICES:
+                np.testing.assert_array_equal(mine, theirs)
+            else:
+                np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=5e-6)
+
+    plain = jax_dp.Trainer(NUM_DEVICES)  # an unscoped run's (version 1) checkpoint into a scoped model
+    _fit(plain, build(), x, y, tmp_path / "plain", epochs=1)
+    assert (
+        json.loads((dp_core.list_checkpoints(tmp_path / "plain")[-1] / "manifest.json").read_text())["format_version"]
+        == 1
+    )
+    scoped = jax_dp.Trainer(NUM_DEVICES, shard="full")
+    model = _scoped(scoped)
+    _fit(scoped, model, x, y, tmp_path / "plain", epochs=2)
+    for mine, theirs in zip(model.get_weights(), expected.get_weights(), strict=True):
         np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=5e-6)

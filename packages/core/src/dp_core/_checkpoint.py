@@ -35,7 +35,10 @@ from dp_core._checkpoint_format import (
 )
 from dp_core._checkpoint_lock import verify_claim
 from dp_core._checkpoint_read import list_checkpoints, newer_format_version
+from dp_core._checkpoint_shards import PARTS_FORMAT_VERSION, Part, Parts, has_parts, is_parts, parts_file, write_parts
 
+# Checkpoints without parts are written as version 1, which dp-core 0.2.1 and later read.
+WHOLE_FORMAT_VERSION = 1
 # A .tmp-* staging directory nobody wrote to for this long was left by a killed writer.
 _STALE_STAGING_SECONDS = 15 * 60
 
@@ -53,14 +56,17 @@ def save_checkpoint(directory: str | os.PathLike[str], checkpoint: Checkpoint, *
     _remove_stale_staging(root)
     final = root / checkpoint.name
     arrays = {
-        f"{group}/{i}": _plain_array(group, i, value)
+        f"{group}/{i}": value if is_parts(value) else _plain_array(group, i, value)
         for group in GROUPS
         for i, value in enumerate(getattr(checkpoint, group))
     }
     staging: Path | None = None
     try:
         staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
-        _write_files(staging, checkpoint, arrays)
+        if has_parts(checkpoint):
+            _write_parts_files(staging, checkpoint, arrays)
+        else:
+            _write_files(staging, checkpoint, arrays)
         _put_in_place(staging, final)
         _fsync_directory(root)
     except OSError as error:
@@ -114,12 +120,10 @@ def _write_files(staging: Path, checkpoint: Checkpoint, arrays: dict[str, Any]) 
         np.savez(f, **arrays)  # stored, not compressed: the reader refuses compressed members
         f.flush()
         os.fsync(f.fileno())
-    state = {key: value for key, value in asdict(checkpoint).items() if key not in GROUPS}
-    state["counts"] = {group: len(getattr(checkpoint, group)) for group in GROUPS}
-    _write_text(staging / "state.json", json.dumps(state, indent=1, sort_keys=True))
+    _write_state(staging, checkpoint)
     manifest = {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": WHOLE_FORMAT_VERSION,
         "files": {name: _sha256(staging / name) for name in FILES},
         # added after dp-core 0.2.1, whose reader ignores them; this reader does without them
         "sizes": {name: os.stat(staging / name).st_size for name in FILES},
@@ -129,6 +133,44 @@ def _write_files(staging: Path, checkpoint: Checkpoint, arrays: dict[str, Any]) 
         },
     }
     _write_text(staging / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True))
+
+
+def _write_state(staging: Path, checkpoint: Checkpoint) -> None:
+    fields = {key: value for key, value in vars(checkpoint).items() if key not in GROUPS}
+    state = asdict(Checkpoint(**fields, weights=[]))  # the arrays (parts too) are not copied
+    state = {key: value for key, value in state.items() if key not in GROUPS}
+    state["counts"] = {group: len(getattr(checkpoint, group)) for group in GROUPS}
+    _write_text(staging / "state.json", json.dumps(state, indent=1, sort_keys=True))
+
+
+def _write_parts_files(staging: Path, checkpoint: Checkpoint, arrays: dict[str, Any], process: int = 0) -> None:
+    """Format version 2 (``dp_core._checkpoint_shards``): this process's parts in ``parts-<process>.npz``
+    (a whole array as one part), the manifest listing where each part lies."""
+    file = parts_file(process)
+    as_parts = {key: _as_parts(value) for key, value in arrays.items()}
+    table = write_parts(staging / file, as_parts, file)
+    with open(staging / file, "rb+") as f:
+        os.fsync(f.fileno())
+    _write_state(staging, checkpoint)
+    files = ("state.json", file)
+    manifest = {
+        "format": FORMAT_NAME,
+        "format_version": PARTS_FORMAT_VERSION,
+        "files": {name: _sha256(staging / name) for name in files},
+        "sizes": {name: os.stat(staging / name).st_size for name in files},
+        "arrays": {
+            key: {"dtype": np.lib.format.dtype_to_descr(np.dtype(array.dtype)), "shape": list(array.shape)}
+            for key, array in as_parts.items()
+        },
+        "parts": table,
+    }
+    _write_text(staging / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True))
+
+
+def _as_parts(value: Any) -> Any:
+    if is_parts(value):
+        return value
+    return Parts(tuple(value.shape), value.dtype, [Part((0,) * value.ndim, value)])
 
 
 def _put_in_place(staging: Path, final: Path) -> None:

@@ -18,7 +18,7 @@ from typing import IO, Any
 
 import numpy as np
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this reads: 1 (arrays.npz) and 2 (parts, ``_checkpoint_shards``)
 FORMAT_NAME = "keras-dp-checkpoint"
 CHECKPOINT_NAME = re.compile(r"^step-(\d{6})-(\d{9})$")
 GROUPS = ("weights", "optimizer_variables", "metric_variables")

@@ -17,7 +17,7 @@ import time
 import warnings
 import zipfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import IO, Any
 
@@ -36,6 +36,7 @@ from dp_core._checkpoint_format import (
     sha256_of,
 )
 from dp_core._checkpoint_lock import CheckpointDirError, existing_folder_of
+from dp_core._checkpoint_shards import PARTS_FORMAT_VERSION, check_parts_names, load_parts
 
 _STATE_REQUIRED = ("epoch", "step", "seed", "global_batch_size", "num_replicas", "counts")
 _STATE_OPTIONAL = ("lr_policy", "extra")
@@ -240,8 +241,11 @@ def _load(path: Path) -> Checkpoint:
     manifest = _manifest(path)
     with _verified(path, "state.json", manifest) as (f, size):
         state = _state(path, _parse_json(path, "state.json", f.read(size + 1)))
-    with _verified(path, "arrays.npz", manifest) as (f, size):
-        groups = arrays_of(path, f, size, state["counts"], manifest.get("arrays"))
+    if manifest["format_version"] == PARTS_FORMAT_VERSION:
+        groups = _parts_of(path, manifest, state["counts"])
+    else:
+        with _verified(path, "arrays.npz", manifest) as (f, size):
+            groups = arrays_of(path, f, size, state["counts"], manifest.get("arrays"))
     return Checkpoint(
         epoch=state["epoch"],
         step=state["step"],
@@ -252,6 +256,17 @@ def _load(path: Path) -> Checkpoint:
         extra=state.get("extra", {}),
         **groups,
     )
+
+
+def _parts_of(path: Path, manifest: dict[str, Any], counts: dict[str, int]) -> dict[str, list[Any]]:
+    """A version-2 checkpoint's whole arrays, from its parts files, each verified first."""
+    with ExitStack() as stack:
+        opened = {
+            name: stack.enter_context(_verified(path, name, manifest))
+            for name in manifest["files"]
+            if name != "state.json"
+        }
+        return load_parts(path, opened, counts, manifest)
 
 
 @contextmanager
@@ -289,19 +304,22 @@ def _manifest(path: Path) -> dict[str, Any]:
             path=str(path),
             version=version,
         )
-    if manifest.get("format") != FORMAT_NAME or not _count(version) or version != FORMAT_VERSION:
+    if manifest.get("format") != FORMAT_NAME or not _count(version) or version not in (1, PARTS_FORMAT_VERSION):
         raise CheckpointError(
             f"{path}: format {manifest.get('format')!r} version {manifest.get('format_version')!r}, "
-            f"expected {FORMAT_NAME} version {FORMAT_VERSION}."
+            f"expected {FORMAT_NAME} version 1 or {PARTS_FORMAT_VERSION}."
         )
     files = manifest.get("files")
-    if not isinstance(files, dict) or set(files) != set(FILES) or not all(isinstance(v, str) for v in files.values()):
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        raise damaged(path, "manifest.json", f"'files' is {_short(files)}, expected a SHA-256 for each file")
+    expected = FILES if version == 1 else ("state.json", *check_parts_names(path, files))
+    if set(files) != set(expected):
         raise damaged(path, "manifest.json", f"'files' is {_short(files)}, expected a SHA-256 for each of {FILES}")
     sizes = manifest.get("sizes")  # absent in checkpoints of dp-core 0.2.1 and before
     if sizes is not None and (
-        not isinstance(sizes, dict) or set(sizes) != set(FILES) or not all(map(_count, sizes.values()))
+        not isinstance(sizes, dict) or set(sizes) != set(expected) or not all(map(_count, sizes.values()))
     ):
-        raise damaged(path, "manifest.json", f"'sizes' is {_short(sizes)}, expected a byte count for each of {FILES}")
+        raise damaged(path, "manifest.json", f"'sizes' is {_short(sizes)}, expected a byte count for each file")
     records = manifest.get("arrays")
     if records is not None and (not isinstance(records, dict) or not all(map(_is_record, records.values()))):
         raise damaged(path, "manifest.json", "'arrays' is not a {name: {dtype, shape}} mapping")

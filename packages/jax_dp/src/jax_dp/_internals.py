@@ -87,17 +87,7 @@ def install_keras_variable_hooks(
     from keras.src.backend.jax import core
     from keras.src.optimizers import base_optimizer
 
-    if hasattr(core, "should_shard_at_init"):  # older Keras makes the value whole, then splits it
-        keras_should_shard = core.should_shard_at_init
-
-        def should_shard_at_init(layout: Any, shape: Any) -> bool:
-            # A replicated layout costs every device the whole value either way, and Keras's jitted
-            # path takes ``initializer.__call__``, which a plain function's (a SeedGenerator's, every
-            # Dropout's) cannot be jitted through: it is left to Keras's rule.
-            split = on_trainer_mesh(layout) and not layout.is_fully_replicated
-            return split or keras_should_shard(layout, shape)
-
-        core.should_shard_at_init = should_shard_at_init
+    _hook_should_shard_at_init(core, on_trainer_mesh)
     variable_class: Any = core.JaxVariable
     keras_convert, keras_array = variable_class._convert_to_tensor, variable_class.__array__
 
@@ -138,6 +128,22 @@ def install_keras_variable_hooks(
             keras_internals.set_variable_layout(reference, layout)
 
     optimizer_class.add_variable_from_reference = add_variable_from_reference
+
+
+def _hook_should_shard_at_init(core: Any, on_trainer_mesh: Callable[[Any], bool]) -> None:
+    """``core.should_shard_at_init`` answers yes for a split layout on a trainer's mesh
+    (``install_keras_variable_hooks``)."""
+    if hasattr(core, "should_shard_at_init"):  # older Keras makes the value whole, then splits it
+        keras_should_shard = core.should_shard_at_init
+
+        def should_shard_at_init(layout: Any, shape: Any) -> bool:
+            # A replicated layout costs every device the whole value either way, and Keras's jitted
+            # path takes ``initializer.__call__``, which a plain function's (a SeedGenerator's, every
+            # Dropout's) cannot be jitted through: it is left to Keras's rule.
+            split = on_trainer_mesh(layout) and not layout.is_fully_replicated
+            return split or keras_should_shard(layout, shape)
+
+        core.should_shard_at_init = should_shard_at_init
 
 
 def install_keras_loading_hook(stored_values: StoredValues) -> None:

@@ -16,15 +16,24 @@ import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple, cast
 
 import jax
 import keras
 import numpy as np
 
-from dp_core import Checkpoint, check_checkpoint_dir, claim_checkpoint_dir
-from dp_core.keras import CheckpointWriter, FitArguments, Start, print_resume, resumable_checkpoint, start_of
+from dp_core import Checkpoint, check_checkpoint_dir, claim_checkpoint_dir, save_checkpoint
+from dp_core.keras import (
+    CheckpointWriter,
+    FitArguments,
+    Start,
+    model_checkpoint,
+    print_resume,
+    resumable_checkpoint,
+    start_of,
+)
 from jax_dp._comm.hosts import is_primary, same_on_all_processes, text_from_primary
+from jax_dp._mesh.scope import trainer_placed
 from jax_dp._step.optimizers import Optimizer
 
 
@@ -150,8 +159,13 @@ def save(
     step: int,
     metric_variables: list[np.ndarray] | None = None,
 ) -> None:
-    """The model (holding the trained weights) at ``step`` steps into ``epoch``, from process 0."""
+    """The model (holding the trained weights) at ``step`` steps into ``epoch``, from process 0. A
+    model built in a trainer's scope, on one process, is written by parts (``by_parts``)."""
     if not is_primary():
+        return
+    if jax.process_count() == 1 and any(trainer_placed(v) is not None for v in model.weights):
+        checkpoint = by_parts(writer, model, epoch=epoch, step=step, metric_variables=metric_variables or [])
+        save_checkpoint(writer.directory, checkpoint)
         return
     writer.write(
         model,
@@ -160,3 +174,62 @@ def save(
         metric_variables=metric_variables or [],
         optimizer_variables=optimizer.checkpoint_variables(optimizer_state),
     )
+
+
+def by_parts(
+    writer: CheckpointWriter, model: keras.Model, *, epoch: int, step: int, metric_variables: list[np.ndarray]
+) -> Checkpoint:
+    """``model``'s checkpoint with each split array as the parts its devices hold (one replica of each
+    distinct part, copied from its device), never gathered whole (format version 2,
+    ``dp_core.save_checkpoint``). What else the checkpoint records (the History, the optimizer's
+    class and config) is ``model_checkpoint``'s, taken from a copy of the optimizer without state."""
+    optimizer = model.optimizer
+    assert optimizer is not None  # fit compiled it
+    unbuilt = type(optimizer).from_config(optimizer.get_config())  # the same record, no variables read
+    record = model_checkpoint(
+        cast(keras.Model, _Recorded(unbuilt, model.history)), epoch=epoch, step=step, seed=writer.seed,
+        global_batch_size=writer.global_batch_size, num_replicas=writer.num_replicas, lr_policy=writer.lr_policy,
+        metric_variables=metric_variables,
+    )  # fmt: skip
+    record.extra["optimizer_paths"] = [v.path for v in optimizer.variables]
+    record.weights = [_parts(v) for v in model.weights]
+    record.optimizer_variables = [_parts(v) for v in optimizer.variables]
+    return record
+
+
+@dataclasses.dataclass
+class _Recorded:
+    """What ``model_checkpoint`` reads of a model besides its arrays."""
+
+    optimizer: keras.optimizers.Optimizer
+    history: Any
+    metrics_variables: tuple[()] = ()
+
+    def get_weights(self) -> list[np.ndarray]:
+        return []
+
+
+class _Part(NamedTuple):
+    start: tuple[int, ...]  # where it begins in the array, one index per dimension
+    values: np.ndarray
+
+
+class _Parts(NamedTuple):
+    """An array as some of its parts: what ``dp_core.save_checkpoint`` writes by parts (its fields)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    parts: list[_Part]
+
+
+def _parts(variable: keras.Variable) -> Any:
+    """A split variable as the parts this process's devices hold; any other as its whole value."""
+    value = variable.value
+    if not isinstance(value, jax.Array) or value.sharding.is_fully_replicated:
+        return np.asarray(keras.ops.convert_to_numpy(value))
+    parts = [
+        _Part(tuple(index.start or 0 for index in shard.index), np.asarray(shard.data))
+        for shard in value.addressable_shards
+        if shard.replica_id == 0
+    ]
+    return _Parts(tuple(value.shape), np.dtype(value.dtype), parts)

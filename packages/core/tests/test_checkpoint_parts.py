@@ -1,0 +1,46 @@
+"""Format version 2: arrays written by parts (``dp_core._checkpoint_shards``), read back whole and
+verified; a checkpoint without parts stays version 1."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from dp_core import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
+from dp_core._checkpoint_shards import Part, Parts
+
+
+def _checkpoint(weights: list) -> Checkpoint:
+    return Checkpoint(1, 0, 0, 8, 4, weights, optimizer_variables=[np.int64(3)], metric_variables=[])
+
+
+def _split(array: np.ndarray) -> Parts:
+    rows = array.shape[0] // 2
+    return Parts(array.shape, array.dtype, [Part((0, 0), array[:rows]), Part((rows, 0), array[rows:])])
+
+
+def test_parts_are_read_back_whole_and_a_checkpoint_without_parts_stays_version_1(tmp_path):
+    kernel, bias = np.arange(24, dtype="float32").reshape(6, 4), np.ones(4, "float32")
+    path = save_checkpoint(tmp_path / "parts", _checkpoint([_split(kernel), bias]))
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["format_version"] == 2 and sorted(manifest["files"]) == ["parts-0.npz", "state.json"]
+    assert [entry[2] for entry in manifest["parts"]["weights/0"]] == [[0, 0], [3, 0]]
+    loaded = load_checkpoint(path)
+    np.testing.assert_array_equal(loaded.weights[0], kernel)
+    np.testing.assert_array_equal(loaded.weights[1], bias)
+    assert loaded.optimizer_variables[0] == 3
+    plain = save_checkpoint(tmp_path / "plain", _checkpoint([kernel, bias]))
+    assert json.loads((plain / "manifest.json").read_text())["format_version"] == 1
+    np.testing.assert_array_equal(load_checkpoint(plain).weights[0], kernel)
+
+
+@pytest.mark.parametrize("problem", ["overlap", "gap"])
+def test_parts_that_overlap_or_leave_a_gap_are_damage(tmp_path, problem):
+    kernel = np.arange(24, dtype="float32").reshape(6, 4)
+    second = (2, 0) if problem == "overlap" else (4, 0)
+    parts = Parts(kernel.shape, kernel.dtype, [Part((0, 0), kernel[:3]), Part(second, kernel[3:5])])
+    path = save_checkpoint(tmp_path, _checkpoint([parts]))
+    with pytest.raises(CheckpointError, match="overlaps|do not cover"):
+        load_checkpoint(path)
