@@ -230,14 +230,12 @@ class Session:
 
 def _environment(run: Run, rank: int, port: int) -> dict[str, str]:
     environment = {**os.environ, "KERAS_BACKEND": run.backend, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-    if run.cpu:
-        environment.update({"CUDA_VISIBLE_DEVICES": "", "JAX_PLATFORMS": "cpu"})
+    if run.cpu:  # one thread a process: the rehearsal shares a CI runner's few cores with others
+        environment.update({"CUDA_VISIBLE_DEVICES": "", "JAX_PLATFORMS": "cpu", "OMP_NUM_THREADS": "1"})
     if run.replicas > 1:  # one rank of a group as torchrun would start it, on this host
         group = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": run.replicas, "LOCAL_WORLD_SIZE": run.replicas}
         environment.update({name: str(value) for name, value in group.items()})
         environment.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-        if run.cpu:
-            environment["OMP_NUM_THREADS"] = "1"
     return environment
 
 
