@@ -402,10 +402,10 @@ def test_checkpoints_of_a_newer_format_stop_fit_before_it_starts_and_are_never_p
     assert len(newer) == 3
     for path in newer:  # as a newer keras-dp would write them
         manifest = json.loads((path / "manifest.json").read_text())
-        (path / "manifest.json").write_text(json.dumps({**manifest, "format_version": 2}))
+        (path / "manifest.json").write_text(json.dumps({**manifest, "format_version": 3}))
     model, steps = testing.dense_batchnorm_model("sgd", seed=5), _Steps()
     before = model.get_weights()
-    with pytest.raises(dp_core.CheckpointVersionError, match=r"format version 2 .*reads format version 1") as refused:
+    with pytest.raises(dp_core.CheckpointVersionError, match=r"format version 3 .*reads format version 2") as refused:
         _fit_one_replica(model, tmp_path, epochs=6, callbacks=[steps])
     assert "Upgrade keras-dp" in str(refused.value) and "another folder" in str(refused.value)
     assert steps.began == 0
