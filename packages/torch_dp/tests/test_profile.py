@@ -124,10 +124,11 @@ def test_buckets_split_large_gradients_by_size_in_reverse_order():
     buckets = GradientBuckets(weights).buckets
     # last variables first (backward produces them first); as in DDP the first bucket holds at most
     # 1 MiB (the last layer's 88 KB), so its all-reduce starts early; a 16 MiB kernel fills each other
-    assert buckets == [[7, 6, 5], [4, 3], [2, 1, 0]]
-    assert sum(weights[i].value.numel() * 4 for i in buckets[0]) <= FIRST_BUCKET_BYTES
+    assert [[index for index, _ in bucket] for bucket in buckets] == [[7, 6, 5], [4, 3], [2, 1, 0]]
+    assert all(rows is None for bucket in buckets for _, rows in bucket)  # unsharded: whole variables
+    assert sum(weights[i].value.numel() * 4 for i, _ in buckets[0]) <= FIRST_BUCKET_BYTES
     for bucket in buckets[1:]:
-        assert sum(weights[i].value.numel() * 4 for i in bucket) <= BUCKET_BYTES
+        assert sum(weights[i].value.numel() * 4 for i, _ in bucket) <= BUCKET_BYTES
 
 
 @pytest.mark.parametrize("width", [2048, 512])  # 34 MB of gradients; 2.2 MB, which also overlaps as DDP's would
