@@ -81,6 +81,13 @@ def test_with_several_processes_the_progress_bar_is_reported_at_the_first_step_t
     reporter.several_processes = True  # as jax.process_count() > 1 makes it; no collective is called
     assert not reporter.every_step and STOP_CHECK_STEPS == 16
     assert [step for step in range(40) if reporter.due(step)] == [0, 15, 31, 39]
+    # in groups of 4 (steps_per_execution): the group's end that holds step 15, 31, then the last
+    grouped = BatchEndReporter(callbacks, "train", steps=40)
+    grouped.several_processes = True
+    ends = [min(first + 3, 39) for first in range(0, 40, 4)]
+    assert [end for first, end in zip(range(0, 40, 4), ends, strict=True) if grouped.due(end, first=first)] == [
+        3, 15, 31, 39,
+    ]  # fmt: skip
 
 
 def _lines(text, prefix="jax_dp:"):

@@ -51,8 +51,8 @@ class BatchEndReporter:
         (default: ``step``, a group of one)."""
         if not self.enabled:
             return False
-        first, self.first = self.first, False
-        if self.every_step or first or (self.steps is not None and step == self.steps - 1):
+        epoch_start, self.first = self.first, False  # the epoch's first report: the bar's first metrics
+        if self.every_step or epoch_start or (self.steps is not None and step == self.steps - 1):
             self.last = time.monotonic()
             return True
         if self.several_processes:
