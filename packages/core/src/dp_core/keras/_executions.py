@@ -1,12 +1,13 @@
 """Keras's ``steps_per_execution``: an epoch's steps run in groups, the batch hooks once a group.
 
 What ``model.fit``/``evaluate``/``predict`` do with ``compile(steps_per_execution=N)``, on every
-backend (Keras's ``EpochIterator``), measured on Keras 3.15 and 3.16:
+backend (Keras's ``EpochIterator``), measured on Keras 3.10, 3.15 and 3.16:
 
 - the steps of an epoch run in groups of N from the epoch's first step; a group is N batches, or
   what the data has left (the last group may be shorter);
 - ``on_*_batch_begin`` is called once before a group with its first step, ``on_*_batch_end`` once
-  after it with ``first + N - 1``, even for a shorter last group, and the logs of its last step
+  after it with ``first + N - 1`` (Keras 3.10: ``first``), even for a shorter last group, and the
+  logs of its last step
   (``predict``: ``{"outputs": ...}`` of the whole group, concatenated);
 - ``fit(steps_per_epoch=S)`` reads whole groups: an epoch is ``ceil(S / N) * N`` steps, as far as
   the data goes (the progress bar's target stays S); ``evaluate``/``predict(steps=S)`` the same;
@@ -25,17 +26,27 @@ import keras
 import numpy as np
 
 
+def _keras_at_least(major: int, minor: int) -> bool:
+    found = tuple(int(part) for part in keras.version().split(".")[:2])
+    return found >= (major, minor)
+
+
+END_HOOK_GETS_GROUP_END = _keras_at_least(3, 11)  # Keras 3.10's loops give the group's first step
+
+
 @dataclass(frozen=True)
 class Executions:
     """Steps in groups of ``size`` (``model.steps_per_execution``), counted from an epoch's step 0.
 
-    >>> executions = Executions(4)
-    >>> [step for step in range(10) if executions.first(step)], executions.hook_step(9)
-    ([0, 4, 8], 11)
-    >>> [step for step in range(10) if executions.last(step, steps=10)]
-    [3, 7, 9]
-    >>> executions.rounded(5), executions.rounded(None)
-    (8, None)
+    Groups of 4 over 10 steps begin at 0, 4, 8 and end at 3, 7, 9 (the last group two steps)::
+
+        >>> executions = Executions(4)
+        >>> [step for step in range(10) if executions.first(step)]
+        [0, 4, 8]
+        >>> [step for step in range(10) if executions.last(step, steps=10)]
+        [3, 7, 9]
+        >>> executions.rounded(5), executions.rounded(None)
+        (8, None)
     """
 
     size: int = 1
@@ -62,8 +73,10 @@ class Executions:
 
     def hook_step(self, step: int) -> int:
         """The step the batch-end hooks are given for the group holding ``step``: the group's first
-        step plus ``size - 1``, whether or not the group is whole (as Keras)."""
-        return step - step % self.size + self.size - 1
+        step plus ``size - 1``, whether or not the group is whole (Keras 3.11 on); Keras 3.10 gives
+        them the group's first step, as its begin hooks."""
+        first = step - step % self.size
+        return first + self.size - 1 if END_HOOK_GETS_GROUP_END else first
 
     def group_start(self, step: int) -> int:
         """The first step of the group holding ``step``."""
