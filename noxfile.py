@@ -270,7 +270,8 @@ def conformance(session: nox.Session, keras: str) -> None:
 
     A Keras release that moves a private attribute fails here first (``-s "conformance(keras='oldest')"``
     for one): dp_core.keras and every package's imports run under the oldest Keras the packages allow,
-    the rest of tests/ (listeners, GPU check, fault matrix, READMEs' numbers, the demo) under the newest.
+    the rest of tests/ (listeners, GPU check, fault matrix, READMEs' numbers, the demo, every Python block of
+    the READMEs and docs/ run as pasted) under the newest.
     ``keras='nightly'``, on request, runs both halves under ``keras-nightly``, the next release."""
     allowed = _keras_range()
     pinned = f"keras=={_oldest_keras(allowed)}" if keras == "oldest" else f"keras{allowed}"
@@ -299,8 +300,8 @@ def conformance(session: nox.Session, keras: str) -> None:
         groups = [f"{TORCH_DP}/tests/test_steps_per_execution.py", "-k", "keras_316"]
         session.run("pytest", *groups, *session.posargs, env={"KERAS_BACKEND": "torch"})
     if keras in {"newest", "nightly"}:  # dp_core.keras under the newest Keras is tests_core_keras's
-        # the getting-started pages' code (a minute) runs in the docs session
-        skip = ["--ignore=tests/parity", "--ignore=tests/ray", "--ignore=tests/test_doc_snippets.py"]
+        # tests/ holds the docs' Python blocks run as pasted (test_doc_snippets.py, 1.3 minutes): both backends are here
+        skip = ["--ignore=tests/parity", "--ignore=tests/ray"]
         session.run("pytest", "tests", *skip, *session.posargs)
 
 
@@ -528,17 +529,18 @@ def site(session: nox.Session) -> None:
 
 @session(python="3.11", default=False)
 def docs(session: nox.Session) -> None:
-    """The user guide and API reference, built with warnings as errors, and the getting-started code run.
+    """The user guide and API reference, built with warnings as errors, and the docs' code run.
 
-    The getting-started pages' Python blocks run as written on tiny data (tests/test_doc_snippets.py,
-    about a minute); ``-- serve`` previews the site instead."""
+    Every Python block of the READMEs and docs/ that is not marked ``<!-- fragment -->`` runs as pasted
+    (tests/test_doc_snippets.py, about 1.3 minutes; bare ``nox`` runs it in ``conformance(keras='newest')``);
+    ``-- serve`` previews the site instead."""
     _install_everything(session, *DOCS, *TEST_TOOLS)
     session.env["NO_MKDOCS_2_WARNING"] = "1"
     if session.posargs[:1] == ["serve"]:
         session.run("mkdocs", "serve")
     else:
         session.run("mkdocs", "build", "--strict", "--site-dir", "site")
-        session.run("pytest", "tests/test_doc_snippets.py", *session.posargs)  # the getting-started code
+        session.run("pytest", "tests/test_doc_snippets.py", *session.posargs)  # the docs' code
 
 
 @session(python="3.11", default=False)

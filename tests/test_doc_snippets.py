@@ -1,71 +1,107 @@
-"""The getting-started pages' Python, run as written (the package READMEs, which those pages include).
+"""Every Python block in README.md, the packages' READMEs and docs/, run as pasted, or marked a fragment.
 
-About a minute (the torch page starts 2 replicas): ``nox -s docs`` runs it after the build, not
-bare ``nox``.
+A block runs on its own, in a fresh ``python snippet.py``: it builds its own model and its own tiny
+data, so a reader who pastes it sees it work. A block that shows a piece of a larger script (the
+reader's model, a cluster, a file of theirs) says so: the line before its fence is
+``<!-- fragment -->`` and its first line is a comment naming what the reader brings. This test skips
+those by that marker, and fails on any other block that does not run, so a new block runs unless
+its page says why not (docs/troubleshooting.md, "Code on these pages", tells readers the rule).
 
-Each fenced ``python`` block is taken from the page's source; what a block leaves to the reader
-(the data ``x, y``) is the only thing added, tiny, before it. Blocks that need a cluster or a
-library the page tells you to bring (a Flax module, ``jax_dp.initialize`` on two hosts) are named
-in ``NOT_RUN`` with the reason, so a new block is run unless someone says why not.
+The backend is the one the block chooses (``KERAS_BACKEND`` set in the block, or ``torch_dp`` /
+``jax_dp`` imported); a block that names neither runs on jax. Four forced CPU devices, as the jax
+pages say to set. About 1.5 minutes on 2 cores, in ``conformance(keras='newest')``, which installs
+both backends.
 """
+
+from __future__ import annotations
 
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FENCED = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
-TINY_DATA = """
-import numpy as np
-rng = np.random.default_rng(0)
-x, xv = rng.random((512, 784)).astype("float32"), rng.random((128, 784)).astype("float32")
-y, yv = rng.integers(0, 10, 512), rng.integers(0, 10, 128)
-"""
-NOT_RUN = {
-    ("packages/jax_dp/README.md", 3): "needs the reader's Flax module (MyFlaxModule)",
-    ("packages/jax_dp/README.md", 4): "jax_dp.initialize on two hosts (tests_jax runs it on 127.0.0.1)",
-}
+PAGES = ["README.md", *sorted(f"packages/{p.parent.name}/README.md" for p in ROOT.glob("packages/*/README.md"))]
+PAGES += sorted(f"docs/{p.name}" for p in ROOT.glob("docs/*.md"))
+FENCE = re.compile(r"^(?P<indent>[ \t]*)```python\n(?P<code>.*?)^(?P=indent)```", re.DOTALL | re.MULTILINE)
+FRAGMENT = "<!-- fragment -->"
+# What a block prints, where its output is the point: checked on its last line.
+LAST_LINE = {"packages/torch_dp/README.md:1": r"\[\d+\.\d+, \d+\.\d+\] \(1000, 10\)"}
 
 
-def blocks(page):
-    return FENCED.findall((ROOT / page).read_text())
+class Block(NamedTuple):
+    page: str
+    number: int  # 1 for a page's first python block
+    line: int  # of its opening fence
+    code: str
+    fragment: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.page}:{self.number}"
 
 
-def _run(script, tmp_path, **environment):
-    (tmp_path / "snippet.py").write_text(script)
+def page_blocks(page: str) -> list[Block]:
+    text = (ROOT / page).read_text()
+    found = []
+    for number, match in enumerate(FENCE.finditer(text), start=1):
+        before = text[: match.start()].rstrip().splitlines()
+        indent = match.group("indent")
+        code = "".join(line.removeprefix(indent) for line in match.group("code").splitlines(keepends=True))
+        fragment = bool(before) and before[-1].strip() == FRAGMENT
+        found.append(Block(page, number, len(before) + 1, code, fragment))
+    return found
+
+
+BLOCKS = [block for page in PAGES for block in page_blocks(page)]
+RUN = [block for block in BLOCKS if not block.fragment]
+
+
+def backend(code: str) -> str | None:
+    """The Keras backend a block runs on; None where the block sets ``KERAS_BACKEND`` itself."""
+    if "KERAS_BACKEND" in code:
+        return None
+    return "torch" if re.search(r"\btorch(_dp)?\b", code) else "jax"
+
+
+def test_the_pages_hold_blocks_of_both_kinds():
+    # the scan reaches every page kind: a wrong pattern would find none, or no fragment
+    assert {block.page for block in RUN} >= {"README.md", "packages/jax_dp/README.md", "docs/model-parallel.md"}
+    assert len(RUN) >= 10 and len(BLOCKS) - len(RUN) >= 10
+
+
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.fragment], ids=lambda b: b.name)
+def test_a_fragment_says_what_the_reader_brings(block):
+    first = block.code.lstrip().splitlines()[0]
+    assert first.startswith("# "), (
+        f"{block.name} (line {block.line}): a fragment starts with a comment naming what is yours"
+    )
+
+
+def test_backend_follows_what_the_block_imports():
+    assert backend('import os; os.environ["KERAS_BACKEND"] = "torch"') is None
+    assert backend("import torch_dp\ntrainer = torch_dp.Trainer()") == "torch"
+    assert backend("import jax_dp") == "jax"
+    assert backend("import dp_core") == "jax"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("block", RUN, ids=lambda b: b.name)
+def test_the_block_runs_as_pasted(block, tmp_path):
+    (tmp_path / "snippet.py").write_text(block.code)
     env = {key: value for key, value in os.environ.items() if key not in ("KERAS_BACKEND", "XLA_FLAGS")}
-    env.update(environment, OMP_NUM_THREADS="1")
+    env.update(OMP_NUM_THREADS="1", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    if chosen := backend(block.code):
+        env["KERAS_BACKEND"] = chosen
     done = subprocess.run(
         [sys.executable, "snippet.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
     )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done.stdout
-
-
-def test_every_block_is_run_or_says_why_not():
-    counts = {page: len(blocks(page)) for page in ("packages/torch_dp/README.md", "packages/jax_dp/README.md")}
-    assert counts == {"packages/torch_dp/README.md": 1, "packages/jax_dp/README.md": 4}, "a block was added: run it"
-    assert all(index <= counts[page] for page, index in NOT_RUN)
-
-
-@pytest.mark.timeout(300)
-def test_the_torch_page_runs_as_written(tmp_path):
-    (script,) = blocks("packages/torch_dp/README.md")
-    out = _run(script, tmp_path)  # it sets KERAS_BACKEND and makes its own data
-    # its last line prints evaluate's [loss, accuracy] and the predictions' shape: every row, in input order
-    last = out.strip().splitlines()[-1]
-    assert re.fullmatch(r"\[\d+\.\d+, \d+\.\d+\] \(1000, 10\)", last), last
-
-
-@pytest.mark.timeout(300)
-def test_the_jax_page_runs_as_written_on_four_cpu_devices(tmp_path):
-    first, optax_block, *_ = blocks("packages/jax_dp/README.md")
-    script = TINY_DATA + first.replace("trainer.predict(", "predictions = trainer.predict(")
-    script += "\nassert predictions.shape == (128, 10), predictions.shape\nassert trainer.num_replicas == 4\n"
-    script += optax_block + "\nprint('optimizer', type(trainer).__name__, 'ok')\n"
-    out = _run(script, tmp_path, XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    assert out.strip().splitlines()[-1] == "optimizer Trainer ok"
+    where = f"{block.name}, the block at line {block.line}"
+    assert done.returncode == 0, f"{where} failed as pasted:\n{done.stderr[-4000:]}"
+    if pattern := LAST_LINE.get(block.name):
+        last = done.stdout.strip().splitlines()[-1]
+        assert re.fullmatch(pattern, last), f"{where} printed {last!r}"
