@@ -25,6 +25,7 @@ from dp_core._split import EpochOrder, Shuffle, num_steps
 from dp_core._trainer import Verbose
 from dp_core.keras._executions import ONE_STEP, Executions
 from dp_core.keras._inputs import Inputs, validation_inputs
+from dp_core.keras._limits import leading_batches, limited_epochs, limited_steps
 from dp_core.keras._losses import warn_added_losses_see_padding
 from dp_core.keras._model import require_backend, require_keras_steps, resolve_model
 from dp_core.keras._sources import BatchSource, is_batch_source
@@ -246,7 +247,7 @@ def fit_arguments(
     and a source's batch order as ``True`` does, as Keras's adapters read it. With ``executions``
     (``model.steps_per_execution``) an epoch of ``steps_per_epoch`` reads whole groups, as Keras."""
     check_checkpoint_arguments(checkpoint_dir, checkpoint_every_steps, checkpoint_in_background)
-    epochs = check_epochs(epochs)
+    epochs = limited_epochs(check_epochs(epochs))  # keras.config.set_max_epochs, as model.fit
     initial_epoch = check_integer("initial_epoch", initial_epoch, minimum=0)
     seed = check_integer("seed", seed, minimum=0)
     shuffle = _checked_shuffle(shuffle, inputs)
@@ -254,9 +255,14 @@ def fit_arguments(
         steps_per_epoch = None
     elif steps_per_epoch is not None:
         steps_per_epoch = check_integer("steps_per_epoch", steps_per_epoch, minimum=1)
+    if isinstance(inputs, Inputs):  # checked_call said the step limit
+        steps_per_epoch = limited_steps(steps_per_epoch, warn=False)
     inputs, validation = _checked_validation(
-        inputs, validation_data, validation_split, validation_steps, validation_batch_size, num_replicas
+        inputs, validation_data, validation_split, validation_steps, validation_batch_size, num_replicas, executions
     )
+    if isinstance(validation, Inputs) and (limit := limited_steps(None)) is not None:
+        size = validation_batch_size or global_batch_size  # Keras's validation, cut to its limit's batches
+        validation = leading_batches(validation, steps=executions.rounded(limit), global_batch_size=size)
     if steps_per_epoch is not None and isinstance(inputs, Inputs):  # the rows left to train on
         _warn_epochs_cut_short(inputs.num_samples, global_batch_size, executions.rounded(steps_per_epoch))
     return FitArguments(
@@ -286,12 +292,15 @@ def _checked_validation(
     validation_steps: int | None,
     validation_batch_size: int | None,
     num_replicas: int,
+    executions: Executions,
 ) -> tuple[Inputs | BatchSource, Inputs | BatchSource | None]:
     """The inputs left to train on and the validation inputs: ``validation_data``, or the last rows
-    of arrays (``validation_split``), as Keras takes them."""
+    of arrays (``validation_split``), as Keras takes them (a source's ``validation_steps`` under
+    Keras's step limit, in whole groups)."""
     validation: Inputs | BatchSource | None = None
     if is_batch_source(validation_data):
-        validation = batch_source(validation_data, steps=validation_steps, name="validation_data", restarts=True)
+        steps = executions.rounded(limited_steps(validation_steps))
+        validation = batch_source(validation_data, steps=steps, name="validation_data", restarts=True)
     elif validation_data is not None:
         validation = validation_inputs(validation_data)
         _check_no_steps(validation_steps, "validation_steps")

@@ -20,6 +20,7 @@ from dp_core.keras._batch_terms import check_batch_metrics, warn_terms_not_split
 from dp_core.keras._distribution import require_no_keras_distribution
 from dp_core.keras._executions import ONE_STEP, Executions
 from dp_core.keras._inputs import Inputs
+from dp_core.keras._limits import leading_batches, limited_steps
 from dp_core.keras._model import is_factory, overrides, require_backend, require_keras_steps, resolve_model
 from dp_core.keras._sources import BatchSource, is_batch_source
 
@@ -95,7 +96,8 @@ def checked_call(
     one reported:
 
     1. one global batch size from ``batch_size`` and ``global_batch_size`` (``global_batch_size_of``;
-       with neither, for arrays, ``fit``'s ``steps_per_epoch`` gives Keras's ``ceil(rows / steps)``);
+       with neither, for arrays, ``fit``'s ``steps_per_epoch`` gives Keras's ``ceil(rows / steps)``),
+       and ``steps`` capped by ``keras.config.set_max_steps_per_epoch`` (``_size_and_steps``);
     2. Keras runs on ``checks.backend`` (``require_backend``, naming ``checks.package``);
     3. a zero-argument factory is called (once);
     4. the steps of ``step_names`` the model overrides (``CallChecks.own_steps``);
@@ -105,7 +107,8 @@ def checked_call(
     6. the inputs (``checked_inputs``): a batch source (``steps`` its batches per epoch, each a
        global batch: its ``global_batch_size`` is returned), or arrays whose global batch divides
        over the replicas and that take no ``steps`` (named ``steps_name``) but ``steps_per_epoch``;
-    7. for arrays a Keras step runs on, its metrics and batch terms (``CallChecks.check_split_batches``).
+    7. under that step limit, an evaluation's arrays cut to the batches it reads (``leading_batches``);
+    8. for arrays a Keras step runs on, its metrics and batch terms (``CallChecks.check_split_batches``).
 
     >>> import numpy as np
     >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
@@ -116,10 +119,7 @@ def checked_call(
     >>> call.model is model, call.inputs.num_samples, call.global_batch_size
     (True, 8, 4)
     """
-    size = global_batch_size_of(batch_size, global_batch_size, x)
-    unsized = batch_size is None and global_batch_size is None
-    if steps is not None and steps_name == "steps_per_epoch" and unsized and not is_batch_source(x):
-        size = steps_batch_size(x, y, sample_weight, steps)  # Keras's array adapter: ceil(rows / steps)
+    size, limited = _size_and_steps(x, y, sample_weight, batch_size, global_batch_size, steps, steps_name)
     require_backend(checks.backend, checks.package)
     if is_factory(model):
         model = model()  # a factory is called once, here
@@ -135,14 +135,32 @@ def checked_call(
         global_batch_size=size,
         num_replicas=checks.num_replicas,
         class_weight=class_weight,
-        steps=executions.rounded(steps) if is_batch_source(x) else steps,  # a source: whole groups, as Keras
+        steps=executions.rounded(limited) if is_batch_source(x) else steps,  # a source: whole groups, as Keras
         steps_name=steps_name,
     )
     if isinstance(inputs, BatchSource):
         return _source_call(keras_model, inputs, executions, starts=compiled)
+    if limited is not None and steps_name != "steps_per_epoch":  # Keras's step limit on an evaluation's arrays
+        inputs = leading_batches(inputs, steps=executions.rounded(limited), global_batch_size=size)
     if keras_step_runs:
         checks.check_split_batches(keras_model, inputs, size)
     return CheckedCall(keras_model, inputs, size, executions)
+
+
+def _size_and_steps(
+    x: Any, y: Any, sample_weight: Any, batch_size: Any, global_batch_size: Any, steps: int | None, steps_name: str
+) -> tuple[int, int | None]:
+    """The call's global batch size and steps as Keras's ``EpochIterator`` takes them: ``steps``
+    capped by ``keras.config.max_steps_per_epoch()`` (``limited_steps``), and arrays given no batch
+    size but a step count (``fit``'s ``steps_per_epoch``, or that limit) read in Keras's array
+    adapter's ``ceil(rows / steps)``."""
+    size = global_batch_size_of(batch_size, global_batch_size, x)
+    limited = limited_steps(steps)
+    unsized = batch_size is None and global_batch_size is None
+    counted = steps_name == "steps_per_epoch" or limited != steps  # an evaluation's own steps are refused
+    if limited is not None and counted and unsized and not is_batch_source(x):
+        size = steps_batch_size(x, y, sample_weight, limited)
+    return size, limited
 
 
 def _source_call(model: keras.Model, source: BatchSource, executions: Executions, *, starts: bool) -> CheckedCall:

@@ -1,0 +1,80 @@
+"""What ``model.fit``/``evaluate``/``predict`` honor that jax_dp honors the same way (issue 43), each
+against plain Keras on one device, same data and initial weights."""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+from jax_dp_helpers import assert_history_close, assert_weights_close, dense_bn_model
+
+import jax_dp
+
+pytestmark = pytest.mark.timeout(240)
+
+
+class BatchCounts(keras.callbacks.Callback):
+    """How many batch-end hooks each loop called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = {"train": 0, "test": 0, "predict": 0}
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.counts["train"] += 1
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.counts["test"] += 1
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self.counts["predict"] += 1
+
+
+@pytest.fixture
+def debugging_limits():
+    """``keras.config``'s limits for debugging runs: 2 epochs of at most 2 steps, every loop."""
+    keras.config.set_max_epochs(2)
+    keras.config.set_max_steps_per_epoch(2)
+    yield
+    keras.config.set_max_epochs(None)
+    keras.config.set_max_steps_per_epoch(None)
+
+
+@pytest.mark.parametrize("batch_size", [32, None])
+def test_keras_config_s_epoch_and_step_limits_cut_every_loop_as_in_keras(data, debugging_limits, batch_size):
+    """32: epochs read on (batches 0-1, then 2 and the 3-row batch 3), validation and evaluation their
+    first 2 batches; None: Keras's adapter reads ceil(rows / 2) rows a step, every row."""
+    x, y, x_val, y_val = data
+    sized = {} if batch_size is None else {"batch_size": batch_size}
+    fit_options = dict(epochs=5, shuffle=False, validation_data=(x_val, y_val), validation_batch_size=8, verbose=0)
+    runs = {}
+    for name in ("keras", "jax_dp"):
+        model, counts = dense_bn_model(), BatchCounts()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if name == "keras":
+                history = model.fit(x, y, callbacks=[counts], **fit_options, **sized)
+                evaluation = model.evaluate(x, y, callbacks=[counts], return_dict=True, verbose=0, **sized)
+                predictions = model.predict(x, callbacks=[counts], verbose=0, **sized)
+            else:
+                trainer = jax_dp.Trainer(2)
+                history = trainer.fit(model, x, y, callbacks=[counts], **fit_options, **sized)
+                evaluation = trainer.evaluate(model, x, y, callbacks=[counts], return_dict=True, verbose=0, **sized)
+                predictions = trainer.predict(model, x, callbacks=[counts], verbose=0, **sized)
+        said = {str(w.message) for w in caught if str(w.message).startswith("Limiting")}
+        runs[name] = model, history, evaluation, predictions, counts.counts, said
+
+    (model, history, evaluation, predictions, counts, said) = runs["jax_dp"]
+    (expected_model, expected_history, expected_evaluation, expected_predictions, *expected_rest) = runs["keras"]
+    assert history.epoch == expected_history.epoch == [0, 1]
+    assert history.params["steps"] == expected_history.params["steps"] == 2
+    assert [counts, said] == expected_rest
+    assert counts == {"train": 4, "test": 6, "predict": 2}
+    assert said == {"Limiting epochs to 2", "Limiting steps_per_epoch to 2"}
+    assert_history_close(expected_history.history, history.history)
+    assert_weights_close(expected_model, model)
+    assert_history_close(expected_evaluation, evaluation)
+    assert predictions.shape == expected_predictions.shape == ((64, 1) if batch_size else (99, 1))
+    np.testing.assert_allclose(predictions, expected_predictions, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,92 @@
+"""What ``model.fit``/``evaluate``/``predict`` honor that torch_dp honors the same way (issue 43), each
+on 2 replicas against plain Keras on one device, same data and initial weights."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import torch_dp_testing as testing
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+
+
+@pytest.fixture
+def trainer(two_replicas):
+    return two_replicas  # the run's replicas (conftest.py)
+
+
+class BatchCounts(keras.callbacks.Callback):
+    """How many batch-end hooks each loop called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = {"train": 0, "test": 0, "predict": 0}
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.counts["train"] += 1
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.counts["test"] += 1
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self.counts["predict"] += 1
+
+
+@pytest.fixture
+def debugging_limits():
+    """``keras.config``'s limits for debugging runs: 2 epochs of at most 2 steps, every loop."""
+    keras.config.set_max_epochs(2)
+    keras.config.set_max_steps_per_epoch(2)
+    yield
+    keras.config.set_max_epochs(None)
+    keras.config.set_max_steps_per_epoch(None)
+
+
+def assert_weights_close(expected: keras.Model, actual: keras.Model) -> None:
+    for variable, want, got in zip(expected.weights, expected.get_weights(), actual.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=variable.path)
+
+
+def assert_logs_close(expected: dict, actual: dict) -> None:
+    assert set(actual) == set(expected)
+    for name, value in expected.items():
+        np.testing.assert_allclose(actual[name], value, atol=1e-5, rtol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("batch_size", [32, None])
+def test_keras_config_s_epoch_and_step_limits_cut_every_loop_as_in_keras(trainer, debugging_limits, batch_size):
+    """32: epochs read on (batches 0-1, then 2 and the 3-row batch 3), validation and evaluation their
+    first 2 batches; None: Keras's adapter reads ceil(rows / 2) rows a step, every row."""
+    x, y = testing.data()
+    x_val, y_val = testing.data(37, seed=1)
+    sized = {} if batch_size is None else {"batch_size": batch_size}
+    fit_options = dict(epochs=5, shuffle=False, validation_data=(x_val, y_val), validation_batch_size=8, verbose=0)
+    runs = {}
+    for name in ("keras", "torch_dp"):
+        model, counts = testing.dense_batchnorm_model("sgd"), BatchCounts()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if name == "keras":
+                history = model.fit(x, y, callbacks=[counts], **fit_options, **sized)
+                evaluation = model.evaluate(x, y, callbacks=[counts], return_dict=True, verbose=0, **sized)
+                predictions = model.predict(x, callbacks=[counts], verbose=0, **sized)
+            else:
+                history = trainer.fit(model, x, y, callbacks=[counts], **fit_options, **sized)
+                evaluation = trainer.evaluate(model, x, y, callbacks=[counts], return_dict=True, verbose=0, **sized)
+                predictions = trainer.predict(model, x, callbacks=[counts], verbose=0, **sized)
+        said = {str(w.message) for w in caught if str(w.message).startswith("Limiting")}
+        runs[name] = model, history, evaluation, predictions, counts.counts, said
+
+    (model, history, evaluation, predictions, counts, said) = runs["torch_dp"]
+    (expected_model, expected_history, expected_evaluation, expected_predictions, *expected_rest) = runs["keras"]
+    assert history.epoch == expected_history.epoch == [0, 1]
+    assert history.params["steps"] == expected_history.params["steps"] == 2
+    assert [counts, said] == expected_rest
+    assert counts == {"train": 4, "test": 6, "predict": 2}
+    assert said == {"Limiting epochs to 2", "Limiting steps_per_epoch to 2"}
+    assert_logs_close(expected_history.history, history.history)
+    assert_weights_close(expected_model, model)
+    assert_logs_close(expected_evaluation, evaluation)
+    assert predictions.shape == expected_predictions.shape == ((64, 3) if batch_size else (99, 3))
+    np.testing.assert_allclose(predictions, expected_predictions, atol=1e-5, rtol=1e-5)
