@@ -1,8 +1,8 @@
 """The house rules of docs/architecture.md, read from the sources' own imports (no package is
 imported): which wing may import which, no import circle, small modules and functions.
 
-A wing imports only the wings below it; the face (``__init__``, ``check``, ``_trainer``,
-``_equivalence``) imports any wing and nothing imports the face but the face. Each backend has its
+A wing imports only the wings below it; the face (``__init__``, ``check``, ``doctor``,
+``_trainer``, ``_equivalence``) imports any wing and nothing imports the face but the face. Each backend has its
 own wing table: a wing one backend lacks (torch has no ``_mesh``) is stated, not assumed.
 """
 
@@ -69,7 +69,7 @@ def _imports(name: str, path: Path) -> set[str]:
 IMPORTS = {name: _imports(name, path) for name, path in MODULES.items()}
 
 
-FACES = {"__init__", "check", "_trainer", "_equivalence"}
+FACES = {"__init__", "check", "doctor", "_trainer", "_equivalence"}
 
 
 def _floor(module: str) -> tuple[str, int]:

@@ -25,6 +25,10 @@ from dp_core._cluster import job_id_of as job_id_of
 from dp_core._cluster import launch_of as launch_of
 from dp_core._cluster import slurm_hosts as slurm_hosts
 from dp_core._cluster import slurm_port as slurm_port
+from dp_core._doctor import DoctorLine as DoctorLine
+from dp_core._doctor import DoctorSection as DoctorSection
+from dp_core._doctor import doctor_sections as doctor_sections
+from dp_core._doctor import format_doctor as format_doctor
 from dp_core._equivalence import EquivalenceReport as EquivalenceReport
 from dp_core._flops import PEAK_FLOPS as PEAK_FLOPS
 from dp_core._flops import PeakFlops as PeakFlops
@@ -108,6 +112,8 @@ __all__ = [
     "CheckpointVersionError",
     "Constant",
     "CosineDecay",
+    "DoctorLine",
+    "DoctorSection",
     "EpochOrder",
     "EquivalenceReport",
     "FitMeasurements",
@@ -143,9 +149,11 @@ __all__ = [
     "check_compatible",
     "claim_checkpoint_dir",
     "datasheet_peak_flops",
+    "doctor_sections",
     "epoch_order",
     "epoch_rows",
     "epoch_steps",
+    "format_doctor",
     "job_id_of",
     "job_secret_of",
     "latest_checkpoint",
