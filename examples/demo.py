@@ -13,7 +13,9 @@ The 1-replica run is the reference of the speedup, so it runs on the threads eac
 replicas gets (``dp_core.threads_per_replica``): torch's default for one process is every core,
 and on a small or busy CPU that makes its steps slower, and the speedup one that cannot be true.
 Throughput is samples per second over the epochs after the first (which starts the replicas and
-compiles); a speedup above N is printed as suspect, with its likely cause.
+compiles), in the plot per epoch too; a speedup above N is printed as suspect, with its likely
+cause, and one below 1 with why (``dp_core.slow_speedup``: more replicas, or a mesh's devices,
+than cores; a host busy before the runs; steps too small to split).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 GLOBAL_BATCH_SIZE = 64
 MIN_ACCURACY = 0.95
@@ -69,8 +71,10 @@ def main() -> int:
     data = example.load_data()
     initial_weights = example.build_model().get_weights()
     threads = dp_core.threads_per_replica(args.replicas)
-    if crowded := dp_core.oversubscription(args.replicas):  # jax: one device per replica, the same cores
+    devices = args.replicas if mesh_shape is None else mesh_shape[0] * mesh_shape[1]
+    if crowded := crowding(args, devices):
         print(f"warning: {crowded}")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None  # other work's, before the runs start
 
     main_name = f"{args.replicas} replicas" if mesh_shape is None else f"a {args.mesh} mesh"
     runs = {}
@@ -90,7 +94,8 @@ def main() -> int:
     plot = plot_curves(runs, args, main_name, difference)
 
     print(f"\nheld-out accuracy: {main_run['accuracy']:.4f} on {main_name}, {single['accuracy']:.4f} on 1 replica")
-    for line in throughput_lines(runs, main_name, len(data[0]), args.replicas):
+    host = Host(devices=devices, cores=dp_core.available_cores(), load=load, cpu=on_cpu(args.backend))
+    for line in throughput_lines(runs, main_name, len(data[0]), args.replicas, host=host, backend=args.backend):
         print(line)
     print(f"exactness: largest weight difference, {main_name} vs 1 replica, after training: {difference:.2e}")
     print(f"curves: {plot}")
@@ -112,6 +117,43 @@ def mesh_of(args: argparse.Namespace) -> tuple[int, int] | None:
     if args.backend != "jax" or not (rows.isdigit() and columns.isdigit()) or int(rows) < 1 or int(columns) < 1:
         raise SystemExit(f"--mesh takes RxC (e.g. 2x2) with --backend jax; got {args.mesh!r} with {args.backend}")
     return int(rows), int(columns)
+
+
+class Host(NamedTuple):
+    """What the runs shared: the devices of the N-replica run (a mesh's R x C), this process's
+    cores, the host's load average before the runs (None where the OS gives none), and whether
+    they trained on the CPU."""
+
+    devices: int
+    cores: int
+    load: float | None
+    cpu: bool
+
+
+def on_cpu(backend: str) -> bool:
+    if backend == "torch":
+        import torch
+
+        return not torch.cuda.is_available()
+    import jax
+
+    return jax.devices()[0].platform == "cpu"
+
+
+def crowding(args: argparse.Namespace, devices: int) -> str | None:
+    """The warning for more replicas, or a mesh's devices, than cores (None when they fit)."""
+    import dp_core
+
+    if args.mesh is None:  # jax: one device per replica, the same cores
+        return dp_core.oversubscription(args.replicas)
+    cores = dp_core.available_cores()
+    if devices <= cores:
+        return None
+    return (
+        f"a {args.mesh} mesh is {devices} devices on {cores} core{'s' if cores != 1 else ''}: they take turns on "
+        "the CPU, so the speedup over 1 replica says little about more hardware; use a mesh of at most "
+        f"{cores} devices on this host."
+    )
 
 
 def model_parallel_trainer(package: Any, mesh_shape: tuple[int, int]) -> Any:
@@ -181,13 +223,16 @@ def run(trainer: Any, example: Any, initial_weights: list, data: tuple, epochs: 
     results = trainer.evaluate(model, x_test, y_test, global_batch_size=GLOBAL_BATCH_SIZE, return_dict=True, verbose=0)
     return {
         "history": history.history, "weights": model.get_weights(), "epoch_seconds": timer.seconds,
-        "threads": timer.threads, **results,
+        "samples_per_second": [len(x_train) / seconds for seconds in timer.seconds], "threads": timer.threads,
+        **results,
     }  # fmt: skip
 
 
-def throughput_lines(runs: dict[str, dict[str, Any]], main_name: str, samples: int, replicas: int) -> list[str]:
+def throughput_lines(
+    runs: dict[str, dict[str, Any]], main_name: str, samples: int, replicas: int, *, host: Host, backend: str
+) -> list[str]:
     """Both runs' samples/s (median epoch after the first, which starts replicas and compiles), the
-    speedup, and why it cannot be true when it is above ``replicas``."""
+    speedup, why it cannot be true when it is above ``replicas``, and why it is below 1 when it is."""
     import dp_core
 
     def rate(result: dict[str, Any]) -> float:
@@ -205,11 +250,19 @@ def throughput_lines(runs: dict[str, dict[str, Any]], main_name: str, samples: i
         f"speedup: {speedup:.2f}x on {main_name} over 1 replica",
     ]
     suspect = dp_core.suspect_speedup(
-        speedup, replicas, threads=threads[main_name], reference_threads=threads["1 replica"],
-        cores=dp_core.available_cores(),
-    )  # fmt: skip
+        speedup, replicas, threads=threads[main_name], reference_threads=threads["1 replica"], cores=host.cores
+    )
     if suspect:
         lines.append(f"SUSPECT: {suspect}")
+    # on accelerators the host's cores and load are not what the replicas share
+    shared = {"devices": host.devices, "cores": host.cores, "load": host.load} if host.cpu else {"cores": replicas}
+    if slow := dp_core.slow_speedup(speedup, replicas, **shared):
+        lines.append(f"why: {slow}")
+        if backend == "jax" and host.cpu:
+            lines.append(
+                "why: jax's CPU devices are one process's, sharing its threads: 1 device already computes on "
+                "the cores that N devices split between them"
+            )
     return lines
 
 
@@ -221,17 +274,18 @@ def max_difference(left: list, right: list) -> float:
 
 def curves_figure(runs: dict, args: argparse.Namespace, main_name: str, difference: float) -> Any:
     """Both runs' loss and accuracy per epoch (whole epochs on the axis), saying that the
-    1-replica lines lie under the N-replica ones because the runs are equal."""
+    1-replica lines lie under the N-replica ones because the runs are equal, and each run's
+    samples/s per epoch (the first starts replicas and compiles)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.6))
-    for name, result in runs.items():
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    for run_number, (name, result) in enumerate(runs.items()):
         style = "-" if name == main_name else "--"
-        for axis, metric in zip(axes, ("loss", "accuracy"), strict=True):
+        for axis, metric in zip(axes[:2], ("loss", "accuracy"), strict=True):
             epochs = range(1, len(result["history"][metric]) + 1)
             # one colour per curve, one line style per run: equal runs draw dashed over solid
             axis.plot(epochs, result["history"][metric], style, color="C0", label=f"train, {name}")
@@ -239,11 +293,19 @@ def curves_figure(runs: dict, args: argparse.Namespace, main_name: str, differen
             axis.set(xlabel="epoch", ylabel=metric, title=metric)
             axis.xaxis.set_major_locator(MaxNLocator(integer=True))
             axis.legend()
+        rates = result["samples_per_second"]  # the runs differ here: a colour each
+        median = statistics.median(rates[1:] or rates)
+        label = f"{name}: {median:,.0f} (median after epoch 1)"
+        axes[2].plot(range(1, len(rates) + 1), rates, style, marker="o", color=f"C{2 + run_number}", label=label)
+    axes[2].set(xlabel="epoch", ylabel="samples/s", title="throughput", ylim=(0, None))
+    axes[2].xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[2].legend()
     fig.suptitle(f"{args.backend}_dp on scikit-learn digits: {main_name} vs 1 replica, same data order")
     fig.text(
         0.5, 0.01,
-        f"Each dashed line (1 replica) lies on the solid line of its colour ({main_name}): the runs are equal "
-        f"(largest weight difference after training {difference:.1e}).",
+        f"Loss and accuracy: each dashed line (1 replica) lies on the solid line of its colour ({main_name}): "
+        f"the runs are equal (largest weight difference after training {difference:.1e}). "
+        "Throughput: each epoch's samples/s (the first starts the replicas and compiles).",
         ha="center", fontsize=9,
     )  # fmt: skip
     fig.tight_layout(rect=(0, 0.05, 1, 1))

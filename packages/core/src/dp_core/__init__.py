@@ -72,6 +72,7 @@ from dp_core._scaling import scaling_summary as scaling_summary
 from dp_core._scaling_checks import ReplicasOverCoresWarning as ReplicasOverCoresWarning
 from dp_core._scaling_checks import available_cores as available_cores
 from dp_core._scaling_checks import oversubscription as oversubscription
+from dp_core._scaling_checks import slow_speedup as slow_speedup
 from dp_core._scaling_checks import suspect_speedup as suspect_speedup
 from dp_core._scaling_checks import threads_per_replica as threads_per_replica
 from dp_core._scaling_checks import warn_oversubscribed as warn_oversubscribed
@@ -176,6 +177,7 @@ __all__ = [
     "scaling_summary",
     "schedule_from_config",
     "select_keras_backend",
+    "slow_speedup",
     "slurm_hosts",
     "slurm_port",
     "split_indices",

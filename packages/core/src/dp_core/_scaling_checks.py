@@ -1,5 +1,6 @@
 """What makes a measured speedup untrustworthy: more replicas than cores, a 1-replica reference
-that ran with other threads than the replicas, a speedup above the replica count.
+that ran with other threads than the replicas, a speedup above the replica count; and why one is
+below 1 (more replicas or devices than cores, a busy host, steps too small to split).
 
 Plain numbers in, one line of text out (or None): ``_scaling`` puts the lines into the report,
 the backends and the demo print them. The standard library only.
@@ -91,3 +92,47 @@ def suspect_speedup(
         likely = " and ".join(causes) if causes else "was slowed by something else (a busier machine while it ran?)"
         return f"{speedup:.2f}x is more than {num_replicas} replicas can give: the 1-replica reference {likely}; {fix}"
     return f"the 1-replica reference {' and '.join(causes)}; {fix}" if causes else ""
+
+
+def slow_speedup(
+    speedup: float,
+    num_replicas: int,
+    *,
+    devices: int | None = None,
+    cores: int | None = None,
+    load: float | None = None,
+) -> str:
+    """Why ``num_replicas`` ran slower than one replica (a ``speedup`` below 1), or "" when it is not below 1.
+
+    ``devices`` counts what shares the CPU when it is more than the replicas (a jax mesh of R
+    replicas of C CPU devices: R x C); ``load`` is the host's load average before the runs (other
+    work's runnable processes), None where unknown.
+
+    >>> slow_speedup(0.35, 2, devices=4, cores=2, load=0.1)[:68]
+    '0.35x is below 1: 4 devices on 2 cores take turns on the CPU, so tog'
+    >>> slow_speedup(0.6, 2, cores=2, load=1.2)[:76]
+    '0.60x is below 1: the host was busy (load 1.2 on 2 cores before the runs): o'
+    >>> slow_speedup(1.4, 2, cores=2)
+    ''
+    """
+    if speedup >= 1:
+        return ""
+    cores = available_cores() if cores is None else cores
+    units, word = (devices, "devices") if devices is not None and devices > num_replicas else (num_replicas, "replicas")
+    causes = []
+    if units > cores:
+        causes.append(
+            f"{units} {word} on {cores} core{'s' if cores != 1 else ''} take turns on the CPU, so together they "
+            "compute no faster than 1 and pay for the all-reduce besides"
+        )
+    if load is not None and load >= 0.5 and load + min(units, cores) > cores:
+        causes.append(
+            f"the host was busy (load {load:.1f} on {cores} cores before the runs): other work took cores the "
+            "replicas needed, so rerun on an idle machine"
+        )
+    if not causes:
+        causes.append(
+            "each step's all-reduce and coordination cost more than the compute they split (a small model or "
+            "batch); Trainer(..., profile=True) shows where a step goes (docs/scaling-report.md)"
+        )
+    return f"{speedup:.2f}x is below 1: " + "; ".join(causes)
