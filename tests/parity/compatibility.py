@@ -128,7 +128,8 @@ KNOWN_GAPS = (
     " batch source, stays padded: a model's batch-level terms (BatchNormalization statistics, an own"
     " `compute_loss`, row-dependent `add_loss`) see the masked rows.",
     "torch_dp computes an `add_loss` or `compute_loss` term on each replica's rows of a full batch: exact"
-    " for a mean over rows; any other term is warned about before training.",
+    " for a mean over rows; an `add_loss` term of another kind is warned about before training, and a model's"
+    " own `compute_loss` is named there once (not run to ask: it runs once a step, as in `model.fit`).",
     "`evaluate(steps=)`, `predict(steps=)` and `fit(validation_steps=)` with arrays are refused where"
     " Keras accepts them (`steps_per_epoch` with arrays is read as Keras reads it).",
     "What a callback changes in `on_test_batch_begin` / `on_test_batch_end`, in the middle of an"

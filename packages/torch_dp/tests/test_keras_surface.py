@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import torch_dp_testing as testing
 
+import torch_dp
+
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 
@@ -90,3 +92,27 @@ def test_keras_config_s_epoch_and_step_limits_cut_every_loop_as_in_keras(trainer
     assert_logs_close(expected_evaluation, evaluation)
     assert predictions.shape == expected_predictions.shape == ((64, 3) if batch_size else (99, 3))
     np.testing.assert_allclose(predictions, expected_predictions, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_replicas", [1, 2])
+def test_a_models_own_compute_loss_runs_once_a_step_as_in_model_fit(two_replicas, num_replicas):
+    """No probe before the run calls it: the caller's model (rank 0) computes each step's loss once,
+    training steps with ``training=True``, validation and evaluation steps with ``False``."""
+    x, y = testing.data()  # 4 batches of 32, the last of 3 rows
+    x_val, y_val = testing.data(40, seed=1)  # 2 batches
+    options = dict(batch_size=32, epochs=2, shuffle=False, validation_data=(x_val, y_val), verbose=0)
+    expected = testing.loss_call_counting_model()
+    expected.fit(x, y, **options)
+    expected.evaluate(x, y, batch_size=32, verbose=0)
+    # 4 steps an epoch; 2 validation steps an epoch, 4 evaluation steps and Keras's symbolic build
+    assert expected.loss_calls == {"training": 8, "inference": 9}
+
+    if num_replicas == 1:
+        with torch_dp.Trainer(num_replicas=1) as one:
+            model = one.fit(testing.loss_call_counting_model, x, y, **options).model
+            one.evaluate(model, x, y, batch_size=32, verbose=0)
+    else:
+        model = two_replicas.fit(testing.loss_call_counting_model, x, y, **options).model
+        two_replicas.evaluate(model, x, y, batch_size=32, verbose=0)
+    assert model.loss_calls == expected.loss_calls
+    assert_weights_close(expected, model)

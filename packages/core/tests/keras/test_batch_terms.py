@@ -98,16 +98,32 @@ def _root_of_mean_square(y_pred):
     return 0.1 * ops.sqrt(ops.mean(ops.square(y_pred)))
 
 
-def test_an_own_compute_loss_term_that_is_not_a_mean_over_rows_is_warned_of():
-    keras.utils.set_random_seed(3)  # weights whose outputs differ enough over the rows for the probe to see it
-    with pytest.warns(UserWarning, match=r"_OwnLoss.compute_loss is not a mean over the batch's rows.*a_dp computes"):
-        warn_terms_not_split(dense(own_loss=_root_of_mean_square), INPUTS, num_replicas=2, package="a_dp")
+class _Counted(_OwnLoss):
+    """An own ``compute_loss`` that counts its calls (the user's side effect)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = 0
+
+    def compute_loss(self, *args, **kwargs):
+        self.calls += 1
+        return super().compute_loss(*args, **kwargs)
+
+
+def test_an_own_compute_loss_is_named_once_a_model_and_never_run_to_ask():
+    model = _Counted([keras.Input((3,)), keras.layers.Dense(1)], _root_of_mean_square)
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.warns(UserWarning, match=r"_Counted.compute_loss is the model's own: a_dp calls it as model.fit"):
+        warn_terms_not_split(model, INPUTS, num_replicas=2, package="a_dp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_terms_not_split(model, INPUTS, num_replicas=2, package="a_dp")  # said once for this model
+    assert model.calls == 0
 
 
 @pytest.mark.parametrize(
     ("model", "num_replicas"),
     [
-        pytest.param(lambda: dense(own_loss=lambda y_pred: 0.01 * ops.mean(ops.square(y_pred))), 2, id="a-mean"),
         pytest.param(lambda: dense(_Penalty()), 2, id="an-added-mean"),
         pytest.param(lambda: dense(own_loss=_root_of_mean_square), 1, id="one-replica"),
     ],
@@ -116,3 +132,19 @@ def test_no_warning_for_a_mean_over_rows_or_one_replica(model, num_replicas):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         warn_terms_not_split(model(), INPUTS, num_replicas=num_replicas, package="a_dp")
+
+
+def test_the_split_check_asks_the_compiled_loss_not_the_model_s_own_compute_loss():
+    from dp_core.keras import build_model, check_losses_split
+
+    unsplittable = _Counted([keras.Input((3,)), keras.layers.Dense(1)], _root_of_mean_square)
+    unsplittable.compile(optimizer="sgd", loss=keras.losses.Dice(axis=None))  # one value for the whole batch
+    build_model(unsplittable, INPUTS)
+    with pytest.raises(ValueError, match="The loss 'dice' .* reduces over the batch axis"):
+        check_losses_split(unsplittable, INPUTS)
+    assert unsplittable.calls == 1  # Keras's own symbolic build, which model.fit makes too; no probe
+    split = _Counted([keras.Input((3,)), keras.layers.Dense(1)], _root_of_mean_square)
+    split.compile(optimizer="sgd", loss="mse")
+    build_model(split, INPUTS)
+    check_losses_split(split, INPUTS)
+    assert split.calls == 1

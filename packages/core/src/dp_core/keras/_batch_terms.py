@@ -19,6 +19,7 @@ has no per-row values to weigh or split: ``check_batch_metrics`` refuses it befo
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -147,36 +148,33 @@ def _batch_metric_message(name: str, function: Callable[..., Any], values: Any, 
 
 def warn_terms_not_split(model: keras.Model, inputs: FirstRows, *, num_replicas: int, package: str) -> None:
     """A warning, before the run, where each replica computes a batch term on its own rows and
-    the term is not a mean over rows: an ``add_loss`` term, or what an overridden
-    ``compute_loss`` adds. On a full global batch each replica then computes it on its part and
-    the replicas' values are averaged, which is the global batch's value only for a mean over
-    rows (``0.01 * mean(y_pred**2)`` is; a root or a variance over the batch is not).
+    the term may not be a mean over rows: an ``add_loss`` term that is not, or an overridden
+    ``compute_loss``. On a full global batch each replica computes the term on its part and the
+    replicas' values are averaged, which is the global batch's value only for a mean over rows
+    (``0.01 * mean(y_pred**2)`` is; a root or a variance over the batch is not).
 
-    A term is taken as a mean over rows when its value on the first four rows is the mean of its
-    values on the first two and the last two (inference mode).
+    An ``add_loss`` term is taken as a mean over rows when its value on the first four rows is the
+    mean of its values on the first two and the last two (the model's forward pass in inference
+    mode). A model's own ``compute_loss`` is not run to ask (``model.fit`` calls the user's code once
+    a step, and a probe's calls would show in what it counts or updates): it is named, once a model.
     """
     if num_replicas < 2:
         return
     terms = batch_terms(model, inputs)
-    if not (terms.compute_loss or terms.added_losses):
+    if terms.compute_loss and model not in _own_loss_named:
+        _own_loss_named.add(model)
+        warnings.warn(_own_loss_message(model, num_replicas, package), UserWarning, stacklevel=3)
+    if not terms.added_losses:
         return
-    x, y, sample_weight = inputs.first_rows(4)
+    x, _, _ = inputs.first_rows(4)
     if len(flatten(x)[0]) < 4:  # dp_core's flatten skips an optional input fed None
         return
     parts = [slice(0, 4), slice(0, 2), slice(2, 4)]
-    named = []
     try:
-        if terms.added_losses:
-            values = [_added_losses(model, map_structure(lambda a, p=p: a[p], x)) for p in parts]
-            named += [
-                f"the add_loss term of layer {name!r}" for name in terms.added_losses if not _splits(values, name)
-            ]
-        if terms.compute_loss:
-            losses = [{"": [_own_loss(model, x, y, sample_weight, p)]} for p in parts]
-            if not _splits(losses, ""):
-                named.append(f"{type(model).__name__}.compute_loss")
+        values = [_added_losses(model, map_structure(lambda a, p=p: a[p], x)) for p in parts]
     except Exception:  # a model the probe cannot run on these rows: the run itself will tell
         return
+    named = [f"the add_loss term of layer {name!r}" for name in terms.added_losses if not _splits(values, name)]
     if named:
         terms_named = " and ".join(named)
         verb = "is" if len(named) == 1 else "are"
@@ -191,18 +189,19 @@ def warn_terms_not_split(model: keras.Model, inputs: FirstRows, *, num_replicas:
         )
 
 
-def _own_loss(model: keras.Model, x: Any, y: Any, sample_weight: Any, part: slice) -> float:
-    x, y, sample_weight = (
-        map_structure(lambda a: ops.convert_to_tensor(a[part]), value) for value in (x, y, sample_weight)
+# Models whose own compute_loss was named: once a model, not at every call.
+_own_loss_named: weakref.WeakSet[keras.Model] = weakref.WeakSet()
+
+
+def _own_loss_message(model: keras.Model, num_replicas: int, package: str) -> str:
+    return (
+        f"{type(model).__name__}.compute_loss is the model's own: {package} calls it as model.fit does, once a step, "
+        f"on each replica's part of the global batch ({num_replicas} parts), and averages the parts. That is "
+        "model.fit's loss where what it adds to Keras's loss is a mean over the batch's rows (or nothing); a term of "
+        "the whole batch (a root, a variance over the rows) differs. It is not run before training to check, which "
+        "would run your code more often than model.fit does. Write such a term as a mean of per-row values, or use "
+        "jax_dp, which computes it on the global batch in one program."
     )
-    y_pred = model(x, **_internals.training_kwargs(model, False))
-    states = [ops.convert_to_numpy(variable) for variable in model.metrics_variables]
-    try:
-        loss = _internals.compute_loss(model, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)
-    finally:
-        for variable, state in zip(model.metrics_variables, states, strict=True):
-            variable.assign(state)
-    return float(np.asarray(ops.convert_to_numpy(loss)))
 
 
 def _splits(values: list[dict[str, list[float]]], name: str, close: Callable[..., bool] = np.allclose) -> bool:

@@ -98,8 +98,13 @@ def check_losses_split(model: keras.Model, inputs: FirstRows) -> None:
     """A ``ValueError`` naming the loss, before training, when a compiled loss reduces over the
     batch axis (its values on a few rows have no row axis), so no replica's share of it exists.
 
-    Runs the model in inference mode on the first rows; metric states are left as they were.
+    Runs the model in inference mode on the first rows and asks the compiled loss itself, never the
+    model's ``compute_loss`` (a model's own is the user's code, which ``model.fit`` runs once a step
+    and no more); metric states are left as they were.
     """
+    compile_loss = _internals.compile_loss(model)
+    if compile_loss is None:
+        return  # no compiled loss: nothing to split
     first = inputs.first_rows(2)
     count = len(flatten(first[0])[0])  # dp_core's flatten skips an optional input fed None
     x, y, sample_weight = (map_structure(ops.convert_to_tensor, part) for part in first)
@@ -109,7 +114,7 @@ def check_losses_split(model: keras.Model, inputs: FirstRows) -> None:
     try:
         with replica_losses(model, rows):
             y_pred = model(x, **_internals.training_kwargs(model, False))
-            _internals.compute_loss(model, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)
+            compile_loss(y, y_pred, sample_weight)
     finally:
         for variable, state in zip(model.metrics_variables, states, strict=True):
             variable.assign(state)
