@@ -402,7 +402,7 @@ def bench(session: nox.Session) -> None:
         "python", "benchmarks/bench_interactive.py", "--output", f"{results}/interactive.json", *session.posargs
     )
     session.run("python", "benchmarks/report.py", "--results", results, "--output", page)
-    if "--quick" not in session.posargs:  # the READMEs state the new numbers (tests/test_readme_numbers.py)
+    if "--quick" not in session.posargs:  # the READMEs and docs state the new numbers (tests/test_readme_numbers.py)
         session.run("python", "benchmarks/readme_numbers.py", "--results", results)
 
 
@@ -427,6 +427,8 @@ def bench_features(session: nox.Session) -> None:
     for backend in ("torch", "jax"):
         output = ["--quick", "--output", os.path.join(scratch, f"sharding_{backend}.json")] if quick else []
         session.run("python", f"benchmarks/sharding_memory_{backend}.py", *output, env={"KERAS_BACKEND": backend})
+    if not quick:  # the docs pages state some of these numbers (tests/test_readme_numbers.py)
+        session.run("python", "benchmarks/readme_numbers.py")
 
 
 @session(python="3.11", default=False, allow_parallel=False)
@@ -439,6 +441,8 @@ def bench_keras_distribution(session: nox.Session) -> None:
     _install_everything(session)
     _install_keras_nightly(session)  # DataParallel on torch is new in Keras 3.16
     session.run("python", "benchmarks/keras_distribution_torch.py", *session.posargs, env={"KERAS_BACKEND": "torch"})
+    if "--quick" not in session.posargs:  # docs/migrating.md states its samples/s
+        session.run("python", "benchmarks/readme_numbers.py")
 
 
 @session(python="3.11", allow_parallel=False, default=False)

@@ -1,13 +1,18 @@
-"""The numbers the READMEs state, from the benchmark JSON under docs/benchmarks: none is typed by hand.
+"""The numbers the READMEs and the hand-written docs pages state, from the benchmark JSON under
+docs/benchmarks: none is typed by hand.
 
     python benchmarks/readme_numbers.py [--check] [--results docs/benchmarks]
 
-Each number in a README stands between two markers, ``<!--bench:NAME-->1.07x<!--/bench-->``
-(HTML comments: a rendered page shows only the number), and NAME is a row of ``NUMBERS``: which
-JSON file, which value, how it is written. Without ``--check`` the READMEs are rewritten from the
-JSON (``nox -s bench`` does it after a run); with it nothing is written and the exit status is 1
-when a README states another number than its JSON, or a marker names no row
-(tests/test_readme_numbers.py runs that check).
+Each measured number on those pages (``PAGES``) stands between two markers,
+``<!--bench:NAME-->1.07x<!--/bench-->`` (HTML comments: a rendered page shows only the number),
+and NAME is a row of ``NUMBERS``: which JSON file, which value, how it is written. A number that
+is no measurement of this repository's (a GPU's line as an example, one run by hand) stands
+between ``<!--illustration-->`` and ``<!--/illustration-->`` and says "illustration" where the
+reader sees it. Without ``--check`` the pages are rewritten from the JSON (``nox -s bench`` does
+it after a run); with it nothing is written and the exit status is 1 when a page states another
+number than its JSON, or a marker names no row (tests/test_readme_numbers.py runs that check,
+and finds measured-looking numbers outside both markers). The pages a benchmark or a test writes
+whole (docs/benchmarks.md, docs/reliability.md, docs/keras-compatibility.md) are not among them.
 """
 
 from __future__ import annotations
@@ -22,7 +27,12 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 READMES = ("README.md", "packages/core/README.md", "packages/torch_dp/README.md", "packages/jax_dp/README.md")
+WRITTEN_WHOLE = ("benchmarks.md", "reliability.md", "keras-compatibility.md")  # by their scripts, from results
+PAGES = READMES + tuple(
+    f"docs/{page.name}" for page in sorted((ROOT / "docs").glob("*.md")) if page.name not in WRITTEN_WHOLE
+)
 MARKER = re.compile(r"<!--bench:(?P<name>[a-z0-9_-]+)-->(?P<text>.*?)<!--/bench-->")
+ILLUSTRATION = re.compile(r"<!--illustration-->(?P<text>.*?)<!--/illustration-->", re.DOTALL)
 
 
 def _rounds(results: dict[str, Any], mine: str, theirs: str) -> list[float]:
@@ -39,6 +49,67 @@ def _scaling_line(results: dict[str, Any]) -> str:
     return f"`{scaling_summary(ScalingReport.from_json(results['reports']['2']))}`"
 
 
+def _model_parallel_rows() -> dict[str, tuple[str, Callable[[dict[str, Any]], Any], str]]:
+    """docs/model-parallel.md's table: each mesh's bytes per device, and its total against data parallel."""
+    meshes = {"dp": "(4,) data parallel", "2x2": "(2, 2) batch x model", "mp": "(1, 4) model parallel"}
+    columns = {"parameters": "parameter_bytes", "optimizer": "optimizer_bytes", "total": "total_bytes"}
+    rows: dict[str, tuple[str, Callable[[dict[str, Any]], Any], str]] = {}
+    for short, mesh in meshes.items():
+        for column, key in columns.items():
+            rows[f"model-parallel-{short}-{column}"] = (
+                "model_parallel.json",
+                lambda r, mesh=mesh, key=key: r["meshes"][mesh][key] / 2**20,
+                "{:.2f} MiB",
+            )
+        rows[f"model-parallel-{short}-vs-dp"] = (
+            "model_parallel.json",
+            lambda r, mesh=mesh: r["meshes"][mesh]["total_bytes"] / r["meshes"][meshes["dp"]]["total_bytes"],
+            "{:.2f}x",
+        )
+    return rows
+
+
+def _scope_memory_rows() -> dict[str, tuple[str, Callable[[dict[str, Any]], Any], str]]:
+    """docs/sharding.md's GPT-2 in ``scope()``: the state's sizes, each moment's most held, XLA's accounting (MB)."""
+    file = "scope_memory_jax.json"
+
+    def quarter(r: dict[str, Any]) -> float:  # of the weights and AdamW's slots: what a device holds, sharded
+        return (r["scoped"]["weights_bytes"] + r["scoped"]["slots_bytes"]) / 4
+
+    megabytes: dict[str, Callable[[dict[str, Any]], float]] = {
+        "weights": lambda r: r["scoped"]["weights_bytes"],
+        "slots": lambda r: r["scoped"]["slots_bytes"],
+        "quarter": quarter,
+        "above-quarter": lambda r: r["most_held_bytes"] - quarter(r),
+        "largest-layer": lambda r: r["scoped"]["largest_layer_bytes"],
+        "bound": lambda r: r["bound_bytes"],
+        "arguments": lambda r: r["scoped"]["memory_analysis"]["argument_bytes"],
+        "temporaries": lambda r: r["scoped"]["memory_analysis"]["temp_bytes"],
+        "peak": lambda r: r["scoped"]["memory_analysis"]["peak_bytes"],
+    }
+    rows = {f"scope-{name}": (file, lambda r, f=f: f(r) / 1e6, "{:.1f} MB") for name, f in megabytes.items()}
+    rows["scope-most-held-bytes"] = (file, lambda r: r["most_held_bytes"], "{:,}")
+    rows["scope-quarter-bytes"] = (file, lambda r: int(quarter(r)), "{:,}")
+    rows["scope-vs-model-fit"] = (file, lambda r: r["scoped_vs_reference"]["max_abs"], "{:.1e}")
+    rows["scope-unsharded-vs-model-fit"] = (file, lambda r: r["unsharded_vs_reference"]["max_abs"], "{:.1e}")
+    moments = (
+        "construction",
+        "after loading",
+        "optimizer built",
+        "step 1",
+        "step 10",
+        "after fit and checkpoints",
+        "after saving",
+    )
+    for moment in moments:
+        rows[f"scope-held-{moment.replace(' ', '-')}"] = (
+            file,
+            lambda r, moment=moment: max(r["scoped"]["samples"][moment].values()) / 1e6,
+            "{:.1f}",
+        )
+    return rows
+
+
 # name: (JSON file under docs/benchmarks, the value, how it is written)
 NUMBERS: dict[str, tuple[str, Callable[[dict[str, Any]], Any], str]] = {
     "torch-vs-ddp-loop": ("torch.json", lambda r: r["median_ratio_vs_ddp_loop"], "{:.2f}x"),
@@ -52,13 +123,27 @@ NUMBERS: dict[str, tuple[str, Callable[[dict[str, Any]], Any], str]] = {
     "torch-first-step": ("torch.json", lambda r: r["median_first_step_s"]["torch_dp"], "{:.1f} s"),
     "torch-ddp-first-step": ("torch.json", lambda r: r["median_first_step_s"]["ddp_loop"], "{:.1f} s"),
     "torch-memory-dataset": ("torch.json", lambda r: r["memory"]["large"]["dataset_mib"], "{:,.0f} MiB"),
-    "torch-memory-per-worker": (
+    # the workers together, as docs/benchmarks.md's memory row states it
+    "torch-memory-workers": (
         "torch.json",
-        lambda r: r["memory"]["pss_growth_per_worker_as_fraction_of_dataset"],
+        lambda r: r["memory"]["pss_growth_of_workers_as_fraction_of_dataset"],
         "{:.2f}x",
     ),
     "syncbn-vs-guide": ("syncbn.json", lambda r: r["median_ratios"]["torch_dp_vs_guide_syncbn"], "{:.2f}x"),
     "scaling-report-line": ("scaling_report.json", _scaling_line, "{}"),
+    "keras-dp-torch-speed": (
+        "keras_distribution_torch.json",
+        lambda r: r["speed"]["median_samples_per_s"]["keras_data_parallel"],
+        "{:.0f} samples/s",
+    ),
+    "keras-dp-torch-speed-torch-dp": (
+        "keras_distribution_torch.json",
+        lambda r: r["speed"]["median_samples_per_s"]["torch_dp"],
+        "{:.0f} samples/s",
+    ),
+    "keras-dp-torch-speed-ratio": ("keras_distribution_torch.json", lambda r: r["speed"]["median_ratio"], "{:.2f}x"),
+    **_model_parallel_rows(),
+    **_scope_memory_rows(),
 }
 
 
@@ -94,18 +179,18 @@ def rewritten(text: str, results: Path) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a README disagrees")
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a page disagrees")
     parser.add_argument("--results", type=Path, default=ROOT / "docs" / "benchmarks")
     args = parser.parse_args()
     found = []
-    for readme in READMES:
-        path = ROOT / readme
+    for page in PAGES:
+        path = ROOT / page
         text = path.read_text()
         if args.check:
-            found += problems(text, args.results, readme)
+            found += problems(text, args.results, page)
         elif (new := rewritten(text, args.results)) != text:
             path.write_text(new)
-            print(f"{readme}: numbers rewritten from {args.results}")
+            print(f"{page}: numbers rewritten from {args.results}")
     for problem in found:
         print(problem, file=sys.stderr)
     if found:
