@@ -78,3 +78,38 @@ def test_keras_config_s_epoch_and_step_limits_cut_every_loop_as_in_keras(data, d
     assert_history_close(expected_evaluation, evaluation)
     assert predictions.shape == expected_predictions.shape == ((64, 1) if batch_size else (99, 1))
     np.testing.assert_allclose(predictions, expected_predictions, atol=1e-5, rtol=1e-5)
+
+
+def test_a_dataloader_over_an_iterable_dataset_without_a_length_trains_as_in_keras(data):
+    torch = pytest.importorskip("torch")  # Keras's jax backend reads a torch DataLoader where torch is installed
+
+    class Streamed(torch.utils.data.IterableDataset):
+        """Rows one at a time, with no ``__len__``: an epoch's batches are known only when it ends."""
+
+        def __init__(self, *arrays: np.ndarray) -> None:
+            self.arrays = arrays
+
+        def __iter__(self):
+            for row in range(len(self.arrays[0])):
+                yield tuple(array[row] for array in self.arrays)  # (x,): Keras's jax adapter reads a batch as a tuple
+
+    x, y, x_val, y_val = data  # 4 batches of 32, the last of 3 rows
+    loader = torch.utils.data.DataLoader(Streamed(x, y), batch_size=32)
+    options = dict(epochs=2, validation_data=torch.utils.data.DataLoader(Streamed(x_val, y_val), batch_size=16))
+    unlabelled = torch.utils.data.DataLoader(Streamed(x), batch_size=32)
+
+    expected = dense_bn_model()
+    expected_history = expected.fit(loader, verbose=0, **options)
+    expected_evaluation = expected.evaluate(loader, return_dict=True, verbose=0)
+    expected_predictions = expected.predict(unlabelled, verbose=0)
+    model, trainer = dense_bn_model(), jax_dp.Trainer(2)
+    history = trainer.fit(model, loader, verbose=0, **options)
+    evaluation = trainer.evaluate(model, loader, return_dict=True, verbose=0)
+    predictions = trainer.predict(model, unlabelled, verbose=0)
+
+    assert history.params["steps"] is expected_history.params["steps"] is None
+    assert_history_close(expected_history.history, history.history)
+    assert_weights_close(expected, model)
+    assert_history_close(expected_evaluation, evaluation)
+    assert predictions.shape == expected_predictions.shape == (99, 1)
+    np.testing.assert_allclose(predictions, expected_predictions, atol=1e-5, rtol=1e-5)

@@ -6,6 +6,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
+import torch
 import torch_dp_testing as testing
 
 import torch_dp
@@ -116,3 +117,39 @@ def test_a_models_own_compute_loss_runs_once_a_step_as_in_model_fit(two_replicas
         two_replicas.evaluate(model, x, y, batch_size=32, verbose=0)
     assert model.loss_calls == expected.loss_calls
     assert_weights_close(expected, model)
+
+
+class Streamed(torch.utils.data.IterableDataset):
+    """Rows of ``x`` (and ``y``) one at a time, with no ``__len__``: how many batches an epoch has is
+    known only when it ends."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray | None = None) -> None:
+        self.x, self.y = x, y
+
+    def __iter__(self):
+        for row in range(len(self.x)):
+            yield self.x[row] if self.y is None else (self.x[row], self.y[row])
+
+
+def test_a_dataloader_over_an_iterable_dataset_without_a_length_trains_as_in_keras(trainer):
+    x, y = testing.data()  # 4 batches of 32, the last of 3 rows
+    x_val, y_val = testing.data(40, seed=1)
+    loader = torch.utils.data.DataLoader(Streamed(x, y), batch_size=32)
+    options = dict(epochs=2, validation_data=torch.utils.data.DataLoader(Streamed(x_val, y_val), batch_size=16))
+    unlabelled = torch.utils.data.DataLoader(Streamed(x), batch_size=32)
+
+    expected = testing.dense_batchnorm_model("sgd")
+    expected_history = expected.fit(loader, verbose=0, **options)
+    expected_evaluation = expected.evaluate(loader, return_dict=True, verbose=0)
+    expected_predictions = expected.predict(unlabelled, verbose=0)
+    model = testing.dense_batchnorm_model("sgd")
+    history = trainer.fit(model, loader, verbose=0, **options)
+    evaluation = trainer.evaluate(model, loader, return_dict=True, verbose=0)
+    predictions = trainer.predict(model, unlabelled, verbose=0)
+
+    assert history.params["steps"] is expected_history.params["steps"] is None
+    assert_logs_close(expected_history.history, history.history)
+    assert_weights_close(expected, model)
+    assert_logs_close(expected_evaluation, evaluation)
+    assert predictions.shape == expected_predictions.shape == (99, 3)
+    np.testing.assert_allclose(predictions, expected_predictions, atol=1e-5, rtol=1e-5)

@@ -160,3 +160,30 @@ def test_validation_starts_again_each_time_as_keras_does():
 
     assert _first_values(batch_source(Endless(), steps=2, restarts=True), 2) == [[0, 1], [0, 1]]
     assert _first_values(batch_source(Endless(), steps=2), 2) == [[0, 1], [2, 3]]  # training goes on
+
+
+class Streamed:
+    """An iterable dataset: rows one at a time, no ``__len__``."""
+
+    def __iter__(self):
+        yield from range(10)
+
+
+class Loader:
+    """A DataLoader's shape: ``__len__`` is its dataset's, which an iterable dataset may lack."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return -(-len(self.dataset) // 4)  # torch's DataLoader: TypeError without a dataset length
+
+    def __iter__(self):
+        rows = np.arange(10.0)
+        return iter([(rows[:4], rows[:4]), (rows[4:8], rows[4:8]), (rows[8:], rows[8:])])
+
+
+def test_a_loader_over_a_dataset_without_a_length_has_no_batch_count_as_keras_s_adapter_says():
+    unsized, sized = BatchSource(Loader(Streamed())), BatchSource(Loader(list(range(10))))
+    assert unsized.num_batches is None and sized.num_batches == 3
+    assert [len(x) for x, _ in unsized.passes(0)] == [4, 4, 2]

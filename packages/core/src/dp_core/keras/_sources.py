@@ -111,7 +111,9 @@ class BatchSource:
         if self.is_py_dataset:
             return self.source.num_batches
         length = getattr(self.source, "__len__", None)
-        return None if self.one_shot or length is None else int(length())
+        # a DataLoader's length is its dataset's: an IterableDataset without one has none (Keras's adapter asks so)
+        sized = hasattr(getattr(self.source, "dataset", ()), "__len__")
+        return None if self.one_shot or length is None or not sized else int(length())
 
     @property
     def num_batches(self) -> int | None:
