@@ -45,7 +45,10 @@ TRAINER_ARGUMENTS = {
     "seed": "`seed=`, the seed of the row order when `shuffle=True`",
     "model_factory": "a zero-argument function that returns the compiled model, in place of the model",
 }
-COMPILE_OPTIONS = {"steps_per_execution": "`model.compile(steps_per_execution=N)`: the batch hooks once every N steps"}
+COMPILE_OPTIONS = {
+    "steps_per_execution": "`model.compile(steps_per_execution=N)`: the batch hooks once every N steps",
+    "no_loss": "`model.compile(optimizer)` without `loss=`: the model's `add_loss` terms are its loss",
+}
 
 # What no scenario can show, stated by hand.
 _PRINTED = "progress is printed once, by the caller; the matrix runs `verbose=0` and does not compare printed text"

@@ -8,7 +8,7 @@ from typing import Any
 
 import keras
 
-from parity.models import mlp, mlp_with_add_loss, numpy_weights, rng, tabular
+from parity.models import ActivityPenalty, mlp, mlp_with_add_loss, numpy_weights, rng, tabular
 from parity.runners import Runner
 from parity.scenarios import _fit, everywhere, outcome, scenario
 
@@ -99,6 +99,29 @@ def batch_norm_folded_rows(run: Runner) -> Any:
     y = (x[:, :, 0].mean(axis=1) > 0).astype("int64") + (x[:, 0, 1] > 1)
     history = _fit(run, _steps_batch_norm, x, y)
     return outcome(run, history, x, y)
+
+
+def _trained_by_add_loss() -> keras.Model:
+    """Compiled without ``loss=``: ``add_loss`` terms before and after the last layer are its whole loss."""
+    model = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, activation="relu"),
+            ActivityPenalty(0.05),
+            keras.layers.Dense(3),
+            ActivityPenalty(0.5),
+        ]
+    )
+    model.compile(keras.optimizers.SGD(0.1, momentum=0.9))
+    return numpy_weights(model, "add_loss_only")
+
+
+@scenario("compile.no_loss", "feature.batch_term")
+def add_loss_only(run: Runner) -> Any:
+    """Compiled without `loss=`, fed no `y`: two `add_loss` terms are the whole loss; the 3-row last batch whole."""
+    x, _ = tabular("add_loss_only")
+    history = _fit(run, _trained_by_add_loss, x)
+    return outcome(run, history, x)
 
 
 @scenario("feature.regularization", "feature.batch_term")

@@ -113,3 +113,33 @@ def test_a_dataloader_over_an_iterable_dataset_without_a_length_trains_as_in_ker
     assert_history_close(expected_evaluation, evaluation)
     assert predictions.shape == expected_predictions.shape == (99, 1)
     np.testing.assert_allclose(predictions, expected_predictions, atol=1e-5, rtol=1e-5)
+
+
+class PullsToOne(keras.layers.Layer):
+    """Adds ``mean((inputs - 1) ** 2)`` with ``add_loss``: a model's whole loss, a mean over rows."""
+
+    def call(self, inputs):
+        self.add_loss(keras.ops.mean(keras.ops.square(inputs - 1.0)))
+        return inputs
+
+
+def _added_loss_model() -> keras.Model:
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3), PullsToOne()])
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9))  # no loss=: the add_loss term is the loss
+    return model
+
+
+def test_a_model_trained_only_by_add_loss_compiled_without_a_loss_trains_as_in_keras(data):
+    x = data[0]  # no y; the last batch of 3 rows runs whole
+    expected = _added_loss_model()
+    expected_history = expected.fit(x, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    expected_evaluation = expected.evaluate(x, batch_size=32, return_dict=True, verbose=0)
+    model, trainer = _added_loss_model(), jax_dp.Trainer(2)
+    history = trainer.fit(model, x, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    evaluation = trainer.evaluate(model, x, batch_size=32, return_dict=True, verbose=0)
+
+    assert list(history.history) == ["loss"] and history.history["loss"][1] < history.history["loss"][0]
+    assert_history_close(expected_history.history, history.history)
+    assert_weights_close(expected, model)
+    assert_history_close(expected_evaluation, evaluation)

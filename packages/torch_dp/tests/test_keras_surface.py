@@ -153,3 +153,18 @@ def test_a_dataloader_over_an_iterable_dataset_without_a_length_trains_as_in_ker
     assert_logs_close(expected_evaluation, evaluation)
     assert predictions.shape == expected_predictions.shape == (99, 3)
     np.testing.assert_allclose(predictions, expected_predictions, atol=1e-5, rtol=1e-5)
+
+
+def test_a_model_trained_only_by_add_loss_compiled_without_a_loss_trains_as_in_keras(trainer):
+    x, _ = testing.data()  # no y: the add_loss term is the loss; the last batch of 3 rows runs whole
+    expected = testing.added_loss_model()
+    expected_history = expected.fit(x, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    expected_evaluation = expected.evaluate(x, batch_size=32, return_dict=True, verbose=0)
+    model = testing.added_loss_model()
+    history = trainer.fit(model, x, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    evaluation = trainer.evaluate(model, x, batch_size=32, return_dict=True, verbose=0)
+
+    assert list(history.history) == ["loss"] and history.history["loss"][1] < history.history["loss"][0]
+    assert_logs_close(expected_history.history, history.history)
+    assert_weights_close(expected, model)
+    assert_logs_close(expected_evaluation, evaluation)

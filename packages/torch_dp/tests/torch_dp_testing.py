@@ -670,3 +670,19 @@ def loss_call_counting_model() -> keras.Model:
     model.build((None, 5))
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     return model
+
+
+class PullsToOne(keras.layers.Layer):
+    """Adds ``mean((inputs - 1) ** 2)`` with ``add_loss``: a model's whole loss, a mean over rows."""
+
+    def call(self, inputs: Any) -> Any:
+        self.add_loss(keras.ops.mean(keras.ops.square(inputs - 1.0)))
+        return inputs
+
+
+def added_loss_model() -> keras.Model:
+    """A model compiled without ``loss=``: ``PullsToOne``'s term is what it trains on."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3), PullsToOne()])
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9))
+    return model

@@ -101,9 +101,9 @@ def checked_call(
     2. Keras runs on ``checks.backend`` (``require_backend``, naming ``checks.package``);
     3. a zero-argument factory is called (once);
     4. the steps of ``step_names`` the model overrides (``CallChecks.own_steps``);
-    5. a ``keras.Model`` (``resolve_model``), compiled with a loss when ``compiled`` (not for
-       ``predict``) and a Keras step of ``step_names`` runs; no Keras distribution set
-       (``require_no_keras_distribution``);
+    5. a ``keras.Model`` (``resolve_model``), compiled when ``compiled`` (not for ``predict``) and
+       a Keras step of ``step_names`` runs (with ``loss=`` or without: ``add_loss`` terms, as Keras);
+       no Keras distribution set (``require_no_keras_distribution``);
     6. the inputs (``checked_inputs``): a batch source (``steps`` its batches per epoch, each a
        global batch: its ``global_batch_size`` is returned), or arrays whose global batch divides
        over the replicas and that take no ``steps`` (named ``steps_name``) but ``steps_per_epoch``;

@@ -51,14 +51,14 @@ def resolve_model(model: Any, *, compiled: bool = True) -> keras.Model:
 
 
 def require_compiled(model: keras.Model) -> None:
-    """A clear error, naming the fix, for a model ``fit``/``evaluate`` cannot train or score."""
+    """A clear error, naming the fix, for a model ``fit``/``evaluate`` cannot train or score. A model
+    compiled without ``loss=`` passes, as in Keras: its ``add_loss`` terms are its loss (with none at
+    all, Keras's own step says so: "No loss to compute", on torch)."""
     if not getattr(model, "compiled", False) or model.optimizer is None:
         raise ValueError(
             f"Model '{model.name}' is not compiled: the trainer uses the optimizer, loss and metrics "
             "from `model.compile(...)`. Call `model.compile(optimizer=..., loss=..., metrics=[...])` first."
         )
-    if getattr(model, "loss", None) is None:
-        raise ValueError(f"Model '{model.name}' was compiled without a loss; pass `loss=` to `model.compile`.")
     Executions.of(model)  # a positive int
 
 
