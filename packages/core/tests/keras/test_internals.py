@@ -275,3 +275,14 @@ def test_a_variables_keras_layout_is_read_and_set():
     assert internals.variable_layout(plain) is layout
     internals.set_variable_layout(plain, None)
     assert internals.variable_layout(plain) is None
+
+
+def test_a_progbar_counts_its_step_time_from_a_resumed_step(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr("time.time", lambda: now[0])
+    resumed, keras_own = (keras.utils.Progbar(target=113, verbose=0) for _ in range(2))
+    internals.count_steps_from(resumed, 40)
+    now[0] += 0.07  # one step after the resume at step 40
+    resumed.update(41), keras_own.update(41)
+    assert resumed._estimate_step_duration(41, now[0]) == pytest.approx(0.07)
+    assert keras_own._estimate_step_duration(41, now[0]) == pytest.approx(0.07 / 41)  # what it fixes

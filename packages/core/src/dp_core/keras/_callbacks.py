@@ -40,8 +40,11 @@ def callback_list(
     the same and nothing is printed or written twice.
     """
     level = verbosity(verbose)
+    listed = list(callbacks or []) if is_primary else []
+    if is_primary and level != 0 and not any(isinstance(c, keras.callbacks.ProgbarLogger) for c in listed):
+        listed.append(ProgressBar(steps_per_execution=getattr(model, "steps_per_execution", 1)))
     return keras.callbacks.CallbackList(
-        list(callbacks or []) if is_primary else [],
+        listed,
         add_history=history,
         add_progbar=is_primary and level != 0,
         model=model,
@@ -49,6 +52,23 @@ def callback_list(
         epochs=epochs,
         steps=steps,
     )
+
+
+class ProgressBar(keras.callbacks.ProgbarLogger):
+    """Keras's progress bar, whose step time and ETA count from the first step an epoch runs: a fit
+    resumed at step 40 reports that epoch's first batch at 40, where Keras's bar would divide one
+    step's time by 41. ``callback_list`` adds it in place of Keras's own."""
+
+    def __init__(self, steps_per_execution: Any = 1) -> None:
+        super().__init__()
+        # an epoch's first report is its first group's end (Keras 3.11 on; 3.10: its first step)
+        self.steps_per_report = max(1, int(steps_per_execution or 1))
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        first_step = batch - self.steps_per_report + 1
+        if self.seen == 0 and first_step > 0 and self.progbar is not None:  # an epoch's first report, past its start
+            _internals.count_steps_from(self.progbar, first_step)  # the bar began with the epoch: keep its clock
+        super().on_train_batch_end(batch, logs)
 
 
 def needs_every_batch(callbacks: Sequence[keras.callbacks.Callback] | None, mode: Mode = "train") -> bool:

@@ -324,3 +324,13 @@ def applying_to(optimizer: keras.optimizers.Optimizer, variables: list[keras.Var
     finally:
         for undo in restore:
             undo()
+
+
+def count_steps_from(progbar: keras.utils.Progbar, first_step: int) -> None:
+    """Make ``progbar``'s step time and ETA count the steps after ``first_step`` (those run since
+    a fit resumed mid-epoch): Keras's divides the time since the bar began by the step number, so
+    after a resume at step 40 its first estimate divided one step's time by 41 (``0s 4ms/step``
+    for 70 ms steps). Wraps the instance's ``_estimate_step_duration``, shifting the step it is
+    given; what it does with it (its first step left out once more are timed) stays Keras's."""
+    estimate = progbar._estimate_step_duration
+    progbar._estimate_step_duration = lambda current, now: estimate(max(0, current - first_step), now)
