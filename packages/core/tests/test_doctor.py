@@ -31,7 +31,7 @@ def test_the_launcher_is_read_from_the_environment_given():
 def test_settings_show_what_is_set_hide_secrets_and_list_the_rest():
     environment = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "MALLOC_ARENA_MAX": "2"}
     environment["KERAS_DP_JOB_SECRET"] = "0123abcd"
-    settings = _lines(doctor_sections([], environment))["settings (as the process started)"]
+    settings = _lines(doctor_sections([], environment))["settings"]
     assert settings["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4"
     assert settings["MALLOC_ARENA_MAX"] == "2"  # an allocator variable found by its prefix
     assert settings["KERAS_DP_JOB_SECRET"] == "set (value hidden)"
@@ -44,3 +44,15 @@ def test_host_counts_cores_and_the_report_is_one_fenced_block():
     assert re.fullmatch(r"\d+ this process may use, of \d+ on the host", host["cores"]), host["cores"]
     text = format_doctor("title", [DoctorSection("a", (DoctorLine("b", "c"),)), DoctorSection("d", ())])
     assert text == "```text\ntitle\n\na\n  b: c\n\nd\n```"
+
+
+def test_a_setting_the_process_changed_shows_both_values():
+    started = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    now = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "KERAS_BACKEND": "torch"}
+    settings = _lines(doctor_sections([], started, current=now))["settings"]
+    assert settings["KERAS_BACKEND"] == "torch (changed in this process; not set when it started)"
+    assert settings["XLA_FLAGS"] == (
+        "--xla_force_host_platform_device_count=4 (changed in this process; "
+        "--xla_force_host_platform_device_count=2 when it started)"
+    )
+    assert "KERAS_BACKEND" not in settings["not set"].split(", ")

@@ -3,10 +3,10 @@ cores and load, the launcher found, and the settings that change a run, as text 
 bug report.
 
 Standard library only: versions come from the installed packages' metadata (nothing is
-imported), settings from the environment the process started with (``/proc/self/environ``
-where there is one: ``import torch_dp`` sets ``KERAS_BACKEND`` itself when it is unset, and a
-report should show what the user set). Each backend adds its devices and what its ``Trainer()``
-would do with the launcher found.
+imported), settings as they are now and, where the process changed one, as it started
+(``/proc/self/environ`` where there is one: ``import torch_dp`` sets ``KERAS_BACKEND`` itself when
+it is unset, and a notebook may set ``XLA_FLAGS`` before importing jax). Each backend adds its
+devices and what its ``Trainer()`` would do with the launcher found.
 
 >>> print(format_doctor("demo", [DoctorSection("host", (DoctorLine("cores", "2 of 2"),))]))
 ```text
@@ -67,18 +67,23 @@ class DoctorSection(NamedTuple):
     lines: tuple[DoctorLine, ...]
 
 
-def doctor_sections(packages: Sequence[str], environment: Mapping[str, str] | None = None) -> list[DoctorSection]:
+def doctor_sections(
+    packages: Sequence[str], environment: Mapping[str, str] | None = None, *, current: Mapping[str, str] | None = None
+) -> list[DoctorSection]:
     """The host's sections: the versions of Python and of ``packages`` (distribution names, "not
-    installed" where absent), cores and load, the launcher found in ``environment`` (the one
-    the process started with when None) and the settings that matter."""
+    installed" where absent), cores and load, the launcher found and the settings that matter.
+
+    ``environment`` is the one the process started with (read from the OS when None), ``current``
+    the one it has now (``os.environ`` when both are None, else ``environment``)."""
     started = _started_environment() if environment is None else environment
+    now = current if current is not None else (os.environ if environment is None else environment)
     versions = [DoctorLine("python", f"{platform.python_version()} ({platform.python_implementation()})")]
     versions += [DoctorLine(name, _version(name)) for name in packages]
     return [
         DoctorSection("versions", tuple(versions)),
         DoctorSection("host", _host_lines()),
-        DoctorSection("launcher found", (DoctorLine("launcher", launcher_found(started)),)),
-        DoctorSection("settings (as the process started)", _setting_lines(started)),
+        DoctorSection("launcher found", (DoctorLine("launcher", launcher_found(now)),)),
+        DoctorSection("settings", _setting_lines(started, now)),
     ]
 
 
@@ -142,11 +147,19 @@ def _host_lines() -> tuple[DoctorLine, ...]:
     return tuple(lines)
 
 
-def _setting_lines(environment: Mapping[str, str]) -> tuple[DoctorLine, ...]:
-    names = [*SETTINGS, *sorted(name for name in environment if name.startswith(SETTING_PREFIXES))]
-    lines = [DoctorLine(name, environment[name]) for name in names if name in environment]
-    lines += [DoctorLine(name, "set (value hidden)") for name in SECRETS if name in environment]
-    unset = [name for name in (*SETTINGS, *SECRETS) if name not in environment]
+def _setting_lines(started: Mapping[str, str], now: Mapping[str, str]) -> tuple[DoctorLine, ...]:
+    prefixed = sorted({name for name in (*started, *now) if name.startswith(SETTING_PREFIXES)})
+    lines = []
+    for name in [*SETTINGS, *prefixed, *SECRETS]:
+        if name not in started and name not in now:
+            continue
+        value = (
+            now.get(name, "not set") if name not in SECRETS else ("set (value hidden)" if name in now else "not set")
+        )
+        if name not in SECRETS and started.get(name) != now.get(name):
+            value += f" (changed in this process; {started.get(name, 'not set')} when it started)"
+        lines.append(DoctorLine(name, value))
+    unset = [name for name in (*SETTINGS, *SECRETS) if name not in started and name not in now]
     return (*lines, DoctorLine("not set", ", ".join(unset) or "none of them"))
 
 
