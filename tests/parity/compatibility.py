@@ -32,6 +32,7 @@ INPUT_KINDS = {
     "arrays": "numpy arrays",
     "tuple": "a tuple of arrays (several inputs)",
     "dict": "dicts of arrays (named inputs, outputs, sample weights)",
+    "scipy_sparse": "a `scipy.sparse` matrix (the model is given its rows dense; Keras's jax adapter gives a BCOO)",
     "rows": "a map-style dataset of `(x, y)` rows (`__len__`/`__getitem__`)",
     "torch_dataset": "a `torch.utils.data.Dataset`",
     "PyDataset": "a `keras.utils.PyDataset` whose items are global batches",

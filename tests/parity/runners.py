@@ -153,10 +153,10 @@ def _keras_batch(arguments: dict[str, Any]) -> dict[str, Any]:
 
 def _arrays_of_rows(x: Any, y: Any) -> tuple[Any, Any]:
     """Keras takes no map-style dataset of ``(x, y)`` rows: stack its rows into arrays (a pandas
-    DataFrame, which Keras takes, is no dataset)."""
+    DataFrame or a scipy.sparse matrix, which Keras takes, is no dataset)."""
     if isinstance(x, np.ndarray | dict | list | tuple | keras.utils.PyDataset) or not _is_map_style(x):
         return x, y
-    if hasattr(x, "iloc"):
+    if hasattr(x, "iloc") or hasattr(x, "tocsr"):
         return x, y
     rows = [x[index] for index in range(len(x))]
     columns = list(zip(*rows, strict=True))

@@ -34,6 +34,19 @@ def pandas_frames(run: Runner) -> Any:
 # ---- bfloat16 -----------------------------------------------------------------------------
 
 
+@scenario("input.scipy_sparse", "fit.validation_data", "evaluate.x", "predict.x")
+def scipy_sparse(run: Runner) -> Any:
+    """A `scipy.sparse` COO matrix as `x` (a CSR one validates): dense rows to the model (Keras's jax adapter: BCOO)."""
+    import scipy.sparse
+
+    x, y = tabular("scipy_sparse")
+    x = np.where(np.abs(x) > 1.0, x, 0.0).astype("float32")  # about a third of the values
+    validation_x, validation_y = tabular("scipy_sparse/validation", num_samples=45)
+    validation = (scipy.sparse.csr_matrix(validation_x), validation_y)
+    history = _fit(run, mlp("scipy_sparse"), scipy.sparse.coo_matrix(x), y, validation_data=validation)
+    return outcome(run, history, scipy.sparse.csr_matrix(x), y)
+
+
 @scenario("feature.mixed_precision", "input.bfloat16", tolerance=FLOAT16)
 def mixed_bfloat16(run: Runner) -> Any:
     """`mixed_bfloat16` on bfloat16 numpy inputs (read in float32, as Keras casts them), within bfloat16 noise."""

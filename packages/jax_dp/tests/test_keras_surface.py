@@ -143,3 +143,58 @@ def test_a_model_trained_only_by_add_loss_compiled_without_a_loss_trains_as_in_k
     assert_history_close(expected_history.history, history.history)
     assert_weights_close(expected, model)
     assert_history_close(expected_evaluation, evaluation)
+
+
+def _sparse_model() -> keras.Model:
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((20,)), keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+    return model
+
+
+def test_a_scipy_sparse_x_trains_as_in_keras():
+    """Keras's jax adapter hands the model a BCOO batch; the trainer the same values dense, batch-sharded."""
+    scipy_sparse = pytest.importorskip("scipy.sparse")
+    rng = np.random.default_rng(0)
+    dense = ((rng.random((99, 20)) < 0.2) * rng.normal(size=(99, 20))).astype("float32")
+    x, y = scipy_sparse.coo_matrix(dense), rng.normal(size=(99, 3)).astype("float32")
+    options = dict(batch_size=32, epochs=2, shuffle=False, verbose=0)
+    validation = (scipy_sparse.csr_matrix(dense[:40]), y[:40])
+    expected = _sparse_model()
+    expected_history = expected.fit(x, y, validation_data=validation, **options)
+    expected_evaluation = expected.evaluate(x, y, batch_size=32, return_dict=True, verbose=0)
+    expected_predictions = expected.predict(x, batch_size=32, verbose=0)
+    model, trainer = _sparse_model(), jax_dp.Trainer(2)
+    history = trainer.fit(model, x, y, validation_data=validation, **options)
+    evaluation = trainer.evaluate(model, x, y, batch_size=32, return_dict=True, verbose=0)
+    predictions = trainer.predict(model, x, batch_size=32, verbose=0)
+
+    assert_history_close(expected_history.history, history.history)
+    assert_weights_close(expected, model)
+    assert_history_close(expected_evaluation, evaluation)
+    assert predictions.shape == expected_predictions.shape == (99, 3)
+    np.testing.assert_allclose(predictions, expected_predictions, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["scipy", "bcoo"])
+def test_sparse_batches_from_a_generator_train_as_in_keras(kind):
+    """Global batches that are scipy.sparse matrices or jax BCOO arrays, the last one short."""
+    scipy_sparse = pytest.importorskip("scipy.sparse")
+    from jax.experimental import sparse as jax_sparse
+
+    rng = np.random.default_rng(1)
+    dense = ((rng.random((99, 20)) < 0.2) * rng.normal(size=(99, 20))).astype("float32")
+    y = rng.normal(size=(99, 3)).astype("float32")
+    make = scipy_sparse.csr_matrix if kind == "scipy" else jax_sparse.BCOO.fromdense
+
+    def batches():
+        for start in range(0, 99, 32):
+            yield make(dense[start : start + 32]), y[start : start + 32]
+
+    expected = _sparse_model()
+    expected_history = expected.fit(batches(), epochs=1, verbose=0)
+    model = _sparse_model()
+    history = jax_dp.Trainer(2).fit(model, batches(), epochs=1, verbose=0)
+
+    assert_history_close(expected_history.history, history.history)
+    assert_weights_close(expected, model)

@@ -168,3 +168,27 @@ def test_a_model_trained_only_by_add_loss_compiled_without_a_loss_trains_as_in_k
     assert_logs_close(expected_history.history, history.history)
     assert_weights_close(expected, model)
     assert_logs_close(expected_evaluation, evaluation)
+
+
+def test_a_scipy_sparse_x_trains_as_in_keras(trainer):
+    """Keras's torch adapter densifies each batch; the workers get the matrix itself (it pickles)."""
+    scipy_sparse = pytest.importorskip("scipy.sparse")
+    rng = np.random.default_rng(0)
+    dense = ((rng.random((99, 5)) < 0.4) * rng.normal(size=(99, 5))).astype("float32")
+    x, y = scipy_sparse.coo_matrix(dense), testing.data()[1]
+    options = dict(batch_size=32, epochs=2, shuffle=False, verbose=0)
+    validation = (scipy_sparse.csr_matrix(dense[:40]), y[:40])
+    expected = testing.dense_batchnorm_model("sgd")
+    expected_history = expected.fit(x, y, validation_data=validation, **options)
+    expected_evaluation = expected.evaluate(x, y, batch_size=32, return_dict=True, verbose=0)
+    expected_predictions = expected.predict(x, batch_size=32, verbose=0)
+    model = testing.dense_batchnorm_model("sgd")
+    history = trainer.fit(model, x, y, validation_data=validation, **options)
+    evaluation = trainer.evaluate(model, x, y, batch_size=32, return_dict=True, verbose=0)
+    predictions = trainer.predict(model, x, batch_size=32, verbose=0)
+
+    assert_logs_close(expected_history.history, history.history)
+    assert_weights_close(expected, model)
+    assert_logs_close(expected_evaluation, evaluation)
+    assert predictions.shape == expected_predictions.shape == (99, 3)
+    np.testing.assert_allclose(predictions, expected_predictions, atol=1e-5, rtol=1e-5)

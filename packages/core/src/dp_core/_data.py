@@ -134,9 +134,16 @@ def take_rows(data: Any, indices: np.ndarray) -> Any:
     return map_structure(lambda leaf: _rows_of(leaf, indices), data)
 
 
+def is_scipy_sparse(value: Any) -> bool:
+    """A scipy.sparse matrix or array, told by its class, so scipy need not be installed."""
+    return type(value).__module__.startswith("scipy.sparse")
+
+
 def _rows_of(leaf: Any, indices: np.ndarray) -> Any:
     if is_pandas(leaf):
         return from_pandas(leaf.iloc[indices])
+    if is_scipy_sparse(leaf):  # dense rows, as Keras's adapter gives torch (jax gets a BCOO of the same values)
+        return leaf.tocsr()[indices].toarray()  # CSR already when read through Inputs: no copy
     return np.asarray(leaf[indices]) if _is_numpy(leaf) else leaf[indices]
 
 

@@ -50,6 +50,18 @@ def test_arrays_and_a_dataset_of_the_same_rows_read_the_same():
         np.testing.assert_array_equal(ry, y[indices])
 
 
+def test_a_scipy_sparse_matrix_is_read_by_rows_as_dense_floatx_and_travels_as_it_is():
+    scipy_sparse = pytest.importorskip("scipy.sparse")
+    x = np.array([[0, 2, 0], [1, 0, 0], [0, 0, 3], [0, 0, 0]], dtype="float64")
+    inputs = Inputs(scipy_sparse.coo_matrix(x), np.arange(4))  # COO is not row-sliceable: read as CSR
+    assert inputs.num_samples == 4 and inputs.x.format == "csr"
+    rows, labels, _ = inputs.rows(np.array([2, 0, 2]))
+    assert isinstance(rows, np.ndarray) and rows.dtype == np.float32 and labels.tolist() == [2, 0, 2]
+    np.testing.assert_array_equal(rows, x[[2, 0, 2]])
+    mapped = inputs.map_arrays(lambda leaf: leaf.shape)  # a backend's handles are for dense arrays only
+    assert mapped.x is inputs.x and mapped.y == (4,)
+
+
 def test_nested_inputs_keep_their_structure_and_count_rows_once():
     x = {"a": np.zeros((4, 2)), "b": (np.ones((4, 1)), np.ones((4,)))}
     inputs = Inputs(x, np.zeros(4), np.ones(4))

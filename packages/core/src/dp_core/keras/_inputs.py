@@ -16,7 +16,16 @@ from typing import Any, Protocol
 import keras
 import numpy as np
 
-from dp_core._data import flatten, from_pandas, is_array_like, is_map_dataset, map_structure, num_rows, take_rows
+from dp_core._data import (
+    flatten,
+    from_pandas,
+    is_array_like,
+    is_map_dataset,
+    is_scipy_sparse,
+    map_structure,
+    num_rows,
+    take_rows,
+)
 
 
 class FirstRows(Protocol):
@@ -56,8 +65,8 @@ class Inputs:
             raise ValueError(f"{name}: {error}") from None
         if class_weight is not None:
             _check_class_weight(class_weight, y, sample_weight)
-        if not is_map_dataset(x):  # pandas read as Keras reads it: numpy, rows by position
-            x, y, sample_weight = (map_structure(from_pandas, part) for part in (x, y, sample_weight))
+        if not is_map_dataset(x):  # pandas read as Keras reads it: numpy, rows by position; scipy.sparse by rows
+            x, y, sample_weight = (map_structure(_by_rows, part) for part in (x, y, sample_weight))
         self.x, self.y, self.sample_weight = x, y, sample_weight
         self.class_weight = class_weight
 
@@ -85,17 +94,27 @@ class Inputs:
         return [] if self.is_dataset else flatten((self.x, self.y, self.sample_weight))
 
     def map_arrays(self, fn: Callable[[Any], Any]) -> Inputs:
-        """The same inputs with ``fn`` applied to every leaf of ``x``, ``y`` and ``sample_weight``
-        (a dataset is kept as is), e.g. to swap arrays for handles that cross to another process
-        and back. The row count is kept, not recounted."""
+        """The same inputs with ``fn`` applied to every dense array of ``x``, ``y`` and ``sample_weight``
+        (a dataset is kept as is, and a scipy.sparse matrix, which pickles by value), e.g. to swap arrays
+        for handles that cross to another process and back. The row count is kept, not recounted."""
         if self.is_dataset:
             return self
         mapped = object.__new__(Inputs)
         mapped.num_samples, mapped.class_weight = self.num_samples, self.class_weight
+
+        def dense(leaf: Any) -> Any:
+            return leaf if is_scipy_sparse(leaf) else fn(leaf)
+
         mapped.x, mapped.y, mapped.sample_weight = (
-            map_structure(fn, part) for part in (self.x, self.y, self.sample_weight)
+            map_structure(dense, part) for part in (self.x, self.y, self.sample_weight)
         )
         return mapped
+
+
+def _by_rows(leaf: Any) -> Any:
+    """A leaf as rows are read from it: a DataFrame or Series as numpy (``from_pandas``), a scipy.sparse
+    matrix in its row-sliceable CSR form (as Keras's ``ScipySparseSliceable``), anything else as it is."""
+    return leaf.tocsr() if is_scipy_sparse(leaf) else from_pandas(leaf)
 
 
 def validation_inputs(validation_data: Any) -> Inputs:

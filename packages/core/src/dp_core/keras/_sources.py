@@ -39,7 +39,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from dp_core._data import flatten, is_array_like, take_rows
+from dp_core._data import flatten, is_array_like, is_scipy_sparse, take_rows
 from dp_core._split import epoch_order
 from dp_core.keras import _internals
 from dp_core.keras._inputs import as_keras_reads
@@ -341,4 +341,11 @@ def _to_numpy(item: Any) -> Any:
         return None
     if hasattr(item, "detach"):  # a torch tensor
         return item.detach().cpu().numpy()
+    if is_scipy_sparse(item) or _is_jax_sparse(item):  # dense rows: a batch is padded and split by rows
+        return np.asarray(item.toarray() if is_scipy_sparse(item) else item.todense())
     return np.asarray(item)
+
+
+def _is_jax_sparse(value: Any) -> bool:
+    """A ``jax.experimental.sparse`` array (BCOO, BCSR), told by its class, so jax need not be loaded."""
+    return type(value).__module__.startswith("jax.experimental.sparse")
