@@ -7,6 +7,7 @@ import contextlib
 import multiprocessing
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from typing import Any
 
 import keras
 import torch
@@ -92,3 +93,58 @@ def starting_as_spawned_child() -> bool:
     (``Process._inheriting``, the flag ``multiprocessing.spawn`` itself checks before it refuses
     a start from an unguarded main)."""
     return bool(getattr(multiprocessing.current_process(), "_inheriting", False))
+
+
+@contextlib.contextmanager
+def variables_created_empty(record: Callable[[keras.Variable, Any], None]) -> Iterator[None]:
+    """Within the block a ``keras.Variable`` made from an initializer holds empty storage of its dtype
+    (its shape kept by Keras apart, as a freed optimizer slot's is) and ``record(variable, initializer)``
+    is called instead of the initializer. ``_initialize_with_initializer`` is the one place where
+    Keras 3.10 to 3.16 runs a variable's initializer (3.16's torch ``Variable`` overrides it for
+    ``keras.distribution``, which a trainer's scope refuses); Keras has no public hook before the value
+    is made. Variables made from a value (an optimizer's iteration count) are left to Keras."""
+    variable_class: Any = keras.Variable
+    keras_initialize = variable_class._initialize_with_initializer
+
+    def initialize(variable: Any, initializer: Any) -> None:
+        dtype = getattr(torch, keras.backend.standardize_dtype(variable._dtype))
+        device = torch.as_tensor(keras.ops.convert_to_tensor(0)).device  # Keras's default device, as a value's
+        empty = torch.empty(0, dtype=dtype, device=device)
+        variable._value = torch.nn.Parameter(empty, requires_grad=bool(variable.trainable and dtype.is_floating_point))
+        record(variable, initializer)
+
+    variable_class._initialize_with_initializer = initialize
+    try:
+        yield
+    finally:
+        variable_class._initialize_with_initializer = keras_initialize
+
+
+def guard_variable_access(
+    read: Callable[[keras.Variable], torch.Tensor | None], write: Callable[[keras.Variable, Any], bool]
+) -> None:
+    """Every later read of a ``keras.Variable``'s ``value`` asks ``read(variable)`` first (a tensor: the
+    value to use; None: Keras's own), and every ``assign`` asks ``write(variable, value)`` (True: done).
+    A variable of a model built in a torch-dp scope holds only its replica's part between calls, and
+    ``value`` (what ``numpy()``, ``np.array`` and Keras's saving read) and ``_direct_assign`` (what
+    ``assign`` and ``load_weights`` end in) are the two places every access passes; Keras has no
+    public hook. Installed once per process (``_scope.held``)."""
+    variable_class: Any = keras.Variable
+    keras_value = variable_class.value
+    keras_assign = variable_class._direct_assign
+
+    def value(variable: Any) -> Any:
+        found = read(variable)
+        return keras_value.fget(variable) if found is None else found
+
+    def direct_assign(variable: Any, new_value: Any) -> None:
+        if not write(variable, new_value):
+            keras_assign(variable, new_value)
+
+    variable_class.value = property(value)
+    variable_class._direct_assign = direct_assign
+
+
+def set_stored_value(variable: keras.Variable, value: torch.Tensor) -> None:
+    """``variable``'s storage made ``value`` (its ``Parameter`` kept): a deferred variable's first value."""
+    variable._value.data = value

@@ -3,6 +3,7 @@ then hands one job per call to the launcher chosen at construction."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -43,7 +44,9 @@ from dp_core.keras import (
 )
 from torch_dp._processes.cluster import is_primary_process
 from torch_dp._processes.group import Timeouts
-from torch_dp._processes.launchers import Launcher, choose_launcher
+from torch_dp._processes.launchers import ClusterProcess, Launcher, choose_launcher
+from torch_dp._scope.held import trainer_scope
+from torch_dp._scope.layout import check_scoped_call
 from torch_dp._step.custom import check_custom_steps, optimizers_of
 
 P = ParamSpec("P")
@@ -175,6 +178,13 @@ class Trainer:
         remove their shared files. A later call starts new ones; closing twice is harmless."""
         self._launcher.close()
 
+    def scope(self) -> contextlib.AbstractContextManager[None]:
+        """Build a model whose state does not fit one replica: ``with trainer.scope(): model = build()``.
+        No variable holds a value until the model's first call; then each replica keeps only what ``shard=``
+        gives it, bitwise an unsharded build's values, and keeps it between calls (docs/sharding.md).
+        """
+        return trainer_scope(self.shard, under_cluster=isinstance(self._launcher, ClusterProcess))
+
     def __enter__(self) -> Trainer:
         return self
 
@@ -234,6 +244,7 @@ class Trainer:
         )
         if checkpoint_dir is not None:
             _require_checkpointable(keras_model)
+        check_scoped_call(keras_model, self.shard, self.num_replicas)
         arguments = fit_arguments(
             inputs, global_batch_size=global_batch_size, num_replicas=self.num_replicas, epochs=epochs,
             initial_epoch=initial_epoch, validation_split=validation_split, validation_data=validation_data,
@@ -276,6 +287,7 @@ class Trainer:
             steps=steps,
             checks=self._call_checks,
         )
+        check_scoped_call(keras_model, self.shard, self.num_replicas)
         job = EvaluateJob(
             inputs,
             global_batch_size,
@@ -312,6 +324,7 @@ class Trainer:
             steps=steps,
             checks=self._call_checks,
         )
+        check_scoped_call(keras_model, self.shard, self.num_replicas)
         return self._launcher.run(
             PredictJob(inputs, global_batch_size, verbose, list(callbacks or []), executions=executions),
             keras_model,

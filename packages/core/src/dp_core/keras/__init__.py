@@ -45,6 +45,7 @@ Helpers, for what a backend does its own way:
 from dp_core.keras._arguments import FitArguments as FitArguments
 from dp_core.keras._arguments import fit_arguments as fit_arguments
 from dp_core.keras._batch_terms import BatchTerms as BatchTerms
+from dp_core.keras._batch_terms import adopt_batch_terms as adopt_batch_terms
 from dp_core.keras._batch_terms import batch_terms as batch_terms
 from dp_core.keras._batch_terms import runs_last_batch_whole as runs_last_batch_whole
 from dp_core.keras._call import CallChecks as CallChecks
@@ -140,6 +141,7 @@ __all__ = [
     "SourceStandIn",
     "Start",
     "activity_regularizer_divides_by_batch_size",
+    "adopt_batch_terms",
     "batch_rows",
     "batch_source",
     "batch_terms",

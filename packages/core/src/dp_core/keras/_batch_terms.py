@@ -67,6 +67,12 @@ def batch_terms(model: keras.Model, inputs: FirstRows | None = None) -> BatchTer
     return BatchTerms(batch_norm, own, tuple(added))
 
 
+def adopt_batch_terms(model: keras.Model, terms: BatchTerms) -> None:
+    """``model``'s ``add_loss`` probe taken as ``terms`` says (another replica's): where a replica holds
+    only its part of the weights, the probe runs where they can be read whole, and the others adopt it."""
+    _row_dependent_added_losses[model] = list(terms.added_losses)
+
+
 def runs_last_batch_whole(
     model: keras.Model,
     inputs: FirstRows | None,

@@ -15,6 +15,8 @@ from typing import TypeVar
 
 import keras
 
+from dp_core.keras import _internals
+
 DistributionT = TypeVar("DistributionT")  # a keras.distribution.DataParallel, ModelParallel, ...
 _TRAINERS = "_dp_core_trainers_own"  # set on a distribution a trainer made for its scope()
 
@@ -37,7 +39,9 @@ def require_no_keras_distribution(model: keras.Model, package: str) -> None:
             "trainer. Its data parallel is what the trainer does on every replica; for a ModelParallel layout_map, "
             "jax_dp.Trainer(mesh=..., layout=...) takes the same rules (docs/migrating.md)."
         )
-    spread = [variable.path for variable in model.variables if type(variable.value).__name__ == "DTensor"]
+    spread = [
+        variable.path for variable in model.variables if type(_internals.stored_value(variable)).__name__ == "DTensor"
+    ]
     if spread:
         raise RuntimeError(
             f"Model '{model.name}' holds variables Keras's ModelParallel made DTensors ({', '.join(spread[:3])}"

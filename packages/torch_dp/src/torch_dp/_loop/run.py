@@ -14,7 +14,7 @@ import keras
 import numpy as np
 import torch
 
-from dp_core import NO_STEP_TIMER, PreemptionWatch, StepTimer
+from dp_core import NO_STEP_TIMER, PreemptionWatch, ShardMode, StepTimer
 from dp_core.keras import (
     CheckpointWriter,
     EvaluateJob,
@@ -22,23 +22,28 @@ from dp_core.keras import (
     Inputs,
     Job,
     PredictJob,
+    adopt_batch_terms,
     batch_terms,
     build_model,
     check_losses_split,
     internals,
     learning_rate_policy_installed,
 )
-from torch_dp._comm.collectives import all_gather_rows, all_gather_varying_rows
+from torch_dp._comm.collectives import all_gather_rows, all_gather_varying_rows, broadcast_object
 from torch_dp._comm.replica import Replica
 from torch_dp._data.order import in_batch_order, in_even_order, in_input_order
 from torch_dp._data.sources import Readable
 from torch_dp._loop.checkpoints import resume_from
 from torch_dp._loop.evaluate import evaluate_loop, predict_loop
 from torch_dp._loop.fit import fit_loop
+from torch_dp._scope.deferred import scoped_mode
+from torch_dp._scope.held import calling
+from torch_dp._scope.replicas import prepared, sync_whole_ones, weights_by_layer
 from torch_dp._step.batchnorm import masked_batch_norm
 from torch_dp._step.broadcast import check_same_variables, same_state_as_primary
 from torch_dp._step.custom import custom_steps, overrides
 from torch_dp._step.flops import COUNTED, flops_per_step, rows_to_count
+from torch_dp._step.owners import Piece
 from torch_dp._step.placement import check_placement
 from torch_dp._step.profile import finish_report, step_timer, timing_batch_norm
 from torch_dp._step.shards import sharded
@@ -74,6 +79,10 @@ def _padded(inputs: Readable, global_batch_size: int) -> bool:
 def run_job(model: keras.Model, job: Job, replica: Replica, *, sync: bool = True) -> Any:
     """Run ``job`` on ``model`` as ``replica``. With ``sync`` every replica first takes rank 0's
     state (a persistent worker whose model already equals rank 0's skips it)."""
+    scoped, mode = scoped_mode(model)
+    if scoped:
+        with calling():
+            return _run_scoped(model, job, replica, mode, sync=sync)
     build(model, job)
     check_losses(model, job, replica.num_replicas)
     check_placement(model, replica)  # a collective: every replica stops if one's variables are elsewhere
@@ -86,6 +95,27 @@ def run_job(model: keras.Model, job: Job, replica: Replica, *, sync: bool = True
     if isinstance(job, EvaluateJob):
         return run_evaluate(model, job, replica)
     return run_predict(model, job, replica)
+
+
+def _run_scoped(model: keras.Model, job: Job, replica: Replica, mode: ShardMode | None, *, sync: bool) -> Any:
+    """``run_job`` for a model built in a trainer's scope: its new variables made by parts, its parts
+    kept by their holders before and after (``_scope``)."""
+    layout = prepared(model, mode, replica, lambda: build(model, job), trains=isinstance(job, FitJob))
+    check_placement(model, replica)
+    if replica.distributed and sync:  # the caller may have assigned what every replica holds whole
+        sync_whole_ones(model, layout, replica, trains=isinstance(job, FitJob))
+        decorrelate_randomness(model, replica)
+    # the caller probed the model's add_loss terms (reading each weight whole); its replicas take its answer
+    terms = broadcast_object(batch_terms(model, job.inputs) if replica.is_primary else None, replica)
+    adopt_batch_terms(model, terms)
+    with weights_by_layer(model, layout, replica):
+        check_losses(model, job, replica.num_replicas)
+        if isinstance(job, EvaluateJob):
+            return run_evaluate(model, job, replica)
+        if isinstance(job, PredictJob):
+            return run_predict(model, job, replica)
+    assert isinstance(job, FitJob)
+    return run_fit(model, job, replica, held=list(layout.pieces) if layout.mode is not None else None)
 
 
 def decorrelate_randomness(model: keras.Model, replica: Replica) -> None:
@@ -107,8 +137,11 @@ def decorrelate_randomness(model: keras.Model, replica: Replica) -> None:
             generator.state.assign(torch.tensor([moved, counter], dtype=generator.state.value.dtype))
 
 
-def run_fit(model: keras.Model, job: FitJob, replica: Replica) -> keras.callbacks.History:
-    """``fit`` on this replica; returns its History (with the scaling report when profiled)."""
+def run_fit(
+    model: keras.Model, job: FitJob, replica: Replica, *, held: list[Piece] | None = None
+) -> keras.callbacks.History:
+    """``fit`` on this replica; returns its History (with the scaling report when profiled). ``held``:
+    a scoped model's pieces, which its replicas hold before the fit and keep after."""
     with (
         masked_batch_norm(model, job.batch_norm, replica),
         learning_rate_policy_installed(model.optimizer, job.lr_policy),
@@ -131,9 +164,9 @@ def run_fit(model: keras.Model, job: FitJob, replica: Replica) -> keras.callback
         counted = job.profile is not None and replica.is_primary and not custom.train  # the MFU's FLOPs
         size = job.arguments.global_batch_size
         rows = rows_to_count(job.inputs, global_batch_size=size, num_replicas=replica.num_replicas) if counted else None
-        if job.shard == "full":  # its one-replica probe of the model runs now, on the whole weights
+        if job.shard == "full" and held is None:  # its one-replica probe of the model runs now, on the whole weights
             batch_terms(model, job.inputs)
-        with timing_batch_norm(timer), sharded(model, job.shard, replica) as state:
+        with timing_batch_norm(timer), sharded(model, job.shard, replica, held) as state:
             history = fit_loop(
                 model,
                 job,

@@ -17,13 +17,13 @@ This module holds process-global state. The invariants a change must keep:
   the pool (workers ended, group destroyed, shared files removed) before it is raised, and the
   next call starts a fresh one: no call inherits workers a failed call left in an unknown state.
 - **The version-counter sync.** After a call the pool remembers which model the workers hold
-  (``_holds``: the same object, compiled the same) and rank 0's state as (tensor identity,
-  in-place version) pairs (``_state_of``, ``_internals.version``). A worker then skips rank 0's
+  (``_processes.kept``: the same object, compiled the same) and rank 0's state as (tensor identity,
+  in-place version) pairs (``kept.state_of``, ``_internals.version``). A worker then skips rank 0's
   state at the next call when the pairs are unchanged: Keras assigns variables in place, so an
   unchanged pair is an unchanged value. What breaks it: a write that bypasses the version counter
   (through ``.data``, or a numpy view of a CPU tensor), a call after which a worker's state differs
   from rank 0's with rank 0's own unchanged (``batch_norm="per_replica"``, whose statistics are
-  each replica's: ``_remember`` forgets the state then), and a worker that outlives a failure
+  each replica's: ``KeptModels.remember`` forgets the state then), and a worker that outlives a failure
   (hence the rule above).
 - **The folder.** The pool's files (shared arrays, the model file, the rendezvous file) live in
   a ``_processes.folder.PoolFolder`` that this process keeps locked while it holds it; one that
@@ -36,7 +36,6 @@ import contextlib
 import os
 import sys
 import warnings
-import weakref
 from multiprocessing.connection import wait
 from typing import Any, final
 
@@ -45,10 +44,10 @@ import torch
 import torch.distributed as dist
 
 from dp_core import threads_per_replica, warn_oversubscribed
-from dp_core.keras import FitJob, Job
+from dp_core.keras import FitJob, Job, batch_terms
 from torch_dp._comm.collectives import count_collectives_in
 from torch_dp._comm.replica import Replica
-from torch_dp._internals import starting_as_spawned_child, version
+from torch_dp._internals import starting_as_spawned_child
 from torch_dp._loop.run import build, check_losses, run_job
 from torch_dp._loop.trainable import trainable_flags
 from torch_dp._processes.failures import (
@@ -65,10 +64,15 @@ from torch_dp._processes.failures import (
 )
 from torch_dp._processes.folder import PoolFolder, remove_stale_directories
 from torch_dp._processes.group import Rendezvous, Timeouts, device_for, leave_group, serve_group
+from torch_dp._processes.kept import KeptModels, state_of
 from torch_dp._processes.shared_arrays import SharedArrays
 from torch_dp._processes.spawn import Worker, start_process, stop_processes, torch_threads
-from torch_dp._processes.transfer import KerasSettings, Request, for_workers, ship_model, shippable
+from torch_dp._processes.transfer import KerasSettings, Request, for_workers, recompiled, ship_model, shippable
 from torch_dp._processes.worker import pool_worker
+from torch_dp._scope.deferred import deferring, scoped_mode
+from torch_dp._scope.held import calling, hold, release_all
+from torch_dp._scope.layout import holdings, stored_layout
+from torch_dp._scope.replicas import VariableJob, serve, state_variables
 
 _active: ReplicaPool | None = None  # the pool holding this process's group of replicas
 STARTING_FOLDER = "TORCH_DP_STARTING_FOLDER"  # a starting worker's variable: its caller's folder
@@ -93,10 +97,7 @@ class ReplicaPool:
         self._abandoned = False  # the interpreter ended during a call: see abandon
         self._arrays: SharedArrays | None = None
         self._replica = Replica(0, num_replicas)
-        # what the workers hold: whose model, compiled how, and rank 0's state when they last agreed
-        self._model: weakref.ref[keras.Model] | None = None
-        self._compiled: tuple[int, ...] = ()
-        self._state: tuple[tuple[int, int], ...] | None = None
+        self._kept = KeptModels()  # what the workers hold: which models, compiled how, rank 0's state
         warn_oversubscribed(num_replicas, threads=self.threads, stacklevel=4)  # at the user's Trainer(...) line
 
     @property
@@ -106,22 +107,36 @@ class ReplicaPool:
     def run(self, job: Job, model: keras.Model, model_argument: Any) -> Any:
         """Run ``job`` on every replica, rank 0 here on ``model``; returns rank 0's result."""
         refuse_while_starting()
-        build(model, job)
-        check_losses(model, job, self.num_replicas)  # here, before any process starts
+        scoped, mode = scoped_mode(model)
+        if scoped:  # its variables are made on the replicas; its losses are checked there
+            with deferring(mode):
+                build(model, job)
+            batch_terms(model, job.inputs)  # its add_loss probe reads each weight whole here, once
+        else:
+            build(model, job)
+            check_losses(model, job, self.num_replicas)  # here, before any process starts
         if self.started and not all(worker.process.is_alive() for worker in self._workers):
             self.close()
         directory = self._ensure_directory()
         assert self._arrays is not None
-        new_model = not self._holds(model)
+        kept = self._kept.find(model, scoped=scoped)
+        new_model = not self._kept.holds(model, scoped=scoped)
         trains = isinstance(job, FitJob)
-        source = ship_model(model_argument, model, directory, trains=trains) if new_model else None
-        sync = new_model or self._state != _state_of(model, job)
+        source = None
+        if new_model and scoped and kept is not None:
+            source = recompiled(model, mode)  # the workers keep the model, and its parts
+        elif new_model:
+            source = ship_model(model_argument, model, directory, trains=trains, scoped=scoped, mode=mode)
+        sync = new_model or kept is None or kept.state != state_of(model, job)
+        key = self._kept.key_for(model, scoped=scoped)
         request = Request(
             KerasSettings.of_this_process(),
             source,
             trainable_flags(model),
             for_workers(job, self._arrays.share),
             sync,
+            key,
+            self._kept.take_forgotten(),
         )
         payload = shippable(request)  # a pickling error is raised here, before any worker starts
         self._start()
@@ -143,7 +158,48 @@ class ReplicaPool:
             raise to_raise from error
         finally:
             self._calling = False
-        self._remember(model, job)
+        self._kept.remember(model, job, key)
+        if scoped:
+            held = holdings(model, stored_layout(model))
+            hold([v for v in state_variables(model) if id(v) in held], self)
+        return result
+
+    def read_variable(self, variable: keras.Variable) -> torch.Tensor:
+        """A scoped model's variable gathered whole from its holders (``_scope.held``)."""
+        found = self._serve(variable, write=False)
+        assert found is not None
+        return found
+
+    def write_variable(self, variable: keras.Variable, value: Any) -> None:
+        """A scoped model's variable assigned: each holder given its part (``_scope.held``)."""
+        self._serve(variable, write=True, value=value)
+
+    def _serve(self, variable: keras.Variable, *, write: bool, value: Any = None) -> torch.Tensor | None:
+        found = [
+            (kept, index)
+            for kept in self._kept.scoped.values()
+            for index, v in enumerate(state_variables(kept.model()) if kept.model() is not None else [])
+            if v is variable
+        ]
+        if not found or not self.started:
+            raise RuntimeError(f"torch_dp: no replica pool holds the variable '{variable.path}' now")
+        (kept, index), model = found[0], found[0][0].model()
+        assert model is not None
+        job = VariableJob(index, write)
+        settings = KerasSettings.of_this_process()
+        payload = shippable(Request(settings, None, trainable_flags(model), job, False, kept.key, ()))
+        for worker in self._workers:
+            worker.connection.send_bytes(payload)
+        self._calling = True
+        try:
+            with calling():
+                result = serve(model, job, self._replica, value)
+            self._wait_for_workers()
+        except BaseException:
+            self.close(graceful=False)
+            raise
+        finally:
+            self._calling = False
         return result
 
     @property
@@ -184,7 +240,8 @@ class ReplicaPool:
             leave_group(self._replica.group)
             self._replica = Replica(0, self.num_replicas)
         self._entered = None
-        self._model, self._compiled, self._state = None, (), None
+        self._kept.clear()
+        release_all(self)  # a scoped model's parts were the workers
         if self._directory is not None:
             self._directory.cleanup()
             self._directory, self._arrays = None, None
@@ -283,16 +340,6 @@ class ReplicaPool:
                 return unguarded_main(rank, self.num_replicas, f.read())
         return vanished(rank, self.num_replicas, worker.process.exitcode)
 
-    def _holds(self, model: keras.Model) -> bool:
-        """Whether the workers hold this model, compiled as it is now."""
-        return self._model is not None and self._model() is model and self._compiled == _compiled_as(model)
-
-    def _remember(self, model: keras.Model, job: Job) -> None:
-        self._model, self._compiled = weakref.ref(model), _compiled_as(model)
-        # per-replica BatchNorm leaves each replica its own statistics: rank 0's travel next time
-        per_replica = isinstance(job, FitJob) and job.batch_norm == "per_replica"
-        self._state = None if per_replica else _state_of(model, job)
-
     def _on_cpu(self) -> bool:
         """Whether the replicas train on CPU: where no GPU is visible. Fewer GPUs than replicas is
         an error, not a silent fall back to CPU."""
@@ -329,17 +376,6 @@ def close_active_pool() -> None:
         _active.abandon()
     elif _active is not None:
         _active.close()
-
-
-def _compiled_as(model: keras.Model) -> tuple[int, ...]:
-    """Identities of what ``compile`` creates: another compile means another model for the workers."""
-    return (id(getattr(model, "optimizer", None)), *(id(metric) for metric in model.metrics))
-
-
-def _state_of(model: keras.Model, job: Job) -> tuple[tuple[int, int], ...]:
-    """Rank 0's state as (tensor identity, in-place version) pairs: equal pairs, equal values."""
-    variables = [*model.variables, *(model.optimizer.variables if isinstance(job, FitJob) else [])]
-    return tuple((id(v.value), version(v.value)) for v in variables)
 
 
 def refuse_while_starting() -> None:

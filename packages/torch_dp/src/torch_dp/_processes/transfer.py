@@ -11,6 +11,7 @@ import contextlib
 import copy
 import dataclasses
 import io
+import json
 import os
 import sys
 import types
@@ -22,11 +23,14 @@ import cloudpickle
 import keras
 import torch
 
+from dp_core import ShardMode
 from dp_core.keras import BatchSource, FitJob, Inputs, Job, internals
 from torch_dp._data.loaders import LoaderOnReplicas, read_on_replicas
 from torch_dp._data.sources import Readable, SourceOnPrimary
 from torch_dp._loop.trainable import TrainableFlags, set_trainable, trainable_flags
 from torch_dp._processes.shared_arrays import open_shared
+from torch_dp._scope.deferred import deferring
+from torch_dp._scope.replicas import VariableJob
 
 
 @dataclass(frozen=True)
@@ -70,33 +74,67 @@ class ModelSource:
     factory: Callable[[], keras.Model] | None = None
     compile_config: dict[str, Any] | None = None  # model.get_compile_config(): None when not compiled
     loss_scaled: bool = False  # compiled under mixed_float16: its optimizer is a LossScaleOptimizer
+    # built in a trainer's scope: the file holds no weights, the worker builds it deferred (``_scope``)
+    scoped: bool = False
+    mode: ShardMode | None = None
+    recompile: bool = False  # the worker's model stays (a scoped one holds its parts): compile it again only
 
 
-def ship_model(model_argument: Any, model: keras.Model, directory: str, *, trains: bool = False) -> ModelSource:
+def ship_model(
+    model_argument: Any,
+    model: keras.Model,
+    directory: str,
+    *,
+    trains: bool = False,
+    scoped: bool = False,
+    mode: ShardMode | None = None,
+) -> ModelSource:
     """What a worker needs to rebuild ``model``, written to ``directory`` and checked here: a
     model that cannot be saved or loaded back (or, when the call ``trains``, whose optimizer
-    comes back with other variables) fails in the caller, before a worker sees it."""
+    comes back with other variables) fails in the caller, before a worker sees it. A ``scoped``
+    model travels as its config alone (its parts are made on the replicas)."""
     if not isinstance(model_argument, keras.Model):
-        return ModelSource(factory=model_argument)
-    path = os.path.join(directory, "model.keras")
+        return ModelSource(factory=model_argument, scoped=scoped, mode=mode)
+    path = os.path.join(directory, "model.json" if scoped else "model.keras")
     loss_scaled = isinstance(getattr(model, "optimizer", None), keras.optimizers.LossScaleOptimizer)
     try:
         with _lambdas_by_name(model) as lambdas:
             custom_objects = {**_custom_objects(model), **_python_functions(model), **lambdas}
-            model.save(path)
+            if scoped:
+                with open(path, "w") as f:
+                    json.dump(keras.saving.serialize_keras_object(model), f)
+            else:
+                model.save(path)
         compile_config = cast("dict[str, Any] | None", model.get_compile_config())
-        source = ModelSource(path, custom_objects, compile_config=compile_config, loss_scaled=loss_scaled)
-        loaded = _loaded(source)
+        source = ModelSource(
+            path, custom_objects, compile_config=compile_config, loss_scaled=loss_scaled, scoped=scoped, mode=mode
+        )
+        with deferring(mode) if scoped else contextlib.nullcontext():  # a scoped model's check makes nothing
+            loaded = _loaded(source)
     except Exception as error:
         raise _not_rebuilt(model, error) from error
     set_trainable(loaded, trainable_flags(model))  # a file that loses weights fails here, clearly
     try:
-        _compiled(loaded, source)
+        with deferring(mode) if scoped else contextlib.nullcontext():
+            _compiled(loaded, source)
     except Exception as error:
         raise _not_rebuilt(model, error) from error
     if trains:
         _check_optimizer_rebuilt(model, loaded)
     return source
+
+
+def recompiled(model: keras.Model, mode: ShardMode | None) -> ModelSource:
+    """A scoped model compiled again since the workers built it: they compile theirs again, keeping its parts."""
+    optimizer = getattr(model, "optimizer", None)
+    return ModelSource(
+        custom_objects={**_custom_objects(model), **_python_functions(model)},
+        compile_config=cast("dict[str, Any] | None", model.get_compile_config()),
+        loss_scaled=isinstance(optimizer, keras.optimizers.LossScaleOptimizer),
+        scoped=True,
+        mode=mode,
+        recompile=True,
+    )
 
 
 def _not_rebuilt(model: keras.Model, error: Exception) -> TypeError:
@@ -221,15 +259,21 @@ def _stand_in(function: Callable[..., Any], name: str) -> Callable[..., Any]:
     return stand_in
 
 
-def receive_model(source: ModelSource, trainable: TrainableFlags) -> keras.Model:
-    """The worker's copy of the caller's model (its weights are rank 0's broadcast, later)."""
-    if source.keras_file is None:
-        assert source.factory is not None
-        return source.factory()
-    model = _loaded(source)
-    set_trainable(model, trainable)
-    _compiled(model, source)
-    return model
+def receive_model(source: ModelSource, trainable: TrainableFlags, held: keras.Model | None = None) -> keras.Model:
+    """The worker's copy of the caller's model (its weights are rank 0's broadcast, later; a scoped
+    one's are made by parts at the call). A ``recompile`` compiles the ``held`` one again."""
+    with deferring(source.mode) if source.scoped else contextlib.nullcontext():
+        if source.recompile:
+            assert held is not None, "a recompile follows the model's first call"
+            _compiled(held, source)
+            return held
+        if source.keras_file is None:
+            assert source.factory is not None
+            return source.factory()
+        model = _loaded(source)
+        set_trainable(model, trainable)
+        _compiled(model, source)
+        return model
 
 
 @contextlib.contextmanager
@@ -251,9 +295,16 @@ def _loaded(source: ModelSource) -> keras.Model:
     the caller's own, written in the user's own folder: its Lambda code is the user's."""
     assert source.keras_file is not None
     with _policy_of(source):
-        loaded = keras.saving.load_model(
-            source.keras_file, custom_objects=source.custom_objects, compile=False, safe_mode=False
-        )
+        if source.scoped:  # its config alone, built deferred (the caller's check too: nothing is made)
+            with open(source.keras_file) as f, deferring(source.mode):
+                config = json.load(f)
+                loaded = keras.saving.deserialize_keras_object(
+                    config, custom_objects=source.custom_objects, safe_mode=False
+                )
+        else:
+            loaded = keras.saving.load_model(
+                source.keras_file, custom_objects=source.custom_objects, compile=False, safe_mode=False
+            )
     return cast(keras.Model, loaded)
 
 
@@ -276,8 +327,10 @@ class Request:
     settings: KerasSettings
     model: ModelSource | None
     trainable: TrainableFlags
-    job: Job
+    job: Job | VariableJob
     sync: bool
+    key: int | None = None  # a scoped model's key: the workers keep it, with its parts, under it
+    forget: tuple[int, ...] = ()  # scoped models the caller let go
 
 
 class _Pickler(cloudpickle.Pickler):

@@ -21,6 +21,8 @@ from torch_dp._processes.failures import report_failure
 from torch_dp._processes.group import Rendezvous, join_group, leave_group
 from torch_dp._processes.spawn import caller_gone, exit_with_parent
 from torch_dp._processes.transfer import Request, opened, receive_model
+from torch_dp._scope.held import serve_only
+from torch_dp._scope.replicas import VariableJob, serve
 
 
 def pool_worker(
@@ -46,18 +48,31 @@ def pool_worker(
     multiprocessing.current_process().daemon = False
     try:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        serve_only()  # a scoped model's variables read their own parts here, always
         connection.send(("ready",))
         replica = join_group(rank, num_replicas, rendezvous)
         count_collectives_in(entered, rank)  # shared with the caller, which reads it when one falls silent
-        model: keras.Model | None = None
+        current: keras.Model | None = None  # the last model built outside a scope
+        scoped: dict[int, keras.Model] = {}  # every scoped model the caller holds, with its parts
         while (message := connection.recv_bytes()) != b"":
             request: Request = cloudpickle.loads(message)
             request.settings.apply()  # before the model is (re)built and rows are read
-            if request.model is not None:
-                model = receive_model(request.model, request.trainable)
+            for key in request.forget:
+                scoped.pop(key, None)
+            if request.key is None:
+                if request.model is not None:
+                    current = receive_model(request.model, request.trainable)
+                model = current
+            else:
+                if request.model is not None:
+                    scoped[request.key] = receive_model(request.model, request.trainable, scoped.get(request.key))
+                model = scoped.get(request.key)
             assert model is not None, "the caller sends the model with the first call"
             set_trainable(model, request.trainable)
-            run_job(model, opened(request.job), replica, sync=request.sync)
+            if isinstance(request.job, VariableJob):  # the caller reads or writes a scoped model's variable
+                serve(model, request.job, replica)
+            else:
+                run_job(model, opened(request.job), replica, sync=request.sync)
             connection.send(("done",))
         leave_group(replica.group)
         os._exit(0)  # nothing left to tear down that the caller should wait for

@@ -58,7 +58,7 @@ from torch_dp._step.moves import (
     share_updated,
     to_shards,
 )
-from torch_dp._step.owners import Held, dtype_of, numel, pieces_of, slots_of
+from torch_dp._step.owners import Held, Piece, dtype_of, numel, pieces_of, slots_of
 from torch_dp._step.parts import Part, narrowed, splittable
 from torch_dp._step.profile import WEIGHTS_GATHER
 
@@ -152,14 +152,21 @@ class Sharded:
     """One fit's sharded state: who owns each trainable variable, its slots (and with ``"full"`` its
     weights, ``_step.gathered``), and the steps' update."""
 
-    def __init__(self, model: keras.Model, mode: ShardMode, replica: Replica) -> None:
+    def __init__(
+        self, model: keras.Model, mode: ShardMode, replica: Replica, *, held: Sequence[Piece] | None = None
+    ) -> None:
         optimizer = model.optimizer
         if not optimizer.built:
             optimizer.build(model.trainable_weights)
         self.mode: ShardMode = mode
         self.replica = replica
         self.variables = list(model.trainable_weights)
-        self.pieces = pieces_of(self.variables, replica.num_replicas, splittable(optimizer, self.variables))
+        self.held = held is not None  # a scoped model's pieces: held so before the fit and kept so after
+        if held is not None:
+            _check_splittable(optimizer, self.variables, held)
+            self.pieces = list(held)
+        else:
+            self.pieces = pieces_of(self.variables, replica.num_replicas, splittable(optimizer, self.variables))
         self.mine = [p for p in self.pieces if p.owner == replica.rank]
         self.slots = slots_of(optimizer, self.variables)
         self.weights: JustInTime | None = None
@@ -179,7 +186,8 @@ class Sharded:
         self._buckets: GradientBuckets | None = None
         self._whole = replica.num_replicas == 1
         if not self._whole:
-            to_shards(self.by_owner, replica.rank)
+            if not self.held:
+                to_shards(self.by_owner, replica.rank)
             if self.weights is not None:
                 self.weights.install()
 
@@ -276,13 +284,17 @@ class Sharded:
             return
         if self.weights is not None:
             self.weights.uninstall()
-        onto_everyone(self.by_owner, self.replica)
+        if not self.held:  # a scoped model's parts stay with their holders
+            onto_everyone(self.by_owner, self.replica)
         self._whole = True
 
     def fill_locally(self) -> None:
         """Freed variables back at their shapes, as zeros, with no collective (a failed fit's end)."""
         if self.weights is not None:
             self.weights.uninstall()
+        if self.held:  # a scoped model's parts: lost with the replicas that held them
+            self._whole = True
+            return
         for variable in self.sharded_variables():
             if internals.stored_value(variable).numel() != numel(variable):
                 internals.stored_value(variable).data = torch.zeros(tuple(variable.shape), dtype=dtype_of(variable))
@@ -303,19 +315,40 @@ class Sharded:
         return over_every_gradient(optimizer, self.variables, mine, present, summed, self.replica)
 
 
-def training_state(model: keras.Model, mode: ShardMode | None, replica: Replica) -> TrainingState:
-    """The fit's state: whole on every replica, or sharded as ``mode`` says (its slots freed now)."""
+def _check_splittable(
+    optimizer: keras.optimizers.Optimizer, variables: list[keras.Variable], held: Sequence[Piece]
+) -> None:
+    """A scoped model's variables split at its first call are still ones ``optimizer`` updates by rows."""
+    able = splittable(optimizer, variables)
+    split = sorted({p.variable for p in held if p.rows is not None and not able[p.variable]})
+    if split:
+        raise NotImplementedError(
+            f"{len(split)} variable(s) of this model (the first: '{variables[split[0]].path}') were split by rows "
+            "among "
+            f"the replicas at the model's first call, and '{optimizer.name}' cannot update a variable by rows (it "
+            "reads the whole matrix, or clips each variable's norm, or the variable has a constraint). Compile the "
+            "model with its optimizer before its first call (evaluate or predict included), or build it again."
+        )
+
+
+def training_state(
+    model: keras.Model, mode: ShardMode | None, replica: Replica, held: Sequence[Piece] | None = None
+) -> TrainingState:
+    """The fit's state: whole on every replica, or sharded as ``mode`` says (its slots freed now, or
+    ``held`` so already: a scoped model's pieces)."""
     if mode is None or not model.trainable_weights:
         return REPLICATED
-    return Sharded(model, mode, replica)
+    return Sharded(model, mode, replica, held=held)
 
 
 @contextlib.contextmanager
-def sharded(model: keras.Model, mode: ShardMode | None, replica: Replica) -> Iterator[TrainingState]:
+def sharded(
+    model: keras.Model, mode: ShardMode | None, replica: Replica, held: Sequence[Piece] | None = None
+) -> Iterator[TrainingState]:
     """A fit's ``training_state``; the whole state is back on every replica after the block, also when
     every replica stopped together (preempted, a non-finite loss); a fit that failed on some replica
     leaves the slots each did not hold as zeros, with no collective (its checkpoints hold them)."""
-    state = training_state(model, mode, replica)
+    state = training_state(model, mode, replica, held)
     try:
         yield state
     except (Preempted, NonFiniteLossError):  # every replica stopped at the same step: the gather meets

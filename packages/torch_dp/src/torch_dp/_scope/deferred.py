@@ -1,0 +1,103 @@
+"""Variables created in ``torch_dp.Trainer.scope()``, and which of them still await their value.
+
+Keras runs a variable's initializer when it creates the variable. In a scope the value is not made:
+the variable holds empty storage (Keras keeps its shape apart), and its initializer is kept here
+until the first call on the model, where rank 0 runs it, one variable at a time, and every replica
+keeps its own part (``_scope.materialize``). Running Keras's own initializer on rank 0, in the order
+the variables were created, gives every value bitwise what an unsharded build from the same seed
+gives, which no per-part initializer could promise: a random initializer's stream is drawn whole.
+
+Process-global state: ``_entries`` (each scoped variable, by identity, dropped when the variable is
+garbage) and the count of scopes entered. Keras's variable class is hooked only inside a scope
+(``_internals.variables_created_empty``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import keras
+import numpy as np
+import torch
+
+from dp_core import ShardMode
+from torch_dp._internals import variables_created_empty
+
+
+@dataclass
+class Entry:
+    """A variable a scope created: the ``shard=`` mode of the trainer whose scope it was, its place
+    in creation order, and its initial value's source until it has one (Keras's initializer, or a
+    value assigned before the first call: ``load_weights`` in the scope)."""
+
+    mode: ShardMode | None
+    order: int
+    source: Any | None
+
+
+_entries: dict[int, Entry] = {}
+_created = itertools.count()
+
+
+def _forget(key: int) -> None:
+    _entries.pop(key, None)
+
+
+@contextlib.contextmanager
+def deferring(mode: ShardMode | None) -> Iterator[None]:
+    """Within the block every variable Keras creates from an initializer is deferred (scoped, under ``mode``)."""
+
+    def record(variable: keras.Variable, initializer: Any) -> None:
+        _entries[id(variable)] = Entry(mode, next(_created), initializer)
+        weakref.finalize(variable, _forget, id(variable))
+
+    with variables_created_empty(record):
+        yield
+
+
+def scoped_mode(model: keras.Model) -> tuple[bool, ShardMode | None]:
+    """Whether ``model`` was built in a scope, and the ``shard=`` mode of that scope."""
+    for variable in model.variables:
+        entry = _entries.get(id(variable))
+        if entry is not None:
+            return True, entry.mode
+    return False, None
+
+
+def is_scoped(variable: keras.Variable) -> bool:
+    return id(variable) in _entries
+
+
+def is_deferred(variable: keras.Variable) -> bool:
+    entry = _entries.get(id(variable))
+    return entry is not None and entry.source is not None
+
+
+def in_creation_order(variables: Sequence[keras.Variable]) -> list[int]:
+    """The indices of the deferred ones among ``variables``, in the order they were created."""
+    deferred = [i for i, v in enumerate(variables) if is_deferred(v)]
+    return sorted(deferred, key=lambda i: _entries[id(variables[i])].order)
+
+
+def initial_value(variable: keras.Variable) -> torch.Tensor:
+    """A deferred variable's first value, whole (its initializer run, or the value assigned to it)."""
+    source = _entries[id(variable)].source
+    if callable(source):
+        source = source(tuple(variable.shape), dtype=variable.dtype)
+    value = keras.ops.convert_to_tensor(np.asarray(source) if not torch.is_tensor(source) else source, variable.dtype)
+    return torch.as_tensor(value)
+
+
+def set_initial_value(variable: keras.Variable, value: Any) -> None:
+    """What a deferred variable is assigned before its first call becomes its first value."""
+    _entries[id(variable)].source = value
+
+
+def made(variable: keras.Variable) -> None:
+    """The variable holds its value (or its part) now."""
+    _entries[id(variable)].source = None

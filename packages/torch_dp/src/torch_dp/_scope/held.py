@@ -1,0 +1,133 @@
+"""Access to a scoped model's variables outside a call: what ``value`` reads and ``assign`` writes.
+
+Between calls each replica holds its own parts of a scoped model (``_scope.layout``), the caller rank
+0's. Reading one of those variables in the caller (``numpy()``, ``np.array``, Keras's saving) gathers
+it from the replicas that hold it, one variable at a time, into a copy that is not kept; assigning one
+(``assign``, ``load_weights``) sends each replica its part. A variable still awaiting its first value
+reads its initializer's value and is assigned by changing that value. Within a call (``calling``) and
+in a worker replica, variables read and write their own storage, as every trainer step expects.
+
+Process-global state: ``_holders`` (the holder of each variable held by parts, by identity: the
+replica pool that holds the model) and the count of calls running in this process. Keras's variable
+class is hooked once, at the first scope (``_internals.guard_variable_access``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
+
+import keras
+import torch
+
+from dp_core import ShardMode
+from torch_dp._internals import guard_variable_access
+from torch_dp._scope.deferred import deferring, initial_value, is_deferred, set_initial_value
+
+
+class Holder(Protocol):
+    """What holds a scoped model's parts between calls (the replica pool)."""
+
+    def read_variable(self, variable: keras.Variable) -> torch.Tensor:
+        """The variable's whole value, gathered from its holders."""
+        ...
+
+    def write_variable(self, variable: keras.Variable, value: Any) -> None:
+        """Each holder given its part of ``value``."""
+        ...
+
+
+class Lost:
+    """The holder of a model whose replicas stopped: its parts are gone, and every access says so."""
+
+    def read_variable(self, variable: keras.Variable) -> torch.Tensor:
+        raise RuntimeError(_lost(variable))
+
+    def write_variable(self, variable: keras.Variable, value: Any) -> None:
+        raise RuntimeError(_lost(variable))
+
+
+def _lost(variable: keras.Variable) -> str:
+    return (
+        f"the variable '{variable.path}' belongs to a model built in a torch_dp trainer's scope, whose parts were "
+        "held by that trainer's replicas, and those replicas stopped (trainer.close(), another Trainer starting "
+        "its own, or a failed call): the model's state is gone. Save a scoped model (model.save) or train it with "
+        "checkpoint_dir before closing its trainer; build it again in the scope to go on."
+    )
+
+
+_holders: dict[int, Holder] = {}
+_calls = 0
+_installed = False
+
+
+@contextlib.contextmanager
+def trainer_scope(mode: ShardMode | None, *, under_cluster: bool) -> Iterator[None]:
+    """``torch_dp.Trainer.scope()``: variables created inside are deferred under the trainer's ``mode``."""
+    global _installed
+    if under_cluster:
+        raise NotImplementedError(
+            "torch_dp.Trainer.scope() runs with spawned replicas (Trainer(num_replicas=N) in one process); under "
+            "torchrun or SLURM each process would hold only its part and no process could read the model whole. "
+            "Build the model outside the scope there (shard='full' splits its training state)."
+        )
+    if not _installed:
+        guard_variable_access(_read, _write)
+        _installed = True
+    with deferring(mode):
+        yield
+
+
+def hold(variables: Sequence[keras.Variable], holder: Holder) -> None:
+    for variable in variables:
+        _holders[id(variable)] = holder
+
+
+def release_all(holder: Holder) -> None:
+    """The variables ``holder`` held are lost (its replicas stopped)."""
+    lost = Lost()
+    for key, found in list(_holders.items()):
+        if found is holder:
+            _holders[key] = lost
+
+
+@contextlib.contextmanager
+def calling() -> Iterator[None]:
+    """Within the block this process runs a call: variables read their own storage."""
+    global _calls
+    _calls += 1
+    try:
+        yield
+    finally:
+        _calls -= 1
+
+
+def serve_only() -> None:
+    """This process is a worker replica: it reads its storage always (the caller reads for the user)."""
+    global _calls
+    _calls += 1
+
+
+def _read(variable: keras.Variable) -> torch.Tensor | None:
+    if _calls or not _installed:
+        return None
+    holder = _holders.get(id(variable))
+    if holder is not None:
+        return holder.read_variable(variable)
+    if is_deferred(variable):
+        return initial_value(variable)
+    return None
+
+
+def _write(variable: keras.Variable, value: Any) -> bool:
+    if _calls:
+        return False
+    holder = _holders.get(id(variable))
+    if holder is not None:
+        holder.write_variable(variable, value)
+        return True
+    if is_deferred(variable):
+        set_initial_value(variable, keras.ops.convert_to_numpy(value))
+        return True
+    return False

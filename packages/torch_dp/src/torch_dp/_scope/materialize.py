@@ -1,0 +1,76 @@
+"""A scoped model's deferred variables made (``materialize``), at the first call that needs them:
+rank 0 runs each one's initializer whole, one variable at a time in the order Keras created them,
+keeps its own part and sends every other replica its part (its rows, or the whole variable to its
+owner, or the whole to all). So no replica but rank 0 ever holds what it does not own, rank 0 holds
+one whole variable beyond its own parts at a time, and every value is bitwise an unsharded build's."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import keras
+import torch
+import torch.distributed as dist
+
+from torch_dp._comm.collectives import _entering, all_reduce_sum, broadcast_object
+from torch_dp._comm.replica import Replica
+from torch_dp._internals import set_stored_value
+from torch_dp._scope.deferred import in_creation_order, initial_value, made
+from torch_dp._step.owners import Piece, rows_shape
+
+
+def materialize(variables: Sequence[keras.Variable], held: dict[int, list[Piece]], replica: Replica) -> None:
+    """Every deferred one of ``variables`` (the same list on every replica) given its value or part."""
+    order = in_creation_order(variables)
+    primary_order: list[int] = broadcast_object(order, replica)
+    mine = float(sorted(order) != sorted(primary_order))
+    if replica.distributed:
+        (differing,) = all_reduce_sum([torch.tensor([mine], device=replica.device)], replica)
+        if differing.item():
+            raise RuntimeError(
+                f"torch_dp: the replicas rebuilt a model built in a trainer's scope with other variables awaiting "
+                f"their first value ({len(order)} here, {len(primary_order)} on rank 0). A model built in the scope "
+                "must build the same variables on every replica: give its layers a get_config() that rebuilds them."
+            )
+    for index in primary_order:
+        variable = variables[index]
+        whole = initial_value(variable).to(replica.device) if replica.is_primary else None
+        pieces = held.get(id(variable))
+        if pieces is None:
+            _everywhere(variable, whole, replica)
+        else:
+            send_parts(variable, whole, pieces, replica)
+        made(variable)
+
+
+def _everywhere(variable: keras.Variable, whole: torch.Tensor | None, replica: Replica) -> None:
+    if whole is None:
+        whole = torch.empty(tuple(variable.shape), dtype=_dtype(variable), device=replica.device)
+    if replica.distributed:
+        _entering()
+        dist.broadcast(whole, src=0, group=replica.group)
+    set_stored_value(variable, whole)
+
+
+def send_parts(variable: keras.Variable, whole: torch.Tensor | None, pieces: Sequence[Piece], replica: Replica) -> None:
+    """Each holder of ``variable`` given its part of rank 0's ``whole`` (None on the other replicas)."""
+    for piece in pieces:
+        part = None
+        if whole is not None:
+            part = whole if piece.rows is None else whole[piece.rows[0] : piece.rows[1]]
+        if piece.owner == 0:
+            if part is not None:
+                set_stored_value(variable, part.clone())
+        elif replica.is_primary:
+            assert part is not None
+            _entering()
+            dist.send(part.contiguous(), dst=piece.owner, group=replica.group)
+        elif replica.rank == piece.owner:
+            mine = torch.empty(rows_shape(variable.shape, piece.rows), dtype=_dtype(variable), device=replica.device)
+            _entering()
+            dist.recv(mine, src=0, group=replica.group)
+            set_stored_value(variable, mine)
+
+
+def _dtype(variable: keras.Variable) -> torch.dtype:
+    return getattr(torch, keras.backend.standardize_dtype(variable.dtype))

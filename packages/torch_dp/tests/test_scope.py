@@ -1,0 +1,145 @@
+"""``torch_dp.Trainer.scope()``: a model built inside holds no value anywhere until its first call, where
+each replica makes only its own part (bitwise an unsharded build's values), keeps its parts between calls,
+and trains, evaluates and predicts as single-device ``model.fit`` does (an uneven last batch included);
+reading a variable in the caller gathers it, assigning one sends each replica its part, and a saved file
+is a standard Keras file that plain Keras loads on one device."""
+
+import json
+
+import keras
+import numpy as np
+import pytest
+import test_shard as shard_test
+import torch_dp_testing as testing
+
+import torch_dp
+from dp_core.keras import internals
+from torch_dp._step.owners import slots_of
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
+
+GLOBAL_BATCH_SIZE = 32  # 99 rows: the last batch has 3
+
+
+@pytest.fixture
+def trainer(two_replicas):
+    yield two_replicas
+    two_replicas.shard = None
+
+
+def stored_sizes(model: keras.Model) -> list[int]:
+    """How many elements of each trainable variable this process holds."""
+    return [internals.stored_value(v).numel() for v in model.trainable_weights]
+
+
+@pytest.mark.parametrize(("mode", "optimizer"), [("full", "adamw"), ("full", "global_clipnorm"), ("optimizer", "adam")])
+def test_a_scoped_model_is_made_by_parts_and_trains_as_model_fit(trainer, mode, optimizer):
+    reference, expected = shard_test.keras_fit(optimizer)
+    unsharded = shard_test.model(optimizer)  # the same seed: the values a scoped build must make
+    trainer.shard = mode
+    with trainer.scope():
+        scoped = shard_test.model(optimizer)
+    assert stored_sizes(scoped) == [0] * len(scoped.trainable_weights)  # nothing made, in this process either
+    x, y = shard_test.data()
+    history = trainer.fit(
+        scoped, x, y, global_batch_size=GLOBAL_BATCH_SIZE, epochs=shard_test.EPOCHS, shuffle=False, verbose=0
+    )
+    # between calls this process holds rank 0's parts only: dense_in's rows 0:9, gamma and beta (test_shard's pieces)
+    sizes = [int(np.prod(v.shape)) for v in scoped.trainable_weights]
+    assert stored_sizes(scoped) == ([0, 9 * 16, 0, 0, 48, 3] if mode == "full" else sizes)
+    slots = [
+        sum(internals.stored_value(s).numel() for s in own)
+        for own in slots_of(scoped.optimizer, scoped.trainable_weights)
+    ]
+    assert slots == [2 * n for n in [0, 9 * 16, 0, 0, 48, 3]]  # Adam's two slots, of its own parts only
+    shard_test.assert_like_keras(trainer, scoped, history, reference, expected)
+    assert stored_sizes(scoped) == ([0, 9 * 16, 0, 0, 48, 3] if mode == "full" else sizes)  # reads kept nothing
+    del unsharded
+
+
+def test_initial_values_are_an_unsharded_builds_bitwise_before_and_after_the_first_call(trainer):
+    unsharded = shard_test.model("adam")
+    trainer.shard = "full"
+    with trainer.scope():
+        scoped = shard_test.model("adam")
+    before = scoped.get_weights()  # each read runs that variable's initializer here, and keeps nothing
+    x, y = shard_test.data()
+    trainer.evaluate(scoped, x, y, global_batch_size=GLOBAL_BATCH_SIZE, verbose=0)  # the first call makes the parts
+    after = scoped.get_weights()  # gathered from both replicas
+    for expected, first, made in zip(unsharded.get_weights(), before, after, strict=True):
+        np.testing.assert_array_equal(first, expected)
+        np.testing.assert_array_equal(made, expected)
+
+
+def test_load_weights_in_the_scope_and_save_give_standard_files(trainer, tmp_path):
+    """A file saved by plain Keras loads into a scoped model (before its first call, and after it), and
+    the scoped model's own save is a file plain Keras loads on one device, with the same values."""
+    reference, _ = shard_test.keras_fit("adam")
+    reference.save_weights(str(tmp_path / "trained.weights.h5"))
+    trainer.shard = "full"
+    with trainer.scope():
+        scoped = shard_test.model("adam")
+        scoped.load_weights(str(tmp_path / "trained.weights.h5"))
+    x, _ = shard_test.data(37, seed=1)
+    expected = reference.predict(x, batch_size=GLOBAL_BATCH_SIZE, verbose=0)
+    np.testing.assert_allclose(
+        trainer.predict(scoped, x, global_batch_size=GLOBAL_BATCH_SIZE, verbose=0), expected, atol=1e-6
+    )
+    fresh = shard_test.model("adam")  # other values, loaded into the parts the replicas hold now
+    fresh.save_weights(str(tmp_path / "fresh.weights.h5"))
+    scoped.load_weights(str(tmp_path / "fresh.weights.h5"))
+    np.testing.assert_allclose(
+        trainer.predict(scoped, x, global_batch_size=GLOBAL_BATCH_SIZE, verbose=0),
+        fresh.predict(x, batch_size=GLOBAL_BATCH_SIZE, verbose=0),
+        atol=1e-6,
+    )
+    scoped.save(str(tmp_path / "scoped.keras"))
+    loaded = keras.saving.load_model(str(tmp_path / "scoped.keras"))
+    for mine, theirs in zip(loaded.get_weights(), fresh.get_weights(), strict=True):
+        np.testing.assert_array_equal(mine, theirs)
+
+
+def test_each_replica_holds_its_share_from_construction_on(tmp_path):
+    """The embedding-heavy model (an embedding of 60%) built in the scope of 2 replicas under ``"full"``:
+    at every update no replica held more than half of the weights, slots and gradients plus the largest
+    variable that stays whole (``test_shard_parts``'s bound), nor does the caller between calls."""
+    record_dir = tmp_path / "records"
+    record_dir.mkdir()
+    x, y = testing.embedding_heavy_data()
+    with torch_dp.Trainer(num_replicas=2, shard="full") as trainer:
+        with trainer.scope():
+            model = testing.embedding_heavy_model(str(record_dir))
+        assert sum(stored_sizes(model)) == 0
+        trainer.fit(model, x, y, global_batch_size=GLOBAL_BATCH_SIZE, epochs=1, shuffle=False, verbose=0)
+        shapes = [tuple(v.shape) for v in model.trainable_weights]
+        weights = sum(4 * int(np.prod(s)) for s in shapes)
+        largest_kept = max(4 * int(np.prod(s)) for s in shapes if s != (601, 32))
+        between_calls = 4 * sum(stored_sizes(model))
+        assert between_calls <= weights / 2 + largest_kept, (between_calls, weights)
+    records = {
+        int(path.stem.removeprefix("rank")): [json.loads(line) for line in path.read_text().splitlines()]
+        for path in sorted(record_dir.glob("rank*.jsonl"))
+    }
+    assert sorted(records) == [0, 1] and all(len(r) == 4 for r in records.values())
+    for kind, total, kept in [
+        ("weights", weights, largest_kept),
+        ("slots", 2 * weights, 2 * largest_kept),
+        ("gradients", weights, largest_kept),
+    ]:
+        most = max(record[kind] for rank in records.values() for record in rank)
+        assert most <= total / 2 + kept, (kind, most, total)
+
+
+def test_a_scoped_model_refuses_another_mode_and_says_its_state_is_gone_after_close(tmp_path):
+    x, y = shard_test.data()
+    with torch_dp.Trainer(num_replicas=2, shard="full") as trainer:
+        with trainer.scope():
+            model = shard_test.model("adam")
+        trainer.fit(model, x, y, global_batch_size=GLOBAL_BATCH_SIZE, epochs=1, verbose=0)
+        trainer.shard = "optimizer"
+        with pytest.raises(ValueError, match=r"built in the scope of a trainer with shard='full'"):
+            trainer.evaluate(model, x, y, global_batch_size=GLOBAL_BATCH_SIZE, verbose=0)
+        trainer.shard = "full"
+        assert np.isfinite(trainer.evaluate(model, x, y, global_batch_size=GLOBAL_BATCH_SIZE, verbose=0)[0])
+    with pytest.raises(RuntimeError, match=r"the model's state is gone"):
+        model.get_weights()
