@@ -9,6 +9,11 @@
   ``ceil(rows / n)`` (every row), and arrays given one read their first ``n`` batches only: a fit's
   epochs read on where the last one stopped (``FitArguments.steps_per_epoch``), a validation, an
   ``evaluate`` or a ``predict`` reads its first rows (``leading_batches``).
+
+One case reads otherwise: a fit given neither batch size nor ``validation_batch_size`` validates in
+batches of its training batch (``ceil(rows / n)``), where Keras's validation takes ``ceil(validation
+rows / n)``, so a validation set larger than the training set is cut to ``n`` such batches here
+(``fit_arguments`` is not told whether the batch size was given).
 """
 
 from __future__ import annotations
