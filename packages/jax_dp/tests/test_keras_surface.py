@@ -198,3 +198,44 @@ def test_sparse_batches_from_a_generator_train_as_in_keras(kind):
 
     assert_history_close(expected_history.history, history.history)
     assert_weights_close(expected, model)
+
+
+class NoisyAlways(keras.layers.Layer):
+    """Dropout at inference too (MC dropout), from its own seed generator, and a row-dependent ``add_loss``."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed_gen = keras.random.SeedGenerator(11)
+
+    def call(self, inputs):
+        self.add_loss(0.01 * keras.ops.mean(keras.ops.square(inputs)))
+        return keras.random.dropout(inputs, 0.3, seed=self.seed_gen)
+
+
+def _absolute_errors(y_true, y_pred):
+    return keras.ops.mean(keras.ops.abs(y_true - y_pred), axis=-1)  # one value per row
+
+
+def _noisy_model() -> keras.Model:
+    keras.utils.set_random_seed(2)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8), NoisyAlways(), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=[_absolute_errors])
+    return model
+
+
+def test_the_checks_before_a_fit_leave_a_random_layer_s_draws_to_the_fit(data):
+    """The checks run the model on a few rows (a metric function's values, an add_loss term's): a layer
+    drawing noise in inference advances its seed generator there, which they put back."""
+    x, y = data[0], data[1]  # 99 rows: the last batch short, which the checks look at
+    expected = _noisy_model()
+    expected_history = expected.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    model = _noisy_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # what the checks say of the add_loss term is not the point here
+        history = jax_dp.Trainer(2).fit(model, x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+
+    assert_history_close(expected_history.history, history.history)
+    assert_weights_close(expected, model)
+    assert keras.ops.convert_to_numpy(model.layers[1].seed_gen.state.value).tolist() == (
+        keras.ops.convert_to_numpy(expected.layers[1].seed_gen.state.value).tolist()
+    )

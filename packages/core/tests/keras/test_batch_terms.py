@@ -148,3 +148,30 @@ def test_the_split_check_asks_the_compiled_loss_not_the_model_s_own_compute_loss
     build_model(split, INPUTS)
     check_losses_split(split, INPUTS)
     assert split.calls == 1
+
+
+class _NoisyAtInference(keras.layers.Layer):
+    """Dropout in inference too, from its own seed generator, and a row-dependent ``add_loss`` term."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed_gen = keras.random.SeedGenerator(7)
+
+    def call(self, inputs):
+        self.add_loss(ops.mean(ops.square(inputs)))
+        return keras.random.dropout(inputs, 0.5, seed=self.seed_gen)
+
+
+def test_the_checks_that_run_the_model_leave_its_seed_and_metric_states_as_they_were():
+    from dp_core.keras import build_model, check_losses_split
+
+    model = dense(_NoisyAtInference(), metrics=[_squared_errors, "mae"])
+    build_model(model, INPUTS)
+    before = [ops.convert_to_numpy(v).tolist() for v in (model.layers[1].seed_gen.state, *model.metrics_variables)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        check_batch_metrics(model, INPUTS)
+        warn_terms_not_split(model, INPUTS, num_replicas=2, package="a_dp")
+        check_losses_split(model, INPUTS)
+    after = [ops.convert_to_numpy(v).tolist() for v in (model.layers[1].seed_gen.state, *model.metrics_variables)]
+    assert after == before and before[0] == [7, 0]

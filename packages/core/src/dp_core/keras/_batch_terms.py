@@ -30,7 +30,7 @@ import numpy as np
 from dp_core._data import flatten, map_structure
 from dp_core.keras import _internals
 from dp_core.keras._inputs import FirstRows
-from dp_core.keras._losses import _added_losses, _probe_added_losses, _row_dependent_added_losses
+from dp_core.keras._losses import _added_losses, _probe_added_losses, _row_dependent_added_losses, state_kept
 
 ops: Any = keras.ops
 
@@ -112,7 +112,8 @@ def check_batch_metrics(model: keras.Model, inputs: FirstRows) -> None:
     if not functions:
         return
     x, y, _ = (map_structure(ops.convert_to_tensor, part) for part in inputs.first_rows(2))
-    y_pred = model(x, **_internals.training_kwargs(model, False))
+    with state_kept(model):
+        y_pred = model(x, **_internals.training_kwargs(model, False))
     if y is None or len(keras.tree.flatten(y)) != 1 or len(keras.tree.flatten(y_pred)) != 1:
         return  # several outputs: which metric reads which is Keras's to match
     y, y_pred = keras.tree.flatten(y)[0], keras.tree.flatten(y_pred)[0]

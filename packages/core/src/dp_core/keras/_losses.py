@@ -110,13 +110,24 @@ def check_losses_split(model: keras.Model, inputs: FirstRows) -> None:
     x, y, sample_weight = (map_structure(ops.convert_to_tensor, part) for part in first)
     # A row mask of ones: every row is real, yet the loss must split (Keras's own reduction is not used).
     rows = ReplicaRows(count, count, row_mask=ops.ones((count,)))
-    states = [ops.convert_to_numpy(variable) for variable in model.metrics_variables]
+    with state_kept(model), replica_losses(model, rows):
+        y_pred = model(x, **_internals.training_kwargs(model, False))
+        compile_loss(y, y_pred, sample_weight)
+
+
+@contextlib.contextmanager
+def state_kept(model: keras.Model) -> Iterator[None]:
+    """Within the block a check may run the model (in inference mode) and leave no trace: the metrics'
+    states and the random layers' seed states are put back after it (a layer that draws noise at
+    inference, MC dropout, advances its ``SeedGenerator``; ``model.fit``'s first step must draw what it would)."""
+    layers = _internals.flatten_layers(model, include_self=True)
+    seeds = [generator.state for layer in layers for generator in _internals.seed_generators(layer)]
+    variables = [*model.metrics_variables, *seeds]
+    states = [ops.convert_to_numpy(variable) for variable in variables]
     try:
-        with replica_losses(model, rows):
-            y_pred = model(x, **_internals.training_kwargs(model, False))
-            compile_loss(y, y_pred, sample_weight)
+        yield
     finally:
-        for variable, state in zip(model.metrics_variables, states, strict=True):
+        for variable, state in zip(variables, states, strict=True):
             variable.assign(state)
 
 
@@ -279,7 +290,8 @@ def _added_losses(model: keras.Model, x: Any) -> dict[str, list[float]]:
         if layer.activity_regularizer is not None
     ]
     try:
-        model(map_structure(ops.convert_to_tensor, x), **_internals.training_kwargs(model, False))
+        with state_kept(model):
+            model(map_structure(ops.convert_to_tensor, x), **_internals.training_kwargs(model, False))
     finally:
         for restore in reversed(restores):
             restore()
