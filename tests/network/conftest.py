@@ -1,0 +1,32 @@
+"""The ``hosts`` fixture: namespace hosts on a bridge (``hosts.py``), removed when the test ends."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # the tests import hosts.py (pytest's importlib mode adds nothing)
+from hosts import Hosts, unavailable
+
+
+@pytest.fixture
+def hosts(tmp_path) -> Iterator[Callable[..., Hosts]]:
+    """``hosts(count, loopback_hostname=False)``: that many hosts, each with its folder under ``tmp_path``;
+    skipped with the reason where namespaces cannot be made (not root, no ``ip``)."""
+    reason = unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    made: list[Hosts] = []
+
+    def make(count: int, *, loopback_hostname: bool = False) -> Hosts:
+        made.append(Hosts(count, tmp_path / f"hosts{len(made)}", loopback_hostname=loopback_hostname))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for each in made:
+            each.close()

@@ -1,0 +1,146 @@
+"""Hosts on one machine for multi-host tests: each a Linux network namespace on a bridge of its own,
+with its own address, hostname, ``/etc/hosts`` and temporary folder, as separate machines would be.
+
+``ip netns exec`` mounts ``/etc/netns/<namespace>/hosts`` over ``/etc/hosts`` for the commands it
+runs, and ``unshare --uts`` gives each of them the host's name: a host whose name resolves to
+``127.0.1.1`` (Debian's default line) is one ``Hosts(..., loopback_hostname=True)`` away.
+
+All traffic stays inside the namespaces: the bridge has no address in the machine's own namespace.
+Every name carries this process's id, so two test runs at once do not meet; ``close()`` kills what
+still runs in the namespaces (by pid), deletes them, the bridge and their hosts files.
+Needs root and ``ip``/``unshare`` (CI runs as root); ``unavailable()`` says why not, for a skip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+SUBNET = "10.77.0"  # each bridge is its own segment: two runs' hosts never see each other
+_runs = itertools.count()
+
+
+def _ip(*arguments: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *arguments], capture_output=True, text=True, timeout=30, check=check)
+
+
+def unavailable() -> str | None:
+    """Why namespaces cannot be made here (a skip's reason), or None."""
+    if os.geteuid() != 0:
+        return "network namespaces need root (CI runs the multi-host tests as root)"
+    missing = [tool for tool in ("ip", "unshare", "hostname") if shutil.which(tool) is None]
+    if missing:
+        return f"no {', '.join(missing)} on PATH"
+    probe = f"kdpprobe{os.getpid()}"
+    made = _ip("netns", "add", probe, check=False)
+    _ip("netns", "del", probe, check=False)
+    return None if made.returncode == 0 else f"ip netns add failed: {made.stderr.strip()}"
+
+
+@dataclass(frozen=True)
+class Host:
+    """One host: a namespace with one link to the bridge."""
+
+    name: str  # its hostname, e.g. "host1"
+    namespace: str
+    address: str  # on the bridge
+    link: str  # the bridge's end of its link: down, the host is cut off
+    tmpdir: Path  # its own TMPDIR and working folder
+
+    def argv(self, command: Sequence[str]) -> list[str]:
+        """``command`` as run on this host (each ``exec``s the next: the pid is the command's own)."""
+        set_name = 'hostname "$0" && exec "$@"'
+        return ["ip", "netns", "exec", self.namespace, "unshare", "--uts", "sh", "-c", set_name, self.name, *command]
+
+    def start(self, command: Sequence[str], environment: Mapping[str, str], log: str) -> subprocess.Popen[str]:
+        """Run ``command`` here, in its temporary folder, its stdout and stderr into ``log`` there."""
+        output = open(self.tmpdir / log, "w")  # noqa: SIM115 (the process writes it until it ends)
+        with output:
+            return subprocess.Popen(
+                self.argv(command),
+                env={**environment, "TMPDIR": str(self.tmpdir)},
+                cwd=self.tmpdir,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+
+    def read(self, log: str) -> str:
+        path = self.tmpdir / log
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def cut_off(self) -> None:
+        """Take its link down: every packet to and from it is lost, its processes keep running."""
+        _ip("link", "set", self.link, "down")
+
+    def kill_everything(self) -> None:
+        """SIGKILL every process on this host (as when the machine dies)."""
+        for pid in _ip("netns", "pids", self.namespace, check=False).stdout.split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+
+
+class Hosts:
+    """``count`` hosts ``host1``..``hostN`` at ``10.77.0.1``..; each resolves every host's name to
+    its address, except its own name when ``loopback_hostname`` (then ``127.0.1.1``, as Debian)."""
+
+    def __init__(self, count: int, root: Path, *, loopback_hostname: bool = False) -> None:
+        tag = f"{os.getpid() % 100000}{next(_runs)}"
+        self.bridge = f"kdpb{tag}"
+        self.hosts: list[Host] = []
+        try:
+            _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("link", "set", self.bridge, "up")
+            for index in range(1, count + 1):
+                self.hosts.append(self._add(index, tag, root))
+            for host in self.hosts:
+                self._write_hosts_file(host, loopback_hostname)
+        except BaseException:
+            self.close()
+            raise
+
+    def _add(self, index: int, tag: str, root: Path) -> Host:
+        host = Host(
+            f"host{index}", f"kdp{tag}h{index}", f"{SUBNET}.{index}", f"kdp{tag}v{index}", root / f"host{index}"
+        )
+        host.tmpdir.mkdir(parents=True, exist_ok=True)
+        inside = f"kdp{tag}i{index}"
+        _ip("netns", "add", host.namespace)
+        self.hosts.append(host)  # from here on close() removes it, whatever fails next
+        _ip("link", "add", host.link, "type", "veth", "peer", "name", inside)
+        _ip("link", "set", inside, "netns", host.namespace)
+        _ip("link", "set", host.link, "master", self.bridge)
+        _ip("link", "set", host.link, "up")
+        _ip("-n", host.namespace, "link", "set", "lo", "up")
+        _ip("-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", inside)
+        _ip("-n", host.namespace, "link", "set", inside, "up")
+        self.hosts.pop()
+        return host
+
+    def _write_hosts_file(self, host: Host, loopback_hostname: bool) -> None:
+        lines = ["127.0.0.1 localhost"]
+        for other in self.hosts:
+            own = other is host
+            lines.append(f"127.0.1.1 {other.name}" if own and loopback_hostname else f"{other.address} {other.name}")
+        folder = Path("/etc/netns") / host.namespace
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "hosts").write_text("\n".join(lines) + "\n")
+
+    def __getitem__(self, index: int) -> Host:
+        return self.hosts[index]
+
+    def close(self) -> None:
+        for host in self.hosts:
+            host.kill_everything()
+            _ip("netns", "del", host.namespace, check=False)  # its end of the link goes with it
+            _ip("link", "del", host.link, check=False)
+            shutil.rmtree(Path("/etc/netns") / host.namespace, ignore_errors=True)
+        _ip("link", "del", self.bridge, check=False)
+        self.hosts = []
