@@ -239,3 +239,33 @@ def test_the_checks_before_a_fit_leave_a_random_layer_s_draws_to_the_fit(data):
     assert keras.ops.convert_to_numpy(model.layers[1].seed_gen.state.value).tolist() == (
         keras.ops.convert_to_numpy(expected.layers[1].seed_gen.state.value).tolist()
     )
+
+
+def test_the_step_limit_reads_whole_groups_of_steps_per_execution_as_in_keras(data, debugging_limits):
+    """A limit of 2 with ``steps_per_execution=3``: each loop reads one whole group of 3 steps."""
+    x, y, x_val, y_val = data
+    runs = {}
+    for name in ("keras", "jax_dp"):
+        model, counts = dense_bn_model(), BatchCounts()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"], steps_per_execution=3)
+        options = dict(batch_size=16, epochs=3, shuffle=False, validation_data=(x_val, y_val), verbose=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if name == "keras":
+                history = model.fit(x, y, callbacks=[counts], **options)
+                predictions = model.predict(x, batch_size=16, callbacks=[counts], verbose=0)
+            else:
+                trainer = jax_dp.Trainer(2)
+                history = trainer.fit(model, x, y, callbacks=[counts], **options)
+                predictions = trainer.predict(model, x, batch_size=16, callbacks=[counts], verbose=0)
+        runs[name] = model, history, predictions, counts.counts
+
+    (model, history, predictions, counts), (expected, expected_history, expected_predictions, expected_counts) = (
+        runs["jax_dp"],
+        runs["keras"],
+    )
+    assert counts == expected_counts == {"train": 2, "test": 2, "predict": 1}  # one group a loop, 2 epochs
+    assert predictions.shape == expected_predictions.shape == (48, 1)  # 3 steps of 16
+    assert_history_close(expected_history.history, history.history)
+    assert_weights_close(expected, model)
+    np.testing.assert_allclose(predictions, expected_predictions, atol=1e-5, rtol=1e-5)
