@@ -44,3 +44,36 @@ def test_parts_that_overlap_or_leave_a_gap_are_damage(tmp_path, problem):
     path = save_checkpoint(tmp_path, _checkpoint([parts]))
     with pytest.raises(CheckpointError, match="overlaps|do not cover"):
         load_checkpoint(path)
+
+
+def test_processes_write_their_own_parts_into_one_checkpoint(tmp_path):
+    """Three processes' parts of one kernel (process 2 holds a whole bias too), staged by the primary,
+    written by each, committed by the primary: read back whole; a process's file missing is damage."""
+    from dp_core import PartsWritten, commit_checkpoint, stage_checkpoint, write_process_parts
+
+    kernel, bias = np.arange(36, dtype="float32").reshape(9, 4), np.arange(4, dtype="float32")
+    staging = stage_checkpoint(tmp_path)
+    written: list[PartsWritten] = [
+        write_process_parts(staging, 1, {"weights/0": Parts(kernel.shape, kernel.dtype, [Part((3, 0), kernel[3:6])])}),
+        write_process_parts(
+            staging,
+            2,
+            {
+                "weights/0": Parts(kernel.shape, kernel.dtype, [Part((6, 0), kernel[6:])]),
+                "weights/1": Parts(bias.shape, bias.dtype, [Part((0,), bias)]),
+            },
+        ),
+    ]
+    own = _checkpoint(
+        [Parts(kernel.shape, kernel.dtype, [Part((0, 0), kernel[:3])]), Parts(bias.shape, bias.dtype, [])]
+    )
+    path = commit_checkpoint(tmp_path, staging, own, written)
+    assert not staging.exists() and path.parent == tmp_path
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert sorted(manifest["files"]) == ["parts-0.npz", "parts-1.npz", "parts-2.npz", "state.json"]
+    loaded = load_checkpoint(path)
+    np.testing.assert_array_equal(loaded.weights[0], kernel)
+    np.testing.assert_array_equal(loaded.weights[1], bias)
+    (path / "parts-2.npz").unlink()
+    with pytest.raises(CheckpointError):
+        load_checkpoint(path)

@@ -143,3 +143,32 @@ def test_a_scoped_model_refuses_another_mode_and_says_its_state_is_gone_after_cl
         assert np.isfinite(trainer.evaluate(model, x, y, global_batch_size=GLOBAL_BATCH_SIZE, verbose=0)[0])
     with pytest.raises(RuntimeError, match=r"the model's state is gone"):
         model.get_weights()
+
+
+def test_a_scoped_models_checkpoints_are_written_by_parts_and_resume_bitwise(trainer, tmp_path):
+    """Each replica writes its own parts (format version 2, one parts file per replica), and a fit
+    stopped after its first epoch and resumed from the checkpoint ends where an uninterrupted one does."""
+    x, y = shard_test.data()
+    trainer.shard = "full"
+    with trainer.scope():
+        straight = shard_test.model("adam")
+    trainer.fit(straight, x, y, global_batch_size=GLOBAL_BATCH_SIZE, epochs=2, shuffle=False, verbose=0)
+    with trainer.scope():
+        first = shard_test.model("adam")
+    folder = str(tmp_path / "checkpoints")
+    trainer.fit(
+        first, x, y, global_batch_size=GLOBAL_BATCH_SIZE, epochs=1, shuffle=False, verbose=0, checkpoint_dir=folder
+    )
+    (written,) = sorted((tmp_path / "checkpoints").glob("step-*"))
+    manifest = json.loads((written / "manifest.json").read_text())
+    assert manifest["format_version"] == 2 and sorted(manifest["files"]) == ["parts-0.npz", "parts-1.npz", "state.json"]
+    with trainer.scope():
+        resumed = shard_test.model("adam")
+    history = trainer.fit(
+        resumed, x, y, global_batch_size=GLOBAL_BATCH_SIZE, epochs=2, shuffle=False, verbose=0, checkpoint_dir=folder
+    )
+    assert history.epoch == [0, 1]
+    for mine, theirs in zip(resumed.get_weights(), straight.get_weights(), strict=True):
+        np.testing.assert_array_equal(mine, theirs)
+    for mine, theirs in zip(resumed.optimizer.variables, straight.optimizer.variables, strict=True):
+        np.testing.assert_array_equal(shard_test._numpy(mine), shard_test._numpy(theirs))

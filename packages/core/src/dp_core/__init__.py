@@ -7,7 +7,11 @@ never imported from here.
 from importlib.metadata import version as _version
 
 from dp_core._batch import per_replica_batch_size as per_replica_batch_size
+from dp_core._checkpoint import PartsWritten as PartsWritten
+from dp_core._checkpoint import commit_checkpoint as commit_checkpoint
 from dp_core._checkpoint import save_checkpoint as save_checkpoint
+from dp_core._checkpoint import stage_checkpoint as stage_checkpoint
+from dp_core._checkpoint import write_process_parts as write_process_parts
 from dp_core._checkpoint_format import Checkpoint as Checkpoint
 from dp_core._checkpoint_format import CheckpointError as CheckpointError
 from dp_core._checkpoint_format import CheckpointVersionError as CheckpointVersionError
@@ -19,6 +23,8 @@ from dp_core._checkpoint_lock import claim_checkpoint_dir as claim_checkpoint_di
 from dp_core._checkpoint_read import latest_checkpoint as latest_checkpoint
 from dp_core._checkpoint_read import list_checkpoints as list_checkpoints
 from dp_core._checkpoint_read import load_checkpoint as load_checkpoint
+from dp_core._checkpoint_shards import Part as Part
+from dp_core._checkpoint_shards import Parts as Parts
 from dp_core._cluster import JobId as JobId
 from dp_core._cluster import Launch as Launch
 from dp_core._cluster import job_id_of as job_id_of
@@ -127,6 +133,9 @@ __all__ = [
     "NonFiniteLoss",
     "NonFiniteLossError",
     "OneCall",
+    "Part",
+    "Parts",
+    "PartsWritten",
     "PeakFlops",
     "Phase",
     "Preempted",
@@ -149,6 +158,7 @@ __all__ = [
     "check_checkpoint_dir",
     "check_compatible",
     "claim_checkpoint_dir",
+    "commit_checkpoint",
     "datasheet_peak_flops",
     "doctor_sections",
     "epoch_order",
@@ -182,8 +192,10 @@ __all__ = [
     "slurm_port",
     "split_indices",
     "sqrt_scaling",
+    "stage_checkpoint",
     "suspect_speedup",
     "threads_per_replica",
     "warn_oversubscribed",
+    "write_process_parts",
     "write_scaling_report",
 ]

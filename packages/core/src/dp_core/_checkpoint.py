@@ -5,6 +5,7 @@ checkpoint or none; older ones pruned after.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -15,9 +16,10 @@ import tempfile
 import time
 import uuid
 import warnings
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -37,6 +39,16 @@ from dp_core._checkpoint_lock import verify_claim
 from dp_core._checkpoint_read import list_checkpoints, newer_format_version
 from dp_core._checkpoint_shards import PARTS_FORMAT_VERSION, Part, Parts, has_parts, is_parts, parts_file, write_parts
 
+
+class PartsWritten(NamedTuple):
+    """One process's parts file in a staged checkpoint: its name, hash, size and where each part lies."""
+
+    file: str
+    sha256: str
+    size: int
+    table: dict[str, list[list[Any]]]
+
+
 # Checkpoints without parts are written as version 1, which dp-core 0.2.1 and later read.
 WHOLE_FORMAT_VERSION = 1
 # A .tmp-* staging directory nobody wrote to for this long was left by a killed writer.
@@ -50,28 +62,44 @@ def save_checkpoint(directory: str | os.PathLike[str], checkpoint: Checkpoint, *
     so; the checkpoints written before are untouched. Staging directories left by killed
     writers are removed once nobody has written to them for 15 minutes.
     """
-    root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
-    verify_claim(root)  # where this process holds the folder, it still does
-    _remove_stale_staging(root)
+    root, staging = _staged(directory)
     final = root / checkpoint.name
-    arrays = {
-        f"{group}/{i}": value if is_parts(value) else _plain_array(group, i, value)
-        for group in GROUPS
-        for i, value in enumerate(getattr(checkpoint, group))
-    }
-    staging: Path | None = None
-    try:
-        staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
+    with _committing(root, staging, final, keep):
+        arrays = _arrays_of(checkpoint)
         if has_parts(checkpoint):
             _write_parts_files(staging, checkpoint, arrays)
         else:
             _write_files(staging, checkpoint, arrays)
+    return final
+
+
+def _staged(directory: str | os.PathLike[str]) -> tuple[Path, Path]:
+    """The checkpoint folder (made, still held where this process holds it) and a new staging folder in it."""
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    verify_claim(root)  # where this process holds the folder, it still does
+    _remove_stale_staging(root)
+    return root, Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
+
+
+def _arrays_of(checkpoint: Checkpoint) -> dict[str, Any]:
+    return {
+        f"{group}/{i}": value if is_parts(value) else _plain_array(group, i, value)
+        for group in GROUPS
+        for i, value in enumerate(getattr(checkpoint, group))
+    }
+
+
+@contextlib.contextmanager
+def _committing(root: Path, staging: Path, final: Path, keep: int) -> Iterator[None]:
+    """The block writes ``staging``; then it is renamed to ``final`` and the oldest beyond ``keep`` go.
+    A write that fails removes the staging folder; a full disk says so."""
+    try:
+        yield
         _put_in_place(staging, final)
         _fsync_directory(root)
     except OSError as error:
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
         full = error.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
         hint = " Free disk space, or point checkpoint_dir at another disk." if full else ""
         raise OSError(
@@ -80,14 +108,47 @@ def save_checkpoint(directory: str | os.PathLike[str], checkpoint: Checkpoint, *
             f"was removed; the checkpoints written before are intact.{hint}",
         ) from error
     except BaseException:
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
         raise
     for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
         # a checkpoint named later than this one (say, damaged, skipped) never evicts it, and one
         # of a newer format is never removed by a version that cannot read it
         if old != final and newer_format_version(old) is None:
             _remove(old)
+
+
+def stage_checkpoint(directory: str | os.PathLike[str]) -> Path:
+    """A checkpoint written by several processes, each its own parts (format version 2): the primary
+    stages a folder in ``directory`` (returned), every other process writes its parts there
+    (``write_process_parts``), and the primary commits it (``commit_checkpoint``) with their records."""
+    return _staged(directory)[1]
+
+
+def write_process_parts(staging: str | os.PathLike[str], process: int, arrays: dict[str, Any]) -> PartsWritten:
+    """``process``'s parts (each array a ``Parts``, by ``"<group>/<index>"``) into the staged folder,
+    flushed to disk; its record goes to the primary for the manifest."""
+    folder, file = Path(staging), parts_file(process)
+    table = write_parts(folder / file, arrays, file)
+    with open(folder / file, "rb+") as f:
+        os.fsync(f.fileno())
+    return PartsWritten(file, _sha256(folder / file), os.stat(folder / file).st_size, table)
+
+
+def commit_checkpoint(
+    directory: str | os.PathLike[str],
+    staging: str | os.PathLike[str],
+    checkpoint: Checkpoint,
+    others: Sequence[PartsWritten],
+    *,
+    keep: int = 3,
+) -> Path:
+    """The staged checkpoint written whole: the primary's own parts (``checkpoint``'s arrays, each a
+    ``Parts`` or whole) and the manifest over every process's (``others``' records), then renamed into
+    place as ``save_checkpoint`` does. Every array must be in ``checkpoint``, with its shape and dtype."""
+    root, folder = Path(directory), Path(staging)
+    final = root / checkpoint.name
+    with _committing(root, folder, final, keep):
+        _write_parts_files(folder, checkpoint, _arrays_of(checkpoint), others=others)
     return final
 
 
@@ -143,21 +204,24 @@ def _write_state(staging: Path, checkpoint: Checkpoint) -> None:
     _write_text(staging / "state.json", json.dumps(state, indent=1, sort_keys=True))
 
 
-def _write_parts_files(staging: Path, checkpoint: Checkpoint, arrays: dict[str, Any], process: int = 0) -> None:
-    """Format version 2 (``dp_core._checkpoint_shards``): this process's parts in ``parts-<process>.npz``
-    (a whole array as one part), the manifest listing where each part lies."""
-    file = parts_file(process)
+def _write_parts_files(
+    staging: Path, checkpoint: Checkpoint, arrays: dict[str, Any], *, others: Sequence[PartsWritten] = ()
+) -> None:
+    """Format version 2 (``dp_core._checkpoint_shards``): this process's parts in ``parts-0.npz`` (a whole
+    array as one part), the other processes' already written (``others``), the manifest listing where
+    each part lies."""
     as_parts = {key: _as_parts(value) for key, value in arrays.items()}
-    table = write_parts(staging / file, as_parts, file)
-    with open(staging / file, "rb+") as f:
-        os.fsync(f.fileno())
+    own = write_process_parts(staging, 0, as_parts)
     _write_state(staging, checkpoint)
-    files = ("state.json", file)
+    written = [own, *others]
+    table = {key: [entry for record in written for entry in record.table.get(key, [])] for key in as_parts}
+    hashes = {"state.json": _sha256(staging / "state.json"), **{record.file: record.sha256 for record in written}}
+    sizes = {"state.json": os.stat(staging / "state.json").st_size, **{record.file: record.size for record in written}}
     manifest = {
         "format": FORMAT_NAME,
         "format_version": PARTS_FORMAT_VERSION,
-        "files": {name: _sha256(staging / name) for name in files},
-        "sizes": {name: os.stat(staging / name).st_size for name in files},
+        "files": hashes,
+        "sizes": sizes,
         "arrays": {
             key: {"dtype": np.lib.format.dtype_to_descr(np.dtype(array.dtype)), "shape": list(array.shape)}
             for key, array in as_parts.items()

@@ -45,6 +45,7 @@ from dp_core.keras import (
 from torch_dp._processes.cluster import is_primary_process
 from torch_dp._processes.group import Timeouts
 from torch_dp._processes.launchers import ClusterProcess, Launcher, choose_launcher
+from torch_dp._scope.deferred import deferring_if_scoped
 from torch_dp._scope.held import trainer_scope
 from torch_dp._scope.layout import check_scoped_call
 from torch_dp._step.custom import check_custom_steps, optimizers_of
@@ -373,7 +374,8 @@ def _checkpoint_to_resume(arguments: FitArguments, model: keras.Model, inputs: I
     if checkpoint_dir is None or not is_primary_process():
         return None
     check_checkpoint_dir(checkpoint_dir)  # writable, and held by no other run: refused before any replica starts
-    build_model(model, inputs)
+    with deferring_if_scoped(model):
+        build_model(model, inputs)
     found = resumable_checkpoint(
         checkpoint_dir,
         model,

@@ -22,8 +22,9 @@ The contract, what a backend calls on the way from the user's call to its step:
 - the learning rate: ``plan_learning_rate``, ``learning_rate_policy_installed``
   (``LearningRatePolicy``);
 - checkpoints: ``CheckpointWriter`` (``checkpoints_finished``: its last write waited for),
-  ``resumable_checkpoint``, ``restore_model``, ``start_of`` (``Start``), ``print_resume`` (the line
-  a resumed fit prints).
+  ``resumable_checkpoint``, ``restore_model`` (``checkpoint_pairs``: what it assigns), ``start_of``
+  (``Start``), ``print_resume`` (the line a resumed fit prints), ``StagedParts`` (a checkpoint whose
+  processes each wrote their own parts).
 
 Helpers, for what a backend does its own way:
 
@@ -56,11 +57,10 @@ from dp_core.keras._callbacks import callback_list as callback_list
 from dp_core.keras._callbacks import needs_every_batch as needs_every_batch
 from dp_core.keras._callbacks import nonfinite_action as nonfinite_action
 from dp_core.keras._checkpoints import CheckpointWriter as CheckpointWriter
+from dp_core.keras._checkpoints import StagedParts as StagedParts
 from dp_core.keras._checkpoints import Start as Start
 from dp_core.keras._checkpoints import checkpoints_finished as checkpoints_finished
 from dp_core.keras._checkpoints import print_resume as print_resume
-from dp_core.keras._checkpoints import restore_model as restore_model
-from dp_core.keras._checkpoints import resumable_checkpoint as resumable_checkpoint
 from dp_core.keras._checkpoints import start_of as start_of
 from dp_core.keras._distribution import mark_as_trainers as mark_as_trainers
 from dp_core.keras._executions import ONE_STEP as ONE_STEP
@@ -79,6 +79,9 @@ from dp_core.keras._logs import python_logs as python_logs
 from dp_core.keras._losses import check_losses_split as check_losses_split
 from dp_core.keras._losses import replica_losses as replica_losses
 from dp_core.keras._model import build_model as build_model
+from dp_core.keras._restore import checkpoint_pairs as checkpoint_pairs
+from dp_core.keras._restore import restore_model as restore_model
+from dp_core.keras._restore import resumable_checkpoint as resumable_checkpoint
 from dp_core.keras._sources import BatchSource as BatchSource
 
 # isort: split
@@ -139,6 +142,7 @@ __all__ = [
     "PredictJob",
     "ReplicaRows",
     "SourceStandIn",
+    "StagedParts",
     "Start",
     "activity_regularizer_divides_by_batch_size",
     "adopt_batch_terms",
@@ -153,6 +157,7 @@ __all__ = [
     "check_shard_mode",
     "checked_call",
     "checked_model_and_inputs",
+    "checkpoint_pairs",
     "checkpoints_finished",
     "compare_replica_counts",
     "concatenated",

@@ -17,18 +17,17 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeGuard
+from typing import Any, NamedTuple
 
 import keras
 import numpy as np
 
-from dp_core._checkpoint import save_checkpoint
+from dp_core._checkpoint import PartsWritten, commit_checkpoint, save_checkpoint
 from dp_core._checkpoint_background import BackgroundWrites
-from dp_core._checkpoint_format import Checkpoint, CheckpointError, check_compatible
-from dp_core._checkpoint_read import latest_checkpoint
+from dp_core._checkpoint_format import Checkpoint, CheckpointError
 from dp_core.keras._callbacks import verbosity
 
 # keras.ops is typed for every backend at once; treat it as untyped here.
@@ -47,7 +46,7 @@ class Start:
 
 
 # Config entries that decide which variables a Keras optimizer has (beyond one per weight).
-_SLOT_KEYS = ("amsgrad", "centered", "use_ema", "gradient_accumulation_steps")
+SLOT_KEYS = ("amsgrad", "centered", "use_ema", "gradient_accumulation_steps")
 
 
 def start_of(checkpoint: Checkpoint) -> Start:
@@ -104,37 +103,6 @@ def print_resume(
         absl_logging.info(line)
 
 
-def resumable_checkpoint(
-    checkpoint_dir: str | os.PathLike[str],
-    model: keras.Model,
-    *,
-    seed: int,
-    global_batch_size: int,
-    shuffle: bool | str,
-) -> Checkpoint | None:
-    """The newest valid checkpoint in ``checkpoint_dir`` that ``model`` and fit's arguments
-    can continue (None: start fresh); a ``CheckpointError`` says why one cannot.
-
-    ``model`` must be built, so its weights can be compared with the checkpoint's.
-    """
-    checkpoint = latest_checkpoint(checkpoint_dir)
-    if checkpoint is None:
-        return None
-    check_compatible(checkpoint, model.get_weights(), model_name=model.name)
-    _check_same_optimizer(checkpoint, model)
-    agreed = [("global_batch_size", checkpoint.global_batch_size, global_batch_size)]
-    if shuffle:  # without shuffling the order does not depend on the seed
-        agreed.append(("seed", checkpoint.seed, seed))
-    for name, saved, passed in agreed:
-        if saved != passed:
-            raise CheckpointError(
-                f"The checkpoint in {str(checkpoint_dir)!r} was written with {name}={saved}, but fit got "
-                f"{name}={passed}; the data order would not continue. Pass {name}={saved}, or an empty "
-                "checkpoint_dir to start over."
-            )
-    return checkpoint
-
-
 def model_checkpoint(
     model: keras.Model,
     *,
@@ -146,18 +114,22 @@ def model_checkpoint(
     lr_policy: dict[str, Any] | None,
     metric_variables: list[Any] | None = None,
     optimizer_variables: list[Any] | None = None,
+    read: Callable[[Any], Any] | None = None,
 ) -> Checkpoint:
     """``model``'s weights, optimizer and metric state, and its History so far, as a Checkpoint.
 
     ``metric_variables`` overrides the model's own (a backend passes the sums over replicas);
-    ``optimizer_variables`` the compiled optimizer's (e.g. an optax state's leaves).
+    ``optimizer_variables`` the compiled optimizer's (e.g. an optax state's leaves); ``read`` how each
+    weight and optimizer variable becomes an array (a backend holding a variable by parts gives its
+    parts, which ``save_checkpoint`` writes by parts).
     """
+    read = read or _numpy
     optimizer = list(model.optimizer.variables) if model.optimizer is not None else []
     extra: dict[str, Any] = {}
     if optimizer_variables is not None:  # another optimizer's state (optax): model.optimizer says nothing of it
         optimizer = optimizer_variables
     elif model.optimizer is not None:
-        extra["optimizer"] = _optimizer_record(model.optimizer)
+        extra["optimizer"] = optimizer_record(model.optimizer)
     metrics = model.metrics_variables if metric_variables is None else metric_variables
     history = model.history.history if model.history is not None else {}
     return Checkpoint(
@@ -166,8 +138,8 @@ def model_checkpoint(
         seed=seed,
         global_batch_size=global_batch_size,
         num_replicas=num_replicas,
-        weights=model.get_weights(),
-        optimizer_variables=[_numpy(v) for v in optimizer],
+        weights=[read(v) for v in model.weights],
+        optimizer_variables=[read(v) for v in optimizer],
         metric_variables=[_numpy(v) for v in metrics],
         lr_policy=lr_policy,
         extra={
@@ -176,6 +148,13 @@ def model_checkpoint(
             **extra,
         },
     )
+
+
+class StagedParts(NamedTuple):
+    """A checkpoint's staged folder (``dp_core.stage_checkpoint``) and the parts the other processes wrote there."""
+
+    folder: str
+    others: list[PartsWritten]
 
 
 @dataclass(frozen=True)
@@ -211,9 +190,13 @@ class CheckpointWriter:
         step: int,
         metric_variables: list[Any],
         optimizer_variables: list[Any] | None = None,
+        read: Callable[[Any], Any] | None = None,
+        staged: StagedParts | None = None,
     ) -> None:
         """``model`` (holding the trained weights) at ``step`` steps into ``epoch``, atomically: written
-        before this returns, or in the background from a copy taken before it returns."""
+        before this returns, or in the background from a copy taken before it returns. ``read``: as
+        ``model_checkpoint``'s; ``staged``: the folder the other processes wrote their parts into, and
+        their records (then written before this returns)."""
         checkpoint = model_checkpoint(
             model,
             epoch=epoch,
@@ -224,8 +207,11 @@ class CheckpointWriter:
             lr_policy=self.lr_policy,
             metric_variables=metric_variables,
             optimizer_variables=optimizer_variables,
+            read=read,
         )
-        if self.in_background:
+        if staged is not None:
+            commit_checkpoint(self.directory, staged.folder, checkpoint, staged.others)
+        elif self.in_background:
             self._writes.save(self.directory, checkpoint)
         else:
             save_checkpoint(self.directory, checkpoint)
@@ -257,43 +243,7 @@ def checkpoints_finished(writer: CheckpointWriter | None) -> Iterator[None]:
     writer.finish()
 
 
-def restore_model(checkpoint: Checkpoint, model: keras.Model, *, metrics: bool = True) -> None:
-    """Put ``checkpoint``'s weights, optimizer variables and (if ``metrics``) metric variables
-    into the built ``model``, after checking they fit."""
-    check_compatible(checkpoint, model.get_weights(), model_name=model.name)
-    _check_same_optimizer(checkpoint, model)
-    optimizer = list(model.optimizer.variables) if model.optimizer is not None else []
-    pairs = _optimizer_pairs(optimizer, checkpoint)
-    metric_pairs = list(zip(model.metrics_variables, checkpoint.metric_variables, strict=False)) if metrics else []
-    for variable, value in [*pairs, *metric_pairs]:
-        _check_shape(variable, value)
-    model.set_weights(checkpoint.weights)
-    for variable, value in [*pairs, *metric_pairs]:
-        variable.assign(value)
-
-
-def _optimizer_pairs(optimizer: list[keras.Variable], checkpoint: Checkpoint) -> list[tuple[keras.Variable, Any]]:
-    """Optimizer variables matched by position. Paths carry per-process unique names
-    (``adam_3/...``), so they cannot match between runs. Checkpoints of dp-core 0.1 lack the
-    learning-rate variable after a warmup; when exactly one side has it, it is left out of the match."""
-    saved = checkpoint.optimizer_variables
-    if len(saved) == len(optimizer):
-        return list(zip(optimizer, saved, strict=True))
-    paths = checkpoint.extra.get("optimizer_paths")
-    if not isinstance(paths, list) or len(paths) != len(saved) or not all(isinstance(p, str) for p in paths):
-        paths = [""] * len(saved)  # absent (or unusable): nothing is left out of the match
-    kept_saved = [value for path, value in zip(paths, saved, strict=True) if not path.endswith("/learning_rate")]
-    kept_mine = [v for v in optimizer if not v.path.endswith("/learning_rate")]
-    if len(kept_saved) != len(kept_mine):
-        raise CheckpointError(
-            f"The checkpoint at epoch {checkpoint.epoch}, step {checkpoint.step} holds {len(saved)} optimizer "
-            f"variables, {_optimizer_name(optimizer)} has {len(optimizer)}: it was written with another "
-            "optimizer. Compile the model as for the checkpointed run, or point checkpoint_dir at an empty directory."
-        )
-    return list(zip(kept_mine, kept_saved, strict=True))
-
-
-def _optimizer_record(optimizer: keras.optimizers.Optimizer) -> dict[str, Any]:
+def optimizer_record(optimizer: keras.optimizers.Optimizer) -> dict[str, Any]:
     """What a checkpoint records of ``optimizer``: its class name and the JSON scalars of its
     config (a learning-rate schedule is left out), with the wrapped optimizer of a
     ``LossScaleOptimizer`` as ``inner``."""
@@ -308,72 +258,8 @@ def _optimizer_record(optimizer: keras.optimizers.Optimizer) -> dict[str, Any]:
         },
     }
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        record["inner"] = _optimizer_record(optimizer.inner_optimizer)
+        record["inner"] = optimizer_record(optimizer.inner_optimizer)
     return record
-
-
-def _check_same_optimizer(checkpoint: Checkpoint, model: keras.Model) -> None:
-    """Fail clearly when ``checkpoint`` was written with an optimizer of another class, or one
-    whose config decides other variables (SGD with and without momentum, Adam with amsgrad),
-    than ``model``'s: matched by position, its state would fill the wrong slots. Checkpoints
-    without the record (dp-core 0.2.1 and before, optax state) are not compared."""
-    saved = checkpoint.extra.get("optimizer")
-    if model.optimizer is None or not _is_optimizer_record(saved):
-        return
-    current = _optimizer_record(model.optimizer)
-    if _same_slots(saved, current):
-        return
-    raise CheckpointError(
-        f"The checkpoint at epoch {checkpoint.epoch}, step {checkpoint.step} was written with the optimizer "
-        f"{_describe(saved)}, but {model.name} is compiled with {_describe(current)}: its saved variables would "
-        f"fill the wrong slots (NaN or divergence that looks like a learning-rate problem). Compile the model with "
-        f"{_describe(saved)} as in the checkpointed run, or point checkpoint_dir at an empty directory to start over."
-    )
-
-
-def _is_optimizer_record(record: Any) -> TypeGuard[dict[str, Any]]:
-    return (
-        isinstance(record, dict)
-        and isinstance(record.get("class_name"), str)
-        and isinstance(record.get("config"), dict)
-        and (record.get("inner") is None or _is_optimizer_record(record["inner"]))
-    )
-
-
-def _same_slots(saved: dict[str, Any], current: dict[str, Any]) -> bool:
-    """Same class, and the same slot switches where both configs have them (a config that
-    could not be read, or a key an older Keras lacks, is not a difference)."""
-    if saved["class_name"] != current["class_name"]:
-        return False
-    for key in ("momentum", *_SLOT_KEYS):
-        if key in saved["config"] and key in current["config"]:
-            was, now = saved["config"][key], current["config"][key]
-            differs = bool(was) != bool(now) if key == "momentum" else was != now  # any momentum > 0: one slot
-            if differs:
-                return False
-    inner, current_inner = saved.get("inner"), current.get("inner")
-    return inner is None or current_inner is None or _same_slots(inner, current_inner)
-
-
-def _describe(record: dict[str, Any]) -> str:
-    config = record["config"]
-    shown = [f"{key}={config[key]!r}" for key in ("momentum", *_SLOT_KEYS) if config.get(key)]
-    if record.get("inner") is not None:
-        shown.insert(0, _describe(record["inner"]))
-    return f"{record['class_name']}({', '.join(shown)})"
-
-
-def _optimizer_name(optimizer: list[keras.Variable]) -> str:
-    return f"the optimizer '{optimizer[0].path.split('/')[0]}'" if optimizer else "the model's optimizer"
-
-
-def _check_shape(variable: keras.Variable, value: np.ndarray) -> None:
-    if tuple(variable.shape) != tuple(value.shape):
-        raise CheckpointError(
-            f"The checkpoint's value for {variable.path} has shape {tuple(value.shape)}, the model's has "
-            f"{tuple(variable.shape)}: it was written with another optimizer or metrics. Compile the model as "
-            "for the checkpointed run, or point checkpoint_dir at an empty directory."
-        )
 
 
 def _numpy(variable: Any) -> np.ndarray:

@@ -25,9 +25,10 @@ import torch
 import torch.distributed as dist
 
 from dp_core import Checkpoint, check_checkpoint_dir, claim_checkpoint_dir, load_checkpoint
-from dp_core.keras import CheckpointWriter, Start, restore_model, start_of
+from dp_core.keras import CheckpointWriter, Start, checkpoint_pairs, restore_model, start_of
 from torch_dp._comm.collectives import all_gather_rows, all_reduce_sum
 from torch_dp._comm.replica import Replica
+from torch_dp._scope.checkpoints import put_by_parts, save_by_parts
 from torch_dp._step.broadcast import same_state_as_primary
 from torch_dp._step.shards import REPLICATED, TrainingState
 
@@ -35,10 +36,13 @@ if TYPE_CHECKING:
     from torch_dp._step.accumulation import Window
 
 
-def resume_from(path: str | None, model: keras.Model, replica: Replica) -> Start:
+def resume_from(path: str | None, model: keras.Model, replica: Replica, *, by_parts: bool = False) -> Start:
     """Restore the weights and optimizer state of the checkpoint at ``path`` into ``model``;
     metric states wait for the epoch to begin. With several replicas, rank 0's ``path`` (chosen
-    and checked by its caller) is the one every replica resumes from, whatever theirs."""
+    and checked by its caller) is the one every replica resumes from, whatever theirs. ``by_parts``:
+    a scoped model, whose replicas take their parts of rank 0's values (``_scope.checkpoints``)."""
+    if by_parts and replica.distributed:
+        return _resume_by_parts(path, model, replica)
     if not replica.distributed:
         if path is None:
             return Start()
@@ -70,6 +74,30 @@ def resume_from(path: str | None, model: keras.Model, replica: Replica) -> Start
         return start
     stand_in = Checkpoint(chosen["epoch"], chosen["step"], 0, 0, 0, [], extra={"history": chosen["history"]})
     return start_of(stand_in)  # the metric states stay on rank 0 (``restore_metrics``)
+
+
+def _resume_by_parts(path: str | None, model: keras.Model, replica: Replica) -> Start:
+    start, failure, values = Start(), None, {}
+    if replica.is_primary and path is not None:
+        try:
+            check_checkpoint_dir(os.path.dirname(path))
+            checkpoint = load_checkpoint(path)
+            values = {id(variable): value for variable, value in checkpoint_pairs(checkpoint, model, metrics=False)}
+            start = start_of(checkpoint)
+        except Exception as error:  # every replica must hear of it, or the others would wait for rank 0
+            failure = error
+    chosen = json.loads(text_from_primary(_choice(path, start, failure) if replica.is_primary else "", replica))
+    if chosen["failure"] is not None:
+        if failure is not None:
+            raise failure
+        raise RuntimeError(f"torch_dp: rank 0 could not resume from {chosen['path']!r}; every replica stops.")
+    if chosen["path"] is None:
+        return Start()
+    put_by_parts(model, values, replica)
+    if replica.is_primary:
+        return start
+    stand_in = Checkpoint(chosen["epoch"], chosen["step"], 0, 0, 0, [], extra={"history": chosen["history"]})
+    return start_of(stand_in)
 
 
 @contextmanager
@@ -158,6 +186,9 @@ def save(
     if window is not None:
         window.settle(model, replica)
     metric_variables = summed_metric_states(model, replica)
+    if state.held and replica.distributed:  # a scoped model: each replica writes its own parts
+        save_by_parts(writer, model, replica, epoch=epoch, step=step, metric_variables=metric_variables)
+        return
     with state.on_primary_host():
         if replica.is_primary:
             writer.write(model, epoch=epoch, step=step, metric_variables=metric_variables)

@@ -148,7 +148,8 @@ def run_fit(
         custom_steps(model, replica, ("train_step", "test_step")) as custom,
         PreemptionWatch() as notice,
     ):
-        start = resume_from(job.resume_from, model, replica)  # after the policy: the checkpoint's rate wins
+        # after the policy: the checkpoint's rate wins
+        start = resume_from(job.resume_from, model, replica, by_parts=held is not None)
         writer = None
         if job.arguments.checkpoint_dir is not None:
             writer = CheckpointWriter(

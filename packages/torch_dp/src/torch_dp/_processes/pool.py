@@ -69,7 +69,7 @@ from torch_dp._processes.shared_arrays import SharedArrays
 from torch_dp._processes.spawn import Worker, start_process, stop_processes, torch_threads
 from torch_dp._processes.transfer import KerasSettings, Request, for_workers, recompiled, ship_model, shippable
 from torch_dp._processes.worker import pool_worker
-from torch_dp._scope.deferred import deferring, scoped_mode
+from torch_dp._scope.deferred import deferring_if_scoped, scoped_mode
 from torch_dp._scope.held import calling, hold, release_all
 from torch_dp._scope.layout import holdings, stored_layout
 from torch_dp._scope.replicas import VariableJob, serve, state_variables
@@ -109,7 +109,7 @@ class ReplicaPool:
         refuse_while_starting()
         scoped, mode = scoped_mode(model)
         if scoped:  # its variables are made on the replicas; its losses are checked there
-            with deferring(mode):
+            with deferring_if_scoped(model):
                 build(model, job)
             batch_terms(model, job.inputs)  # its add_loss probe reads each weight whole here, once
         else:

@@ -60,6 +60,13 @@ def deferring(mode: ShardMode | None) -> Iterator[None]:
         yield
 
 
+def deferring_if_scoped(model: keras.Model) -> contextlib.AbstractContextManager[None]:
+    """Within the block a variable Keras creates for ``model`` (its metrics', its optimizer's) is deferred
+    when ``model`` was built in a scope, as its first ones were; else the block changes nothing."""
+    scoped, mode = scoped_mode(model)
+    return deferring(mode) if scoped else contextlib.nullcontext()
+
+
 def scoped_mode(model: keras.Model) -> tuple[bool, ShardMode | None]:
     """Whether ``model`` was built in a scope, and the ``shard=`` mode of that scope."""
     for variable in model.variables:

@@ -71,6 +71,11 @@ class TrainingState(Protocol):
         """The ``shard=`` mode (None: replicated)."""
         ...
 
+    @property
+    def held(self) -> bool:
+        """A scoped model's state: its replicas hold their pieces before and after the fit."""
+        ...
+
     def buckets(self, model: keras.Model, replica: Replica) -> GradientBuckets | None:
         """How a step's gradients travel during backward (None: summed in one all-reduce after it)."""
         ...
@@ -112,6 +117,7 @@ class Replicated:
     """Every replica holds the whole state (``shard=None``)."""
 
     mode = None
+    held = False
 
     def buckets(self, model: keras.Model, replica: Replica) -> GradientBuckets | None:
         return gradient_buckets(model, replica)

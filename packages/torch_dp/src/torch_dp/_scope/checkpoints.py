@@ -1,0 +1,103 @@
+"""Checkpoints of a scoped model: each replica writes its own parts and rank 0 the rest
+(``save_by_parts``, dp-core's format version 2, committed atomically by rank 0), and a resumed fit
+puts each variable's value back part by part (``put_by_parts``), so no replica gathers the whole
+state to write it, and no replica but rank 0 holds more than its parts to read it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dp_core import Part, Parts, PartsWritten, stage_checkpoint, write_process_parts
+from dp_core.keras import CheckpointWriter, StagedParts, internals
+from torch_dp._comm.collectives import _entering, broadcast_from_primary, broadcast_object
+from torch_dp._comm.replica import Replica
+from torch_dp._scope.layout import holdings, stored_layout
+from torch_dp._scope.materialize import send_parts
+from torch_dp._step.owners import Piece
+
+
+def held_variables(model: keras.Model) -> dict[int, list[Piece]]:
+    """The model's variables held by pieces (by identity), as its layout says."""
+    return holdings(model, stored_layout(model))
+
+
+def _keyed(model: keras.Model) -> list[tuple[str, keras.Variable]]:
+    """The arrays of a checkpoint by their names, as ``dp_core.keras.model_checkpoint`` orders them."""
+    optimizer = list(model.optimizer.variables) if getattr(model, "optimizer", None) is not None else []
+    return [(f"weights/{i}", v) for i, v in enumerate(model.weights)] + [
+        (f"optimizer_variables/{i}", v) for i, v in enumerate(optimizer)
+    ]
+
+
+def _own_parts(variable: keras.Variable, pieces: Sequence[Piece], rank: int) -> Parts:
+    stored = internals.stored_value(variable).detach().cpu().numpy()
+    ndim = len(variable.shape)
+    parts = [
+        Part((0,) * ndim if p.rows is None else (p.rows[0], *(0,) * (ndim - 1)), stored)
+        for p in pieces
+        if p.owner == rank
+    ]
+    return Parts(tuple(int(s) for s in variable.shape), stored.dtype, parts)
+
+
+def save_by_parts(
+    writer: CheckpointWriter,
+    model: keras.Model,
+    replica: Replica,
+    *,
+    epoch: int,
+    step: int,
+    metric_variables: list[Any],
+) -> None:
+    """A checkpoint at ``step`` of ``epoch``: rank 0 stages it, every other replica writes its parts there,
+    rank 0 writes its own, the variables every replica holds whole and the manifest, then commits it."""
+    held = held_variables(model)
+    folder: str = broadcast_object(str(stage_checkpoint(writer.directory)) if replica.is_primary else None, replica)
+    written: PartsWritten | None = None
+    if not replica.is_primary:
+        arrays = {key: _own_parts(v, held[id(v)], replica.rank) for key, v in _keyed(model) if id(v) in held}
+        arrays = {key: parts for key, parts in arrays.items() if parts.parts}
+        written = write_process_parts(folder, replica.rank, arrays) if arrays else None
+    records: list[PartsWritten | None] = [None] * replica.num_replicas
+    _entering()
+    dist.all_gather_object(records, written, group=replica.group)
+    if not replica.is_primary:
+        return
+
+    def read(variable: keras.Variable) -> Any:
+        if id(variable) in held:
+            return _own_parts(variable, held[id(variable)], 0)
+        return np.asarray(keras.ops.convert_to_numpy(internals.stored_value(variable)))
+
+    others = [record for record in records if record is not None]
+    staged = StagedParts(folder, others)
+    writer.write(model, epoch=epoch, step=step, metric_variables=metric_variables, read=read, staged=staged)
+
+
+def put_by_parts(model: keras.Model, values: dict[int, Any], replica: Replica) -> None:
+    """Rank 0's restored ``values`` (by variable identity; empty on the other replicas) in place: each
+    variable held by pieces sent part by part to its holders, the others broadcast whole."""
+    held = held_variables(model)
+    variables = [v for _, v in _keyed(model)]
+    for variable in variables:
+        if id(variable) in held:
+            whole = None
+            if replica.is_primary:
+                whole = torch.as_tensor(keras.ops.convert_to_tensor(values[id(variable)], variable.dtype))
+                whole = whole.to(replica.device)
+            send_parts(variable, whole, held[id(variable)], replica)
+    whole_ones = [v for v in variables if id(v) not in held]
+    if replica.is_primary:
+        for variable in whole_ones:
+            if id(variable) in values:
+                variable.assign(values[id(variable)])
+    if whole_ones:
+        values_now = broadcast_from_primary([v.value for v in whole_ones], replica)
+        for variable, value in zip(whole_ones, values_now, strict=True):
+            variable.assign(value)
