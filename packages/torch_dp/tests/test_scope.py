@@ -14,6 +14,8 @@ import torch_dp_testing as testing
 
 import torch_dp
 from dp_core.keras import internals
+from torch_dp._scope import deferred
+from torch_dp._scope.loading import StoredValue
 from torch_dp._step.owners import slots_of
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
@@ -80,6 +82,8 @@ def test_load_weights_in_the_scope_and_save_give_standard_files(trainer, tmp_pat
     with trainer.scope():
         scoped = shard_test.model("adam")
         scoped.load_weights(str(tmp_path / "trained.weights.h5"))
+    # nothing read yet: each variable knows where its value lies in the file, read at the first call
+    assert all(isinstance(deferred._entries[id(v)].source, StoredValue) for v in scoped.weights)
     x, _ = shard_test.data(37, seed=1)
     expected = reference.predict(x, batch_size=GLOBAL_BATCH_SIZE, verbose=0)
     np.testing.assert_allclose(

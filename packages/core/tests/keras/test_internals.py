@@ -286,3 +286,27 @@ def test_a_progbar_counts_its_step_time_from_a_resumed_step(monkeypatch):
     resumed.update(41), keras_own.update(41)
     assert resumed._estimate_step_duration(41, now[0]) == pytest.approx(0.07)
     assert keras_own._estimate_step_duration(41, now[0]) == pytest.approx(0.07 / 41)  # what it fixes
+
+
+def test_the_loading_hook_hands_load_weights_the_stored_dataset_while_active(tmp_path, monkeypatch):
+    from keras.src.saving import saving_lib
+
+    monkeypatch.setattr(saving_lib.H5IOStore, "__getitem__", saving_lib.H5IOStore.__getitem__)  # put back after
+    source = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    source.save_weights(str(tmp_path / "source.weights.h5"))
+    seen: list[tuple[tuple[int, ...], bool]] = []
+    active = [False]
+
+    def stored(dataset, bfloat16):
+        seen.append((tuple(dataset.shape), bfloat16))
+        return np.asarray(dataset)
+
+    internals.install_keras_loading_hook(lambda: active[0], stored)
+    target = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    target.load_weights(str(tmp_path / "source.weights.h5"))
+    assert seen == []  # not active: Keras's own reading
+    active[0] = True
+    target.load_weights(str(tmp_path / "source.weights.h5"))
+    assert seen == [((3, 2), False), ((2,), False)]
+    for mine, theirs in zip(target.get_weights(), source.get_weights(), strict=True):
+        np.testing.assert_array_equal(mine, theirs)

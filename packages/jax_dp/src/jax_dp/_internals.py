@@ -76,7 +76,8 @@ def install_keras_variable_hooks(
     - ``JaxVariable._convert_to_tensor``: ``assign(numpy)`` (``load_weights``) makes the whole value on
       the default device before splitting it; a placed variable's host value goes straight to its
       sharding, each device receiving its part, and a value read by parts (``stored_values``, which
-      ``install_keras_loading_hook`` makes ``load_weights`` assign in a trainer's scope) is read
+      ``dp_core.keras.internals.install_keras_loading_hook`` makes ``load_weights`` assign in a trainer's
+      scope) is read
       part by part into it (any other variable reads it whole);
     - ``JaxVariable.__array__`` (``np.array(variable)``, how Keras's saving reads each variable): jax
       caches a sharded array's host copy on the array; the copy is taken from a fresh view of the same
@@ -144,25 +145,3 @@ def _hook_should_shard_at_init(core: Any, on_trainer_mesh: Callable[[Any], bool]
             return split or keras_should_shard(layout, shape)
 
         core.should_shard_at_init = should_shard_at_init
-
-
-def install_keras_loading_hook(stored_values: StoredValues) -> None:
-    """``keras.src.saving.saving_lib.H5IOStore.__getitem__`` (how ``load_weights``, a ``.keras``
-    file's weights and keras-hub's ``from_preset`` read a variable) returns the whole dataset as a numpy
-    array; while ``stored_values.active()`` it returns the dataset read by parts instead, which the
-    variable's ``assign`` reads (``install_keras_variable_hooks``). Keras has no public hook between
-    the file and the variable. ``ShardedH5IOStore`` (a ``.weights.json`` of several files) is left as
-    it is: it closes a file right after reading from it."""
-    from keras.src.saving import saving_lib
-
-    store_class: Any = saving_lib.H5IOStore
-    keras_getitem = store_class.__getitem__
-
-    def getitem(store: Any, key: str) -> Any:
-        if type(store) is not store_class or not stored_values.active():
-            return keras_getitem(store, key)
-        dataset = saving_lib.safe_get_h5_dataset(store._h5_entry_group, key)  # Keras's checks (no links)
-        bfloat16 = "dtype" in dataset.attrs and dataset.attrs["dtype"] == "bfloat16"
-        return stored_values.stored(dataset, bfloat16)
-
-    store_class.__getitem__ = getitem

@@ -121,17 +121,25 @@ def variables_created_empty(record: Callable[[keras.Variable, Any], None]) -> It
 
 
 def guard_variable_access(
-    read: Callable[[keras.Variable], torch.Tensor | None], write: Callable[[keras.Variable, Any], bool]
+    read: Callable[[keras.Variable], torch.Tensor | None],
+    write: Callable[[keras.Variable, Any], bool],
+    keep: Callable[[keras.Variable, Any], bool],
 ) -> None:
     """Every later read of a ``keras.Variable``'s ``value`` asks ``read(variable)`` first (a tensor: the
     value to use; None: Keras's own), and every ``assign`` asks ``write(variable, value)`` (True: done).
     A variable of a model built in a torch-dp scope holds only its replica's part between calls, and
     ``value`` (what ``numpy()``, ``np.array`` and Keras's saving read) and ``_direct_assign`` (what
     ``assign`` and ``load_weights`` end in) are the two places every access passes; Keras has no
-    public hook. Installed once per process (``_scope.held``)."""
+    public hook. ``_convert_to_tensor`` (what ``assign`` converts a value with first) leaves a value as it
+    is where ``keep(variable, value)`` (a value still in its file, for a variable that reads it later).
+    Installed once per process (``_scope.held``)."""
     variable_class: Any = keras.Variable
     keras_value = variable_class.value
     keras_assign = variable_class._direct_assign
+    keras_convert = variable_class._convert_to_tensor
+
+    def convert_to_tensor(variable: Any, new_value: Any, dtype: Any = None) -> Any:
+        return new_value if keep(variable, new_value) else keras_convert(variable, new_value, dtype=dtype)
 
     def value(variable: Any) -> Any:
         found = read(variable)
@@ -143,6 +151,7 @@ def guard_variable_access(
 
     variable_class.value = property(value)
     variable_class._direct_assign = direct_assign
+    variable_class._convert_to_tensor = convert_to_tensor
 
 
 def set_stored_value(variable: keras.Variable, value: torch.Tensor) -> None:

@@ -334,3 +334,25 @@ def count_steps_from(progbar: keras.utils.Progbar, first_step: int) -> None:
     given; what it does with it (its first step left out once more are timed) stays Keras's."""
     estimate = progbar._estimate_step_duration
     progbar._estimate_step_duration = lambda current, now: estimate(max(0, current - first_step), now)
+
+
+def install_keras_loading_hook(active: Callable[[], bool], stored: Callable[[Any, bool], Any]) -> None:
+    """``keras.src.saving.saving_lib.H5IOStore.__getitem__`` (how ``load_weights``, a ``.keras``
+    file's weights and keras-hub's ``from_preset`` read a variable) returns the whole dataset as a numpy
+    array; while ``active()`` it returns ``stored(dataset, bfloat16)`` instead (a trainer's value read
+    by parts, which the variable's ``assign`` then reads as its backend's hooks say). Keras has no public
+    hook between the file and the variable. ``ShardedH5IOStore`` (a ``.weights.json`` of several files)
+    is left as it is: it closes a file right after reading from it. Call it once per process."""
+    from keras.src.saving import saving_lib
+
+    store_class: Any = saving_lib.H5IOStore
+    keras_getitem = store_class.__getitem__
+
+    def getitem(store: Any, key: str) -> Any:
+        if type(store) is not store_class or not active():
+            return keras_getitem(store, key)
+        dataset = saving_lib.safe_get_h5_dataset(store._h5_entry_group, key)  # Keras's checks (no links)
+        bfloat16 = "dtype" in dataset.attrs and dataset.attrs["dtype"] == "bfloat16"
+        return stored(dataset, bfloat16)
+
+    store_class.__getitem__ = getitem

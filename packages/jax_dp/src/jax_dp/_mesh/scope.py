@@ -181,4 +181,4 @@ def install_keras_hooks() -> None:
     if not _hooks_installed:
         _hooks_installed = True
         _internals.install_keras_variable_hooks(trainer_placed, _on_trainer_mesh, _slot_sharding, _STORED_VALUES)
-        _internals.install_keras_loading_hook(_STORED_VALUES)
+        keras_internals.install_keras_loading_hook(_STORED_VALUES.active, _STORED_VALUES.stored)

@@ -22,8 +22,10 @@ import keras
 import torch
 
 from dp_core import ShardMode
+from dp_core.keras import internals
 from torch_dp._internals import guard_variable_access
 from torch_dp._scope.deferred import deferring, initial_value, is_deferred, set_initial_value
+from torch_dp._scope.loading import StoredValue, stored
 
 
 class Holder(Protocol):
@@ -60,6 +62,7 @@ def _lost(variable: keras.Variable) -> str:
 _holders: dict[int, Holder] = {}
 _calls = 0
 _installed = False
+_scopes = 0  # scopes entered now: load_weights hands variables where their values lie (``_scope.loading``)
 
 
 @contextlib.contextmanager
@@ -72,11 +75,17 @@ def trainer_scope(mode: ShardMode | None, *, under_cluster: bool) -> Iterator[No
             "torchrun or SLURM each process would hold only its part and no process could read the model whole. "
             "Build the model outside the scope there (shard='full' splits its training state)."
         )
+    global _scopes
     if not _installed:
-        guard_variable_access(_read, _write)
+        guard_variable_access(_read, _write, _keep)
+        internals.install_keras_loading_hook(lambda: _scopes > 0, stored)
         _installed = True
-    with deferring(mode):
-        yield
+    _scopes += 1
+    try:
+        with deferring(mode):
+            yield
+    finally:
+        _scopes -= 1
 
 
 def hold(variables: Sequence[keras.Variable], holder: Holder) -> None:
@@ -120,6 +129,11 @@ def _read(variable: keras.Variable) -> torch.Tensor | None:
     return None
 
 
+def _keep(variable: keras.Variable, value: Any) -> bool:
+    """A value still in its file stays so for a variable that reads it later (deferred, or held by parts)."""
+    return isinstance(value, StoredValue) and not _calls and (is_deferred(variable) or id(variable) in _holders)
+
+
 def _write(variable: keras.Variable, value: Any) -> bool:
     if _calls:
         return False
@@ -128,6 +142,7 @@ def _write(variable: keras.Variable, value: Any) -> bool:
         holder.write_variable(variable, value)
         return True
     if is_deferred(variable):
-        set_initial_value(variable, keras.ops.convert_to_numpy(value))
+        kept = value if isinstance(value, StoredValue) else keras.ops.convert_to_numpy(value)
+        set_initial_value(variable, kept)
         return True
     return False
