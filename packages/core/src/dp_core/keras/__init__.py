@@ -16,7 +16,8 @@ The contract, what a backend calls on the way from the user's call to its step:
 - the inputs: ``Inputs`` (arrays and map-style datasets, read by row), ``BatchSource``
   (batch-yielding sources, each batch a global batch);
 - the model: ``build_model``;
-- the step's loss: ``replica_losses``, ``check_losses_split``;
+- the step's loss: ``replica_losses``, ``check_losses_split``; its random draws: ``global_batch_draws``
+  (``GlobalRows``: a replica draws the global batch's noise and keeps its rows);
 - the epoch: ``callback_list``, ``needs_every_batch``, ``python_logs``; ``Executions`` (Keras's
   ``steps_per_execution``: which steps the batch hooks surround; ``concatenated`` a group's predictions);
 - the learning rate: ``plan_learning_rate``, ``learning_rate_policy_installed``
@@ -79,6 +80,8 @@ from dp_core.keras._logs import python_logs as python_logs
 from dp_core.keras._losses import check_losses_split as check_losses_split
 from dp_core.keras._losses import replica_losses as replica_losses
 from dp_core.keras._model import build_model as build_model
+from dp_core.keras._random_rows import GlobalRows as GlobalRows
+from dp_core.keras._random_rows import global_batch_draws as global_batch_draws
 from dp_core.keras._restore import checkpoint_pairs as checkpoint_pairs
 from dp_core.keras._restore import restore_model as restore_model
 from dp_core.keras._restore import resumable_checkpoint as resumable_checkpoint
@@ -134,6 +137,7 @@ __all__ = [
     "FirstRows",
     "FitArguments",
     "FitJob",
+    "GlobalRows",
     "Inputs",
     "Job",
     "KerasSchedule",
@@ -163,6 +167,7 @@ __all__ = [
     "concatenated",
     "fit_arguments",
     "flatten",
+    "global_batch_draws",
     "global_batch_size_of",
     "internals",
     "is_batch_source",

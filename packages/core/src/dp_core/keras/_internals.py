@@ -144,6 +144,15 @@ def seed_generators(layer: keras.layers.Layer) -> list[Any]:
     return list(layer._seed_generators)
 
 
+def backend_random_module() -> Any:
+    """The installed backend's ``random`` module (``keras.src.backend.random``): random layers and
+    ``keras.random`` call its functions by attribute at each draw, so a replica can make a step's
+    draws the global batch's (``dp_core.keras._random_rows``)."""
+    from keras.src import backend
+
+    return backend.random
+
+
 def initial_epoch_override(model: keras.Model) -> int | None:
     """The epoch a callback told ``fit`` to start from in ``on_train_begin`` (``BackupAndRestore``
     after an interrupted run); ``model.fit`` reads it the same way."""

@@ -47,7 +47,7 @@ import keras
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dp_core.keras import internals
+from dp_core.keras import GlobalRows, global_batch_draws, internals
 from jax_dp._mesh.layout import Placement, gradient_shardings, weight_shardings
 from jax_dp._mesh.mesh import BATCH_AXIS, batch_sharded, num_replicas_of
 from jax_dp._step.optimizers import Optimizer
@@ -182,35 +182,35 @@ def _replica_forward(model: keras.Model, copies: list[Any], mask: Any, mesh: Mes
     devices that hold them (``shard_map`` over ``"batch"``); the ``trainable`` passed is not
     used: the copies stand for it.
 
-    Random layers (dropout) draw from a seed state salted with the replica's index, so replicas
-    draw apart; replica 0's state (unsalted) moves on as on one device. Other non-trainable state
-    must come out the same on every replica (BN's does, from global moments); jax refuses any
-    that does not (``_runs_apart``)."""
+    Random layers (dropout) draw the global micro-batch's noise from the one seed state and keep
+    their replica's rows (``global_batch_draws``), as one device draws it; the seed states come out
+    the same on every replica. Other non-trainable state must come out the same on every replica
+    (BN's does, from global moments); jax refuses any that does not (``_runs_apart``)."""
     kwargs = internals.training_kwargs(model, True)
+    num_replicas = num_replicas_of(mesh)
     seeds = [v.name == "seed_generator_state" for v in model.non_trainable_variables]
     rows_spec, whole = P(BATCH_AXIS), P()
-    state_specs = [rows_spec if seed else whole for seed in seeds]  # seeds come out one per replica
+    state_specs = [rows_spec if seed else whole for seed in seeds]  # seeds come out one per replica (all equal)
 
     def one_replica(
         weights: list[Any], non_trainable: list[Any], rows: Any, rows_mask: Any
     ) -> tuple[Any, list[Any], list[Any]]:
-        salt = jax.lax.axis_index(BATCH_AXIS).astype(jnp.uint32) * jnp.uint32(0x9E3779B9)
-        non_trainable = [v.at[0].add(salt) if seed else v for v, seed in zip(non_trainable, seeds, strict=True)]
+        local_rows = rows_mask.shape[0]
+        place = GlobalRows(local_rows, local_rows * num_replicas, jax.lax.axis_index(BATCH_AXIS) * local_rows)
         restores = [
             internals.override_batch_norm_moments(layer, _global_moments(layer, rows_mask))
             for layer in internals.flatten_layers(model, include_self=True)
             if isinstance(layer, keras.layers.BatchNormalization)
         ]
         try:
-            y_pred, non_trainable, losses = cast(Any, model.stateless_call)(
-                [w[0] for w in weights], non_trainable, rows, return_losses=True, **kwargs
-            )
+            with global_batch_draws(place):
+                y_pred, non_trainable, losses = cast(Any, model.stateless_call)(
+                    [w[0] for w in weights], non_trainable, rows, return_losses=True, **kwargs
+                )
         finally:
             for restore in reversed(restores):
                 restore()
-        non_trainable = [
-            jnp.expand_dims(v.at[0].add(-salt), 0) if seed else v for v, seed in zip(non_trainable, seeds, strict=True)
-        ]
+        non_trainable = [jnp.expand_dims(v, 0) if seed else v for v, seed in zip(non_trainable, seeds, strict=True)]
         return y_pred, non_trainable, [jnp.expand_dims(loss, 0) for loss in losses]
 
     def call(trainable: list[Any], non_trainable: list[Any], x: Any) -> tuple[Any, list[Any], list[Any]]:
