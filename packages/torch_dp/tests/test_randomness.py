@@ -1,32 +1,94 @@
-"""Each replica draws its own dropout masks: no replica's stream repeats another's."""
-
-import types
+"""Random layers draw on N replicas what one device draws for the same rows (issue 43, item 15): each
+replica draws the global batch's noise from rank 0's streams and keeps its rows, the 3-row last
+batch (padded on 2 replicas) included, under every ``shard=`` mode and with gradient accumulation."""
 
 import keras
+import numpy as np
+import pytest
+import torch_dp_testing as testing
 
-from torch_dp._loop.run import decorrelate_randomness
+import torch_dp
 
-
-def torch_seeds(rank: int, num_replicas: int, draws: int) -> list[int]:
-    """The seeds Keras's torch backend gives torch for ``draws`` dropout calls on replica ``rank``."""
-    keras.utils.set_random_seed(1)
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dropout(0.5)])
-    decorrelate_randomness(model, types.SimpleNamespace(rank=rank, num_replicas=num_replicas))
-    generator = model.layers[0].seed_generator
-    seeds = []
-    for _ in range(draws):
-        first, second = (int(value) for value in generator.next().tolist())
-        seeds.append((first + second) & 0xFFFFFFFF)  # keras.src.backend.torch.random.torch_seed_generator
-    return seeds
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 
-def test_replica_streams_never_meet_and_rank_0_keeps_the_callers():
-    draws = 20_000  # a few epochs of steps; the old offset (7919) made rank 1 repeat rank 0 after 7919
-    streams = [torch_seeds(rank, 4, draws) for rank in range(4)]
-    for rank in range(1, 4):
-        assert not set(streams[0]) & set(streams[rank]), rank
-    keras.utils.set_random_seed(1)
-    plain = keras.layers.Dropout(0.5)
-    keras.Sequential([keras.Input((3,)), plain])
-    first, second = (int(value) for value in plain.seed_generator.next().tolist())
-    assert streams[0][0] == (first + second) & 0xFFFFFFFF  # what model.fit draws
+def noisy_model(accumulate: int = 1, *, seeded: bool = True) -> keras.Model:
+    """GaussianNoise and two Dropouts between Dense layers. ``seeded``: every layer draws from its seed
+    generator; else the second Dropout is unseeded, which Keras's torch backend draws from torch's own
+    generator."""
+    keras.utils.set_random_seed(7)
+    model = keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.GaussianNoise(0.3),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dropout(0.4, seed=5),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dropout(0.3, seed=6 if seeded else None),
+            keras.layers.Dense(3, activation="softmax"),
+        ]
+    )
+    steps = accumulate if accumulate > 1 else None
+    optimizer = keras.optimizers.SGD(0.05, momentum=0.9, gradient_accumulation_steps=steps)
+    model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def seed_states(model: keras.Model) -> list[list[int]]:
+    return [keras.ops.convert_to_numpy(v.value).tolist() for v in model.non_trainable_variables if "seed" in v.path]
+
+
+def assert_same_fit(expected: tuple[keras.Model, dict], actual: tuple[keras.Model, dict]) -> None:
+    (expected_model, expected_history), (model, history) = expected, actual
+    assert set(history) == set(expected_history)
+    for name, values in expected_history.items():
+        np.testing.assert_allclose(history[name], values, atol=1e-5, rtol=1e-5, err_msg=name)
+    for variable, want, got in zip(
+        expected_model.weights, expected_model.get_weights(), model.get_weights(), strict=True
+    ):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=variable.path)
+    assert seed_states(model) == seed_states(expected_model)  # the streams go on where model.fit's do
+
+
+FIT = dict(batch_size=32, epochs=2, shuffle=False, verbose=0)
+
+
+def keras_fit(accumulate: int = 1) -> tuple[keras.Model, dict]:
+    x, y = testing.data()  # 99 rows: a 3-row last batch, all of it on rank 0 (rank 1 holds padding)
+    model = noisy_model(accumulate)
+    return model, model.fit(x, y, **FIT).history
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_dropout_and_gaussian_noise_draw_what_model_fit_draws(two_replicas, accumulate):
+    x, y = testing.data()
+    model = noisy_model(accumulate)
+    history = two_replicas.fit(model, x, y, **FIT)
+    assert_same_fit(keras_fit(accumulate), (model, history.history))
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "full"])
+def test_random_layers_draw_what_model_fit_draws_under_sharded_state(shard):
+    x, y = testing.data()
+    model = noisy_model()
+    with torch_dp.Trainer(num_replicas=2, shard=shard, timeout=60) as trainer:
+        history = trainer.fit(model, x, y, **FIT)
+    assert_same_fit(keras_fit(), (model, history.history))
+
+
+def test_an_unseeded_dropout_draws_from_rank_0_s_torch_generator(two_replicas):
+    """Keras's torch backend draws an unseeded Dropout's mask from torch's generator: every replica
+    starts from the caller's state and draws the global batch's mask, so 2 replicas equal 1."""
+    x, y = testing.data()
+    runs = []
+    for trainer in (torch_dp.Trainer(num_replicas=1), two_replicas):
+        model = noisy_model(seeded=False)
+        keras.utils.set_random_seed(11)  # torch's generator, as the caller left it
+        runs.append((model, trainer.fit(model, x, y, **FIT).history))
+    assert_same_fit(*runs)
+    first = np.asarray(runs[0][1]["loss"])
+    keras.utils.set_random_seed(12)
+    model = noisy_model(seeded=False)
+    keras.utils.set_random_seed(12)
+    other = np.asarray(two_replicas.fit(model, x, y, **FIT).history["loss"])
+    assert np.max(np.abs(other - first)) > 1e-3  # another generator state, other masks: the stream is used

@@ -106,27 +106,6 @@ def test_lr_scaling_and_warmup_reach_the_optimizer_and_are_undone():
     assert float(keras.ops.convert_to_numpy(model.optimizer.learning_rate)) == pytest.approx(0.1)
 
 
-def test_replicas_draw_different_dropout_masks_and_rank_0_keeps_the_callers():
-    from torch_dp._comm.replica import Replica
-    from torch_dp._loop.run import decorrelate_randomness
-
-    def dropout_model():
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((64,)), keras.layers.Dropout(0.5, seed=3)])
-        model.build((None, 64))
-        return model
-
-    ones = np.ones((1, 64), "float32")
-    masks = []
-    for rank in (0, 1):
-        model = dropout_model()
-        decorrelate_randomness(model, Replica(rank, 2))
-        masks.append(keras.ops.convert_to_numpy(model(ones, training=True)))
-    untouched = keras.ops.convert_to_numpy(dropout_model()(ones, training=True))
-    np.testing.assert_array_equal(masks[0], untouched)
-    assert not np.array_equal(masks[0], masks[1])
-
-
 def test_model_checkpoint_and_terminate_on_nan_work_from_the_trainer(tmp_path):
     x, y = testing.data()
     model = testing.dense_batchnorm_model()

@@ -26,7 +26,6 @@ from dp_core.keras import (
     batch_terms,
     build_model,
     check_losses_split,
-    internals,
     learning_rate_policy_installed,
 )
 from torch_dp._comm.collectives import all_gather_rows, all_gather_varying_rows, broadcast_object
@@ -89,7 +88,7 @@ def run_job(model: keras.Model, job: Job, replica: Replica, *, sync: bool = True
     if replica.distributed and sync:  # the same start on every replica, whatever built the model
         check_same_variables(model, replica, optimizer=isinstance(job, FitJob))
         same_state_as_primary(model, replica, optimizer=isinstance(job, FitJob))
-        decorrelate_randomness(model, replica)
+        same_random_streams(replica)
     if isinstance(job, FitJob):
         return run_fit(model, job, replica)
     if isinstance(job, EvaluateJob):
@@ -104,7 +103,7 @@ def _run_scoped(model: keras.Model, job: Job, replica: Replica, mode: ShardMode 
     check_placement(model, replica)
     if replica.distributed and sync:  # the caller may have assigned what every replica holds whole
         sync_whole_ones(model, layout, replica, trains=isinstance(job, FitJob))
-        decorrelate_randomness(model, replica)
+        same_random_streams(replica)
     # the caller probed the model's add_loss terms (reading each weight whole); its replicas take its answer
     terms = broadcast_object(batch_terms(model, job.inputs) if replica.is_primary else None, replica)
     adopt_batch_terms(model, terms)
@@ -118,23 +117,24 @@ def _run_scoped(model: keras.Model, job: Job, replica: Replica, mode: ShardMode 
     return run_fit(model, job, replica, held=list(layout.pieces) if layout.mode is not None else None)
 
 
-def decorrelate_randomness(model: keras.Model, replica: Replica) -> None:
-    """Give each replica its own dropout (and other random layer) streams.
+def same_random_streams(replica: Replica) -> None:
+    """Rank 0's torch generator states on every replica: its CPU generator's and its device's.
 
-    Identical seed states would draw the same dropout mask on every replica. Keras's torch
-    backend seeds each draw with ``(seed + counter) mod 2**32``, so rank ``r`` moves the seed
-    by ``r`` times ``2**32 / num_replicas``: the replicas' draws stay apart for that many steps
-    (a smaller offset would give rank ``r`` rank 0's masks a few thousand draws later). Rank 0
-    keeps the caller's stream, so one replica draws exactly what ``model.fit`` would.
+    Every replica draws a step's noise for the whole global batch and keeps its rows
+    (``_step.steps``: ``dp_core.keras.global_batch_draws``), so every replica's streams must be rank 0's,
+    which are the caller's. A random layer's seed generator state is a model variable
+    (``same_state_as_primary`` copied it); an unseeded ``Dropout`` draws on torch's own generator
+    (Keras's fast path), copied here.
     """
-    spacing = 2**32 // replica.num_replicas
-    for layer in internals.flatten_layers(model, include_self=True):
-        for generator in internals.seed_generators(layer):
-            seed, counter = (int(v) for v in generator.state.value.tolist())
-            moved = ((seed & 0xFFFFFFFF) + replica.rank * spacing) & 0xFFFFFFFF
-            if generator.state.value.dtype == torch.int32:  # Keras's seed dtype on torch: uint32 bits as int32
-                moved = (moved ^ 0x80000000) - 0x80000000
-            generator.state.assign(torch.tensor([moved, counter], dtype=generator.state.value.dtype))
+    device = torch.device(replica.device)
+    cuda = device.type == "cuda"
+    states = None
+    if replica.is_primary:
+        states = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if cuda else None)
+    cpu_state, device_state = broadcast_object(states, replica)
+    torch.set_rng_state(cpu_state)
+    if cuda and device_state is not None:
+        torch.cuda.set_rng_state(device_state, device)
 
 
 def run_fit(

@@ -49,10 +49,10 @@ import numpy as np
 import torch
 
 from dp_core import ShardMode
-from dp_core.keras import internals, python_logs
+from dp_core.keras import GlobalRows, global_batch_draws, internals, python_logs
 from torch_dp._comm.collectives import all_reduce_sum, broadcast_from_primary
 from torch_dp._comm.replica import Replica
-from torch_dp._data.batches import EvenBatch
+from torch_dp._data.batches import EvenBatch, even_part
 from torch_dp._step.batchnorm import real_rows
 from torch_dp._step.broadcast import check_same_optimizer_variables
 from torch_dp._step.metrics import logs_of, metrics_result
@@ -167,8 +167,12 @@ class CustomSteps:
         # BatchNormalization counts a stand-in row for nothing
         mask = torch.zeros(1, dtype=torch.float32, device=self.replica.device) if empty else None
         self._batch = batch
+        start, count = even_part(batch.global_real_rows, batch.num_replicas, self.replica.rank)
+        draws = GlobalRows(
+            max(count, 1), batch.global_real_rows, start if count else 0
+        )  # noise for a stand-in row: any
         try:
-            with real_rows(mask, gradient_weight=batch.weight):
+            with real_rows(mask, gradient_weight=batch.weight), global_batch_draws(draws):
                 return step(batch.data)
         finally:
             self._batch, self._last_weight = None, batch.weight

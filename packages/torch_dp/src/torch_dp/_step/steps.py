@@ -23,7 +23,7 @@ import keras
 import torch
 
 from dp_core import NO_STEP_TIMER, NoStepTimer, StepTimer
-from dp_core.keras import ReplicaRows, internals, map_structure, replica_losses
+from dp_core.keras import GlobalRows, ReplicaRows, global_batch_draws, internals, map_structure, replica_losses
 from torch_dp._comm.collectives import all_reduce_sum
 from torch_dp._comm.replica import Replica
 from torch_dp._data.batches import Batch
@@ -54,6 +54,14 @@ def _replica_rows(batch: Batch, replica: Replica) -> ReplicaRows:
         return all_reduce_sum([value], replica)[0]
 
     return ReplicaRows(batch.rows, batch.global_real_rows, replica.num_replicas, batch.mask, sum_over_replicas)
+
+
+def _draws(batch: Batch, replica: Replica | None) -> GlobalRows:
+    """Where this replica's rows sit in the global batch its random layers draw for: a replica's part
+    is contiguous, ``rank * rows`` on, padding at the end (``Batch``); a whole batch is its own."""
+    if batch.whole or replica is None:
+        return GlobalRows(batch.rows, batch.rows, 0)
+    return GlobalRows(batch.rows, batch.global_real_rows, replica.rank * batch.rows)
 
 
 def _compute_loss(model: keras.Model, batch: Batch, y_pred: Any, *, training: bool) -> Any:
@@ -249,7 +257,7 @@ def forward_loss(model: keras.Model, batch: Batch, replica: Replica) -> Any:
     (``_step.batchnorm``)."""
     with _counted_once(model, batch, replica):
         with replica_losses(model, _replica_rows(batch, replica)):  # activity regularizers run in the forward pass
-            with real_rows(batch.mask, whole=batch.whole):
+            with real_rows(batch.mask, whole=batch.whole), global_batch_draws(_draws(batch, replica)):
                 y_pred = _forward(model, batch.x, training=True)
             model.zero_grad()
             with _weigh_losses_by_real_rows(model, batch, replica):
@@ -329,15 +337,17 @@ def test_step(model: keras.Model, batch: Batch, replica: Replica) -> None:
     """Loss and metrics of one batch, accumulated locally (synced by ``_step.metrics.global_logs``)."""
     with _counted_once(model, batch, replica):
         with torch.no_grad(), replica_losses(model, _replica_rows(batch, replica)):
-            y_pred = _forward(model, batch.x, training=False)
+            with global_batch_draws(_draws(batch, replica)):  # a layer may draw noise in inference too
+                y_pred = _forward(model, batch.x, training=False)
             with _weigh_losses_by_real_rows(model, batch, replica):
                 _compute_loss(model, batch, y_pred, training=False)
         with torch.no_grad():
             _update_metrics(model, batch, y_pred)
 
 
-def predict_step(model: keras.Model, batch: Batch) -> Any:
-    """This replica's predictions, as numpy, padding rows included (dropped by the gatherer)."""
-    with torch.no_grad():
+def predict_step(model: keras.Model, batch: Batch, replica: Replica | None = None) -> Any:
+    """This replica's predictions, as numpy, padding rows included (dropped by the gatherer). With
+    ``replica``, a layer drawing noise in inference draws the global batch's (``_draws``)."""
+    with torch.no_grad(), global_batch_draws(_draws(batch, replica)):
         y_pred = _forward(model, batch.x, training=False)
     return keras.tree.map_structure(keras.ops.convert_to_numpy, y_pred)
