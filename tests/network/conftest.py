@@ -14,15 +14,16 @@ from hosts import Hosts, unavailable
 
 @pytest.fixture
 def hosts(tmp_path) -> Iterator[Callable[..., Hosts]]:
-    """``hosts(count, loopback_hostname=False)``: that many hosts, each with its folder under ``tmp_path``;
-    skipped with the reason where namespaces cannot be made (not root, no ``ip``)."""
+    """``hosts(count, loopback_hostname=False, hostname=None)``: that many hosts (``Hosts``), each
+    with its folder under ``tmp_path``; skipped with the reason where namespaces cannot be made."""
     reason = unavailable()
     if reason is not None:
         pytest.skip(reason)
     made: list[Hosts] = []
 
-    def make(count: int, *, loopback_hostname: bool = False) -> Hosts:
-        made.append(Hosts(count, tmp_path / f"hosts{len(made)}", loopback_hostname=loopback_hostname))
+    def make(count: int, *, loopback_hostname: bool = False, hostname: str | None = None) -> Hosts:
+        folder = tmp_path / f"hosts{len(made)}"
+        made.append(Hosts(count, folder, loopback_hostname=loopback_hostname, hostname=hostname))
         return made[-1]
 
     try:

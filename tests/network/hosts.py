@@ -48,16 +48,30 @@ def unavailable() -> str | None:
 class Host:
     """One host: a namespace with one link to the bridge."""
 
-    name: str  # its hostname, e.g. "host1"
+    name: str  # e.g. "host1": the others reach it by this name
+    hostname: str  # the name it gives itself: its own name, unless the hosts are clones of one
     namespace: str
     address: str  # on the bridge
     link: str  # the bridge's end of its link: down, the host is cut off
+    interface: str  # its own end of that link, as its processes see it
     tmpdir: Path  # its own TMPDIR and working folder
 
     def argv(self, command: Sequence[str]) -> list[str]:
         """``command`` as run on this host (each ``exec``s the next: the pid is the command's own)."""
         set_name = 'hostname "$0" && exec "$@"'
-        return ["ip", "netns", "exec", self.namespace, "unshare", "--uts", "sh", "-c", set_name, self.name, *command]
+        return [
+            "ip",
+            "netns",
+            "exec",
+            self.namespace,
+            "unshare",
+            "--uts",
+            "sh",
+            "-c",
+            set_name,
+            self.hostname,
+            *command,
+        ]
 
     def start(self, command: Sequence[str], environment: Mapping[str, str], log: str) -> subprocess.Popen[str]:
         """Run ``command`` here, in its temporary folder, its stdout and stderr into ``log`` there."""
@@ -89,9 +103,11 @@ class Host:
 
 class Hosts:
     """``count`` hosts ``host1``..``hostN`` at ``10.77.0.1``..; each resolves every host's name to
-    its address, except its own name when ``loopback_hostname`` (then ``127.0.1.1``, as Debian)."""
+    its address, except its own hostname when ``loopback_hostname`` (then ``127.0.1.1``, as Debian).
+    ``hostname``: one hostname for every host (machines cloned from one image)."""
 
-    def __init__(self, count: int, root: Path, *, loopback_hostname: bool = False) -> None:
+    def __init__(self, count: int, root: Path, *, loopback_hostname: bool = False, hostname: str | None = None) -> None:
+        self.hostname = hostname
         tag = f"{os.getpid() % 100000}{next(_runs)}"
         self.bridge = f"kdpb{tag}"
         self.hosts: list[Host] = []
@@ -107,11 +123,17 @@ class Hosts:
             raise
 
     def _add(self, index: int, tag: str, root: Path) -> Host:
+        inside = f"kdp{tag}i{index}"
         host = Host(
-            f"host{index}", f"kdp{tag}h{index}", f"{SUBNET}.{index}", f"kdp{tag}v{index}", root / f"host{index}"
+            f"host{index}",
+            self.hostname or f"host{index}",
+            f"kdp{tag}h{index}",
+            f"{SUBNET}.{index}",
+            f"kdp{tag}v{index}",
+            inside,
+            root / f"host{index}",
         )
         host.tmpdir.mkdir(parents=True, exist_ok=True)
-        inside = f"kdp{tag}i{index}"
         _ip("netns", "add", host.namespace)
         self.hosts.append(host)  # from here on close() removes it, whatever fails next
         _ip("link", "add", host.link, "type", "veth", "peer", "name", inside)
@@ -125,10 +147,10 @@ class Hosts:
         return host
 
     def _write_hosts_file(self, host: Host, loopback_hostname: bool) -> None:
-        lines = ["127.0.0.1 localhost"]
+        lines = ["127.0.0.1 localhost"] + ([f"127.0.1.1 {host.hostname}"] if loopback_hostname else [])
         for other in self.hosts:
-            own = other is host
-            lines.append(f"127.0.1.1 {other.name}" if own and loopback_hostname else f"{other.address} {other.name}")
+            if not (loopback_hostname and other.name == host.hostname):
+                lines.append(f"{other.address} {other.name}")
         folder = Path("/etc/netns") / host.namespace
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "hosts").write_text("\n".join(lines) + "\n")

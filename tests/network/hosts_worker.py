@@ -94,6 +94,7 @@ def main() -> None:
 
 
 def fit(trainer, trained, x, y, arguments) -> None:
+    print("FIT", flush=True)  # imports done: what follows is the group forming, then the steps
     trainer.fit(
         trained,
         x,

@@ -35,9 +35,9 @@ def torchrun(host: Host, node_rank: int, nodes: int, port: int, *worker_args: st
     return host.start([*command, WORKER, "torch", *worker_args], ENV, "log")
 
 
-def slurm_task(host: Host, rank: int, tasks: int, port: int, *worker_args: str) -> subprocess.Popen[str]:
+def slurm_task(host: Host, rank: int, tasks: int, port: int, *worker_args: str, **extra: str) -> subprocess.Popen[str]:
     """One task of an ``srun``: SLURM's variables, no launcher (torch-dp's rank 0 serves the store)."""
-    variables = {"SLURM_PROCID": str(rank), "SLURM_NTASKS": str(tasks), "SLURM_LOCALID": "0"}
+    variables = extra | {"SLURM_PROCID": str(rank), "SLURM_NTASKS": str(tasks), "SLURM_LOCALID": "0"}
     variables |= {"SLURM_JOB_ID": "4711", "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "host[1-2]"}
     variables |= {"MASTER_ADDR": "host1", "MASTER_PORT": str(port)}
     return host.start([sys.executable, WORKER, "torch", *worker_args], {**ENV, **variables}, "log")
@@ -63,11 +63,12 @@ def wait_for(host: Host, text: str, seconds: float) -> float:
     return time.monotonic()
 
 
-def keras_weights(tmp_path: Path, epochs: int = 2) -> list[np.ndarray]:
-    folder = tmp_path / "keras"
-    folder.mkdir()
+@pytest.fixture(scope="module")
+def keras_weights(tmp_path_factory) -> list[np.ndarray]:
+    """The weights of plain ``model.fit`` on the workers' model and data."""
+    folder = tmp_path_factory.mktemp("keras")
     done = subprocess.run(
-        [sys.executable, WORKER, "keras", f"--epochs={epochs}"],
+        [sys.executable, WORKER, "keras"],
         env=ENV,
         cwd=folder,
         capture_output=True,
@@ -85,12 +86,78 @@ def weights_of(host: Host) -> list[np.ndarray]:
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
-def test_two_hosts_train_as_model_fit(hosts, tmp_path, launcher):
+def test_two_hosts_train_as_model_fit(hosts, keras_weights, launcher):
     network: Hosts = hosts(2)
     port = free_port()
     start = torchrun if launcher == "torchrun" else slurm_task
     processes = [start(network[rank], rank, 2, port) for rank in range(2)]
     codes = ended(processes, START_S)
     assert codes == [0, 0], "\n".join(host.read("log")[-3000:] for host in network.hosts)
-    for ours, theirs in zip(weights_of(network[0]), keras_weights(tmp_path), strict=True):
-        np.testing.assert_allclose(ours, theirs, atol=1e-5)
+    assert_weights_equal(weights_of(network[0]), keras_weights)
+
+
+def assert_weights_equal(ours: list[np.ndarray], theirs: list[np.ndarray]) -> None:
+    for mine, keras in zip(ours, theirs, strict=True):
+        np.testing.assert_allclose(mine, keras, atol=1e-5)
+
+
+def test_a_hostname_that_resolves_to_loopback_is_routed_around(hosts, keras_weights):
+    """Debian's '127.0.1.1 <hostname>' line on every host: gloo would give the others a loopback
+    address (the job never formed: 'Connection refused, remote=[127.0.1.1]' on one rank, the other
+    waiting several times rendezvous_timeout); each rank takes the interface that reaches the others."""
+    network: Hosts = hosts(2, loopback_hostname=True)
+    port = free_port()
+    processes = [slurm_task(network[rank], rank, 2, port, "--timeout", "10") for rank in range(2)]
+    assert ended(processes, START_S) == [0, 0], "\n".join(host.read("log")[-3000:] for host in network.hosts)
+    assert_weights_equal(weights_of(network[0]), keras_weights)
+    for host in network.hosts:
+        assert f"({host.name}) resolves to 127.0.1.1" in host.read("log")
+        assert f"gloo uses interface {host.interface} ({host.address})" in host.read("log")
+
+
+def test_a_group_that_cannot_form_ends_every_rank_within_the_rendezvous_timeout(hosts):
+    """Two hosts cloned from one image (one hostname, resolving to 127.0.1.1 on each, so torch_dp
+    sees one host): gloo gives each the other a loopback address and the group cannot form. Every
+    rank stops within rendezvous_timeout (10 s) with a message naming the bound, where each rank
+    runs and what to check. Before, one rank failed at once and the other waited in gloo 5 times
+    the bound (50 s)."""
+    network: Hosts = hosts(2, loopback_hostname=True, hostname="node")
+    port = free_port()
+    processes = [slurm_task(network[rank], rank, 2, port, "--timeout", "10") for rank in range(2)]
+    started = max(wait_for(host, "FIT", START_S) for host in network.hosts)
+    codes = ended(processes, START_S)
+    elapsed = time.monotonic() - started
+    logs = [host.read("log") for host in network.hosts]
+    assert codes == [1, 1], "\n".join(log[-3000:] for log in logs)
+    assert elapsed < 10 + 10, elapsed  # the bound, and a process's exit on a busy machine
+    for rank, log in enumerate(logs):
+        assert f"torch_dp rank {rank} of 2 on node: the group did not form within rendezvous_timeout=10 s" in log
+        assert "rank 0: node 127.0.1.1, rank 1: node 127.0.1.1" in log and "GLOO_SOCKET_IFNAME" in log, log
+
+
+@pytest.mark.parametrize("fault", ["killed", "cut-off"])
+def test_a_lost_host_is_named_by_rank_and_host(hosts, fault):
+    """Host 2 dies (every process SIGKILLed) or its link goes down mid-fit: rank 0 on host 1 ends
+    naming rank 1 on host 2, not the Keras layer whose collective broke (BatchNormalization's);
+    cut off, host 2 names rank 0 on host 1 too, both within collective_timeout (10 s) of the cut."""
+    network: Hosts = hosts(2)
+    port = free_port()
+    arguments = ("--timeout", "10", "--epochs", "1000", "--delay", "0.02")
+    processes = [slurm_task(network[rank], rank, 2, port, *arguments) for rank in range(2)]
+    wait_for(network[0], "STEP 1 0", START_S)  # callbacks run on rank 0 only
+    cut = time.monotonic()
+    if fault == "killed":
+        network[1].kill_everything()
+    else:
+        network[1].cut_off()
+    codes = ended(processes, 60)
+    elapsed = time.monotonic() - cut
+    first, second = (host.read("log") for host in network.hosts)
+    assert codes[0] == 1, first[-3000:]
+    assert "WorkerError: torch_dp rank 0 of 2 on host1 " in first, first[-3000:]
+    last = first[first.index("WorkerError: torch_dp rank 0 of 2") :].splitlines()[0]
+    assert "rank 1" in last and "host2" in last and "Exception encountered" not in last, last
+    assert elapsed < 10 + 15, elapsed  # the collective timeout, and the process's exit
+    if fault == "cut-off":
+        assert codes[1] == 1 and "WorkerError: torch_dp rank 1 of 2 on host2 " in second, second[-3000:]
+        assert "for rank 0 on host1" in second or "lost rank 0 of 2 on host1" in second, second[-3000:]

@@ -5,13 +5,24 @@ reader (``dp_core.launch_of``: torchrun's variables win over SLURM's, one SLURM 
 A ``Cluster`` says where this process sits (its rank, how many processes there are, its index
 on its host) and where the group meets; a launcher that names no rendezvous (PBS, LSF, a Ray
 driver) is no cluster here: the script runs as it would anywhere else.
+
+A ``Place`` says on which host a rank runs and the address gloo gives the others for it: gloo
+takes the address the host's name resolves to, which on a Debian-style host (``127.0.1.1 name``
+in ``/etc/hosts``) is loopback, and no other host reaches it (``reaching_interface`` finds the one
+that does).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import ipaddress
+import os
+import socket
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from dp_core import launch_of
 
@@ -69,3 +80,72 @@ def is_primary_process() -> bool:
     except ValueError:
         return True  # ``Trainer()`` has reported the environment already
     return cluster is None or cluster.is_primary
+
+
+class Place(NamedTuple):
+    """Where one rank of a cluster runs: its host's name and the address gloo advertises for it."""
+
+    host: str
+    address: str
+
+
+def is_loopback(address: str) -> bool:
+    with contextlib.suppress(ValueError):
+        return ipaddress.ip_address(address).is_loopback
+    return False
+
+
+def advertised_address() -> str:
+    """The address gloo gives the other ranks for this process: that of ``GLOO_SOCKET_IFNAME``'s
+    interface when set, else the first this host's name resolves to (as gloo's default device)."""
+    interface = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
+    if interface:
+        return interface_address(interface) or interface
+    try:
+        return str(socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM)[0][4][0])
+    except (OSError, IndexError):
+        return "127.0.0.1"  # gloo falls back to the loopback interface too
+
+
+def source_address(destination: str) -> str | None:
+    """This host's address on the route to ``destination`` (no packet is sent: a UDP socket's
+    ``connect`` only picks the route), or None where there is none."""
+    try:
+        family = socket.getaddrinfo(destination, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family[0], socket.SOCK_DGRAM) as probe:
+            probe.connect(family[4])
+            return str(probe.getsockname()[0])
+    except (OSError, IndexError):
+        return None
+
+
+def interface_address(name: str) -> str | None:
+    """The IPv4 address of the interface ``name``, or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            packed = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def reaching_address(coordinator: str) -> str:
+    """The address this process gives the others to find its host by: gloo's, unless that is
+    loopback, then this host's on the route to the ``coordinator`` (which may be loopback too)."""
+    address = advertised_address()
+    return address if not is_loopback(address) else source_address(coordinator) or address
+
+
+def reaching_interface(places: list[Place], own_host: str, coordinator: str) -> tuple[str, str] | None:
+    """The interface (name, address) of this host that reaches the other hosts of ``places`` (or
+    the ``coordinator``), or None where none is routable from here through an IPv4 interface."""
+    for destination in [place.address for place in places if place.host != own_host] + [coordinator]:
+        if is_loopback(destination):
+            continue
+        local = source_address(destination)
+        if local is None or is_loopback(local):
+            continue
+        for _, name in socket.if_nameindex():
+            if interface_address(name) == local:
+                return name, local
+    return None

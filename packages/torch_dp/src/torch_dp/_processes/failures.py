@@ -263,3 +263,58 @@ def explained(failure: BaseException, num_replicas: int, collective_timeout: flo
 def is_collective_error(error: BaseException) -> bool:
     """Whether rank 0 failed only because a peer vanished or failed (gloo/NCCL errors)."""
     return isinstance(error, RuntimeError) and not isinstance(error, DOCUMENTED)
+
+
+# gloo names the peer of a connection that failed: "Read error [10.0.0.2]:40123: Connection reset by peer"
+_PEER = re.compile(r"\[([0-9A-Fa-f.:]+)\]:\d+")
+
+
+def lost_peer(
+    error: BaseException, places: Sequence[tuple[str, str]], rank: int, collective_timeout: float
+) -> WorkerError | None:
+    """The error naming the rank and host a cluster process lost, for a collective's ``error``
+    (gloo's, often re-raised by Keras as the layer's whose call ran the collective), or None when
+    ``error`` is no lost connection or timeout. ``places`` are (host, address) by rank."""
+    if not is_collective_error(error):
+        return None
+    text = "\n".join(str(cause) for cause in _chain(error))
+    num_processes, (own_host, _) = len(places), places[rank]
+    here = f"torch_dp rank {rank} of {num_processes} on {own_host}"
+    peers = {match for match in _PEER.findall(text)} - {places[rank][1]}
+    lost = [other for other, (_, address) in enumerate(places) if address in peers and other != rank]
+    what = next((line.strip() for line in text.splitlines() if _PEER.search(line)), "")
+    if lost:
+        host, address = places[lost[0]]
+        return WorkerError(
+            f"{here} lost rank {_ranks(lost)} of {num_processes} on {host} ({address}): {what}. That process "
+            "ended (killed, out of memory, or its host went down) or the network between the hosts failed; its "
+            f"own log (on {host}) says which. Every rank of the job stops; run the job again (checkpoint_dir "
+            f"resumes where it stopped).\n{text}",
+            rank=lost[0],
+        )
+    if not timed_out(text):
+        return None
+    others = [other for other, (host, _) in enumerate(places) if host != own_host]
+    if not others:
+        return None
+    hosts = ", ".join(sorted({places[other][0] for other in others}))
+    return WorkerError(
+        f"{here} waited more than collective_timeout={collective_timeout:g} s in a collective for rank "
+        f"{_ranks(others)} on {hosts}, and gave up: a host cut off from this one (its link or a firewall), "
+        "stopped, or busy that long. Every rank of the job stops; if the wait is legitimate, "
+        f"raise Trainer(collective_timeout=...).\n{text}",
+        rank=others[0],
+    )
+
+
+def _ranks(ranks: list[int]) -> str:
+    return str(ranks[0]) if len(ranks) == 1 else ", ".join(map(str, ranks))
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    cause: BaseException | None = error
+    while cause is not None and cause not in seen and len(seen) < 20:
+        seen.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    return seen

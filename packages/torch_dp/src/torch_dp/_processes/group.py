@@ -14,10 +14,16 @@ under the group's own), then each collective is bounded by the collective timeou
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import socket
+import threading
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -25,7 +31,14 @@ from torch.distributed import FileStore, PrefixStore, TCPStore  # pyright: ignor
 
 from torch_dp._comm.replica import Replica
 from torch_dp._internals import destroy_hidden_group, hide_default_group, set_collective_timeout
-from torch_dp._processes.cluster import Cluster
+from torch_dp._processes.cluster import (
+    Cluster,
+    Place,
+    advertised_address,
+    is_loopback,
+    reaching_address,
+    reaching_interface,
+)
 from torch_dp._processes.spawn import environment_variables
 
 RENDEZVOUS_TIMEOUT = 60.0
@@ -132,7 +145,14 @@ def serve_group(rendezvous: Rendezvous, replica: Replica, *, on_cpu: bool) -> Re
     return replace(replica, group=formed_group(rendezvous.timeouts.collective))
 
 
-def join_cluster_group(cluster: Cluster, device: str, timeouts: Timeouts) -> dist.ProcessGroup:
+class ClusterGroup(NamedTuple):
+    """The group of a cluster's processes, and where each rank runs (by rank: to name a lost peer)."""
+
+    group: dist.ProcessGroup
+    places: list[Place]
+
+
+def join_cluster_group(cluster: Cluster, device: str, timeouts: Timeouts) -> ClusterGroup:
     """Join the group of a cluster's processes (torchrun's, SLURM's) through the store at its
     address, under a prefix per job and restart attempt, with ``device``'s backend; ``timeouts``
     bound the rendezvous and each collective after it. Returns the group (not torch's default).
@@ -141,11 +161,39 @@ def join_cluster_group(cluster: Cluster, device: str, timeouts: Timeouts) -> dis
     previous attempt's keys, among them the addresses of dead processes; a prefix with
     torchrun's restart count keeps each attempt to its own keys; the scheduler's job id keeps a
     process of another job that reached the same port from pairing with this job's.
+
+    Every rank first says where it runs (``Place``), which every rank waits for: a rank that
+    never comes is named after ``rendezvous_timeout``. On several hosts a host whose name resolves
+    to loopback would make gloo give the others an address they cannot reach: this rank then uses
+    the interface that reaches the others (``GLOO_SOCKET_IFNAME``). The group then forms under
+    ``rendezvous_timeout`` more at most, whatever gloo does (it waits several times its timeout).
     """
-    # torchrun's agent serves the store; SLURM (or a launcher without an agent) leaves that to rank 0
+    keys = PrefixStore(cluster.keys, _cluster_store(cluster, timeouts))
+    where = _Formation(cluster, timeouts.rendezvous)
+    host = socket.gethostname()
+    places = where.exchange(keys, "place", Place(host, reaching_address(cluster.address)))
+    if device == "cpu" and len({place.host for place in places}) > 1:
+        _reach_other_hosts(places, cluster, host)
+    places = where.exchange(keys, "advertised", Place(host, advertised_address()))
+    where.bounded(
+        lambda: dist.init_process_group(
+            backend_for(device),
+            store=keys,
+            rank=cluster.rank,
+            world_size=cluster.num_processes,
+            timeout=timedelta(seconds=timeouts.rendezvous),  # gloo and NCCL wait for their peers under it
+        ),
+        places,
+    )
+    return ClusterGroup(formed_group(timeouts.collective), places)
+
+
+def _cluster_store(cluster: Cluster, timeouts: Timeouts) -> TCPStore:
+    """The cluster's store (torchrun's agent serves it; SLURM, or a launcher without an agent, leaves
+    that to rank 0); a busy port or a store that never forms is a clear error."""
     agent_serves = cluster.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     try:
-        store = TCPStore(
+        return TCPStore(
             cluster.address,
             cluster.port,
             cluster.num_processes,
@@ -153,9 +201,9 @@ def join_cluster_group(cluster: Cluster, device: str, timeouts: Timeouts) -> dis
             timeout=timedelta(seconds=timeouts.rendezvous),
             multi_tenant=True,
         )
-    except dist.DistNetworkError as error:
+    except RuntimeError as error:  # torch's DistNetworkError, DistStoreError
         if "EADDRINUSE" not in str(error) and "address already in use" not in str(error).lower():
-            raise
+            raise _Formation(cluster, timeouts.rendezvous).failed(str(error), None) from error
         if cluster.launcher == "torchrun":
             where = f"MASTER_ADDR:MASTER_PORT={cluster.address}:{cluster.port}"
             how = "`torchrun --master-port <free port> ...` (or `--standalone` on one host, which picks one)"
@@ -166,14 +214,87 @@ def join_cluster_group(cluster: Cluster, device: str, timeouts: Timeouts) -> dis
             f"torch_dp could not start the rendezvous on {where}: the port is already in use (another job, or a "
             f"previous run still ending). Pass a free port, e.g. {how}."
         ) from error
-    dist.init_process_group(
-        backend_for(device),
-        store=PrefixStore(cluster.keys, store),
-        rank=cluster.rank,
-        world_size=cluster.num_processes,
-        timeout=timedelta(seconds=timeouts.rendezvous),  # the group forms under it: gloo and NCCL wait under it
+
+
+def _reach_other_hosts(places: list[Place], cluster: Cluster, host: str) -> None:
+    """On several hosts, gloo must not give the others a loopback address for this one: when this
+    host's name resolves to loopback, use the interface that reaches them (or say what to set)."""
+    address = advertised_address()
+    if not is_loopback(address):
+        return
+    chosen = None if os.environ.get("GLOO_SOCKET_IFNAME") else reaching_interface(places, host, cluster.address)
+    if chosen is None:
+        raise RuntimeError(
+            f"torch_dp rank {cluster.rank} of {cluster.num_processes}: this host ({host}) would be reached by the "
+            f"other hosts of the job at {address}, a loopback address (its name resolves to it, as a "
+            f"'127.0.1.1 {host}' line in /etc/hosts makes it), and torch_dp found no interface that reaches "
+            f"them. Set GLOO_SOCKET_IFNAME to the interface of this host's network address (`ip -brief address` "
+            "lists them), the same way in every process, or make the host's name resolve to that address."
+        )
+    os.environ["GLOO_SOCKET_IFNAME"] = chosen[0]
+    warnings.warn(
+        f"torch_dp rank {cluster.rank}: this host's name ({host}) resolves to {address}, a loopback address "
+        f"the other hosts cannot reach; gloo uses interface {chosen[0]} ({chosen[1]}), the one that reaches "
+        "them. Set GLOO_SOCKET_IFNAME to choose another.",
+        RuntimeWarning,
+        stacklevel=2,
     )
-    return formed_group(timeouts.collective)
+
+
+class _Formation:
+    """The steps of a cluster group's forming, each bounded by ``rendezvous`` seconds, and their
+    failures in the trainer's words."""
+
+    def __init__(self, cluster: Cluster, rendezvous: float) -> None:
+        self.cluster, self.rendezvous = cluster, rendezvous
+
+    def exchange(self, keys: PrefixStore, name: str, mine: Place) -> list[Place]:
+        """Every rank's ``Place`` under ``name``, once each has said its own."""
+        keys.set(f"{name}/{self.cluster.rank}", json.dumps(mine))
+        names = [f"{name}/{rank}" for rank in range(self.cluster.num_processes)]
+        try:
+            keys.wait(names, timedelta(seconds=self.rendezvous))
+        except RuntimeError as error:  # torch's DistStoreError
+            missing = [rank for rank, key in enumerate(names) if not keys.check([key])]
+            raise self.failed(f"ranks {missing} never came", None) from error
+        return [Place(*json.loads(keys.get(key))) for key in names]
+
+    def bounded(self, form: Callable[[], None], places: list[Place]) -> None:
+        """``form()`` in a thread of its own, given ``rendezvous`` seconds: gloo waits several times
+        its timeout for a peer that failed to connect, and cannot be interrupted, so this process
+        does not wait for it (the thread is left behind: the process is failing)."""
+        outcome: list[BaseException | None] = []
+
+        def run() -> None:
+            try:
+                form()
+                outcome.append(None)
+            except BaseException as error:
+                outcome.append(error)
+
+        thread = threading.Thread(target=run, name="torch_dp-group-forms", daemon=True)
+        thread.start()
+        thread.join(self.rendezvous)
+        if not outcome:
+            raise self.failed("the process group did not form", places)
+        if outcome[0] is not None:
+            raise self.failed(str(outcome[0]).splitlines()[0][:400], places) from outcome[0]
+
+    def failed(self, what: str, places: list[Place] | None) -> RuntimeError:
+        cluster = self.cluster
+        where = (
+            ""
+            if places is None
+            else " (" + ", ".join(f"rank {r}: {p.host} {p.address}" for r, p in enumerate(places)) + ")"
+        )
+        return RuntimeError(
+            f"torch_dp rank {cluster.rank} of {cluster.num_processes} on {socket.gethostname()}: the group did not "
+            f"form within rendezvous_timeout={self.rendezvous:g} s: {what}{where}. Check that every process of the "
+            f"job started (torchrun's --nnodes and --nproc-per-node, srun's --ntasks), that every host reaches "
+            f"{cluster.address}:{cluster.port} and the others (a firewall), and that each host's name resolves to an "
+            "address the others reach (else set GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME on GPUs); raise "
+            "rendezvous_timeout if the hosts start further apart."
+        )
 
 
 def leave_group(group: dist.ProcessGroup | None) -> None:

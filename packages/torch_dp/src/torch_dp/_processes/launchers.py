@@ -23,7 +23,8 @@ from dp_core.keras import Job
 from torch_dp._comm.replica import Replica
 from torch_dp._loop.run import run_job
 from torch_dp._processes.cluster import Cluster, cluster_of
-from torch_dp._processes.group import Timeouts, device_for, join_cluster_group, leave_group
+from torch_dp._processes.failures import lost_peer
+from torch_dp._processes.group import ClusterGroup, Timeouts, device_for, join_cluster_group, leave_group
 from torch_dp._processes.pool import ReplicaPool, close_active_pool
 from torch_dp._processes.spawn import torch_threads
 
@@ -111,10 +112,18 @@ class ClusterProcess:
             device_for(self.cluster.local_rank)  # current again, in case the caller changed it
             _joined = join_cluster_group(self.cluster, self.device, self.timeouts)
             atexit.register(_leave_group)
-        return Replica(_joined.rank(), self.num_replicas, self.device, _joined)
+        return Replica(_joined.group.rank(), self.num_replicas, self.device, _joined.group)
 
     def run(self, job: Job, model: keras.Model, model_argument: Any) -> Any:
-        return run_job(model, job, self.replica)  # which checks the variables' devices first
+        replica = self.replica
+        try:
+            return run_job(model, job, replica)  # which checks the variables' devices first
+        except Exception as error:
+            # a peer lost (killed, its host down or cut off): name it rather than the layer whose collective broke
+            lost = None if _joined is None else lost_peer(error, _joined.places, replica.rank, self.timeouts.collective)
+            if lost is None:
+                raise
+            raise lost from error
 
     def close(self) -> None:
         pass  # the launcher's group is the job's: it ends with the processes
@@ -122,7 +131,7 @@ class ClusterProcess:
 
 # The cluster's group this process joined (torch-dp's own, not torch's default), kept until exit:
 # the process is one of the cluster's for its whole life, whichever Trainer calls.
-_joined: dist.ProcessGroup | None = None
+_joined: ClusterGroup | None = None
 
 
 def _leave_group() -> None:
@@ -130,7 +139,7 @@ def _leave_group() -> None:
     gloo group left to the C++ runtime's teardown at exit can abort the process (SIGABRT, "terminate
     called without an active exception") after its work is done, which torchrun counts as a failure."""
     global _joined
-    leave_group(_joined)
+    leave_group(None if _joined is None else _joined.group)
     _joined = None
 
 
