@@ -26,5 +26,18 @@ def exact_model() -> keras.Model:
 
 
 def dropout_model() -> keras.Model:
-    """Each replica draws its own dropout masks: N replicas differ from one by design."""
-    return _compiled(keras.layers.Dense(16, activation="tanh"), keras.layers.Dropout(0.5))
+    """An unseeded Dropout (torch's own generator) and a seeded one: every replica draws the global
+    batch's masks and keeps its rows, so N replicas train it as one."""
+    return _compiled(
+        keras.layers.Dense(16, activation="tanh"),
+        keras.layers.Dropout(0.5),
+        keras.layers.Dense(16, activation="tanh"),
+        keras.layers.Dropout(0.3, seed=4),
+    )
+
+
+def batch_norm_model() -> keras.Model:
+    """With batch_norm="per_replica", each replica normalizes its own rows: differs by design."""
+    return _compiled(
+        keras.layers.Dense(16, use_bias=False), keras.layers.BatchNormalization(), keras.layers.Activation("tanh")
+    )

@@ -144,19 +144,16 @@ def test_differences_are_per_layer_matched_by_position():
 
 
 def test_known_causes_name_the_layers_that_differ_by_design():
-    with_dropout = dropout_model()
-    [random] = known_causes(with_dropout, batch_norm="global", replica_random_streams=True)
-    assert random.startswith("per-replica random streams") and with_dropout.layers[1].name in random
-    assert known_causes(with_dropout, batch_norm="global", replica_random_streams=False) == ()
+    assert known_causes(dropout_model(), batch_norm="global") == ()  # every replica draws the global batch's noise
 
     with_batch_norm = dense_model(keras.layers.BatchNormalization(name="bn"))
-    assert known_causes(with_batch_norm, batch_norm="global", replica_random_streams=True) == ()
-    [normalizing] = known_causes(with_batch_norm, batch_norm="per_replica", replica_random_streams=True)
+    assert known_causes(with_batch_norm, batch_norm="global") == ()
+    [normalizing] = known_causes(with_batch_norm, batch_norm="per_replica")
     assert normalizing.startswith('batch_norm="per_replica": BatchNormalization layers (bn)')
 
-    [mixed] = known_causes(dense_model(dtype="mixed_bfloat16"), batch_norm="global", replica_random_streams=True)
+    [mixed] = known_causes(dense_model(dtype="mixed_bfloat16"), batch_norm="global")
     assert mixed.startswith("mixed precision (mixed_bfloat16): sums in bfloat16")
-    assert known_causes(dense_model(), batch_norm="per_replica", replica_random_streams=True) == ()
+    assert known_causes(dense_model(), batch_norm="per_replica") == ()
 
 
 def test_nudged_moves_each_float_element_by_2_to_the_minus_20_up_or_down_and_leaves_ids_alone():
@@ -184,7 +181,7 @@ def test_the_rounding_baseline_trains_a_third_copy_on_one_replica_on_nudged_inpu
 
     x, y = data(16)
     model = dense_model()
-    common = {"global_batch_size": 4, "steps": 2, "replica_random_streams": False}
+    common = {"global_batch_size": 4, "steps": 2}
     report = compare_replica_counts(train, model, x, y, rounding_baseline=True, **common)
     assert [replicas for replicas, _ in calls] == [1, 2, 1]
     np.testing.assert_array_equal(calls[1][1], x[:8])

@@ -68,7 +68,6 @@ def check_equivalence(
         tolerance=tolerance,
         seed=seed,
         batch_norm=batch_norm,
-        replica_random_streams=False,  # one mask per step for the whole global batch, as on one device
         rounding_baseline=rounding_baseline,
     )
     if verbose:

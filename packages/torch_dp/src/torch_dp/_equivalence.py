@@ -37,9 +37,9 @@ def check_equivalence(
     source (``DataLoader``, ``PyDataset``) is read twice and must yield the same batches both times.
     It runs on one host, from a plain ``python`` process (not under ``torchrun``).
 
-    Equivalent means every layer within ``tolerance``. Differences by design are named: dropout
-    and other random layers (each replica draws its own masks), ``batch_norm="per_replica"``,
-    mixed precision.
+    Equivalent means every layer within ``tolerance``. Differences by design are named:
+    ``batch_norm="per_replica"``, mixed precision. Dropout and other random layers are none: every
+    replica draws the global batch's noise and keeps its rows, as one device draws it.
 
     ``rounding_baseline=True`` tells an ill-conditioned model (deep stacks of BatchNormalization,
     where float32 rounding alone moves the trained weights by 1e-4) apart from a bug: 1 replica
@@ -69,7 +69,6 @@ def check_equivalence(
             tolerance=tolerance,
             seed=seed,
             batch_norm=batch_norm,
-            replica_random_streams=True,  # each replica offsets its seed generators by its rank
             rounding_baseline=rounding_baseline,
         )
     finally:

@@ -1,14 +1,15 @@
 """``check_equivalence`` written once: train a model on 1 replica and on N from the same
 weights and data, compare them layer by layer, and name the differences the model has by design.
 
-A backend injects how it trains (``Train``: a ``Trainer(num_replicas).fit``), and says whether
-its replicas draw their own random streams (torch-dp's do; jax-dp draws one mask for the
-whole global batch, as one device does). With ``rounding_baseline``, 1 replica trains a third
+A backend injects how it trains (``Train``: a ``Trainer(num_replicas).fit``). Random layers are
+no difference: both backends draw the global batch's noise, as one device does, and every run
+starts from the same seed states and torch generator state. With ``rounding_baseline``, 1 replica trains a third
 time on each float input element times ``1 +- NUDGE``: how far rounding alone moves that model.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -46,7 +47,6 @@ def compare_replica_counts(
     tolerance: float = DEFAULT_TOLERANCE,
     seed: int = 0,
     batch_norm: BatchNormMode = "global",
-    replica_random_streams: bool,
     rounding_baseline: bool = False,
 ) -> EquivalenceReport:
     """Train copies of ``model`` (a compiled model, left untouched, or a factory) for ``steps``
@@ -68,10 +68,13 @@ def compare_replica_counts(
         "verbose": 0,
     }
     one, many = LossCurve(), LossCurve()
+    same_stream = _torch_generator_kept()
     reference = _trained(train(1, first, callbacks=[one], **fit_arguments))
+    same_stream()
     replicated = _trained(train(num_replicas, second, callbacks=[many], **fit_arguments))
     baseline, baseline_curve = None, LossCurve()
     if third:
+        same_stream()
         arguments = {**fit_arguments, "x": nudged_x}
         baseline = weight_differences(reference, _trained(train(1, third[0], callbacks=[baseline_curve], **arguments)))
     return EquivalenceReport(
@@ -81,7 +84,7 @@ def compare_replica_counts(
         losses=tuple(one.losses),
         replica_losses=tuple(many.losses),
         tolerance=tolerance,
-        causes=known_causes(reference, batch_norm=batch_norm, replica_random_streams=replica_random_streams),
+        causes=known_causes(reference, batch_norm=batch_norm),
         baseline_differences=baseline,
         baseline_losses=tuple(baseline_curve.losses),
     )
@@ -262,16 +265,28 @@ def weight_differences(reference: keras.Model, other: keras.Model) -> dict[str, 
     return {name: relative_difference(a, b) for (name, a), (_, b) in zip(mine, theirs, strict=True)}
 
 
-def known_causes(model: keras.Model, *, batch_norm: BatchNormMode, replica_random_streams: bool) -> tuple[str, ...]:
-    """The ways ``model`` trained on N replicas differs from 1 replica by design."""
+def _torch_generator_kept() -> Callable[[], None]:
+    """What puts torch's own generators back as they are now: an unseeded Dropout draws from them on
+    torch (Keras's fast path), so each run starts from the same state, as its seed generators do."""
+    torch = sys.modules.get("torch")
+    if torch is None:  # nothing drew from torch's generators
+        return lambda: None
+    cpu = torch.random.get_rng_state()
+    devices = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    def put_back() -> None:
+        torch.random.set_rng_state(cpu)
+        if devices is not None:
+            torch.cuda.set_rng_state_all(devices)
+
+    return put_back
+
+
+def known_causes(model: keras.Model, *, batch_norm: BatchNormMode) -> tuple[str, ...]:
+    """The ways ``model`` trained on N replicas differs from 1 replica by design (random layers are
+    none: every replica draws the global batch's noise, as one device does)."""
     layers = _internals.flatten_layers(model)
     causes = []
-    random = [layer.name for layer in layers if _internals.seed_generators(layer)]
-    if random and replica_random_streams:
-        causes.append(
-            f"per-replica random streams: random layers ({_names(random)}) draw each replica's masks or noise from "
-            "its own stream (seed, step, replica), so N replicas do not draw what 1 replica draws for the same rows"
-        )
     normalizing = [layer.name for layer in layers if isinstance(layer, keras.layers.BatchNormalization)]
     if normalizing and batch_norm == "per_replica":
         causes.append(
