@@ -63,7 +63,8 @@ class EquivalenceReport:
     ``layer_differences`` maps each layer to its largest relative weight difference after
     training (see ``relative_difference``); ``losses`` and ``replica_losses`` are the loss logged
     after each step on 1 and on ``num_replicas`` replicas. ``causes`` are the differences by
-    design the model has (per-replica BatchNormalization, mixed precision). ``str(report)`` is the table ``check_equivalence`` prints.
+    design the model has (per-replica BatchNormalization, mixed precision). ``str(report)`` is the
+    table ``check_equivalence`` prints.
 
     ``baseline_differences``, when given, is the rounding baseline: per layer, how far 1 replica's
     own run moves when each input element is multiplied by ``1 +- NUDGE`` (``baseline_losses`` its losses).
