@@ -120,7 +120,8 @@ def ship_model(
     except Exception as error:
         raise _not_rebuilt(model, error) from error
     if trains:
-        _check_optimizer_rebuilt(model, loaded)
+        with deferring(mode) if scoped else contextlib.nullcontext():
+            _check_optimizer_rebuilt(model, loaded)
     return source
 
 
@@ -157,6 +158,8 @@ def _check_optimizer_rebuilt(model: keras.Model, loaded: keras.Model) -> None:
         return [(tuple(v.shape), str(v.dtype)) for v in optimizer.variables]
 
     mine, theirs = getattr(model, "optimizer", None), getattr(loaded, "optimizer", None)
+    if mine is not None and theirs is not None and mine.built and not theirs.built:  # a file without weights
+        theirs.build(loaded.trainable_variables)
     if mine is None or theirs is None or not mine.built or layout(mine) == layout(theirs):
         return
     raise TypeError(

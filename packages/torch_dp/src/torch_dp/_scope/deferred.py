@@ -42,6 +42,7 @@ class Entry:
 
 _entries: dict[int, Entry] = {}
 _created = itertools.count()
+_depth = 0  # deferring blocks running now
 
 
 def _forget(key: int) -> None:
@@ -52,12 +53,24 @@ def _forget(key: int) -> None:
 def deferring(mode: ShardMode | None) -> Iterator[None]:
     """Within the block every variable Keras creates from an initializer is deferred (scoped, under ``mode``)."""
 
+    global _depth
+
     def record(variable: keras.Variable, initializer: Any) -> None:
         _entries[id(variable)] = Entry(mode, next(_created), initializer)
         weakref.finalize(variable, _forget, id(variable))
 
-    with variables_created_empty(record):
-        yield
+    _depth += 1
+    try:
+        with variables_created_empty(record):
+            yield
+    finally:
+        _depth -= 1
+
+
+def building() -> bool:
+    """Whether a ``deferring`` block runs now: Keras builds layers, and reads each variable's own
+    storage (torch's ``Layer._track_variables`` registers it as the layer's parameter)."""
+    return _depth > 0
 
 
 def deferring_if_scoped(model: keras.Model) -> contextlib.AbstractContextManager[None]:

@@ -24,7 +24,7 @@ import torch
 from dp_core import ShardMode
 from dp_core.keras import internals
 from torch_dp._internals import guard_variable_access
-from torch_dp._scope.deferred import deferring, initial_value, is_deferred, set_initial_value
+from torch_dp._scope.deferred import building, deferring, initial_value, is_deferred, set_initial_value
 from torch_dp._scope.loading import StoredValue, stored
 
 
@@ -119,7 +119,7 @@ def serve_only() -> None:
 
 
 def _read(variable: keras.Variable) -> torch.Tensor | None:
-    if _calls or not _installed:
+    if _calls or not _installed or building():  # Keras's own reads while it builds take the storage
         return None
     holder = _holders.get(id(variable))
     if holder is not None:

@@ -47,6 +47,10 @@ from torch_dp._step.owners import Piece, Rows, numel, rows_shape
 
 FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket (its _DEFAULT_FIRST_BUCKET_BYTES)
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
+# Buckets whose messages may be in flight at once during backward: launching one waits for the one
+# this many before it, so a replica holds a few buckets' copies, not every gradient's (under shard=,
+# each replica's copies of the others' pieces and the copies it receives of its own)
+IN_FLIGHT = 2
 
 
 def _bytes(variable: keras.Variable) -> int:
@@ -91,7 +95,7 @@ class GradientBuckets:
         self._last_bucket = {index: b for b, bucket in enumerate(self.buckets) for index, _ in bucket}
         self.rank, self.num_replicas, self.keep_sent = rank, num_replicas, keep_sent
         self._variables = [(id(v), tuple(v.shape)) for v in variables]
-        self._launched: list[tuple[torch.Tensor, list[Any], list[torch.Tensor]]] = []
+        self._launched: list[tuple[torch.Tensor | None, list[Any], list[torch.Tensor]]] = []
         self._extras: list[torch.Tensor] = []  # the step's other values, in the last bucket
         self._group: dist.ProcessGroup | None = None  # the replicas' group, given by each ``reducing``
         self.overlapped = 0.0  # the last backward's seconds with an all-reduce in flight
@@ -135,6 +139,8 @@ class GradientBuckets:
                 if not first_launch:
                     first_launch.append(time.perf_counter())
                 self._launch(values, shapes, b)
+                if b >= IN_FLIGHT:  # an older bucket's messages done: its copies go (an owner keeps its sum)
+                    self._settle(b - IN_FLIGHT)
 
         def on_gradient(index: int) -> Any:
             def hook(_: torch.Tensor) -> None:
@@ -188,16 +194,11 @@ class GradientBuckets:
         summed: list[Any] = [None] * len(values)
         extras, self._extras = self._extras, []
         summed_extras: list[torch.Tensor] | None = None
-        for b, (bucket, destination, (flat, works, others)) in enumerate(
-            zip(self.buckets, self.destinations, self._launched, strict=True)
-        ):
-            for work in works:
-                work.wait()
-            if destination is not None and destination != self.rank:
+        for b in range(len(self.buckets)):
+            self._settle(b)
+        for b, (bucket, (flat, _, _)) in enumerate(zip(self.buckets, self._launched, strict=True)):
+            if flat is None:  # another replica's pieces: sent
                 continue
-            if others:  # this replica's copy and the others', added in rank order (the same sum on any owner)
-                copies = [*others[: self.rank], flat, *others[self.rank :]]
-                flat = torch.stack(copies).sum(0) if len(copies) > 2 else copies[0] + copies[1]
             tail = extras if b == len(self.buckets) - 1 else []
             bucket_shapes = [rows_shape(shapes[i], rows) for i, rows in bucket]
             pieces = torch.split(flat, [_numel(shape) for shape in bucket_shapes] + [extra.numel() for extra in tail])
@@ -207,6 +208,23 @@ class GradientBuckets:
                 summed_extras = [p.view(extra.shape) for p, extra in zip(pieces[len(bucket) :], tail, strict=True)]
         self._launched = []
         return summed, summed_extras
+
+    def _settle(self, b: int) -> None:
+        """Bucket ``b``'s messages waited for: a bucket sent to another replica lets its copy go, an
+        owner's holds the sum of every replica's copy (added in rank order, the same sum on any owner)."""
+        flat, works, others = self._launched[b]
+        if not works and not others:
+            return  # settled before
+        for work in works:
+            work.wait()
+        destination = self.destinations[b]
+        if destination is not None and destination != self.rank:
+            self._launched[b] = (None, [], [])
+            return
+        if others:
+            copies = [*others[: self.rank], flat, *others[self.rank :]]
+            flat = torch.stack(copies).sum(0) if len(copies) > 2 else copies[0] + copies[1]
+        self._launched[b] = (flat, [], [])
 
 
 def _numel(shape: Sequence[int]) -> int:
