@@ -18,11 +18,17 @@ import itertools
 import os
 import shutil
 import signal
+import socket
 import subprocess
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
+WORKER = str(Path(__file__).with_name("hosts_worker.py"))
+START_S = 180  # importing torch or jax, and Keras, on a busy machine
 SUBNET = "10.77.0"  # each bridge is its own segment: two runs' hosts never see each other
 _runs = itertools.count()
 
@@ -166,3 +172,44 @@ class Hosts:
             shutil.rmtree(Path("/etc/netns") / host.namespace, ignore_errors=True)
         _ip("link", "del", self.bridge, check=False)
         self.hosts = []
+
+
+# What the tests do with the processes they start on the hosts.
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def ended(processes: Sequence[subprocess.Popen[str]], seconds: float) -> list[int]:
+    """Each process's exit status, waiting ``seconds`` for all (then killing what still runs)."""
+    deadline = time.monotonic() + seconds
+    codes = []
+    for process in processes:
+        try:
+            codes.append(process.wait(timeout=max(deadline - time.monotonic(), 0.1)))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            codes.append(process.wait(timeout=30))
+    return codes
+
+
+def wait_for(host: Host, text: str, seconds: float, log: str = "log") -> float:
+    """When ``text`` appeared in ``host``'s ``log`` (``time.monotonic()``), within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while text not in host.read(log):
+        assert time.monotonic() < deadline, f"{host.name} never printed {text!r}:\n{host.read(log)[-3000:]}"
+        time.sleep(0.1)
+    return time.monotonic()
+
+
+def weights_of(host: Host) -> list[np.ndarray]:
+    with np.load(host.tmpdir / "weights.npz") as stored:
+        return [stored[name] for name in stored.files]
+
+
+def assert_weights_equal(ours: list[np.ndarray], theirs: list[np.ndarray]) -> None:
+    for mine, keras in zip(ours, theirs, strict=True):
+        np.testing.assert_allclose(mine, keras, atol=1e-5)

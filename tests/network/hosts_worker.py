@@ -82,6 +82,7 @@ def main() -> None:
         import jax_dp
 
         coordinator, num_processes, process_id = arguments.jax
+        print("JOINING", flush=True)  # imports done: jax_dp.initialize waits for every process
         jax_dp.initialize(
             coordinator, int(num_processes), int(process_id), initialization_timeout=60, timeout=arguments.timeout
         )

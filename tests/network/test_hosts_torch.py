@@ -5,27 +5,17 @@ host, a hostname that resolves to loopback)."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-import numpy as np
 import pytest
-from hosts import Host, Hosts
+from hosts import START_S, WORKER, Host, Hosts, assert_weights_equal, ended, free_port, wait_for, weights_of
 
 pytest.importorskip("torch")
-WORKER = str(Path(__file__).with_name("hosts_worker.py"))
+BACKEND = "torch"  # of the keras_weights fixture's reference run
 ENV = {**os.environ, "KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 ENV.pop("GLOO_SOCKET_IFNAME", None)  # gloo finds its interface from the host's name, as on a cluster
-START_S = 180  # importing torch and Keras on a busy machine
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def torchrun(host: Host, node_rank: int, nodes: int, port: int, *worker_args: str) -> subprocess.Popen[str]:
@@ -43,48 +33,6 @@ def slurm_task(host: Host, rank: int, tasks: int, port: int, *worker_args: str, 
     return host.start([sys.executable, WORKER, "torch", *worker_args], {**ENV, **variables}, "log")
 
 
-def ended(processes: list[subprocess.Popen[str]], seconds: float) -> list[int]:
-    deadline = time.monotonic() + seconds
-    codes = []
-    for process in processes:
-        try:
-            codes.append(process.wait(timeout=max(deadline - time.monotonic(), 0.1)))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            codes.append(process.wait(timeout=30))
-    return codes
-
-
-def wait_for(host: Host, text: str, seconds: float) -> float:
-    deadline = time.monotonic() + seconds
-    while text not in host.read("log"):
-        assert time.monotonic() < deadline, f"{host.name} never printed {text!r}:\n{host.read('log')[-3000:]}"
-        time.sleep(0.1)
-    return time.monotonic()
-
-
-@pytest.fixture(scope="module")
-def keras_weights(tmp_path_factory) -> list[np.ndarray]:
-    """The weights of plain ``model.fit`` on the workers' model and data."""
-    folder = tmp_path_factory.mktemp("keras")
-    done = subprocess.run(
-        [sys.executable, WORKER, "keras"],
-        env=ENV,
-        cwd=folder,
-        capture_output=True,
-        text=True,
-        timeout=START_S,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    with np.load(folder / "weights.npz") as stored:
-        return [stored[name] for name in stored.files]
-
-
-def weights_of(host: Host) -> list[np.ndarray]:
-    with np.load(host.tmpdir / "weights.npz") as stored:
-        return [stored[name] for name in stored.files]
-
-
 @pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
 def test_two_hosts_train_as_model_fit(hosts, keras_weights, launcher):
     network: Hosts = hosts(2)
@@ -94,11 +42,6 @@ def test_two_hosts_train_as_model_fit(hosts, keras_weights, launcher):
     codes = ended(processes, START_S)
     assert codes == [0, 0], "\n".join(host.read("log")[-3000:] for host in network.hosts)
     assert_weights_equal(weights_of(network[0]), keras_weights)
-
-
-def assert_weights_equal(ours: list[np.ndarray], theirs: list[np.ndarray]) -> None:
-    for mine, keras in zip(ours, theirs, strict=True):
-        np.testing.assert_allclose(mine, keras, atol=1e-5)
 
 
 def test_a_hostname_that_resolves_to_loopback_is_routed_around(hosts, keras_weights):

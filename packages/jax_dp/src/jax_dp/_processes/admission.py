@@ -200,11 +200,14 @@ def admit(
     timeout: float,
     secret: bytes | None,
     socket_path: str | None = None,
+    coordinator: str | None = None,
 ) -> Admission:
     """Process 0: wait (at most ``timeout`` seconds) until every other process of the job joined,
-    then tell them to go on. ``secret`` ``None``: generate one for this user's processes (single
-    host). ``socket_path``: where jax's coordinator will listen (the joiners learn it), and the
-    port stays held, refusing latecomers, until ``close()``; else it is closed for jax's coordinator."""
+    then tell them to go on to jax's coordinator: ``coordinator`` (another port, on several hosts),
+    else the Unix socket at ``socket_path`` (one host; removed at ``close()``). The port stays held,
+    refusing latecomers and strangers (a plain ``jax.distributed.initialize`` among them), until
+    ``close()``; given neither, it is closed for jax's coordinator to take. ``secret`` ``None``:
+    generate one for this user's processes (single host)."""
     deadline = time.monotonic() + timeout
     listener = _bind(bind_address, coordinator_address)
     cleanups: list[Callable[[], None]] = []
@@ -227,12 +230,12 @@ def admit(
     except BaseException:
         admission.close()
         raise
-    if socket_path is None:
-        admission.close()
-        admission.release(None)
-    else:
+    if socket_path is not None:
         admission.cleanups.append(functools.partial(_unlink, socket_path))
-        admission.release(f"unix:{socket_path}")
+        coordinator = coordinator or f"unix:{socket_path}"
+    if coordinator is None:
+        admission.close()
+    admission.release(coordinator)
     return admission
 
 
@@ -302,6 +305,14 @@ def _bind(bind_address: str, coordinator_address: str) -> socket.socket:
             ) from None
         raise busy_port(coordinator_address) from None
     return listener
+
+
+def free_port(host: str) -> int:
+    """A port free now on ``host``'s address, for jax's coordinator (told only to admitted processes)."""
+    family, kind, protocol, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind, protocol) as probe:
+        probe.bind(address)
+        return int(probe.getsockname()[1])
 
 
 def busy_port(coordinator_address: str) -> RuntimeError:

@@ -8,9 +8,14 @@ picks the coordinator (the first node of the step, a port derived from ``SLURM_J
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
+import json
 import os
+import re
+import socket
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from dp_core import JobId, job_id_of, launch_of
 from jax_dp._internals import in_slurm_step, slurm_cluster
@@ -86,3 +91,72 @@ def job_id(given: str | None) -> JobId:
         return JobId(str(given), "job_id=")
     job = job_id_of()
     return job if job.value is not None else JobId(None, "no job_id= and no scheduler's job id")
+
+
+class Place(NamedTuple):
+    """Where one process runs: its host's name and the address gloo (jax's CPU collectives) gives
+    the others for it, the first its host's name resolves to."""
+
+    host: str
+    address: str
+
+
+def own_place() -> Place:
+    host = socket.gethostname()
+    try:
+        return Place(host, str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]))
+    except (OSError, IndexError):
+        return Place(host, "127.0.0.1")
+
+
+def is_loopback(address: str) -> bool:
+    with contextlib.suppress(ValueError):
+        return ipaddress.ip_address(address).is_loopback
+    return False
+
+
+def exchanged_places(client: Any, process_id: int, num_processes: int, timeout_s: float) -> list[Place]:
+    """Every process's ``Place``, through jax's key-value store (each says its own, then reads all)."""
+    client.key_value_set(f"jax_dp/place/{process_id}", json.dumps(own_place()))
+    return [
+        Place(*json.loads(client.blocking_key_value_get(f"jax_dp/place/{other}", int(timeout_s * 1000))))
+        for other in range(num_processes)
+    ]
+
+
+def unreachable_host(places: list[Place], process_id: int) -> str | None:
+    """Why the others cannot reach this process's gloo, when its host's name resolves to loopback
+    in a job of several hosts (Debian's '127.0.1.1 <name>' line in /etc/hosts), else None."""
+    host, address = places[process_id]
+    if not is_loopback(address) or len({place.host for place in places}) < 2:
+        return None
+    return (
+        f"jax_dp process {process_id} of {len(places)}: this host's name ({host}) resolves to {address}, a "
+        "loopback address, and gloo (jax's collectives between CPU processes) gives the other hosts that "
+        f"address to reach this process: they cannot. Make {host} resolve to this host's network address (a "
+        f"'<address> {host}' line in /etc/hosts instead of '127.0.1.1 {host}'), on every host of the job."
+    )
+
+
+# gloo names the peer of a connection that failed: "Read error [10.0.0.2]:40123: Connection reset by peer"
+_PEER = re.compile(r"\[([0-9A-Fa-f.:]+)\]:\d+")
+
+
+def lost_process(error: BaseException, places: list[Place], process_id: int) -> RuntimeError | None:
+    """The error naming the process and host this one lost, for gloo's bare ``ValueError`` on a
+    connection to it that broke (it was killed, or its host went down), else None."""
+    text = str(error)
+    if "Gloo" not in text:
+        return None
+    addresses = set(_PEER.findall(text)) - {places[process_id].address}
+    lost = [other for other, place in enumerate(places) if place.address in addresses and other != process_id]
+    if not lost:
+        return None
+    host, address = places[lost[0]]
+    line = next((line.strip() for line in text.splitlines() if _PEER.search(line)), text)
+    return RuntimeError(
+        f"jax_dp process {process_id} of {len(places)} lost process {lost[0]} of {len(places)} on {host} "
+        f"({address}): {line}. That process ended (killed, out of memory, or its host went down) or the network "
+        f"between the hosts failed; its own log (on {host}) says which. Run every process again "
+        "(checkpoint_dir resumes where the run stopped)."
+    )

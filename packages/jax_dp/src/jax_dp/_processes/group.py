@@ -26,8 +26,8 @@ import jax
 from dp_core import JOB_SECRET_VARIABLE, SET_JOB_SECRET, JobId, NonFiniteLossError, Preempted, job_secret_of
 from jax_dp._internals import distributed_client, set_coordinator_address
 from jax_dp._processes import handshake, local
-from jax_dp._processes.admission import Admission, admit, busy_port
-from jax_dp._processes.cluster import Cluster, cluster_of
+from jax_dp._processes.admission import Admission, admit, busy_port, free_port
+from jax_dp._processes.cluster import Cluster, Place, cluster_of, exchanged_places, lost_process, unreachable_host
 from jax_dp._processes.cluster import job_id as job_id_of
 
 P = ParamSpec("P")
@@ -106,9 +106,9 @@ def initialize(
 class Coordinator(NamedTuple):
     """jax's coordinator, as process 0 set it up for this job (``_admitted``)."""
 
-    address: str  # where the processes reach it: a Unix socket on one host, else the job's address
+    address: str  # where the processes reach it: a Unix socket on one host, else another port of the address
     bind_address: str  # where process 0's coordinator listens
-    admission: Admission | None  # process 0's on one host, listening until jax has started
+    admission: Admission | None  # process 0's, listening on the job's port until the job ends
 
 
 def _start(cluster: Cluster, coordinator: Coordinator, initialization_timeout: int, options: dict[str, Any]) -> None:
@@ -139,6 +139,10 @@ def _started(cluster: Cluster, admission: Admission | None) -> None:
     set_coordinator_address(cluster.coordinator_address)
     if cluster.num_processes > 1:
         _end_together(distributed_client(), cluster.process_id, cluster.num_processes)
+        _Run.places = exchanged_places(_Run.client, cluster.process_id, cluster.num_processes, 60.0)
+        reason = unreachable_host(_Run.places, cluster.process_id)
+        if reason is not None:
+            raise RuntimeError(reason)
     if admission is not None:  # from now on a cluster claimed twice ends the job through jax's store
         admission.on_conflict = _end_for_conflict
         if admission.conflict is not None:
@@ -163,21 +167,26 @@ def _admitted(
     cluster: Cluster, job: JobId, secret: bytes | None, timeout: float, bind_address: str, *, own_socket: bool
 ) -> Coordinator:
     """Before jax's coordinator starts: process 0 admits each other process of the job once, and
-    each other process joins it (``_processes.admission``, ``_processes.handshake``). On one host
-    (unless ``own_socket`` is off: a bind address was given) the coordinator listens on a Unix
-    socket in this user's own folder (nobody else can reach it), else on the job's port."""
+    each other process joins it (``_processes.admission``, ``_processes.handshake``). Process 0 keeps
+    the port for the job's whole life, and jax's coordinator listens where only the admitted are
+    told: on one host (unless ``own_socket`` is off: a bind address was given) a Unix socket in this
+    user's own folder (nobody else can reach it), else another port of the same address."""
     address = cluster.coordinator_address
     if cluster.process_id != 0:
         joined = handshake.join(address, cluster.process_id, cluster.num_processes, job, timeout, secret)
         return Coordinator(joined or address, bind_address, None)
     host, port = handshake.split(address)
     path = local.socket_path(port) if own_socket and local.is_loopback(host) else None
-    admission = admit(bind_address, address, cluster.num_processes, job, timeout, secret, path)
-    if path is None:
-        return Coordinator(address, bind_address, None)
+    if path is not None:
+        service, service_bind = f"unix:{path}", f"unix:{path}"
+    else:
+        bind_host = handshake.split(bind_address)[0]
+        free = free_port(bind_host)
+        service, service_bind = handshake.joined(host, free), handshake.joined(bind_host, free)
+    admission = admit(bind_address, address, cluster.num_processes, job, timeout, secret, path, service)
     atexit.register(admission.close)  # runs before jax's exit-time shutdown (registered earlier)
     _Run.admission = admission  # closed by _exit_now too, which skips atexit
-    return Coordinator(f"unix:{path}", f"unix:{path}", admission)
+    return Coordinator(service, service_bind, admission)
 
 
 def _end_for_conflict(reason: str) -> None:
@@ -195,9 +204,10 @@ class _Run:
     """This process's place in a multi-process run, once ``initialize`` joined it."""
 
     client: Any = None
-    admission: Admission | None = None  # process 0's, on one host
+    admission: Admission | None = None  # process 0's
     process_id = 0
     failure: str | None = None  # what this process reported to the others
+    places: list[Place] | None = None  # where each process runs, by process id
 
 
 def record_failure(error: BaseException) -> None:
@@ -226,7 +236,11 @@ def ends_the_run_on_failure(method: Callable[P, R]) -> Callable[P, R]:
         except (Preempted, NonFiniteLossError):
             raise
         except BaseException as error:
-            record_failure(error)
+            # gloo's bare ValueError for a process that went away: name it and its host
+            lost = None if _Run.places is None else lost_process(error, _Run.places, _Run.process_id)
+            record_failure(lost or error)
+            if lost is not None:
+                raise lost from error
             raise
 
     return run

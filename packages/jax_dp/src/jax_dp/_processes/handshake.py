@@ -238,6 +238,11 @@ def _connect(coordinator_address: str, deadline: float, timeout: float) -> socke
             time.sleep(_RETRY_S)
 
 
+def joined(host: str, port: int) -> str:
+    """``host:port`` (an IPv6 host in brackets): ``split``'s inverse."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def split(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
