@@ -33,8 +33,10 @@ print("STRANGER JOINED", flush=True)
 """
 
 
-def process(host: Host, port: int, process_id: int, *worker_args: str) -> subprocess.Popen[str]:
-    command = [sys.executable, WORKER, "jax", f"host1:{port}", "2", str(process_id), *worker_args]
+def process(
+    host: Host, port: int, process_id: int, *worker_args: str, coordinator: str = "host1"
+) -> subprocess.Popen[str]:
+    command = [sys.executable, WORKER, "jax", f"{coordinator}:{port}", "2", str(process_id), *worker_args]
     return host.start(command, ENV, "log")
 
 
@@ -78,3 +80,21 @@ def test_a_killed_process_is_named_by_process_and_host(hosts):
     assert codes[0] != 0, log[-3000:]
     assert "process 1 of 2 on host2" in log, log[-3000:]
     assert elapsed < 10 + 15, elapsed  # the heartbeat timeout, and the process's exit
+
+
+def test_a_hostname_that_resolves_to_loopback_fails_at_once_saying_what_to_change(hosts):
+    """Debian's '127.0.1.1 <hostname>' line on every host, the coordinator given by address: gloo
+    would give the other process a loopback address (before: a raw gloo error once the first step
+    ran). Each process stops right after joining, naming its host and the /etc/hosts line."""
+    network: Hosts = hosts(2, loopback_hostname=True)
+    port = free_port()
+    processes = [process(network[index], port, index, coordinator=network[0].address) for index in range(2)]
+    joined = max(wait_for(host, "JOINING", START_S) for host in network.hosts)
+    codes = ended(processes, 60)
+    elapsed = time.monotonic() - joined
+    logs = [host.read("log") for host in network.hosts]
+    assert all(code != 0 for code in codes), "\n".join(log[-3000:] for log in logs)
+    assert elapsed < 30, elapsed  # jax's start and exit; before, a gloo error after the first steps' compilation
+    for index, (host, log) in enumerate(zip(network.hosts, logs, strict=True)):
+        assert f"jax_dp process {index} of 2: this host's name ({host.name}) resolves to 127.0.1.1" in log, log
+        assert "STEP" not in log and "FIT" not in log
