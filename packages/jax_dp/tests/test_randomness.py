@@ -4,10 +4,14 @@ last batch included, under every ``shard=`` mode and with gradient accumulation.
 
 from __future__ import annotations
 
+import shutil
+
 import keras
+import numpy as np
 import pytest
 from jax_dp_helpers import assert_history_close, assert_weights_close
 
+import dp_core
 import jax_dp
 
 pytestmark = pytest.mark.timeout(240)
@@ -61,3 +65,33 @@ def test_dropout_and_gaussian_noise_draw_what_model_fit_draws(data, name):
     assert_history_close(expected_history.history, history.history)
     assert_weights_close(expected, model)
     assert seed_states(model) == seed_states(expected)  # the streams go on where model.fit's do
+
+
+@pytest.mark.parametrize("mid_epoch", [False, True])
+def test_a_resumed_fit_with_random_layers_is_bitwise_the_uninterrupted_one(data, tmp_path, mid_epoch):
+    """The seed generators' states are in the checkpoint (issue 43, item 16): the resumed run draws the
+    masks the uninterrupted run drew, not the stream's first ones again. ``mid_epoch``: from a checkpoint
+    written after epoch 2's third step (before its 3-row batch), the later ones removed as if the run had
+    stopped there."""
+    x, y = data[0], data[1]
+    options = dict(batch_size=32, shuffle=False, verbose=0)
+    expected = noisy_model()
+    jax_dp.Trainer(2).fit(expected, x, y, epochs=2, **options)
+    folder = tmp_path / "checkpoints"
+    if mid_epoch:
+        jax_dp.Trainer(2).fit(
+            noisy_model(), x, y, epochs=2, checkpoint_dir=str(folder), checkpoint_every_steps=3, **options
+        )
+        for path in dp_core.list_checkpoints(folder):  # (1, 0), (1, 3); (2, 0) after the stop
+            checkpoint = dp_core.load_checkpoint(path)
+            if (checkpoint.epoch, checkpoint.step) > (1, 3):
+                shutil.rmtree(path)
+        assert (dp_core.latest_checkpoint(folder).epoch, dp_core.latest_checkpoint(folder).step) == (1, 3)
+    else:
+        jax_dp.Trainer(2).fit(noisy_model(), x, y, epochs=1, checkpoint_dir=str(folder), **options)
+    resumed = noisy_model()
+    jax_dp.Trainer(2).fit(resumed, x, y, epochs=2, checkpoint_dir=str(folder), **options)
+
+    for want, got in zip(expected.get_weights(), resumed.get_weights(), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert seed_states(resumed) == seed_states(expected)

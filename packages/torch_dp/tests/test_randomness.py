@@ -5,6 +5,7 @@ batch (padded on 2 replicas) included, under every ``shard=`` mode and with grad
 import keras
 import numpy as np
 import pytest
+import torch
 import torch_dp_testing as testing
 
 import torch_dp
@@ -92,3 +93,27 @@ def test_an_unseeded_dropout_draws_from_rank_0_s_torch_generator(two_replicas):
     keras.utils.set_random_seed(12)
     other = np.asarray(two_replicas.fit(model, x, y, **FIT).history["loss"])
     assert np.max(np.abs(other - first)) > 1e-3  # another generator state, other masks: the stream is used
+
+
+@pytest.mark.parametrize("seeded", [True, False])
+def test_a_resumed_fit_with_random_layers_is_bitwise_the_uninterrupted_one(two_replicas, tmp_path, seeded):
+    """The seed generators' states are in the checkpoint (issue 43, item 16): the resumed epoch draws the
+    masks the uninterrupted run drew, not the stream's first ones again. (An unseeded Dropout's torch
+    generator is the caller's: set as the uninterrupted run left it, as a resumed process would not.)"""
+    x, y = testing.data()
+    expected = noisy_model(seeded=seeded)
+    keras.utils.set_random_seed(3)
+    two_replicas.fit(expected, x, y, **{**FIT, "epochs": 1})
+    torch_state = torch.get_rng_state()
+    two_replicas.fit(expected, x, y, **FIT, initial_epoch=1)
+    folder = str(tmp_path / "checkpoints")
+    interrupted = noisy_model(seeded=seeded)
+    keras.utils.set_random_seed(3)
+    two_replicas.fit(interrupted, x, y, **{**FIT, "epochs": 1}, checkpoint_dir=folder)
+    resumed = noisy_model(seeded=seeded)
+    torch.set_rng_state(torch_state)
+    two_replicas.fit(resumed, x, y, **FIT, checkpoint_dir=folder)
+
+    for want, got in zip(expected.get_weights(), resumed.get_weights(), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert seed_states(resumed) == seed_states(expected)

@@ -310,3 +310,15 @@ def test_the_loading_hook_hands_load_weights_the_stored_dataset_while_active(tmp
     assert seen == [((3, 2), False), ((2,), False)]
     for mine, theirs in zip(target.get_weights(), source.get_weights(), strict=True):
         np.testing.assert_array_equal(mine, theirs)
+
+
+def test_the_backend_random_module_is_what_random_layers_draw_through():
+    module = internals.backend_random_module()
+    calls = []
+    original = module.normal
+    module.normal = lambda *args, **kwargs: calls.append(args) or original(*args, **kwargs)
+    try:
+        keras.layers.GaussianNoise(0.1, seed=1)(np.ones((2, 3), "float32"), training=True)
+    finally:
+        module.normal = original
+    assert len(calls) == 1

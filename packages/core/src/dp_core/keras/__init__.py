@@ -25,7 +25,8 @@ The contract, what a backend calls on the way from the user's call to its step:
 - checkpoints: ``CheckpointWriter`` (``checkpoints_finished``: its last write waited for),
   ``resumable_checkpoint``, ``restore_model`` (``checkpoint_pairs``: what it assigns), ``start_of``
   (``Start``), ``print_resume`` (the line a resumed fit prints), ``StagedParts`` (a checkpoint whose
-  processes each wrote their own parts).
+  processes each wrote their own parts), ``seed_states_of`` (the random layers' seed states a
+  checkpoint records);
 
 Helpers, for what a backend does its own way:
 
@@ -85,6 +86,7 @@ from dp_core.keras._random_rows import global_batch_draws as global_batch_draws
 from dp_core.keras._restore import checkpoint_pairs as checkpoint_pairs
 from dp_core.keras._restore import restore_model as restore_model
 from dp_core.keras._restore import resumable_checkpoint as resumable_checkpoint
+from dp_core.keras._seed_states import seed_states_of as seed_states_of
 from dp_core.keras._sources import BatchSource as BatchSource
 
 # isort: split
@@ -193,6 +195,7 @@ __all__ = [
     "resumable_checkpoint",
     "run_check_command",
     "runs_last_batch_whole",
+    "seed_states_of",
     "skipped_message",
     "start_of",
     "verbosity",

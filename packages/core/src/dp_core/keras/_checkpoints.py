@@ -29,6 +29,7 @@ from dp_core._checkpoint import PartsWritten, commit_checkpoint, save_checkpoint
 from dp_core._checkpoint_background import BackgroundWrites
 from dp_core._checkpoint_format import Checkpoint, CheckpointError
 from dp_core.keras._callbacks import verbosity
+from dp_core.keras._seed_states import SEED_STATES, seed_states_of
 
 # keras.ops is typed for every backend at once; treat it as untyped here.
 ops: Any = keras.ops
@@ -115,10 +116,13 @@ def model_checkpoint(
     metric_variables: list[Any] | None = None,
     optimizer_variables: list[Any] | None = None,
     read: Callable[[Any], Any] | None = None,
+    seed_states: list[list[int]] | None = None,
 ) -> Checkpoint:
-    """``model``'s weights, optimizer and metric state, and its History so far, as a Checkpoint.
+    """``model``'s weights, optimizer and metric state, its random layers' seed states and its History so
+    far, as a Checkpoint.
 
     ``metric_variables`` overrides the model's own (a backend passes the sums over replicas);
+    ``seed_states`` the model's seed generator states (``seed_states_of``);
     ``optimizer_variables`` the compiled optimizer's (e.g. an optax state's leaves); ``read`` how each
     weight and optimizer variable becomes an array (a backend holding a variable by parts gives its
     parts, which ``save_checkpoint`` writes by parts).
@@ -145,6 +149,7 @@ def model_checkpoint(
         extra={
             "history": {name: [_plain(v) for v in values] for name, values in history.items()},
             "optimizer_paths": [getattr(v, "path", "") for v in optimizer],
+            SEED_STATES: seed_states_of(model) if seed_states is None else seed_states,
             **extra,
         },
     )

@@ -13,6 +13,7 @@ import numpy as np
 from dp_core._checkpoint_format import Checkpoint, CheckpointError, check_compatible
 from dp_core._checkpoint_read import latest_checkpoint
 from dp_core.keras._checkpoints import SLOT_KEYS, optimizer_record
+from dp_core.keras._seed_states import seed_state_pairs
 
 
 def resumable_checkpoint(
@@ -22,13 +23,15 @@ def resumable_checkpoint(
     seed: int,
     global_batch_size: int,
     shuffle: bool | str,
+    lazily: bool = False,
 ) -> Checkpoint | None:
     """The newest valid checkpoint in ``checkpoint_dir`` that ``model`` and fit's arguments
     can continue (None: start fresh); a ``CheckpointError`` says why one cannot.
 
-    ``model`` must be built, so its weights can be compared with the checkpoint's.
+    ``model`` must be built, so its weights can be compared with the checkpoint's. ``lazily``: its
+    arrays are read when asked for (``load_checkpoint``'s), by whoever restores them.
     """
-    checkpoint = latest_checkpoint(checkpoint_dir)
+    checkpoint = latest_checkpoint(checkpoint_dir, lazily=lazily)
     if checkpoint is None:
         return None
     check_compatible(checkpoint, list(model.weights), model_name=model.name)  # shapes only: no value read
@@ -55,7 +58,8 @@ def restore_model(checkpoint: Checkpoint, model: keras.Model, *, metrics: bool =
 
 def checkpoint_pairs(checkpoint: Checkpoint, model: keras.Model, *, metrics: bool = True) -> list[tuple[Any, Any]]:
     """Each variable of the built ``model`` with its value in ``checkpoint`` (weights, optimizer
-    variables, and with ``metrics`` metric variables), after checking they fit: what
+    variables, with ``metrics`` metric variables, and the random layers' seed generator states, when the
+    checkpoint holds them: ``_seed_states``), after checking they fit: what
     ``restore_model`` assigns, for a backend that puts each value in place its own way."""
     check_compatible(checkpoint, list(model.weights), model_name=model.name)  # shapes only: no value read
     _check_same_optimizer(checkpoint, model)
@@ -65,7 +69,7 @@ def checkpoint_pairs(checkpoint: Checkpoint, model: keras.Model, *, metrics: boo
     for variable, value in [*pairs, *metric_pairs]:
         _check_shape(variable, value)
     weights = list(zip(model.weights, checkpoint.weights, strict=True))  # check_compatible: as many, same shapes
-    return [*weights, *pairs, *metric_pairs]
+    return [*weights, *pairs, *metric_pairs, *seed_state_pairs(checkpoint, model)]
 
 
 def _optimizer_pairs(optimizer: list[keras.Variable], checkpoint: Checkpoint) -> list[tuple[keras.Variable, Any]]:

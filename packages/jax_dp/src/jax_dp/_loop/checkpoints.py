@@ -30,6 +30,7 @@ from dp_core.keras import (
     model_checkpoint,
     print_resume,
     resumable_checkpoint,
+    seed_states_of,
     start_of,
 )
 from jax_dp._comm.hosts import is_primary, same_on_all_processes, text_from_primary
@@ -189,7 +190,7 @@ def by_parts(
     record = model_checkpoint(
         cast(keras.Model, _Recorded(unbuilt, model.history)), epoch=epoch, step=step, seed=writer.seed,
         global_batch_size=writer.global_batch_size, num_replicas=writer.num_replicas, lr_policy=writer.lr_policy,
-        metric_variables=metric_variables,
+        metric_variables=metric_variables, seed_states=seed_states_of(model),
     )  # fmt: skip
     record.extra["optimizer_paths"] = [v.path for v in optimizer.variables]
     record.weights = [_parts(v) for v in model.weights]
