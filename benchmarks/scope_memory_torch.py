@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import subprocess
@@ -139,6 +140,7 @@ def scoped(preset: Path, out: Path, work: Path, parameters: int) -> dict[str, An
                 trainer.fit(first, x, y, global_batch_size=BATCH, epochs=1, shuffle=False, seed=SEED, verbose=0,
                             checkpoint_dir=folder, checkpoint_every_steps=5)  # fmt: skip
             del first
+            gc.collect()  # its parts go: the caller's now, the workers' at the next call
             with phase(caps, peaks, "built again, resumed: epoch 2"):
                 resumed = built_and_loaded(trainer, preset)
                 history = trainer.fit(resumed, x, y, global_batch_size=BATCH, epochs=EPOCHS, shuffle=False, seed=SEED,

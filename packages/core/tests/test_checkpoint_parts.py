@@ -77,3 +77,19 @@ def test_processes_write_their_own_parts_into_one_checkpoint(tmp_path):
     (path / "parts-2.npz").unlink()
     with pytest.raises(CheckpointError):
         load_checkpoint(path)
+
+
+def test_a_checkpoint_by_parts_read_lazily_gives_each_array_when_asked_and_notices_a_changed_file(tmp_path):
+    kernel, bias = np.arange(24, dtype="float32").reshape(6, 4), np.ones(4, "float32")
+    path = save_checkpoint(tmp_path, _checkpoint([_split(kernel), bias]))
+    loaded = load_checkpoint(path, lazily=True)
+    assert [tuple(w.shape) for w in loaded.weights] == [(6, 4), (4,)]
+    assert not isinstance(loaded.weights[0], np.ndarray)  # nothing read yet
+    np.testing.assert_array_equal(np.asarray(loaded.weights[0]), kernel)
+    np.testing.assert_array_equal(np.asarray(loaded.weights[1]), bias)
+    (path / "parts-0.npz").write_bytes((path / "parts-0.npz").read_bytes())  # another inode's same bytes, later
+    import os
+
+    os.utime(path / "parts-0.npz", ns=(1, 1))
+    with pytest.raises(CheckpointError, match="changed since it was verified"):
+        np.asarray(loaded.weights[0])

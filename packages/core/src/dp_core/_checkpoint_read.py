@@ -36,7 +36,7 @@ from dp_core._checkpoint_format import (
     sha256_of,
 )
 from dp_core._checkpoint_lock import CheckpointDirError, existing_folder_of
-from dp_core._checkpoint_shards import PARTS_FORMAT_VERSION, check_parts_names, load_parts
+from dp_core._checkpoint_shards import PARTS_FORMAT_VERSION, check_parts_names, load_parts, stored_parts
 
 _STATE_REQUIRED = ("epoch", "step", "seed", "global_batch_size", "num_replicas", "counts")
 _STATE_OPTIONAL = ("lr_policy", "extra")
@@ -95,19 +95,20 @@ def _entries(root: Path) -> list[os.DirEntry[str]]:
         ) from error
 
 
-def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
-    """Read and verify one checkpoint directory; a ``CheckpointError`` says what is wrong."""
+def load_checkpoint(path: str | os.PathLike[str], *, lazily: bool = False) -> Checkpoint:
+    """Read and verify one checkpoint directory; a ``CheckpointError`` says what is wrong. ``lazily``: one
+    written by parts (format 2) gives each array as a ``StoredArray``, read and checked when asked for."""
     path = Path(path)
     try:
-        return _load(path)
+        return _load(path, lazily=lazily)
     except CheckpointError:
         raise
     except (OSError, ValueError, EOFError, RecursionError, zipfile.BadZipFile, NotImplementedError) as error:
         raise CheckpointError(f"{path}: unreadable ({type(error).__name__}: {error}).") from error
 
 
-def latest_checkpoint(directory: str | os.PathLike[str]) -> Checkpoint | None:
-    """The newest checkpoint that verifies; damaged ones are reported and skipped.
+def latest_checkpoint(directory: str | os.PathLike[str], *, lazily: bool = False) -> Checkpoint | None:
+    """The newest checkpoint that verifies (``lazily``: as ``load_checkpoint``'s); damaged ones are skipped.
 
     None when there is none; when every one is damaged, a warning says the run starts from
     the beginning. A checkpoint of a newer format version anywhere in ``directory`` is a
@@ -126,7 +127,7 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Checkpoint | None:
             if before is None or failures.get(path, (None,))[0] == before:
                 continue  # vanished, or found damaged before
             try:
-                checkpoint = load_checkpoint(path)
+                checkpoint = load_checkpoint(path, lazily=lazily)
             except CheckpointVersionError:
                 _refuse_newer_formats(directory, [path])
                 raise
@@ -231,7 +232,7 @@ def _dp_core_version() -> str:
 # Every check below runs before the bytes it guards are read or allocated.
 
 
-def _load(path: Path) -> Checkpoint:
+def _load(path: Path, *, lazily: bool = False) -> Checkpoint:
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
@@ -242,7 +243,7 @@ def _load(path: Path) -> Checkpoint:
     with _verified(path, "state.json", manifest) as (f, size):
         state = _state(path, _parse_json(path, "state.json", f.read(size + 1)))
     if manifest["format_version"] == PARTS_FORMAT_VERSION:
-        groups = _parts_of(path, manifest, state["counts"])
+        groups = _parts_of(path, manifest, state["counts"], lazily=lazily)
     else:
         with _verified(path, "arrays.npz", manifest) as (f, size):
             groups = arrays_of(path, f, size, state["counts"], manifest.get("arrays"))
@@ -258,14 +259,17 @@ def _load(path: Path) -> Checkpoint:
     )
 
 
-def _parts_of(path: Path, manifest: dict[str, Any], counts: dict[str, int]) -> dict[str, list[Any]]:
-    """A version-2 checkpoint's whole arrays, from its parts files, each verified first."""
+def _parts_of(path: Path, manifest: dict[str, Any], counts: dict[str, int], *, lazily: bool) -> dict[str, list[Any]]:
+    """A version-2 checkpoint's whole arrays (or ``lazily`` each read when asked for), from its parts
+    files, each verified first."""
     with ExitStack() as stack:
         opened = {
             name: stack.enter_context(_verified(path, name, manifest))
             for name in manifest["files"]
             if name != "state.json"
         }
+        if lazily:
+            return stored_parts(path, {name: f for name, (f, _) in opened.items()}, counts, manifest)
         return load_parts(path, opened, counts, manifest)
 
 

@@ -15,7 +15,9 @@ version 1, which every dp-core since 0.2.1 reads.
 from __future__ import annotations
 
 import math
+import os
 import zipfile
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -94,6 +96,54 @@ def load_parts(
     if listed != used:
         raise damaged(path, "parts", f"members no array claims: {sorted(listed - used)[:5]}")
     return {group: [whole[f"{group}/{i}"] for i in range(counts[group])] for group in GROUPS}
+
+
+class StoredArray:
+    """One array of a verified version-2 checkpoint, read from its parts files when asked for
+    (``numpy.asarray``), with the same checks ``load_parts`` makes; a file that is no longer the one
+    verified (another inode, size or time) is damage. What ``load_checkpoint(path, lazily=True)``
+    gives, so a reader holds one array at a time."""
+
+    def __init__(self, path: Path, key: str, record: dict[str, Any], entries: Any, files: dict[str, Any]) -> None:
+        self.path, self.key, self.record, self.entries, self.files = path, key, record, entries, files
+        self.shape = tuple(record["shape"])
+        self.dtype = np.dtype(np.lib.format.descr_to_dtype(record["dtype"]))
+        self.ndim = len(self.shape)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        names = sorted({entry[0] for entry in self.entries if isinstance(entry, list) and entry})
+        with ExitStack() as stack:
+            archives: dict[str, tuple[zipfile.ZipFile, int]] = {}
+            for name in names:
+                if name not in self.files:
+                    raise damaged(self.path, "manifest.json", f"{self.key}: {name} is not a file it lists")
+                f = stack.enter_context(open(self.path / name, "rb"))
+                if _identity_of(f) != self.files[name]:
+                    raise damaged(self.path, name, "the file changed since it was verified")
+                archives[name] = (stack.enter_context(zipfile.ZipFile(f)), self.files[name][2])
+            whole = _assembled(self.path, self.key, self.record, self.entries, archives, set())
+        return whole if dtype is None else whole.astype(dtype, copy=False)
+
+
+def _identity_of(f: IO[bytes]) -> tuple[int, int, int, int]:
+    info = os.fstat(f.fileno())
+    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns
+
+
+def stored_parts(
+    path: Path, files: dict[str, IO[bytes]], counts: dict[str, int], manifest: dict[str, Any]
+) -> dict[str, list[StoredArray]]:
+    """``load_parts``' arrays, each read when asked for (``StoredArray``), from the verified ``files``
+    (each open; their identities are kept and checked again at each read)."""
+    records, table = manifest.get("arrays"), manifest.get("parts")
+    expected = [f"{group}/{i}" for group in GROUPS for i in range(counts[group])]
+    if not isinstance(records, dict) or not isinstance(table, dict) or set(records) != set(expected):
+        raise damaged(path, "manifest.json", "its arrays or parts are not those state.json counts")
+    if set(table) != set(expected):
+        raise damaged(path, "manifest.json", "'parts' does not list every array")
+    identities = {name: _identity_of(f) for name, f in files.items()}
+    arrays = {key: StoredArray(path, key, records[key], table[key], identities) for key in expected}
+    return {group: [arrays[f"{group}/{i}"] for i in range(counts[group])] for group in GROUPS}
 
 
 def _assembled(

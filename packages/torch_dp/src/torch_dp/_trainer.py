@@ -182,8 +182,7 @@ class Trainer:
     def scope(self) -> contextlib.AbstractContextManager[None]:
         """Build a model whose state does not fit one replica: ``with trainer.scope(): model = build()``.
         No variable holds a value until the model's first call; then each replica keeps only what ``shard=``
-        gives it, bitwise an unsharded build's values, and keeps it between calls (docs/sharding.md).
-        """
+        gives it, bitwise an unsharded build's values, and keeps it between calls (docs/sharding.md)."""
         return trainer_scope(self.shard, under_cluster=isinstance(self._launcher, ClusterProcess))
 
     def __enter__(self) -> Trainer:
@@ -382,6 +381,7 @@ def _checkpoint_to_resume(arguments: FitArguments, model: keras.Model, inputs: I
         seed=arguments.seed,
         global_batch_size=arguments.global_batch_size,
         shuffle=arguments.shuffle,
+        lazily=True,  # only its place is read here: the replicas read the arrays
     )
     return None if found is None else os.path.join(checkpoint_dir, found.name)
 

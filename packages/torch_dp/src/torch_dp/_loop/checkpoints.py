@@ -81,7 +81,7 @@ def _resume_by_parts(path: str | None, model: keras.Model, replica: Replica) -> 
     if replica.is_primary and path is not None:
         try:
             check_checkpoint_dir(os.path.dirname(path))
-            checkpoint = load_checkpoint(path)
+            checkpoint = load_checkpoint(path, lazily=True)  # each array read when its turn comes
             values = {id(variable): value for variable, value in checkpoint_pairs(checkpoint, model, metrics=False)}
             start = start_of(checkpoint)
         except Exception as error:  # every replica must hear of it, or the others would wait for rank 0
