@@ -214,13 +214,23 @@ def quick(session: nox.Session) -> None:
     session.run("pytest", f"{TORCH_DP}/tests", "-m", "not multiprocess", *slow, *session.posargs)
 
 
+# The multi-host tests on hosts made of network namespaces (tests/network/hosts.py: root only, else
+# skipped with the reason): this lean part runs in bare nox (about a minute), every one in reliability.
+HOSTS_LEAN = {
+    "torch": ["tests/network/test_hosts_torch.py::test_a_hostname_that_resolves_to_loopback_is_routed_around"],
+    "jax": ["tests/network/test_hosts_jax.py"],
+}
+
+
 @session(python="3.11")
 def tests_torch(session: nox.Session) -> None:
-    """torch-dp on the CPU wheel, 2-process gloo runs included."""
+    """torch-dp on the CPU wheel, 2-process gloo runs included, and two hosts in network namespaces."""
     _install_torch(session)
     session.install("-e", CORE, "-e", TORCH_DP, REPORT, *TEST_TOOLS)
     session.env["KERAS_BACKEND"] = "torch"
     session.run("pytest", "packages/torch_dp/tests", *session.posargs)
+    if not session.posargs:
+        session.run("pytest", *HOSTS_LEAN["torch"])
 
 
 # jax 0.10 is the last for Python 3.11 and the newest (0.12) needs 3.12 or later: the oldest and the
@@ -230,7 +240,7 @@ JAX_SPLIT = {"3.11": "multiprocess", "3.13": "not multiprocess"}
 
 @session(python=list(JAX_SPLIT))
 def tests_jax(session: nox.Session) -> None:
-    """jax-dp on forced host devices: its 2-process runs on 3.11, its single-process tests on 3.13.
+    """jax-dp on forced host devices: its 2-process and 2-host runs on 3.11, its single-process tests on 3.13.
 
     3.11 gets the jax the oldest interpreter gets, which conformance, parity and the notebooks also
     run; 3.13 the newest jax. With arguments (``-s tests_jax-3.13 -- -x``) the whole suite runs."""
@@ -239,6 +249,8 @@ def tests_jax(session: nox.Session) -> None:
     _jax_env(session)
     selection = [] if session.posargs else ["-m", JAX_SPLIT[str(session.python)]]
     session.run("pytest", "packages/jax_dp/tests", *selection, *session.posargs)
+    if not session.posargs and JAX_SPLIT[str(session.python)] == "multiprocess":  # with the 2-process runs
+        session.run("pytest", *HOSTS_LEAN["jax"])
 
 
 def _keras_range() -> SpecifierSet:

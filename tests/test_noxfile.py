@@ -95,3 +95,27 @@ def test_bare_nox_runs_two_sessions_at_a_time_but_a_session_that_measures_time_r
     benches = {"bench", "bench_features", "bench_keras_distribution", "bench_steps_per_execution"}
     assert alone == {"demo", *benches, "reliability", "gpu"}
     assert set(_default_sessions()).isdisjoint(alone)
+
+
+def test_a_lean_part_of_the_multi_host_tests_runs_in_bare_nox_and_every_one_in_reliability():
+    """The namespace-host tests (tests/network/test_hosts_*.py) take minutes: bare ``nox`` runs the
+    lean part ``HOSTS_LEAN`` names (torch's in tests_torch, jax's with jax's 2-process runs), and
+    ``nox -s reliability`` every one that a row of the fault matrix names."""
+    source = (ROOT / "noxfile.py").read_text()
+    tree = ast.parse(source)
+    lean = next(
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "HOSTS_LEAN"
+    )
+    for backend, session in (("torch", "tests_torch"), ("jax", "tests_jax")):
+        assert session in {name.split("-")[0].split("(")[0] for name in _default_sessions()}
+        assert f'HOSTS_LEAN["{backend}"]' in ast.get_source_segment(source, _function(session))
+        for node_id in lean[backend]:
+            file, _, test = node_id.partition("::")
+            assert (ROOT / file).exists() and (not test or f"def {test}(" in (ROOT / file).read_text()), node_id
+    matrix = (ROOT / "tests/reliability/matrix.py").read_text()
+    for file in sorted((ROOT / "tests/network").glob("test_hosts_*.py")):
+        faults = re.findall(r"^def (test_\w+)\(", file.read_text(), re.MULTILINE)
+        named = [test for test in faults if test in matrix]
+        assert named and set(faults) - set(named) <= {"test_two_hosts_train_as_model_fit"}, (file.name, faults)
