@@ -66,9 +66,9 @@ def small_images(name: str) -> tuple[np.ndarray, np.ndarray]:
 # ---- models -----------------------------------------------------------------------------
 
 
-def bert_backbone() -> keras_hub.models.BertBackbone:
+def bert_backbone(**config: Any) -> keras_hub.models.BertBackbone:
     return keras_hub.models.BertBackbone(
-        vocabulary_size=VOCABULARY, max_sequence_length=SEQUENCE_LENGTH, num_segments=2, **TRANSFORMER
+        vocabulary_size=VOCABULARY, max_sequence_length=SEQUENCE_LENGTH, num_segments=2, **{**TRANSFORMER, **config}
     )
 
 
@@ -80,6 +80,16 @@ def _bert_classifier(backbone: keras.Model) -> keras.Model:
 def bert_classifier(name: str = "bert_classifier") -> keras.Model:
     """A ``BertBackbone`` (2 layers, hidden 32) and a Dense head on its pooled output, from logits."""
     model = _bert_classifier(bert_backbone())
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(_sgd(), loss, metrics=["accuracy"])
+    return numpy_weights(model, name)
+
+
+def bert_with_default_dropout(name: str = "bert_with_default_dropout") -> keras.Model:
+    """``bert_classifier`` at keras-hub's default ``dropout=0.1`` (unseeded Dropout layers: their seed
+    states come from Python's ``random``, which ``keras.utils.set_random_seed`` sets before the build)."""
+    keras.utils.set_random_seed(0)
+    model = _bert_classifier(bert_backbone(dropout=0.1))
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     model.compile(_sgd(), loss, metrics=["accuracy"])
     return numpy_weights(model, name)

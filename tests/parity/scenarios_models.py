@@ -47,6 +47,16 @@ def vit_image_classifier(run: Runner) -> Any:
     return outcome(run, history, x, y)
 
 
+# torch: keras-hub's Dropout layers are unseeded, which Keras's torch backend draws from torch's own
+# generator, and model.fit's data loader draws from it too at each epoch's start (docs/exactness.md)
+@scenario("model.bert", "feature.dropout", backends=("jax",), cross_backend=False)
+def bert_with_default_dropout(run: Runner) -> Any:
+    """keras-hub `BertBackbone` at its default `dropout=0.1` + a Dense head: the masks model.fit draws."""
+    x, y = hub_models.sentences("bert_with_default_dropout")
+    history = _fit(run, hub_models.bert_with_default_dropout(), x, y)
+    return outcome(run, history, x, y)
+
+
 @scenario("model.bert", "feature.lora", "feature.trainable")
 def bert_lora_fine_tuning(run: Runner) -> Any:
     """LoRA fine-tuning: `backbone.enable_lora(rank=4)`, the head frozen, only its 8 LoRA weights train."""
