@@ -2,6 +2,9 @@
 replica draws the global batch's noise from rank 0's streams and keeps its rows, the 3-row last
 batch (padded on 2 replicas) included, under every ``shard=`` mode and with gradient accumulation."""
 
+import sys
+
+import cloudpickle
 import keras
 import numpy as np
 import pytest
@@ -11,6 +14,7 @@ import torch_dp_testing as testing
 import torch_dp
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers rebuild NoisyOwnStep from this module
 
 
 def noisy_model(accumulate: int = 1, *, seeded: bool = True) -> keras.Model:
@@ -117,3 +121,47 @@ def test_a_resumed_fit_with_random_layers_is_bitwise_the_uninterrupted_one(two_r
     for want, got in zip(expected.get_weights(), resumed.get_weights(), strict=True):
         np.testing.assert_array_equal(got, want)
     assert seed_states(resumed) == seed_states(expected)
+
+
+class NoisyOwnStep(keras.Model):
+    """A model's own train_step (Keras's guide's) over Dropout and GaussianNoise: each replica runs it on
+    its even part of the global batch (3 rows: 2 and 1), and draws the global batch's noise for it."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.noise = keras.layers.GaussianNoise(0.3, seed=1)
+        self.hidden = keras.layers.Dense(16, activation="relu")
+        self.dropout = keras.layers.Dropout(0.4, seed=2)
+        self.out = keras.layers.Dense(1)
+
+    def call(self, x, training=False):
+        return self.out(self.dropout(self.hidden(self.noise(x, training=training)), training=training))
+
+    def train_step(self, data):
+        x, y = data
+        self.zero_grad()
+        loss = keras.ops.mean(keras.ops.square(self(x, training=True) - y))
+        loss.backward()
+        weights = self.trainable_weights
+        with torch.no_grad():
+            self.optimizer.apply([w.value.grad for w in weights], weights)
+        return {"loss": loss}
+
+
+def own_step_model() -> keras.Model:
+    keras.utils.set_random_seed(4)
+    model = NoisyOwnStep()
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
+    model(np.zeros((2, 5), "float32"))
+    return model
+
+
+def test_a_models_own_train_step_draws_what_model_fit_draws(two_replicas):
+    x, _ = testing.data()
+    y = (x[:, :1] - 2 * x[:, 1:2]).astype("float32")
+    expected, model = own_step_model(), own_step_model()
+    expected.fit(x, y, **FIT)
+    two_replicas.fit(model, x, y, **FIT)
+    for variable, want, got in zip(expected.weights, expected.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=variable.path)
+    assert seed_states(model) == seed_states(expected)
