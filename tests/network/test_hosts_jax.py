@@ -64,7 +64,7 @@ def test_two_hosts_train_as_model_fit_and_strangers_on_the_port_change_nothing(h
     assert "STRANGER JOINED" not in network[2].read("early") + network[2].read("late")
 
 
-def test_a_killed_process_is_named_by_process_and_host(hosts):
+def test_a_killed_process_is_named_by_process_and_host(hosts, record_property):
     """Process 1's host dies mid-fit (its processes SIGKILLed): process 0 ends naming process 1 on
     host2, not through gloo's bare 'connection reset' ValueError."""
     network: Hosts = hosts(2)
@@ -79,10 +79,11 @@ def test_a_killed_process_is_named_by_process_and_host(hosts):
     log = network[0].read("log")
     assert codes[0] != 0, log[-3000:]
     assert "process 1 of 2 on host2" in log, log[-3000:]
+    record_property("fault_seconds", elapsed)
     assert elapsed < 10 + 15, elapsed  # the heartbeat timeout, and the process's exit
 
 
-def test_a_hostname_that_resolves_to_loopback_fails_at_once_saying_what_to_change(hosts):
+def test_a_hostname_that_resolves_to_loopback_fails_at_once_saying_what_to_change(hosts, record_property):
     """Debian's '127.0.1.1 <hostname>' line on every host, the coordinator given by address: gloo
     would give the other process a loopback address (before: a raw gloo error once the first step
     ran). Each process stops right after joining, naming its host and the /etc/hosts line."""
@@ -94,6 +95,7 @@ def test_a_hostname_that_resolves_to_loopback_fails_at_once_saying_what_to_chang
     elapsed = time.monotonic() - joined
     logs = [host.read("log") for host in network.hosts]
     assert all(code != 0 for code in codes), "\n".join(log[-3000:] for log in logs)
+    record_property("fault_seconds", elapsed)
     assert elapsed < 30, elapsed  # jax's start and exit; before, a gloo error after the first steps' compilation
     for index, (host, log) in enumerate(zip(network.hosts, logs, strict=True)):
         assert f"jax_dp process {index} of 2: this host's name ({host.name}) resolves to 127.0.1.1" in log, log

@@ -58,7 +58,7 @@ def test_a_hostname_that_resolves_to_loopback_is_routed_around(hosts, keras_weig
         assert f"gloo uses interface {host.interface} ({host.address})" in host.read("log")
 
 
-def test_a_group_that_cannot_form_ends_every_rank_within_the_rendezvous_timeout(hosts):
+def test_a_group_that_cannot_form_ends_every_rank_within_the_rendezvous_timeout(hosts, record_property):
     """Two hosts cloned from one image (one hostname, resolving to 127.0.1.1 on each, so torch_dp
     sees one host): gloo gives each the other a loopback address and the group cannot form. Every
     rank stops within rendezvous_timeout (10 s) with a message naming the bound, where each rank
@@ -72,6 +72,7 @@ def test_a_group_that_cannot_form_ends_every_rank_within_the_rendezvous_timeout(
     elapsed = time.monotonic() - started
     logs = [host.read("log") for host in network.hosts]
     assert codes == [1, 1], "\n".join(log[-3000:] for log in logs)
+    record_property("fault_seconds", elapsed)
     assert elapsed < 10 + 10, elapsed  # the bound, and a process's exit on a busy machine
     for rank, log in enumerate(logs):
         assert f"torch_dp rank {rank} of 2 on node: the group did not form within rendezvous_timeout=10 s" in log
@@ -79,7 +80,7 @@ def test_a_group_that_cannot_form_ends_every_rank_within_the_rendezvous_timeout(
 
 
 @pytest.mark.parametrize("fault", ["killed", "cut-off"])
-def test_a_lost_host_is_named_by_rank_and_host(hosts, fault):
+def test_a_lost_host_is_named_by_rank_and_host(hosts, fault, record_property):
     """Host 2 dies (every process SIGKILLed) or its link goes down mid-fit: rank 0 on host 1 ends
     naming rank 1 on host 2, not the Keras layer whose collective broke (BatchNormalization's);
     cut off, host 2 names rank 0 on host 1 too, both within collective_timeout (10 s) of the cut."""
@@ -100,6 +101,7 @@ def test_a_lost_host_is_named_by_rank_and_host(hosts, fault):
     assert "WorkerError: torch_dp rank 0 of 2 on host1 " in first, first[-3000:]
     last = first[first.index("WorkerError: torch_dp rank 0 of 2") :].splitlines()[0]
     assert "rank 1" in last and "host2" in last and "Exception encountered" not in last, last
+    record_property("fault_seconds", elapsed)
     assert elapsed < 10 + 15, elapsed  # the collective timeout, and the process's exit
     if fault == "cut-off":
         assert codes[1] == 1 and "WorkerError: torch_dp rank 1 of 2 on host2 " in second, second[-3000:]

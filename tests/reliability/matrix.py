@@ -58,6 +58,8 @@ JAX_HANDSHAKE = "packages/jax_dp/tests/test_handshake.py"
 JAX_STRANGERS = "packages/jax_dp/tests/test_strangers.py"
 TORCH_SHARED = "packages/torch_dp/tests/test_shared_host.py"
 CKPT_DIR = "packages/core/tests/test_checkpoint_dir.py"
+TORCH_HOSTS = "tests/network/test_hosts_torch.py"  # hosts as network namespaces on a bridge (tests/network/hosts.py)
+JAX_HOSTS = "tests/network/test_hosts_jax.py"
 
 CRAFTED = f"{DAMAGE}::test_crafted_newest_falls_back_to_the_previous_in_bounded_time_and_memory"
 FALLS_BACK = "`latest_checkpoint` falls back to the previous checkpoint with a warning naming the file and the problem, within 2 s and 8 MB"
@@ -184,6 +186,13 @@ ROWS: tuple[Row, ...] = (
     Row("A Trainer call ends by return, exception, KeyboardInterrupt or Preempted", "both", "the one-call guard is released and the next call runs", None, "packages/core/tests/test_one_call.py::test_every_way_out_of_a_call_frees_the_trainer"),
     # the network
     Row("A host on the network tries to reach a single-host `torch_dp` run", "torch", "the caller and its replicas listen on loopback only (gloo; the rendezvous is a file)", None, f"{LISTENERS}::test_torch_dp_replicas_listen_on_loopback_only"),
+    Row("Host 2 of a 2-host job (SLURM's variables, one rank a host) dies mid-`fit`: every process on it SIGKILLed (`collective_timeout=10`)", "torch", "rank 0 on host1 exits with `WorkerError` naming rank 1 of 2 on host2 and its address, not the Keras layer whose collective broke (BatchNormalization's)", 25, f"{TORCH_HOSTS}::test_a_lost_host_is_named_by_rank_and_host[killed]"),
+    Row("The link of host 2 of a 2-host job goes down mid-`fit` (`collective_timeout=10`)", "torch", "both ranks exit with `WorkerError` naming the rank and host they waited for (rank 1 on host2, rank 0 on host1), within the collective timeout", 25, f"{TORCH_HOSTS}::test_a_lost_host_is_named_by_rank_and_host[cut-off]"),
+    Row("Each of 2 hosts resolves its own name to 127.0.1.1 (Debian's `/etc/hosts` line)", "torch", "each rank warns and has gloo use the interface that reaches the other host; the run equals `model.fit` (before: the group never formed)", None, f"{TORCH_HOSTS}::test_a_hostname_that_resolves_to_loopback_is_routed_around"),
+    Row("Two hosts cloned from one image: one hostname, resolving to 127.0.1.1 on both (`rendezvous_timeout=10`)", "torch", "the group cannot form: both ranks exit with status 1 within 20 s, naming `rendezvous_timeout=10 s`, each rank's host and address and `GLOO_SOCKET_IFNAME` (before: one rank waited 50 s in gloo)", 20, f"{TORCH_HOSTS}::test_a_group_that_cannot_form_ends_every_rank_within_the_rendezvous_timeout"),
+    Row("A plain `jax.distributed.initialize` connects to a 2-host job's coordinator port while process 0 admits, and another once the job runs", "jax", "both are dropped: process 0 keeps the port, and jax's coordination service is on a port only admitted processes learn; the job's weights equal `model.fit`'s (before: both job processes aborted)", None, f"{JAX_HOSTS}::test_two_hosts_train_as_model_fit_and_strangers_on_the_port_change_nothing"),
+    Row("Process 1's host of a 2-host job dies mid-`fit`: every process on it SIGKILLed (`timeout=10`)", "jax", "process 0 exits non-zero naming process 1 of 2 on host2 (before: gloo's bare 'connection reset' `ValueError`)", 25, f"{JAX_HOSTS}::test_a_killed_process_is_named_by_process_and_host"),
+    Row("Each of 2 hosts resolves its own name to 127.0.1.1, the coordinator given by address", "jax", "each process stops right after joining, naming its host and the `/etc/hosts` line to change (before: a raw gloo error once `fit` ran)", 30, f"{JAX_HOSTS}::test_a_hostname_that_resolves_to_loopback_fails_at_once_saying_what_to_change"),
     Row("A host on the network tries to reach a single-host, 2-process `jax_dp` run", "jax", "every process listens on loopback only; process 0 holds the port it was given, and jax's coordinator is on a Unix socket", None, f"{LISTENERS}::test_jax_dp_processes_listen_on_loopback_only"),
 )
 # fmt: on
