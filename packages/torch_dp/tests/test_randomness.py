@@ -165,3 +165,25 @@ def test_a_models_own_train_step_draws_what_model_fit_draws(two_replicas):
     for variable, want, got in zip(expected.weights, expected.get_weights(), model.get_weights(), strict=True):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=variable.path)
     assert seed_states(model) == seed_states(expected)
+
+
+class Batches(keras.utils.PyDataset):
+    """``x`` and ``y`` in batches of 32, in order: a batch source (3-row last batch, padded to 32 over the replicas)."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray) -> None:
+        super().__init__()
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return -(-len(self.x) // 32)
+
+    def __getitem__(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.x[index * 32 : (index + 1) * 32], self.y[index * 32 : (index + 1) * 32]
+
+
+def test_a_batch_source_s_batches_draw_what_model_fit_draws(two_replicas):
+    x, y = testing.data()
+    expected, model = noisy_model(), noisy_model()
+    expected_history = expected.fit(Batches(x, y), epochs=2, shuffle=False, verbose=0)
+    history = two_replicas.fit(model, Batches(x, y), epochs=2, shuffle=False, verbose=0)
+    assert_same_fit((expected, expected_history.history), (model, history.history))
