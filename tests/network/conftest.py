@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from collections.abc import Callable, Iterator
 
@@ -11,7 +10,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # the tests import hosts.py (pytest's importlib mode adds nothing)
-from hosts import START_S, WORKER, Hosts, unavailable
+from hosts import Hosts, keras_fit, unavailable
 
 
 @pytest.fixture
@@ -38,11 +37,4 @@ def hosts(tmp_path) -> Iterator[Callable[..., Hosts]]:
 @pytest.fixture(scope="module")
 def keras_weights(request, tmp_path_factory) -> list[np.ndarray]:
     """The weights of plain ``model.fit`` on the workers' model and data, on the test module's ``BACKEND``."""
-    folder = tmp_path_factory.mktemp("keras")
-    environment = {**os.environ, "KERAS_BACKEND": request.module.BACKEND, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, WORKER, "keras"], env=environment, cwd=folder, capture_output=True, text=True, timeout=START_S
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    with np.load(folder / "weights.npz") as stored:
-        return [stored[name] for name in stored.files]
+    return keras_fit(tmp_path_factory.mktemp("keras"), request.module.BACKEND)

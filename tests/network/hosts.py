@@ -20,6 +20,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -206,8 +207,21 @@ def wait_for(host: Host, text: str, seconds: float, log: str = "log") -> float:
 
 
 def weights_of(host: Host) -> list[np.ndarray]:
-    with np.load(host.tmpdir / "weights.npz") as stored:
+    return weights_in(host.tmpdir)
+
+
+def weights_in(folder: Path) -> list[np.ndarray]:
+    with np.load(folder / "weights.npz") as stored:
         return [stored[name] for name in stored.files]
+
+
+def keras_fit(folder: Path, backend: str, epochs: int = 2) -> list[np.ndarray]:
+    """The weights of plain ``model.fit`` on the workers' model and data, trained in ``folder``."""
+    environment = {**os.environ, "KERAS_BACKEND": backend, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, WORKER, "keras", f"--epochs={epochs}"]
+    done = subprocess.run(command, env=environment, cwd=folder, capture_output=True, text=True, timeout=START_S)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return weights_in(folder)
 
 
 def assert_weights_equal(ours: list[np.ndarray], theirs: list[np.ndarray]) -> None:

@@ -65,6 +65,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--delay", type=float, default=0.0)
     parser.add_argument("--timeout", type=float, default=30.0)
+    parser.add_argument("--checkpoints", action="store_true", help="a checkpoint a step, in ./checkpoints")
     arguments = parser.parse_args()
     x, y = data()
     first = True
@@ -105,6 +106,7 @@ def fit(trainer, trained, x, y, arguments) -> None:
         shuffle=False,
         verbose=0,
         callbacks=[steps(arguments.delay)],
+        **({"checkpoint_dir": "checkpoints", "checkpoint_every_steps": 1} if arguments.checkpoints else {}),
     )
 
 

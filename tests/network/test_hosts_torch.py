@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from hosts import START_S, WORKER, Host, Hosts, assert_weights_equal, ended, free_port, wait_for, weights_of
+from hosts import START_S, WORKER, Host, Hosts, assert_weights_equal, ended, free_port, keras_fit, wait_for, weights_of
 
 pytest.importorskip("torch")
 BACKEND = "torch"  # of the keras_weights fixture's reference run
@@ -106,3 +106,25 @@ def test_a_lost_host_is_named_by_rank_and_host(hosts, fault, record_property):
     if fault == "cut-off":
         assert codes[1] == 1 and "WorkerError: torch_dp rank 1 of 2 on host2 " in second, second[-3000:]
         assert "for rank 0 on host1" in second or "lost rank 0 of 2 on host1" in second, second[-3000:]
+
+
+def test_a_job_that_loses_a_host_carries_on_under_elastic_torchrun(hosts, tmp_path):
+    """``torchrun --nnodes=1:2 --max-restarts``, a checkpoint a step in each host's own folder: host 2
+    dies mid-fit; rank 0 names it, torchrun re-forms the job on host 1 alone, and fit resumes from
+    rank 0's newest checkpoint on 1 replica, finishing with plain model.fit's weights (fp32 noise:
+    the same global batches, summed over another number of replicas)."""
+    network: Hosts = hosts(2)
+    port = free_port()
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1"]
+    command += ["--rdzv-backend=c10d", f"--rdzv-endpoint=host1:{port}", "--rdzv-id=elastic", "--max-restarts=3"]
+    command += ["--rdzv-conf=join_timeout=120,last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"]
+    command += [WORKER, "torch", "--checkpoints", "--epochs=20", "--delay=0.2", "--timeout=20"]
+    processes = [host.start(command, ENV, "log") for host in network.hosts]
+    wait_for(network[0], "STEP 2 0", START_S)  # both hosts train, rank 0 has checkpoints
+    network[1].kill_everything()
+    codes = ended(processes, START_S)
+    log = network[0].read("log")
+    assert codes[0] == 0 and "DONE" in log, log[-3000:]
+    assert "lost rank 1 of 2 on host2 (10.77.0.2)" in log
+    assert "lost rank" not in log[log.index("lost rank 1 of 2") + 1 :].split("FIT", 1)[-1]  # the rerun lost no one
+    assert_weights_equal(weights_of(network[0]), keras_fit(tmp_path, BACKEND, epochs=20))
