@@ -72,7 +72,7 @@ def test_dropout_and_gaussian_noise_draw_what_model_fit_draws(two_replicas, accu
     assert_same_fit(keras_fit(accumulate), (model, history.history))
 
 
-@pytest.mark.parametrize("shard", ["optimizer", "full"])
+@pytest.mark.parametrize("shard", ["optimizer", "gradients", "full"])
 def test_random_layers_draw_what_model_fit_draws_under_sharded_state(shard):
     x, y = testing.data()
     model = noisy_model()
