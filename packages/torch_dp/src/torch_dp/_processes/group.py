@@ -175,16 +175,19 @@ def join_cluster_group(cluster: Cluster, device: str, timeouts: Timeouts) -> Clu
     if device == "cpu" and len({place.host for place in places}) > 1:
         _reach_other_hosts(places, cluster, host)
     places = where.exchange(keys, "advertised", Place(host, advertised_address()))
-    where.bounded(
-        lambda: dist.init_process_group(
+
+    def form() -> None:
+        if device != "cpu":
+            device_for(cluster.local_rank)  # the current GPU is each thread's own
+        dist.init_process_group(
             backend_for(device),
             store=keys,
             rank=cluster.rank,
             world_size=cluster.num_processes,
             timeout=timedelta(seconds=timeouts.rendezvous),  # gloo and NCCL wait for their peers under it
-        ),
-        places,
-    )
+        )
+
+    where.bounded(form, places)
     return ClusterGroup(formed_group(timeouts.collective), places)
 
 
