@@ -176,3 +176,25 @@ def test_a_scoped_models_checkpoints_are_written_by_parts_and_resume_bitwise(tra
         np.testing.assert_array_equal(mine, theirs)
     for mine, theirs in zip(resumed.optimizer.variables, straight.optimizer.variables, strict=True):
         np.testing.assert_array_equal(shard_test._numpy(mine), shard_test._numpy(theirs))
+
+
+class EveryBatch(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        pass
+
+
+def test_a_batch_callback_is_refused_before_training_and_an_epoch_checkpoint_is_a_standard_file(trainer, tmp_path):
+    """A callback acting at every batch would gather the whole state on rank 0: refused in the caller, the
+    model untouched; Keras's ModelCheckpoint at epoch ends saves a file plain Keras loads, with the values."""
+    x, y = shard_test.data()
+    trainer.shard = "full"
+    with trainer.scope():
+        model = shard_test.model("adam")
+    with pytest.raises(NotImplementedError, match=r"EveryBatch acts at on_train_batch_end"):
+        trainer.fit(model, x, y, global_batch_size=GLOBAL_BATCH_SIZE, epochs=1, verbose=0, callbacks=[EveryBatch()])
+    saved = str(tmp_path / "epoch{epoch}.keras")
+    trainer.fit(model, x, y, global_batch_size=GLOBAL_BATCH_SIZE, epochs=1, shuffle=False, verbose=0,
+                callbacks=[keras.callbacks.ModelCheckpoint(saved)])  # fmt: skip
+    loaded = keras.saving.load_model(str(tmp_path / "epoch1.keras"))
+    for mine, theirs in zip(loaded.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_array_equal(mine, theirs)

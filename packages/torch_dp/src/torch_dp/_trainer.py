@@ -42,13 +42,15 @@ from dp_core.keras import (
     plan_learning_rate,
     resumable_checkpoint,
 )
+from torch_dp._loop.checkpoints import require_checkpointable
+from torch_dp._loop.hooks import refuse_batch_hooks
 from torch_dp._processes.cluster import is_primary_process
 from torch_dp._processes.group import Timeouts
 from torch_dp._processes.launchers import ClusterProcess, Launcher, choose_launcher
 from torch_dp._scope.deferred import deferring_if_scoped
 from torch_dp._scope.held import trainer_scope
 from torch_dp._scope.layout import check_scoped_call
-from torch_dp._step.custom import check_custom_steps, optimizers_of
+from torch_dp._step.custom import check_custom_steps
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -243,8 +245,9 @@ class Trainer:
             checks=self._call_checks,
         )
         if checkpoint_dir is not None:
-            _require_checkpointable(keras_model)
-        check_scoped_call(keras_model, self.shard, self.num_replicas)
+            require_checkpointable(keras_model)
+        if check_scoped_call(keras_model, self.shard, self.num_replicas):
+            refuse_batch_hooks(callbacks)  # rank 0 would gather the whole state at every batch
         arguments = fit_arguments(
             inputs, global_batch_size=global_batch_size, num_replicas=self.num_replicas, epochs=epochs,
             initial_epoch=initial_epoch, validation_split=validation_split, validation_data=validation_data,
@@ -384,17 +387,3 @@ def _checkpoint_to_resume(arguments: FitArguments, model: keras.Model, inputs: I
         lazily=True,  # only its place is read here: the replicas read the arrays
     )
     return None if found is None else os.path.join(checkpoint_dir, found.name)
-
-
-def _require_checkpointable(model: keras.Model) -> None:
-    """A dp-core checkpoint holds the model's weights and ``model.optimizer``'s state only."""
-    others = [optimizer for optimizer in optimizers_of(model) if optimizer is not model.optimizer]
-    if others:
-        attributes = [name for name, value in vars(model).items() if any(value is other for other in others)]
-        names = ", ".join(attributes or [f"'{optimizer.name}'" for optimizer in others])
-        raise NotImplementedError(
-            f"{type(model).__name__} holds other optimizers than model.optimizer ({names}), and a dp-core checkpoint "
-            "stores the weights and model.optimizer's state only: a resumed fit would restart them from scratch. "
-            "Train it without checkpoint_dir, or save their state yourself (e.g. a callback writing "
-            "optimizer.variables at each epoch end)."
-        )

@@ -30,6 +30,7 @@ from torch_dp._comm.collectives import all_gather_rows, all_reduce_sum
 from torch_dp._comm.replica import Replica
 from torch_dp._scope.checkpoints import put_by_parts, save_by_parts
 from torch_dp._step.broadcast import same_state_as_primary
+from torch_dp._step.custom import optimizers_of
 from torch_dp._step.shards import REPLICATED, TrainingState
 
 if TYPE_CHECKING:
@@ -200,3 +201,17 @@ def summed_metric_states(model: keras.Model, replica: Replica) -> list[np.ndarra
     local = [v.value.detach() for v in variables]
     summed = all_reduce_sum([t.to(torch.float64) for t in local], replica)
     return [s.to(t.dtype).cpu().numpy() for s, t in zip(summed, local, strict=True)]
+
+
+def require_checkpointable(model: keras.Model) -> None:
+    """A dp-core checkpoint holds the model's weights and ``model.optimizer``'s state only."""
+    others = [optimizer for optimizer in optimizers_of(model) if optimizer is not model.optimizer]
+    if others:
+        attributes = [name for name, value in vars(model).items() if any(value is other for other in others)]
+        names = ", ".join(attributes or [f"'{optimizer.name}'" for optimizer in others])
+        raise NotImplementedError(
+            f"{type(model).__name__} holds other optimizers than model.optimizer ({names}), and a dp-core checkpoint "
+            "stores the weights and model.optimizer's state only: a resumed fit would restart them from scratch. "
+            "Train it without checkpoint_dir, or save their state yourself (e.g. a callback writing "
+            "optimizer.variables at each epoch end)."
+        )

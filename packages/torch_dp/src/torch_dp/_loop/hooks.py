@@ -58,6 +58,29 @@ def on_whole_state(
     return cast(keras.callbacks.CallbackList, _OnWholeState(callbacks, state, hooks))
 
 
+BATCH_HOOKS = tuple(hook for hook in HOOKS if "_batch_" in hook)
+
+
+def refuse_batch_hooks(callbacks: Sequence[keras.callbacks.Callback] | None) -> None:
+    """Before a fit of a model built in a trainer's scope, in the caller: a callback that acts at batch
+    hooks would have rank 0 gather the whole state at every batch, which the scope exists to avoid."""
+    acting = [c for c in callbacks or [] if not isinstance(c, _PASSIVE) and not _saves_at_epoch_ends_only(c)]
+    hooks = [h for h in BATCH_HOOKS if any(internals.overrides_hook(c, h) for c in acting)]
+    if not hooks:
+        return
+    names = sorted({type(c).__name__ for c in acting if any(internals.overrides_hook(c, h) for h in hooks)})
+    raise NotImplementedError(
+        f"{', '.join(names)} acts at {', '.join(hooks)}, and the model was built in the trainer's scope: rank 0 "
+        "would gather the whole state at every batch, which the scope exists to avoid. Act at epoch ends instead "
+        "(ModelCheckpoint, EarlyStopping and SwapEMAWeights work there), or build the model outside the scope."
+    )
+
+
+def _saves_at_epoch_ends_only(callback: keras.callbacks.Callback) -> bool:
+    """Keras's ``ModelCheckpoint`` with ``save_freq="epoch"``: its batch hook returns at once."""
+    return isinstance(callback, keras.callbacks.ModelCheckpoint) and callback.save_freq == "epoch"
+
+
 class _OnWholeState:
     """A ``CallbackList`` whose ``hooks`` run with rank 0 holding the whole state."""
 

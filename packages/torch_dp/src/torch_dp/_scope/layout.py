@@ -52,12 +52,13 @@ def stored_layout(model: keras.Model) -> Layout:
     return _layouts[model]
 
 
-def check_scoped_call(model: keras.Model, mode: ShardMode | None, num_replicas: int) -> None:
+def check_scoped_call(model: keras.Model, mode: ShardMode | None, num_replicas: int) -> bool:
     """In the caller, before a call: a scoped model is called with the ``shard=`` it was built under and,
-    after its first call, on as many replicas (its parts lie so); any other model passes."""
+    after its first call, on as many replicas (its parts lie so); any other model passes. Returns
+    whether ``model`` is a scoped one."""
     scoped, built_under = scoped_mode(model)
     if not scoped:
-        return
+        return False
     found = _layouts.get(model)
     expected = (built_under, found.num_replicas if found is not None else num_replicas)
     if (mode, num_replicas) != expected:
@@ -68,6 +69,7 @@ def check_scoped_call(model: keras.Model, mode: ShardMode | None, num_replicas: 
             "Call it with the trainer and shard= it was built under, or save it (model.save) and load it into a "
             "model built in the other trainer's scope."
         )
+    return True
 
 
 def _check_same(
