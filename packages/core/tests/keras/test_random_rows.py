@@ -13,8 +13,23 @@ def one_device(layer: keras.layers.Layer, x: np.ndarray) -> np.ndarray:
     return keras.ops.convert_to_numpy(layer(x, training=True))
 
 
+def seeded_anew(make):
+    """A fresh layer, every generator it may draw from (torch's own, for an unseeded Dropout) as the first's."""
+
+    def made() -> keras.layers.Layer:
+        keras.utils.set_random_seed(0)
+        return make()
+
+    return made
+
+
 @pytest.mark.parametrize(
-    "make", [lambda: keras.layers.Dropout(0.5, seed=3), lambda: keras.layers.GaussianNoise(0.4, seed=3)]
+    "make",
+    [
+        seeded_anew(lambda: keras.layers.Dropout(0.5, seed=3)),
+        seeded_anew(lambda: keras.layers.Dropout(0.5)),  # on torch: torch's own dropout and generator
+        seeded_anew(lambda: keras.layers.GaussianNoise(0.4, seed=3)),
+    ],
 )
 def test_each_replica_gets_its_rows_of_the_one_device_draw_and_zeros_for_padding(make):
     x = np.arange(1, GLOBAL_ROWS * 5 + 1, dtype="float32").reshape(GLOBAL_ROWS, 5)

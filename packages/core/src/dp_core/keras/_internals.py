@@ -153,6 +153,16 @@ def backend_random_module() -> Any:
     return backend.random
 
 
+def dropout_is_torchs(seed: Any, noise_shape: Any) -> bool:
+    """Whether Keras's torch backend runs this ``dropout`` as torch's own (``keras.src.backend.torch.random``'s
+    fast path: the input times the scaled mask, drawn from torch's generator): no ``noise_shape``, and no
+    seed or a ``SeedGenerator`` made without one. Otherwise it computes ``where(mask, x / keep, 0)``, as
+    every other backend does; a replica computing its rows' dropout must use the same formula."""
+    if keras.backend.backend() != "torch" or noise_shape is not None:
+        return False
+    return seed is None or (isinstance(seed, keras.random.SeedGenerator) and seed._initial_seed is None)
+
+
 def initial_epoch_override(model: keras.Model) -> int | None:
     """The epoch a callback told ``fit`` to start from in ``on_train_begin`` (``BackupAndRestore``
     after an interrupted run); ``model.fit`` reads it the same way."""

@@ -10,10 +10,12 @@ real rows) get zeros; they weigh nothing.
 
 A draw counts as the batch's when its leading dimension is the replica's row count (a random
 op whose leading dimension happens to equal it, with no batch meaning, would be widened too).
-``dropout`` is run on the global batch's shape with this replica's rows in place and zeros
-elsewhere, so whatever path the backend takes (a seed generator, or torch's own generator for an
-unseeded ``Dropout``) it draws what one device draws. Each replica draws the whole global batch's
-noise, a cost of ``num_replicas`` times the noise of its rows.
+``dropout`` draws its noise on a global batch of ones, with the path the backend takes (a seed
+generator, or torch's own generator for an unseeded ``Dropout``), so it draws what one device
+draws, and applies its rows of it to the replica's rows with the backend's own formula
+(``internals.dropout_is_torchs``): what autograd keeps for the backward pass is the size of the
+replica's rows. Each replica draws the whole global batch's noise, a passing cost of
+``num_replicas`` times the noise of its rows (and times the memory, until the rows are cut).
 
 This module swaps functions of Keras's backend ``random`` module for the duration of the block:
 process-global state. The block must not be entered from two threads at once, and it puts the
@@ -82,12 +84,17 @@ def _shaped(original: Callable[..., Any], rows: GlobalRows) -> Callable[..., Any
 
 def _dropout(original: Callable[..., Any], rows: GlobalRows) -> Callable[..., Any]:
     def dropout(inputs: Any, rate: Any, noise_shape: Any = None, seed: Any = None) -> Any:
-        if not inputs.shape or inputs.shape[0] != rows.local_rows:
+        if not inputs.shape or inputs.shape[0] != rows.local_rows or (isinstance(rate, float) and rate in (0.0, 1.0)):
             return original(inputs, rate, noise_shape=noise_shape, seed=seed)
+        torchs = _internals.dropout_is_torchs(seed, noise_shape)  # before the noise shape is widened
         if noise_shape is not None and noise_shape[0] == rows.local_rows:
             noise_shape = (rows.global_rows, *noise_shape[1:])
-        dropped = original(_placed(inputs, rows), rate, noise_shape=noise_shape, seed=seed)
-        return _kept_rows(dropped, rows)
+        ones = keras.ops.ones((rows.global_rows, *inputs.shape[1:]), dtype=inputs.dtype)
+        # the global batch's noise, 0 or the kept scale (a copy of this replica's rows: the rest is freed)
+        noise = keras.ops.copy(_kept_rows(keras.ops.stop_gradient(original(ones, rate, noise_shape, seed)), rows))
+        if torchs:
+            return inputs * noise  # torch's dropout: the input times its scaled mask
+        return keras.ops.where(noise != 0, inputs / (1.0 - rate), keras.ops.zeros_like(inputs))
 
     return dropout
 
@@ -107,13 +114,3 @@ def _kept_rows(drawn: Any, rows: GlobalRows) -> Any:
         widths = [(0, room - rows.global_rows)] + [(0, 0)] * (len(drawn.shape) - 1)
         drawn = keras.ops.pad(drawn, widths)
     return keras.ops.slice(drawn, [rows.start] + [0] * (len(drawn.shape) - 1), [rows.local_rows, *drawn.shape[1:]])
-
-
-def _placed(inputs: Any, rows: GlobalRows) -> Any:
-    """A global batch of zeros with this replica's rows at their place (cut to the global batch's rows)."""
-    room = _room(rows)
-    canvas = keras.ops.zeros((room, *inputs.shape[1:]), dtype=inputs.dtype)
-    canvas = keras.ops.slice_update(canvas, [rows.start] + [0] * (len(inputs.shape) - 1), inputs)
-    if room == rows.global_rows:
-        return canvas
-    return keras.ops.slice(canvas, [0] * len(inputs.shape), [rows.global_rows, *inputs.shape[1:]])
