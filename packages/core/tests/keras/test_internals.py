@@ -322,3 +322,11 @@ def test_the_backend_random_module_is_what_random_layers_draw_through():
     finally:
         module.normal = original
     assert len(calls) == 1
+
+
+def test_dropout_is_torchs_only_for_an_unseeded_dropout_on_torch():
+    on_torch = keras.backend.backend() == "torch"
+    assert internals.dropout_is_torchs(None, None) == on_torch
+    assert internals.dropout_is_torchs(keras.random.SeedGenerator(), None) == on_torch  # made without a seed
+    assert not internals.dropout_is_torchs(keras.random.SeedGenerator(3), None)
+    assert not internals.dropout_is_torchs(None, (None, 1))
