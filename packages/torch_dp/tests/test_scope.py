@@ -198,3 +198,41 @@ def test_a_batch_callback_is_refused_before_training_and_an_epoch_checkpoint_is_
     loaded = keras.saving.load_model(str(tmp_path / "epoch1.keras"))
     for mine, theirs in zip(loaded.get_weights(), model.get_weights(), strict=True):
         np.testing.assert_array_equal(mine, theirs)
+
+
+def dropout_model() -> keras.Model:
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dropout(0.3, seed=11),
+            keras.layers.Dense(3, activation="softmax"),
+        ]
+    )
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy")
+    return model
+
+
+def test_a_scoped_model_with_dropout_resumes_bitwise(trainer, tmp_path):
+    """The random layers' seed states travel in a scoped model's checkpoint too: a fit resumed after its
+    first epoch draws the masks the uninterrupted one draws."""
+    x, y = shard_test.data()
+    x = x["numbers"]
+    trainer.shard = "full"
+    with trainer.scope():
+        straight = dropout_model()
+    trainer.fit(straight, x, y, global_batch_size=GLOBAL_BATCH_SIZE, epochs=2, shuffle=False, verbose=0)
+    folder = str(tmp_path / "checkpoints")
+    with trainer.scope():
+        first = dropout_model()
+    trainer.fit(
+        first, x, y, global_batch_size=GLOBAL_BATCH_SIZE, epochs=1, shuffle=False, verbose=0, checkpoint_dir=folder
+    )
+    with trainer.scope():
+        resumed = dropout_model()
+    trainer.fit(
+        resumed, x, y, global_batch_size=GLOBAL_BATCH_SIZE, epochs=2, shuffle=False, verbose=0, checkpoint_dir=folder
+    )
+    for mine, theirs in zip(resumed.get_weights(), straight.get_weights(), strict=True):
+        np.testing.assert_array_equal(mine, theirs)

@@ -82,7 +82,8 @@ def save_by_parts(
 
 def put_by_parts(model: keras.Model, values: dict[int, Any], replica: Replica) -> None:
     """Rank 0's restored ``values`` (by variable identity; empty on the other replicas) in place: each
-    variable held by pieces sent part by part to its holders, the others broadcast whole."""
+    variable held by pieces sent part by part to its holders, the others (random layers' seed states
+    too, when the checkpoint holds them) broadcast whole."""
     held = held_variables(model)
     variables = [v for _, v in _keyed(model)]
     for variable in variables:
@@ -92,7 +93,12 @@ def put_by_parts(model: keras.Model, values: dict[int, Any], replica: Replica) -
                 whole = torch.as_tensor(keras.ops.convert_to_tensor(values[id(variable)], variable.dtype))
                 whole = whole.to(replica.device)
             send_parts(variable, whole, held[id(variable)], replica)
-    whole_ones = [v for v in variables if id(v) not in held]
+    seed_states = [  # every replica draws from rank 0's streams (_loop.run.same_random_streams)
+        g.state
+        for layer in internals.flatten_layers(model, include_self=True)
+        for g in internals.seed_generators(layer)
+    ]
+    whole_ones = [v for v in variables if id(v) not in held] + seed_states
     if replica.is_primary:
         for variable in whole_ones:
             if id(variable) in values:
