@@ -11,8 +11,9 @@ and only when it is set does ``Changes.share`` broadcast rank 0's state: a step 
 costs no collective of its own.
 
 Left out of both: the learning rates (they travel as rank 0's decisions, at every step where a
-callback may set them), each replica's own random streams (``_loop.run.decorrelate_randomness``)
-and gradient accumulators (each replica's partial sums, ``_step.accumulation``).
+callback may set them), the random layers' seed states (every replica draws from rank 0's streams
+and advances them alike: ``_loop.run.same_random_streams``) and gradient accumulators (each
+replica's partial sums, ``_step.accumulation``).
 """
 
 from __future__ import annotations

@@ -203,7 +203,7 @@ def _initial_epoch(model: keras.Model, initial_epoch: int, replica: Replica, cha
     """The first epoch, as ``model.fit`` reads it after ``on_train_begin``: one a callback set
     (``BackupAndRestore`` restoring an interrupted run), else ``initial_epoch``. Callbacks run on
     rank 0 and may have loaded weights there, so every replica takes rank 0's state (but for
-    each replica's own random streams, ``_loop.changes``)."""
+    the random layers' seed states, which every replica advances alike: ``_loop.changes``)."""
     chosen = internals.initial_epoch_override(model) or initial_epoch
     (chosen,) = broadcast_floats([chosen], replica)
     changes.share()
