@@ -4,6 +4,7 @@ and trains, evaluates and predicts as single-device ``model.fit`` does (an uneve
 reading a variable in the caller gathers it, assigning one sends each replica its part, and a saved file
 is a standard Keras file that plain Keras loads on one device."""
 
+import gc
 import json
 
 import keras
@@ -14,7 +15,7 @@ import torch_dp_testing as testing
 
 import torch_dp
 from dp_core.keras import internals
-from torch_dp._scope import deferred
+from torch_dp._scope import deferred, held
 from torch_dp._scope.loading import StoredValue
 from torch_dp._step.owners import slots_of
 
@@ -236,3 +237,15 @@ def test_a_scoped_model_with_dropout_resumes_bitwise(trainer, tmp_path):
     )
     for mine, theirs in zip(resumed.get_weights(), straight.get_weights(), strict=True):
         np.testing.assert_array_equal(mine, theirs)
+
+
+def test_a_held_variable_is_forgotten_with_it_so_a_later_variable_of_its_identity_is_not_taken_for_it():
+    """What a closed trainer's model leaves (its variables said lost) goes when the model does: a variable
+    created later may get a dead one's identity, and must not read as lost."""
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    held.hold(model.weights, held.Lost())
+    identities = [id(v) for v in model.weights]
+    assert all(key in held._holders for key in identities)
+    del model
+    gc.collect()
+    assert not any(key in held._holders for key in identities)

@@ -15,6 +15,7 @@ class is hooked once, at the first scope (``_internals.guard_variable_access``).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
@@ -90,6 +91,8 @@ def trainer_scope(mode: ShardMode | None, *, under_cluster: bool) -> Iterator[No
 
 def hold(variables: Sequence[keras.Variable], holder: Holder) -> None:
     for variable in variables:
+        if id(variable) not in _holders:  # forgotten with the variable: another one may get its identity
+            weakref.finalize(variable, _holders.pop, id(variable), None)
         _holders[id(variable)] = holder
 
 
