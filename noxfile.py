@@ -329,16 +329,36 @@ def parity(session: nox.Session, keras: str) -> None:
     pinned = f"keras{_keras_range()}"
     _install_everything(session, pinned, "pandas", *TEST_TOOLS)  # pandas: a DataFrame is an input kind
     session.install("--upgrade", pinned)
-    # keras-hub's models from tiny configs; without its dependencies, which name tensorflow-text
-    # (and tensorflow), but with the light ones its import needs
-    session.install("--no-deps", "keras-hub>=0.32,<0.33")
-    session.install("regex", "kagglehub", "tokenizers")
+    _install_keras_hub(session)
     if keras == "nightly":  # and keras-hub's nightly: its release imports names keras-nightly moved
         _install_keras_nightly(session)
         session.run("python", "-m", "pip", "uninstall", "--yes", "keras-hub", "keras-hub-nightly")
         session.install("--pre", "--no-deps", "keras-hub-nightly")
     session.env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={JAX_HOST_DEVICES}"
     session.run("pytest", "tests/parity", *session.posargs)
+
+
+def _install_keras_hub(session: nox.Session) -> None:
+    # keras-hub's models from configs; without its dependencies, which name tensorflow-text
+    # (and tensorflow), but with the light ones its import needs
+    session.install("--no-deps", "keras-hub>=0.32,<0.33")
+    session.install("regex", "kagglehub", "tokenizers")
+
+
+@session(python="3.11", allow_parallel=False, default=False)
+def bench_scope_memory(session: nox.Session) -> None:
+    """A 100 M-parameter keras-hub GPT-2 built in each Trainer's scope, from construction to saved file.
+
+    jax-dp on 4 CPU devices (the bytes each device holds), torch-dp on 4 replicas each in a memory
+    cgroup capped below the weights + AdamW slots (root and cgroup v1's memory controller needed),
+    each against ``model.fit``; results in docs/benchmarks/scope_memory_{jax,torch}.json and the
+    numbers of docs/sharding.md (about 15 minutes on 2 cores; ``-- --quick`` writes nothing)."""
+    _install_everything(session, f"keras{_keras_range()}", "h5py")
+    _install_keras_hub(session)
+    session.run("python", "benchmarks/scope_memory_jax.py", *session.posargs, env={"KERAS_BACKEND": "jax"})
+    session.run("python", "benchmarks/scope_memory_torch.py", *session.posargs, env={"KERAS_BACKEND": "torch"})
+    if "--quick" not in session.posargs:
+        session.run("python", "benchmarks/readme_numbers.py")
 
 
 def _install_keras_nightly(session: nox.Session) -> None:

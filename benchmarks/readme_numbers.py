@@ -110,6 +110,35 @@ def _scope_memory_rows() -> dict[str, tuple[str, Callable[[dict[str, Any]], Any]
     return rows
 
 
+TORCH_SCOPE_PHASES = (  # scope_memory_torch.py's phases, as the page names them
+    "construction and loading",
+    "epoch 1 and its checkpoints",
+    "built again in a new job, resumed: epoch 2",
+    "saving",
+)
+
+
+def _scope_memory_torch_rows() -> dict[str, tuple[str, Callable[[dict[str, Any]], Any], str]]:
+    """docs/sharding.md's torch-dp scope numbers: the state, the cap, each phase's highest replica peak."""
+    file = "scope_memory_torch.json"
+    rows: dict[str, tuple[str, Callable[[dict[str, Any]], Any], str]] = {
+        "scope-torch-parameters": (file, lambda r: r["preset"]["parameters"], "{:,}"),
+        "scope-torch-state": (file, lambda r: r["scoped"]["state_bytes"] / 1e6, "{:.1f} MB"),
+        "scope-torch-quarter": (file, lambda r: r["scoped"]["state_bytes"] / 4e6, "{:.1f} MB"),
+        "scope-torch-cap": (file, lambda r: r["scoped"]["cap_bytes"] / 1e6, "{:.1f} MB"),
+        "scope-torch-vs-model-fit": (file, lambda r: r["scoped_vs_reference"]["max_abs"], "{:.1e}"),
+    }
+    rows["scope-torch-unsharded-vs-model-fit"] = (file, lambda r: r["unsharded_vs_reference"]["max_abs"], "{:.1e}")
+    for index, name in enumerate(TORCH_SCOPE_PHASES):
+        for kind in ("anonymous", "cgroup"):
+            rows[f"scope-torch-{kind}-{index + 1}"] = (
+                file,
+                lambda r, name=name, kind=kind: max(r["scoped"]["peaks"][name][kind]) / 1e6,
+                "{:.0f}",
+            )
+    return rows
+
+
 # name: (JSON file under docs/benchmarks, the value, how it is written)
 NUMBERS: dict[str, tuple[str, Callable[[dict[str, Any]], Any], str]] = {
     "torch-vs-ddp-loop": ("torch.json", lambda r: r["median_ratio_vs_ddp_loop"], "{:.2f}x"),
@@ -144,6 +173,7 @@ NUMBERS: dict[str, tuple[str, Callable[[dict[str, Any]], Any], str]] = {
     "keras-dp-torch-speed-ratio": ("keras_distribution_torch.json", lambda r: r["speed"]["median_ratio"], "{:.2f}x"),
     **_model_parallel_rows(),
     **_scope_memory_rows(),
+    **_scope_memory_torch_rows(),
 }
 
 

@@ -36,6 +36,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -79,6 +80,14 @@ class Caps:
     def peaks(self) -> list[int]:
         return [int((group / "memory.max_usage_in_bytes").read_text()) for group in self.groups]
 
+    def anonymous(self) -> list[int]:
+        """Each group's memory now that the kernel cannot reclaim by dropping a file's pages: ``rss``."""
+        found = []
+        for group in self.groups:
+            stat = dict(line.split() for line in (group / "memory.stat").read_text().splitlines())
+            found.append(int(stat["total_rss"]))
+        return found
+
     def failures(self) -> list[int]:
         return [int((group / "memory.failcnt").read_text()) for group in self.groups]
 
@@ -107,31 +116,38 @@ def worker_pids() -> list[int]:
 
 
 @contextlib.contextmanager
-def phase(caps: Caps, peaks: dict[str, list[int]], name: str) -> Iterator[None]:
+def phase(caps: Caps, peaks: dict[str, Any], name: str) -> Iterator[None]:
+    """The phase's peak per replica: the cgroup's own (page cache included, kept under the cap by
+    reclaiming it), and its anonymous memory's, sampled every 20 ms by a thread of this process."""
     caps.reset_peaks()
-    yield
-    peaks[name] = caps.peaks()
+    highest = [0] * NUM_REPLICAS
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.02):
+            with contextlib.suppress(OSError, KeyError, ValueError):
+                highest[:] = [max(a, b) for a, b in zip(highest, caps.anonymous(), strict=True)]
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        yield
+    finally:
+        done.set()
+        sampler.join()
+    peaks[name] = {"cgroup": caps.peaks(), "anonymous": highest}
 
 
 def scoped(preset: Path, out: Path, work: Path, parameters: int) -> dict[str, Any]:
-    import keras
-    import numpy as np
-
-    import torch_dp
 
     state = 3 * 4 * parameters  # float32 weights and AdamW's two slots
     caps = Caps(int(CAP_SHARE * state) if FULL_OR_QUICK is FULL else QUICK_CAP)
     peaks: dict[str, list[int]] = {}
     started = time.perf_counter()
+    x, y = data(FULL_OR_QUICK["vocabulary_size"])
+    folder = str(work / "checkpoints")
     try:
-        with torch_dp.Trainer(NUM_REPLICAS, shard="full") as trainer:
-            tiny = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-            trainer.predict(tiny, np.zeros((4, 2), "float32"), global_batch_size=4, verbose=0)  # the replicas start
-            caps.enter(0, os.getpid())
-            for rank, pid in enumerate(worker_pids(), start=1):
-                caps.enter(rank, pid)
-            x, y = data(FULL_OR_QUICK["vocabulary_size"])
-            folder = str(work / "checkpoints")
+        with capped_trainer(caps) as trainer:
             with phase(caps, peaks, "construction and loading"):
                 first = built_and_loaded(trainer, preset)
                 first_rows = {name: values[:BATCH] for name, values in x.items()}
@@ -139,9 +155,10 @@ def scoped(preset: Path, out: Path, work: Path, parameters: int) -> dict[str, An
             with phase(caps, peaks, "epoch 1 and its checkpoints"):
                 trainer.fit(first, x, y, global_batch_size=BATCH, epochs=1, shuffle=False, seed=SEED, verbose=0,
                             checkpoint_dir=folder, checkpoint_every_steps=5)  # fmt: skip
-            del first
-            gc.collect()  # its parts go: the caller's now, the workers' at the next call
-            with phase(caps, peaks, "built again, resumed: epoch 2"):
+        del first  # a new job resumes, as after a crash: new replicas, in the same cgroups
+        gc.collect()
+        with capped_trainer(caps) as trainer:
+            with phase(caps, peaks, "built again in a new job, resumed: epoch 2"):
                 resumed = built_and_loaded(trainer, preset)
                 history = trainer.fit(resumed, x, y, global_batch_size=BATCH, epochs=EPOCHS, shuffle=False, seed=SEED,
                                       verbose=0, checkpoint_dir=folder, checkpoint_every_steps=5)  # fmt: skip
@@ -160,6 +177,25 @@ def scoped(preset: Path, out: Path, work: Path, parameters: int) -> dict[str, An
     }
 
 
+@contextlib.contextmanager
+def capped_trainer(caps: Caps) -> Iterator[Any]:
+    """A 4-replica ``shard="full"`` trainer whose replicas (this process, and its workers once started)
+    are in the caps; this process leaves its own first, as spawned workers start in their parent's cgroup."""
+    import keras
+    import numpy as np
+
+    import torch_dp
+
+    (CGROUPS / "cgroup.procs").write_text(str(os.getpid()))
+    with torch_dp.Trainer(NUM_REPLICAS, shard="full") as trainer:
+        tiny = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        trainer.predict(tiny, np.zeros((4, 2), "float32"), global_batch_size=4, verbose=0)  # the replicas start
+        caps.enter(0, os.getpid())
+        for rank, pid in enumerate(worker_pids(), start=1):
+            caps.enter(rank, pid)
+        yield trainer
+
+
 def built_and_loaded(trainer: Any, preset: Path) -> Any:
     import keras_hub
 
@@ -168,6 +204,24 @@ def built_and_loaded(trainer: Any, preset: Path) -> Any:
         compiled(model)
         model.backbone.load_weights(str(preset / "model.weights.h5"))  # what from_preset does, read at the first call
     return model
+
+
+def unsharded(preset: Path, out: Path, work: Path, parameters: int) -> dict[str, Any]:
+    """Plain data parallel on the same 4 replicas (built outside any scope, ``shard=None``): its
+    difference from ``model.fit`` is the tolerance the scoped run is held to."""
+    import keras
+    import keras_hub
+
+    import torch_dp
+
+    keras.utils.set_random_seed(SEED)
+    model = keras_hub.models.GPT2CausalLM.from_preset(str(preset), preprocessor=None)
+    compiled(model)
+    x, y = data(model.backbone.vocabulary_size)
+    with torch_dp.Trainer(NUM_REPLICAS) as trainer:
+        history = trainer.fit(model, x, y, global_batch_size=BATCH, epochs=EPOCHS, shuffle=False, seed=SEED, verbose=0)
+    model.save_weights(str(out))
+    return {"loss": [float(v) for v in history.history["loss"]]}
 
 
 def reference(preset: Path, out: Path, work: Path, parameters: int) -> dict[str, Any]:
@@ -184,7 +238,7 @@ def reference(preset: Path, out: Path, work: Path, parameters: int) -> dict[str,
 
 
 FULL_OR_QUICK: dict[str, int] = FULL
-PHASES = {"scoped": scoped, "reference": reference}
+PHASES = {"scoped": scoped, "unsharded": unsharded, "reference": reference}
 
 
 def in_fresh_process(phase_name: str, work: Path, quick: bool, parameters: int = 0) -> dict[str, Any]:
@@ -197,11 +251,12 @@ def in_fresh_process(phase_name: str, work: Path, quick: bool, parameters: int =
 def table(result: dict[str, Any]) -> str:
     run = result["scoped"]
     lines = [
-        "| phase | " + " | ".join(f"replica {r} peak (MB)" for r in range(NUM_REPLICAS)) + " |",
+        "| phase | " + " | ".join(f"replica {r}: anonymous (cgroup) MB" for r in range(NUM_REPLICAS)) + " |",
         "|---|" + "---|" * NUM_REPLICAS,
     ]
     for name, peaks in run["peaks"].items():
-        lines.append(f"| {name} | " + " | ".join(f"{p / 1e6:.0f}" for p in peaks) + " |")
+        cells = [f"{a / 1e6:.0f} ({c / 1e6:.0f})" for a, c in zip(peaks["anonymous"], peaks["cgroup"], strict=True)]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines.append(
         f"\nweights + AdamW slots {run['state_bytes'] / 1e6:.0f} MB; 1/{NUM_REPLICAS} of that "
         f"{run['state_bytes'] / NUM_REPLICAS / 1e6:.0f} MB; each replica's cap {run['cap_bytes'] / 1e6:.0f} MB"
@@ -236,12 +291,13 @@ def main() -> None:
         for name in PHASES:
             result[name] = in_fresh_process(name, work, arguments.quick, parameters)
         result["scoped_vs_reference"] = differences(work / "scoped.weights.h5", work / "reference.weights.h5")
+        result["unsharded_vs_reference"] = differences(work / "unsharded.weights.h5", work / "reference.weights.h5")
     run = result["scoped"]
-    result["most_held_bytes"] = max(max(peaks) for peaks in run["peaks"].values())
+    result["most_held_bytes"] = max(max(peaks["anonymous"]) for peaks in run["peaks"].values())
     if not arguments.quick:
         Path(arguments.out).write_text(json.dumps(result, indent=1) + "\n")
     print(table(result))
-    print(json.dumps({"scoped_vs_reference": result["scoped_vs_reference"], "loss": run["loss"]}))
+    print(json.dumps({k: result[k] for k in ("scoped_vs_reference", "unsharded_vs_reference")} | {"loss": run["loss"]}))
 
 
 if __name__ == "__main__":

@@ -92,7 +92,7 @@ def test_bare_nox_runs_two_sessions_at_a_time_but_a_session_that_measures_time_r
     source = (ROOT / "noxfile.py").read_text()
     assert "nox.options.parallel = 2" in source and "nox.options.allow_parallel = True" in source
     alone = {name for name, (_, keywords) in _sessions().items() if keywords.get("allow_parallel") is False}
-    benches = {"bench", "bench_features", "bench_keras_distribution", "bench_steps_per_execution"}
+    benches = {"bench", "bench_features", "bench_keras_distribution", "bench_scope_memory", "bench_steps_per_execution"}
     assert alone == {"demo", *benches, "reliability", "gpu"}
     assert set(_default_sessions()).isdisjoint(alone)
 
