@@ -205,9 +205,7 @@ class _Recorded:
     optimizer: keras.optimizers.Optimizer
     history: Any
     metrics_variables: tuple[()] = ()
-
-    def get_weights(self) -> list[np.ndarray]:
-        return []
+    weights: tuple[()] = ()  # its arrays are put in after, by parts
 
 
 class _Part(NamedTuple):
