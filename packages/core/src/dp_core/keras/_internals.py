@@ -370,7 +370,8 @@ def install_keras_loading_hook(active: Callable[[], bool], stored: Callable[[Any
     def getitem(store: Any, key: str) -> Any:
         if type(store) is not store_class or not active():
             return keras_getitem(store, key)
-        dataset = saving_lib.safe_get_h5_dataset(store._h5_entry_group, key)  # Keras's checks (no links)
+        safe_get = getattr(saving_lib, "safe_get_h5_dataset", None)  # Keras's checks (no links); not in 3.10
+        dataset = safe_get(store._h5_entry_group, key) if safe_get is not None else store._h5_entry_group[key]
         bfloat16 = "dtype" in dataset.attrs and dataset.attrs["dtype"] == "bfloat16"
         return stored(dataset, bfloat16)
 
