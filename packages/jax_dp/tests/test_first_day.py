@@ -1,0 +1,82 @@
+"""What a user expects of a trainer on the first day (issue 45): mixed precision on one line, throughput
+in the logs, Keras's logging callbacks, on 2 replicas against ``model.fit`` on one device."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import keras
+import numpy as np
+import pytest
+
+import jax_dp
+
+pytestmark = pytest.mark.timeout(240)
+
+EPOCHS = 3
+# A step's gradient is two halves' sums, each rounded to the compute dtype: model.fit rounds one.
+ROUNDING = {"mixed_bfloat16": 1e-2, "mixed_float16": 1e-3}
+
+
+@pytest.fixture(scope="module")
+def trainer() -> jax_dp.Trainer:
+    return jax_dp.Trainer(num_replicas=2)
+
+
+@contextlib.contextmanager
+def dtype_policy(name: str) -> Iterator[None]:
+    """``keras.mixed_precision.set_global_policy(name)`` while the block runs: the one line a user writes."""
+    before = keras.config.dtype_policy()
+    keras.mixed_precision.set_global_policy(name)
+    try:
+        yield
+    finally:
+        keras.mixed_precision.set_global_policy(before)
+
+
+def _regressor() -> keras.Model:
+    """Built under the global policy; its output layer in float32, as Keras advises."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((5,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1, dtype="float32")]
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    return model
+
+
+def _evaluated_with(weights: list[np.ndarray], x: np.ndarray, y: np.ndarray) -> dict[str, float]:
+    """``model.evaluate`` on one device of a model holding ``weights``, under the global policy."""
+    model = _regressor()
+    model.set_weights(weights)
+    return model.evaluate(x, y, batch_size=32, return_dict=True, verbose=0)
+
+
+def _largest_difference(first: list[np.ndarray], second: list[np.ndarray]) -> float:
+    return max(float(np.abs(a.astype("float64") - b).max()) for a, b in zip(first, second, strict=True))
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_mixed_precision_on_one_line_trains_as_model_fit_under_it(data, trainer, policy):
+    """The policy's compute dtype, float32 variables (float16: Keras's loss-scaling optimizer): History
+    and weights within the compute dtype's rounding of ``model.fit``'s under the same policy, and
+    ``evaluate`` of the trained weights gives ``model.evaluate``'s, which float32 compute does not."""
+    x, y, _, _ = data
+    fit_options = dict(epochs=EPOCHS, shuffle=False, verbose=0)
+    with dtype_policy(policy):
+        reference, mine = _regressor(), _regressor()
+        expected = reference.fit(x, y, batch_size=32, **fit_options).history
+        history = trainer.fit(mine, x, y, global_batch_size=32, **fit_options).history
+        hidden = mine.layers[0]
+        assert hidden.compute_dtype == policy.removeprefix("mixed_") and hidden.kernel.dtype == "float32"
+        assert type(mine.optimizer).__name__ == type(reference.optimizer).__name__
+        evaluated = trainer.evaluate(mine, x, y, global_batch_size=32, return_dict=True, verbose=0)
+        expected_evaluation = _evaluated_with(mine.get_weights(), x, y)
+    with dtype_policy("float32"):
+        in_float32 = _evaluated_with(mine.get_weights(), x, y)
+    rounding = ROUNDING[policy]
+    np.testing.assert_allclose(history["loss"], expected["loss"], rtol=rounding)
+    assert _largest_difference(mine.get_weights(), reference.get_weights()) < rounding
+    for name, value in expected_evaluation.items():
+        np.testing.assert_allclose(evaluated[name], value, rtol=1e-6, err_msg=name)
+    assert abs(in_float32["loss"] - evaluated["loss"]) > 1e-5  # the replicas computed in the policy's dtype

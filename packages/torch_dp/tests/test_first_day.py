@@ -1,0 +1,66 @@
+"""What a user expects of a trainer on the first day (issue 45): mixed precision on one line, throughput
+in the logs, Keras's logging callbacks, on 2 replicas against ``model.fit`` on one device."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import keras
+import numpy as np
+import pytest
+import torch_dp_testing as testing
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+
+EPOCHS = 3
+
+
+@contextlib.contextmanager
+def dtype_policy(name: str) -> Iterator[None]:
+    """``keras.mixed_precision.set_global_policy(name)`` while the block runs: the one line a user writes."""
+    before = keras.config.dtype_policy()
+    keras.mixed_precision.set_global_policy(name)
+    try:
+        yield
+    finally:
+        keras.mixed_precision.set_global_policy(before)
+
+
+def _evaluated_with(weights: list[np.ndarray], x: np.ndarray, y: np.ndarray) -> dict[str, float]:
+    """``model.evaluate`` on one device of a model holding ``weights``, under the global policy."""
+    model = testing.mixed_precision_model()
+    model.set_weights(weights)
+    return model.evaluate(x, y, batch_size=32, return_dict=True, verbose=0)
+
+
+def _largest_difference(first: list[np.ndarray], second: list[np.ndarray]) -> float:
+    return max(float(np.abs(a.astype("float64") - b).max()) for a, b in zip(first, second, strict=True))
+
+
+def test_mixed_bfloat16_on_one_line_trains_as_model_fit_under_it(two_replicas):
+    """bfloat16 compute, float32 variables: the weights land within bfloat16's rounding of the halves'
+    gradient sums of ``model.fit``'s under the same policy, nearer than float32's ``model.fit`` lands
+    (so the replicas did compute in bfloat16), and ``evaluate`` of those weights gives ``model.evaluate``'s,
+    which float32 compute does not (``mixed_float16``: test_losses_against_keras.py)."""
+    x, y = testing.data()
+    fit_options = dict(epochs=EPOCHS, shuffle=False, verbose=0)
+    with dtype_policy("float32"):
+        in_float32 = testing.mixed_precision_model()
+        in_float32.fit(x, y, batch_size=32, **fit_options)
+    with dtype_policy("mixed_bfloat16"):
+        reference, mine = testing.mixed_precision_model(), testing.mixed_precision_model()
+        expected = reference.fit(x, y, batch_size=32, **fit_options).history
+        history = two_replicas.fit(mine, x, y, global_batch_size=32, **fit_options).history
+        assert mine.layers[0].compute_dtype == "bfloat16" and mine.layers[0].kernel.dtype == "float32"
+        evaluated = two_replicas.evaluate(mine, x, y, global_batch_size=32, return_dict=True, verbose=0)
+        expected_evaluation = _evaluated_with(mine.get_weights(), x, y)
+    with dtype_policy("float32"):
+        evaluated_in_float32 = _evaluated_with(mine.get_weights(), x, y)
+    np.testing.assert_allclose(history["loss"], expected["loss"], rtol=1e-3)
+    mine_to_keras = _largest_difference(mine.get_weights(), reference.get_weights())
+    float32_to_keras = _largest_difference(in_float32.get_weights(), reference.get_weights())
+    assert mine_to_keras < 3e-4 < float32_to_keras
+    for name, value in expected_evaluation.items():
+        np.testing.assert_allclose(evaluated[name], value, rtol=1e-6, err_msg=name)
+    assert abs(evaluated_in_float32["loss"] - evaluated["loss"]) > 1e-5
