@@ -51,6 +51,7 @@ def fit_loop(
             verbose=arguments.verbose,
             epochs=arguments.epochs,
             steps=arguments.steps_shown,
+            global_batch_size=arguments.global_batch_size,
         )
         model.stop_training = False
         optimizer_state = None  # kept on the mesh between epochs where the optimizer keeps it there (optax)

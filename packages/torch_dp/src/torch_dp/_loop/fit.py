@@ -57,7 +57,7 @@ def fit_loop(
     with holding_checkpoint_dir(arguments.checkpoint_dir, replica), checkpoints_finished(checkpoints):
         listed = callback_list(
             arguments.callbacks, model, is_primary=replica.is_primary, verbose=arguments.verbose,
-            epochs=arguments.epochs, steps=arguments.steps_shown,
+            epochs=arguments.epochs, steps=arguments.steps_shown, global_batch_size=arguments.global_batch_size,
         )  # fmt: skip
         callbacks = on_whole_state(listed, arguments.callbacks, state, replica)  # sharded: rank 0's hooks see it all
         logging = _batch_logging(job, replica)
