@@ -4,6 +4,7 @@ in the logs, Keras's logging callbacks, on 2 replicas against ``model.fit`` on o
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 
 import keras
@@ -80,3 +81,42 @@ def test_mixed_precision_on_one_line_trains_as_model_fit_under_it(data, trainer,
     for name, value in expected_evaluation.items():
         np.testing.assert_allclose(evaluated[name], value, rtol=1e-6, err_msg=name)
     assert abs(in_float32["loss"] - evaluated["loss"]) > 1e-5  # the replicas computed in the policy's dtype
+
+
+class SlowSteps(keras.callbacks.Callback):
+    """Sleeps before every training step and at every validation's start: time Throughput must count
+    (the steps') and time it must not (validation's)."""
+
+    def __init__(self, step_seconds: float, validation_seconds: float) -> None:
+        super().__init__()
+        self.step_seconds, self.validation_seconds = step_seconds, validation_seconds
+
+    def on_train_batch_begin(self, batch, logs=None):
+        time.sleep(self.step_seconds)
+
+    def on_test_begin(self, logs=None):
+        time.sleep(self.validation_seconds)
+
+
+def test_throughput_puts_samples_per_second_and_step_time_in_history_and_the_progress_bar(data, trainer, capsys):
+    """4 steps an epoch of 32 rows over 2 replicas, each step slept 0.05 s: at least that a step, the
+    samples the global batch's (32 / step time), validation's 1 s left out; model.fit's run the same
+    callback and gets the same two keys beside its own."""
+    x, y, x_val, y_val = data
+    options = dict(epochs=2, shuffle=False, validation_data=(x_val, y_val))
+    callbacks = [jax_dp.Throughput(), SlowSteps(0.05, 1.0)]
+    began = time.perf_counter()
+    history = trainer.fit(_regressor(), x, y, global_batch_size=32, callbacks=callbacks, **options)
+    seconds = time.perf_counter() - began
+    bar = capsys.readouterr().out
+    logs = history.history
+    assert len(logs["seconds_per_step"]) == len(logs["samples_per_second"]) == 2
+    for step_seconds, samples in zip(logs["seconds_per_step"], logs["samples_per_second"], strict=True):
+        assert 0.05 <= step_seconds < 1.0
+        assert samples == pytest.approx(32 / step_seconds)
+    assert sum(4 * step_seconds + 1.0 for step_seconds in logs["seconds_per_step"]) < seconds
+    assert bar.count("samples_per_second: ") == 2 and bar.count("seconds_per_step: ") == 2
+    expected = _regressor().fit(x, y, batch_size=32, callbacks=[jax_dp.Throughput(32)], verbose=0, **options).history
+    assert (
+        set(logs) == set(expected) == {"loss", "mae", "val_loss", "val_mae", "samples_per_second", "seconds_per_step"}
+    )

@@ -15,6 +15,7 @@ def test_every_public_name_imports():
         "EquivalenceReport",
         "NonFiniteLossError",
         "Preempted",
+        "Throughput",
         "Trainer",
         "TrainerBusy",
         "check_equivalence",

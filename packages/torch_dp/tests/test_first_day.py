@@ -4,12 +4,15 @@ in the logs, Keras's logging callbacks, on 2 replicas against ``model.fit`` on o
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 
 import keras
 import numpy as np
 import pytest
 import torch_dp_testing as testing
+
+import torch_dp
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
@@ -64,3 +67,47 @@ def test_mixed_bfloat16_on_one_line_trains_as_model_fit_under_it(two_replicas):
     for name, value in expected_evaluation.items():
         np.testing.assert_allclose(evaluated[name], value, rtol=1e-6, err_msg=name)
     assert abs(evaluated_in_float32["loss"] - evaluated["loss"]) > 1e-5
+
+
+class SlowSteps(keras.callbacks.Callback):
+    """Sleeps before every training step and at every validation's start: time Throughput must count
+    (the steps') and time it must not (validation's)."""
+
+    def __init__(self, step_seconds: float, validation_seconds: float) -> None:
+        super().__init__()
+        self.step_seconds, self.validation_seconds = step_seconds, validation_seconds
+
+    def on_train_batch_begin(self, batch, logs=None):
+        time.sleep(self.step_seconds)
+
+    def on_test_begin(self, logs=None):
+        time.sleep(self.validation_seconds)
+
+
+def test_throughput_puts_samples_per_second_and_step_time_in_history_and_the_progress_bar(two_replicas, capsys):
+    """4 steps an epoch of 32 rows over 2 replicas, each step slept 0.05 s: at least that a step, the
+    samples the global batch's (32 / step time), validation's 1 s left out; model.fit's run the same
+    callback and gets the same two keys beside its own."""
+    x, y = testing.data()
+    options = dict(epochs=2, shuffle=False, validation_data=testing.data(37, seed=1))
+    callbacks = [torch_dp.Throughput(), SlowSteps(0.05, 1.0)]
+    began = time.perf_counter()
+    history = two_replicas.fit(
+        testing.dense_batchnorm_model(), x, y, global_batch_size=32, callbacks=callbacks, **options
+    )
+    seconds = time.perf_counter() - began
+    bar = capsys.readouterr().out
+    logs = history.history
+    assert len(logs["seconds_per_step"]) == len(logs["samples_per_second"]) == 2
+    for step_seconds, samples in zip(logs["seconds_per_step"], logs["samples_per_second"], strict=True):
+        assert 0.05 <= step_seconds < 1.0
+        assert samples == pytest.approx(32 / step_seconds)
+    assert sum(4 * step_seconds + 1.0 for step_seconds in logs["seconds_per_step"]) < seconds
+    assert bar.count("samples_per_second: ") == 2 and bar.count("seconds_per_step: ") == 2
+    keras_model = testing.dense_batchnorm_model()
+    expected = keras_model.fit(x, y, batch_size=32, callbacks=[torch_dp.Throughput(32)], verbose=0, **options).history
+    assert (
+        set(logs)
+        == set(expected)
+        == {"accuracy", "loss", "val_accuracy", "val_loss", "samples_per_second", "seconds_per_step"}
+    )

@@ -10,6 +10,7 @@ def test_every_public_name_imports():
         "NonFiniteLossError",
         "Preempted",
         "Sampler",
+        "Throughput",
         "Trainer",
         "TrainerBusy",
         "WorkerError",

@@ -17,6 +17,7 @@ from dp_core import EquivalenceReport as EquivalenceReport
 from dp_core import NonFiniteLossError as NonFiniteLossError
 from dp_core import Preempted as Preempted
 from dp_core import TrainerBusy as TrainerBusy
+from dp_core.keras import Throughput as Throughput
 from jax_dp._equivalence import check_equivalence as check_equivalence
 from jax_dp._processes.group import initialize as initialize
 from jax_dp._trainer import Trainer as Trainer
@@ -27,6 +28,7 @@ __all__ = [
     "EquivalenceReport",
     "NonFiniteLossError",
     "Preempted",
+    "Throughput",
     "Trainer",
     "TrainerBusy",
     "check_equivalence",

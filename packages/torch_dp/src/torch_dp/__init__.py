@@ -22,6 +22,7 @@ from dp_core import EquivalenceReport as EquivalenceReport
 from dp_core import NonFiniteLossError as NonFiniteLossError
 from dp_core import Preempted as Preempted
 from dp_core import TrainerBusy as TrainerBusy
+from dp_core.keras import Throughput as Throughput
 from torch_dp._data.sampler import Sampler as Sampler
 from torch_dp._equivalence import check_equivalence as check_equivalence
 from torch_dp._processes.failures import WorkerError as WorkerError
@@ -35,6 +36,7 @@ __all__ = [
     "NonFiniteLossError",
     "Preempted",
     "Sampler",
+    "Throughput",
     "Trainer",
     "TrainerBusy",
     "WorkerError",

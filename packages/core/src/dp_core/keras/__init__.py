@@ -18,7 +18,8 @@ The contract, what a backend calls on the way from the user's call to its step:
 - the model: ``build_model``;
 - the step's loss: ``replica_losses``, ``check_losses_split``; its random draws: ``global_batch_draws``
   (``GlobalRows``: a replica draws the global batch's noise and keeps its rows);
-- the epoch: ``callback_list``, ``needs_every_batch``, ``python_logs``; ``Executions`` (Keras's
+- the epoch: ``callback_list``, ``needs_every_batch``, ``python_logs``; ``Throughput`` (a callback for users:
+  samples/s and step time in an epoch's logs); ``Executions`` (Keras's
   ``steps_per_execution``: which steps the batch hooks surround; ``concatenated`` a group's predictions);
 - the learning rate: ``plan_learning_rate``, ``learning_rate_policy_installed``
   (``LearningRatePolicy``);
@@ -55,6 +56,7 @@ from dp_core.keras._call import CallChecks as CallChecks
 from dp_core.keras._call import CheckedCall as CheckedCall
 from dp_core.keras._call import OwnStepsCheck as OwnStepsCheck
 from dp_core.keras._call import checked_call as checked_call
+from dp_core.keras._callbacks import Throughput as Throughput
 from dp_core.keras._callbacks import callback_list as callback_list
 from dp_core.keras._callbacks import needs_every_batch as needs_every_batch
 from dp_core.keras._callbacks import nonfinite_action as nonfinite_action
@@ -150,6 +152,7 @@ __all__ = [
     "SourceStandIn",
     "StagedParts",
     "Start",
+    "Throughput",
     "activity_regularizer_divides_by_batch_size",
     "adopt_batch_terms",
     "batch_rows",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -32,12 +33,14 @@ def callback_list(
     epochs: int = 1,
     steps: int | None,
     history: bool = True,
+    global_batch_size: int | None = None,
 ) -> keras.callbacks.CallbackList:
     """The user's callbacks with the progress bar (and for ``fit`` History), on the primary
     process only, as ``model.fit``/``evaluate``/``predict`` make them.
 
     Other processes get an empty list (with a History for ``fit``), so their loop code is
-    the same and nothing is printed or written twice.
+    the same and nothing is printed or written twice. ``global_batch_size`` (a fit's, 0 or None where
+    a source's batches set it) reaches every callback's ``params``, where ``Throughput`` reads it.
     """
     level = verbosity(verbose)
     listed = list(callbacks or []) if is_primary else []
@@ -51,6 +54,7 @@ def callback_list(
         verbose=level if is_primary else 0,
         epochs=epochs,
         steps=steps,
+        **({"global_batch_size": global_batch_size} if global_batch_size else {}),
     )
 
 
@@ -74,7 +78,7 @@ class ProgressBar(keras.callbacks.ProgbarLogger):
 def needs_every_batch(callbacks: Sequence[keras.callbacks.Callback] | None, mode: Mode = "train") -> bool:
     """Whether a callback acts at every batch of ``mode`` (so logs and decisions are needed each
     step). The progress bar and History do not count: they are served at a few steps."""
-    passive = (keras.callbacks.ProgbarLogger, keras.callbacks.History)
+    passive = (keras.callbacks.ProgbarLogger, keras.callbacks.History, Throughput)
     return any(
         _internals.overrides_hook(callback, hook)
         for callback in callbacks or []
@@ -94,3 +98,52 @@ def nonfinite_action(on_nonfinite_loss: NonFiniteLoss, callbacks: Sequence[Any] 
     """
     terminates = any(isinstance(callback, keras.callbacks.TerminateOnNaN) for callback in callbacks or [])
     return "apply" if on_nonfinite_loss == "stop" and terminates else on_nonfinite_loss
+
+
+class Throughput(keras.callbacks.Callback):
+    """Adds each epoch's training speed to its logs, so History, the progress bar's epoch line and
+    ``CSVLogger`` show it: ``samples_per_second`` (global batches times ``global_batch_size`` over
+    the epoch's training seconds: every replica's rows, so summed over the replicas; a padded last
+    batch counts whole, its rows cost a step too) and ``seconds_per_step``.
+
+    The training seconds run from the epoch's start to its validation (or its end): the first epoch's
+    include compiling. The steps are the optimizer's updates that epoch (a resumed epoch counts the
+    steps it ran). It reads no batch's logs, so a fit with it syncs no more often.
+    ``global_batch_size`` is the call's with torch_dp and jax_dp; with ``model.fit`` pass its
+    ``batch_size``, and the two are measured alike::
+
+        trainer.fit(model, x, y, global_batch_size=64, callbacks=[Throughput()])
+        model.fit(x, y, batch_size=64, callbacks=[Throughput(global_batch_size=64)])
+    """
+
+    def __init__(self, global_batch_size: int | None = None) -> None:
+        super().__init__()
+        self.global_batch_size = global_batch_size
+        self._began = 0.0
+        self._trained: float | None = None  # seconds, once validation starts
+        self._iterations = 0
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        self._iterations = self._updates()
+        self._trained = None
+        self._began = time.perf_counter()
+
+    def on_test_begin(self, logs: Any = None) -> None:
+        if self._trained is None:  # a fit's validation: its time is not training's
+            self._trained = time.perf_counter() - self._began
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        seconds = time.perf_counter() - self._began if self._trained is None else self._trained
+        steps = self._updates() - self._iterations
+        if logs is None or steps <= 0:
+            return
+        logs["seconds_per_step"] = seconds / steps
+        params: dict[str, Any] = self.params or {}
+        rows = self.global_batch_size or params.get("global_batch_size")
+        if rows:
+            logs["samples_per_second"] = rows * steps / seconds
+
+    def _updates(self) -> int:
+        model: Any = self.model
+        iterations: Any = keras.ops.convert_to_numpy(model.optimizer.iterations)
+        return int(iterations)
