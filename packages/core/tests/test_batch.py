@@ -1,6 +1,6 @@
 import pytest
 
-from dp_core import per_replica_batch_size
+from dp_core import padded_batch_size, per_replica_batch_size
 
 
 def test_divides():
@@ -25,3 +25,10 @@ def test_smaller_than_replica_count_suggests_the_replica_count():
 def test_rejects_non_positive_or_non_int(bad):
     with pytest.raises(ValueError, match=f"global_batch_size must be a positive integer, got {bad!r}"):
         per_replica_batch_size(bad, 2)
+
+
+def test_padded_batch_size_rounds_up_to_a_multiple_of_the_replicas():
+    assert [padded_batch_size(size, 4) for size in (1, 4, 5, 8, 33)] == [4, 4, 8, 8, 36]
+    assert padded_batch_size(33, 2) == 34 and padded_batch_size(33, 1) == 33
+    with pytest.raises(ValueError, match="num_replicas must be a positive integer, got 0"):
+        padded_batch_size(8, 0)

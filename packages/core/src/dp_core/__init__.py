@@ -6,6 +6,7 @@ never imported from here.
 
 from importlib.metadata import version as _version
 
+from dp_core._batch import padded_batch_size as padded_batch_size
 from dp_core._batch import per_replica_batch_size as per_replica_batch_size
 from dp_core._checkpoint import PartsWritten as PartsWritten
 from dp_core._checkpoint import commit_checkpoint as commit_checkpoint
@@ -177,6 +178,7 @@ __all__ = [
     "num_steps",
     "one_call_at_a_time",
     "oversubscription",
+    "padded_batch_size",
     "peak_flops",
     "per_replica_batch_size",
     "publish_scaling_report",

@@ -39,6 +39,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from dp_core._batch import padded_batch_size
 from dp_core._data import flatten, is_array_like, is_scipy_sparse, take_rows
 from dp_core._split import epoch_order
 from dp_core.keras import _internals
@@ -292,12 +293,6 @@ def batch_rows(batch: GlobalBatch) -> int:
     if len(counts) != 1:
         raise ValueError(f"A batch's arrays disagree on their number of rows: {sorted(counts)}.")
     return counts.pop()
-
-
-def padded_batch_size(global_batch_size: int, num_replicas: int) -> int:
-    """A source's global batch size rounded up to a multiple of the replica count: a source's
-    batches need not divide (13 rows on 2 replicas: 7 each, the 14th row padding, masked)."""
-    return -(-global_batch_size // num_replicas) * num_replicas
 
 
 def replica_part(
