@@ -19,7 +19,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-from dp_core._batch import _check_positive_int, per_replica_batch_size
+from dp_core._batch import _check_positive_int, padded_batch_size
 
 
 class Shard(NamedTuple):
@@ -30,7 +30,7 @@ class Shard(NamedTuple):
     ``mask[i]`` is False for padding, which must weigh nothing.
     """
 
-    indices: np.ndarray  # int64, shape (num_steps * per_replica_batch_size,)
+    indices: np.ndarray  # int64, shape (num_steps * padded_batch_size // num_shards,)
     mask: np.ndarray  # bool, same shape
 
 
@@ -121,18 +121,20 @@ class EpochOrder:
 
     def shard(self, num_samples: int, *, num_shards: int, shard_index: int, drop_remainder: bool = False) -> Shard:
         """Shard ``shard_index``'s part of this epoch's rows, padded and masked (``split_indices``)."""
-        batch = per_replica_batch_size(self.global_batch_size, num_shards)
+        size = self.global_batch_size
+        padded = padded_batch_size(size, num_shards)
         if not isinstance(shard_index, int) or not 0 <= shard_index < num_shards:
             raise ValueError(f"shard_index must be in [0, {num_shards}), got {shard_index!r}.")
         order = self.rows(num_samples)
-        steps = num_steps(len(order), self.global_batch_size, drop_remainder=drop_remainder)
-        total = steps * self.global_batch_size
-        mask = np.arange(total) < len(order)
-        indices = np.resize(order, total)  # repeats from the start: valid, masked out
-        cut = (slice(None), shard_index)
+        steps = num_steps(len(order), size, drop_remainder=drop_remainder)
+        within = np.arange(padded)  # a step's positions: its global batch, then padding up to a multiple
+        rows = np.arange(steps)[:, None] * size + within  # the epoch's row each position reads
+        mask = (within < size) & (rows < len(order))
+        parts, cut = (steps, num_shards, padded // num_shards), (slice(None), shard_index)
+        mine = rows.reshape(parts)[cut].reshape(-1)
         return Shard(
-            indices=indices.reshape(steps, num_shards, batch)[cut].reshape(-1),
-            mask=mask.reshape(steps, num_shards, batch)[cut].reshape(-1),
+            indices=order[mine % len(order)],  # padding repeats rows of the epoch: valid, masked out
+            mask=mask.reshape(parts)[cut].reshape(-1),
         )
 
     def _batches(self, num_samples: int) -> tuple[int, int, int]:
@@ -232,15 +234,22 @@ def split_indices(
 ) -> Shard:
     """The indices and mask of shard ``shard_index`` for one epoch.
 
-    Global batch ``b`` is ``order[b*B:(b+1)*B]``; shard ``r`` of ``R`` takes its
-    ``r``-th contiguous part of ``B/R`` rows. The last partial batch is padded to
-    ``B`` and masked, so every shard runs the same number of steps. The epoch's rows are
-    ``epoch_rows`` (all of them unless ``steps_per_epoch`` cuts passes into epochs).
+    Global batch ``b`` is ``order[b*B:(b+1)*B]``, padded up to ``P``, the next multiple of ``R``
+    (``padded_batch_size``; ``P = B`` when ``R`` divides it); shard ``r`` of ``R`` takes its
+    ``r``-th contiguous part of ``P/R`` rows. The padding, and the last partial batch's missing
+    rows, are masked, so every shard runs the same number of steps and every real row counts
+    once. The epoch's rows are ``epoch_rows`` (all of them unless ``steps_per_epoch`` cuts
+    passes into epochs).
 
     With 10 samples, a global batch of 4 and no shuffling::
 
         shard 0: indices [0 1 4 5 8 9]  mask [T T T T T T]
         shard 1: indices [2 3 6 7 0 1]  mask [T T T T F F]
+
+    and a global batch of 3 (padded to 4)::
+
+        shard 0: indices [0 1 3 4 6 7 9 0]  mask [T T T T T T T F]
+        shard 1: indices [2 3 5 6 8 9 1 2]  mask [T F T F T F F F]
     """
     order = EpochOrder(
         global_batch_size, shuffle, seed=seed, epoch=epoch, first_epoch=first_epoch, steps_per_epoch=steps_per_epoch
