@@ -4,6 +4,7 @@ in the logs, Keras's logging callbacks, on 2 replicas against ``model.fit`` on o
 from __future__ import annotations
 
 import contextlib
+import csv
 import time
 from collections.abc import Iterator
 
@@ -120,3 +121,24 @@ def test_throughput_puts_samples_per_second_and_step_time_in_history_and_the_pro
     assert (
         set(logs) == set(expected) == {"loss", "mae", "val_loss", "val_mae", "samples_per_second", "seconds_per_step"}
     )
+
+
+def _csv_rows(path) -> list[dict[str, float]]:
+    with open(path, newline="") as opened:
+        return [{name: float(value) for name, value in row.items()} for row in csv.DictReader(opened)]
+
+
+def test_csv_logger_writes_model_fit_s_rows_once(data, trainer, tmp_path):
+    """Keras's CSVLogger on 2 replicas: one writer (process 0), one row an epoch, each of model.fit's
+    columns with model.fit's value."""
+    x, y, x_val, y_val = data
+    options = dict(epochs=3, shuffle=False, validation_data=(x_val, y_val), verbose=0)
+    logger = keras.callbacks.CSVLogger(str(tmp_path / "mine.csv"))
+    trainer.fit(_regressor(), x, y, global_batch_size=32, callbacks=[logger], **options)
+    _regressor().fit(x, y, batch_size=32, callbacks=[keras.callbacks.CSVLogger(str(tmp_path / "keras.csv"))], **options)
+    mine, expected = _csv_rows(tmp_path / "mine.csv"), _csv_rows(tmp_path / "keras.csv")
+    assert [row["epoch"] for row in mine] == [row["epoch"] for row in expected] == [0, 1, 2]
+    assert list(mine[0]) == list(expected[0]) == ["epoch", "loss", "mae", "val_loss", "val_mae"]
+    for got, want in zip(mine, expected, strict=True):
+        np.testing.assert_allclose(list(got.values()), list(want.values()), rtol=1e-5, atol=1e-6)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["keras.csv", "mine.csv"]

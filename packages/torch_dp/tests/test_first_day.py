@@ -4,6 +4,7 @@ in the logs, Keras's logging callbacks, on 2 replicas against ``model.fit`` on o
 from __future__ import annotations
 
 import contextlib
+import csv
 import time
 from collections.abc import Iterator
 
@@ -111,3 +112,25 @@ def test_throughput_puts_samples_per_second_and_step_time_in_history_and_the_pro
         == set(expected)
         == {"accuracy", "loss", "val_accuracy", "val_loss", "samples_per_second", "seconds_per_step"}
     )
+
+
+def _csv_rows(path) -> list[dict[str, float]]:
+    with open(path, newline="") as opened:
+        return [{name: float(value) for name, value in row.items()} for row in csv.DictReader(opened)]
+
+
+def test_csv_logger_writes_model_fit_s_rows_once(two_replicas, tmp_path):
+    """Keras's CSVLogger on 2 replicas: one writer (the caller), one row an epoch, each of model.fit's
+    columns with model.fit's value."""
+    x, y = testing.data()
+    options = dict(epochs=3, shuffle=False, validation_data=testing.data(37, seed=1), verbose=0)
+    logger = keras.callbacks.CSVLogger(str(tmp_path / "mine.csv"))
+    two_replicas.fit(testing.dense_batchnorm_model(), x, y, global_batch_size=32, callbacks=[logger], **options)
+    expected_logger = keras.callbacks.CSVLogger(str(tmp_path / "keras.csv"))
+    testing.dense_batchnorm_model().fit(x, y, batch_size=32, callbacks=[expected_logger], **options)
+    mine, expected = _csv_rows(tmp_path / "mine.csv"), _csv_rows(tmp_path / "keras.csv")
+    assert [row["epoch"] for row in mine] == [row["epoch"] for row in expected] == [0, 1, 2]
+    assert list(mine[0]) == list(expected[0]) == ["epoch", "accuracy", "loss", "val_accuracy", "val_loss"]
+    for got, want in zip(mine, expected, strict=True):
+        np.testing.assert_allclose(list(got.values()), list(want.values()), rtol=1e-5, atol=1e-6)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["keras.csv", "mine.csv"]
