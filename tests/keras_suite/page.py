@@ -1,0 +1,93 @@
+"""The "Keras's own tests" section of docs/keras-compatibility.md, written from ``results/<backend>.json``.
+
+``tests/parity/compatibility.py`` writes the page and appends this section (``section()``), so the
+page stays one generated file; ``nox -s keras_suite`` refreshes the results and the page.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BACKENDS = {"torch": "torch_dp", "jax": "jax_dp"}
+REASON_CHARS = 220
+
+
+def _results() -> dict[str, dict]:
+    paths = {backend: RESULTS / f"{backend}.json" for backend in BACKENDS}
+    return {backend: json.loads(path.read_text()) for backend, path in paths.items() if path.exists()}
+
+
+def _short(reason: str) -> str:
+    """The reason's first sentence, without the test's own names (``got ExampleModel``), for grouping."""
+    reason = re.sub(r"\bgot \w+ \(", "got a model (", reason)
+    reason = re.sub(r"0x[0-9a-f]+", "0x…", reason)
+    first = re.split(r"(?<=[a-z)`'])\. ", reason, maxsplit=1)[0]
+    cut = first if len(first) <= REASON_CHARS else first[: REASON_CHARS - 1] + "…"
+    return cut.replace("|", "\\|").replace("`", "'")
+
+
+def _test_name(label: str) -> str:
+    file, _, test = label.partition("::")
+    where = file.rsplit("/", 1)[-1].removesuffix(".py")
+    where = "mixins as Model" if file.startswith("trainer_test.py with") else where
+    return f"{where}::{test.rsplit('::', 1)[-1]}"
+
+
+def _grouped(results: dict, outcome: str) -> list[tuple[str, list[str]]]:
+    groups: dict[str, list[str]] = defaultdict(list)
+    for label, record in sorted(results["tests"].items()):
+        if record["outcome"] == outcome:
+            groups[_short(record["reason"])].append(_test_name(label))
+    return sorted(groups.items(), key=lambda group: (-len(group[1]), group[0]))
+
+
+def _listing(results: dict, outcome: str) -> list[str]:
+    lines = []
+    for reason, tests in _grouped(results, outcome):
+        shown = ", ".join(f"`{test}`" for test in tests[:6]) + (f" and {len(tests) - 6} more" if len(tests) > 6 else "")
+        lines.append(f"- {len(tests)}: {reason} ({shown})")
+    return lines or ["- none"]
+
+
+def section() -> list[str]:
+    """The section's lines, starting with its heading."""
+    every = _results()
+    if not every:
+        return []
+    first = next(iter(every.values()))
+    header = " | ".join(BACKENDS[backend] for backend in every)
+    rows = [
+        ("pass on plain Keras (counted)", "pass_on_plain_keras"),
+        ("pass through the Trainer", "passed"),
+        ("refused (a clear error of the Trainer's)", "refused"),
+        ("fail", "failed"),
+    ]
+    lines = [
+        "",
+        "## Keras's own tests",
+        "",
+        "<!-- From tests/keras_suite/results/*.json (nox -s keras_suite); do not edit by hand. -->",
+        "",
+        f"Keras {first['keras']}'s own test files, as its wheel ships them, run first on plain Keras and then with",
+        "`fit`, `evaluate` and `predict` routed through each Trainer on 2 replicas (`batch_size` becomes",
+        "`global_batch_size`, every other argument unchanged; `tests/keras_suite/`). Only tests that pass on",
+        "plain Keras in the same environment count. The files: "
+        + ", ".join(f"`{file.removeprefix('keras/src/')}`" for file in first["files"])
+        + ("" if "jax" not in every else " (`backend/jax/trainer_test.py` on jax only)")
+        + ". A refusal is a `ValueError`, `TypeError` or `NotImplementedError` raised by the packages' own code.",
+        "",
+        f"| tests | {header} |",
+        "|---|" + "---|" * len(every),
+    ]
+    for title, key in rows:
+        lines.append(f"| {title} | " + " | ".join(str(results["counts"][key]) for results in every.values()) + " |")
+    subset = " | ".join(str(len(results["subset"])) for results in every.values())
+    lines.append(f"| of those passing, run by bare `nox` (`conformance(keras='newest')`) | {subset} |")
+    for backend, results in every.items():
+        lines += ["", f"### {BACKENDS[backend]}: refused, by reason", "", *_listing(results, "refused")]
+        lines += ["", f"### {BACKENDS[backend]}: failing, by error", "", *_listing(results, "failed")]
+    return lines
