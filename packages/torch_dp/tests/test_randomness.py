@@ -99,6 +99,22 @@ def test_an_unseeded_dropout_draws_from_rank_0_s_torch_generator(two_replicas):
     assert np.max(np.abs(other - first)) > 1e-3  # another generator state, other masks: the stream is used
 
 
+def test_an_unseeded_dropout_draws_what_model_fit_draws(two_replicas):
+    """``model.fit`` on torch reads arrays through a ``DataLoader``, whose start draws from torch's generator
+    (once to build the model, twice an epoch, twice a validation; ``_loop.loader_draws``): the unseeded
+    Dropout's masks follow those draws, and torch's generator ends where model.fit leaves it."""
+    x, y = testing.data()
+    fit = {**FIT, "validation_data": (x[:40], y[:40])}
+    runs, generators = [], []
+    for train in (lambda m: m.fit(x, y, **fit), lambda m: two_replicas.fit(m, x, y, **fit)):
+        model = noisy_model(seeded=False)
+        keras.utils.set_random_seed(11)
+        runs.append((model, train(model).history))
+        generators.append(torch.get_rng_state())
+    assert_same_fit(*runs)
+    assert torch.equal(generators[1], generators[0])
+
+
 @pytest.mark.parametrize("seeded", [True, False])
 def test_a_resumed_fit_with_random_layers_is_bitwise_the_uninterrupted_one(two_replicas, tmp_path, seeded):
     """The seed generators' states are in the checkpoint (issue 43, item 16): the resumed epoch draws the
@@ -115,6 +131,7 @@ def test_a_resumed_fit_with_random_layers_is_bitwise_the_uninterrupted_one(two_r
     keras.utils.set_random_seed(3)
     two_replicas.fit(interrupted, x, y, **{**FIT, "epochs": 1}, checkpoint_dir=folder)
     resumed = noisy_model(seeded=seeded)
+    resumed.evaluate(x[:2], y[:2], verbose=0)  # built as the uninterrupted one: building draws once more
     torch.set_rng_state(torch_state)
     two_replicas.fit(resumed, x, y, **FIT, checkpoint_dir=folder)
 

@@ -22,6 +22,7 @@ from torch_dp._data.order import in_row_order
 from torch_dp._data.sources import Readable, steps_of
 from torch_dp._loop.changes import Changes
 from torch_dp._loop.groups import ALONE, group_logs_due, in_group
+from torch_dp._loop.loader_draws import keras_loader
 from torch_dp._step.custom import CustomSteps
 from torch_dp._step.metrics import global_logs
 from torch_dp._step.steps import predict_step, test_step
@@ -74,7 +75,10 @@ def evaluate_loop(
     logs: dict[str, Any] = {}
     returned: Any = None
     place, step = ALONE, -1
-    for step, batch in enumerate(_test_batches(model, inputs, global_batch_size, replica, own=own is not None)):
+    # Keras's torch loader draws from torch's generator as it starts, and at its end
+    loader = keras_loader(inputs, global_batch_size, steps_per_execution=executions.size)
+    batches = loader.reading(_test_batches(model, inputs, global_batch_size, replica, own=own is not None))
+    for step, batch in enumerate(batches):
         place = in_group(executions, step, steps)
         if place.first:
             hooks.on_test_batch_begin(step)
@@ -159,7 +163,8 @@ def predict_loop(
         else replica_batches(inputs, replica, EpochOrder.in_input_order(global_batch_size))
     )
     place, step = ALONE, -1
-    for step, batch in enumerate(batches):
+    loader = keras_loader(inputs, global_batch_size, steps_per_execution=executions.size)
+    for step, batch in enumerate(loader.reading(batches)):
         place = in_group(executions, step, steps)
         if place.first:
             hooks.on_predict_batch_begin(step)

@@ -30,6 +30,7 @@ from torch_dp._loop.checkpoints import check_same_start, holding_checkpoint_dir,
 from torch_dp._loop.epochs import EpochSteps, KerasSteps, OwnSteps, share_decisions, train_epoch
 from torch_dp._loop.evaluate import evaluate_loop
 from torch_dp._loop.hooks import on_whole_state
+from torch_dp._loop.loader_draws import job_loader
 from torch_dp._step.accumulation import Window, accumulation_window
 from torch_dp._step.custom import CustomSteps
 from torch_dp._step.shards import REPLICATED, TrainingState
@@ -66,6 +67,7 @@ def fit_loop(
         if replica.is_primary:  # rank 0's checkpoint, which every replica resumed from
             print_resume(job.resume_from, start, epochs=arguments.epochs, verbose=arguments.verbose, package="torch_dp")
         window = _gradient_window(model, job, replica, custom, state)
+        loader = job_loader(job)  # what Keras's torch loader draws from torch's generator, drawn alike
         epoch_logs: dict[str, Any] = {}
         for epoch in range(start.epoch, arguments.epochs):
             model.reset_metrics()
@@ -77,10 +79,13 @@ def fit_loop(
                 break
             kind = _epoch_steps(model, job, replica, custom, window, logging, state)
             timed = timer if isinstance(kind, KerasSteps) else NO_STEP_TIMER  # a model's own step is not timed
+            loader.epoch_begins()
             epoch_logs = train_epoch(
                 model, job, epoch, replica, callbacks, kind,
                 first_step=first_step, checkpoints=checkpoints, notice=notice, timer=timed, changes=changes,
             )  # fmt: skip
+            if not model.stop_training:  # Keras's loader reads on to its end only in an epoch not stopped
+                loader.epoch_ends()
             model.eval()
             if arguments.validates_after(epoch):
                 epoch_logs.update(_validation_logs(model, job, replica, callbacks, custom, changes))

@@ -35,6 +35,7 @@ from torch_dp._data.sources import Readable
 from torch_dp._loop.checkpoints import resume_from
 from torch_dp._loop.evaluate import evaluate_loop, predict_loop
 from torch_dp._loop.fit import fit_loop
+from torch_dp._loop.loader_draws import build_drawing, job_loader
 from torch_dp._scope.deferred import scoped_mode
 from torch_dp._scope.held import calling
 from torch_dp._scope.replicas import prepared, sync_whole_ones, weights_by_layer
@@ -49,8 +50,13 @@ from torch_dp._step.shards import sharded
 
 
 def build(model: keras.Model, job: Job) -> None:
-    """Create every variable the job needs (model, metrics, optimizer) from a couple of rows."""
-    build_model(model, job.inputs, for_predict=isinstance(job, PredictJob))
+    """Create every variable the job needs (model, metrics, optimizer) from a couple of rows, and where
+    ``model.fit`` or ``evaluate`` would build it from a batch, draw what its torch loader draws for it
+    (``_loop.loader_draws``; on rank 0, whose torch generator every replica then takes)."""
+    if isinstance(job, PredictJob):  # model.predict builds on its first batch: no batch of its own
+        build_model(model, job.inputs, for_predict=True)
+        return
+    build_drawing(model, lambda: build_model(model, job.inputs), job_loader(job))
 
 
 def check_losses(model: keras.Model, job: Job, num_replicas: int) -> None:
@@ -88,6 +94,7 @@ def run_job(model: keras.Model, job: Job, replica: Replica, *, sync: bool = True
     if replica.distributed and sync:  # the same start on every replica, whatever built the model
         check_same_variables(model, replica, optimizer=isinstance(job, FitJob))
         same_state_as_primary(model, replica, optimizer=isinstance(job, FitJob))
+    if replica.distributed:  # every call: the caller may have set torch's generator since the last one
         same_random_streams(replica)
     if isinstance(job, FitJob):
         return run_fit(model, job, replica)
@@ -103,6 +110,7 @@ def _run_scoped(model: keras.Model, job: Job, replica: Replica, mode: ShardMode 
     check_placement(model, replica)
     if replica.distributed and sync:  # the caller may have assigned what every replica holds whole
         sync_whole_ones(model, layout, replica, trains=isinstance(job, FitJob))
+    if replica.distributed:
         same_random_streams(replica)
     # the caller probed the model's add_loss terms (reading each weight whole); its replicas take its answer
     terms = broadcast_object(batch_terms(model, job.inputs) if replica.is_primary else None, replica)
