@@ -44,6 +44,7 @@ from dp_core.keras import (
 )
 from torch_dp._loop.checkpoints import require_checkpointable
 from torch_dp._loop.hooks import refuse_batch_hooks
+from torch_dp._loop.loader_draws import build_drawing, fit_loader
 from torch_dp._processes.cluster import is_primary_process
 from torch_dp._processes.group import Timeouts
 from torch_dp._processes.launchers import ClusterProcess, Launcher, choose_launcher
@@ -376,8 +377,8 @@ def _checkpoint_to_resume(arguments: FitArguments, model: keras.Model, inputs: I
     if checkpoint_dir is None or not is_primary_process():
         return None
     check_checkpoint_dir(checkpoint_dir)  # writable, and held by no other run: refused before any replica starts
-    with deferring_if_scoped(model):
-        build_model(model, inputs)
+    with deferring_if_scoped(model):  # drawing as model.fit's loader does to build it (``_loop.loader_draws``)
+        build_drawing(model, lambda: build_model(model, inputs), fit_loader(arguments))
     found = resumable_checkpoint(
         checkpoint_dir,
         model,
