@@ -115,6 +115,22 @@ def test_an_unseeded_dropout_draws_what_model_fit_draws(two_replicas):
     assert torch.equal(generators[1], generators[0])
 
 
+def test_predict_and_evaluate_draw_inference_noise_as_model_predict_and_evaluate(two_replicas):
+    """A layer drawing noise in inference: each replica draws the global batch's and keeps its rows (the
+    3-row last batch on rank 0), so two predicts in a row equal model.predict's two, which differ."""
+    x, y = testing.data()
+    expected, model = testing.inference_noise_model(), testing.inference_noise_model()
+    want = [expected.predict(x, batch_size=32, verbose=0) for _ in range(2)]
+    got = [two_replicas.predict(model, x, batch_size=32, verbose=0) for _ in range(2)]
+    for predicted, wanted in zip(got, want, strict=True):
+        np.testing.assert_allclose(predicted, wanted, rtol=1e-6, atol=1e-6)
+    assert np.max(np.abs(want[0] - want[1])) > 0.05  # each call draws new noise
+    expected_logs = expected.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
+    logs = two_replicas.evaluate(model, x, y, batch_size=32, verbose=0, return_dict=True)
+    assert logs == pytest.approx(expected_logs, rel=1e-6, abs=1e-6)
+    assert seed_states(model) == seed_states(expected)
+
+
 @pytest.mark.parametrize("seeded", [True, False])
 def test_a_resumed_fit_with_random_layers_is_bitwise_the_uninterrupted_one(two_replicas, tmp_path, seeded):
     """The seed generators' states are in the checkpoint (issue 43, item 16): the resumed epoch draws the

@@ -686,3 +686,29 @@ def added_loss_model() -> keras.Model:
     model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3), PullsToOne()])
     model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9))
     return model
+
+
+@keras.saving.register_keras_serializable(package="torch_dp_testing")
+class InferenceNoise(keras.layers.Layer):
+    """Drops half its inputs at every call, in inference too (MC dropout; Keras's trainer_test draws
+    ``keras.random.dropout(..., seed=self.seed_gen)`` so): each ``predict`` draws new noise."""
+
+    def __init__(self, seed: int | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.seed = seed
+        self.seed_gen = keras.random.SeedGenerator(seed)
+
+    def call(self, inputs: Any) -> Any:
+        return keras.random.dropout(inputs, 0.5, seed=self.seed_gen)
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "seed": self.seed}
+
+
+def inference_noise_model() -> keras.Model:
+    keras.utils.set_random_seed(2)
+    model = keras.Sequential(
+        [keras.Input((5,)), keras.layers.Dense(8), InferenceNoise(seed=3), keras.layers.Dense(3, activation="softmax")]
+    )
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model

@@ -173,7 +173,7 @@ def predict_loop(
             assert custom is not None
             outputs.append(custom.predict_step(batch))
         else:
-            outputs.append(predict_step(model, batch))
+            outputs.append(predict_step(model, batch, replica))  # noise in inference: the global batch's
         real_rows.append(batch.global_real_rows)
         group.append(_real_rows_of(outputs[-1], batch))
         if place.last:
