@@ -7,11 +7,12 @@ import torch_dp._processes.pool
 from dp_core import epoch_order
 
 
+@pytest.mark.parametrize("global_batch_size", [32, 5])  # 5 over 2 or 4 replicas: padded to 6 or 8
 @pytest.mark.parametrize("num_replicas", [1, 2, 4])
 @pytest.mark.parametrize("num_samples", [99, 128, 5])
-def test_every_sample_once_per_epoch_and_equal_lengths(num_replicas, num_samples):
+def test_every_sample_once_per_epoch_and_equal_lengths(num_replicas, num_samples, global_batch_size):
     samplers = [
-        torch_dp.Sampler(num_samples, global_batch_size=32, num_replicas=num_replicas, rank=rank, seed=3)
+        torch_dp.Sampler(num_samples, global_batch_size=global_batch_size, num_replicas=num_replicas, rank=rank, seed=3)
         for rank in range(num_replicas)
     ]
     for epoch in (0, 1):
@@ -25,10 +26,11 @@ def test_every_sample_once_per_epoch_and_equal_lengths(num_replicas, num_samples
     assert len({len(s) for s in samplers}) == 1
 
 
-def test_global_order_does_not_depend_on_replica_count():
+@pytest.mark.parametrize("global_batch_size", [32, 33])
+def test_global_order_does_not_depend_on_replica_count(global_batch_size):
     def global_order(num_replicas):
         samplers = [
-            torch_dp.Sampler(99, global_batch_size=32, num_replicas=num_replicas, rank=r, seed=7)
+            torch_dp.Sampler(99, global_batch_size=global_batch_size, num_replicas=num_replicas, rank=r, seed=7)
             for r in range(num_replicas)
         ]
         for s in samplers:
@@ -59,6 +61,10 @@ def test_usable_in_a_dataloader():
     sampler = torch_dp.Sampler(dataset, global_batch_size=4, num_replicas=2, rank=0, shuffle=False)
     loader = torch.utils.data.DataLoader(dataset, batch_size=sampler.per_replica_batch_size, sampler=sampler)
     assert [batch[0].tolist() for batch in loader] == [[0, 1], [4, 5], [8, 9]]
+    odd = torch_dp.Sampler(dataset, global_batch_size=3, num_replicas=2, rank=1, shuffle=False)  # padded to 4
+    loader = torch.utils.data.DataLoader(dataset, batch_size=odd.per_replica_batch_size, sampler=odd)
+    assert [batch[0].tolist() for batch in loader] == [[2, 3], [5, 6], [8, 9], [1, 2]]
+    assert [odd.mask_of_step(step).tolist() for step in range(4)] == [[True, False]] * 3 + [[False, False]]
 
 
 def test_needs_replicas_without_a_process_group():

@@ -60,11 +60,17 @@ class Batch:
         return self.global_real_rows < self.global_batch_size
 
 
-def whole_last_batch(model: keras.Model, inputs: Readable, global_batch_size: int, *, training: bool = True) -> bool:
-    """Whether ``replica_batches`` should hand every replica a short last batch whole: the model
-    computes a term over the batch (``dp_core.keras.runs_last_batch_whole``)."""
+def whole_last_batch(
+    model: keras.Model, inputs: Readable, order: EpochOrder, replica: Replica, *, training: bool = True
+) -> bool:
+    """Whether ``replica_batches`` should hand every replica a short batch whole: the model computes a
+    term over the batch (``dp_core.keras.runs_last_batch_whole``). A global batch that does not divide
+    over the replicas makes every batch short of its padded size, so every one may go whole."""
     rows = inputs if isinstance(inputs, Inputs) else None
     num_samples = None if rows is None else rows.num_samples
+    global_batch_size = order.global_batch_size
+    if padded_batch_size(global_batch_size, replica.num_replicas) != global_batch_size:
+        num_samples = None  # not only the last batch is padded: ask as for an input of unknown length
     return runs_last_batch_whole(
         model, rows, num_samples=num_samples, global_batch_size=global_batch_size, training=training
     )
@@ -80,30 +86,32 @@ def replica_batches(
     whole_last: bool = False,
 ) -> Iterator[Batch]:
     """This replica's batches of one epoch from ``first_step`` on; every replica gets the same number.
-    An array input's epoch reads ``order``'s rows. With ``prefetch`` (None: on an accelerator,
+    An array input's epoch reads ``order``'s rows, each global batch padded up to a multiple of the
+    replicas (``dp_core.padded_batch_size``). With ``prefetch`` (None: on an accelerator,
     ``reads_ahead``) an array input's next batch is read in the background (the same batches). With
-    ``whole_last``, a short last batch is the whole one on every replica (``Batch.whole``)."""
+    ``whole_last``, a short batch (padded) is the whole one on every replica (``Batch.whole``)."""
     if prefetch is None:
         prefetch = reads_ahead(replica.device)
     if not isinstance(inputs, Inputs):
         yield from _source_batches(inputs, replica, order, first_step, whole_last)
         return
     global_batch_size = order.global_batch_size
+    padded = padded_batch_size(global_batch_size, replica.num_replicas)
     shard = order.shard(inputs.num_samples, num_shards=replica.num_replicas, shard_index=replica.rank)
     this_epoch = order.rows(inputs.num_samples)
     num_samples = len(this_epoch)
-    rows = global_batch_size // replica.num_replicas
+    rows = padded // replica.num_replicas
     pin = prefetch and pins_memory(replica.device)
 
     def read() -> Iterator[Batch]:
         for step in range(first_step, num_steps(num_samples, global_batch_size)):
             part = slice(step * rows, (step + 1) * rows)
             global_real_rows = min(global_batch_size, num_samples - step * global_batch_size)
-            if whole_last and global_real_rows < global_batch_size:
-                indices = this_epoch[step * global_batch_size :]
+            if whole_last and global_real_rows < padded:
+                indices = this_epoch[step * global_batch_size : (step + 1) * global_batch_size]
                 yield _batch(inputs, indices, np.ones(len(indices)), len(indices), len(indices), pin=pin, whole=True)
                 continue
-            yield _batch(inputs, shard.indices[part], shard.mask[part], global_real_rows, global_batch_size, pin=pin)
+            yield _batch(inputs, shard.indices[part], shard.mask[part], global_real_rows, padded, pin=pin)
 
     for batch in prefetched(read()) if prefetch else read():
         yield _placed(batch, replica.device)
@@ -113,19 +121,19 @@ def _source_batches(
     source: BatchSource | SourceOnPrimary, replica: Replica, order: EpochOrder, first_step: int, whole_last: bool
 ) -> Iterator[Batch]:
     """A source's global batches, each replica keeping its contiguous part, padded and masked
-    as an array input's; with ``whole_last`` a short one whole."""
+    as an array input's; with ``whole_last`` a short one (padded) whole."""
     global_batch_size = order.global_batch_size
     padded = padded_batch_size(global_batch_size, replica.num_replicas)
 
     def rule(real: int) -> tuple[np.ndarray, np.ndarray]:
-        if whole_last and real < global_batch_size:
+        if whole_last and real < padded:
             return np.arange(real), np.ones(real, dtype=bool)
         mine, count = range(replica.rank, replica.rank + 1), replica.num_replicas
         return replica_positions(real, global_batch_size=global_batch_size, replicas=mine, num_replicas=count)
 
     for part, mask, real in replica_rows(source, replica, order, first_step=first_step, rule=rule):
         x, y, sample_weight = (map_structure(keras.ops.convert_to_tensor, piece) for piece in part)
-        if whole_last and real < global_batch_size:
+        if whole_last and real < padded:
             yield Batch(x, y, sample_weight, None, real, real, real, real, whole=True)
             continue
         mask_tensor = None

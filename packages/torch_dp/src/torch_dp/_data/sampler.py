@@ -8,15 +8,17 @@ import numpy as np
 import torch.distributed as dist
 import torch.utils.data
 
-from dp_core import Shard, num_steps, per_replica_batch_size, split_indices
+from dp_core import Shard, num_steps, padded_batch_size, split_indices
 
 
 class Sampler(torch.utils.data.Sampler[int]):
     """The sample indices of one replica, epoch by epoch, like ``DistributedSampler``.
 
     Unlike ``DistributedSampler`` the global order does not depend on the replica
-    count, and the padding of the last global batch is reported in ``mask``, so it
-    can be given zero weight. Use it with ``batch_size=per_replica_batch_size``::
+    count, and the padding of the last global batch (and of every global batch that does not
+    divide over the replicas: it is padded up to a multiple, ``dp_core.padded_batch_size``) is
+    reported in ``mask``, so it can be given zero weight. Use it with
+    ``batch_size=per_replica_batch_size`` (padding included)::
 
         sampler = torch_dp.Sampler(dataset, global_batch_size=64, num_replicas=2, rank=1)
         loader = DataLoader(dataset, batch_size=sampler.per_replica_batch_size, sampler=sampler)
@@ -49,7 +51,7 @@ class Sampler(torch.utils.data.Sampler[int]):
             rank = dist.get_rank() if rank is None else rank
         self.num_samples = data_source if isinstance(data_source, int) else len(data_source)
         self.global_batch_size = global_batch_size
-        self.per_replica_batch_size = per_replica_batch_size(global_batch_size, num_replicas)
+        self.per_replica_batch_size = padded_batch_size(global_batch_size, num_replicas) // num_replicas
         self.num_replicas = num_replicas
         self.rank = rank
         self.shuffle = shuffle
@@ -77,7 +79,7 @@ class Sampler(torch.utils.data.Sampler[int]):
 
     @property
     def mask(self) -> np.ndarray:
-        """True for real rows, False for the padding of the last global batch (this epoch)."""
+        """True for real rows, False for padding (this epoch)."""
         return self._shard.mask
 
     @property

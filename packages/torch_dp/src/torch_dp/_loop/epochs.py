@@ -155,8 +155,8 @@ class KerasSteps:
         self.buckets = self.state.buckets(self.model, self.replica) if self.window is None else None
 
     def batches(self, job: FitJob, epoch: int, first_step: int) -> Iterator[Batch]:
-        whole_last = self.window is None and whole_last_batch(self.model, job.inputs, job.arguments.global_batch_size)
         order = job.arguments.epoch_order(epoch)
+        whole_last = self.window is None and whole_last_batch(self.model, job.inputs, order, self.replica)
         return replica_batches(job.inputs, self.replica, order, first_step=first_step, whole_last=whole_last)
 
     def take(

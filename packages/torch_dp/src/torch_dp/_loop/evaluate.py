@@ -108,7 +108,7 @@ def _test_batches(
     order = EpochOrder.in_input_order(global_batch_size)
     if own:
         return even_batches(inputs, replica, order)
-    whole_last = whole_last_batch(model, inputs, global_batch_size, training=False)
+    whole_last = whole_last_batch(model, inputs, order, replica, training=False)
     return replica_batches(inputs, replica, order, whole_last=whole_last)
 
 
