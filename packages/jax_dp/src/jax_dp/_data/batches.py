@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dp_core import EpochOrder, ReplicaLayout
+from dp_core import EpochOrder, ReplicaLayout, padded_batch_size
 from dp_core.keras import BatchSource, Inputs, map_structure, runs_last_batch_whole
 from jax_dp._mesh.mesh import BATCH_AXIS, batch_sharded, put_replicated, replicated
 
@@ -40,10 +40,11 @@ class Batch(NamedTuple):
 
 
 class WholeBatch(Batch):
-    """The epoch's short last batch, unpadded and whole on every device (replicated), for a
-    model that computes a term over the batch (``dp_core.keras.runs_last_batch_whole``): every
-    device runs ``model.fit``'s step on it. Its own pytree type, so a step traced for it (once an
-    epoch's shape) knows it from the type; ``mask`` is all ones."""
+    """A short batch (the epoch's last, or any when the global batch does not divide over the
+    replicas), unpadded and whole on every device (replicated), for a model that computes a term
+    over the batch (``dp_core.keras.runs_last_batch_whole``): every device runs ``model.fit``'s
+    step on it. Its own pytree type, so a step traced for it (once a shape) knows it from the
+    type; ``mask`` is all ones."""
 
 
 def row_weights(batch: Batch, *, scale_to_real_rows: bool) -> Any:
@@ -65,7 +66,9 @@ class EpochPlan:
 
     def __init__(self, inputs: Inputs, *, layout: ReplicaLayout, order: EpochOrder) -> None:
         self.inputs = inputs
-        self.global_batch_size = order.global_batch_size
+        self.unpadded_batch_size = order.global_batch_size  # the rows of a global batch, as model.fit's
+        # what the mesh holds: a global batch that does not divide over the replicas is padded up to a multiple
+        self.global_batch_size = padded_batch_size(order.global_batch_size, layout.num_replicas)
         self._layout = layout
         self._order = order
         self.num_samples = len(order.rows(inputs.num_samples))  # this epoch's
@@ -80,12 +83,14 @@ class EpochPlan:
 
     @property
     def padded(self) -> bool:
-        """Whether the last global batch is padded (the steps then leave padded rows out of the loss)."""
-        return self.num_samples % self.global_batch_size != 0
+        """Whether a global batch is padded: the last, short one, or every one when the global batch
+        does not divide over the replicas (the steps then leave padded rows out of the loss)."""
+        size = self.unpadded_batch_size
+        return self.num_samples % size != 0 or size != self.global_batch_size
 
     def real_rows(self, step: int) -> int:
-        """Real rows of global batch ``step``: all but in the padded last one."""
-        return min(self.global_batch_size, self.num_samples - step * self.global_batch_size)
+        """Real rows of global batch ``step``: the unpadded batch size, fewer in the last one."""
+        return min(self.unpadded_batch_size, self.num_samples - step * self.unpadded_batch_size)
 
     def every_replica(self) -> EpochPlan:
         """This epoch as one process driving every replica reads it: whole global batches."""
@@ -143,10 +148,14 @@ def all_replicas_local(layout: ReplicaLayout) -> ReplicaLayout:
 
 
 def whole_last_batch(model: Any, plan: Plan, *, training: bool = True) -> bool:
-    """Whether ``device_batches`` should place a short last batch whole (``WholeBatch``): the model
-    computes a term over the batch (``dp_core.keras.runs_last_batch_whole``)."""
+    """Whether ``device_batches`` should place a short batch whole (``WholeBatch``): the model
+    computes a term over the batch (``dp_core.keras.runs_last_batch_whole``). A global batch that
+    does not divide over the replicas makes every batch short of what the mesh holds, so every one
+    may go whole."""
     rows = plan.inputs if isinstance(plan.inputs, Inputs) else None
     num_samples = None if rows is None else rows.num_samples
+    if isinstance(plan, EpochPlan) and plan.unpadded_batch_size != plan.global_batch_size:
+        num_samples = None  # not only the last batch is padded: ask as for an input of unknown length
     return runs_last_batch_whole(
         model, rows, num_samples=num_samples, global_batch_size=plan.global_batch_size, training=training
     )
