@@ -19,10 +19,18 @@ def no_spawning(monkeypatch):
     monkeypatch.setattr(torch_dp._processes.pool, "start_process", refuse)
 
 
-def test_global_batch_not_divisible():
+def test_a_global_batch_that_does_not_divide_is_taken_and_its_cost_said_before_a_replica_starts():
     x, y = testing.data()
-    with pytest.raises(ValueError, match=r"global_batch_size=33.*num_replicas=2.*32 or 34"):
-        torch_dp.Trainer(num_replicas=2).fit(testing.dense_batchnorm_model(), x, y, global_batch_size=33)
+    plain = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)])
+    plain.compile("sgd", "sparse_categorical_crossentropy")
+    cases = [  # (model, global batch, replicas, what the note says)
+        (plain, 5, 4, r"global_batch_size=5 .*num_replicas=4: .*pads it to 8 rows, so 3 of every 8"),
+        (testing.dense_batchnorm_model(), 33, 2, r"=33 .*=2: .*BatchNormalization .* runs whole.*\(32 or 34\)"),
+    ]
+    for model, size, replicas, said in cases:
+        started = pytest.raises(AssertionError, match="a worker process was started")  # taken: replicas would start
+        with pytest.warns(UserWarning, match=said), started:
+            torch_dp.Trainer(num_replicas=replicas).fit(model, x, y, global_batch_size=size)
 
 
 def test_x_y_length_mismatch():

@@ -126,7 +126,7 @@ def test_arrays_take_steps_per_epoch_and_without_a_batch_size_keras_s_batch_of_r
     [
         ({"batch_size": 4, "global_batch_size": 8}, ValueError, "batch_size=4 and global_batch_size=8 name the same"),
         ({"backend": "tensorflow"}, RuntimeError, "a_dp needs the Keras 'tensorflow' backend, but Keras is running"),
-        ({"global_batch_size": 3}, ValueError, "3"),
+        ({"global_batch_size": 0}, ValueError, "global_batch_size must be a positive integer, got 0"),
         ({"steps": 2, "steps_name": "steps"}, ValueError, "steps=2: with arrays"),
         (
             {"steps": 0, "steps_name": "steps_per_epoch"},
@@ -138,6 +138,23 @@ def test_arrays_take_steps_per_epoch_and_without_a_batch_size_keras_s_batch_of_r
 def test_each_check_raises_its_own_error(options, error, said):
     with pytest.raises(error, match=re.escape(said)):
         call(compiled_model(), **options)
+
+
+def test_any_global_batch_is_taken_and_much_padding_is_said_once_the_model_is_known():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # 3 on 2 replicas: 1 of every 4 rows padding (25%), said
+        with pytest.raises(UserWarning, match=r"global_batch_size=3 does not divide over num_replicas=2: .*\(25%\)"):
+            call(compiled_model(), global_batch_size=3)
+        assert call(compiled_model(), global_batch_size=21, num_replicas=2).global_batch_size == 21  # 5%: quiet
+        normalized = keras.Sequential([keras.Input((3,)), keras.layers.BatchNormalization(name="bn")])
+        normalized.compile(optimizer="sgd", loss="mse")
+        with pytest.raises(UserWarning, match=r"BatchNormalization 'bn'\), so in training every batch runs whole"):
+            call(normalized, global_batch_size=21)
+        call(
+            normalized, global_batch_size=21, step_names=("test_step",)
+        )  # evaluate: its statistics are not the batch's
+    with pytest.warns(UserWarning, match="25%"):
+        assert call(compiled_model(), global_batch_size=3).global_batch_size == 3
 
 
 def test_the_batch_size_is_checked_before_the_backend_and_the_backend_before_the_model():

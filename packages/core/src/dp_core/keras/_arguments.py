@@ -2,7 +2,9 @@
 starts (a process, a compile), so a mistake costs no start-up and reads the same everywhere.
 
 The arguments mean what they mean in Keras; ``batch_size`` is the global batch, split over
-the replicas (``global_batch_size`` is the same thing by its keras-dp name).
+the replicas (``global_batch_size`` is the same thing by its keras-dp name). Any global batch
+is taken: one that does not divide over the replicas is padded up to a multiple, the padding
+masked (``dp_core.padded_batch_size``), as a short last batch is.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from typing import Any
 import keras
 import numpy as np
 
-from dp_core._batch import per_replica_batch_size
 from dp_core._checkpoint_format import check_checkpoint_arguments
 from dp_core._data import map_structure
 from dp_core._options import check_epochs, check_integer
@@ -28,6 +29,7 @@ from dp_core.keras._inputs import Inputs, validation_inputs
 from dp_core.keras._limits import leading_batches, limited_epochs, limited_steps
 from dp_core.keras._losses import warn_added_losses_see_padding
 from dp_core.keras._model import require_backend, require_keras_steps, resolve_model
+from dp_core.keras._padding import note_padding
 from dp_core.keras._sources import BatchSource, is_batch_source
 
 DEFAULT_BATCH_SIZE = 32  # as model.fit's, when neither batch_size nor global_batch_size is given
@@ -143,8 +145,8 @@ def checked_model_and_inputs(
 ) -> tuple[keras.Model, Inputs | BatchSource]:
     """The Keras model (a factory called) and the inputs, after every check that needs no
     device: the Keras backend, a compiled model (``compiled=False`` for ``predict``), none of
-    the Keras steps the call runs (``keras_steps``) overridden, a global batch that divides
-    over the replicas (a source's batches are padded instead), inputs that agree on their row count."""
+    the Keras steps the call runs (``keras_steps``) overridden, inputs that agree on their row
+    count; a note when a global batch that does not divide over the replicas wastes much on padding."""
     require_backend(backend, package)
     keras_model = resolve_model(model, compiled=compiled)
     require_keras_steps(keras_model, keras_steps, package)
@@ -152,14 +154,14 @@ def checked_model_and_inputs(
         x,
         y,
         sample_weight,
-        global_batch_size=global_batch_size,
-        num_replicas=num_replicas,
         class_weight=class_weight,
         steps=steps,
         steps_name=steps_name,
     )
     if compiled and isinstance(inputs, Inputs):
         warn_added_losses_see_padding(keras_model, inputs, num_samples=inputs.num_samples, batch_size=global_batch_size)
+    if isinstance(inputs, Inputs):
+        note_padding(keras_model, global_batch_size, num_replicas, training=compiled)
     return keras_model, inputs
 
 
@@ -168,19 +170,16 @@ def checked_inputs(
     y: Any,
     sample_weight: Any,
     *,
-    global_batch_size: int,
-    num_replicas: int,
     class_weight: Mapping[int, float] | None,
     steps: int | None,
     steps_name: str,
 ) -> Inputs | BatchSource:
-    """A batch source, or arrays whose global batch divides over the replicas and that take no
-    ``steps`` (a pass over every sample is the call), but ``fit``'s ``steps_per_epoch``
-    (``FitArguments.steps_per_epoch``)."""
+    """A batch source, or arrays that take no ``steps`` (a pass over every sample is the call), but
+    ``fit``'s ``steps_per_epoch`` (``FitArguments.steps_per_epoch``). Any global batch: one that does
+    not divide over the replicas is padded (``padded_batch_size``)."""
     if is_batch_source(x):
         # its batches need not divide over the replicas: each is padded up to a multiple (``padded_batch_size``)
         return batch_source(x, y, sample_weight, steps=steps, class_weight=class_weight)
-    per_replica_batch_size(global_batch_size, num_replicas)
     inputs = Inputs(x, y, sample_weight, class_weight=class_weight)
     if steps_name == "steps_per_epoch" and steps is not None:
         check_integer("steps_per_epoch", steps, minimum=1)
@@ -258,7 +257,7 @@ def fit_arguments(
     if isinstance(inputs, Inputs):  # checked_call said the step limit
         steps_per_epoch = limited_steps(steps_per_epoch, warn=False)
     inputs, validation = _checked_validation(
-        inputs, validation_data, validation_split, validation_steps, validation_batch_size, num_replicas, executions
+        inputs, validation_data, validation_split, validation_steps, validation_batch_size, executions
     )
     if isinstance(validation, Inputs) and (limit := limited_steps(None)) is not None:
         size = validation_batch_size or global_batch_size  # Keras's validation, cut to its limit's batches
@@ -291,7 +290,6 @@ def _checked_validation(
     validation_split: float,
     validation_steps: int | None,
     validation_batch_size: int | None,
-    num_replicas: int,
     executions: Executions,
 ) -> tuple[Inputs | BatchSource, Inputs | BatchSource | None]:
     """The inputs left to train on and the validation inputs: ``validation_data``, or the last rows
@@ -304,8 +302,8 @@ def _checked_validation(
     elif validation_data is not None:
         validation = validation_inputs(validation_data)
         _check_no_steps(validation_steps, "validation_steps")
-    if validation_batch_size is not None:
-        per_replica_batch_size(check_integer("validation_batch_size", validation_batch_size, minimum=1), num_replicas)
+    if validation_batch_size is not None:  # any size: padded up to a multiple of the replicas, as batch_size
+        check_integer("validation_batch_size", validation_batch_size, minimum=1)
     if validation is None and validation_split:
         if isinstance(inputs, BatchSource):
             raise ValueError(

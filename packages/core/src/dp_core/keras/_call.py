@@ -22,6 +22,7 @@ from dp_core.keras._executions import ONE_STEP, Executions
 from dp_core.keras._inputs import Inputs
 from dp_core.keras._limits import leading_batches, limited_steps
 from dp_core.keras._model import is_factory, overrides, require_backend, require_keras_steps, resolve_model
+from dp_core.keras._padding import note_padding
 from dp_core.keras._sources import BatchSource, is_batch_source
 
 
@@ -105,8 +106,9 @@ def checked_call(
        a Keras step of ``step_names`` runs (with ``loss=`` or without: ``add_loss`` terms, as Keras);
        no Keras distribution set (``require_no_keras_distribution``);
     6. the inputs (``checked_inputs``): a batch source (``steps`` its batches per epoch, each a
-       global batch: its ``global_batch_size`` is returned), or arrays whose global batch divides
-       over the replicas and that take no ``steps`` (named ``steps_name``) but ``steps_per_epoch``;
+       global batch: its ``global_batch_size`` is returned), or arrays that take no ``steps``
+       (named ``steps_name``) but ``steps_per_epoch``, of any global batch (padded up to a
+       multiple of the replicas; ``note_padding`` warns when that wastes much, after step 8);
     7. under that step limit, an evaluation's arrays cut to the batches it reads (``leading_batches``);
     8. for arrays a Keras step runs on, its metrics and batch terms (``CallChecks.check_split_batches``).
 
@@ -132,8 +134,6 @@ def checked_call(
         x,
         y,
         sample_weight,
-        global_batch_size=size,
-        num_replicas=checks.num_replicas,
         class_weight=class_weight,
         steps=executions.rounded(limited) if is_batch_source(x) else steps,  # a source: whole groups, as Keras
         steps_name=steps_name,
@@ -144,6 +144,7 @@ def checked_call(
         inputs = leading_batches(inputs, steps=executions.rounded(limited), global_batch_size=size)
     if keras_step_runs:
         checks.check_split_batches(keras_model, inputs, size)
+    note_padding(keras_model, size, checks.num_replicas, training=keras_step_runs and "train_step" in step_names)
     return CheckedCall(keras_model, inputs, size, executions)
 
 
