@@ -24,7 +24,7 @@ import keras
 import torch
 
 from dp_core import ShardMode
-from dp_core.keras import BatchSource, FitJob, Inputs, Job, internals
+from dp_core.keras import BatchSource, FitJob, Inputs, Job, compile_like, internals
 from torch_dp._data.loaders import LoaderOnReplicas, read_on_replicas
 from torch_dp._data.sources import Readable, SourceOnPrimary
 from torch_dp._loop.trainable import TrainableFlags, set_trainable, trainable_flags
@@ -315,10 +315,14 @@ def _compiled(model: keras.Model, source: ModelSource) -> None:
     """``model`` compiled as the caller's was (as ``load_model`` compiles it from the file)."""
     if source.compile_config is None:
         return
+    # a copy: Keras's deserializing pops from the config (a LossScaleOptimizer's inner_optimizer),
+    # and a model may be compiled from one source more than once
+    config = copy.deepcopy(source.compile_config)
+    if model.dtype_policy.name == "mixed_float16" and not source.loss_scaled:
+        # compile(auto_scale_loss=False), which the compile config does not record: no LossScaleOptimizer
+        config["auto_scale_loss"] = False
     with _policy_of(source), keras.saving.custom_object_scope(source.custom_objects):
-        # a copy: Keras's deserializing pops from the config (a LossScaleOptimizer's inner_optimizer),
-        # and a model may be compiled from one source more than once
-        model.compile_from_config(copy.deepcopy(source.compile_config))
+        compile_like(model, config)
 
 
 @dataclass(frozen=True)
