@@ -8,6 +8,7 @@ import json
 import keras
 import numpy as np
 import pytest
+import test_any_batch_size as any_batch_size
 import test_shard as shard_test
 import torch
 import torch.distributed as dist
@@ -72,6 +73,8 @@ def test_each_of_four_replicas_holds_about_a_quarter_of_each_state(tmp_path):
     with torch_dp.Trainer(num_replicas=4, timeout=120) as trainer:
         for mode in ("gradients", "full"):
             assert_about_one_nth(trainer, tmp_path, 4, mode)
+        trainer.shard = None  # the same replicas, unsharded, take a global batch of 5 (test_any_batch_size.py)
+        any_batch_size.assert_five_on_four_replicas_is_model_fits(trainer)
 
 
 THREE = [  # (mode, optimizer) on three replicas: test_shard.py's model, dense_in's 17 rows and dense_out's 16 split
