@@ -24,7 +24,7 @@ import keras
 import torch
 
 from dp_core import ShardMode
-from dp_core.keras import BatchSource, FitJob, Inputs, Job, compile_like, internals
+from dp_core.keras import BatchSource, FitJob, Inputs, Job, internals
 from torch_dp._data.loaders import LoaderOnReplicas, read_on_replicas
 from torch_dp._data.sources import Readable, SourceOnPrimary
 from torch_dp._loop.trainable import TrainableFlags, set_trainable, trainable_flags
@@ -322,7 +322,7 @@ def _compiled(model: keras.Model, source: ModelSource) -> None:
         # compile(auto_scale_loss=False), which the compile config does not record: no LossScaleOptimizer
         config["auto_scale_loss"] = False
     with _policy_of(source), keras.saving.custom_object_scope(source.custom_objects):
-        compile_like(model, config)
+        model.compile_from_config(config)
 
 
 @dataclass(frozen=True)
