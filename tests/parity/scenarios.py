@@ -168,6 +168,24 @@ def batch_size_is_global(run: Runner) -> Any:
     return outcome(run, history, x, y, batch_size=20)
 
 
+@scenario("fit.batch_size", "evaluate.batch_size", "predict.batch_size", "fit.validation_batch_size")
+def batch_size_not_dividing(run: Runner) -> Any:
+    """`batch_size=25` on 2 replicas: every global batch (25, 25, 25, 24 rows) padded to 26 and masked."""
+    x, y = tabular("batch_size_not_dividing")
+    validation = _validation_rows("batch_size_not_dividing")  # 45 rows in batches of 7: padded to 8
+    model = mlp("batch_size_not_dividing")
+    history = _fit(run, model, x, y, batch_size=25, validation_data=validation, validation_batch_size=7)
+    return outcome(run, history, x, y, batch_size=25)
+
+
+@scenario("fit.batch_size", "feature.batch_normalization")
+def batch_norm_batch_size_not_dividing(run: Runner) -> Any:
+    """`Conv2D` + `BatchNormalization`, `batch_size=25` on 2 replicas: each batch whole on every replica."""
+    x, y = images("batch_norm_batch_size_not_dividing")
+    history = _fit(run, convnet("batch_norm_batch_size_not_dividing"), x, y, batch_size=25)
+    return outcome(run, history, x, y, batch_size=25)
+
+
 @scenario("trainer.global_batch_size")
 def global_batch_size_alias(run: Runner) -> Any:
     """`global_batch_size=32` means `batch_size=32` in `fit`, `evaluate` and `predict`."""
