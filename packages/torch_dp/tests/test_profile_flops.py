@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import torch_dp
-from torch_dp._step.flops import flops_per_step
+from dp_core.keras import Inputs
+from torch_dp._step.flops import flops_per_step, rows_to_count
 from torch_dp._step.profile import compute_dtype
 
 FEATURES, UNITS = 64, 32
@@ -38,6 +39,12 @@ def test_a_dense_layer_counts_its_multiply_adds_forward_and_backward():
     assert flops_per_step(deeper, rows, global_batch_size=64) == expected
     # nothing stays behind: no gradient, the weights untouched
     assert all(weight.value.grad is None for weight in deeper.trainable_weights)
+
+
+def test_the_rows_counted_are_one_replicas_padded_share_of_a_batch_that_does_not_divide():
+    x, y = _data(99)
+    counted = rows_to_count(Inputs(x, y), global_batch_size=33, num_replicas=2)  # padded to 34: 17 each
+    np.testing.assert_array_equal(counted[0], x[:17])
 
 
 def test_float32_is_looked_up_as_tf32_where_torch_lets_matmuls_use_it():

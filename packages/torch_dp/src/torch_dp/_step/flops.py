@@ -22,7 +22,7 @@ import keras
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from dp_core import per_replica_batch_size
+from dp_core import padded_batch_size
 from dp_core.keras import flatten, internals, map_structure
 from torch_dp._data.sources import Readable
 from torch_dp._step.batchnorm import real_rows
@@ -32,7 +32,7 @@ COUNTED = "torch FlopCounterMode: one replica's forward and backward on its rows
 
 def rows_to_count(inputs: Readable, *, global_batch_size: int, num_replicas: int) -> tuple[Any, Any, Any]:
     """One replica's share of the first global batch: ``(x, y, sample_weight)``, as numpy."""
-    return inputs.first_rows(per_replica_batch_size(global_batch_size, num_replicas))
+    return inputs.first_rows(padded_batch_size(global_batch_size, num_replicas) // num_replicas)
 
 
 def flops_per_step(model: keras.Model, rows: tuple[Any, Any, Any], *, global_batch_size: int) -> float | None:
