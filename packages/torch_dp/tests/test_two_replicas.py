@@ -148,6 +148,27 @@ def test_a_models_own_compute_metrics_runs_on_every_replica_as_in_keras(trainer)
     _assert_weights_equal(history.model, reference)
 
 
+def _self_compiling():
+    keras.utils.set_random_seed(4)
+    model = testing.SelfCompiling()  # compiled with Adam and "mse" as it is built
+    model.compile(optimizer=keras.optimizers.AdamW(0.05, weight_decay=0.5), loss="huber")
+    return model
+
+
+def test_a_model_with_a_compile_of_its_own_trains_with_the_callers_compile_on_every_replica(trainer):
+    """keras-hub's tasks compile themselves with their defaults when built and override compile, so
+    Keras's compile_from_config leaves a rebuilt copy with those defaults: the workers trained with
+    Adam and "mse" while the caller's model had AdamW and "huber" (History 0.70 for 0.40, weights 0.19 off)."""
+    x, _ = testing.data()
+    y = np.random.default_rng(1).normal(size=(len(x), 3)).astype("float32")
+    reference = _self_compiling()
+    expected = reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    history = trainer.fit(_self_compiling(), x, y, global_batch_size=32, epochs=2, shuffle=False, verbose=0)
+    for name, values in expected.history.items():
+        np.testing.assert_allclose(history.history[name], values, rtol=1e-5, atol=1e-6, err_msg=name)
+    _assert_weights_equal(history.model, reference, atol=1e-6)
+
+
 def test_a_failing_replica_stops_all_promptly_and_names_its_rank(tmp_path, monkeypatch):
     scratch = tmp_path / "scratch"
     scratch.mkdir()

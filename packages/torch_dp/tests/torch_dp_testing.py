@@ -712,3 +712,27 @@ def inference_noise_model() -> keras.Model:
     )
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     return model
+
+
+@keras.saving.register_keras_serializable(package="torch_dp_testing")
+class SelfCompiling(keras.Model):
+    """Compiles itself with defaults when built and has a ``compile`` of its own, as keras-hub's
+    tasks do (Keras's ``compile_from_config`` then compiles nothing)."""
+
+    def __init__(self, units: int = 3, **kwargs: Any) -> None:
+        inputs = keras.Input((5,))
+        outputs = keras.layers.Dense(units)(keras.layers.Dense(8, activation="relu")(inputs))
+        super().__init__(inputs=inputs, outputs=outputs, **kwargs)
+        self.units = units
+        self.compile()
+
+    def compile(self, optimizer: Any = "auto", loss: Any = "auto", **kwargs: Any) -> None:
+        optimizer = keras.optimizers.Adam(1e-3) if optimizer == "auto" else optimizer
+        super().compile(optimizer=optimizer, loss="mse" if loss == "auto" else loss, **kwargs)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"units": self.units, "name": self.name}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> SelfCompiling:
+        return cls(**config)

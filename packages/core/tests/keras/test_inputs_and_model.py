@@ -10,6 +10,7 @@ from dp_core.keras import (
     Inputs,
     build_model,
     checked_model_and_inputs,
+    compile_like,
     needs_every_batch,
     nonfinite_action,
     python_logs,
@@ -121,6 +122,44 @@ def test_build_model_creates_every_variable_fit_needs():
     predict_only = small_model(compiled=False)
     build_model(predict_only, Inputs(np.zeros((5, 3))), for_predict=True)
     assert predict_only.built
+
+
+class CompilesItself(keras.Sequential):
+    """A compile of its own, with defaults, called when built (as keras-hub's tasks do)."""
+
+    def __init__(self, **kwargs):
+        super().__init__([keras.Input((3,)), keras.layers.Dense(1)], **kwargs)
+        self.compile()
+
+    def compile(self, optimizer="auto", loss="auto", **kwargs):
+        super().compile(
+            optimizer="adam" if optimizer == "auto" else optimizer, loss="mse" if loss == "auto" else loss, **kwargs
+        )
+
+
+class CompilesNarrowly(keras.Sequential):
+    def compile(self, learning_rate):  # another signature than Keras's
+        super().compile(optimizer=keras.optimizers.SGD(learning_rate), loss="mse")
+
+
+def test_compile_like_compiles_a_copy_as_the_callers_even_with_a_compile_of_its_own():
+    caller = CompilesItself()
+    caller.compile(optimizer=keras.optimizers.AdamW(0.01, weight_decay=0.3), loss="huber", metrics=["mae"])
+    copy = CompilesItself()  # Adam and "mse" as built; compile_from_config would leave them (and warn)
+    compile_like(copy, caller.get_compile_config())
+    assert isinstance(copy.optimizer, keras.optimizers.AdamW) and copy.optimizer.weight_decay == 0.3
+    assert copy.loss == "huber" and copy.get_compile_config() == caller.get_compile_config()
+    assert copy.optimizer.built  # built over the weights, as compile_from_config builds it
+    narrow = CompilesNarrowly([keras.Input((3,)), keras.layers.Dense(1)])
+    narrow.compile(0.5)
+    narrow_copy = CompilesNarrowly([keras.Input((3,)), keras.layers.Dense(1)])
+    compile_like(narrow_copy, narrow.get_compile_config())  # Keras's own compile, with what it got
+    assert isinstance(narrow_copy.optimizer, keras.optimizers.SGD)
+    assert float(narrow_copy.optimizer.learning_rate) == pytest.approx(0.5)
+    plain = small_model()
+    plain_copy = small_model(compiled=False)
+    compile_like(plain_copy, plain.get_compile_config())
+    assert plain_copy.get_compile_config() == plain.get_compile_config()
 
 
 def test_resolve_model():

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import keras
 import numpy as np
@@ -23,7 +23,7 @@ from dp_core._options import BatchNormMode, check_batch_norm_mode
 from dp_core.keras import _internals
 from dp_core.keras._arguments import batch_source
 from dp_core.keras._inputs import Inputs
-from dp_core.keras._model import build_model, resolve_model
+from dp_core.keras._model import build_model, compile_like, resolve_model
 from dp_core.keras._sources import is_batch_source
 
 LOW_PRECISION = ("float16", "bfloat16")
@@ -215,10 +215,10 @@ class StartingFrom:
 def _compiled_copy(model: keras.Model) -> keras.Model:
     try:
         copy = keras.models.clone_model(model)
-        copy.compile_from_config(model.get_compile_config())
+        compile_like(copy, cast("dict[str, Any]", model.get_compile_config()))
     except Exception as error:
         raise TypeError(
-            f"Copying model '{model.name}' for the check failed (keras.models.clone_model and compile_from_config): "
+            f"Copying model '{model.name}' for the check failed (keras.models.clone_model and its compile config): "
             f"{type(error).__name__}: {error}. Pass a zero-argument function that builds and compiles the model "
             "instead."
         ) from error

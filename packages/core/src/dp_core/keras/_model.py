@@ -62,6 +62,27 @@ def require_compiled(model: keras.Model) -> None:
     Executions.of(model)  # a positive int
 
 
+def compile_like(model: keras.Model, config: dict[str, Any]) -> None:
+    """``model`` compiled with what another model's ``compile`` got (its ``get_compile_config()``).
+
+    Keras's ``compile_from_config`` compiles nothing for a class with a ``compile`` of its own (it
+    warns): keras-hub's tasks, which compile themselves with their defaults when built, so a copy
+    would train with their optimizer and loss, not the caller's. Their ``compile`` gets the caller's
+    recorded arguments instead (Keras's own ``compile`` where it does not take them)."""
+    if type(model).compile is keras.Model.compile or type(model).compile_from_config is not (
+        keras.Model.compile_from_config
+    ):
+        model.compile_from_config(config)
+        return
+    arguments = keras.saving.deserialize_keras_object(config)
+    try:
+        model.compile(**arguments)
+    except TypeError:  # a compile of another signature: Keras's own, as the caller's called it in the end
+        keras.Model.compile(model, **arguments)
+    if model.built:  # as compile_from_config does
+        model.optimizer.build(model.trainable_variables)
+
+
 def require_keras_steps(model: keras.Model, step_names: tuple[str, ...], package: str) -> None:
     """A clear error before anything starts for a model that overrides the Keras step a call
     would run (``train_step``, ``test_step``, ``predict_step``): the trainers run Keras's own

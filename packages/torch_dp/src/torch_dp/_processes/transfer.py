@@ -13,7 +13,6 @@ import dataclasses
 import io
 import json
 import os
-import sys
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -24,10 +23,11 @@ import keras
 import torch
 
 from dp_core import ShardMode
-from dp_core.keras import BatchSource, FitJob, Inputs, Job, internals
+from dp_core.keras import BatchSource, EvaluateJob, FitJob, Inputs, Job, compile_like, internals
 from torch_dp._data.loaders import LoaderOnReplicas, read_on_replicas
 from torch_dp._data.sources import Readable, SourceOnPrimary
 from torch_dp._loop.trainable import TrainableFlags, set_trainable, trainable_flags
+from torch_dp._processes.custom_objects import custom_objects, python_functions, sendable
 from torch_dp._processes.shared_arrays import open_shared
 from torch_dp._scope.deferred import deferring
 from torch_dp._scope.replicas import VariableJob
@@ -78,6 +78,7 @@ class ModelSource:
     scoped: bool = False
     mode: ShardMode | None = None
     recompile: bool = False  # the worker's model stays (a scoped one holds its parts): compile it again only
+    unsent: str | None = None  # why a compile() function could not travel (a stand-in went): fit and evaluate refused
 
 
 def ship_model(
@@ -99,7 +100,8 @@ def ship_model(
     loss_scaled = isinstance(getattr(model, "optimizer", None), keras.optimizers.LossScaleOptimizer)
     try:
         with _lambdas_by_name(model) as lambdas:
-            custom_objects = {**_custom_objects(model), **_python_functions(model), **lambdas}
+            found = {**custom_objects(model), **python_functions(model), **lambdas}
+            objects, unsent = sendable(model, found, _pickled)  # a compile() function that cannot travel: a stand-in
             if scoped:
                 with open(path, "w") as f:
                     json.dump(keras.saving.serialize_keras_object(model), f)
@@ -107,7 +109,13 @@ def ship_model(
                 model.save(path)
         compile_config = cast("dict[str, Any] | None", model.get_compile_config())
         source = ModelSource(
-            path, custom_objects, compile_config=compile_config, loss_scaled=loss_scaled, scoped=scoped, mode=mode
+            path,
+            objects,
+            compile_config=compile_config,
+            loss_scaled=loss_scaled,
+            scoped=scoped,
+            mode=mode,
+            unsent=unsent,
         )
         with deferring(mode) if scoped else contextlib.nullcontext():  # a scoped model's check makes nothing
             loaded = _loaded(source)
@@ -128,8 +136,10 @@ def ship_model(
 def recompiled(model: keras.Model, mode: ShardMode | None) -> ModelSource:
     """A scoped model compiled again since the workers built it: they compile theirs again, keeping its parts."""
     optimizer = getattr(model, "optimizer", None)
+    objects, unsent = sendable(model, {**custom_objects(model), **python_functions(model)}, _pickled)
     return ModelSource(
-        custom_objects={**_custom_objects(model), **_python_functions(model)},
+        custom_objects=objects,
+        unsent=unsent,
         compile_config=cast("dict[str, Any] | None", model.get_compile_config()),
         loss_scaled=isinstance(optimizer, keras.optimizers.LossScaleOptimizer),
         scoped=True,
@@ -169,66 +179,6 @@ def _check_optimizer_rebuilt(model: keras.Model, loaded: keras.Model) -> None:
         "discriminator is). Pass a zero-argument function that builds, compiles and builds the optimizer as you "
         "do (trainer.fit(make_model, ...)); it may be defined anywhere, a notebook cell included."
     )
-
-
-def _custom_objects(model: keras.Model) -> dict[str, Any]:
-    """The classes and functions outside Keras that ``model``'s config (compile config included)
-    names, by the names Keras looks them up by when loading: the layers' own classes, and what
-    the config names by module (no module, as Keras writes for ``__main__``, means ``__main__``)."""
-    found: dict[str, Any] = {}
-
-    def add(obj: Any, *names: Any) -> None:
-        for name in {str(name) for name in names if name}:
-            found[name] = obj
-
-    for layer in internals.flatten_layers(model, include_self=True):
-        kind = type(layer)
-        if not kind.__module__.startswith("keras"):
-            add(kind, kind.__name__, keras.saving.get_registered_name(kind))
-
-    def visit(node: Any) -> None:
-        if isinstance(node, dict):
-            module = node.get("module") or "__main__"
-            if isinstance(module, str) and not module.startswith("keras") and "class_name" in node:
-                name = node["config"] if node["class_name"] == "function" else node["class_name"]
-                obj = getattr(sys.modules.get(module), str(name), None)
-                if obj is not None:
-                    add(obj, name, node.get("registered_name"))
-            for value in node.values():
-                visit(value)
-        elif isinstance(node, list | tuple):
-            for value in node:
-                visit(value)
-
-    visit(keras.saving.serialize_keras_object(model))
-    return found
-
-
-def _python_functions(model: keras.Model) -> dict[str, Any]:
-    """The plain Python functions passed to ``compile`` (a loss, a metric, one a metric wraps),
-    by the name Keras saves them under: a function of ``__main__`` or a notebook is saved by its
-    name alone, which a worker could not look up, so it travels by value with the file."""
-    found: dict[str, Any] = {}
-
-    def visit(node: Any, depth: int = 0) -> None:
-        if isinstance(node, types.FunctionType):
-            if not node.__module__.startswith("keras") and node.__name__ != "<lambda>":
-                found[node.__name__] = node
-        elif isinstance(node, dict):
-            for value in node.values():
-                visit(value, depth)
-        elif isinstance(node, list | tuple):
-            for value in node:
-                visit(value, depth)
-        elif depth == 0 and hasattr(node, "__dict__"):  # a wrapper's function: MeanMetricWrapper(fn=...)
-            for value in vars(node).values():
-                visit(value, depth + 1)
-
-    visit(internals.compile_arguments(model))
-    for layer in internals.flatten_layers(model, include_self=True):
-        if isinstance(layer, keras.layers.Lambda):
-            visit(layer.function, 1)
-    return found
 
 
 @contextlib.contextmanager
@@ -322,7 +272,7 @@ def _compiled(model: keras.Model, source: ModelSource) -> None:
         # compile(auto_scale_loss=False), which the compile config does not record: no LossScaleOptimizer
         config["auto_scale_loss"] = False
     with _policy_of(source), keras.saving.custom_object_scope(source.custom_objects):
-        model.compile_from_config(config)
+        compile_like(model, config)
 
 
 @dataclass(frozen=True)
@@ -352,11 +302,19 @@ class _Pickler(cloudpickle.Pickler):
         return super().reducer_override(obj)
 
 
+def _pickled(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    _Pickler(buffer).dump(obj)
+    return buffer.getvalue()
+
+
 def shippable(request: Request) -> bytes:
+    """``request`` pickled for the workers; refused, saying why, where they could not run it."""
+    unsent = request.model.unsent if request.model is not None else None
+    if unsent is not None and isinstance(request.job, FitJob | EvaluateJob):
+        raise TypeError(unsent)
     try:
-        buffer = io.BytesIO()
-        _Pickler(buffer).dump(request)
-        return buffer.getvalue()
+        return _pickled(request)
     except Exception as error:
         raise TypeError(
             f"torch_dp sends the call's inputs and the model factory to its worker processes by value (cloudpickle), "
