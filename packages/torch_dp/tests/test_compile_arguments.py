@@ -1,5 +1,7 @@
 """What ``compile()`` was given reaches the worker replicas as given (issue 43, items 7 and 13)."""
 
+import threading
+
 import keras
 import numpy as np
 import pytest
@@ -39,3 +41,36 @@ def test_auto_scale_loss_false_under_mixed_float16_trains_as_model_fit(two_repli
     np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-3, atol=1e-3)
     for variable, wanted, trained in zip(expected.weights, expected.get_weights(), model.get_weights(), strict=True):
         np.testing.assert_allclose(trained, wanted, rtol=1e-2, atol=1e-3, err_msg=variable.path)
+
+
+def locked_loss_model() -> keras.Model:
+    """Compiled with a loss closing over a lock, which cannot be pickled."""
+    lock = threading.Lock()
+
+    def locked_squared_error(y_true, y_pred):
+        with lock:
+            return keras.ops.mean(keras.ops.square(y_true - y_pred), axis=-1)
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(2)])
+    model.compile(keras.optimizers.SGD(0.1), loss=locked_squared_error)
+    return model
+
+
+def test_a_loss_that_cannot_travel_is_named_and_predict_does_without_it(two_replicas):
+    """A loss closing over a lock: fit and evaluate say it is compile()'s loss that cannot reach the workers,
+    before any step; predict, which needs no loss, works and equals model.predict."""
+    x, _ = testing.data()
+    y = x[:, :2].copy()
+    model = locked_loss_model()
+    for call in (
+        lambda: two_replicas.fit(model, x, y, batch_size=32, verbose=0),
+        lambda: two_replicas.evaluate(model, x, y, verbose=0),
+    ):
+        with pytest.raises(TypeError) as raised:
+            call()
+        message = str(raised.value)
+        assert "the loss 'locked_squared_error' (compile(loss=...))" in message
+        assert "cannot pickle '_thread.lock' object" in message and "dataset" not in message
+    predicted = two_replicas.predict(model, x, batch_size=32, verbose=0)
+    np.testing.assert_allclose(predicted, model.predict(x, batch_size=32, verbose=0), rtol=1e-6, atol=1e-6)
