@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Concatenate, NamedTuple, ParamSpec, Protocol, TypeVar, final
 
+from dp_core._preemption import Preempted, interrupted
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -119,7 +121,14 @@ def one_call_at_a_time(method: Callable[Concatenate[S, P], R]) -> Callable[Conca
 
     @functools.wraps(method)
     def guarded(self: S, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        with self._one_call.call(method.__name__):
-            return method(self, *args, **kwargs)
+        try:
+            with self._one_call.call(method.__name__):
+                return method(self, *args, **kwargs)
+        except KeyboardInterrupt as interrupt:  # Ctrl-C said in a paragraph, not the replicas' tracebacks
+            raise interrupted(interrupt, method.__name__) from None
+        except Preempted as error:
+            if error.signal_name != "SIGINT":
+                raise
+            raise interrupted(error, method.__name__) from None
 
     return guarded

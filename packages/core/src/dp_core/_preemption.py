@@ -6,19 +6,28 @@ replica stops at the same step boundary, rank 0 writes a checkpoint when ``check
 set, and ``fit`` raises ``Preempted``, so a script exits non-zero and a rerun resumes exactly.
 A second notice while stopping is not caught again: the signal's previous handling applies.
 A notice that came when no step was left (``fit`` ended anyway) is not swallowed: it is sent
-again, to the previous handling, when ``fit`` returns. When another error overtook it, the notice
+again, to the previous handling, when ``fit`` returns.
+
+Ctrl-C (SIGINT, where Python's own handler would raise ``KeyboardInterrupt``) is a notice too: the
+first stops every replica at the next step boundary with a checkpoint, and the Trainer's call raises
+``KeyboardInterrupt`` saying where that checkpoint is and how to resume (``interrupted``); a second
+Ctrl-C meets Python's handler again and stops at once. When another error overtook it, the notice
 is sent again only to a handler of the program's own; a default handling would end the process
 before that error is printed, so the error carries a note of the notice instead.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
 import warnings
 from types import FrameType, TracebackType
 from typing import Any
+
+from dp_core._checkpoint_format import CHECKPOINT_NAME
+from dp_core._checkpoint_read import list_checkpoints
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -63,7 +72,9 @@ class PreemptionWatch:
 
     def __enter__(self) -> PreemptionWatch:
         if threading.current_thread() is threading.main_thread():
-            self._previous = {number: signal.signal(number, self._notice) for number in self.signals}
+            # Ctrl-C too, unless the program handles it its own way (a worker ignoring it, a handler of its own)
+            interrupt = (signal.SIGINT,) if signal.getsignal(signal.SIGINT) is signal.default_int_handler else ()
+            self._previous = {number: signal.signal(number, self._notice) for number in (*self.signals, *interrupt)}
             self.watching = True
         return self
 
@@ -87,3 +98,43 @@ class PreemptionWatch:
                 warnings.warn(note, RuntimeWarning, stacklevel=2)
             return
         signal.raise_signal(notice)
+
+
+def interrupted(error: BaseException, call: str) -> KeyboardInterrupt:
+    """What a Trainer's ``call`` raises for Ctrl-C, in one short paragraph and without the replicas'
+    tracebacks: ``error`` is the fit's ``Preempted`` by SIGINT (every replica stopped at a step
+    boundary) or a ``KeyboardInterrupt`` (a second Ctrl-C, or one outside a fit's steps: at once).
+
+    >>> stopped = Preempted(signal_name="SIGINT", epoch=2, step=5, checkpoint="ckpt/step-000002-000000005")
+    >>> message = str(interrupted(stopped, "fit"))
+    >>> message.startswith("Ctrl-C: training stopped at epoch 2, step 5"), "checkpoint_dir='ckpt'" in message
+    (True, True)
+    """
+    if not isinstance(error, Preempted):
+        if call != "fit":
+            return KeyboardInterrupt(f"Ctrl-C: {call} stopped at once.")
+        return KeyboardInterrupt(
+            "Ctrl-C again: training stopped at once, mid-step, with no checkpoint of where it stopped. The last "
+            "checkpoint in checkpoint_dir, if one was given, still resumes: run the same fit again."
+        )
+    where = f"Ctrl-C: training stopped at epoch {error.epoch}, step {error.step} (both counted from 0) on every replica"
+    if error.checkpoint is None:
+        then = "Nothing was saved: pass checkpoint_dir=... to fit to resume after a Ctrl-C."
+    else:
+        directory, path = _checkpoint_written(error.checkpoint)
+        then = (
+            f"A checkpoint of it is at {path}: run the same fit again with checkpoint_dir={directory!r} "
+            f"to resume from it (trainer.fit(model, ..., checkpoint_dir={directory!r}))."
+        )
+    return KeyboardInterrupt(f"{where}; the model holds the weights of that step. {then}")
+
+
+def _checkpoint_written(checkpoint: str) -> tuple[str, str]:
+    """The checkpoint directory and the stop's checkpoint in it. ``Preempted`` names the newest listed when
+    the stop was taken, which a write in the background may not have reached: the call has waited for
+    it since, so the newest now is the stop's."""
+    directory = (
+        checkpoint if CHECKPOINT_NAME.match(os.path.basename(checkpoint)) is None else os.path.dirname(checkpoint)
+    )
+    written = list_checkpoints(directory)
+    return directory, str(written[-1]) if written else checkpoint
