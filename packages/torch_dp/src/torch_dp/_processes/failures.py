@@ -57,7 +57,8 @@ def report_failure(
         exception = None
     with contextlib.suppress(OSError, ValueError):
         connection.send(("failed", rank, text, exception, what_failed(error)))
-    print(f"torch_dp replica {rank} failed:\n{text}", file=sys.stderr, flush=True)
+    if not isinstance(error, Preempted):  # every replica stopped at one step: the caller says where, once
+        print(f"torch_dp replica {rank} failed:\n{text}", file=sys.stderr, flush=True)
     deadline = time.monotonic() + 1.0
     while time.monotonic() < deadline:
         if os.getppid() != parent:

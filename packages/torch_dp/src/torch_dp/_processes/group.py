@@ -18,6 +18,7 @@ import json
 import math
 import os
 import socket
+import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -134,6 +135,9 @@ def serve_group(rendezvous: Rendezvous, replica: Replica, *, on_cpu: bool) -> Re
     """The caller joins its pool's group as rank 0, through the pool's rendezvous file: ``replica``
     with the group. One host: every replica's sockets stay on loopback (gloo's, and NCCL's bootstrap)."""
     loopback = {"GLOO_SOCKET_IFNAME": "lo"} if on_cpu else {"NCCL_SOCKET_IFNAME": "lo"}
+    # torch's init_process_group prefixes every later uncaught traceback of this process with "[rank0]: ";
+    # this is the user's own process, whose errors (a Ctrl-C too) are theirs to read plainly
+    excepthook = sys.excepthook
     with environment_variables(loopback):
         dist.init_process_group(
             backend_for(replica.device),
@@ -142,6 +146,7 @@ def serve_group(rendezvous: Rendezvous, replica: Replica, *, on_cpu: bool) -> Re
             world_size=replica.num_replicas,
             timeout=timedelta(seconds=rendezvous.timeouts.rendezvous),
         )
+    sys.excepthook = excepthook
     return replace(replica, group=formed_group(rendezvous.timeouts.collective))
 
 

@@ -150,6 +150,11 @@ class ReplicaPool:
         except BaseException as error:
             if self._abandoned:  # the interpreter is ending under this call (a daemon thread's): quietly
                 raise SystemExit from None
+            if isinstance(error, KeyboardInterrupt):  # Ctrl-C again: now (a worker in a fit takes SIGTERM as a notice)
+                for worker in self._workers:
+                    worker.process.kill()
+                self.close(graceful=False)
+                raise
             failure = blame(error, self._workers, self._entered, self.num_replicas, self.timeouts.collective)
             self.close(graceful=False)
             to_raise = raised(error, failure, self.num_replicas, self.timeouts.collective)
