@@ -1,5 +1,6 @@
 """The scaling report's pure logic: the bound, the speedup, the one line, the JSON, the folder."""
 
+import dataclasses
 import json
 import sys
 
@@ -73,6 +74,12 @@ def test_a_sharded_fit_names_its_mode_and_the_weights_gather_and_keeps_them_in_t
     written, _ = dp_core.write_scaling_report(report, tmp_path)
     read = dp_core.read_scaling_reports(tmp_path)[2]
     assert (read.shard, read.weights_gather_seconds) == ("optimizer", 0.009) == (written.shard, 0.009)
+    # "full": its layers' gathers 9 ms waited for, 27 ms in flight before their layer needed them
+    ahead = _report(speedup=1.5, speedup_how="measured", shard="full", weights_gather_seconds=0.009)
+    ahead = dataclasses.replace(ahead, weights_ahead_seconds=0.027)
+    assert dp_core.scaling_summary(ahead).endswith(
+        "shard='full' (weights all-gather 9% of a step, 75% of it ahead of its layer)"
+    )
 
 
 def test_batchnorm_layers_add_their_share_to_the_line_and_survive_the_json(tmp_path):

@@ -309,6 +309,22 @@ def test_the_scaling_report_names_the_mode_and_times_the_weights_gather(trainer,
     assert "shard='optimizer' (weights all-gather " in capsys.readouterr().out
 
 
+def test_full_starts_each_layers_gather_ahead_and_the_report_says_how_much_of_it_was_ahead(trainer, tmp_path, capsys):
+    """Prefetch: each layer's weights are broadcast while the layer before it computes (the one after,
+    in backward); the report counts the time those broadcasts were in flight before their layer waited."""
+    trainer.shard = "full"
+    trainer.profile = tmp_path
+    try:
+        x, y = data()
+        trainer.fit(model("adam"), x, y, global_batch_size=GLOBAL_BATCH_SIZE, epochs=1, shuffle=False, verbose=0)
+    finally:
+        trainer.profile = None
+    report = trainer.scaling_report
+    assert report is not None and report.shard == "full"
+    assert report.weights_ahead_seconds is not None and report.weights_ahead_seconds > 0
+    assert "% of it ahead of its layer)" in capsys.readouterr().out
+
+
 class _OwnStep(keras.Model):
     def train_step(self, data):
         return super().train_step(data)

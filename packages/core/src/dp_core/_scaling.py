@@ -166,6 +166,7 @@ class FitMeasurements:
     batch_norm_note: str = ""
     threads_per_replica: int | None = None
     weights_gather_seconds: float | None = None
+    weights_ahead_seconds: float | None = None
     devices: int | None = None  # where not one per replica
 
 
@@ -211,6 +212,7 @@ class ScalingReport:
     architecture: str = ""  # ``architecture_of`` the model: what makes two reports the same model
     shard: str | None = None  # ``shard=``'s mode (None: the state replicated)
     weights_gather_seconds: float | None = None  # per step, a sharded optimizer's all-gather of the new weights
+    weights_ahead_seconds: float | None = None  # per step, "full"'s gathers in flight before their layer needed them
     flops_per_step: float | None = None
     flops_how: str = ""
     peak_flops_per_second: float | None = None  # one device's
@@ -245,6 +247,7 @@ class ScalingReport:
             architecture=cls.architecture_of(type(model).__name__, [tuple(w.shape) for w in model.weights]),
             shard=measured.shard,
             weights_gather_seconds=measured.weights_gather_seconds,
+            weights_ahead_seconds=measured.weights_ahead_seconds,
             flops_per_step=measured.flops_per_step,
             flops_how=measured.flops_how if measured.flops_per_step is not None else "",
             peak_flops_per_second=measured.peak.flops_per_second,
@@ -384,5 +387,7 @@ def scaling_summary(report: ScalingReport) -> str:
         line += f", BatchNorm statistics {synced:.0%} ({layers} layer{'s' if layers != 1 else ''})"
     line += f", shard={report.shard!r}" if report.shard is not None else ""
     if (gathered := report.weights_gather_seconds) is not None and report.step_seconds > 0:
-        line += f" (weights all-gather {gathered / report.step_seconds:.0%} of a step)"
+        ahead = report.weights_ahead_seconds  # like the all-reduce's: in flight ahead of the wait, of the two
+        hidden = f", {ahead / (ahead + gathered):.0%} of it ahead of its layer" if ahead else ""
+        line += f" (weights all-gather {gathered / report.step_seconds:.0%} of a step{hidden})"
     return line + (f"; SUSPECT: {report.speedup_suspect}" if report.speedup_suspect else "")

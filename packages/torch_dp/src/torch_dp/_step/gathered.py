@@ -12,6 +12,14 @@ runs the layer's backward, and each weight is freed once its gradient is accumul
 to its owner, ``_step.buckets``). Every replica runs the same layers in the same order, and a
 layer's state (gathered or not) moves alike on all, so their broadcasts match.
 
+Prefetch (FSDP2's): as a layer's forward begins, the next layer's gather (the next in the model's layer
+order) is started, and as its backward begins, the previous one's, each an asynchronous broadcast that
+goes on while the layer computes; the layer that needs it waits for it then. So a replica holds at most one
+layer's weights beyond the one computing. A guess that misses (a layer called out of that order, or
+twice) costs nothing but the held weights until the layer is called or the step ends; every replica
+guesses alike, so the broadcasts still match. ``TORCH_DP_PREFETCH=0`` turns it off (to measure it:
+benchmarks/sharding_memory_torch.py).
+
 A weight is freed by swapping its tensor's data for an empty one, as a freed optimizer slot is
 (``_step.owners``); Keras keeps the shape apart. Not sharded: a variable with a regularizer (Keras
 reads it after the forward pass, for the loss), kept whole on every replica and shared after each
@@ -24,9 +32,10 @@ original tensor.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, final
+from typing import Any, NamedTuple, final
 
 import keras
 import torch
@@ -36,6 +45,16 @@ from dp_core.keras import internals
 from torch_dp._comm.collectives import _entering
 from torch_dp._comm.replica import Replica
 from torch_dp._step.owners import Held, Piece, dtype_of, held_numel, pieces_of_flat, release
+
+PREFETCH = os.environ.get("TORCH_DP_PREFETCH", "1") != "0"
+
+
+class _Gathering(NamedTuple):
+    """One layer's gather under way: its broadcasts, and what puts the weights in place once they are done."""
+
+    works: list[Any]
+    finish: Callable[[], None]
+    started: float  # when its broadcasts were started
 
 
 def shardable(variable: keras.Variable) -> bool:
@@ -65,11 +84,15 @@ class JustInTime:
             if own:
                 self._layers.append((layer, own))
         self.sharded = [v for v in variables if id(v) in claimed]
+        self._index = {id(layer): i for i, (layer, _) in enumerate(self._layers)}
+        self._pending: dict[int, _Gathering] = {}  # layer id -> its gather started ahead (prefetch)
+        self.prefetch = PREFETCH
         self._gathered: dict[int, set[int]] = {}  # layer id -> its weights still waiting for a gradient
         self._rows: dict[int, torch.Tensor] = {}  # a split variable's own rows while it is gathered whole
         self._undo: list[Callable[[], None]] = []
         self.paused = False  # rank 0 holds every weight (a callback runs on it alone): no gathers
         self.seconds = 0.0  # spent gathering since the last ``take_seconds`` (the scaling report's)
+        self.ahead = 0.0  # the gathers' time in flight before their layer needed them, since then
 
     def install(self) -> None:
         """Each layer's ``call`` shadowed; each weight freed once its gradient is accumulated."""
@@ -90,14 +113,22 @@ class JustInTime:
         self._gathered = {}
 
     def free_all(self) -> None:
-        """Every other replica's weights freed (after a step, where some got no gradient)."""
+        """Every other replica's weights freed (after a step, where some got no gradient), and the gathers
+        started ahead for layers that were not called waited for and dropped."""
+        for gathering in self._pending.values():
+            for work in gathering.works:
+                work.wait()
+        self._pending = {}
         for variable in self.sharded:
             self._release(variable)
         self._gathered = {}
 
-    def take_seconds(self) -> float:
-        seconds, self.seconds = self.seconds, 0.0
-        return seconds
+    def take_seconds(self) -> tuple[float, float]:
+        """The seconds spent waiting for gathers, and those their broadcasts were in flight before their
+        layer needed them, since the last call."""
+        taken = (self.seconds, self.ahead)
+        self.seconds = self.ahead = 0.0
+        return taken
 
     def owned(self, owner: int) -> list[Held]:
         """What ``owner`` holds of the sharded weights: its whole variables and its rows of the split ones."""
@@ -108,6 +139,7 @@ class JustInTime:
             if self.paused or id(layer) in self._gathered:  # called again inside its own call, or in backward
                 return keras_call(*args, **kwargs)
             self._gather(layer, own)
+            self._prefetch(layer, 1)
             try:
                 outputs = keras_call(*args, **kwargs)
             finally:
@@ -125,6 +157,7 @@ class JustInTime:
             if id(layer) not in self._gathered:
                 self._gather(layer, own)
                 self._gathered[id(layer)] = {id(v) for v in own if internals.stored_value(v).requires_grad}
+                self._prefetch(layer, -1)
 
         return hook
 
@@ -141,35 +174,64 @@ class JustInTime:
 
         return hook
 
+    def _prefetch(self, layer: keras.layers.Layer, step: int) -> None:
+        """The gather of the layer ``step`` away from ``layer`` in the model's order started (forward: 1,
+        backward: -1), unless it holds its weights or is on its way."""
+        index = self._index[id(layer)] + step
+        if not self.prefetch or not 0 <= index < len(self._layers):
+            return
+        following, own = self._layers[index]
+        if id(following) not in self._gathered and id(following) not in self._pending:
+            self._pending[id(following)] = self._start(own)
+
     def _gather(self, layer: keras.layers.Layer, own: list[keras.Variable]) -> None:
-        """The layer's weights broadcast from their owners (one broadcast per owner and dtype), a split
-        one's rows from each replica into its whole."""
+        """The layer's weights in place: its gather started ahead, or started now, waited for."""
         started = time.perf_counter()
+        gathering = self._pending.pop(id(layer), None)
+        if gathering is not None:
+            self.ahead += started - gathering.started
+        else:
+            gathering = self._start(own)
+        for work in gathering.works:
+            work.wait()
+        gathering.finish()
+        self._gathered[id(layer)] = set()
+        self.seconds += time.perf_counter() - started
+
+    def _start(self, own: list[keras.Variable]) -> _Gathering:
+        """The layer's weights broadcast from their owners (one broadcast per owner and dtype, in flight
+        when this returns), a split one's rows from each replica into its whole."""
         groups: dict[tuple[int, torch.dtype], list[Held]] = {}
         wholes: dict[int, torch.Tensor] = {}
         for variable in own:
             for piece in self._pieces[id(variable)]:
                 groups.setdefault((piece.owner, dtype_of(variable)), []).append(Held(variable, piece.rows))
             if len(self._pieces[id(variable)]) > 1:
-                rows = self._rows[id(variable)] = internals.stored_value(variable).data
+                rows = internals.stored_value(variable).data
                 wholes[id(variable)] = torch.empty(tuple(variable.shape), dtype=rows.dtype, device=self.device)
+        flats, works, started = [], [], time.perf_counter()
         for (owner, dtype), group in groups.items():
             if owner == self.rank:
                 flat = torch.cat([internals.stored_value(h.variable).detach().reshape(-1) for h in group])
             else:
                 flat = torch.empty(sum(held_numel(h) for h in group), dtype=dtype, device=self.device)
             _entering()
-            dist.broadcast(flat, src=owner, group=self.group)
-            for held, piece in zip(group, pieces_of_flat(group, flat), strict=True):
-                if held.rows is not None:
-                    wholes[id(held.variable)][held.rows[0] : held.rows[1]] = piece
-                elif owner != self.rank:
-                    internals.stored_value(held.variable).data = piece
-        for variable in own:
-            if id(variable) in wholes:
-                internals.stored_value(variable).data = wholes[id(variable)]
-        self._gathered[id(layer)] = set()
-        self.seconds += time.perf_counter() - started
+            works.append(dist.broadcast(flat, src=owner, group=self.group, async_op=True))
+            flats.append((owner, group, flat))
+
+        def finish() -> None:
+            for owner, group, flat in flats:
+                for held, piece in zip(group, pieces_of_flat(group, flat), strict=True):
+                    if held.rows is not None:
+                        wholes[id(held.variable)][held.rows[0] : held.rows[1]] = piece
+                    elif owner != self.rank:
+                        internals.stored_value(held.variable).data = piece
+            for variable in own:
+                if id(variable) in wholes:
+                    self._rows[id(variable)] = internals.stored_value(variable).data
+                    internals.stored_value(variable).data = wholes[id(variable)]
+
+        return _Gathering(works, finish, started)
 
     def _free(self, layer: keras.layers.Layer, own: list[keras.Variable]) -> None:
         for variable in own:

@@ -43,6 +43,7 @@ PROBE_BYTES = 4 * 2**20  # the timed all-reduce: large enough to be bandwidth-bo
 PROBE_ROUNDS = 5
 OVERLAPPED = "all_reduce_overlapped"  # noted by ``train_step``: seconds of a bucketed all-reduce during backward
 WEIGHTS_GATHER = "weights_all_gather"  # noted by a sharded state's update (``_step.shards``): its weights' all-gather
+WEIGHTS_AHEAD = "weights_gathered_ahead"  # and under "full", the layers' gathers in flight before they were needed
 
 
 BATCH_NORM = "batch_norm/"  # noted per step: "batch_norm/<layer>/forward" and ".../backward"
@@ -211,6 +212,7 @@ def finish_report(
         batch_norm_sync=_batch_norm_sync(timer),
         threads_per_replica=torch.get_num_threads(),  # this replica's; a pool gives each the same
         weights_gather_seconds=_noted(timer, WEIGHTS_GATHER) if shard is not None else None,
+        weights_ahead_seconds=_noted(timer, WEIGHTS_AHEAD) if shard == "full" else None,
     )
     here = int(os.environ.get("LOCAL_WORLD_SIZE", replica.num_replicas))  # this host's replicas (torchrun sets it)
     return publish_scaling_report(

@@ -60,7 +60,7 @@ from torch_dp._step.moves import (
 )
 from torch_dp._step.owners import Held, Piece, dtype_of, numel, pieces_of, slots_of
 from torch_dp._step.parts import Part, narrowed, splittable
-from torch_dp._step.profile import WEIGHTS_GATHER
+from torch_dp._step.profile import WEIGHTS_AHEAD, WEIGHTS_GATHER
 
 
 class TrainingState(Protocol):
@@ -234,8 +234,9 @@ class Sharded:
         with torch.no_grad():
             started = time.perf_counter()
             share_updated(self.whole_by_owner, self.replica)
-            gathered = self.weights.take_seconds() if self.weights is not None else 0.0  # for each layer
+            gathered, ahead = self.weights.take_seconds() if self.weights is not None else (0.0, 0.0)  # by layer
             timer.note(WEIGHTS_GATHER, time.perf_counter() - started + gathered)
+            timer.note(WEIGHTS_AHEAD, ahead)
 
     def sharded_variables(self) -> list[keras.Variable]:
         return list({id(h.variable): h.variable for holdings in self.by_owner for h in holdings}.values())
