@@ -30,6 +30,7 @@ from dp_core.keras import (
     FitArguments,
     FitJob,
     Inputs,
+    MemoryEstimate,
     PredictJob,
     build_model,
     check_batch_norm_mode,
@@ -46,7 +47,7 @@ from torch_dp._loop.checkpoints import require_checkpointable
 from torch_dp._loop.hooks import refuse_batch_hooks
 from torch_dp._loop.loader_draws import build_drawing, fit_loader
 from torch_dp._processes.cluster import is_primary_process
-from torch_dp._processes.group import Timeouts
+from torch_dp._processes.group import Timeouts, estimate_on_this_host
 from torch_dp._processes.launchers import ClusterProcess, Launcher, choose_launcher
 from torch_dp._scope.deferred import deferring_if_scoped
 from torch_dp._scope.held import trainer_scope
@@ -334,6 +335,11 @@ class Trainer:
             keras_model,
             model,
         )
+
+    def estimate(self, model: Any, x: Any = None, y: Any = None, *, global_batch_size: int) -> MemoryEstimate:
+        """One replica's memory to train ``model`` under every ``shard=`` mode, next to its device's, before
+        training (``print`` it for a table); built here as ``fit`` builds it, starting no replica."""
+        return estimate_on_this_host(model, x, y, global_batch_size, self.num_replicas, self.shard)
 
     def _fit_job(
         self,

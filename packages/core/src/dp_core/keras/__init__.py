@@ -21,6 +21,8 @@ The contract, what a backend calls on the way from the user's call to its step:
 - the epoch: ``callback_list``, ``needs_every_batch``, ``python_logs``; ``Throughput`` (a callback for users:
   samples/s and step time in an epoch's logs); ``Executions`` (Keras's
   ``steps_per_execution``: which steps the batch hooks surround; ``concatenated`` a group's predictions);
+- the memory before training: ``estimate_memory`` (``MemoryEstimate``, ``ShardEstimate``: a replica's
+  bytes under each ``shard=`` mode, what ``Trainer.estimate`` returns);
 - the learning rate: ``plan_learning_rate``, ``learning_rate_policy_installed``
   (``LearningRatePolicy``);
 - checkpoints: ``CheckpointWriter`` (``checkpoints_finished``: its last write waited for),
@@ -67,6 +69,9 @@ from dp_core.keras._checkpoints import checkpoints_finished as checkpoints_finis
 from dp_core.keras._checkpoints import print_resume as print_resume
 from dp_core.keras._checkpoints import start_of as start_of
 from dp_core.keras._distribution import mark_as_trainers as mark_as_trainers
+from dp_core.keras._estimate import MemoryEstimate as MemoryEstimate
+from dp_core.keras._estimate import ShardEstimate as ShardEstimate
+from dp_core.keras._estimate import estimate_memory as estimate_memory
 from dp_core.keras._executions import ONE_STEP as ONE_STEP
 from dp_core.keras._executions import Executions as Executions
 from dp_core.keras._executions import concatenated as concatenated
@@ -147,9 +152,11 @@ __all__ = [
     "Job",
     "KerasSchedule",
     "LearningRatePolicy",
+    "MemoryEstimate",
     "OwnStepsCheck",
     "PredictJob",
     "ReplicaRows",
+    "ShardEstimate",
     "SourceStandIn",
     "StagedParts",
     "Start",
@@ -171,6 +178,7 @@ __all__ = [
     "checkpoints_finished",
     "compare_replica_counts",
     "concatenated",
+    "estimate_memory",
     "fit_arguments",
     "flatten",
     "global_batch_draws",
