@@ -24,12 +24,14 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed import FileStore, PrefixStore, TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
+from dp_core import ShardMode
+from dp_core.keras import MemoryEstimate, estimate_memory, resolve_model
 from torch_dp._comm.replica import Replica
 from torch_dp._internals import destroy_hidden_group, hide_default_group, set_collective_timeout
 from torch_dp._processes.cluster import (
@@ -92,6 +94,20 @@ def device_for(local_rank: int) -> str:
         torch.cuda.set_device(index)
         return f"cuda:{index}"
     return "cpu"
+
+
+def estimate_on_this_host(
+    model: Any, x: Any, y: Any, global_batch_size: int, num_replicas: int, shard: ShardMode | None
+) -> MemoryEstimate:
+    """``Trainer.estimate``: ``dp_core.keras.estimate_memory`` next to the memory of the device a replica
+    trains on here: a GPU's (the first: alike on one host), or on a CPU the host's over its replicas."""
+    device, memory = (
+        ("cuda:0", torch.cuda.get_device_properties(0).total_memory) if torch.cuda.is_available() else ("cpu", None)
+    )
+    return estimate_memory(
+        resolve_model(model), x, y, global_batch_size=global_batch_size, num_replicas=num_replicas, shard=shard,
+        device=device, device_memory=memory,
+    )  # fmt: skip
 
 
 def backend_for(device: str) -> str:
