@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import os
 import time
 from collections.abc import Iterator
 
@@ -142,3 +143,15 @@ def test_csv_logger_writes_model_fit_s_rows_once(data, trainer, tmp_path):
     for got, want in zip(mine, expected, strict=True):
         np.testing.assert_allclose(list(got.values()), list(want.values()), rtol=1e-5, atol=1e-6)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["keras.csv", "mine.csv"]
+
+
+def test_estimate_counts_a_replica_s_memory_before_anything_is_placed(data):
+    """Before training: counted per replica (16 of 32 rows) under the trainer's shard mode, next to the
+    host's memory over the 2 replicas (CPU devices have none of their own)."""
+    x, y, _, _ = data
+    estimate = jax_dp.Trainer(num_replicas=2, shard="full").estimate(_regressor(), x, y, global_batch_size=32)
+    assert (estimate.device, estimate.per_replica_batch_size, estimate.shard) == ("cpu:0", 16, "full")
+    assert estimate.device_memory == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    mine = estimate.for_shard("full")  # Dense(5 -> 16) 96 and Dense(16 -> 1) 17 float32 weights; SGD: a step counter
+    assert (mine.weights, mine.gradients, mine.gathered) == (113 * 2, 113 * 2, 2 * 96 * 4)
+    assert mine.activations == 16 * (5 + 16 + 1) * 4 and estimate.fits

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import multiprocessing
+import os
 import time
 from collections.abc import Iterator
 
@@ -134,3 +136,18 @@ def test_csv_logger_writes_model_fit_s_rows_once(two_replicas, tmp_path):
     for got, want in zip(mine, expected, strict=True):
         np.testing.assert_allclose(list(got.values()), list(want.values()), rtol=1e-5, atol=1e-6)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["keras.csv", "mine.csv"]
+
+
+def test_estimate_counts_a_replica_s_memory_before_any_replica_starts():
+    """Before training: the factory's model built here, counted per replica (16 of 32 rows) under the
+    trainer's shard mode next to the host's memory over 2 replicas; no worker process started."""
+    x, y = testing.data()
+    before = set(multiprocessing.active_children())
+    trainer = torch_dp.Trainer(num_replicas=2, shard="optimizer")
+    estimate = trainer.estimate(lambda: testing.dense_batchnorm_model("adam"), x, y, global_batch_size=32)
+    assert set(multiprocessing.active_children()) == before
+    assert (estimate.device, estimate.per_replica_batch_size, estimate.shard) == ("cpu", 16, "optimizer")
+    assert estimate.device_memory == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    mine = estimate.for_shard("optimizer")  # 83 trainable float32 weights, 16 moving statistics
+    assert (mine.weights, mine.gradients, mine.optimizer_state) == (99 * 4, 83 * 4, (2 * 83 * 4 + 8) // 2)
+    assert mine.activations == 16 * (5 + 8 + 8 + 8 + 3) * 4 and estimate.fits

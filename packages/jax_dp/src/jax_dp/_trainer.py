@@ -29,15 +29,18 @@ from dp_core.keras import (
     FitArguments,
     FitJob,
     Inputs,
+    MemoryEstimate,
     PredictJob,
     check_batch_norm_mode,
     check_nonfinite_mode,
     check_shard_mode,
     checked_call,
+    estimate_memory,
     fit_arguments,
     internals,
     nonfinite_action,
     require_backend,
+    resolve_model,
 )
 from jax_dp._loop.run import TrainerSettings, run_job
 from jax_dp._mesh.layout import Layout, Placement
@@ -237,6 +240,21 @@ class Trainer:
         if settings.profile is not None:
             self.scaling_report = history.scaling_report  # the report on process 0, None elsewhere
         return history
+
+    def estimate(self, model: Any, x: Any = None, y: Any = None, *, global_batch_size: int) -> MemoryEstimate:
+        """One replica's memory to train ``model`` on ``global_batch_size`` rows a step, under every
+        ``shard=`` mode, next to its device's memory (``print`` it for a table; ``.fits`` for this
+        trainer's mode). The model is built here as ``fit`` builds it (from ``x``'s first rows where it
+        is not built yet); nothing is placed on the mesh. A ``layout=`` splits weights further: not counted.
+
+        >>> print(jax_dp.Trainer().estimate(model, x, y, global_batch_size=64))  # doctest: +SKIP
+        """
+        device = self.mesh.devices.flat[0]
+        stats = device.memory_stats() if device.platform != "cpu" else None  # a CPU's memory is the host's
+        return estimate_memory(
+            resolve_model(model), x, y, global_batch_size=global_batch_size, num_replicas=self.num_replicas,
+            shard=self.shard, device=str(device), device_memory=(stats or {}).get("bytes_limit"),
+        )  # fmt: skip
 
     @staticmethod
     def _fit_job(
