@@ -69,6 +69,7 @@ def test_the_first_ctrl_c_stops_with_a_checkpoint_that_resumes_and_says_so(data,
     assert (int(stopped[1]), int(stopped[2]), stopped[4]) == (1, 2, str(tmp_path))
     assert stopped[3] == str(dp_core.list_checkpoints(tmp_path)[-1]) == str(tmp_path / "step-000001-000000002")
     assert raised.value.__cause__ is None and raised.value.__suppress_context__
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own again, after the fit
     resumed, steps = dense_bn_model(), StepsRun()
     trainer.fit(resumed, x, y, checkpoint_dir=str(tmp_path), callbacks=[steps], **options)
     assert steps.run == 3 * 4 - (4 + 2)
@@ -117,3 +118,19 @@ def test_a_ctrl_c_in_a_terminal_prints_one_paragraph(tmp_path):
     stopped = STOPPED.search(err)
     assert stopped is not None and 0 < int(stopped[1]) < EPOCHS, err
     assert stopped[3] == str(dp_core.list_checkpoints(tmp_path / "ckpt")[-1])
+
+
+class CtrlCInEvaluate(keras.callbacks.Callback):
+    def on_test_batch_end(self, batch, logs=None):
+        signal.raise_signal(signal.SIGINT)
+
+
+def test_a_ctrl_c_in_evaluate_stops_it_at_once_in_one_line(data):
+    """evaluate has no step boundary to wait for: Python's own KeyboardInterrupt, said in one line."""
+    x, y, _, _ = data
+    with pytest.raises(KeyboardInterrupt) as raised:
+        jax_dp.Trainer(num_replicas=2).evaluate(
+            dense_bn_model(), x, y, global_batch_size=32, callbacks=[CtrlCInEvaluate()]
+        )
+    assert str(raised.value) == "Ctrl-C: evaluate stopped at once."
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
