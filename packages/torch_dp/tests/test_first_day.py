@@ -101,6 +101,7 @@ def test_throughput_puts_samples_per_second_and_step_time_in_history_and_the_pro
     seconds = time.perf_counter() - began
     bar = capsys.readouterr().out
     logs = history.history
+    assert sorted(history.params) == ["epochs", "steps", "verbose"]  # model.fit's: nothing added for Throughput
     assert len(logs["seconds_per_step"]) == len(logs["samples_per_second"]) == 2
     for step_seconds, samples in zip(logs["seconds_per_step"], logs["samples_per_second"], strict=True):
         assert 0.05 <= step_seconds < 1.0

@@ -40,10 +40,13 @@ def callback_list(
 
     Other processes get an empty list (with a History for ``fit``), so their loop code is
     the same and nothing is printed or written twice. ``global_batch_size`` (a fit's, 0 or None where
-    a source's batches set it) reaches every callback's ``params``, where ``Throughput`` reads it.
+    a source's batches set it) is handed to each ``Throughput`` among them.
     """
     level = verbosity(verbose)
     listed = list(callbacks or []) if is_primary else []
+    for callback in listed:  # not in every callback's params: History.params stays model.fit's
+        if isinstance(callback, Throughput):
+            callback.call_batch_size = global_batch_size
     if is_primary and level != 0 and not any(isinstance(c, keras.callbacks.ProgbarLogger) for c in listed):
         listed.append(ProgressBar(steps_per_execution=getattr(model, "steps_per_execution", 1)))
     return keras.callbacks.CallbackList(
@@ -54,7 +57,6 @@ def callback_list(
         verbose=level if is_primary else 0,
         epochs=epochs,
         steps=steps,
-        **({"global_batch_size": global_batch_size} if global_batch_size else {}),
     )
 
 
@@ -122,6 +124,7 @@ class Throughput(keras.callbacks.Callback):
         self._began = 0.0
         self._trained: float | None = None  # seconds, once validation starts
         self._iterations = 0
+        self.call_batch_size: int | None = None  # a trainer's fit's, handed over by callback_list
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         self._iterations = self._updates()
@@ -138,8 +141,7 @@ class Throughput(keras.callbacks.Callback):
         if logs is None or steps <= 0:
             return
         logs["seconds_per_step"] = seconds / steps
-        params: dict[str, Any] = self.params or {}
-        rows = self.global_batch_size or params.get("global_batch_size")
+        rows = self.global_batch_size or self.call_batch_size
         if rows:
             logs["samples_per_second"] = rows * steps / seconds
 
