@@ -25,6 +25,7 @@ def _short(reason: str) -> str:
     """The reason's first sentence, without the test's own names (``got ExampleModel``), for grouping."""
     reason = re.sub(r"\bgot \w+ \(", "got a model (", reason)
     reason = re.sub(r"0x[0-9a-f]+", "0x…", reason)
+    reason = re.sub(r"\(<[^()]*>\)", "(…)", reason)  # an object's repr (a distribution's mesh)
     first = re.split(r"(?<=[a-z)`'])\. ", reason, maxsplit=1)[0]
     cut = first if len(first) <= REASON_CHARS else first[: REASON_CHARS - 1] + "…"
     return cut.replace("|", "\\|").replace("`", "'")
@@ -53,6 +54,18 @@ def _listing(results: dict, outcome: str) -> list[str]:
     return lines or ["- none"]
 
 
+def _files(every: dict[str, dict]) -> str:
+    files = {file.removeprefix("keras/src/") for results in every.values() for file in results["files"]}
+    callbacks = sorted(file for file in files if file.startswith("callbacks/"))
+    named = [f"`{file}`" for file in sorted(files - set(callbacks)) if not file.startswith("trainer_test.py with")]
+    named = [f"{name} (jax only)" if "backend/jax" in name else name for name in named]
+    mixins = any(file.startswith("trainer_test.py with") for file in files)
+    again = (
+        "; `trainers/trainer_test.py` once more with its mixin models made `keras.Model` subclasses" if mixins else ""
+    )
+    return ", ".join(named) + f" and the {len(callbacks)} of `callbacks/` (all but TensorBoard's and Orbax's){again}"
+
+
 def section() -> list[str]:
     """The section's lines, starting with its heading."""
     every = _results()
@@ -61,7 +74,8 @@ def section() -> list[str]:
     first = next(iter(every.values()))
     header = " | ".join(BACKENDS[backend] for backend in every)
     rows = [
-        ("pass on plain Keras (counted)", "pass_on_plain_keras"),
+        ("pass on plain Keras and call none of `fit`, `evaluate`, `predict` (not counted)", "uncalled"),
+        ("pass on plain Keras and call them (counted)", "pass_on_plain_keras"),
         ("pass through the Trainer", "passed"),
         ("refused (a clear error of the Trainer's)", "refused"),
         ("fail", "failed"),
@@ -75,10 +89,9 @@ def section() -> list[str]:
         f"Keras {first['keras']}'s own test files, as its wheel ships them, run first on plain Keras and then with",
         "`fit`, `evaluate` and `predict` routed through each Trainer on 2 replicas (`batch_size` becomes",
         "`global_batch_size`, every other argument unchanged; `tests/keras_suite/`). Only tests that pass on",
-        "plain Keras in the same environment count. The files: "
-        + ", ".join(f"`{file.removeprefix('keras/src/')}`" for file in first["files"])
-        + ("" if "jax" not in every else " (`backend/jax/trainer_test.py` on jax only)")
-        + ". A refusal is a `ValueError`, `TypeError` or `NotImplementedError` raised by the packages' own code.",
+        f"plain Keras in the same environment count. The files: {_files(every)}. A refusal is a `ValueError`,",
+        "`TypeError`, `NotImplementedError` or `RuntimeError` raised by the packages' own code (or a test of",
+        "Keras's loop's insides, named in `tests/keras_suite/run.py`).",
         "",
         f"| tests | {header} |",
         "|---|" + "---|" * len(every),

@@ -29,14 +29,16 @@ import pytest
 
 NUM_REPLICAS = 2
 METHODS = ("fit", "evaluate", "predict")
-# A refusal: one of these raised by the Trainer's own code (its innermost frame in one of the packages).
-REFUSAL_TYPES = (ValueError, TypeError, NotImplementedError)
+# A refusal: one of these raised by the Trainer's own code (its innermost frame in one of the packages);
+# not torch-dp's WorkerError (a RuntimeError), which relays a replica's failure.
+REFUSAL_TYPES = (ValueError, TypeError, NotImplementedError, RuntimeError)
 PACKAGES = ("dp_core", "torch_dp", "jax_dp")
 
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
-    """One test's result: ``passed``, ``failed``, ``refused`` (a Trainer's clear error) or ``skipped``."""
+    """One test's result: ``passed``, ``failed``, ``refused`` (a Trainer's clear error) or ``skipped``;
+    routed, a test that passed without calling ``fit``, ``evaluate`` or ``predict`` is ``uncalled``."""
 
     outcome: str
     seconds: float
@@ -49,6 +51,7 @@ class _Router:
     def __init__(self, backend: str) -> None:
         self.backend = backend
         self.trainer: Any = None
+        self.calls = 0  # routed calls so far, in the whole session
         self._inside = threading.local()
 
     def running(self) -> bool:
@@ -64,6 +67,7 @@ class _Router:
                 import jax_dp
 
                 self.trainer = jax_dp.Trainer(num_replicas=NUM_REPLICAS)
+        self.calls += 1
         self._inside.call = True
         try:
             return getattr(self.trainer, method)(model, **arguments)
@@ -100,7 +104,7 @@ def _keras_trainer_class() -> type:
 
 
 def _is_refusal(excinfo: pytest.ExceptionInfo[BaseException]) -> bool:
-    if not isinstance(excinfo.value, REFUSAL_TYPES):
+    if not isinstance(excinfo.value, REFUSAL_TYPES) or type(excinfo.value).__name__ == "WorkerError":
         return False
     raised_in = excinfo.traceback[-1].path
     return any(f"{os.sep}{package}{os.sep}" in str(raised_in) for package in PACKAGES)
@@ -141,6 +145,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 _ROUTER = pytest.StashKey[_Router]()
 _OUTCOMES = pytest.StashKey[dict[str, Outcome]]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Any:
+    """Routed, a passing test that made no routed call says so (it tests nothing of a Trainer's)."""
+    router = item.config.stash.get(_ROUTER, None)
+    before = router.calls if router is not None else 0
+    yield
+    outcomes = item.config.stash.get(_OUTCOMES, {})
+    if router is not None and router.calls == before and outcomes.get(item.nodeid, Outcome("", 0)).outcome == "passed":
+        outcomes[item.nodeid] = dataclasses.replace(outcomes[item.nodeid], outcome="uncalled")
 
 
 @pytest.hookimpl(hookwrapper=True)
