@@ -315,6 +315,31 @@ def conformance(session: nox.Session, keras: str) -> None:
         # tests/ holds the docs' Python blocks run as pasted (test_doc_snippets.py, 1.3 minutes): both backends are here
         skip = ["--ignore=tests/parity", "--ignore=tests/ray"]
         session.run("pytest", "tests", *skip, *session.posargs)
+    if keras == "newest" and not session.posargs:  # Keras's own tests: bare nox runs the fastest passing ones
+        for backend in KERAS_SUITE_BACKENDS:  # through each Trainer (nox -s keras_suite runs them all)
+            session.run("python", "tests/keras_suite/run.py", "--subset", env={"KERAS_BACKEND": backend})
+
+
+KERAS_SUITE_BACKENDS = ("torch", "jax")
+
+
+@session(python="3.11", default=False, allow_parallel=False)
+def keras_suite(session: nox.Session) -> None:
+    """Keras's own test files (trainer, model, callbacks) with fit/evaluate/predict run by each Trainer.
+
+    tests/keras_suite/run.py runs the test files the Keras wheel ships on plain Keras, then those that
+    passed with ``fit``, ``evaluate`` and ``predict`` routed through ``torch_dp.Trainer`` and
+    ``jax_dp.Trainer`` of 2 replicas; it writes tests/keras_suite/results/<backend>.json (each test's
+    outcome and reason) and the counts and refusals of docs/keras-compatibility.md. Run in full before
+    each release; bare ``nox`` runs the fastest passing ones in ``conformance(keras='newest')``."""
+    pinned = f"keras{_keras_range()}"
+    _install_everything(session, pinned, "requests", *TEST_TOOLS)  # requests: remote_monitor_test.py
+    session.install("--upgrade", pinned)
+    _install_keras_hub(session)  # the page's generator reads the parity scenarios, some of them keras-hub's
+    session.env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={JAX_HOST_DEVICES}"
+    for backend in KERAS_SUITE_BACKENDS:
+        session.run("python", "tests/keras_suite/run.py", *session.posargs, env={"KERAS_BACKEND": backend})
+    session.run("python", "tests/parity/compatibility.py")
 
 
 @session(python="3.11")

@@ -93,7 +93,7 @@ def test_bare_nox_runs_two_sessions_at_a_time_but_a_session_that_measures_time_r
     assert "nox.options.parallel = 2" in source and "nox.options.allow_parallel = True" in source
     alone = {name for name, (_, keywords) in _sessions().items() if keywords.get("allow_parallel") is False}
     benches = {"bench", "bench_features", "bench_keras_distribution", "bench_scope_memory", "bench_steps_per_execution"}
-    assert alone == {"demo", *benches, "reliability", "gpu"}
+    assert alone == {"demo", *benches, "reliability", "gpu", "keras_suite"}
     assert set(_default_sessions()).isdisjoint(alone)
 
 
@@ -119,3 +119,21 @@ def test_a_lean_part_of_the_multi_host_tests_runs_in_bare_nox_and_every_one_in_r
         faults = re.findall(r"^def (test_\w+)\(", file.read_text(), re.MULTILINE)
         named = [test for test in faults if test in matrix]
         assert named and set(faults) - set(named) <= {"test_two_hosts_train_as_model_fit"}, (file.name, faults)
+
+
+def test_keras_suite_runs_in_full_on_request_and_its_subset_in_bare_nox():
+    """Keras's own tests through each Trainer: every one in ``nox -s keras_suite`` (on request, for
+    both backends), the subset its results pick in ``conformance(keras='newest')``, for both too."""
+    source = (ROOT / "noxfile.py").read_text()
+    assert _sessions()["keras_suite"][1] == {"default": False, "allow_parallel": False}
+    assert "keras_suite" not in _default_sessions() and "conformance(keras='newest')" in _default_sessions()
+    backends = next(
+        ast.literal_eval(node.value)
+        for node in ast.parse(source).body
+        if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "KERAS_SUITE_BACKENDS"
+    )
+    assert set(backends) == {"torch", "jax"}
+    full = ast.get_source_segment(source, _function("keras_suite"))
+    assert '"tests/keras_suite/run.py"' in full and "for backend in KERAS_SUITE_BACKENDS" in full
+    conformance = ast.get_source_segment(source, _function("conformance"))
+    assert '"tests/keras_suite/run.py", "--subset"' in conformance and "for backend in KERAS_SUITE_BACKENDS" in conformance

@@ -25,7 +25,12 @@ def _short(reason: str) -> str:
     """The reason's first sentence, without the test's own names (``got ExampleModel``), for grouping."""
     reason = re.sub(r"\bgot \w+ \(", "got a model (", reason)
     reason = re.sub(r"0x[0-9a-f]+", "0x…", reason)
-    reason = re.sub(r"\(<[^()]*>\)", "(…)", reason)  # an object's repr (a distribution's mesh)
+    reason = re.sub(r"\(<(?:[^()]|\([^()]*\))*>\)", "(…)", reason)  # an object's repr (a distribution's mesh)
+    reason = re.sub(r"<class '[^']*'>|'[\w.<>]+'", "'…'", reason)  # the test's own class, layer or function
+    reason = re.sub(r"\bObject \w+ was", "Object … was", reason)
+    reason = re.sub(
+        r"must be a (compiled )?keras\.Model", "must be a (compiled) keras.Model", reason
+    )  # fit's or predict's
     first = re.split(r"(?<=[a-z)`'])\. ", reason, maxsplit=1)[0]
     cut = first if len(first) <= REASON_CHARS else first[: REASON_CHARS - 1] + "…"
     return cut.replace("|", "\\|").replace("`", "'")
