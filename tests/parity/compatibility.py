@@ -21,6 +21,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")  # any backend: the signatures are
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import keras
+from keras_suite.page import section as keras_suite_section
 
 from parity.scenarios import BACKENDS, FLOAT16, FP32, SCENARIOS, Scenario
 
@@ -196,6 +197,7 @@ def page() -> str:
     for scenario in SCENARIOS:
         cells = " | ".join(_scenario_cell(scenario, backend) for backend in BACKENDS)
         lines.append(f"| `{scenario.name}` | {scenario.summary} | {cells} |")
+    lines += keras_suite_section()  # Keras's own tests through each Trainer, from tests/keras_suite/results
     return "\n".join(lines) + "\n"
 
 
