@@ -74,9 +74,22 @@ def test_initial_values_are_an_unsharded_builds_bitwise_before_and_after_the_fir
         np.testing.assert_array_equal(made, expected)
 
 
-def test_load_weights_in_the_scope_and_save_give_standard_files(trainer, tmp_path):
+def test_load_weights_in_the_scope_and_save_give_standard_files(trainer, tmp_path, monkeypatch):
     """A file saved by plain Keras loads into a scoped model (before its first call, and after it), and
-    the scoped model's own save is a file plain Keras loads on one device, with the same values."""
+    the scoped model's own save is a file plain Keras loads on one device, with the same values. At the
+    first call each replica reads only its own part from the file: the caller (rank 0) reads exactly
+    what it holds after (before: rank 0 read every variable whole, to send the parts)."""
+    read = []  # by each holder, from the file (the caller's checks' own reads, whole, apart: see below)
+    from_file = StoredValue.read
+
+    def reading(self, rows):
+        values = from_file(self, rows)
+        read.append(values.size)
+        return values
+
+    monkeypatch.setattr(StoredValue, "read", reading)
+    # the caller's checks run the model once on its first rows (each weight read whole, then dropped)
+    monkeypatch.setattr(StoredValue, "__array__", lambda self, dtype=None, copy=None: from_file(self, None))
     reference, _ = shard_test.keras_fit("adam")
     reference.save_weights(str(tmp_path / "trained.weights.h5"))
     trainer.shard = "full"
@@ -90,6 +103,8 @@ def test_load_weights_in_the_scope_and_save_give_standard_files(trainer, tmp_pat
     np.testing.assert_allclose(
         trainer.predict(scoped, x, global_batch_size=GLOBAL_BATCH_SIZE, verbose=0), expected, atol=1e-6
     )
+    held_here = sum(internals.stored_value(v).numel() for v in scoped.weights)
+    assert 0 < sum(read) == held_here < sum(int(np.prod(v.shape)) for v in scoped.weights)
     fresh = shard_test.model("adam")  # other values, loaded into the parts the replicas hold now
     fresh.save_weights(str(tmp_path / "fresh.weights.h5"))
     scoped.load_weights(str(tmp_path / "fresh.weights.h5"))

@@ -27,6 +27,7 @@ import torch
 
 from dp_core import ShardMode
 from torch_dp._internals import variables_created_empty
+from torch_dp._scope.loading import StoredValue
 
 
 @dataclass
@@ -111,6 +112,12 @@ def initial_value(variable: keras.Variable) -> torch.Tensor:
         source = source(tuple(variable.shape), dtype=variable.dtype)
     value = keras.ops.convert_to_tensor(np.asarray(source) if not torch.is_tensor(source) else source, variable.dtype)
     return torch.as_tensor(value)
+
+
+def stored_source(variable: keras.Variable) -> StoredValue | None:
+    """Where a deferred variable's first value lies in an h5 file (``load_weights`` in the scope), else None."""
+    source = _entries[id(variable)].source
+    return source if isinstance(source, StoredValue) else None
 
 
 def set_initial_value(variable: keras.Variable, value: Any) -> None:

@@ -1,9 +1,10 @@
 """``load_weights`` inside ``torch_dp.Trainer.scope()``, before the model's first call: a variable is
 given where its value lies in the file (``StoredValue``: the file, the dataset's name), not the value,
-so loading a model bigger than one replica reads nothing yet. At the first call rank 0 reads each
-variable from the file, one at a time, and sends every replica its part (``_scope.materialize``), as
-it does an initializer's value. A value whose file cannot be opened again (the weights inside a
-``.keras`` archive, which Keras reads from memory) is read whole at once, as Keras reads it."""
+so loading a model bigger than one replica reads nothing yet. At the first call each replica reads its
+own part of each variable from the file, the rows it holds (h5py reads that slice only), and nothing
+else (``_scope.materialize``). A value whose file cannot be opened again (the weights inside a
+``.keras`` archive, which Keras reads from memory) is read whole at once, as Keras reads it, and rank 0
+sends each replica its part, as it does an initializer's value."""
 
 from __future__ import annotations
 
@@ -24,10 +25,15 @@ class StoredValue:
         self.shape, self.dtype = shape, dtype
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        with h5py.File(self.filename, "r") as file:
-            values = np.asarray(file[self.name])
-        values = values.view(ml_dtypes.bfloat16) if self.bfloat16 else values
+        values = self.read(None)
         return values if dtype is None else values.astype(dtype, copy=False)
+
+    def read(self, rows: tuple[int, int] | None) -> np.ndarray:
+        """The value, or its rows ``rows[0]:rows[1]`` of dimension 0 only (read from the file as a slice)."""
+        with h5py.File(self.filename, "r") as file:
+            dataset = file[self.name]
+            values = np.asarray(dataset if rows is None else dataset[rows[0] : rows[1]])
+        return values.view(ml_dtypes.bfloat16) if self.bfloat16 else values
 
 
 def stored(dataset: Any, bfloat16: bool) -> Any:

@@ -2,11 +2,14 @@
 rank 0 runs each one's initializer whole, one variable at a time in the order Keras created them,
 keeps its own part and sends every other replica its part (its rows, or the whole variable to its
 owner, or the whole to all). So no replica but rank 0 ever holds what it does not own, rank 0 holds
-one whole variable beyond its own parts at a time, and every value is bitwise an unsharded build's."""
+one whole variable beyond its own parts at a time, and every value is bitwise an unsharded build's.
+A variable loaded from an h5 file in the scope (``_scope.loading``) is read by each of its holders,
+its own part only, from the file: nothing is sent, and no replica reads what it does not hold."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import keras
 import torch
@@ -15,7 +18,8 @@ import torch.distributed as dist
 from torch_dp._comm.collectives import _entering, all_reduce_sum, broadcast_object
 from torch_dp._comm.replica import Replica
 from torch_dp._internals import set_stored_value
-from torch_dp._scope.deferred import in_creation_order, initial_value, made
+from torch_dp._scope.deferred import in_creation_order, initial_value, made, stored_source
+from torch_dp._scope.loading import StoredValue
 from torch_dp._step.owners import Piece, rows_shape
 
 
@@ -32,15 +36,40 @@ def materialize(variables: Sequence[keras.Variable], held: dict[int, list[Piece]
                 f"their first value ({len(order)} here, {len(primary_order)} on rank 0). A model built in the scope "
                 "must build the same variables on every replica: give its layers a get_config() that rebuilds them."
             )
-    for index in primary_order:
+    # where rank 0's variables lie in a file, if they were loaded from one (the others' know nothing of it)
+    files: list[StoredValue | None] = [stored_source(variables[i]) if replica.is_primary else None for i in order]
+    files = broadcast_object(files, replica)
+    for index, file in zip(primary_order, files, strict=True):
         variable = variables[index]
-        whole = initial_value(variable).to(replica.device) if replica.is_primary else None
         pieces = held.get(id(variable))
+        if file is not None:
+            _read_own_part(variable, file, pieces, replica)
+            made(variable)
+            continue
+        whole = initial_value(variable).to(replica.device) if replica.is_primary else None
         if pieces is None:
             _everywhere(variable, whole, replica)
         else:
             send_parts(variable, whole, pieces, replica)
         made(variable)
+
+
+def _read_own_part(
+    variable: keras.Variable, file: StoredValue, pieces: Sequence[Piece] | None, replica: Replica
+) -> None:
+    """This replica's part of ``variable`` read from ``file``: all of it where every replica holds it whole,
+    its rows where it holds some, nothing where another owns it."""
+    if pieces is None:
+        set_stored_value(variable, _tensor(file.read(None), variable, replica))
+        return
+    for piece in pieces:
+        if piece.owner == replica.rank:
+            set_stored_value(variable, _tensor(file.read(piece.rows), variable, replica))
+
+
+def _tensor(values: Any, variable: keras.Variable, replica: Replica) -> torch.Tensor:
+    """As ``initial_value`` converts a value: Keras's own conversion to the variable's dtype."""
+    return torch.as_tensor(keras.ops.convert_to_tensor(values, variable.dtype)).to(replica.device)
 
 
 def _everywhere(variable: keras.Variable, whole: torch.Tensor | None, replica: Replica) -> None:
