@@ -16,10 +16,11 @@ import keras
 from dp_core.keras import internals
 
 
-def custom_objects(model: keras.Model) -> dict[str, Any]:
+def custom_objects(model: keras.Model, config: Any = None) -> dict[str, Any]:
     """The classes and functions outside Keras that ``model``'s config (compile config included)
     names, by the names Keras looks them up by when loading: the layers' own classes, and what
-    the config names by module (no module, as Keras writes for ``__main__``, means ``__main__``)."""
+    the config names by module (no module, as Keras writes for ``__main__``, means ``__main__``).
+    ``config``: the config to read instead (a model sent by value, which has none: its compile config)."""
     found: dict[str, Any] = {}
 
     def add(obj: Any, *names: Any) -> None:
@@ -45,7 +46,7 @@ def custom_objects(model: keras.Model) -> dict[str, Any]:
             for value in node:
                 visit(value)
 
-    visit(keras.saving.serialize_keras_object(model))
+    visit(keras.saving.serialize_keras_object(model) if config is None else config)
     return found
 
 
