@@ -736,3 +736,65 @@ class SelfCompiling(keras.Model):
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> SelfCompiling:
         return cls(**config)
+
+
+# ---- models Keras's own format cannot rebuild, which travel by value (test_any_model.py) ----------
+
+
+class NoConfigModel(keras.Model):
+    """Subclassed, no ``get_config``, a layer as a constructor argument (Keras cannot write its config)."""
+
+    def __init__(self, hidden: keras.layers.Layer) -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.out = keras.layers.Dense(3, activation="softmax")
+
+    def call(self, x: Any) -> Any:
+        return self.out(self.hidden(x))
+
+
+class ScaleWithoutKwargs(keras.layers.Layer):
+    """A custom layer whose ``__init__`` takes no ``**kwargs``: Keras's ``from_config`` passes ``name``."""
+
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def call(self, x: Any) -> Any:
+        return x * self.factor
+
+
+class DenseAsModel(keras.layers.Dense, keras.Model):
+    """Keras's ``trainer_test.ExampleModel`` (a Dense layer with the Trainer mixed in) made a ``keras.Model``."""
+
+    def __init__(self, units: int) -> None:
+        from keras.src.backend.torch.trainer import TorchTrainer  # the Trainer that test mixes in
+
+        keras.layers.Dense.__init__(self, units=units, activation="softmax", use_bias=False, kernel_initializer="ones")
+        TorchTrainer.__init__(self)
+
+
+class HoldsALock(keras.layers.Layer):
+    """A layer holding what cannot be pickled: a model with it cannot travel at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+
+    def call(self, x: Any) -> Any:
+        return x
+
+
+def model_keras_cannot_rebuild(kind: str) -> keras.Model:
+    """``"no_config"``, ``"no_kwargs"``, ``"dense_as_model"`` or ``"locked"``, compiled, seeded."""
+    keras.utils.set_random_seed(2)
+    if kind == "no_config":
+        model: keras.Model = NoConfigModel(keras.layers.Dense(8, activation="relu"))
+    elif kind == "dense_as_model":
+        model = DenseAsModel(3)
+    else:
+        middle = ScaleWithoutKwargs(0.5) if kind == "no_kwargs" else HoldsALock()
+        dense = keras.layers.Dense(3, activation="softmax")
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"), middle, dense])
+    model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model

@@ -52,6 +52,28 @@ def compile_arguments(model: keras.Model) -> dict[str, Any]:
     return dict(getattr(config, "config", None) or {})
 
 
+def compiled_state(model: keras.Model) -> tuple[Any, ...]:
+    """What ``model.compile`` made or kept on the model (optimizer, loss as given, ``CompileLoss``,
+    ``CompileMetrics``, loss tracker, compile arguments): a model sent by value leaves them behind."""
+    names = ("optimizer", "loss", "_compile_loss", "_compile_metrics", "_loss_tracker", "_compile_config")
+    return tuple(getattr(model, name, None) for name in names)
+
+
+def pickles_through_saving(obj: Any) -> bool:
+    """Whether ``obj`` is a Keras object whose pickling goes through Keras's saving
+    (``KerasSaveable.__reduce__``, hence ``get_config``): a model sent by value pickles its
+    attributes instead, which ``model.fit`` never needed to be serializable."""
+    from keras.src.saving.keras_saveable import KerasSaveable
+
+    return isinstance(obj, KerasSaveable) and not isinstance(obj, type)
+
+
+def is_tracked_collection(obj: Any) -> bool:
+    """Whether ``obj`` is one of Keras's tracked lists or dicts (``keras.src.utils.tracking``): its
+    ``append``/``__setitem__`` reach its tracker, so unpickled it must get its tracker after its items."""
+    return type(obj).__module__ == "keras.src.utils.tracking" and isinstance(obj, (list, dict))
+
+
 def compile_metrics(model: keras.Model) -> Any:
     """The ``CompileMetrics`` of ``metrics=``/``weighted_metrics=`` (None without metrics):
     unweighted metrics must still skip padded rows."""

@@ -1,9 +1,9 @@
 """What crosses from the caller (rank 0) to the worker replicas: a call's ``Request`` (by value,
-with cloudpickle: ``shippable``), how to rebuild the model (Keras's own ``.keras`` format, or the
-user's factory), the caller's Keras settings, and the job made ready for the workers
-(``for_workers``, its arrays shared as ``_processes.shared_arrays`` writes them) and opened in one
-(``opened``). State (weights, optimizer) never travels as a pickle: replicas take rank 0's by
-broadcast."""
+with cloudpickle: ``shippable``), how to rebuild the model (Keras's own ``.keras`` format, its
+objects by value where that format cannot rebuild it, or the user's factory), the caller's Keras
+settings, and the job made ready for the workers (``for_workers``, its arrays shared as
+``_processes.shared_arrays`` writes them) and opened in one (``opened``). State (weights,
+optimizer) is rank 0's, taken by broadcast (a model sent by value carries weights, overwritten)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from dp_core.keras import BatchSource, EvaluateJob, FitJob, Inputs, Job, compile
 from torch_dp._data.loaders import LoaderOnReplicas, read_on_replicas
 from torch_dp._data.sources import Readable, SourceOnPrimary
 from torch_dp._loop.trainable import TrainableFlags, set_trainable, trainable_flags
+from torch_dp._processes.by_value import pickled_model, unpicklable_attribute, unpickled_model
 from torch_dp._processes.custom_objects import custom_objects, python_functions, sendable
 from torch_dp._processes.shared_arrays import open_shared
 from torch_dp._scope.deferred import deferring
@@ -65,8 +66,9 @@ class KerasSettings:
 @dataclass(frozen=True)
 class ModelSource:
     """How a worker rebuilds the caller's model (its weights come after, by broadcast from
-    rank 0): a ``.keras`` file plus the custom classes and functions its config names, or the
-    user's factory. Both travel by value (cloudpickle), so classes and factories defined in
+    rank 0): a ``.keras`` file plus the custom classes and functions its config names, the
+    model's objects themselves (``pickled``) where Keras's format cannot rebuild it, or the
+    user's factory. All travel by value (cloudpickle), so classes and factories defined in
     ``__main__`` or a notebook cell reach the workers."""
 
     keras_file: str | None = None
@@ -79,6 +81,7 @@ class ModelSource:
     mode: ShardMode | None = None
     recompile: bool = False  # the worker's model stays (a scoped one holds its parts): compile it again only
     unsent: str | None = None  # why a compile() function could not travel (a stand-in went): fit and evaluate refused
+    pickled: bytes | None = None  # the model by value (``_processes.by_value``), not compiled: no file could rebuild it
 
 
 def ship_model(
@@ -120,7 +123,9 @@ def ship_model(
         with deferring(mode) if scoped else contextlib.nullcontext():  # a scoped model's check makes nothing
             loaded = _loaded(source)
     except Exception as error:
-        raise _not_rebuilt(model, error) from error
+        if scoped:  # its parts are made on the replicas from its config: it cannot go by value
+            raise _not_rebuilt(model, error) from error
+        source, loaded = _sent_by_value(model, error, loss_scaled=loss_scaled, mode=mode)
     set_trainable(loaded, trainable_flags(model))  # a file that loses weights fails here, clearly
     try:
         with deferring(mode) if scoped else contextlib.nullcontext():
@@ -146,6 +151,41 @@ def recompiled(model: keras.Model, mode: ShardMode | None) -> ModelSource:
         mode=mode,
         recompile=True,
     )
+
+
+def _sent_by_value(
+    model: keras.Model, saving_error: Exception, *, loss_scaled: bool, mode: ShardMode | None
+) -> tuple[ModelSource, keras.Model]:
+    """``model`` by value (``_processes.by_value``) where Keras's format cannot rebuild it, read back
+    here as a worker reads it; else a ``TypeError`` naming both failures and the attribute at fault."""
+    compile_config = cast("dict[str, Any] | None", model.get_compile_config())
+    found = {**custom_objects(model, compile_config or {}), **python_functions(model)}
+    objects, unsent = sendable(model, found, _pickled)
+    try:
+        source = ModelSource(
+            custom_objects=objects,
+            compile_config=compile_config,
+            loss_scaled=loss_scaled,
+            mode=mode,
+            unsent=unsent,
+            pickled=pickled_model(model),
+        )
+        return source, _loaded(source)
+    except Exception as error:
+        where = unpicklable_attribute(model)
+        raise TypeError(
+            f"torch_dp rebuilds the model in its worker processes. Keras's format cannot rebuild '{model.name}' "
+            f"({_last_line(saving_error)}), and sending its Python objects by value (cloudpickle) failed too"
+            f"{f': {where} cannot be pickled' if where else ''} ({_last_line(error)}). Pass a zero-argument function "
+            "that builds and compiles the model instead (trainer.fit(make_model, ...)); it may be defined anywhere, "
+            "a notebook cell included."
+        ) from error
+
+
+def _last_line(error: Exception) -> str:
+    """An error's type and its last line of text (Keras's deserializing errors end with the innermost cause)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[-1][:300] if lines else ''}"
 
 
 def _not_rebuilt(model: keras.Model, error: Exception) -> TypeError:
@@ -220,7 +260,7 @@ def receive_model(source: ModelSource, trainable: TrainableFlags, held: keras.Mo
             assert held is not None, "a recompile follows the model's first call"
             _compiled(held, source)
             return held
-        if source.keras_file is None:
+        if source.keras_file is None and source.pickled is None:
             assert source.factory is not None
             return source.factory()
         model = _loaded(source)
@@ -246,8 +286,10 @@ def _loaded(source: ModelSource) -> keras.Model:
     """The model of the file, not compiled yet: its optimizer is built over the trainable weights
     when it is, so the caller's trainable choices come first (``set_trainable``). The file is
     the caller's own, written in the user's own folder: its Lambda code is the user's."""
-    assert source.keras_file is not None
     with _policy_of(source):
+        if source.pickled is not None:
+            return unpickled_model(source.pickled)
+        assert source.keras_file is not None
         if source.scoped:  # its config alone, built deferred (the caller's check too: nothing is made)
             with open(source.keras_file) as f, deferring(source.mode):
                 config = json.load(f)
