@@ -468,9 +468,9 @@ def bench_features(session: nox.Session) -> None:
     """The benchmarks of what goes beyond a data-parallel ``fit``, each into its section of docs/benchmarks.md.
 
     Gradient accumulation, the scaling report's overhead, synchronized BatchNorm against torch's,
-    model-parallel memory per device, sharded state's (``shard=``) memory and speed on each backend
-    (about 35 minutes on 2 idle cores; ``-- --quick`` is a smoke run of each that writes nothing
-    under docs/)."""
+    model-parallel memory per device, sharded state's (``shard=``) memory and speed on each backend, and
+    torch-dp's ``"full"`` prefetch (about 45 minutes on 2 idle cores; ``-- --quick`` is a smoke run of
+    each that writes nothing under docs/)."""
     _install_everything(session, "psutil>=5.9", "matplotlib>=3.8")
     quick = "--quick" in session.posargs
     scratch = session.create_tmp()
@@ -484,6 +484,9 @@ def bench_features(session: nox.Session) -> None:
     for backend in ("torch", "jax"):
         output = ["--quick", "--output", os.path.join(scratch, f"sharding_{backend}.json")] if quick else []
         session.run("python", f"benchmarks/sharding_memory_{backend}.py", *output, env={"KERAS_BACKEND": backend})
+    # torch-dp's shard="full" with and without prefetch, against unsharded, on 2 and 4 replicas
+    prefetch = ["--quick", "--output", os.path.join(scratch, "prefetch_torch.json")] if quick else []
+    session.run("python", "benchmarks/prefetch_torch.py", *prefetch, env={"KERAS_BACKEND": "torch"})
     if not quick:  # the docs pages state some of these numbers (tests/test_readme_numbers.py)
         session.run("python", "benchmarks/readme_numbers.py")
 

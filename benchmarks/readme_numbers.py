@@ -139,6 +139,29 @@ def _scope_memory_torch_rows() -> dict[str, tuple[str, Callable[[dict[str, Any]]
     return rows
 
 
+def _prefetch_rows() -> dict[str, tuple[str, Callable[[dict[str, Any]], Any], str]]:
+    """docs/sharding.md's prefetch numbers: per replica count, the wait prefetch hid and "full"'s speed
+    over unsharded data parallel's with and without it (prefetch_torch.py)."""
+
+    def run(results: dict[str, Any], replicas: int, prefetch: bool) -> dict[str, Any]:
+        return next(r for r in results["runs"] if r["replicas"] == replicas and r["prefetch"] == prefetch)
+
+    def ratio(results: dict[str, Any], replicas: int, prefetch: bool) -> float:
+        speed = run(results, replicas, prefetch)["samples_per_second"]
+        return speed["full"] / speed["None"]
+
+    def hidden(results: dict[str, Any], replicas: int) -> float:
+        waits = [run(results, replicas, p)["weights_gather_seconds"] for p in (True, False)]
+        return 1.0 - waits[0] / waits[1]
+
+    file, rows = "prefetch_torch.json", {}
+    for n in (2, 4):
+        rows[f"prefetch-torch-hidden-{n}"] = (file, lambda r, n=n: hidden(r, n), "{:.0%}")
+        for prefetch, name in ((False, "off"), (True, "on")):
+            rows[f"prefetch-torch-ratio-{name}-{n}"] = (file, lambda r, n=n, p=prefetch: ratio(r, n, p), "{:.2f}x")
+    return rows
+
+
 # name: (JSON file under docs/benchmarks, the value, how it is written)
 NUMBERS: dict[str, tuple[str, Callable[[dict[str, Any]], Any], str]] = {
     "torch-vs-ddp-loop": ("torch.json", lambda r: r["median_ratio_vs_ddp_loop"], "{:.2f}x"),
@@ -174,6 +197,7 @@ NUMBERS: dict[str, tuple[str, Callable[[dict[str, Any]], Any], str]] = {
     **_model_parallel_rows(),
     **_scope_memory_rows(),
     **_scope_memory_torch_rows(),
+    **_prefetch_rows(),
 }
 
 
