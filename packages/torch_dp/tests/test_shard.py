@@ -295,16 +295,21 @@ def test_checkpoints_resume_in_another_mode_and_replica_count(trainer, tmp_path,
         np.testing.assert_allclose(_numpy(mine), _numpy(theirs), atol=1e-5, err_msg=mine.path)
 
 
-def test_the_scaling_report_names_the_mode_and_times_the_weights_gather(trainer, tmp_path, capsys):
-    trainer.shard = "optimizer"
-    trainer.profile = tmp_path  # the run's replicas stay: profiling is read per call
+def _profiled_report(trainer, mode, folder):
+    """The scaling report of one profiled fit under ``mode`` (the run's replicas stay: profiling is read per call)."""
+    trainer.shard, trainer.profile = mode, folder
     try:
         x, y = data()
         trainer.fit(model("adam"), x, y, global_batch_size=GLOBAL_BATCH_SIZE, epochs=1, shuffle=False, verbose=0)
     finally:
         trainer.profile = None
     report = trainer.scaling_report
-    assert report is not None and report.shard == "optimizer"
+    assert report is not None and report.shard == mode
+    return report
+
+
+def test_the_scaling_report_names_the_mode_and_times_the_weights_gather(trainer, tmp_path, capsys):
+    report = _profiled_report(trainer, "optimizer", tmp_path)
     assert 0 < report.weights_gather_seconds < report.phases["optimizer"].seconds
     assert "shard='optimizer' (weights all-gather " in capsys.readouterr().out
 
@@ -312,15 +317,7 @@ def test_the_scaling_report_names_the_mode_and_times_the_weights_gather(trainer,
 def test_full_starts_each_layers_gather_ahead_and_the_report_says_how_much_of_it_was_ahead(trainer, tmp_path, capsys):
     """Prefetch: each layer's weights are broadcast while the layer before it computes (the one after,
     in backward); the report counts the time those broadcasts were in flight before their layer waited."""
-    trainer.shard = "full"
-    trainer.profile = tmp_path
-    try:
-        x, y = data()
-        trainer.fit(model("adam"), x, y, global_batch_size=GLOBAL_BATCH_SIZE, epochs=1, shuffle=False, verbose=0)
-    finally:
-        trainer.profile = None
-    report = trainer.scaling_report
-    assert report is not None and report.shard == "full"
+    report = _profiled_report(trainer, "full", tmp_path)
     assert report.weights_ahead_seconds is not None and report.weights_ahead_seconds > 0
     assert "% of it ahead of its layer)" in capsys.readouterr().out
 
