@@ -295,29 +295,40 @@ def test_checkpoints_resume_in_another_mode_and_replica_count(trainer, tmp_path,
         np.testing.assert_allclose(_numpy(mine), _numpy(theirs), atol=1e-5, err_msg=mine.path)
 
 
-def _profiled_report(trainer, mode, folder):
-    """The scaling report of one profiled fit under ``mode`` (the run's replicas stay: profiling is read per call)."""
+def _profiled_fit(trainer, mode, folder):
+    """One profiled epoch under ``mode`` (the run's replicas stay: profiling is read per call): the
+    scaling report, and the model trained."""
     trainer.shard, trainer.profile = mode, folder
+    trained = model("adam")
     try:
         x, y = data()
-        trainer.fit(model("adam"), x, y, global_batch_size=GLOBAL_BATCH_SIZE, epochs=1, shuffle=False, verbose=0)
+        trainer.fit(trained, x, y, global_batch_size=GLOBAL_BATCH_SIZE, epochs=1, shuffle=False, verbose=0)
     finally:
         trainer.profile = None
     report = trainer.scaling_report
     assert report is not None and report.shard == mode
-    return report
+    return report, trained
 
 
 def test_the_scaling_report_names_the_mode_and_times_the_weights_gather(trainer, tmp_path, capsys):
-    report = _profiled_report(trainer, "optimizer", tmp_path)
+    report, _ = _profiled_fit(trainer, "optimizer", tmp_path)
     assert 0 < report.weights_gather_seconds < report.phases["optimizer"].seconds
     assert "shard='optimizer' (weights all-gather " in capsys.readouterr().out
 
 
-def test_full_starts_each_layers_gather_ahead_and_the_report_says_how_much_of_it_was_ahead(trainer, tmp_path, capsys):
-    """Prefetch: each layer's weights are broadcast while the layer before it computes (the one after,
-    in backward); the report counts the time those broadcasts were in flight before their layer waited."""
-    report = _profiled_report(trainer, "full", tmp_path)
+def test_full_starts_each_layers_gather_ahead_and_the_report_says_how_much_of_it_was_ahead(
+    trainer, tmp_path, capsys, monkeypatch
+):
+    """Prefetch (opt-in, rank 0's environment decides for every replica): each layer's weights are
+    broadcast while the layer before it computes (the one after, in backward); the report counts the time
+    those broadcasts were in flight before their layer waited. Without it, none is ahead; both exact."""
+    reference, _ = keras_fit("adam", epochs=1)
+    for prefetch in ("0", "1"):  # the caller's environment only: the workers started without it
+        monkeypatch.setenv("TORCH_DP_PREFETCH", prefetch)
+        report, trained = _profiled_fit(trainer, "full", tmp_path / prefetch)
+        assert (report.weights_ahead_seconds > 0) == (prefetch == "1"), report.weights_ahead_seconds
+        for mine, theirs in zip(trained.get_weights(), reference.get_weights(), strict=True):
+            np.testing.assert_allclose(mine, theirs, atol=1e-5)
     assert report.weights_ahead_seconds is not None and report.weights_ahead_seconds > 0
     assert "% of it ahead of its layer)" in capsys.readouterr().out
 

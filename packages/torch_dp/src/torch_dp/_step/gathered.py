@@ -12,13 +12,15 @@ runs the layer's backward, and each weight is freed once its gradient is accumul
 to its owner, ``_step.buckets``). Every replica runs the same layers in the same order, and a
 layer's state (gathered or not) moves alike on all, so their broadcasts match.
 
-Prefetch (FSDP2's): as a layer's forward begins, the next layer's gather (the next in the model's layer
-order) is started, and as its backward begins, the previous one's, each an asynchronous broadcast that
-goes on while the layer computes; the layer that needs it waits for it then. So a replica holds at most one
-layer's weights beyond the one computing. A guess that misses (a layer called out of that order, or
-twice) costs nothing but the held weights until the layer is called or the step ends; every replica
-guesses alike, so the broadcasts still match. ``TORCH_DP_PREFETCH=0`` turns it off (to measure it:
-benchmarks/sharding_memory_torch.py).
+Prefetch (FSDP2's), opt-in: ``TORCH_DP_PREFETCH=1`` in the caller's environment (every replica takes
+rank 0's choice as the fit starts). As a layer's forward begins, the next layer's gather (the next in the
+model's layer order) is started, and as its backward begins, the previous one's, each an asynchronous
+broadcast that goes on while the layer computes; the layer that needs it waits for it then. A guess that
+misses (a layer called out of that order, or twice) costs nothing but the held weights until the layer is
+called or the step ends; every replica guesses alike, so the broadcasts still match. Off by default: on
+CPU it cut the waits but bought no speed (benchmarks/prefetch_torch.py), and a 126 M GPT-2 whose replicas
+were capped below the state (benchmarks/scope_memory_torch.py) went over its cap on rank 0 with it (not
+explained yet).
 
 A weight is freed by swapping its tensor's data for an empty one, as a freed optimizer slot is
 (``_step.owners``); Keras keeps the shape apart. Not sharded: a variable with a regularizer (Keras
@@ -45,8 +47,6 @@ from dp_core.keras import internals
 from torch_dp._comm.collectives import _entering
 from torch_dp._comm.replica import Replica
 from torch_dp._step.owners import Held, Piece, dtype_of, held_numel, pieces_of_flat, release
-
-PREFETCH = os.environ.get("TORCH_DP_PREFETCH", "1") != "0"
 
 
 class _Gathering(NamedTuple):
@@ -86,7 +86,7 @@ class JustInTime:
         self.sharded = [v for v in variables if id(v) in claimed]
         self._index = {id(layer): i for i, (layer, _) in enumerate(self._layers)}
         self._pending: dict[int, _Gathering] = {}  # layer id -> its gather started ahead (prefetch)
-        self.prefetch = PREFETCH
+        self.prefetch = False  # rank 0's choice, taken by every replica at ``install``
         self._gathered: dict[int, set[int]] = {}  # layer id -> its weights still waiting for a gradient
         self._rows: dict[int, torch.Tensor] = {}  # a split variable's own rows while it is gathered whole
         self._undo: list[Callable[[], None]] = []
@@ -95,7 +95,13 @@ class JustInTime:
         self.ahead = 0.0  # the gathers' time in flight before their layer needed them, since then
 
     def install(self) -> None:
-        """Each layer's ``call`` shadowed; each weight freed once its gradient is accumulated."""
+        """Each layer's ``call`` shadowed; each weight freed once its gradient is accumulated; whether to
+        prefetch, as rank 0's environment says (a replica that guessed otherwise would mismatch the broadcasts)."""
+        chosen = float(os.environ.get("TORCH_DP_PREFETCH") == "1")
+        flag = torch.tensor([chosen], device=self.device)
+        _entering()
+        dist.broadcast(flag, src=0, group=self.group)
+        self.prefetch = bool(flag.item())
         for layer, own in self._layers:
             self._undo.append(internals.override(layer, "call", self._call(layer, own, layer.call)))
             for variable in own:
