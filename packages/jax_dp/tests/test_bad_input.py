@@ -12,12 +12,6 @@ import jax_dp
 pytestmark = pytest.mark.timeout(60)
 
 
-def test_indivisible_global_batch_names_both_numbers_and_the_nearest_sizes(data):
-    x, y, _, _ = data
-    with pytest.raises(ValueError, match=r"global_batch_size=30 .* num_replicas=4.*28 or 32"):
-        jax_dp.Trainer(4).fit(dense_bn_model(), x, y, global_batch_size=30)
-
-
 def test_x_and_y_with_different_row_counts(data):
     x, y, _, _ = data
     with pytest.raises(ValueError, match="x has 99, y has 98"):

@@ -330,3 +330,16 @@ def test_dropout_is_torchs_only_for_an_unseeded_dropout_on_torch():
     assert internals.dropout_is_torchs(keras.random.SeedGenerator(), None) == on_torch  # made without a seed
     assert not internals.dropout_is_torchs(keras.random.SeedGenerator(3), None)
     assert not internals.dropout_is_torchs(None, (None, 1))
+
+
+def test_the_by_value_accessors_see_what_compile_made_and_what_pickles_through_keras():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    assert internals.compiled_state(model)[0] is None  # not compiled: no optimizer
+    model.compile(optimizer="sgd", loss="mse")
+    optimizer, loss = internals.compiled_state(model)[:2]
+    assert optimizer is model.optimizer and loss == "mse"
+    assert internals.pickles_through_saving(model.layers[0]) and not internals.pickles_through_saving(
+        keras.layers.Dense
+    )
+    assert not internals.pickles_through_saving([1, 2])
+    assert internals.is_tracked_collection(model._layers) and not internals.is_tracked_collection([model.layers[0]])

@@ -99,6 +99,7 @@ from dp_core.keras._sources import BatchSource as BatchSource
 
 # isort: split
 # helpers
+from dp_core._batch import padded_batch_size as padded_batch_size
 from dp_core._data import flatten as flatten
 from dp_core._data import map_structure as map_structure
 from dp_core._nonfinite import check_nonfinite_mode as check_nonfinite_mode
@@ -129,7 +130,6 @@ from dp_core.keras._model import require_compiled as require_compiled
 from dp_core.keras._model import resolve_model as resolve_model
 from dp_core.keras._sources import batch_rows as batch_rows
 from dp_core.keras._sources import is_batch_source as is_batch_source
-from dp_core.keras._sources import padded_batch_size as padded_batch_size
 from dp_core.keras._sources import replica_part as replica_part
 from dp_core.keras._sources import replica_positions as replica_positions
 

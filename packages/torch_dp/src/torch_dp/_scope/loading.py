@@ -31,7 +31,7 @@ class StoredValue:
     def read(self, rows: tuple[int, int] | None) -> np.ndarray:
         """The value, or its rows ``rows[0]:rows[1]`` of dimension 0 only (read from the file as a slice)."""
         with h5py.File(self.filename, "r") as file:
-            dataset = file[self.name]
+            dataset: Any = file[self.name]
             values = np.asarray(dataset if rows is None else dataset[rows[0] : rows[1]])
         return values.view(ml_dtypes.bfloat16) if self.bfloat16 else values
 
