@@ -175,3 +175,31 @@ def test_the_checks_that_run_the_model_leave_its_seed_and_metric_states_as_they_
         check_losses_split(model, INPUTS)
     after = [ops.convert_to_numpy(v).tolist() for v in (model.layers[1].seed_gen.state, *model.metrics_variables)]
     assert after == before and before[0] == [7, 0]
+
+
+class _TwoOfOne(keras.Model):
+    """Keras's ``model_test`` model: one output, made two predictions in its own ``compute_loss``."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, **kwargs):
+        return super().compute_loss(x=x, y=y, y_pred=[y_pred, y_pred], sample_weight=sample_weight, **kwargs)
+
+
+def test_the_split_check_lets_an_own_compute_loss_feed_the_loss_other_predictions_than_the_outputs():
+    from dp_core.keras import build_model, check_losses_split
+
+    inputs = keras.Input((3,))
+    model = _TwoOfOne(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss=["mse", "mse"])
+    two_targets = Inputs(X, (Y, Y))
+    build_model(model, two_targets)
+    check_losses_split(model, two_targets)  # Keras's treespec error before: the outputs are one, not two
+    plain = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    plain.compile(optimizer="sgd", loss=["mse", "mse"])
+    # Keras's own compute_loss: its error stands, as model.fit gives it (its words differ by backend)
+    with pytest.raises(ValueError, match="(?i)expected"):
+        check_losses_split(plain, two_targets)
+
+
+def test_the_added_loss_probe_asks_nothing_of_inputs_all_fed_none():
+    # Keras's functional_test feeds fit([None], y): Keras's own "not optional" error must come, not an IndexError
+    assert batch_terms(dense(_Penalty()), Inputs([None], Y)) == BatchTerms()

@@ -100,7 +100,10 @@ def check_losses_split(model: keras.Model, inputs: FirstRows) -> None:
 
     Runs the model in inference mode on the first rows and asks the compiled loss itself, never the
     model's ``compute_loss`` (a model's own is the user's code, which ``model.fit`` runs once a step
-    and no more); metric states are left as they were.
+    and no more); metric states are left as they were. A model's own ``compute_loss`` may hand the
+    compiled loss other predictions than the model's outputs (one of Keras's tests makes two of one), which
+    only running it would show: when the outputs do not fit the compiled loss then, nothing is said here,
+    and the step's share raises the same error at the first step.
     """
     compile_loss = _internals.compile_loss(model)
     if compile_loss is None:
@@ -112,7 +115,13 @@ def check_losses_split(model: keras.Model, inputs: FirstRows) -> None:
     rows = ReplicaRows(count, count, row_mask=ops.ones((count,)))
     with state_kept(model), replica_losses(model, rows):
         y_pred = model(x, **_internals.training_kwargs(model, False))
-        compile_loss(y, y_pred, sample_weight)
+        try:
+            compile_loss(y, y_pred, sample_weight)
+        except _UnsplittableLossError:
+            raise
+        except Exception:
+            if type(model).compute_loss is keras.Model.compute_loss:
+                raise  # Keras's own error about the outputs and the loss, as model.fit would give it
 
 
 @contextlib.contextmanager
@@ -141,13 +150,17 @@ def _share_of(loss: Any, *, rows: ReplicaRows) -> Callable[..., Any]:
         if len(values.shape) == 0 or values.shape[0] != rows.rows:
             if rows.whole_batch:
                 return loss(y_true, y_pred, sample_weight)
-            raise ValueError(_unsplittable(loss, values, rows.rows))
+            raise _UnsplittableLossError(_unsplittable(loss, values, rows.rows))
         total = ops.sum(values if rows.row_mask is None else values * _per_row(rows.row_mask, values))
         if loss.reduction == "sum":
             return total * rows.num_replicas
         return ops.divide_no_nan(total, _normalizer(loss.reduction, values, y_pred, sample_weight, rows))
 
     return share
+
+
+class _UnsplittableLossError(ValueError):
+    """A compiled loss without one value per row (``_unsplittable`` says which and what to do)."""
 
 
 def _unreduced(loss: Any, y_true: Any, y_pred: Any, sample_weight: Any) -> Any:
@@ -273,7 +286,10 @@ _row_dependent_added_losses: weakref.WeakKeyDictionary[keras.Model, list[str]] =
 def _probe_added_losses(model: keras.Model, inputs: FirstRows) -> list[str]:
     """The layers whose ``add_loss`` terms differ between the first two rows."""
     x, _, _ = inputs.first_rows(2)
-    rows = len(flatten(x)[0])
+    leaves = flatten(x)
+    if not leaves:  # every input fed None: nothing to probe; the model's own call says what is missing
+        return []
+    rows = len(leaves[0])
     try:
         terms = [_added_losses(model, map_structure(lambda a, i=i: a[i : i + 1], x)) for i in range(min(rows, 2))]
     except Exception:  # a model without call() (its train_step does the work): the run itself will tell
