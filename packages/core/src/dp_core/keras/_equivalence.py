@@ -16,7 +16,7 @@ from typing import Any, Protocol, cast
 import keras
 import numpy as np
 
-from dp_core._batch import per_replica_batch_size
+from dp_core._batch import padded_batch_size
 from dp_core._data import flatten, is_map_dataset, map_structure
 from dp_core._equivalence import DEFAULT_TOLERANCE, NUDGE, EquivalenceReport, relative_difference
 from dp_core._options import BatchNormMode, check_batch_norm_mode
@@ -129,7 +129,7 @@ def _check_arguments(global_batch_size: int, steps: int, num_replicas: int, tole
             raise ValueError(f"{name} must be an integer >= {least}, got {value!r}.")
     if isinstance(tolerance, bool) or not isinstance(tolerance, int | float) or not tolerance >= 0:
         raise ValueError(f"tolerance must be a number >= 0 (a relative weight difference), got {tolerance!r}.")
-    per_replica_batch_size(global_batch_size, num_replicas)
+    padded_batch_size(global_batch_size, num_replicas)  # any size: the trainers pad a global batch that does not divide
 
 
 def first_steps(x: Any, y: Any, *, global_batch_size: int, steps: int) -> tuple[Any, Any, int | None]:
