@@ -14,6 +14,11 @@ first stops every replica at the next step boundary with a checkpoint, and the T
 Ctrl-C meets Python's handler again and stops at once. When another error overtook it, the notice
 is sent again only to a handler of the program's own; a default handling would end the process
 before that error is printed, so the error carries a note of the notice instead.
+
+Under torchrun a notice comes twice: a terminal's Ctrl-C (or a scheduler's SIGTERM to the job)
+reaches every process, torchrun among them, and torchrun passes the signal it got on to its
+workers. Within ``FORWARDED_WITHIN_S`` of the first, the same signal again is that copy, not a
+second notice: it is let pass, also while the watch is ending, and a later one stops at once.
 """
 
 from __future__ import annotations
@@ -22,14 +27,22 @@ import os
 import signal
 import sys
 import threading
+import time
 import warnings
 from types import FrameType, TracebackType
 from typing import Any
 
-from dp_core._checkpoint_format import CHECKPOINT_NAME
-from dp_core._checkpoint_read import list_checkpoints
+from dp_core._checkpoint_format import CHECKPOINT_NAME, Checkpoint
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# torchrun passes a signal on to its workers within milliseconds of getting it (seconds on a busy host).
+FORWARDED_WITHIN_S = 2.0
+
+
+def signals_forwarded_to_this_process() -> bool:
+    """Whether a launcher passes the signals it gets on to this process: torchrun's workers (its
+    ``TORCHELASTIC_RUN_ID`` is set in each) get a Ctrl-C or SIGTERM twice."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
 
 
 class Preempted(RuntimeError):  # noqa: N818 (the name users catch reads as what happened)
@@ -64,10 +77,24 @@ class PreemptionWatch:
         self.requested: str | None = None
         self.watching = False
         self._previous: dict[signal.Signals, Any] = {}
+        self._copies_until = 0.0  # the launcher's copy of the first notice may come until then
 
     def _notice(self, signum: int, frame: FrameType | None) -> None:
-        self.requested = signal.Signals(signum).name
-        for number, previous in self._previous.items():  # a second notice is not caught again
+        name = signal.Signals(signum).name
+        if self.requested is None:
+            self.requested = name
+            if signals_forwarded_to_this_process():
+                self._copies_until = time.monotonic() + FORWARDED_WITHIN_S
+            else:
+                self._restore()  # a second notice is not caught again
+            return
+        if name == self.requested and time.monotonic() < self._copies_until:
+            return  # the launcher's copy of the first
+        self._restore()
+        signal.raise_signal(signum)  # a second notice: its usual handling
+
+    def _restore(self) -> None:
+        for number, previous in self._previous.items():
             signal.signal(number, previous)
 
     def __enter__(self) -> PreemptionWatch:
@@ -81,9 +108,10 @@ class PreemptionWatch:
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
+        # the launcher's copy of a notice may still come: let it pass here too, not in the caller's hands
+        time.sleep(max(0.0, self._copies_until - time.monotonic()))
+        self._restore()
         previous_handlers, self._previous, self.watching = self._previous, {}, False
-        for number, previous in previous_handlers.items():
-            signal.signal(number, previous)
         if self.requested is None or isinstance(error, Preempted):
             return
         notice = signal.Signals[self.requested]
@@ -121,7 +149,7 @@ def interrupted(error: BaseException, call: str) -> KeyboardInterrupt:
     if error.checkpoint is None:
         then = "Nothing was saved: pass checkpoint_dir=... to fit to resume after a Ctrl-C."
     else:
-        directory, path = _checkpoint_written(error.checkpoint)
+        directory, path = _checkpoint_written(error, error.checkpoint)
         then = (
             f"A checkpoint of it is at {path}: run the same fit again with checkpoint_dir={directory!r} "
             f"to resume from it (trainer.fit(model, ..., checkpoint_dir={directory!r}))."
@@ -129,12 +157,12 @@ def interrupted(error: BaseException, call: str) -> KeyboardInterrupt:
     return KeyboardInterrupt(f"{where}; the model holds the weights of that step. {then}")
 
 
-def _checkpoint_written(checkpoint: str) -> tuple[str, str]:
-    """The checkpoint directory and the stop's checkpoint in it. ``Preempted`` names the newest listed when
-    the stop was taken, which a write in the background may not have reached: the call has waited for
-    it since, so the newest now is the stop's."""
+def _checkpoint_written(stop: Preempted, checkpoint: str) -> tuple[str, str]:
+    """The checkpoint directory and the stop's checkpoint in it, named by the stop's epoch and step:
+    ``Preempted`` names the newest listed when the stop was taken, which a write in the background may
+    not have reached, and on a process that does not write (a replica other than rank 0, jax's
+    process 1 and up) only the directory."""
     directory = (
         checkpoint if CHECKPOINT_NAME.match(os.path.basename(checkpoint)) is None else os.path.dirname(checkpoint)
     )
-    written = list_checkpoints(directory)
-    return directory, str(written[-1]) if written else checkpoint
+    return directory, os.path.join(directory, Checkpoint(stop.epoch, stop.step, 0, 0, 0, []).name)
