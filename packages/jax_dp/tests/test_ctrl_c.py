@@ -3,6 +3,7 @@ checkpoint and says, in one paragraph, where it is and how to resume; a second s
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import signal
@@ -14,7 +15,7 @@ import keras
 import numpy as np
 import pytest
 from ctrl_c_script import EPOCHS
-from jax_dp_helpers import dense_bn_model
+from jax_dp_helpers import dense_bn_model, free_port
 
 import dp_core
 import jax_dp
@@ -118,6 +119,63 @@ def test_a_ctrl_c_in_a_terminal_prints_one_paragraph(tmp_path):
     stopped = STOPPED.search(err)
     assert stopped is not None and 0 < int(stopped[1]) < EPOCHS, err
     assert stopped[3] == str(dp_core.list_checkpoints(tmp_path / "ckpt")[-1])
+
+
+def start_job(tmp_path) -> list[subprocess.Popen[str]]:
+    """The script as the 2 processes of a job (one device each), in one process group of their own,
+    as a terminal runs a job's processes; process 0 touches ``epoch-ended``."""
+    environment = {**os.environ, "PYTHONPATH": HERE, "JAX_PLATFORMS": "cpu", "OMP_NUM_THREADS": "1"}
+    environment |= {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    environment.pop("JAX_COMPILATION_CACHE_DIR", None)  # the job's programs are its own: nothing to read
+    port, processes = str(free_port()), []
+    for process_id in range(2):
+        arguments = [str(tmp_path / "epoch-ended"), str(tmp_path / "ckpt"), "0.05", port, str(process_id)]
+        processes.append(
+            subprocess.Popen(
+                [sys.executable, os.path.join(HERE, "ctrl_c_script.py"), *arguments],
+                env=environment,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                preexec_fn=functools.partial(os.setpgid, 0, processes[0].pid if processes else 0),
+            )
+        )
+    return processes
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("to", ["every process", "process 0"])
+def test_a_ctrl_c_to_a_job_of_two_processes_stops_both_at_one_step_with_one_paragraph_each(tmp_path, to):
+    """jax_dp.initialize's 2 processes Ctrl-C'd as a terminal does (their process group), or process 0
+    alone: both stop at the same step, process 0 writes its checkpoint, and each says where it is and
+    how to resume in the same paragraph, then ends as Python ends on Ctrl-C; nothing of a failure."""
+    processes = start_job(tmp_path)
+    try:
+        deadline = time.monotonic() + 150
+        while not (tmp_path / "epoch-ended").exists() and time.monotonic() < deadline:
+            assert all(process.poll() is None for process in processes), processes[0].communicate()[1][-3000:]
+            time.sleep(0.1)
+        if to == "every process":
+            os.killpg(processes[0].pid, signal.SIGINT)
+        else:
+            os.kill(processes[0].pid, signal.SIGINT)
+        errors = [process.communicate(timeout=60)[1] for process in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+    stops = []
+    for process, err in zip(processes, errors, strict=True):
+        assert process.returncode == -signal.SIGINT, err[-3000:]
+        assert err.count("Traceback") == 1 and "jax_dp: process" not in err, err
+        stopped = STOPPED.search(err)
+        assert stopped is not None, err[-3000:]
+        stops.append((int(stopped[1]), int(stopped[2]), stopped[3]))
+    assert stops[0] == stops[1], stops
+    epoch, step, path = stops[0]
+    assert 0 < epoch < EPOCHS and path == str(dp_core.list_checkpoints(tmp_path / "ckpt")[-1])
+    assert path.endswith(f"step-{epoch:06d}-{step:09d}")
 
 
 class CtrlCInEvaluate(keras.callbacks.Callback):

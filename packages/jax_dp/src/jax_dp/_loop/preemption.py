@@ -4,7 +4,14 @@ One process: SIGTERM and SIGUSR1 are watched by ``dp_core.PreemptionWatch`` and 
 the next step. Several processes: jax's own preemption service already catches SIGTERM and
 tells every process; ``multihost_utils.reached_preemption_sync_point`` then names one step on
 all of them, which is where they stop. SIGUSR1 (what SLURM sends ahead of its time limit) is
-handed to that service as a SIGTERM.
+handed to that service as a SIGTERM, and so is the first Ctrl-C (SIGINT, where Python's own handler
+would raise ``KeyboardInterrupt``): to every process of the job as a terminal sends it, or to one
+alone, every process stops at the next step boundary; a second Ctrl-C meets Python's handler again
+and stops at once. Where they stop, the processes agree on the notice's name (a Ctrl-C on any of
+them makes it ``SIGINT`` on all), so each says the same thing.
+
+jax's preemption service answers one notice in a process's lifetime (``_service_spent``): after a
+stop, a later fit of the same processes leaves Ctrl-C and SIGUSR1 their usual effect.
 """
 
 from __future__ import annotations
@@ -12,11 +19,13 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import threading
 from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Any
 
 import jax
+import numpy as np
 from jax.experimental import multihost_utils
 
 from dp_core import Preempted, PreemptionWatch, list_checkpoints
@@ -26,6 +35,9 @@ from jax_dp._internals import preemption_service_running
 # ids that only grow (jax's protocol): one counter for the process's lifetime.
 _sync_ids = itertools.count()
 _active: PreemptionNotice | None = None  # the fit running now
+_service_spent = False  # jax's service was handed a notice in this process: it takes no other
+# What a process's own notice was, in the order one wins over another where the processes agree on one.
+_NOTICES = ("SIGTERM", "SIGUSR1", "SIGINT")
 
 
 class StoppedAt(Exception):  # noqa: N818 (not an error: the step loop's way out)
@@ -70,19 +82,19 @@ class PreemptionNotice:
         self._watch = PreemptionWatch() if self.processes == 1 else None
         # Without jax's preemption service (jax_enable_preemption_service=False) no step can be
         # agreed on: notices then keep their usual effect.
-        self._service = self.processes > 1 and preemption_service_running()
-        self._previous_usr1: object = None
+        self._service = self.processes > 1 and preemption_service_running() and not _service_spent
+        self._previous: dict[signal.Signals, Any] = {}
 
     def __enter__(self) -> PreemptionNotice:
         global _active
         _active = self
         if self._watch is not None:
             self._watch.__enter__()
-        elif self._service:
-            try:
-                self._previous_usr1 = signal.signal(signal.SIGUSR1, self._as_sigterm)
-            except ValueError:  # not the main thread: SIGUSR1 keeps its usual effect
-                self._previous_usr1 = None
+        elif self._service and threading.current_thread() is threading.main_thread():
+            # Ctrl-C too, unless the program handles it its own way (a handler of its own)
+            interrupt = (signal.SIGINT,) if signal.getsignal(signal.SIGINT) is signal.default_int_handler else ()
+            notices = (signal.SIGUSR1, *interrupt)
+            self._previous = {number: signal.signal(number, self._to_service) for number in notices}
         return self
 
     def __exit__(
@@ -92,12 +104,20 @@ class PreemptionNotice:
         _active = None
         if self._watch is not None:
             self._watch.__exit__(kind, error, trace)
-        elif self._previous_usr1 is not None:
-            signal.signal(signal.SIGUSR1, self._previous_usr1)  # type: ignore[arg-type]
+        self._restore()
 
-    def _as_sigterm(self, signum: int, frame: FrameType | None) -> None:
-        self.signal_name = "SIGUSR1"
-        os.kill(os.getpid(), signal.SIGTERM)  # to jax's preemption service, which tells every process
+    def _restore(self) -> None:
+        previous, self._previous = self._previous, {}
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+    def _to_service(self, signum: int, frame: FrameType | None) -> None:
+        """A notice handed to jax's preemption service, which tells every process; a second one, of
+        either kind, meets the signal's previous handling (Ctrl-C: ``KeyboardInterrupt`` at once)."""
+        global _service_spent
+        self.signal_name, _service_spent = signal.Signals(signum).name, True
+        self._restore()
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def stop_now(self) -> bool:
         """Whether every process stops before the next step (the same answer on each, at the same step)."""
@@ -107,6 +127,15 @@ class PreemptionNotice:
         if not self._service:
             return False
         if multihost_utils.reached_preemption_sync_point(next(_sync_ids)):
-            self.signal_name = self.signal_name or "SIGTERM"
+            global _service_spent
+            _service_spent = True
+            self.signal_name = _agreed_notice(self.signal_name)
             return True
         return False
+
+
+def _agreed_notice(own: str | None) -> str:
+    """The notice every process names at a stop: the strongest of their own (a process that was
+    only told by jax's service has none; then it was a SIGTERM). A collective: every process."""
+    own_rank = np.asarray(_NOTICES.index(own or "SIGTERM"), np.int32)
+    return _NOTICES[int(np.max(multihost_utils.process_allgather(own_rank)))]

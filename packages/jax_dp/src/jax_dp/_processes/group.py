@@ -272,6 +272,8 @@ def _end_together(client: Any, process_id: int, num_processes: int) -> None:
 
     def report_and_exit(kind: type[BaseException], error: BaseException, trace: TracebackType | None) -> None:
         previous_hook(kind, error, trace)
+        if _stopped_together_by_ctrl_c(error):  # every process stopped at one step: each ends as Python would
+            return
         try:
             record_failure(error)
             if process_id == 0:  # the coordination service lives here: let the others read the key
@@ -308,6 +310,13 @@ def _end_together(client: Any, process_id: int, num_processes: int) -> None:
         watcher.join(timeout=5 * _POLL_S)
 
     atexit.register(stop_watching)
+
+
+def _stopped_together_by_ctrl_c(error: BaseException) -> bool:
+    """Whether ``error`` is a Trainer call's ``KeyboardInterrupt`` for a Ctrl-C that stopped every
+    process at one step (it is raised while handling that ``Preempted``), not a failure of this one."""
+    stop = error.__context__
+    return isinstance(error, KeyboardInterrupt) and isinstance(stop, Preempted) and stop.signal_name == "SIGINT"
 
 
 def _exit_now() -> None:
