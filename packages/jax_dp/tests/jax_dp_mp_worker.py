@@ -6,7 +6,9 @@ PORT "detect" calls ``jax_dp.initialize()`` with no arguments (the test sets SLU
 variables). With JAX_DP_TEST_HOLD_UNTIL=PATH every process waits after joining until PATH exists.
 With JAX_DP_TEST_SHARD=MODE the scenario runs a second time, with ``shard=MODE`` and every variable of
 16 elements or more split (the test model is tiny), so the state lies split across the two processes;
-its results are saved beside the first's, named ``sharded_...``.
+its results are saved beside the first's, named ``sharded_...``. With JAX_DP_TEST_SCOPE=DIR it runs
+``scoped`` too (a model built in the trainer's scope, checkpointed into DIR), named ``scoped_...``;
+with CHECKPOINT_DIR it then tries ``scoped`` in ``CHECKPOINT_DIR-scoped`` (a folder per process: refused).
 
 Started with XLA_FLAGS=--xla_force_host_platform_device_count=2, so two processes
 give four replicas, compared against one process with four devices. With CHECKPOINT_DIR (each
@@ -65,6 +67,45 @@ def resumed(trainer, checkpoint_dir: str, epochs: int) -> dict[str, np.ndarray]:
     }
 
 
+def scoped(checkpoint_dir: str) -> dict[str, np.ndarray]:
+    """A model built in ``scope()`` with ``shard="full"`` (split across the processes): a fit of 1 epoch
+    checkpointed into ``checkpoint_dir`` (each process writes its parts), then a new model resumed there
+    for 3; its weights read back (gathered from every process), the first checkpoint's files listed."""
+    import keras
+    from jax_dp_helpers import GLOBAL_BATCH, make_data
+
+    import jax_dp
+
+    x, y, _, _ = make_data()
+
+    def fit(epochs: int) -> tuple[keras.Model, keras.callbacks.History]:
+        trainer = jax_dp.Trainer(shard="full")
+        keras.utils.set_random_seed(1)
+        with trainer.scope():
+            model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(32), keras.layers.Dense(1)])
+        model.compile(optimizer="adam", loss="mse")
+        history = trainer.fit(
+            model, x, y, global_batch_size=GLOBAL_BATCH, epochs=epochs, seed=3, checkpoint_dir=checkpoint_dir, verbose=0
+        )
+        return model, history
+
+    from jax_dp._mesh import layout
+
+    least, layout.SHARD_MIN_ELEMENTS = layout.SHARD_MIN_ELEMENTS, 16  # the test model is tiny: split every variable
+    try:
+        fit(1)
+        first = os.path.join(checkpoint_dir, sorted(n for n in os.listdir(checkpoint_dir) if n.startswith("step-"))[0])
+        model, history = fit(3)
+    finally:
+        layout.SHARD_MIN_ELEMENTS = least
+    return {
+        **{f"scoped_weight_{i}": w for i, w in enumerate(model.get_weights())},
+        "scoped_history_loss": np.asarray(history.history["loss"]),
+        "scoped_epochs_run": np.asarray(history.epoch),
+        "scoped_first_files": np.asarray(sorted(os.listdir(first))),
+    }
+
+
 def main() -> None:
     port, output = sys.argv[1], sys.argv[3]
     import jax
@@ -92,6 +133,8 @@ def main() -> None:
     assert trainer.num_replicas == 4 and jax.local_device_count() == 2, (trainer.num_replicas, jax.devices())
     if len(sys.argv) > 4:
         np.savez(f"{output}.{process_id}.npz", **resumed(trainer, sys.argv[4], int(sys.argv[5])))
+        if os.environ.get("JAX_DP_TEST_SCOPE"):  # a scoped model, each process a checkpoint_dir of its own
+            scoped(sys.argv[4] + "-scoped")  # refused: the job ends
         return
     results = scenario(trainer)
     if shard := os.environ.get("JAX_DP_TEST_SHARD"):  # the same processes: no second start
@@ -100,6 +143,8 @@ def main() -> None:
         layout.SHARD_MIN_ELEMENTS = 16
         sharded = scenario(jax_dp.Trainer(shard=shard))  # type: ignore[arg-type]
         results.update({f"sharded_{name}": value for name, value in sharded.items()})
+    if scope_dir := os.environ.get("JAX_DP_TEST_SCOPE"):  # one folder both processes see
+        results.update(scoped(scope_dir))
     if process_id == 0:  # files only on process 0
         np.savez(output, **results)
 

@@ -37,9 +37,11 @@ def run_two_processes(
     port: str = "",
     environments: list[dict[str, str]] | None = None,
     meanwhile: Callable[[list[subprocess.Popen[bytes]], list[Path]], None] | None = None,
+    exit_code: int = 0,
 ) -> list[str]:
     """The worker in 2 processes; ``more`` holds each process's extra arguments, ``environments``
-    its extra variables; ``meanwhile`` runs once they started. Returns their logs."""
+    its extra variables; ``meanwhile`` runs once they started. Returns their logs, once both ended
+    with ``exit_code``."""
     port = port or str(free_port())
     arguments = [[port, str(process_id), output, *(more[process_id] if more else [])] for process_id in range(2)]
     workers, log_paths = start_workers(WORKER, arguments, Path(log_dir), environments)
@@ -55,7 +57,7 @@ def run_two_processes(
                 worker.wait(timeout=10)
     logs = [log_path.read_text(errors="replace") for log_path in log_paths]
     for process_id, (worker, log) in enumerate(zip(workers, logs, strict=True)):
-        assert worker.returncode == 0, f"worker {process_id} exited with {worker.returncode}:\n{log[-3000:]}"
+        assert worker.returncode == exit_code, f"worker {process_id} exited with {worker.returncode}:\n{log[-3000:]}"
     return logs
 
 
@@ -78,16 +80,28 @@ def assert_matches(output: str, expected: dict[str, np.ndarray]) -> None:
     with np.load(output) as got:
         assert set(got.files) == set(expected)
         for name, want in expected.items():
-            np.testing.assert_allclose(got[name], want, atol=1e-5, rtol=1e-5, err_msg=name)
+            if want.dtype.kind == "U":  # names
+                np.testing.assert_array_equal(got[name], want, err_msg=name)
+            else:
+                np.testing.assert_allclose(got[name], want, atol=1e-5, rtol=1e-5, err_msg=name)
 
 
 def test_two_processes_of_two_devices_match_one_process_of_four(tmp_path, one_process_of_four):
     """Then the same processes again with shard="full": the first kernel (5x8) lies split over all four
-    devices, two on each process; reading it back (every epoch end, evaluate, predict) gathers it from both."""
+    devices, two on each process; reading it back (every epoch end, evaluate, predict) gathers it from both.
+    Then a model built in the trainer's scope, split across both processes from construction: its
+    checkpoint holds each process's parts file (no process gathers the state to write it), a new model
+    resumes from it, and its weights read back equal one process's of four devices."""
     output = str(tmp_path / "process0.npz")
-    run_two_processes(output, str(tmp_path), environments=[{"JAX_DP_TEST_SHARD": "full"}] * 2)
+    environment = {"JAX_DP_TEST_SHARD": "full", "JAX_DP_TEST_SCOPE": str(tmp_path / "shared")}
+    run_two_processes(output, str(tmp_path), environments=[environment] * 2)
     sharded = {f"sharded_{name}": value for name, value in one_process_of_four.items()}
-    assert_matches(output, {**one_process_of_four, **sharded})
+    worker = load_worker_module()
+    scoped = worker.scoped(str(tmp_path / "one_process"))
+    assert list(scoped["scoped_first_files"]) == ["manifest.json", "parts-0.npz", "state.json"]
+    scoped["scoped_first_files"] = np.asarray(["manifest.json", "parts-0.npz", "parts-1.npz", "state.json"])
+    assert_matches(output, {**one_process_of_four, **sharded, **scoped})
+    np.testing.assert_array_equal(scoped["scoped_epochs_run"], [0, 1, 2])  # resumed after epoch 1's checkpoint
     assert one_process_of_four["predictions"].shape == (37, 1)
     assert one_process_of_four["epochs_run_when_stopped"] == 1
 
@@ -212,7 +226,13 @@ def test_every_process_resumes_from_process_0s_checkpoint_even_with_a_directory_
     output = str(tmp_path / "run")
     run_two_processes(output, str(tmp_path), [directories[0], "1"], [directories[1], "1"])
     assert os.listdir(directories[0]) and not os.path.exists(directories[1])
-    run_two_processes(output, str(tmp_path), [directories[0], "3"], [directories[1], "3"])
+    scope = [{"JAX_DP_TEST_SCOPE": "1"}] * 2  # then a scoped model: refused before it trains
+    logs = run_two_processes(
+        output, str(tmp_path), [directories[0], "3"], [directories[1], "3"], environments=scope, exit_code=1
+    )
+    for log in logs:
+        assert "is not one folder every process sees: process(es) [1] cannot see the file process 0 wrote" in log
+    assert not os.path.exists(directories[0] + "-scoped/step-000001-000000000")
 
     expected = load_worker_module().resumed(jax_dp.Trainer(4), str(tmp_path / "one_process"), 3)
     for process_id in range(2):

@@ -14,6 +14,7 @@ import jax
 import keras
 import numpy as np
 from jax._src import clusters, distributed
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from dp_core.keras import internals as keras_internals
@@ -81,7 +82,9 @@ def install_keras_variable_hooks(
       part by part into it (any other variable reads it whole);
     - ``JaxVariable.__array__`` (``np.array(variable)``, how Keras's saving reads each variable): jax
       caches a sharded array's host copy on the array; the copy is taken from a fresh view of the same
-      shards, so the host holds one whole variable at a time while a model is saved;
+      shards, so the host holds one whole variable at a time while a model is saved. A variable split
+      across processes (jax refuses to read it) is gathered from all of them, one at a time: a
+      collective, so every process saves (or reads) the model, as every process trains it;
     - ``BaseOptimizer.add_variable_from_reference``: Keras gives a slot its variable's layout;
       ``slot_sharding(reference)`` (None: Keras's rule) gives the slot's own placement instead.
     """
@@ -107,6 +110,8 @@ def install_keras_variable_hooks(
         value = variable.value
         if placed(variable) is None or not isinstance(value, jax.Array) or value.sharding.is_fully_replicated:
             return keras_array(variable, dtype)
+        if not value.is_fully_addressable:  # split across processes: every process joins the gather
+            return np.asarray(multihost_utils.process_allgather(value, tiled=True), dtype=dtype)
         fresh = jax.make_array_from_single_device_arrays(
             value.shape, value.sharding, [shard.data for shard in value.addressable_shards]
         )  # the same shards, in a view whose host copy is let go with it

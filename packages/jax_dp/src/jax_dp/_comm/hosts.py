@@ -1,9 +1,10 @@
 """The few values the processes of a run must agree on, and host copies of arrays on the mesh.
 
 Outside a step's own program: process 0 decides (``agree``, ``same_on_all_processes``,
-``text_from_primary``) and its decision reaches every process; ``replicated_to_host`` reads
-each process's own devices (and gathers what ``shard=`` split over other processes' devices),
-``rows_to_host`` gathers a batch's rows from every process.
+``text_from_primary``) and its decision reaches every process; ``texts_to_primary`` brings each
+process's text to process 0; ``replicated_to_host`` reads each process's own devices (and gathers
+what ``shard=`` split over other processes' devices), ``rows_to_host`` gathers a batch's rows from
+every process.
 """
 
 from __future__ import annotations
@@ -34,6 +35,19 @@ def text_from_primary(name: str, text: str | None) -> str:
     return client.blocking_key_value_get(key, 10 * 60 * 1000)  # process 0 may be reading a large checkpoint
 
 
+def texts_to_primary(name: str, text: str) -> list[str] | None:
+    """Every process's ``text``, in process order, on process 0 (None elsewhere), through jax's key-value store."""
+    key = f"{name}/{next(_texts)}"
+    if jax.process_count() == 1:
+        return [text]
+    client: Any = distributed_client()
+    if not is_primary():
+        client.key_value_set(f"{key}/{jax.process_index()}", text)
+        return None
+    others = [client.blocking_key_value_get(f"{key}/{p}", 10 * 60 * 1000) for p in range(1, jax.process_count())]
+    return [text, *others]  # the others write their checkpoint parts first: bounded as text_from_primary
+
+
 def is_primary() -> bool:
     """Process 0 runs callbacks, prints, and writes files."""
     return jax.process_index() == 0
@@ -44,6 +58,13 @@ def agree(flag: bool) -> bool:
     if jax.process_count() == 1:
         return flag
     return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
+
+
+def flags_from_all(flag: bool) -> list[bool]:
+    """Every process's ``flag``, in process order, on every process."""
+    if jax.process_count() == 1:
+        return [flag]
+    return [bool(f) for f in np.asarray(multihost_utils.process_allgather(np.asarray(flag))).reshape(-1)]
 
 
 def same_on_all_processes(values: list[np.ndarray]) -> list[np.ndarray]:

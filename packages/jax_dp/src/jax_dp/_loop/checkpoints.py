@@ -4,9 +4,10 @@ every ``checkpoint_every_steps`` steps.
 Weights are stored in ``model.get_weights()`` order, optimizer state as the optimizer's
 ``checkpoint_variables`` (the Keras optimizer's variables, or the optax state's leaves),
 metric states as their sums over replicas, so a run resumes with the same data order and
-logs on any replica count. Only process 0 writes, and only process 0 chooses where to resume:
-the other processes take its checkpoint from it, so a per-host directory, or a shared one seen
-through a stale cache, cannot make them start at different steps.
+logs on any replica count. Only process 0 writes (but for a model built in a trainer's scope across
+processes: each writes its own parts into one checkpoint in a folder they all see), and only
+process 0 chooses where to resume: the other processes take its checkpoint from it, so a per-host
+directory, or a shared one seen through a stale cache, cannot make them start at different steps.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple, cast
@@ -22,7 +24,16 @@ import jax
 import keras
 import numpy as np
 
-from dp_core import Checkpoint, check_checkpoint_dir, claim_checkpoint_dir, save_checkpoint
+from dp_core import (
+    Checkpoint,
+    PartsWritten,
+    check_checkpoint_dir,
+    claim_checkpoint_dir,
+    commit_checkpoint,
+    save_checkpoint,
+    stage_checkpoint,
+    write_process_parts,
+)
 from dp_core.keras import (
     CheckpointWriter,
     FitArguments,
@@ -33,7 +44,13 @@ from dp_core.keras import (
     seed_states_of,
     start_of,
 )
-from jax_dp._comm.hosts import is_primary, same_on_all_processes, text_from_primary
+from jax_dp._comm.hosts import (
+    flags_from_all,
+    is_primary,
+    same_on_all_processes,
+    text_from_primary,
+    texts_to_primary,
+)
 from jax_dp._mesh.scope import trainer_placed
 from jax_dp._step.optimizers import Optimizer
 
@@ -53,6 +70,8 @@ def resume_and_writer(
         return Start(), None
     if is_primary():  # before anything is read or restored: a folder this run can write, no other run's
         check_checkpoint_dir(arguments.checkpoint_dir)
+    if scoped(model) and jax.process_count() > 1:
+        _check_shared(arguments.checkpoint_dir)
     seed, shuffle = arguments.seed, arguments.shuffle
     start = resume(
         arguments.checkpoint_dir, model, optimizer, seed=seed, global_batch_size=global_batch_size, shuffle=shuffle
@@ -70,6 +89,29 @@ def resume_and_writer(
         in_background=arguments.checkpoint_in_background,
     )
     return start, writer
+
+
+def _check_shared(directory: str) -> None:
+    """Every process sees process 0's ``directory`` (a scoped model's checkpoint is written there by all of
+    them, ``by_processes``): a file process 0 puts there is looked for by each, before anything trains."""
+    probe = None
+    if is_primary():  # the file is there before its name is sent
+        probe = f".jax_dp-probe-{secrets.token_hex(8)}"
+        os.makedirs(directory, exist_ok=True)
+        open(os.path.join(directory, probe), "w").close()
+    path = os.path.join(directory, text_from_primary("jax_dp/shared-dir", probe))
+    seen = flags_from_all(os.path.exists(path))
+    if is_primary():
+        os.remove(path)
+    if not all(seen):
+        missing = [process for process, flag in enumerate(seen) if not flag]
+        raise ValueError(
+            f"checkpoint_dir={directory!r} is not one folder every process sees: process(es) {missing} cannot "
+            "see the file process 0 wrote there. A model built in trainer.scope() across processes is "
+            "checkpointed by parts, each process writing its own into the same checkpoint. Give every process "
+            "a checkpoint_dir on storage they all see (a shared file system), or build the model outside the "
+            "scope (then process 0 writes each checkpoint whole, and a folder per host works)."
+        )
 
 
 def _name_of(start: Start) -> str:
@@ -161,10 +203,14 @@ def save(
     metric_variables: list[np.ndarray] | None = None,
 ) -> None:
     """The model (holding the trained weights) at ``step`` steps into ``epoch``, from process 0. A
-    model built in a trainer's scope, on one process, is written by parts (``by_parts``)."""
+    model built in a trainer's scope is written by parts (``by_parts``); with several processes each
+    writes its own parts (``by_processes``)."""
+    if scoped(model) and jax.process_count() > 1:
+        by_processes(writer, model, epoch=epoch, step=step, metric_variables=metric_variables or [])
+        return
     if not is_primary():
         return
-    if jax.process_count() == 1 and any(trainer_placed(v) is not None for v in model.weights):
+    if scoped(model):
         checkpoint = by_parts(writer, model, epoch=epoch, step=step, metric_variables=metric_variables or [])
         save_checkpoint(writer.directory, checkpoint)
         return
@@ -175,6 +221,41 @@ def save(
         metric_variables=metric_variables or [],
         optimizer_variables=optimizer.checkpoint_variables(optimizer_state),
     )
+
+
+def scoped(model: keras.Model) -> bool:
+    """Whether ``model`` was built in a trainer's scope (its variables live on the trainer's mesh)."""
+    return any(trainer_placed(v) is not None for v in model.weights)
+
+
+def by_processes(
+    writer: CheckpointWriter, model: keras.Model, *, epoch: int, step: int, metric_variables: list[np.ndarray]
+) -> None:
+    """A scoped model's checkpoint across processes: process 0 stages it in the shared ``checkpoint_dir``,
+    every other process writes the parts its devices hold there (``dp_core.write_process_parts``) and
+    sends process 0 its record; process 0 writes its own parts and the rest and commits it. No process
+    reads what another holds."""
+    folder = text_from_primary("jax_dp/checkpoint", str(stage_checkpoint(writer.directory)) if is_primary() else None)
+    record = ""
+    if not is_primary():
+        arrays = {key: parts for key, parts in _own_parts(model) if parts.parts}
+        if arrays:
+            record = json.dumps(write_process_parts(folder, jax.process_index(), arrays)._asdict())
+    records = texts_to_primary("jax_dp/checkpoint-parts", record)
+    if records is None:
+        return
+    others = [PartsWritten(**json.loads(text)) for text in records[1:] if text]
+    checkpoint = by_parts(writer, model, epoch=epoch, step=step, metric_variables=metric_variables)
+    commit_checkpoint(writer.directory, folder, checkpoint, others)
+
+
+def _own_parts(model: keras.Model) -> list[tuple[str, Any]]:
+    """The arrays of ``model``'s checkpoint split over devices, by their names in it, as this process's parts."""
+    optimizer = model.optimizer
+    assert optimizer is not None  # fit compiled it
+    named = [(f"weights/{i}", v) for i, v in enumerate(model.weights)]
+    named += [(f"optimizer_variables/{i}", v) for i, v in enumerate(optimizer.variables)]
+    return [(key, parts) for key, v in named if isinstance(parts := _parts(v), _Parts)]
 
 
 def by_parts(
