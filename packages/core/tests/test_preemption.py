@@ -5,12 +5,10 @@ import os
 import signal
 import sys
 import threading
-import time
 
 import pytest
 
 from dp_core import Preempted, PreemptionWatch
-from dp_core import _preemption as preemption
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
@@ -80,30 +78,5 @@ def test_an_error_that_overtook_a_notice_is_raised_with_a_note_instead_of_the_pr
         if sys.version_info >= (3, 11):
             assert noted in raised.value.__notes__[0]
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def test_under_torchrun_the_launchers_copy_of_a_notice_is_let_pass_and_a_later_one_is_not(monkeypatch):
-    """torchrun passes the signal it got on to its workers, which got it themselves: the same signal
-    within FORWARDED_WITHIN_S of the first is that copy, while the watch runs and while it ends;
-    after that a second notice gets the usual handling."""
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
-    monkeypatch.setattr(preemption, "FORWARDED_WITHIN_S", 0.5)
-    seen = []
-    previous = signal.signal(signal.SIGTERM, lambda number, frame: seen.append(number))
-    try:
-        with contextlib.suppress(Preempted), PreemptionWatch() as watch:
-            os.kill(os.getpid(), signal.SIGTERM)
-            os.kill(os.getpid(), signal.SIGTERM)  # torchrun's copy, at once
-            assert watch.requested == "SIGTERM" and seen == []
-            started = time.monotonic()
-            raise Preempted(signal_name="SIGTERM", epoch=0, step=1, checkpoint=None)
-        assert time.monotonic() - started >= 0.4 and seen == []  # ended once no copy could come
-        with PreemptionWatch() as watch:
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(0.6)
-            os.kill(os.getpid(), signal.SIGTERM)  # later than any copy: a second notice
-            assert seen == [signal.SIGTERM]
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -15,10 +15,8 @@ Ctrl-C meets Python's handler again and stops at once. When another error overto
 is sent again only to a handler of the program's own; a default handling would end the process
 before that error is printed, so the error carries a note of the notice instead.
 
-Under torchrun a notice comes twice: a terminal's Ctrl-C (or a scheduler's SIGTERM to the job)
-reaches every process, torchrun among them, and torchrun passes the signal it got on to its
-workers. Within ``FORWARDED_WITHIN_S`` of the first, the same signal again is that copy, not a
-second notice: it is let pass, also while the watch is ending, and a later one stops at once.
+Under torchrun a notice comes once: torchrun starts each worker in a session of its own, so a
+terminal's Ctrl-C reaches torchrun alone, which passes it on to every worker.
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ import os
 import signal
 import sys
 import threading
-import time
 import warnings
 from types import FrameType, TracebackType
 from typing import Any
@@ -35,14 +32,6 @@ from typing import Any
 from dp_core._checkpoint_format import CHECKPOINT_NAME, Checkpoint
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-# torchrun passes a signal on to its workers within milliseconds of getting it (seconds on a busy host).
-FORWARDED_WITHIN_S = 2.0
-
-
-def signals_forwarded_to_this_process() -> bool:
-    """Whether a launcher passes the signals it gets on to this process: torchrun's workers (its
-    ``TORCHELASTIC_RUN_ID`` is set in each) get a Ctrl-C or SIGTERM twice."""
-    return "TORCHELASTIC_RUN_ID" in os.environ
 
 
 class Preempted(RuntimeError):  # noqa: N818 (the name users catch reads as what happened)
@@ -77,24 +66,10 @@ class PreemptionWatch:
         self.requested: str | None = None
         self.watching = False
         self._previous: dict[signal.Signals, Any] = {}
-        self._copies_until = 0.0  # the launcher's copy of the first notice may come until then
 
     def _notice(self, signum: int, frame: FrameType | None) -> None:
-        name = signal.Signals(signum).name
-        if self.requested is None:
-            self.requested = name
-            if signals_forwarded_to_this_process():
-                self._copies_until = time.monotonic() + FORWARDED_WITHIN_S
-            else:
-                self._restore()  # a second notice is not caught again
-            return
-        if name == self.requested and time.monotonic() < self._copies_until:
-            return  # the launcher's copy of the first
-        self._restore()
-        signal.raise_signal(signum)  # a second notice: its usual handling
-
-    def _restore(self) -> None:
-        for number, previous in self._previous.items():
+        self.requested = signal.Signals(signum).name
+        for number, previous in self._previous.items():  # a second notice is not caught again
             signal.signal(number, previous)
 
     def __enter__(self) -> PreemptionWatch:
@@ -108,10 +83,9 @@ class PreemptionWatch:
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
-        # the launcher's copy of a notice may still come: let it pass here too, not in the caller's hands
-        time.sleep(max(0.0, self._copies_until - time.monotonic()))
-        self._restore()
         previous_handlers, self._previous, self.watching = self._previous, {}, False
+        for number, previous in previous_handlers.items():
+            signal.signal(number, previous)
         if self.requested is None or isinstance(error, Preempted):
             return
         notice = signal.Signals[self.requested]
