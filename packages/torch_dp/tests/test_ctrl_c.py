@@ -4,6 +4,7 @@ without a replica's traceback, and without a process left behind."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -61,6 +62,54 @@ def _interrupted(tmp_path: Path, step_seconds: float) -> tuple[int, str]:
         time.sleep(0.2)
     assert testing.processes_tagged(tag) == []
     return script.returncode, err
+
+
+def test_a_ctrl_c_under_torchrun_stops_both_ranks_at_one_step_with_one_paragraph_each(tmp_path):
+    """torchrun Ctrl-C'd as a terminal does (its process group; torchrun starts each worker in a
+    session of its own and passes the SIGINT on): both ranks stop at one step, rank 0 writes its
+    checkpoint, and each rank names that checkpoint (rank 1, which writes none, named an older one)
+    and how to resume, under torch's ``[rank<n>]:`` prefix; no process is left."""
+    tag, epoch_ended = uuid.uuid4().hex, tmp_path / "epoch-ended"
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    command = [
+        torchrun,
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(testing.free_port()),
+    ]
+    command += [os.path.join(HERE, "ctrl_c_script.py"), str(epoch_ended), str(tmp_path / "ckpt"), "0.05"]
+    environment = {**os.environ, "TORCH_DP_TEST_TAG": tag, "PYTHONPATH": HERE, "OMP_NUM_THREADS": "1"}
+    job = subprocess.Popen(command, env=environment, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not epoch_ended.exists() and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert job.poll() is None, job.communicate()[1][-3000:]
+        os.killpg(job.pid, signal.SIGINT)
+        _, err = job.communicate(timeout=90)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+    assert "Ctrl-C again" not in err, err[-6000:]
+    stops = {}
+    for rank in ("0", "1"):
+        stopped = re.compile(rf"^\[rank{rank}\]: " + STOPPED.pattern.removeprefix("^"), re.MULTILINE).search(err)
+        assert stopped is not None, err[-6000:]
+        stops[rank] = (int(stopped[1]), int(stopped[2]), stopped[3])
+    assert stops["0"] == stops["1"], stops
+    epoch, step, path = stops["0"]
+    directory = str(tmp_path / "ckpt")
+    assert 0 < epoch < EPOCHS
+    assert (
+        path == str(dp_core.list_checkpoints(directory)[-1]) == os.path.join(directory, f"step-{epoch:06d}-{step:09d}")
+    )
+    deadline = time.monotonic() + 10
+    while testing.processes_tagged(tag) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert testing.processes_tagged(tag) == []
 
 
 def test_the_first_ctrl_c_stops_with_a_checkpoint_that_resumes_and_says_so(tmp_path, two_replicas):
