@@ -82,9 +82,8 @@ def install_keras_variable_hooks(
       part by part into it (any other variable reads it whole);
     - ``JaxVariable.__array__`` (``np.array(variable)``, how Keras's saving reads each variable): jax
       caches a sharded array's host copy on the array; the copy is taken from a fresh view of the same
-      shards, so the host holds one whole variable at a time while a model is saved. A variable split
-      across processes (jax refuses to read it) is gathered from all of them, one at a time: a
-      collective, so every process saves (or reads) the model, as every process trains it;
+      shards, so the host holds one whole variable at a time while a model is saved; one split across
+      processes is gathered from all (a collective: every process saves or reads the model);
     - ``BaseOptimizer.add_variable_from_reference``: Keras gives a slot its variable's layout;
       ``slot_sharding(reference)`` (None: Keras's rule) gives the slot's own placement instead.
     """
@@ -110,12 +109,7 @@ def install_keras_variable_hooks(
         value = variable.value
         if placed(variable) is None or not isinstance(value, jax.Array) or value.sharding.is_fully_replicated:
             return keras_array(variable, dtype)
-        if not value.is_fully_addressable:  # split across processes: every process joins the gather
-            return np.asarray(multihost_utils.process_allgather(value, tiled=True), dtype=dtype)
-        fresh = jax.make_array_from_single_device_arrays(
-            value.shape, value.sharding, [shard.data for shard in value.addressable_shards]
-        )  # the same shards, in a view whose host copy is let go with it
-        return np.asarray(fresh, dtype=dtype)
+        return _host_copy(value, dtype)
 
     variable_class._convert_to_tensor = convert_to_tensor
     variable_class.__array__ = to_numpy
@@ -134,6 +128,16 @@ def install_keras_variable_hooks(
             keras_internals.set_variable_layout(reference, layout)
 
     optimizer_class.add_variable_from_reference = add_variable_from_reference
+
+
+def _host_copy(value: jax.Array, dtype: Any) -> np.ndarray:
+    """A split array's whole value on the host, not cached on the array (see the hooks above)."""
+    if not value.is_fully_addressable:  # split across processes: every process joins the gather
+        return np.asarray(multihost_utils.process_allgather(value, tiled=True), dtype=dtype)
+    fresh = jax.make_array_from_single_device_arrays(
+        value.shape, value.sharding, [shard.data for shard in value.addressable_shards]
+    )  # the same shards, in a view whose host copy is let go with it
+    return np.asarray(fresh, dtype=dtype)
 
 
 def _hook_should_shard_at_init(core: Any, on_trainer_mesh: Callable[[Any], bool]) -> None:
