@@ -157,3 +157,26 @@ def guard_variable_access(
 def set_stored_value(variable: keras.Variable, value: torch.Tensor) -> None:
     """``variable``'s storage made ``value`` (its ``Parameter`` kept): a deferred variable's first value."""
     variable._value.data = value
+
+
+def new_subgroups(group: dist.ProcessGroup | None, members: list[list[int]]) -> list[Any]:
+    """One process group per list of ranks in ``members`` (ranks of ``group``; None: torch's default
+    group), in that order; every process of ``group`` calls this with the same lists, as ``new_group``
+    asks. A process gets ``dist.GroupMember.NON_GROUP_MEMBER`` for a group it is not in.
+
+    ``new_group`` forms a group out of torch's default one only, and torch-dp's own group is kept out of
+    that place (``hide_default_group``): it stands there for this call, and what stood there before is put
+    back. Each new group's ranks then read as its own (``_world.pg_group_ranks``, which a collective's
+    ``src=``/``dst=`` is looked up in): torch-dp names a peer by its rank among its replicas (``src=0``),
+    which is its rank in its own group, as in the group of all the replicas."""
+    default = distributed_c10d._world.default_pg
+    if group is not None:
+        distributed_c10d._world.default_pg = group
+    try:
+        groups = [dist.new_group(ranks) for ranks in members]
+    finally:
+        distributed_c10d._world.default_pg = default
+    for formed, ranks in zip(groups, members, strict=True):
+        if isinstance(formed, dist.ProcessGroup):  # not NON_GROUP_MEMBER
+            distributed_c10d._world.pg_group_ranks[formed] = {rank: rank for rank in range(len(ranks))}
+    return groups
