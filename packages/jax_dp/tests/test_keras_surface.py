@@ -269,3 +269,35 @@ def test_the_step_limit_reads_whole_groups_of_steps_per_execution_as_in_keras(da
     assert_history_close(expected_history.history, history.history)
     assert_weights_close(expected, model)
     np.testing.assert_allclose(predictions, expected_predictions, atol=1e-5, rtol=1e-5)
+
+
+_KERAS_TRAINER = next(base for base in keras.Model.__mro__[1:] if "fit" in vars(base))  # JAXTrainer
+
+
+class _DenseWithKerasTrainer(_KERAS_TRAINER, keras.layers.Dense):
+    """Keras's own ``trainer_test.ExampleModel``: a Dense layer with Keras's Trainer mixed in, no keras.Model."""
+
+    def __init__(self, units: int) -> None:
+        keras.layers.Dense.__init__(self, units=units, activation="softmax")
+        _KERAS_TRAINER.__init__(self)
+
+
+def _layer_with_trainer() -> keras.layers.Layer:
+    keras.utils.set_random_seed(5)
+    model = _DenseWithKerasTrainer(3)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def test_a_layer_with_keras_s_trainer_mixed_in_trains_evaluates_and_predicts_as_in_keras(data):
+    x, y = data[0], np.arange(len(data[0])) % 3  # a TypeError before: only a keras.Model was taken
+    expected = _layer_with_trainer()
+    expected_history = expected.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    model, trainer = _layer_with_trainer(), jax_dp.Trainer(2)
+    history = trainer.fit(model, x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    assert not isinstance(model, keras.Model) and history.history["loss"][1] < history.history["loss"][0]
+    assert_history_close(expected_history.history, history.history)
+    assert_weights_close(expected, model)
+    evaluation = trainer.evaluate(model, x, y, batch_size=32, return_dict=True, verbose=0)
+    assert_history_close(expected.evaluate(x, y, batch_size=32, return_dict=True, verbose=0), evaluation)
+    np.testing.assert_allclose(trainer.predict(model, x, verbose=0), expected.predict(x, verbose=0), atol=1e-6)

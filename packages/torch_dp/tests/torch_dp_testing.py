@@ -798,3 +798,25 @@ def model_keras_cannot_rebuild(kind: str) -> keras.Model:
         model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"), middle, dense])
     model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "sparse_categorical_crossentropy", metrics=["accuracy"])
     return model
+
+
+def _keras_torch_trainer() -> type:
+    """The Trainer Keras's trainer_test.py mixes in: the backend's (``TorchTrainer``; 3.16 names it ``Trainer``)."""
+    return next(base for base in keras.Model.__mro__[1:] if "fit" in vars(base))
+
+
+class DenseWithKerasTrainer(_keras_torch_trainer(), keras.layers.Dense):  # type: ignore[misc]
+    """Keras's ``trainer_test.ExampleModel`` as it is: a Dense layer with Keras's Trainer mixed in, no
+    ``keras.Model`` (no ``save``, no config of a model): it travels by value (test_any_model.py)."""
+
+    def __init__(self, units: int) -> None:
+        keras.layers.Dense.__init__(self, units=units, activation="softmax", use_bias=False, kernel_initializer="ones")
+        _keras_torch_trainer().__init__(self)
+
+
+def layer_with_keras_trainer() -> Any:
+    """A compiled ``DenseWithKerasTrainer(3)``, seeded as ``model_keras_cannot_rebuild``'s models."""
+    keras.utils.set_random_seed(2)
+    model = DenseWithKerasTrainer(3)
+    model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model

@@ -302,7 +302,7 @@ def test_a_model_whose_variables_keras_made_dtensors_is_refused():
         kernel._value = original
 
 
-def test_a_layer_is_not_called_as_a_factory_and_a_layer_with_keras_s_trainer_gets_the_way_out():
+def test_a_layer_is_not_called_as_a_factory_and_a_layer_with_keras_s_trainer_is_a_model():
     # what Keras's own trainer_test.py mixes in: the backend's trainer class (3.16 renamed it)
     trainer = next(base for base in keras.Model.__mro__[1:] if base.__name__.endswith("Trainer"))
 
@@ -311,9 +311,16 @@ def test_a_layer_is_not_called_as_a_factory_and_a_layer_with_keras_s_trainer_get
             keras.layers.Dense.__init__(self, units=1)
             trainer.__init__(self)
 
+    class OwnStep(LayerWithTrainer):
+        def train_step(self, data):
+            return {}
+
     layer = LayerWithTrainer()
     layer.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(TypeError, match=r"got LayerWithTrainer \(a Keras layer with Keras.s Trainer mixed in"):
-        call(layer)
-    with pytest.raises(TypeError, match=r"must be a keras.Model .*got Dense \(a Keras layer"):
+    assert call(layer).model is layer  # a TypeError before: Keras's own tests train such models
+    own = OwnStep()
+    own.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(NotImplementedError, match="OwnStep overrides train_step"):  # not silently ignored
+        call(own)
+    with pytest.raises(TypeError, match=r"must be a keras.Model .*got Dense \(a Keras layer without Keras.s trainer"):
         call(keras.layers.Dense(1), compiled=False, step_names=("predict_step",))

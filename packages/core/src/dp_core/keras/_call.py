@@ -21,7 +21,14 @@ from dp_core.keras._distribution import require_no_keras_distribution
 from dp_core.keras._executions import ONE_STEP, Executions
 from dp_core.keras._inputs import Inputs
 from dp_core.keras._limits import leading_batches, limited_steps
-from dp_core.keras._model import is_factory, overrides, require_backend, require_keras_steps, resolve_model
+from dp_core.keras._model import (
+    is_factory,
+    is_trainable_model,
+    overrides,
+    require_backend,
+    require_keras_steps,
+    resolve_model,
+)
 from dp_core.keras._padding import note_padding
 from dp_core.keras._sources import BatchSource, is_batch_source
 
@@ -60,7 +67,7 @@ class CallChecks:
         """The steps of ``step_names`` that ``model`` (if a ``keras.Model``) overrides, once the
         backend's ``check_own_steps`` accepted them (``compiled``: the call needs ``model.compile``);
         without one, an override is an error (``require_keras_steps``)."""
-        own = tuple(name for name in step_names if isinstance(model, keras.Model) and overrides(model, name))
+        own = tuple(name for name in step_names if is_trainable_model(model) and overrides(model, name))
         if own and self.check_own_steps is None:
             require_keras_steps(model, own, self.package)
         elif own and self.check_own_steps is not None:

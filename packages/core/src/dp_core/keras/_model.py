@@ -32,13 +32,15 @@ def is_factory(model: Any) -> bool:
 
 def resolve_model(model: Any, *, compiled: bool = True) -> keras.Model:
     """The model itself, or the one a zero-argument factory builds; ``compiled=False`` for
-    ``predict``, which (like Keras's) needs no loss or optimizer."""
+    ``predict``, which (like Keras's) needs no loss or optimizer. A Keras layer with the backend's
+    Keras trainer mixed in (``class M(JAXTrainer, layers.Dense)``, as Keras's own ``trainer_test.py``
+    makes) is one too: it compiles, and its steps are Keras's, as a ``keras.Model``'s."""
     if is_factory(model):
         model = model()
-    if not isinstance(model, keras.Model):
+    if not is_trainable_model(model):
         kind = "a compiled keras.Model" if compiled else "a keras.Model"
         layer = (
-            " (a Keras layer with Keras's Trainer mixed in: make it a keras.Model subclass, class M(keras.Model))"
+            " (a Keras layer without Keras's trainer: make it a keras.Model subclass, class M(keras.Model))"
             if isinstance(model, keras.layers.Layer)
             else ""
         )
@@ -48,6 +50,13 @@ def resolve_model(model: Any, *, compiled: bool = True) -> keras.Model:
     if compiled:
         require_compiled(model)
     return model
+
+
+def is_trainable_model(model: Any) -> bool:
+    """Whether ``model`` is a ``keras.Model``, or a Keras layer with the backend's Keras trainer (the
+    first of ``keras.Model``'s bases to define ``fit``) mixed in."""
+    trainer = next(base for base in keras.Model.__mro__[1:] if "fit" in vars(base))
+    return isinstance(model, keras.Model) or (isinstance(model, keras.layers.Layer) and isinstance(model, trainer))
 
 
 def require_compiled(model: keras.Model) -> None:

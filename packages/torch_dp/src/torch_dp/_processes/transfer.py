@@ -97,7 +97,7 @@ def ship_model(
     model that cannot be saved or loaded back (or, when the call ``trains``, whose optimizer
     comes back with other variables) fails in the caller, before a worker sees it. A ``scoped``
     model travels as its config alone (its parts are made on the replicas)."""
-    if not isinstance(model_argument, keras.Model):
+    if not isinstance(model_argument, keras.layers.Layer):  # a factory (a model may be a layer with a trainer)
         return ModelSource(factory=model_argument, scoped=scoped, mode=mode)
     path = os.path.join(directory, "model.json" if scoped else "model.keras")
     loss_scaled = isinstance(getattr(model, "optimizer", None), keras.optimizers.LossScaleOptimizer)
