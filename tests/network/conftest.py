@@ -15,16 +15,18 @@ from hosts import Hosts, keras_fit, unavailable
 
 @pytest.fixture
 def hosts(tmp_path) -> Iterator[Callable[..., Hosts]]:
-    """``hosts(count, loopback_hostname=False, hostname=None)``: that many hosts (``Hosts``), each
-    with its folder under ``tmp_path``; skipped with the reason where namespaces cannot be made."""
+    """``hosts(count, loopback_hostname=False, hostname=None, delay_s=None)``: that many hosts (``Hosts``),
+    each with its folder under ``tmp_path``; skipped with the reason where namespaces cannot be made."""
     reason = unavailable()
     if reason is not None:
         pytest.skip(reason)
     made: list[Hosts] = []
 
-    def make(count: int, *, loopback_hostname: bool = False, hostname: str | None = None) -> Hosts:
+    def make(
+        count: int, *, loopback_hostname: bool = False, hostname: str | None = None, delay_s: float | None = None
+    ) -> Hosts:
         folder = tmp_path / f"hosts{len(made)}"
-        made.append(Hosts(count, folder, loopback_hostname=loopback_hostname, hostname=hostname))
+        made.append(Hosts(count, folder, loopback_hostname=loopback_hostname, hostname=hostname, delay_s=delay_s))
         return made[-1]
 
     try:

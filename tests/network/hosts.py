@@ -29,6 +29,8 @@ from pathlib import Path
 import numpy as np
 
 WORKER = str(Path(__file__).with_name("hosts_worker.py"))
+DELAY = str(Path(__file__).with_name("delay.py"))
+DELAY_SUBNET = "10.78.0"  # the hosts' addresses on the delay link: a subnet of their own
 START_S = 180  # importing torch or jax, and Keras, on a busy machine
 SUBNET = "10.77.0"  # each bridge is its own segment: two runs' hosts never see each other
 _runs = itertools.count()
@@ -49,6 +51,11 @@ def unavailable() -> str | None:
     made = _ip("netns", "add", probe, check=False)
     _ip("netns", "del", probe, check=False)
     return None if made.returncode == 0 else f"ip netns add failed: {made.stderr.strip()}"
+
+
+def delay_unavailable() -> str | None:
+    """Why a delay link (``delay.py``: TUN interfaces) cannot be made here, or None."""
+    return None if os.path.exists("/dev/net/tun") else "no /dev/net/tun for the delay link's TUN interfaces"
 
 
 @dataclass(frozen=True)
@@ -111,18 +118,31 @@ class Host:
 class Hosts:
     """``count`` hosts ``host1``..``hostN`` at ``10.77.0.1``..; each resolves every host's name to
     its address, except its own hostname when ``loopback_hostname`` (then ``127.0.1.1``, as Debian).
-    ``hostname``: one hostname for every host (machines cloned from one image)."""
+    ``hostname``: one hostname for every host (machines cloned from one image). ``delay_s``: the
+    names resolve to each host's address on a link that holds every packet that long each way
+    (``delay.py``, started here), so the hosts talk through it only."""
 
-    def __init__(self, count: int, root: Path, *, loopback_hostname: bool = False, hostname: str | None = None) -> None:
+    def __init__(
+        self,
+        count: int,
+        root: Path,
+        *,
+        loopback_hostname: bool = False,
+        hostname: str | None = None,
+        delay_s: float | None = None,
+    ) -> None:
         self.hostname = hostname
         tag = f"{os.getpid() % 100000}{next(_runs)}"
         self.bridge = f"kdpb{tag}"
         self.hosts: list[Host] = []
+        self.delay: subprocess.Popen[str] | None = None
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("link", "set", self.bridge, "up")
             for index in range(1, count + 1):
                 self.hosts.append(self._add(index, tag, root))
+            if delay_s is not None:
+                self.delay = _delay_link(self.hosts, delay_s)
             for host in self.hosts:
                 self._write_hosts_file(host, loopback_hostname)
         except BaseException:
@@ -155,9 +175,9 @@ class Hosts:
 
     def _write_hosts_file(self, host: Host, loopback_hostname: bool) -> None:
         lines = ["127.0.0.1 localhost"] + ([f"127.0.1.1 {host.hostname}"] if loopback_hostname else [])
-        for other in self.hosts:
+        for index, other in enumerate(self.hosts, start=1):
             if not (loopback_hostname and other.name == host.hostname):
-                lines.append(f"{other.address} {other.name}")
+                lines.append(f"{delayed_address(index) if self.delay else other.address} {other.name}")
         folder = Path("/etc/netns") / host.namespace
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "hosts").write_text("\n".join(lines) + "\n")
@@ -166,6 +186,9 @@ class Hosts:
         return self.hosts[index]
 
     def close(self) -> None:
+        if self.delay is not None:
+            self.delay.kill()
+            self.delay.wait(timeout=30)
         for host in self.hosts:
             host.kill_everything()
             _ip("netns", "del", host.namespace, check=False)  # its end of the link goes with it
@@ -173,6 +196,24 @@ class Hosts:
             shutil.rmtree(Path("/etc/netns") / host.namespace, ignore_errors=True)
         _ip("link", "del", self.bridge, check=False)
         self.hosts = []
+
+
+def delayed_address(index: int) -> str:
+    """Host ``index``'s address (from 1) on the delay link."""
+    return f"{DELAY_SUBNET}.{index}"
+
+
+def _delay_link(hosts: list[Host], delay_s: float) -> subprocess.Popen[str]:
+    """``delay.py`` between ``hosts``, once every host's interface on it is up."""
+    places = [part for index, host in enumerate(hosts, start=1) for part in (host.namespace, delayed_address(index))]
+    link = subprocess.Popen(
+        [sys.executable, DELAY, str(delay_s), *places], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert link.stdout is not None
+    if link.stdout.readline().strip() != "READY":
+        link.kill()
+        raise RuntimeError(f"the delay link did not start: {link.communicate(timeout=30)[1][-2000:]}")
+    return link
 
 
 # What the tests do with the processes they start on the hosts.
@@ -204,6 +245,13 @@ def wait_for(host: Host, text: str, seconds: float, log: str = "log") -> float:
         assert time.monotonic() < deadline, f"{host.name} never printed {text!r}:\n{host.read(log)[-3000:]}"
         time.sleep(0.1)
     return time.monotonic()
+
+
+def step_seconds(host: Host) -> float:
+    """The median time between two steps ``host``'s rank 0 reported (``STEP <epoch> <batch> <time>``)."""
+    times = [float(line.split()[3]) for line in host.read("log").splitlines() if line.startswith("STEP ")]
+    assert len(times) > 2, host.read("log")[-3000:]
+    return float(np.median(np.diff(times)))
 
 
 def weights_of(host: Host) -> list[np.ndarray]:

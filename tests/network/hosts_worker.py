@@ -6,7 +6,7 @@ BACKEND ``torch`` joins the group its launcher (torchrun, SLURM's variables) des
 ``jax_dp.initialize(COORDINATOR, NUM_PROCESSES, PROCESS_ID)``; ``keras`` is the reference: plain
 ``model.fit`` in one process. Each fits a small model with BatchNormalization (whose statistics
 travel between replicas, so a lost peer fails inside a layer's call, as in a real run), prints
-``STEP <epoch> <batch>`` after each step (``--delay`` seconds apart), and the first process writes
+``STEP <epoch> <batch> <time.monotonic()>`` after each step (``--delay`` seconds apart), and the first process writes
 ``weights.npz`` in its working folder. ``RANK`` (or the jax process id) > 0 writes nothing.
 """
 
@@ -52,7 +52,7 @@ def steps(delay: float):
             self.epoch = epoch
 
         def on_train_batch_end(self, batch, logs=None):
-            print(f"STEP {self.epoch} {batch}", flush=True)
+            print(f"STEP {self.epoch} {batch} {time.monotonic():.4f}", flush=True)
             time.sleep(delay)
 
     return Steps()

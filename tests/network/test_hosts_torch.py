@@ -10,7 +10,20 @@ import sys
 import time
 
 import pytest
-from hosts import START_S, WORKER, Host, Hosts, assert_weights_equal, ended, free_port, keras_fit, wait_for, weights_of
+from hosts import (
+    START_S,
+    WORKER,
+    Host,
+    Hosts,
+    assert_weights_equal,
+    delay_unavailable,
+    ended,
+    free_port,
+    keras_fit,
+    step_seconds,
+    wait_for,
+    weights_of,
+)
 
 pytest.importorskip("torch")
 BACKEND = "torch"  # of the keras_weights fixture's reference run
@@ -42,6 +55,32 @@ def test_two_hosts_train_as_model_fit(hosts, keras_weights, launcher):
     codes = ended(processes, START_S)
     assert codes == [0, 0], "\n".join(host.read("log")[-3000:] for host in network.hosts)
     assert_weights_equal(weights_of(network[0]), keras_weights)
+
+
+DELAY_S = 0.02  # each way: a 40 ms round trip, as between two sites
+
+
+def test_a_slow_link_slows_steps_and_changes_nothing(hosts, tmp_path, record_property):
+    """torchrun 2x1, first on the bridge, then with every packet between the hosts held 20 ms each way
+    (``delay.py``: there is no ``tc netem`` here): both runs end with ``model.fit``'s weights, and a
+    step takes longer through the delay (the median time between steps, recorded as ``slowdown``:
+    every collective of a step waits a round trip at least)."""
+    if (reason := delay_unavailable()) is not None:
+        pytest.skip(reason)
+    expected = keras_fit(tmp_path, BACKEND, epochs=6)
+    seconds = {}
+    for delay_s in (None, DELAY_S):
+        network: Hosts = hosts(2, delay_s=delay_s)
+        port = free_port()
+        processes = [torchrun(network[rank], rank, 2, port, "--epochs", "6") for rank in range(2)]
+        assert ended(processes, START_S) == [0, 0], "\n".join(host.read("log")[-3000:] for host in network.hosts)
+        assert_weights_equal(weights_of(network[0]), expected)
+        seconds[delay_s] = step_seconds(network[0])
+    slowdown = seconds[DELAY_S] / seconds[None]
+    record_property("fault_seconds", seconds[DELAY_S])
+    record_property("slowdown", round(slowdown, 2))
+    print(f"step {seconds[None] * 1000:.1f} ms on the bridge, {seconds[DELAY_S] * 1000:.1f} ms through the delay")
+    assert seconds[DELAY_S] > 2 * DELAY_S, seconds  # the traffic went through the delay: a round trip at least
 
 
 def test_a_hostname_that_resolves_to_loopback_is_routed_around(hosts, keras_weights):
