@@ -3,7 +3,7 @@ imported): which wing may import which, no import circle, small modules and func
 
 A wing imports only the wings below it; the face (``__init__``, ``check``, ``doctor``,
 ``_trainer``, ``_equivalence``) imports any wing and nothing imports the face but the face. Each backend has its
-own wing table: a wing one backend lacks (torch has no ``_mesh``) is stated, not assumed.
+own wing table: a wing one backend lacks (jax has no ``_scope``) is stated, not assumed.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ BACKENDS = ("torch_dp", "jax_dp")
 # A wing's floor: it may import the floors below its own (and its own wing's other modules).
 FACE = 7
 WINGS = {
-    "torch_dp": {"_processes": 6, "_loop": 5, "_scope": 4, "_step": 3, "_data": 2, "_comm": 1, "_internals": 0},
+    "torch_dp": {"_processes": 6, "_loop": 5, "_scope": 4, "_mesh": 4, "_step": 3, "_data": 2, "_comm": 1, "_internals": 0},
     "jax_dp": {"_processes": 6, "_loop": 5, "_step": 3, "_data": 2, "_comm": 1, "_mesh": 1, "_internals": 0},
 }
 MAX_MODULE_LINES = 400

@@ -1,0 +1,124 @@
+"""What a call on a mesh asks, checked in the caller before any process starts: what this slice of
+model parallel builds, and a clear refusal of the rest (``refused``'s wording names the option and
+what to do instead)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+from dp_core import ShardMode
+from dp_core.keras import FitJob, Inputs, Job
+from torch_dp._mesh.plan import Layout, Mesh, MeshPlan, dense_layers, mesh_of, plan_for
+from torch_dp._step.custom import STEPS, overrides
+from torch_dp._step.parts import splittable
+
+
+def refused(what: str, why: str, instead: str) -> ValueError:
+    return ValueError(f"Trainer(mesh=...) does not build {what} yet: {why}. {instead}")
+
+
+def checked_mesh(mesh: Any, layout: Any, num_replicas: int | None, shard: ShardMode | None) -> tuple[Mesh, Layout]:
+    """``Trainer(mesh=, layout=)``'s arguments, checked when the Trainer is made."""
+    checked, rules = mesh_of(mesh), Layout(layout)
+    rules.check_axes(checked)
+    if num_replicas is not None:
+        raise ValueError(
+            f"Trainer(num_replicas={num_replicas}, mesh={mesh!r}): the mesh says how many processes run "
+            f"({checked.num_processes}, rows x columns) and its rows are the replicas; leave num_replicas out."
+        )
+    check_no_shard(shard)
+    return checked, rules
+
+
+def check_no_shard(shard: ShardMode | None) -> None:
+    if shard is not None:
+        raise refused(
+            f"shard={shard!r}",
+            "each row's processes hold the layout's parts and everything else whole; splitting the state over "
+            "'batch' as well (HSDP) is not built",
+            "Leave shard= out with a mesh, or use shard= on a 1-D data-parallel Trainer.",
+        )
+
+
+def plan_call(
+    model: keras.Model, mesh: Mesh, layout: Layout, job: Job, *, shard: ShardMode | None, scoped: bool
+) -> MeshPlan:
+    """``job``'s plan on the mesh, after refusing what this slice does not build (``scoped``: ``model`` was
+    built in a trainer's scope)."""
+    check_no_shard(shard)
+    if isinstance(job, FitJob):
+        _check_fit(job)
+    callbacks = job.arguments.callbacks if isinstance(job, FitJob) else job.callbacks
+    if callbacks:
+        raise refused(
+            "callbacks",
+            "during a call the caller's model holds only its part of each split variable, which a callback would read",
+            "Call it without callbacks (fit's History comes back as usual), or train without mesh= where you "
+            "need them.",
+        )
+    inputs = [job.inputs, job.validation] if isinstance(job, FitJob) else [job.inputs]
+    if any(not isinstance(each, Inputs) for each in inputs if each is not None):
+        raise refused(
+            "batch-yielding inputs (generators, PyDataset, tf.data, a DataLoader)",
+            "every process of a row must read the same rows, which only inputs read by row give it here",
+            "Pass arrays (or a map-style dataset).",
+        )
+    executions = job.arguments.executions if isinstance(job, FitJob) else job.executions
+    if executions.size != 1:
+        raise refused(
+            f"steps_per_execution={executions.size}",
+            "it is not tested on a mesh",
+            "Compile with steps_per_execution=1.",
+        )
+    own = [step for step in STEPS if overrides(model, step)]
+    if own or scoped:
+        raise refused(
+            f"a model's own {', '.join(own)}" if own else "a model built in a Trainer's scope()",
+            "the split layers are built for Keras's own steps on a model built whole",
+            "Use Keras's steps on a model built as usual, or train without mesh=.",
+        )
+    plan = plan_for(model, mesh, layout)
+    if isinstance(job, FitJob) and plan.splits:
+        _check_optimizer(model, plan)
+    return plan
+
+
+def _check_fit(job: FitJob[Any]) -> None:
+    if job.arguments.checkpoint_dir is not None:
+        raise refused(
+            "checkpoint_dir",
+            "a checkpoint of a fit on a mesh would need each split variable gathered whole when it is written",
+            "Fit without checkpoint_dir, or save the model after fit (it holds the whole trained state then).",
+        )
+    if job.profile is not None:
+        raise refused("profile=", "the scaling report times data parallel's phases", "Leave profile= out with a mesh.")
+
+
+def _check_optimizer(model: keras.Model, plan: MeshPlan) -> None:
+    """Keras's optimizer updates each split variable's part from its own gradient and slots: element-wise."""
+    dense = dense_layers(model)
+    layers = [dense[split.layer] for split in plan.splits]
+    variables = [
+        v
+        for layer, split in zip(layers, plan.splits, strict=True)
+        for v in (layer.kernel, *([layer.bias] if split.bias_split else []))
+    ]
+    optimizer = model.optimizer
+    inner: Any = getattr(optimizer, "inner_optimizer", optimizer)
+    if getattr(inner, "global_clipnorm", None) or not all(splittable(optimizer, variables)):
+        raise refused(
+            f"the optimizer {type(inner).__name__} with these options",
+            "a split variable's part is updated alone, which needs an element-wise update (SGD, Adam, AdamW, "
+            "RMSprop, ...) without clipnorm or global_clipnorm (their norms read the whole gradient), and variables "
+            "without a constraint",
+            "Choose such an optimizer, or leave the variables it cannot update whole.",
+        )
+    for layer in layers:
+        if layer.kernel_regularizer is not None or layer.bias_regularizer is not None:
+            raise refused(
+                f"a regularizer on the split layer {layer.name!r}",
+                "its penalty would be computed on each process's part only",
+                "Leave that layer whole, or drop its kernel_regularizer and bias_regularizer.",
+            )

@@ -1,0 +1,103 @@
+"""Dense layers split along a mesh row, for the length of one call (``split_layers``).
+
+Each process of the row holds its part of a split layer's kernel (and of its bias and optimizer
+slots): the variable's storage is its part and it says it has the part's shape (as ``shard=``'s
+parts do, ``_step.parts``), so Keras's optimizer updates the part with the part's own slots (Adam's
+moments of columns a..b live with columns a..b) and torch-dp's gradient sum over the replicas (the
+mesh's column of processes) sums parts alike. The layer's ``call`` is replaced by the split one:
+
+- columns (``(None, "model")``): ``y = gather_columns(copy_to_row(x) @ kernel_part [+ bias_part]) [+ bias]``,
+  one all-gather of the outputs forward, one sum of the input's gradient over the row backward;
+- rows (``("model", None)``): ``y = sum_over_row(slice_columns(x) @ kernel_part) [+ bias]``, one sum
+  of the partial products forward, one all-gather of the input's gradient backward.
+
+The activation follows, on the whole output, as in ``Dense.call``. Afterwards every part is
+gathered back (one all-gather per variable) and the layer's own ``call`` restored, so between
+calls every process holds the whole model, which is the caller's after a fit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import keras
+import torch
+
+from dp_core.keras import internals
+from torch_dp._comm.collectives import all_gather_rows
+from torch_dp._comm.replica import Replica
+from torch_dp._internals import with_keras_shape
+from torch_dp._mesh.collectives import copy_to_row, gather_columns, slice_columns, sum_over_row
+from torch_dp._mesh.plan import LayerSplit, MeshPlan, dense_layers
+from torch_dp._step.owners import slots_of
+
+
+@contextlib.contextmanager
+def split_layers(
+    model: keras.Model, plan: MeshPlan, row: Replica, *, optimizer: keras.optimizers.Optimizer | None
+) -> Iterator[None]:
+    """Within the block ``plan``'s layers are split along ``row`` (this process's place in its mesh row),
+    with ``optimizer``'s slots for their variables (None: a call that does not train)."""
+    layers = dense_layers(model)
+    undo: list[Callable[[bool], None]] = []
+    failed = False
+    try:
+        for split in plan.splits:
+            layer = layers[split.layer]
+            held = [(layer.kernel, split.dimension), *([(layer.bias, 0)] if split.bias_split else [])]
+            for variable, axis in held:
+                slots = [] if optimizer is None else slots_of(optimizer, [variable])[0]
+                undo += [_narrowed(v, axis, row) for v in (variable, *slots)]
+            own_call = internals.override(layer, "call", _split_call(layer, split, row))
+            undo.append(lambda _, own_call=own_call: own_call())
+        yield
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        for put_back in reversed(undo):
+            put_back(not failed)
+
+
+def _narrowed(variable: keras.Variable, axis: int, row: Replica) -> Callable[[bool], None]:
+    """``variable`` holding this process's part of ``axis``; returns what makes it whole again: the row's
+    parts gathered (a collective, so only when every process of the row gets there: ``gather``), else NaN
+    where the others' parts were (a failed call leaves no part another process held)."""
+    value = internals.stored_value(variable)
+    whole_shape = tuple(value.shape)
+    width = whole_shape[axis] // row.num_replicas
+    value.data = value.data.narrow(axis, row.rank * width, width).clone(memory_format=torch.contiguous_format)
+    put_shape = with_keras_shape(variable, tuple(value.shape))
+
+    def whole_again(gather: bool) -> None:
+        part = value.data
+        if gather:
+            value.data = torch.cat(all_gather_rows(part, row), dim=axis)
+        else:
+            value.data = torch.full(whole_shape, float("nan"), dtype=part.dtype, device=part.device)
+            value.data.narrow(axis, row.rank * width, width).copy_(part)
+        put_shape()
+
+    return whole_again
+
+
+def _split_call(layer: keras.layers.Dense, split: LayerSplit, row: Replica) -> Callable[..., Any]:
+    """``layer``'s ``call`` on its part (``Dense.call``'s steps, with the row's collectives around the matmul)."""
+
+    def call(inputs: Any, training: Any = None) -> Any:
+        x: torch.Tensor = keras.ops.convert_to_tensor(inputs)  # pyright: ignore[reportAssignmentType]
+        y: Any
+        if split.dimension == 1:
+            y = keras.ops.matmul(copy_to_row(x, row), layer.kernel)
+            if split.bias_split:
+                y = keras.ops.add(y, layer.bias)
+            y = gather_columns(y, row)
+        else:
+            y = sum_over_row(keras.ops.matmul(slice_columns(x, row), layer.kernel), row)  # pyright: ignore[reportArgumentType]
+        if layer.bias is not None and not split.bias_split:
+            y = keras.ops.add(y, layer.bias)
+        return y if layer.activation is None else layer.activation(y)
+
+    return call

@@ -1,0 +1,259 @@
+"""The mesh and the variable layout of ``Trainer(mesh=..., layout=...)``, and the call's ``MeshPlan``.
+
+The mesh is a grid of processes with the axes ``("batch", "model")``: ``(R, C)`` is R rows of C
+processes, process ``row * C + column`` at (row, column). Each row is one data-parallel replica (all
+its processes read the same rows of each global batch); along a row the Dense layers a rule splits
+hold a part of their kernel each (``_mesh.layers``).
+
+The layout is jax-dp's (``jax_dp._mesh.layout``), so one layout serves both backends: a dict of
+``{regular expression over a variable's .path: partition spec}``, the first rule that
+``re.search``-es the path winning, or a ``keras.distribution.LayoutMap`` looked up as Keras looks
+it up. A spec has one entry per dimension (``None``: whole, ``"model"``: split over the row), fewer
+entries leaving the rest whole. This slice splits a Dense kernel by columns (``(None, "model")``,
+its bias with it or whole) or by rows (``("model", None)``, its bias whole); any other split is
+refused before anything starts, by ``plan_for``, in the caller.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import keras
+
+from dp_core.keras import internals
+
+BATCH_AXIS = "batch"
+MODEL_AXIS = "model"
+Spec = tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """``rows`` replicas of ``columns`` processes each; process ``row * columns + column``."""
+
+    rows: int
+    columns: int
+
+    @property
+    def num_processes(self) -> int:
+        return self.rows * self.columns
+
+    def shape(self) -> dict[str, int]:
+        return {BATCH_AXIS: self.rows, MODEL_AXIS: self.columns}
+
+    def row_ranks(self) -> list[list[int]]:
+        return [[row * self.columns + column for column in range(self.columns)] for row in range(self.rows)]
+
+    def column_ranks(self) -> list[list[int]]:
+        return [[row * self.columns + column for row in range(self.rows)] for column in range(self.columns)]
+
+
+def mesh_of(mesh: Any) -> Mesh:
+    """``mesh`` (``(rows, columns)`` or a torch ``DeviceMesh`` with the axes ``("batch", "model")``) as a ``Mesh``."""
+    names = getattr(mesh, "mesh_dim_names", None)
+    sizes = tuple(mesh.shape) if names is not None else mesh
+    if names is not None and tuple(names) != (BATCH_AXIS, MODEL_AXIS):
+        raise ValueError(f"mesh= takes a DeviceMesh with the axes ('batch', 'model'), got the axes {tuple(names)}.")
+    if (
+        not isinstance(sizes, (tuple, list))
+        or len(sizes) != 2
+        or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes)
+    ):
+        raise ValueError(
+            f"mesh= takes (rows, columns), two positive integers (rows: data-parallel replicas over 'batch', "
+            f"columns: processes per replica over 'model'), or a torch DeviceMesh of those axes; got {mesh!r}."
+        )
+    return Mesh(int(sizes[0]), int(sizes[1]))
+
+
+class Layout:
+    """Parsed ``layout=`` rules (jax-dp's meaning): ``spec_for(path)`` is a variable's spec, None if no rule matches."""
+
+    def __init__(self, rules: Any = None) -> None:
+        self._keras_map: keras.distribution.LayoutMap | None = None
+        if rules is None:
+            self.rules: tuple[tuple[str, Spec], ...] = ()
+        elif isinstance(rules, keras.distribution.LayoutMap):
+            self._keras_map = rules
+            self.rules = tuple((pattern, _spec_of(rules[pattern], pattern)) for pattern in rules)
+        elif isinstance(rules, Mapping):
+            self.rules = tuple((str(pattern), _spec_of(spec, pattern)) for pattern, spec in rules.items())
+            for pattern, _ in self.rules:
+                try:
+                    re.compile(pattern)
+                except re.error as error:
+                    raise ValueError(f"layout rule {pattern!r} is not a regular expression: {error}.") from None
+        else:
+            raise TypeError(
+                "layout must be a dict of {variable path regex: partition spec} (e.g. {'dense.*kernel': "
+                f"(None, 'model')}}) or a keras.distribution.LayoutMap, got {type(rules).__name__}."
+            )
+
+    def spec_for(self, path: str) -> Spec | None:
+        if self._keras_map is not None:
+            found = self._keras_map[path]
+            return None if found is None else tuple(getattr(found, "axes", found))
+        for pattern, spec in self.rules:
+            if re.search(pattern, path):
+                return spec
+        return None
+
+    def check_axes(self, mesh: Mesh) -> None:
+        """Every axis a rule names is the mesh's, and only ``"model"`` splits a variable here."""
+        for pattern, spec in self.rules:
+            for axis in _axes_of(spec):
+                if axis not in (BATCH_AXIS, MODEL_AXIS):
+                    raise ValueError(
+                        f"layout rule {pattern!r}: {spec} names the axis {axis!r}, but the mesh's axes are "
+                        f"('batch', 'model') (sizes {mesh.shape()}). Name only 'model' (or None for a whole dimension)."
+                    )
+                if axis == BATCH_AXIS:
+                    raise ValueError(
+                        f"layout rule {pattern!r}: {spec} splits a variable over 'batch', which torch-dp does not "
+                        "build: each row of its mesh holds every variable (split over 'model' only). Leave 'batch' "
+                        "out of the spec."
+                    )
+
+
+def _spec_of(value: Any, pattern: str) -> Spec:
+    axes = getattr(value, "axes", value)  # a TensorLayout holds its spec in .axes
+    if isinstance(axes, str) or axes is None:
+        axes = (axes,)
+    if not isinstance(axes, (tuple, list)):
+        raise TypeError(
+            f"layout rule {pattern!r}: expected a partition spec (a tuple of None, axis names or tuples of "
+            f"axis names, one per dimension), got {value!r}."
+        )
+    return tuple(tuple(entry) if isinstance(entry, list) else entry for entry in axes)
+
+
+def _axes_of(spec: Spec) -> list[str]:
+    return [axis for entry in spec if entry is not None for axis in (entry if isinstance(entry, tuple) else (entry,))]
+
+
+class LayerSplit(NamedTuple):
+    """One Dense layer split along a row: ``layer``, its index among the model's Dense layers (in
+    ``flatten_layers``' order: a worker's copy names its variables' paths after its own model name), and
+    ``kernel``, its kernel's path in the caller (to name it); ``dimension`` 1 splits the
+    kernel's columns (each process computes its part of the outputs), 0 its rows (its part of the
+    inputs, partial products summed); ``bias_split``: a column split's bias split with its columns."""
+
+    layer: int
+    kernel: str
+    dimension: int
+    bias_split: bool
+
+
+@dataclass(frozen=True)
+class MeshPlan:
+    """What a call runs on the mesh: the mesh, and the Dense layers it splits (the rest is whole everywhere)."""
+
+    mesh: Mesh
+    splits: tuple[LayerSplit, ...]
+
+
+def plan_for(model: keras.Model, mesh: Mesh, layout: Layout) -> MeshPlan:
+    """``model``'s splits under ``layout`` on ``mesh``, each rule checked against its variables (a clear
+    error, before anything starts, for a split this slice does not build)."""
+    if not model.built:
+        raise ValueError(
+            "Trainer(mesh=...) needs a built model, to check its layout before any process starts: "
+            "give it an input (keras.Input(...)) or call model.build(input_shape) first."
+        )
+    dense = {id(v): (layer, role) for layer in dense_layers(model) for role, v in _roles(layer)}
+    specs: dict[int, Spec] = {}
+    for variable in model.weights:
+        spec = _padded(layout.spec_for(variable.path), variable, mesh)
+        if MODEL_AXIS not in spec:
+            continue
+        _check_divides(variable, spec, mesh)
+        if id(variable) not in dense:
+            _refuse_owner(variable, spec, mesh, model)
+        specs[id(variable)] = spec
+    splits = []
+    for index, layer in enumerate(dense_layers(model)):
+        kernel = specs.get(id(layer.kernel))
+        bias = None if layer.bias is None else specs.get(id(layer.bias))
+        if kernel is not None or bias is not None:
+            splits.append(_layer_split(index, layer, kernel, bias, mesh))
+    if mesh.columns == 1:  # one process per row: every part is the whole
+        splits = []
+    return MeshPlan(mesh, tuple(splits))
+
+
+def dense_layers(model: keras.Model) -> list[keras.layers.Dense]:
+    return [layer for layer in internals.flatten_layers(model) if isinstance(layer, keras.layers.Dense)]
+
+
+def _roles(layer: keras.layers.Dense) -> list[tuple[str, keras.Variable]]:
+    if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None) is not None:
+        return []  # a LoRA or quantized kernel is not one variable: a rule on it is refused as not a Dense's
+    return [("kernel", layer.kernel), *([("bias", layer.bias)] if layer.bias is not None else [])]
+
+
+def _where(variable: keras.Variable, spec: Spec, mesh: Mesh) -> str:
+    shape = tuple(variable.shape)
+    return f"layout puts the variable {variable.path!r} (shape {shape}) as {spec} on the mesh {mesh.shape()}"
+
+
+def _padded(spec: Spec | None, variable: keras.Variable, mesh: Mesh) -> Spec:
+    """``spec`` with one entry per dimension of ``variable`` (None: replicated)."""
+    rank = len(variable.shape)
+    spec = spec or ()
+    if len(spec) > rank:
+        raise ValueError(
+            f"{_where(variable, spec, mesh)}, but the spec has {len(spec)} entries for a variable of "
+            f"{rank} dimension(s). Give one entry per dimension (None keeps a dimension whole)."
+        )
+    if any(isinstance(entry, tuple) for entry in spec) or _axes_of(spec).count(MODEL_AXIS) > 1:
+        raise ValueError(
+            f"{_where(variable, spec, mesh)}, but torch-dp splits a variable over 'model' along one dimension "
+            "only. Name 'model' once, alone, and leave the other dimensions None."
+        )
+    return (*spec, *([None] * (rank - len(spec))))
+
+
+def _check_divides(variable: keras.Variable, spec: Spec, mesh: Mesh) -> None:
+    dimension = spec.index(MODEL_AXIS)
+    size = int(variable.shape[dimension])
+    if size % mesh.columns:
+        raise ValueError(
+            f"{_where(variable, spec, mesh)}, but dimension {dimension} of size {size} does not divide into the "
+            f"{mesh.columns} part(s) of 'model'. Choose a mesh whose axis size divides {size}, change the layer's "
+            "size, or leave that dimension whole (None)."
+        )
+
+
+def _refuse_owner(variable: keras.Variable, spec: Spec, mesh: Mesh, model: keras.Model) -> None:
+    owner = next(
+        (
+            type(layer).__name__
+            for layer in internals.flatten_layers(model)
+            if any(v is variable for v in layer.weights)
+        ),
+        "no layer",
+    )
+    raise ValueError(
+        f"{_where(variable, spec, mesh)}, but torch-dp splits only the kernels and biases of Dense layers (without "
+        f"LoRA or quantization) so far, and this variable is a {owner}'s. Leave it whole (no rule, or a narrower "
+        "pattern), or train the model with jax_dp, which splits any variable."
+    )
+
+
+def _layer_split(index: int, layer: Any, kernel: Spec | None, bias: Spec | None, mesh: Mesh) -> LayerSplit:
+    """How ``layer`` splits: by columns (its bias split or whole) or by rows (its bias whole)."""
+    if kernel is not None and kernel.index(MODEL_AXIS) == 1:
+        return LayerSplit(index, layer.kernel.path, 1, bias is not None)
+    if kernel is not None and bias is None:
+        return LayerSplit(index, layer.kernel.path, 0, False)
+    assert layer.bias is not None
+    spec = kernel or bias or ()
+    variable = layer.bias if kernel is None else layer.kernel
+    raise ValueError(
+        f"{_where(variable, spec, mesh)}, but a Dense layer's bias splits only with its kernel's columns: "
+        f"{layer.name!r}'s kernel is {'whole' if kernel is None else 'split by rows'} and its bias split. Split "
+        "the kernel's columns too ((None, 'model')), or leave the bias whole."
+    )
