@@ -36,6 +36,7 @@ from torch_dp._loop.checkpoints import resume_from
 from torch_dp._loop.evaluate import evaluate_loop, predict_loop
 from torch_dp._loop.fit import fit_loop
 from torch_dp._loop.loader_draws import build_drawing, job_loader
+from torch_dp._mesh.run import mesh_plan_of, run_on_mesh
 from torch_dp._scope.deferred import scoped_mode
 from torch_dp._scope.held import calling
 from torch_dp._scope.replicas import prepared, sync_whole_ones, weights_by_layer
@@ -84,6 +85,10 @@ def _padded(inputs: Readable, global_batch_size: int) -> bool:
 def run_job(model: keras.Model, job: Job, replica: Replica, *, sync: bool = True) -> Any:
     """Run ``job`` on ``model`` as ``replica``. With ``sync`` every replica first takes rank 0's
     state (a persistent worker whose model already equals rank 0's skips it)."""
+    if (plan := mesh_plan_of(job)) is not None:  # each mesh row one replica, its Dense layers split (_mesh)
+        return run_on_mesh(
+            model, job, replica, plan, sync=sync, build=build, same_streams=same_random_streams, run=run_job
+        )
     scoped, mode = scoped_mode(model)
     if scoped:
         with calling():
