@@ -13,14 +13,19 @@ to its owner, ``_step.buckets``). Every replica runs the same layers in the same
 layer's state (gathered or not) moves alike on all, so their broadcasts match.
 
 Prefetch (FSDP2's), opt-in: ``TORCH_DP_PREFETCH=1`` in the caller's environment (every replica takes
-rank 0's choice as the fit starts). As a layer's forward begins, the next layer's gather (the next in the
-model's layer order) is started, and as its backward begins, the previous one's, each an asynchronous
-broadcast that goes on while the layer computes; the layer that needs it waits for it then. A guess that
-misses (a layer called out of that order, or twice) costs nothing but the held weights until the layer is
-called or the step ends; every replica guesses alike, so the broadcasts still match. Off by default: on
-CPU it cut the waits but bought no speed (benchmarks/prefetch_torch.py), and a 126 M GPT-2 whose replicas
-were capped below the state (benchmarks/scope_memory_torch.py) went over its cap on rank 0 with it (not
-explained yet).
+rank 0's choice as the fit starts). As a layer's forward begins, the gather of the layer called after it
+is started, and as its backward begins, that of the layer called before it, each an asynchronous
+broadcast that goes on while the layer computes; the layer that needs it waits for it then. The order is
+the calls', as FSDP2 records it: backward takes the layer each call followed (known at the call), forward
+the layer that followed it in an earlier pass (so the first pass prefetches in backward only). The
+model's layer order is no guide: keras-hub's GPT-2 lists its layers nearly in reverse of their calls,
+and prefetching by it gathered, in each forward, a layer already called, whose weights were then held
+until its backward, all of them by the forward's end (the 126 M GPT-2 capped below its state went over
+its cap on rank 0 so). A layer already called in this pass is not prefetched in forward, nor one whose
+backward ended; a guess that still misses (a layer called at two places) holds one layer until it is
+called or the step ends. Every replica guesses alike, so the broadcasts match. ``most_held`` is the
+most bytes of other replicas' weights held at once. Off by default: on CPU it cut the waits but bought
+no speed (benchmarks/prefetch_torch.py).
 
 A weight is freed by swapping its tensor's data for an empty one, as a freed optimizer slot is
 (``_step.owners``); Keras keeps the shape apart. Not sharded: a variable with a regularizer (Keras
@@ -37,6 +42,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, final
 
 import keras
@@ -55,6 +61,16 @@ class _Gathering(NamedTuple):
     works: list[Any]
     finish: Callable[[], None]
     started: float  # when its broadcasts were started
+    nbytes: int  # the other replicas' weights it brings, held until its layer frees them
+
+
+@dataclass
+class _Pass:
+    """One forward pass's layers (by id, but ``last``: an index in ``JustInTime``'s layers) and its backward's."""
+
+    last: int | None = None  # the layer called last
+    called: set[int] = field(default_factory=set)  # called and freed in forward: wanted again in backward only
+    finished: set[int] = field(default_factory=set)  # whose backward ended
 
 
 def shardable(variable: keras.Variable) -> bool:
@@ -87,9 +103,14 @@ class JustInTime:
         self._index = {id(layer): i for i, (layer, _) in enumerate(self._layers)}
         self._pending: dict[int, _Gathering] = {}  # layer id -> its gather started ahead (prefetch)
         self.prefetch = False  # rank 0's choice, taken by every replica at ``install``
+        self._next: dict[int, int] = {}  # layer index -> the index of the layer called after it (first seen)
+        self._pass = _Pass()  # this forward pass's calls, and the backward that follows it
+        self._held: dict[int, int] = {}  # layer id -> bytes of other replicas' weights it holds or gathers
+        self.most_held = 0  # the most bytes of other replicas' weights held at once (gathered or on the way)
         self._gathered: dict[int, set[int]] = {}  # layer id -> its weights still waiting for a gradient
         self._rows: dict[int, torch.Tensor] = {}  # a split variable's own rows while it is gathered whole
         self._undo: list[Callable[[], None]] = []
+        self._model = model
         self.paused = False  # rank 0 holds every weight (a callback runs on it alone): no gathers
         self.seconds = 0.0  # spent gathering since the last ``take_seconds`` (the scaling report's)
         self.ahead = 0.0  # the gathers' time in flight before their layer needed them, since then
@@ -109,6 +130,7 @@ class JustInTime:
                     self._on_gradient(layer, own, variable)
                 )
                 self._undo.append(handle.remove)
+        self._undo.append(internals.override(self._model, "call", self._new_pass(self._model.call)))
         self.free_all()
 
     def uninstall(self) -> None:
@@ -127,7 +149,7 @@ class JustInTime:
         self._pending = {}
         for variable in self.sharded:
             self._release(variable)
-        self._gathered = {}
+        self._gathered, self._held = {}, {}
 
     def take_seconds(self) -> tuple[float, float]:
         """The seconds spent waiting for gathers, and those their broadcasts were in flight before their
@@ -140,30 +162,47 @@ class JustInTime:
         """What ``owner`` holds of the sharded weights: its whole variables and its rows of the split ones."""
         return [Held(v, p.rows) for v in self.sharded for p in self._pieces[id(v)] if p.owner == owner]
 
+    def _new_pass(self, keras_call: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self._pass = _Pass()
+            return keras_call(*args, **kwargs)
+
+        return call
+
     def _call(self, layer: keras.layers.Layer, own: list[keras.Variable], keras_call: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
             if self.paused or id(layer) in self._gathered:  # called again inside its own call, or in backward
                 return keras_call(*args, **kwargs)
+            index, before = self._index[id(layer)], self._pass.last
+            if before is not None:
+                self._next.setdefault(before, index)
+            self._pass.last = index
             self._gather(layer, own)
-            self._prefetch(layer, 1)
+            self._prefetch(self._next.get(index), skip=self._pass.called)
             try:
                 outputs = keras_call(*args, **kwargs)
             finally:
                 self._free(layer, own)
+                self._pass.called.add(id(layer))
             if torch.is_grad_enabled():
                 for output in keras.tree.flatten(outputs):
                     if isinstance(output, torch.Tensor) and output.requires_grad:
-                        output.register_hook(self._before_backward(layer, own))
+                        output.register_hook(self._before_backward(layer, own, before))
             return outputs
 
         return call
 
-    def _before_backward(self, layer: keras.layers.Layer, own: list[keras.Variable]) -> Callable[[torch.Tensor], None]:
+    def _before_backward(
+        self, layer: keras.layers.Layer, own: list[keras.Variable], before: int | None
+    ) -> Callable[[torch.Tensor], None]:
+        """The layer gathered as its backward begins, and the gather of ``before`` (the layer called before
+        this call) started."""
+
         def hook(_: torch.Tensor) -> None:
             if id(layer) not in self._gathered:
                 self._gather(layer, own)
                 self._gathered[id(layer)] = {id(v) for v in own if internals.stored_value(v).requires_grad}
-                self._prefetch(layer, -1)
+            self._prefetch(before, skip=self._pass.finished)
 
         return hook
 
@@ -177,18 +216,23 @@ class JustInTime:
             waiting.discard(id(variable))
             if not waiting:
                 self._free(layer, own)
+                self._pass.finished.add(id(layer))
 
         return hook
 
-    def _prefetch(self, layer: keras.layers.Layer, step: int) -> None:
-        """The gather of the layer ``step`` away from ``layer`` in the model's order started (forward: 1,
-        backward: -1), unless it holds its weights or is on its way."""
-        index = self._index[id(layer)] + step
-        if not self.prefetch or not 0 <= index < len(self._layers):
+    def _prefetch(self, index: int | None, *, skip: set[int]) -> None:
+        """The gather of the layer at ``index`` started, unless it holds its weights, is on its way, or is in
+        ``skip`` (called already in this forward pass; its backward ended)."""
+        if not self.prefetch or index is None:
             return
         following, own = self._layers[index]
-        if id(following) not in self._gathered and id(following) not in self._pending:
+        if id(following) not in self._gathered and id(following) not in self._pending and id(following) not in skip:
             self._pending[id(following)] = self._start(own)
+            self._hold(following, self._pending[id(following)].nbytes)
+
+    def _hold(self, layer: keras.layers.Layer, nbytes: int) -> None:
+        self._held[id(layer)] = nbytes
+        self.most_held = max(self.most_held, sum(self._held.values()))
 
     def _gather(self, layer: keras.layers.Layer, own: list[keras.Variable]) -> None:
         """The layer's weights in place: its gather started ahead, or started now, waited for."""
@@ -202,6 +246,7 @@ class JustInTime:
             work.wait()
         gathering.finish()
         self._gathered[id(layer)] = set()
+        self._hold(layer, gathering.nbytes)
         self.seconds += time.perf_counter() - started
 
     def _start(self, own: list[keras.Variable]) -> _Gathering:
@@ -237,12 +282,14 @@ class JustInTime:
                     self._rows[id(variable)] = internals.stored_value(variable).data
                     internals.stored_value(variable).data = wholes[id(variable)]
 
-        return _Gathering(works, finish, started)
+        received = sum(flat.numel() * flat.element_size() for owner, _, flat in flats if owner != self.rank)
+        return _Gathering(works, finish, started, received + sum(w.numel() * w.element_size() for w in wholes.values()))
 
     def _free(self, layer: keras.layers.Layer, own: list[keras.Variable]) -> None:
         for variable in own:
             self._release(variable)
         self._gathered.pop(id(layer), None)
+        self._held.pop(id(layer), None)
 
     def _release(self, variable: keras.Variable) -> None:
         """Another owner's whole variable freed; a split one back to its own rows (kept while gathered)."""
