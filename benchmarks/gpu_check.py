@@ -84,6 +84,10 @@ def plan(cpu: bool) -> list[Part]:
         two = Run(f"torch_dp2{suffix}", "torch", trainer="dp", replicas=2, shard=shard, cpu=cpu)
         label = f"torch-dp, 2 replicas {where}" + (', shard="full"' if shard else "")
         parts.append(Part(f"torch_2_replicas{suffix}", label, two, torch_fit, FLOAT32_TOLERANCE))
+    # the gathers prefetched: whether it pays is this part's step time against the one above
+    ahead = Run("torch_dp2_full_prefetch", "torch", trainer="dp", replicas=2, shard="full", cpu=cpu, prefetch=True)
+    label = f'torch-dp, 2 replicas {where}, shard="full", prefetch'
+    parts.append(Part("torch_2_replicas_full_prefetch", label, ahead, torch_fit, FLOAT32_TOLERANCE))
     full = Run("jax_dp1_full", "jax", trainer="dp", shard="full", cpu=cpu)
     parts.append(Part("jax_full", 'jax-dp, 1 device, shard="full"', full, jax_fit, FLOAT32_TOLERANCE))
     for kind, title in (("scaling", "scaling report (MFU), 1 replica"), ("host", "host time per step, small MLP")):
@@ -232,6 +236,8 @@ def _environment(run: Run, rank: int, port: int) -> dict[str, str]:
     environment = {**os.environ, "KERAS_BACKEND": run.backend, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     if run.cpu:  # one thread a process: the rehearsal shares a CI runner's few cores with others
         environment.update({"CUDA_VISIBLE_DEVICES": "", "JAX_PLATFORMS": "cpu", "OMP_NUM_THREADS": "1"})
+    if run.prefetch:  # rank 0's decides for every replica
+        environment["TORCH_DP_PREFETCH"] = "1"
     if run.replicas > 1:  # one rank of a group as torchrun would start it, on this host
         group = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": run.replicas, "LOCAL_WORLD_SIZE": run.replicas}
         environment.update({name: str(value) for name, value in group.items()})

@@ -56,6 +56,7 @@ class Run:
     shard: Literal["optimizer", "gradients", "full"] | None = None
     replicas: int = 1
     cpu: bool = False
+    prefetch: bool = False  # shard="full" with its gathers prefetched (TORCH_DP_PREFETCH=1)
 
     @property
     def sizes(self) -> Sizes:

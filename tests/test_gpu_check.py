@@ -33,6 +33,7 @@ TRAINING_PARTS = {
     "jax_mixed_bfloat16": 1,
     "torch_2_replicas": 2,
     "torch_2_replicas_full": 2,
+    "torch_2_replicas_full_prefetch": 2,
     "jax_full": 1,
 }
 
