@@ -30,6 +30,7 @@ from dp_core.keras import (
     FitArguments,
     FitJob,
     Inputs,
+    Job,
     MemoryEstimate,
     PredictJob,
     build_model,
@@ -46,10 +47,12 @@ from dp_core.keras import (
 from torch_dp._loop.checkpoints import require_checkpointable
 from torch_dp._loop.hooks import refuse_batch_hooks
 from torch_dp._loop.loader_draws import build_drawing, fit_loader
+from torch_dp._mesh.checks import checked_mesh, plan_call, refused
+from torch_dp._mesh.run import on_mesh
 from torch_dp._processes.cluster import is_primary_process
 from torch_dp._processes.group import Timeouts, estimate_on_this_host
 from torch_dp._processes.launchers import ClusterProcess, Launcher, choose_launcher
-from torch_dp._scope.deferred import deferring_if_scoped
+from torch_dp._scope.deferred import deferring_if_scoped, scoped_mode
 from torch_dp._scope.held import trainer_scope
 from torch_dp._scope.layout import check_scoped_call
 from torch_dp._step.custom import check_custom_steps
@@ -73,7 +76,7 @@ def _one_replica_group_call(method: Callable[Concatenate[Trainer, P], R]) -> Cal
 
     @functools.wraps(method)
     def guarded(self: Trainer, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        if self.num_replicas == 1:  # trains in this process alone, without a group
+        if self._launcher.num_replicas == 1:  # trains in this process alone, without a group
             return method(self, *args, **kwargs)
         with _REPLICAS_CALL.call(method.__name__):
             return method(self, *args, **kwargs)
@@ -115,6 +118,8 @@ class Trainer:
     ``trainer.scaling_report`` holds the report (see the docs' "Scaling report").
 
     ``shard="optimizer"``, ``"gradients"`` or ``"full"`` (ZeRO-1, 2, 3) splits the state, exactly (docs/sharding.md).
+    ``mesh=(R, C), layout={regex: spec}`` (jax-dp's): R replicas of C processes, whose Dense layers the rules split
+    along each row, exactly too (docs/model-parallel.md); ``num_replicas`` is then R.
 
     A model that overrides ``train_step``, ``test_step`` or ``predict_step`` runs its own step
     on every replica's rows, as ``model.fit`` would on one device: the gradients every optimizer
@@ -150,6 +155,8 @@ class Trainer:
         on_nonfinite_loss: NonFiniteLoss = "stop",
         profile: bool | str | os.PathLike[str] = False,
         shard: ShardMode | None = None,
+        mesh: Any = None,
+        layout: Any = None,
     ) -> None:
         self.batch_norm: BatchNormMode = check_batch_norm_mode(batch_norm)
         self.shard = shard
@@ -161,12 +168,14 @@ class Trainer:
         self.collective_timeout = timeouts.collective
         self.timeout = timeouts.rendezvous  # for code that reads it: 60 s by default, or what timeout= set
         self.log_every_steps = log_every_steps
-        self._launcher: Launcher = choose_launcher(num_replicas, threads=threads_per_replica, timeouts=timeouts)
+        self._mesh = None if mesh is None else checked_mesh(mesh, layout, num_replicas, shard)
+        processes = num_replicas if self._mesh is None else self._mesh.mesh.num_processes
+        self._launcher: Launcher = choose_launcher(processes, threads=threads_per_replica, timeouts=timeouts)
         self._one_call = OneCall("torch_dp.Trainer", concurrent_work=_CONCURRENT_WORK)
 
     @property
     def num_replicas(self) -> int:
-        return self._launcher.num_replicas
+        return self._launcher.num_replicas if self._mesh is None else self._mesh.mesh.rows
 
     @property
     def shard(self) -> ShardMode | None:
@@ -187,6 +196,10 @@ class Trainer:
         """Build a model whose state does not fit one replica: ``with trainer.scope(): model = build()``.
         No variable holds a value until the model's first call; then each replica keeps only what ``shard=``
         gives it, bitwise an unsharded build's values, and keeps it between calls (docs/sharding.md)."""
+        if self._mesh is not None:
+            raise refused(
+                "Trainer.scope()", "a mesh's split layers start from a model built whole", "Build it as usual."
+            )
         return trainer_scope(self.shard, under_cluster=isinstance(self._launcher, ClusterProcess))
 
     def __enter__(self) -> Trainer:
@@ -260,7 +273,7 @@ class Trainer:
             executions=executions,
         )  # fmt: skip
         job = self._fit_job(arguments, keras_model, inputs, lr_scaling=lr_scaling, warmup_steps=warmup_steps)
-        history = self._launcher.run(job, keras_model, model)
+        history = self._launcher.run(self._placed(job, keras_model), keras_model, model)
         self.scaling_report = getattr(history, "scaling_report", None)
         return history
 
@@ -282,27 +295,14 @@ class Trainer:
     ) -> Any:
         """Loss and metrics over every sample, as single-device ``model.evaluate`` gives them."""
         keras_model, inputs, global_batch_size, executions = checked_call(
-            model,
-            x,
-            y,
-            sample_weight,
-            batch_size=batch_size,
-            global_batch_size=global_batch_size,
-            step_names=("test_step",),
-            steps=steps,
-            checks=self._call_checks,
-        )
+            model, x, y, sample_weight, batch_size=batch_size, global_batch_size=global_batch_size,
+            step_names=("test_step",), steps=steps, checks=self._call_checks,
+        )  # fmt: skip
         check_scoped_call(keras_model, self.shard, self.num_replicas)
         job = EvaluateJob(
-            inputs,
-            global_batch_size,
-            self.batch_norm,
-            verbose,
-            self.log_every_steps,
-            list(callbacks or []),
-            executions=executions,
+            inputs, global_batch_size, self.batch_norm, verbose, self.log_every_steps, list(callbacks or []), executions
         )
-        logs = self._launcher.run(job, keras_model, model)
+        logs = self._launcher.run(self._placed(job, keras_model), keras_model, model)
         return logs if return_dict else internals.metrics_in_order(keras_model, logs)
 
     @one_call_at_a_time
@@ -320,25 +320,18 @@ class Trainer:
     ) -> Any:
         """Predictions for every row of ``x``, in input order, like ``model.predict``."""
         keras_model, inputs, global_batch_size, executions = checked_call(
-            model,
-            x,
-            batch_size=batch_size,
-            global_batch_size=global_batch_size,
-            step_names=("predict_step",),
-            compiled=False,
-            steps=steps,
-            checks=self._call_checks,
-        )
+            model, x, batch_size=batch_size, global_batch_size=global_batch_size, step_names=("predict_step",),
+            compiled=False, steps=steps, checks=self._call_checks,
+        )  # fmt: skip
         check_scoped_call(keras_model, self.shard, self.num_replicas)
-        return self._launcher.run(
-            PredictJob(inputs, global_batch_size, verbose, list(callbacks or []), executions=executions),
-            keras_model,
-            model,
-        )
+        job = PredictJob(inputs, global_batch_size, verbose, list(callbacks or []), executions=executions)
+        return self._launcher.run(self._placed(job, keras_model), keras_model, model)
 
     def estimate(self, model: Any, x: Any = None, y: Any = None, *, global_batch_size: int) -> MemoryEstimate:
         """One replica's memory to train ``model`` under every ``shard=`` mode, next to its device's, before
         training (``print`` it for a table); built here as ``fit`` builds it, starting no replica."""
+        if self._mesh is not None:
+            raise ValueError("Trainer(mesh=...).estimate is not built yet: it estimates data parallel's replicas.")
         return estimate_on_this_host(model, x, y, global_batch_size, self.num_replicas, self.shard)
 
     def _fit_job(
@@ -367,6 +360,15 @@ class Trainer:
             log_every_steps=self.log_every_steps,
             lr_policy=policy,
             resume_from=resume,
+        )
+
+    def _placed(self, job: Job, model: keras.Model) -> Job:
+        """``job`` as it runs: on the mesh, its plan checked here, when the Trainer has one."""
+        if self._mesh is None:
+            return job
+        return on_mesh(
+            job,
+            plan_call(model, self._mesh.mesh, self._mesh.layout, job, shard=self.shard, scoped=scoped_mode(model)[0]),
         )
 
     @property

@@ -4,7 +4,7 @@ what to do instead)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import keras
 
@@ -19,7 +19,14 @@ def refused(what: str, why: str, instead: str) -> ValueError:
     return ValueError(f"Trainer(mesh=...) does not build {what} yet: {why}. {instead}")
 
 
-def checked_mesh(mesh: Any, layout: Any, num_replicas: int | None, shard: ShardMode | None) -> tuple[Mesh, Layout]:
+class MeshLayout(NamedTuple):
+    """A Trainer's ``mesh=`` and ``layout=``, checked."""
+
+    mesh: Mesh
+    layout: Layout
+
+
+def checked_mesh(mesh: Any, layout: Any, num_replicas: int | None, shard: ShardMode | None) -> MeshLayout:
     """``Trainer(mesh=, layout=)``'s arguments, checked when the Trainer is made."""
     checked, rules = mesh_of(mesh), Layout(layout)
     rules.check_axes(checked)
@@ -29,7 +36,7 @@ def checked_mesh(mesh: Any, layout: Any, num_replicas: int | None, shard: ShardM
             f"({checked.num_processes}, rows x columns) and its rows are the replicas; leave num_replicas out."
         )
     check_no_shard(shard)
-    return checked, rules
+    return MeshLayout(checked, rules)
 
 
 def check_no_shard(shard: ShardMode | None) -> None:

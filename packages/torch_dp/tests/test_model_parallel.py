@@ -1,0 +1,171 @@
+"""Model parallel on torch (``Trainer(mesh=..., layout=...)``, issue 46's first slice): Dense layers split
+by columns and by rows along each mesh row, on a (1, 2) and a (2, 2) mesh, against one device's
+``model.fit``; and every refusal of what the slice does not build, before anything starts."""
+
+import keras
+import numpy as np
+import pytest
+import torch_dp_testing as testing
+
+import torch_dp
+
+# "d1" by columns with its bias, "d2" by rows (its bias whole), "out" whole: every split kind and a whole layer
+LAYOUT = {"d1/kernel": (None, "model"), "d1/bias": ("model",), "d2/kernel": ("model", None)}
+GLOBAL_BATCH = 16
+EPOCHS = 2
+
+
+def mlp(seed: int = 1) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.Dense(16, activation="relu", name="d1"),
+            keras.layers.Dropout(0.25),  # every process of a row must draw the same mask
+            keras.layers.Dense(8, activation="tanh", name="d2"),
+            keras.layers.Dense(3, activation="softmax", name="out"),
+        ]
+    )
+    model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def assert_like_model_fit(trainer: torch_dp.Trainer) -> None:
+    """Weights, Adam's slots, History, evaluate and predict (rows in order) are those of ``model.fit``, with
+    an uneven last batch (70 rows: four batches of 16, one of 6)."""
+    x, y = testing.data(70)
+    reference = mlp()
+    keras.utils.set_random_seed(5)
+    expected = reference.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    model = mlp()
+    keras.utils.set_random_seed(5)
+    history = trainer.fit(model, x, y, global_batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    assert set(history.history) == {"loss", "accuracy"}
+    for name, values in expected.history.items():
+        np.testing.assert_allclose(history.history[name], values, rtol=1e-6, err_msg=name)
+    # whole again in the caller: every weight and slot has its own shape and model.fit's value
+    for mine, theirs in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(mine, theirs, atol=1e-6)
+    for mine, theirs in zip(model.optimizer.variables, reference.optimizer.variables, strict=True):
+        np.testing.assert_allclose(np.asarray(mine), np.asarray(theirs), atol=1e-6, err_msg=mine.path)
+    np.testing.assert_allclose(
+        trainer.evaluate(model, x, y, global_batch_size=GLOBAL_BATCH, verbose=0),
+        reference.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0),
+        rtol=1e-6,
+    )
+    predicted = trainer.predict(model, x, global_batch_size=GLOBAL_BATCH, verbose=0)
+    assert predicted.shape == (70, 3)
+    np.testing.assert_allclose(predicted, reference.predict(x, batch_size=GLOBAL_BATCH, verbose=0), atol=1e-6)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_one_by_two_mesh_is_model_fits():
+    with torch_dp.Trainer(mesh=(1, 2), layout=LAYOUT) as trainer:
+        assert trainer.num_replicas == 1
+        assert_like_model_fit(trainer)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_two_by_two_mesh_is_model_fits():
+    """Two replicas of two processes each, the same rules as a Keras ``LayoutMap`` (whose patterns match
+    whole paths)."""
+    layout = keras.distribution.LayoutMap(None)  # its device mesh is the Trainer's
+    for pattern, spec in LAYOUT.items():
+        layout[f".*{pattern}"] = spec
+    with torch_dp.Trainer(mesh=(2, 2), layout=layout) as trainer:
+        assert trainer.num_replicas == 2
+        assert_like_model_fit(trainer)
+
+
+def _fit(layout=LAYOUT, make=mlp, mesh=(1, 2), **fit_options):
+    """Fit ``make()`` on a mesh Trainer (no process starts: each refusal comes first)."""
+    x, y = testing.data(20)
+    options = {"global_batch_size": 4, "verbose": 0, **fit_options}
+    return torch_dp.Trainer(mesh=mesh, layout=layout).fit(make(), x, y, **options)
+
+
+def _with_embedding() -> keras.Model:
+    model = keras.Sequential([keras.Input((3,), dtype="int32"), keras.layers.Embedding(10, 4, name="emb")])
+    model.compile("adam", "mse")
+    return model
+
+
+def _compiled(model: keras.Model, optimizer="adam") -> keras.Model:
+    model.compile(optimizer, "sparse_categorical_crossentropy")
+    return model
+
+
+class _OwnStep(keras.Sequential):
+    def train_step(self, data):
+        return super().train_step(data)
+
+
+def _own_step() -> keras.Model:
+    return _compiled(_OwnStep([keras.Input((5,)), keras.layers.Dense(4, name="d1"), keras.layers.Dense(3)]))
+
+
+def _regularized() -> keras.Model:
+    dense = keras.layers.Dense(4, name="d1", kernel_regularizer="l2")
+    return _compiled(keras.Sequential([keras.Input((5,)), dense, keras.layers.Dense(3)]))
+
+
+def _unbuilt() -> keras.Model:
+    return _compiled(keras.Sequential([keras.layers.Dense(4, name="d1"), keras.layers.Dense(3)]))
+
+
+def _steps_per_execution() -> keras.Model:
+    model = mlp()
+    model.compile("adam", "sparse_categorical_crossentropy", steps_per_execution=2)
+    return model
+
+
+def _batches():
+    x, y = testing.data(20)
+    while True:
+        yield x[:4], y[:4]
+
+
+REFUSALS = {
+    "an indivisible dimension": (
+        lambda: _fit({"d1/kernel": ("model", None)}),
+        r"layout puts the variable '.*d1/kernel' \(shape \(5, 16\)\) as \('model', None\) on the mesh "
+        r"\{'batch': 1, 'model': 2\}, but dimension 0 of size 5 does not divide into the 2 part\(s\) of 'model'",
+    ),
+    "too many entries": (lambda: _fit({"d1/bias": (None, "model")}), r"the spec has 2 entries for a variable of 1"),
+    "an axis the mesh lacks": (lambda: _fit({"d1/kernel": (None, "tensor")}), r"names the axis 'tensor'"),
+    "a split over batch": (lambda: _fit({"d1/kernel": ("batch", None)}), r"splits a variable over 'batch'"),
+    "both dimensions": (lambda: _fit({"d1/kernel": ("model", "model")}), r"along one dimension only"),
+    "a layer kind not built": (lambda: _fit({"emb": (None, "model")}, _with_embedding), r"is a Embedding's"),
+    "a bias split alone": (lambda: _fit({"d1/bias": ("model",)}), r"'d1''s kernel is whole and its bias split"),
+    "a bias split by rows": (
+        lambda: _fit({"d2/kernel": ("model", None), "d2/bias": ("model",)}),
+        r"'d2''s kernel is split by rows and its bias split",
+    ),
+    "shard=": (lambda: torch_dp.Trainer(mesh=(1, 2), shard="full"), r"does not build shard='full' yet"),
+    "num_replicas=": (lambda: torch_dp.Trainer(2, mesh=(1, 2)), r"the mesh says how many processes run \(2"),
+    "a mesh of three axes": (lambda: torch_dp.Trainer(mesh=(1, 2, 2)), r"mesh= takes \(rows, columns\)"),
+    "callbacks": (lambda: _fit(callbacks=[keras.callbacks.History()]), r"does not build callbacks yet"),
+    "checkpoint_dir": (lambda: _fit(checkpoint_dir="unused"), r"does not build checkpoint_dir yet"),
+    "a generator": (
+        lambda: torch_dp.Trainer(mesh=(1, 2), layout=LAYOUT).fit(mlp(), _batches(), steps_per_epoch=2, verbose=0),
+        r"does not build batch-yielding inputs",
+    ),
+    "steps_per_execution": (lambda: _fit(make=_steps_per_execution), r"steps_per_execution=2"),
+    "a model's own train_step": (lambda: _fit(make=_own_step), r"a model's own train_step"),
+    "a regularizer": (lambda: _fit(make=_regularized), r"a regularizer on the split layer 'd1'"),
+    "global_clipnorm": (
+        lambda: _fit(make=lambda: _compiled(mlp(), keras.optimizers.Adam(global_clipnorm=1.0))),
+        r"the optimizer Adam with these options",
+    ),
+    "an unbuilt model": (lambda: _fit(make=_unbuilt), r"needs a built model"),
+    "scope()": (lambda: torch_dp.Trainer(mesh=(1, 2)).scope(), r"does not build Trainer.scope\(\) yet"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_what_the_slice_does_not_build_is_refused_before_anything_starts(case):
+    call, message = REFUSALS[case]
+    with pytest.raises(ValueError, match=message):
+        call()
