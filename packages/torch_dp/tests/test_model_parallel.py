@@ -2,17 +2,19 @@
 by columns and by rows along each mesh row, on a (1, 2) and a (2, 2) mesh, against one device's
 ``model.fit``; and every refusal of what the slice does not build, before anything starts."""
 
+import types
+
 import keras
 import numpy as np
 import pytest
 import torch_dp_testing as testing
 
 import torch_dp
+from torch_dp._mesh.plan import Mesh, mesh_of
 
 # "d1" by columns with its bias, "d2" by rows (its bias whole), "out" whole: every split kind and a whole layer
 LAYOUT = {"d1/kernel": (None, "model"), "d1/bias": ("model",), "d2/kernel": ("model", None)}
 GLOBAL_BATCH = 16
-EPOCHS = 2
 
 
 def mlp(seed: int = 1) -> keras.Model:
@@ -30,17 +32,21 @@ def mlp(seed: int = 1) -> keras.Model:
     return model
 
 
-def assert_like_model_fit(trainer: torch_dp.Trainer) -> None:
-    """Weights, Adam's slots, History, evaluate and predict (rows in order) are those of ``model.fit``, with
-    an uneven last batch (70 rows: four batches of 16, one of 6)."""
+def assert_like_model_fit(trainer: torch_dp.Trainer, *, epochs: int, validation: bool) -> None:
+    """Weights, Adam's slots, History (with validation: its val_ logs), evaluate and predict (rows in order)
+    are those of ``model.fit``, with an uneven last batch (70 rows: four batches of 16, one of 6)."""
     x, y = testing.data(70)
+    options = {"epochs": epochs, "shuffle": False, "verbose": 0}
+    if validation:
+        options["validation_data"] = testing.data(21, seed=1)
     reference = mlp()
     keras.utils.set_random_seed(5)
-    expected = reference.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    expected = reference.fit(x, y, batch_size=GLOBAL_BATCH, **options)
     model = mlp()
     keras.utils.set_random_seed(5)
-    history = trainer.fit(model, x, y, global_batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
-    assert set(history.history) == {"loss", "accuracy"}
+    history = trainer.fit(model, x, y, global_batch_size=GLOBAL_BATCH, **options)
+    assert set(history.history) == set(expected.history) >= {"loss", "accuracy"}
+    assert len(history.history["loss"]) == epochs
     for name, values in expected.history.items():
         np.testing.assert_allclose(history.history[name], values, rtol=1e-6, err_msg=name)
     # whole again in the caller: every weight and slot has its own shape and model.fit's value
@@ -63,7 +69,7 @@ def assert_like_model_fit(trainer: torch_dp.Trainer) -> None:
 def test_a_one_by_two_mesh_is_model_fits():
     with torch_dp.Trainer(mesh=(1, 2), layout=LAYOUT) as trainer:
         assert trainer.num_replicas == 1
-        assert_like_model_fit(trainer)
+        assert_like_model_fit(trainer, epochs=2, validation=True)
 
 
 @pytest.mark.multiprocess
@@ -76,7 +82,7 @@ def test_a_two_by_two_mesh_is_model_fits():
         layout[f".*{pattern}"] = spec
     with torch_dp.Trainer(mesh=(2, 2), layout=layout) as trainer:
         assert trainer.num_replicas == 2
-        assert_like_model_fit(trainer)
+        assert_like_model_fit(trainer, epochs=1, validation=False)
 
 
 def _fit(layout=LAYOUT, make=mlp, mesh=(1, 2), **fit_options):
@@ -125,6 +131,18 @@ def _batches():
     x, y = testing.data(20)
     while True:
         yield x[:4], y[:4]
+
+
+def test_a_device_mesh_is_read_for_its_shape_and_axes():
+    """``mesh=`` takes torch's ``DeviceMesh`` (its ``shape`` and ``mesh_dim_names``; one needs a process
+    group to be made, so a stand-in with those two attributes here)."""
+    mesh = types.SimpleNamespace(shape=(2, 3), mesh_dim_names=("batch", "model"))
+    assert mesh_of(mesh) == Mesh(rows=2, columns=3)
+    assert Mesh(2, 3).row_ranks() == [[0, 1, 2], [3, 4, 5]] and Mesh(2, 3).column_ranks() == [[0, 3], [1, 4], [2, 5]]
+    with pytest.raises(
+        ValueError, match=r"a DeviceMesh with the axes \('batch', 'model'\), got the axes \('dp', 'tp'\)"
+    ):
+        mesh_of(types.SimpleNamespace(shape=(2, 2), mesh_dim_names=("dp", "tp")))
 
 
 REFUSALS = {
