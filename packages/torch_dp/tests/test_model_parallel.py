@@ -1,5 +1,5 @@
-"""Model parallel on torch (``Trainer(mesh=..., layout=...)``, issue 46's first slice): Dense layers split
-by columns and by rows along each mesh row, on a (1, 2) and a (2, 2) mesh, against one device's
+"""Model parallel on torch (``Trainer(mesh=..., layout=...)``, issue 46's first slice): Dense and Embedding
+layers split by columns and by rows along each mesh row, on a (1, 2) and a (2, 2) mesh, against one device's
 ``model.fit``; and every refusal of what the slice does not build, before anything starts."""
 
 import types
@@ -10,10 +10,16 @@ import pytest
 import torch_dp_testing as testing
 
 import torch_dp
-from torch_dp._mesh.plan import Mesh, mesh_of
+from torch_dp._mesh.plan import Layout, Mesh, mesh_of, plan_for
 
-# "d1" by columns with its bias, "d2" by rows (its bias whole), "out" whole: every split kind and a whole layer
-LAYOUT = {"d1/kernel": (None, "model"), "d1/bias": ("model",), "d2/kernel": ("model", None)}
+# "d1" by columns with its bias, "d2" by rows (its bias whole), "out" whole, "emb" by columns (the (2, 2)
+# mesh splits its vocabulary): every split kind and a whole layer
+LAYOUT = {
+    "emb/embeddings": (None, "model"),
+    "d1/kernel": (None, "model"),
+    "d1/bias": ("model",),
+    "d2/kernel": ("model", None),
+}
 GLOBAL_BATCH = 16
 
 
@@ -21,7 +27,9 @@ def mlp(seed: int = 1) -> keras.Model:
     keras.utils.set_random_seed(seed)
     model = keras.Sequential(
         [
-            keras.Input((5,)),
+            keras.Input((4,), dtype="int32"),
+            keras.layers.Embedding(12, 6, name="emb"),
+            keras.layers.Flatten(),
             keras.layers.Dense(16, activation="relu", name="d1"),
             keras.layers.Dropout(0.25),  # every process of a row must draw the same mask
             keras.layers.Dense(8, activation="tanh", name="d2"),
@@ -32,13 +40,19 @@ def mlp(seed: int = 1) -> keras.Model:
     return model
 
 
+def tokens(num_samples: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``testing.data``'s rows as 4 token ids of 12 each (its labels kept)."""
+    x, y = testing.data(num_samples, seed)
+    return np.clip(np.floor((x[:, :4] + 3) * 2), 0, 11).astype("int32"), y
+
+
 def assert_like_model_fit(trainer: torch_dp.Trainer, *, epochs: int, validation: bool) -> None:
     """Weights, Adam's slots, History (with validation: its val_ logs), evaluate and predict (rows in order)
     are those of ``model.fit``, with an uneven last batch (70 rows: four batches of 16, one of 6)."""
-    x, y = testing.data(70)
+    x, y = tokens(70)
     options = {"epochs": epochs, "shuffle": False, "verbose": 0}
     if validation:
-        options["validation_data"] = testing.data(21, seed=1)
+        options["validation_data"] = tokens(21, seed=1)
     reference = mlp()
     keras.utils.set_random_seed(5)
     expected = reference.fit(x, y, batch_size=GLOBAL_BATCH, **options)
@@ -75,10 +89,10 @@ def test_a_one_by_two_mesh_is_model_fits():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_a_two_by_two_mesh_is_model_fits():
-    """Two replicas of two processes each, the same rules as a Keras ``LayoutMap`` (whose patterns match
-    whole paths)."""
+    """Two replicas of two processes each, the rules as a Keras ``LayoutMap`` (whose patterns match whole
+    paths), the Embedding split by its vocabulary."""
     layout = keras.distribution.LayoutMap(None)  # its device mesh is the Trainer's
-    for pattern, spec in LAYOUT.items():
+    for pattern, spec in {**LAYOUT, "emb/embeddings": ("model", None)}.items():
         layout[f".*{pattern}"] = spec
     with torch_dp.Trainer(mesh=(2, 2), layout=layout) as trainer:
         assert trainer.num_replicas == 2
@@ -87,15 +101,13 @@ def test_a_two_by_two_mesh_is_model_fits():
 
 def _fit(layout=LAYOUT, make=mlp, mesh=(1, 2), **fit_options):
     """Fit ``make()`` on a mesh Trainer (no process starts: each refusal comes first)."""
-    x, y = testing.data(20)
+    x, y = tokens(20)
     options = {"global_batch_size": 4, "verbose": 0, **fit_options}
     return torch_dp.Trainer(mesh=mesh, layout=layout).fit(make(), x, y, **options)
 
 
-def _with_embedding() -> keras.Model:
-    model = keras.Sequential([keras.Input((3,), dtype="int32"), keras.layers.Embedding(10, 4, name="emb")])
-    model.compile("adam", "mse")
-    return model
+def _with_einsum() -> keras.Model:
+    return _compiled(keras.Sequential([keras.Input((5,)), keras.layers.EinsumDense("ab,bc->ac", 4, name="ein")]))
 
 
 def _compiled(model: keras.Model, optimizer="adam") -> keras.Model:
@@ -128,9 +140,21 @@ def _steps_per_execution() -> keras.Model:
 
 
 def _batches():
-    x, y = testing.data(20)
+    x, y = tokens(20)
     while True:
         yield x[:4], y[:4]
+
+
+def test_the_plan_splits_what_the_rules_say():
+    """The layers the fits above split, and how: the Embedding by columns (by rows under the (2, 2) mesh's
+    rules), "d1" by columns with its bias, "d2" by rows; "out" stays whole."""
+    splits = plan_for(mlp(), Mesh(1, 2), Layout(LAYOUT)).splits
+    assert [(split.layer, split.weight.split("/", 1)[1], split.dimension, split.bias_split) for split in splits] == [
+        (0, "emb/embeddings", 1, False),
+        (1, "d1/kernel", 1, True),
+        (2, "d2/kernel", 0, False),
+    ]
+    assert plan_for(mlp(), Mesh(2, 1), Layout(LAYOUT)).splits == ()  # one process per row: nothing to split
 
 
 def test_a_device_mesh_is_read_for_its_shape_and_axes():
@@ -147,15 +171,15 @@ def test_a_device_mesh_is_read_for_its_shape_and_axes():
 
 REFUSALS = {
     "an indivisible dimension": (
-        lambda: _fit({"d1/kernel": ("model", None)}),
-        r"layout puts the variable '.*d1/kernel' \(shape \(5, 16\)\) as \('model', None\) on the mesh "
-        r"\{'batch': 1, 'model': 2\}, but dimension 0 of size 5 does not divide into the 2 part\(s\) of 'model'",
+        lambda: _fit({"out/kernel": (None, "model")}),
+        r"layout puts the variable '.*out/kernel' \(shape \(8, 3\)\) as \(None, 'model'\) on the mesh "
+        r"\{'batch': 1, 'model': 2\}, but dimension 1 of size 3 does not divide into the 2 part\(s\) of 'model'",
     ),
     "too many entries": (lambda: _fit({"d1/bias": (None, "model")}), r"the spec has 2 entries for a variable of 1"),
     "an axis the mesh lacks": (lambda: _fit({"d1/kernel": (None, "tensor")}), r"names the axis 'tensor'"),
     "a split over batch": (lambda: _fit({"d1/kernel": ("batch", None)}), r"splits a variable over 'batch'"),
     "both dimensions": (lambda: _fit({"d1/kernel": ("model", "model")}), r"along one dimension only"),
-    "a layer kind not built": (lambda: _fit({"emb": (None, "model")}, _with_embedding), r"is a Embedding's"),
+    "a layer kind not built": (lambda: _fit({"ein": (None, "model")}, _with_einsum), r"is a EinsumDense's"),
     "a bias split alone": (lambda: _fit({"d1/bias": ("model",)}), r"'d1''s kernel is whole and its bias split"),
     "a bias split by rows": (
         lambda: _fit({"d2/kernel": ("model", None), "d2/bias": ("model",)}),

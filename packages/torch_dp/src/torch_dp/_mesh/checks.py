@@ -10,7 +10,7 @@ import keras
 
 from dp_core import ShardMode
 from dp_core.keras import FitJob, Inputs, Job
-from torch_dp._mesh.plan import Layout, Mesh, MeshPlan, dense_layers, mesh_of, plan_for
+from torch_dp._mesh.plan import Layout, Mesh, MeshPlan, bias_of, mesh_of, plan_for, splittable_layers, weight_of
 from torch_dp._step.custom import STEPS, overrides
 from torch_dp._step.parts import splittable
 
@@ -105,12 +105,12 @@ def _check_fit(job: FitJob[Any]) -> None:
 
 def _check_optimizer(model: keras.Model, plan: MeshPlan) -> None:
     """Keras's optimizer updates each split variable's part from its own gradient and slots: element-wise."""
-    dense = dense_layers(model)
-    layers = [dense[split.layer] for split in plan.splits]
+    candidates = splittable_layers(model)
+    layers = [candidates[split.layer] for split in plan.splits]
     variables = [
         v
         for layer, split in zip(layers, plan.splits, strict=True)
-        for v in (layer.kernel, *([layer.bias] if split.bias_split else []))
+        for v in (weight_of(layer), *([bias_of(layer)] if split.bias_split else []))
     ]
     optimizer = model.optimizer
     inner: Any = getattr(optimizer, "inner_optimizer", optimizer)
@@ -123,9 +123,10 @@ def _check_optimizer(model: keras.Model, plan: MeshPlan) -> None:
             "Choose such an optimizer, or leave the variables it cannot update whole.",
         )
     for layer in layers:
-        if layer.kernel_regularizer is not None or layer.bias_regularizer is not None:
+        regularizers = ("kernel_regularizer", "bias_regularizer", "embeddings_regularizer")
+        if any(getattr(layer, name, None) is not None for name in regularizers):
             raise refused(
                 f"a regularizer on the split layer {layer.name!r}",
                 "its penalty would be computed on each process's part only",
-                "Leave that layer whole, or drop its kernel_regularizer and bias_regularizer.",
+                "Leave that layer whole, or drop its regularizers.",
             )

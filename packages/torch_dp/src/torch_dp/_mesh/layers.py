@@ -1,6 +1,6 @@
-"""Dense layers split along a mesh row, for the length of one call (``split_layers``).
+"""Dense and Embedding layers split along a mesh row, for the length of one call (``split_layers``).
 
-Each process of the row holds its part of a split layer's kernel (and of its bias and optimizer
+Each process of the row holds its part of a split layer's weight (and of its bias and optimizer
 slots): the variable's storage is its part and it says it has the part's shape (as ``shard=``'s
 parts do, ``_step.parts``), so Keras's optimizer updates the part with the part's own slots (Adam's
 moments of columns a..b live with columns a..b) and torch-dp's gradient sum over the replicas (the
@@ -11,7 +11,14 @@ mesh's column of processes) sums parts alike. The layer's ``call`` is replaced b
 - rows (``("model", None)``): ``y = sum_over_row(slice_columns(x) @ kernel_part) [+ bias]``, one sum
   of the partial products forward, one all-gather of the input's gradient backward.
 
-The activation follows, on the whole output, as in ``Dense.call``. Afterwards every part is
+The activation follows, on the whole output, as in ``Dense.call``. An Embedding's lookup is split the same
+two ways:
+
+- columns: ``y = gather_columns(take(embeddings_part, ids))``, the outputs gathered forward;
+- rows (its vocabulary): ``y = sum_over_row(take(embeddings_part, ids - first) * (ids in the part))``,
+  each id looked up by the process that holds it, the others adding zeros (so the sum is exact).
+
+Afterwards every part is
 gathered back (one all-gather per variable) and the layer's own ``call`` restored, so between
 calls every process holds the whole model, which is the caller's after a fit.
 """
@@ -30,7 +37,7 @@ from torch_dp._comm.collectives import all_gather_rows
 from torch_dp._comm.replica import Replica
 from torch_dp._internals import with_keras_shape
 from torch_dp._mesh.collectives import copy_to_row, gather_columns, slice_columns, sum_over_row
-from torch_dp._mesh.plan import LayerSplit, MeshPlan, dense_layers
+from torch_dp._mesh.plan import LayerSplit, MeshPlan, bias_of, splittable_layers, weight_of
 from torch_dp._step.owners import slots_of
 
 
@@ -40,17 +47,22 @@ def split_layers(
 ) -> Iterator[None]:
     """Within the block ``plan``'s layers are split along ``row`` (this process's place in its mesh row),
     with ``optimizer``'s slots for their variables (None: a call that does not train)."""
-    layers = dense_layers(model)
+    layers = splittable_layers(model)
     undo: list[Callable[[bool], None]] = []
     failed = False
     try:
         for split in plan.splits:
             layer = layers[split.layer]
-            held = [(layer.kernel, split.dimension), *([(layer.bias, 0)] if split.bias_split else [])]
+            held = [(weight_of(layer), split.dimension), *([(bias_of(layer), 0)] if split.bias_split else [])]
             for variable, axis in held:
                 slots = [] if optimizer is None else slots_of(optimizer, [variable])[0]
                 undo += [_narrowed(v, axis, row) for v in (variable, *slots)]
-            own_call = internals.override(layer, "call", _split_call(layer, split, row))
+            call = (
+                _split_call(layer, split, row)
+                if isinstance(layer, keras.layers.Dense)
+                else _split_lookup(layer, split, row)
+            )
+            own_call = internals.override(layer, "call", call)
             undo.append(lambda _, own_call=own_call: own_call())
         yield
     except BaseException:
@@ -99,5 +111,26 @@ def _split_call(layer: keras.layers.Dense, split: LayerSplit, row: Replica) -> C
         if layer.bias is not None and not split.bias_split:
             y = keras.ops.add(y, layer.bias)
         return y if layer.activation is None else layer.activation(y)
+
+    return call
+
+
+def _split_lookup(layer: Any, split: LayerSplit, row: Replica) -> Callable[..., Any]:
+    """``layer``'s ``call`` on its part (``Embedding.call``'s steps, the lookup split by columns or rows)."""
+
+    def call(inputs: Any) -> Any:
+        ids: Any = keras.ops.convert_to_tensor(inputs)
+        if ids.dtype not in (torch.int32, torch.int64):
+            ids = keras.ops.cast(ids, "int32")
+        if split.dimension == 1:
+            columns: Any = keras.ops.take(layer.embeddings, ids, axis=0)
+            outputs = gather_columns(columns, row)
+        else:
+            size = int(layer.embeddings.shape[0])  # this process's rows of the vocabulary
+            local = ids - row.rank * size
+            held = (local >= 0) & (local < size)
+            found: Any = keras.ops.take(layer.embeddings, torch.where(held, local, 0), axis=0)
+            outputs = sum_over_row(found * held.unsqueeze(-1).to(found.dtype), row)
+        return keras.ops.cast(outputs, dtype=layer.compute_dtype)
 
     return call

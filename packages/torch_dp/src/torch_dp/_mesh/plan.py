@@ -2,16 +2,17 @@
 
 The mesh is a grid of processes with the axes ``("batch", "model")``: ``(R, C)`` is R rows of C
 processes, process ``row * C + column`` at (row, column). Each row is one data-parallel replica (all
-its processes read the same rows of each global batch); along a row the Dense layers a rule splits
-hold a part of their kernel each (``_mesh.layers``).
+its processes read the same rows of each global batch); along a row the Dense and Embedding layers a
+rule splits hold a part of their weight each (``_mesh.layers``).
 
 The layout is jax-dp's (``jax_dp._mesh.layout``), so one layout serves both backends: a dict of
 ``{regular expression over a variable's .path: partition spec}``, the first rule that
 ``re.search``-es the path winning, or a ``keras.distribution.LayoutMap`` looked up as Keras looks
 it up. A spec has one entry per dimension (``None``: whole, ``"model"``: split over the row), fewer
 entries leaving the rest whole. This slice splits a Dense kernel by columns (``(None, "model")``,
-its bias with it or whole) or by rows (``("model", None)``, its bias whole); any other split is
-refused before anything starts, by ``plan_for``, in the caller.
+its bias with it or whole) or by rows (``("model", None)``, its bias whole), and an Embedding's
+embeddings by columns or by rows (the vocabulary); any other split is refused before anything starts,
+by ``plan_for``, in the caller.
 """
 
 from __future__ import annotations
@@ -135,21 +136,22 @@ def _axes_of(spec: Spec) -> list[str]:
 
 
 class LayerSplit(NamedTuple):
-    """One Dense layer split along a row: ``layer``, its index among the model's Dense layers (in
-    ``flatten_layers``' order: a worker's copy names its variables' paths after its own model name), and
-    ``kernel``, its kernel's path in the caller (to name it); ``dimension`` 1 splits the
-    kernel's columns (each process computes its part of the outputs), 0 its rows (its part of the
-    inputs, partial products summed); ``bias_split``: a column split's bias split with its columns."""
+    """One layer split along a row: ``layer``, its index among the model's ``splittable_layers`` (a
+    worker's copy names its variables' paths after its own model name), and ``weight``, its weight's
+    path in the caller (to name it): a Dense's kernel, an Embedding's embeddings. ``dimension`` 1 splits
+    the weight's columns (each process computes its part of the outputs), 0 its rows (a Dense: its
+    part of the inputs, partial products summed; an Embedding: its part of the vocabulary);
+    ``bias_split``: a Dense column split's bias split with its columns."""
 
     layer: int
-    kernel: str
+    weight: str
     dimension: int
     bias_split: bool
 
 
 @dataclass(frozen=True)
 class MeshPlan:
-    """What a call runs on the mesh: the mesh, and the Dense layers it splits (the rest is whole everywhere)."""
+    """What a call runs on the mesh: the mesh, and the layers it splits (the rest is whole everywhere)."""
 
     mesh: Mesh
     splits: tuple[LayerSplit, ...]
@@ -163,35 +165,47 @@ def plan_for(model: keras.Model, mesh: Mesh, layout: Layout) -> MeshPlan:
             "Trainer(mesh=...) needs a built model, to check its layout before any process starts: "
             "give it an input (keras.Input(...)) or call model.build(input_shape) first."
         )
-    dense = {id(v): (layer, role) for layer in dense_layers(model) for role, v in _roles(layer)}
+    owned = {id(v) for layer in splittable_layers(model) for v in _splittable_variables(layer)}
     specs: dict[int, Spec] = {}
     for variable in model.weights:
         spec = _padded(layout.spec_for(variable.path), variable, mesh)
         if MODEL_AXIS not in spec:
             continue
         _check_divides(variable, spec, mesh)
-        if id(variable) not in dense:
+        if id(variable) not in owned:
             _refuse_owner(variable, spec, mesh, model)
         specs[id(variable)] = spec
     splits = []
-    for index, layer in enumerate(dense_layers(model)):
-        kernel = specs.get(id(layer.kernel))
-        bias = None if layer.bias is None else specs.get(id(layer.bias))
-        if kernel is not None or bias is not None:
-            splits.append(_layer_split(index, layer, kernel, bias, mesh))
+    for index, layer in enumerate(splittable_layers(model)):
+        weight = specs.get(id(weight_of(layer)))
+        bias = None if bias_of(layer) is None else specs.get(id(bias_of(layer)))
+        if weight is not None or bias is not None:
+            splits.append(_layer_split(index, layer, weight, bias, mesh))
     if mesh.columns == 1:  # one process per row: every part is the whole
         splits = []
     return MeshPlan(mesh, tuple(splits))
 
 
-def dense_layers(model: keras.Model) -> list[keras.layers.Dense]:
-    return [layer for layer in internals.flatten_layers(model) if isinstance(layer, keras.layers.Dense)]
+def splittable_layers(model: keras.Model) -> list[Any]:
+    """The model's layers of the kinds a rule may split (Dense, Embedding), in ``flatten_layers``' order."""
+    kinds = (keras.layers.Dense, keras.layers.Embedding)
+    return [layer for layer in internals.flatten_layers(model) if isinstance(layer, kinds)]
 
 
-def _roles(layer: keras.layers.Dense) -> list[tuple[str, keras.Variable]]:
+def weight_of(layer: Any) -> keras.Variable:
+    """A Dense's kernel, an Embedding's embeddings."""
+    return layer.kernel if isinstance(layer, keras.layers.Dense) else layer.embeddings
+
+
+def bias_of(layer: Any) -> keras.Variable | None:
+    return layer.bias if isinstance(layer, keras.layers.Dense) else None
+
+
+def _splittable_variables(layer: Any) -> list[keras.Variable]:
     if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None) is not None:
-        return []  # a LoRA or quantized kernel is not one variable: a rule on it is refused as not a Dense's
-    return [("kernel", layer.kernel), *([("bias", layer.bias)] if layer.bias is not None else [])]
+        return []  # a LoRA or quantized weight is not one variable: a rule on it is refused as not a layer's
+    bias = bias_of(layer)
+    return [weight_of(layer), *([bias] if bias is not None else [])]
 
 
 def _where(variable: keras.Variable, spec: Spec, mesh: Mesh) -> str:
@@ -237,23 +251,24 @@ def _refuse_owner(variable: keras.Variable, spec: Spec, mesh: Mesh, model: keras
         "no layer",
     )
     raise ValueError(
-        f"{_where(variable, spec, mesh)}, but torch-dp splits only the kernels and biases of Dense layers (without "
-        f"LoRA or quantization) so far, and this variable is a {owner}'s. Leave it whole (no rule, or a narrower "
-        "pattern), or train the model with jax_dp, which splits any variable."
+        f"{_where(variable, spec, mesh)}, but torch-dp splits only the kernels and biases of Dense layers and the "
+        "embeddings of Embedding layers (without LoRA or quantization) so far, and this variable is a "
+        f"{owner}'s. Leave it whole (no rule, or a narrower pattern), or train the model with jax_dp, which "
+        "splits any variable."
     )
 
 
-def _layer_split(index: int, layer: Any, kernel: Spec | None, bias: Spec | None, mesh: Mesh) -> LayerSplit:
-    """How ``layer`` splits: by columns (its bias split or whole) or by rows (its bias whole)."""
-    if kernel is not None and kernel.index(MODEL_AXIS) == 1:
-        return LayerSplit(index, layer.kernel.path, 1, bias is not None)
-    if kernel is not None and bias is None:
-        return LayerSplit(index, layer.kernel.path, 0, False)
-    assert layer.bias is not None
-    spec = kernel or bias or ()
-    variable = layer.bias if kernel is None else layer.kernel
+def _layer_split(index: int, layer: Any, weight: Spec | None, bias: Spec | None, mesh: Mesh) -> LayerSplit:
+    """How ``layer`` splits: a Dense by columns (its bias split or whole) or by rows (its bias whole), an
+    Embedding by columns or rows."""
+    path = weight_of(layer).path
+    if weight is not None and (weight.index(MODEL_AXIS) == 1 or bias is None):
+        return LayerSplit(index, path, weight.index(MODEL_AXIS), bias is not None)
+    spec = weight or bias or ()
+    variable = bias_of(layer) if weight is None else weight_of(layer)
+    assert variable is not None
     raise ValueError(
         f"{_where(variable, spec, mesh)}, but a Dense layer's bias splits only with its kernel's columns: "
-        f"{layer.name!r}'s kernel is {'whole' if kernel is None else 'split by rows'} and its bias split. Split "
+        f"{layer.name!r}'s kernel is {'whole' if weight is None else 'split by rows'} and its bias split. Split "
         "the kernel's columns too ((None, 'model')), or leave the bias whole."
     )
