@@ -96,7 +96,8 @@ def main() -> None:
 
 
 def fit(trainer, trained, x, y, arguments) -> None:
-    print("FIT", flush=True)  # imports done: what follows is the group forming, then the steps
+    # imports done: what follows is the group forming, then the steps
+    print(f"FIT replicas={trainer.num_replicas}", flush=True)
     trainer.fit(
         trained,
         x,

@@ -24,13 +24,16 @@ SLURM = {
     "SLURM_STEP_NODELIST": "gpu[07-08]",
     "SLURM_JOB_NODELIST": "gpu[01-09]",
 }
-LAUNCH_VARIABLES = {*TORCHRUN, *SLURM, "TORCHELASTIC_RESTART_COUNT", "SLURM_NODELIST"}
+LAUNCH_VARIABLES = {*TORCHRUN, *SLURM, "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE", "SLURM_NODELIST"}
 
 
 def test_torchrun_variables_are_torchruns_group():
-    assert cluster_of({**TORCHRUN, "TORCHELASTIC_RESTART_COUNT": "2"}) == Cluster(
-        "torchrun", rank=5, num_processes=8, local_rank=1, address="node01", port=29500, attempt="2"
+    agent_store = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+    assert cluster_of({**TORCHRUN, **agent_store, "TORCHELASTIC_RESTART_COUNT": "2"}) == Cluster(
+        "torchrun", rank=5, num_processes=8, local_rank=1, address="node01", port=29500, attempt="2", agent_store=True
     )
+    # rank 0's own store is new each attempt; and a host that joined an elastic job later counts fewer restarts
+    assert cluster_of({**TORCHRUN, "TORCHELASTIC_RESTART_COUNT": "2"}).keys == "torch_dp/attempt_0"
     assert cluster_of(TORCHRUN).keys == "torch_dp/attempt_0"  # torchrun's default --rdzv-id is "none"
     assert cluster_of({**TORCHRUN, "TORCHELASTIC_RUN_ID": "exp7"}).keys == "torch_dp/exp7/attempt_0"
 

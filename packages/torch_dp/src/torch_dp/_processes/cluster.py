@@ -38,10 +38,13 @@ class Cluster:
     local_rank: int
     address: str
     port: int
-    # torchrun's restart count (--max-restarts): each attempt meets under its own keys
+    # torchrun's restart count (--max-restarts): each attempt meets under its own keys in torchrun's
+    # agent's store, which outlives an attempt (a store of rank 0's own is new each attempt: "0")
     attempt: str = "0"
     # the scheduler's id of this job: a process of another job on the same port meets under other keys
     job: str = ""
+    # torchrun's agent serves the store at address:port (TORCHELASTIC_USE_AGENT_STORE), not rank 0
+    agent_store: bool = False
 
     @property
     def keys(self) -> str:
@@ -61,15 +64,24 @@ def cluster_of(environment: Mapping[str, str] | None = None) -> Cluster | None:
     rank, local_rank, num_processes = launch.rank, launch.local_rank, launch.num_processes
     if rank is None or local_rank is None or num_processes is None or launch.address is None or launch.port is None:
         return None
+    launcher: Literal["torchrun", "slurm"] = "slurm" if launch.launcher == "slurm" else "torchrun"
+    # Ray Train's workers form torch's env:// group: "torchrun". Restart counts are each torchrun agent's
+    # own: a host that joined later counts fewer, so they name an attempt only in the agent's store,
+    # which every agent of a job that restarts together counts alike
+    agent_store = (
+        launcher == "torchrun"
+        and (os.environ if environment is None else environment).get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    )
     return Cluster(
-        "slurm" if launch.launcher == "slurm" else "torchrun",  # Ray Train's workers form torch's env:// group
+        launcher,
         rank=rank,
         num_processes=num_processes,
         local_rank=local_rank,
         address=launch.address,
         port=launch.port,
-        attempt=str(launch.attempt),
+        attempt=str(launch.attempt) if agent_store else "0",
         job=launch.job.value or "",
+        agent_store=agent_store,
     )
 
 

@@ -215,13 +215,12 @@ def join_cluster_group(cluster: Cluster, device: str, timeouts: Timeouts) -> Clu
 def _cluster_store(cluster: Cluster, timeouts: Timeouts) -> TCPStore:
     """The cluster's store (torchrun's agent serves it; SLURM, or a launcher without an agent, leaves
     that to rank 0); a busy port or a store that never forms is a clear error."""
-    agent_serves = cluster.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     try:
         return TCPStore(
             cluster.address,
             cluster.port,
             cluster.num_processes,
-            is_master=cluster.is_primary and not agent_serves,
+            is_master=cluster.is_primary and not cluster.agent_store,
             timeout=timedelta(seconds=timeouts.rendezvous),
             multi_tenant=True,
         )
