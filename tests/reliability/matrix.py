@@ -60,6 +60,7 @@ TORCH_SHARED = "packages/torch_dp/tests/test_shared_host.py"
 CKPT_DIR = "packages/core/tests/test_checkpoint_dir.py"
 TORCH_HOSTS = "tests/network/test_hosts_torch.py"  # hosts as network namespaces on a bridge (tests/network/hosts.py)
 JAX_HOSTS = "tests/network/test_hosts_jax.py"
+JAX_HOSTS_RESTART = "tests/network/test_hosts_jax_restart.py"  # reliability only: not in bare nox's lean part
 
 CRAFTED = f"{DAMAGE}::test_crafted_newest_falls_back_to_the_previous_in_bounded_time_and_memory"
 FALLS_BACK = "`latest_checkpoint` falls back to the previous checkpoint with a warning naming the file and the problem, within 2 s and 8 MB"
@@ -196,6 +197,7 @@ ROWS: tuple[Row, ...] = (
     Row("A plain `jax.distributed.initialize` connects to a 2-host job's coordinator port while process 0 admits, and another once the job runs", "jax", "both are dropped: process 0 keeps the port, and jax's coordination service is on a port only admitted processes learn; the job's weights equal `model.fit`'s (before: both job processes aborted)", None, f"{JAX_HOSTS}::test_two_hosts_train_as_model_fit_and_strangers_on_the_port_change_nothing"),
     Row("Process 1's host of a 2-host job dies mid-`fit`: every process on it SIGKILLed (`timeout=10`)", "jax", "process 0 exits non-zero naming process 1 of 2 on host2 (before: gloo's bare 'connection reset' `ValueError`)", 25, f"{JAX_HOSTS}::test_a_killed_process_is_named_by_process_and_host"),
     Row("Each of 2 hosts resolves its own name to 127.0.1.1, the coordinator given by address", "jax", "each process stops right after joining, naming its host and the `/etc/hosts` line to change (before: a raw gloo error once `fit` ran)", 30, f"{JAX_HOSTS}::test_a_hostname_that_resolves_to_loopback_fails_at_once_saying_what_to_change"),
+    Row("Host 2 of a 2-host `jax_dp` job (a checkpoint a step, process 0's folder on host 1) dies mid-`fit`; the restart loop of docs/multi-host.md runs the job again on the host left (1 process)", "jax", "process 0 ends naming process 1 of 2 on host2; the rerun resumes from process 0's newest checkpoint on 1 replica, trains only the steps after it, and ends within 1e-5 of `model.fit`", None, f"{JAX_HOSTS_RESTART}::test_a_job_that_loses_a_host_resumes_on_the_hosts_left_under_a_restart_loop"),
     Row("A host on the network tries to reach a single-host, 2-process `jax_dp` run", "jax", "every process listens on loopback only; process 0 holds the port it was given, and jax's coordinator is on a Unix socket", None, f"{LISTENERS}::test_jax_dp_processes_listen_on_loopback_only"),
 )
 # fmt: on
