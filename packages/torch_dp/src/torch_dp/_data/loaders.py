@@ -11,12 +11,13 @@ read by rank 0 and broadcast (``_data.sources``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import multiprocessing
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import cloudpickle
 import numpy as np
@@ -143,9 +144,9 @@ def _read_own_rows(
 ) -> Iterator[tuple[GlobalBatch, np.ndarray, int]]:
     """Each padding row repeats the first row read, so a batch's padding is read once at most (a
     replica with no real rows in a short batch reads that batch's first row)."""
-    batches = _epoch_batches(loader, replica, epoch)
+    draws = _epoch_batches(loader, replica, epoch)
     chosen = []
-    for batch in batches[first_step:]:
+    for batch in draws.batches[first_step:]:
         positions, mask = rule(len(batch))
         reads = max(int(mask.sum()), 1)  # real rows come first
         chosen.append((len(batch), batch[positions[:reads]].tolist(), np.where(mask, np.arange(len(mask)), 0), mask))
@@ -161,9 +162,11 @@ def _read_own_rows(
     reader = BatchSource(own, class_weight=loader.class_weight)  # converted as Keras reads a batch
     for rows, (real, _, padded, mask) in zip(reader.epoch(0), chosen, strict=True):
         yield (_take(rows[0], padded), _take(rows[1], padded), _take(rows[2], padded)), mask, real
+    for _ in range(draws.at_end):  # the epoch read every batch: Keras's loader starts its next pass
+        torch.empty((), dtype=torch.int64).random_()
 
 
-def _epoch_batches(loader: LoaderOnReplicas, replica: Replica, epoch: int) -> list[np.ndarray]:
+def _epoch_batches(loader: LoaderOnReplicas, replica: Replica, epoch: int) -> EpochDraws:
     """The indices of each batch of epoch ``epoch``, drawn on rank 0 as ``model.fit`` iterating the
     loader would draw them (``BatchSource.passes``: each pass starts with the workers' seed, then
     the sampler's order), on every replica."""
@@ -176,10 +179,36 @@ def _epoch_batches(loader: LoaderOnReplicas, replica: Replica, epoch: int) -> li
             torch.empty((), dtype=torch.int64).random_(generator=user.generator)  # as iter(loader) draws first
             return iter(user.batch_sampler)
 
-        message = [[np.asarray(batch, dtype=np.int64) for batch in loader.source.passes(epoch, start)]]
+        items = loader.source.passes(epoch, start)
+        first = [np.asarray(batch, dtype=np.int64) for batch in itertools.islice(items, 1)]
+        at_start = torch.get_rng_state()  # what Keras's loader drew before the epoch's first step
+        batches = first + [np.asarray(batch, dtype=np.int64) for batch in items]
+        message = [EpochDraws(batches, at_start, _draws_between(at_start, torch.get_rng_state()))]
     if replica.distributed:
         dist.broadcast_object_list(message, src=0, group=replica.group)
+    torch.set_rng_state(message[0].at_start)  # rank 0's generator, on every replica (``_loop.loader_draws``)
     return message[0]
+
+
+class EpochDraws(NamedTuple):
+    """An epoch's batches of indices, torch's generator as the loader's draws before its first batch left it,
+    and how many the loader draws after its last (Keras's next pass, started once every batch is read)."""
+
+    batches: list[np.ndarray]
+    at_start: torch.Tensor
+    at_end: int
+
+
+def _draws_between(before: torch.Tensor, after: torch.Tensor, most: int = 8) -> int:
+    """How many single draws (``random_`` of one int64, as a loader and its sampler draw) take torch's
+    generator from ``before`` to ``after``; counted on a fork of it."""
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(before)
+        for count in range(most + 1):
+            if torch.equal(torch.get_rng_state(), after):
+                return count
+            torch.empty((), dtype=torch.int64).random_()
+    raise RuntimeError(f"torch_dp: a DataLoader's pass drew more from torch's generator than {most} seeds")
 
 
 def _take(part: Any, positions: np.ndarray) -> Any:

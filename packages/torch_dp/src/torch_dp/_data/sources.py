@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from dp_core import EpochOrder, num_steps
@@ -57,9 +58,11 @@ def global_batches(
 
 
 def _shared_from_primary(batch: Any, replica: Replica) -> Any:
-    """Rank 0's ``batch`` on every replica (numpy arrays, pickled: rank 0's own data)."""
+    """Rank 0's ``batch`` on every replica (numpy arrays, pickled: rank 0's own data), and rank 0's torch
+    generator: its reading drew what Keras's loader draws (``_loop.loader_draws``), before any step's draw."""
     if not replica.distributed:
         return batch
-    message = [batch]
+    message = [batch, torch.get_rng_state()]
     dist.broadcast_object_list(message, src=0, group=replica.group)
+    torch.set_rng_state(message[1])
     return message[0]
