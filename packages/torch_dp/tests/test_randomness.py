@@ -99,20 +99,33 @@ def test_an_unseeded_dropout_draws_from_rank_0_s_torch_generator(two_replicas):
     assert np.max(np.abs(other - first)) > 1e-3  # another generator state, other masks: the stream is used
 
 
-def test_an_unseeded_dropout_draws_what_model_fit_draws(two_replicas):
+@pytest.mark.parametrize("kind", ["arrays", "py_dataset", "shuffled_data_loader"])
+def test_an_unseeded_dropout_draws_what_model_fit_draws(two_replicas, kind):
     """``model.fit`` on torch reads arrays through a ``DataLoader``, whose start draws from torch's generator
-    (once to build the model, twice an epoch, twice a validation; ``_loop.loader_draws``): the unseeded
-    Dropout's masks follow those draws, and torch's generator ends where model.fit leaves it."""
+    (once to build the model, twice an epoch, twice a validation; ``_loop.loader_draws``), a PyDataset
+    through one made at each start, a DataLoader itself (a shuffling one's sampler draws too): the
+    unseeded Dropout's masks follow those draws, and torch's generator ends where model.fit leaves it."""
     x, y = testing.data()
     fit = {**FIT, "validation_data": (x[:40], y[:40])}
+    if kind != "arrays":  # the 3-row last batch of a source is padded over the replicas too
+        fit.pop("batch_size")
     runs, generators = [], []
-    for train in (lambda m: m.fit(x, y, **fit), lambda m: two_replicas.fit(m, x, y, **fit)):
+    for train in (lambda m, *d: m.fit(*d, **fit), lambda m, *d: two_replicas.fit(m, *d, **fit)):
         model = noisy_model(seeded=False)
         keras.utils.set_random_seed(11)
-        runs.append((model, train(model).history))
+        runs.append((model, train(model, *_data_of(kind, x, y)).history))
         generators.append(torch.get_rng_state())
     assert_same_fit(*runs)
     assert torch.equal(generators[1], generators[0])
+
+
+def _data_of(kind: str, x: np.ndarray, y: np.ndarray) -> tuple:
+    if kind == "arrays":
+        return x, y
+    if kind == "py_dataset":
+        return (Batches(x, y),)
+    dataset = torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
+    return (torch.utils.data.DataLoader(dataset, batch_size=32, shuffle=True),)  # its sampler draws from torch's
 
 
 def test_predict_and_evaluate_draw_inference_noise_as_model_predict_and_evaluate(two_replicas):

@@ -10,8 +10,14 @@ read every batch: two draws an epoch (three shuffled), two an evaluation or pred
 ``evaluate`` that must build the model first reads a batch of one more iteration
 (``Trainer._symbolic_build``). An unseeded ``Dropout`` draws its masks from that same generator
 (Keras's fast path), so its masks are ``model.fit``'s only when these draws come at the same points.
-Not drawn: Keras 3.15's ``shuffle="batch"``, a ``torch.randperm`` per batch (its order is not Keras's
-anyway), and a batch source's (read on rank 0 as the source itself draws, ``dp_core.keras``).
+
+A batch source is read by rank 0 alone (``_data``), which draws what Keras's loader over it draws: a
+``DataLoader``'s own iterations draw as they start (its workers' seed, a shuffling sampler's), and a
+``PyDataset``, which Keras reads through a ``DataLoader`` over it made at each iteration (one draw as
+it starts, at the points arrays' loader starts), draws here (``keras_loader``). The other replicas take
+rank 0's generator with the batches it sends, before any step of theirs draws. Not drawn: Keras 3.15's
+``shuffle="batch"``, a ``torch.randperm`` per batch (its order is not Keras's anyway), and a generator's
+or other iterator's loader.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import keras
 import torch
 
 from dp_core import num_steps
-from dp_core.keras import FitArguments, FitJob, Inputs, Job, internals
+from dp_core.keras import BatchSource, FitArguments, FitJob, Inputs, Job, internals
 from torch_dp._data.sources import Readable
 
 T = TypeVar("T")
@@ -115,7 +121,11 @@ def keras_loader(
     steps_per_epoch: int | None = None,
     steps_per_execution: int = 1,
 ) -> KerasLoader | NoDraws:
-    """The draws of Keras's loader over ``inputs`` (arrays only; ``shuffle="batch"`` draws as unshuffled)."""
+    """The draws of Keras's loader over ``inputs``: arrays (``shuffle="batch"`` draws as unshuffled), or
+    a ``PyDataset`` on the replica that reads it (its own shuffling is numpy's: no draw of torch's)."""
+    if isinstance(inputs, BatchSource) and inputs.is_py_dataset and inputs.source.num_batches is not None:
+        batches = inputs.source.num_batches
+        return KerasLoader(batches, steps_per_epoch=steps_per_epoch, steps_per_execution=steps_per_execution)
     if not isinstance(inputs, Inputs) or global_batch_size <= 0:
         return NO_DRAWS
     return KerasLoader(
