@@ -30,13 +30,17 @@ def mlp(seed: int = 1) -> keras.Model:
             keras.Input((4,), dtype="int32"),
             keras.layers.Embedding(12, 6, name="emb"),
             keras.layers.Flatten(),
+            # whole, its statistics over the replicas' rows (not after a bias: Adam would make that bias's
+            # gradient, zero but for rounding, a full step, on one device as on a mesh)
+            keras.layers.BatchNormalization(),
             keras.layers.Dense(16, activation="relu", name="d1"),
             keras.layers.Dropout(0.25),  # every process of a row must draw the same mask
             keras.layers.Dense(8, activation="tanh", name="d2"),
             keras.layers.Dense(3, activation="softmax", name="out"),
         ]
     )
-    model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy", metrics=["accuracy"])
+    optimizer = keras.optimizers.AdamW(0.01, weight_decay=0.05)
+    model.compile(optimizer, "sparse_categorical_crossentropy", metrics=["accuracy"])
     return model
 
 
@@ -47,8 +51,9 @@ def tokens(num_samples: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 
 
 def assert_like_model_fit(trainer: torch_dp.Trainer, *, epochs: int, validation: bool) -> None:
-    """Weights, Adam's slots, History (with validation: its val_ logs), evaluate and predict (rows in order)
-    are those of ``model.fit``, with an uneven last batch (70 rows: four batches of 16, one of 6)."""
+    """Weights (BatchNormalization's moving statistics too), AdamW's slots, History (with validation: its
+    val_ logs), evaluate and predict (rows in order) are those of ``model.fit``, with an uneven last batch
+    (70 rows: four batches of 16, one of 6)."""
     x, y = tokens(70)
     options = {"epochs": epochs, "shuffle": False, "verbose": 0}
     if validation:
