@@ -50,10 +50,10 @@ def tokens(num_samples: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return np.clip(np.floor((x[:, :4] + 3) * 2), 0, 11).astype("int32"), y
 
 
-def assert_like_model_fit(trainer: torch_dp.Trainer, *, epochs: int, validation: bool) -> None:
+def assert_like_model_fit(trainer: torch_dp.Trainer, *, epochs: int, validation: bool) -> tuple[keras.Model, ...]:
     """Weights (BatchNormalization's moving statistics too), AdamW's slots, History (with validation: its
     val_ logs), evaluate and predict (rows in order) are those of ``model.fit``, with an uneven last batch
-    (70 rows: four batches of 16, one of 6)."""
+    (70 rows: four batches of 16, one of 6). Returns the model trained and ``model.fit``'s."""
     x, y = tokens(70)
     options = {"epochs": epochs, "shuffle": False, "verbose": 0}
     if validation:
@@ -81,6 +81,7 @@ def assert_like_model_fit(trainer: torch_dp.Trainer, *, epochs: int, validation:
     predicted = trainer.predict(model, x, global_batch_size=GLOBAL_BATCH, verbose=0)
     assert predicted.shape == (70, 3)
     np.testing.assert_allclose(predicted, reference.predict(x, batch_size=GLOBAL_BATCH, verbose=0), atol=1e-6)
+    return model, reference
 
 
 @pytest.mark.multiprocess
@@ -88,7 +89,15 @@ def assert_like_model_fit(trainer: torch_dp.Trainer, *, epochs: int, validation:
 def test_a_one_by_two_mesh_is_model_fits():
     with torch_dp.Trainer(mesh=(1, 2), layout=LAYOUT) as trainer:
         assert trainer.num_replicas == 1
-        assert_like_model_fit(trainer, epochs=2, validation=True)
+        model, reference = assert_like_model_fit(trainer, epochs=2, validation=True)
+        # the kept worker goes on from what the last call left it (whole, slots included), as model.fit does
+        x, y = tokens(70, seed=2)
+        keras.utils.set_random_seed(6)
+        reference.fit(x, y, batch_size=GLOBAL_BATCH, shuffle=False, verbose=0)
+        keras.utils.set_random_seed(6)
+        trainer.fit(model, x, y, global_batch_size=GLOBAL_BATCH, shuffle=False, verbose=0)
+        for mine, theirs in zip(model.get_weights(), reference.get_weights(), strict=True):
+            np.testing.assert_allclose(mine, theirs, atol=1e-6)
 
 
 @pytest.mark.multiprocess
