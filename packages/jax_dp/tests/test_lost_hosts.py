@@ -10,6 +10,7 @@ from jax_dp_helpers import Thread, free_port
 
 from jax_dp._processes.admission import admit
 from jax_dp._processes.cluster import JobId, Place, lost_process, unreachable_host
+from jax_dp._processes.group import _said
 from jax_dp._processes.handshake import join
 
 JOB = JobId("job-a", "job_id=")
@@ -59,3 +60,11 @@ def test_a_loopback_hostname_is_unreachable_only_in_a_job_of_several_hosts():
     assert "'<address> node0' line in /etc/hosts instead of '127.0.1.1 node0'" in reason
     assert unreachable_host(several, 1) is None
     assert unreachable_host([Place("node0", "127.0.1.1")] * 2, 0) is None  # one host: loopback is right
+
+
+def test_a_second_ctrl_c_is_told_to_the_other_processes_as_such():
+    """A second Ctrl-C ends its process at once, mid-step, with a bare KeyboardInterrupt: the others
+    print 'process 0 of 2 failed: KeyboardInterrupt: Ctrl-C stopped it at once, mid-step', not ': '."""
+    assert str(_said(KeyboardInterrupt())) == "Ctrl-C stopped it at once, mid-step"
+    error = ValueError("shapes (3,) and (4,)")
+    assert _said(error) is error

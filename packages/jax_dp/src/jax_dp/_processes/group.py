@@ -238,12 +238,19 @@ def ends_the_run_on_failure(method: Callable[P, R]) -> Callable[P, R]:
         except BaseException as error:
             # gloo's bare ValueError for a process that went away: name it and its host
             lost = None if _Run.places is None else lost_process(error, _Run.places, _Run.process_id)
-            record_failure(lost or error)
+            record_failure(lost or _said(error))
             if lost is not None:
                 raise lost from error
             raise
 
     return run
+
+
+def _said(error: BaseException) -> BaseException:
+    """``error`` as the other processes read it: a bare ``KeyboardInterrupt`` (a second Ctrl-C, at once) says so."""
+    if isinstance(error, KeyboardInterrupt) and not str(error):
+        return KeyboardInterrupt("Ctrl-C stopped it at once, mid-step")
+    return error
 
 
 def check_not_failed() -> None:
