@@ -1,6 +1,7 @@
-"""Model parallel on torch (``Trainer(mesh=..., layout=...)``, issue 46's first slice): Dense and Embedding
-layers split by columns and by rows along each mesh row, on a (1, 2) and a (2, 2) mesh, against one device's
-``model.fit``; and every refusal of what the slice does not build, before anything starts."""
+"""Model parallel on torch (``Trainer(mesh=..., layout=...)``, issue 46's first slice): Dense, EinsumDense
+and Embedding layers split by columns and by rows along each mesh row, on a (1, 2) and a (2, 2) mesh,
+against one device's ``model.fit``; and every refusal of what the slice does not build, before anything
+starts."""
 
 import types
 
@@ -13,9 +14,12 @@ import torch_dp
 from torch_dp._mesh.plan import Layout, Mesh, mesh_of, plan_for
 
 # "d1" by columns with its bias, "d2" by rows (its bias whole), "out" whole, "emb" by columns (the (2, 2)
-# mesh splits its vocabulary): every split kind and a whole layer
+# mesh splits its vocabulary), "proj" along an output axis, "mix" along an input axis it sums over (with
+# another, as attention's output projection does): every split kind and a whole layer
 LAYOUT = {
     "emb/embeddings": (None, "model"),
+    "proj/kernel": (None, "model"),
+    "mix/kernel": (None, "model", None),
     "d1/kernel": (None, "model"),
     "d1/bias": ("model",),
     "d2/kernel": ("model", None),
@@ -29,7 +33,8 @@ def mlp(seed: int = 1) -> keras.Model:
         [
             keras.Input((4,), dtype="int32"),
             keras.layers.Embedding(12, 6, name="emb"),
-            keras.layers.Flatten(),
+            keras.layers.EinsumDense("abc,cd->abd", (4, 8), bias_axes="d", activation="relu", name="proj"),
+            keras.layers.EinsumDense("abd,bde->ae", 10, name="mix"),
             # whole, its statistics over the replicas' rows (not after a bias: Adam would make that bias's
             # gradient, zero but for rounding, a full step, on one device as on a mesh)
             keras.layers.BatchNormalization(),
@@ -121,7 +126,8 @@ def _fit(layout=LAYOUT, make=mlp, mesh=(1, 2), **fit_options):
 
 
 def _with_einsum() -> keras.Model:
-    return _compiled(keras.Sequential([keras.Input((5,)), keras.layers.EinsumDense("ab,bc->ac", 4, name="ein")]))
+    einsum = keras.layers.EinsumDense("abc,bcd->abd", (2, 4), name="ein")
+    return _compiled(keras.Sequential([keras.Input((2, 3)), einsum]))
 
 
 def _compiled(model: keras.Model, optimizer="adam") -> keras.Model:
@@ -163,10 +169,13 @@ def test_the_plan_splits_what_the_rules_say():
     """The layers the fits above split, and how: the Embedding by columns (by rows under the (2, 2) mesh's
     rules), "d1" by columns with its bias, "d2" by rows; "out" stays whole."""
     splits = plan_for(mlp(), Mesh(1, 2), Layout(LAYOUT)).splits
-    assert [(split.layer, split.weight.split("/", 1)[1], split.dimension, split.bias_split) for split in splits] == [
-        (0, "emb/embeddings", 1, False),
-        (1, "d1/kernel", 1, True),
-        (2, "d2/kernel", 0, False),
+    found = [(s.layer, s.weight.split("/", 1)[1], s.dimension, s.bias_split, s.gathers, s.axis) for s in splits]
+    assert found == [
+        (0, "emb/embeddings", 1, False, True, -1),
+        (1, "proj/kernel", 1, False, True, 2),  # "d" is the output's axis 2
+        (2, "mix/kernel", 1, False, False, 2),  # "d" is the input's axis 2, summed over
+        (3, "d1/kernel", 1, True, True, -1),
+        (4, "d2/kernel", 0, False, False, -1),
     ]
     assert plan_for(mlp(), Mesh(2, 1), Layout(LAYOUT)).splits == ()  # one process per row: nothing to split
 
@@ -193,7 +202,11 @@ REFUSALS = {
     "an axis the mesh lacks": (lambda: _fit({"d1/kernel": (None, "tensor")}), r"names the axis 'tensor'"),
     "a split over batch": (lambda: _fit({"d1/kernel": ("batch", None)}), r"splits a variable over 'batch'"),
     "both dimensions": (lambda: _fit({"d1/kernel": ("model", "model")}), r"along one dimension only"),
-    "a layer kind not built": (lambda: _fit({"ein": (None, "model")}, _with_einsum), r"is a EinsumDense's"),
+    "a layer kind not built": (lambda: _fit({"gamma": ("model",)}), r"is a BatchNormalization's"),
+    "an EinsumDense axis in and out": (
+        lambda: _fit({"ein": ("model", None)}, _with_einsum),
+        r"dimension 0 \('b' in 'abc,bcd->abd'\) is in both the input and the output",
+    ),
     "a bias split alone": (lambda: _fit({"d1/bias": ("model",)}), r"'d1''s kernel is whole and its bias split"),
     "a bias split by rows": (
         lambda: _fit({"d2/kernel": ("model", None), "d2/bias": ("model",)}),

@@ -8,8 +8,9 @@ function's backward is then the other's forward:
 - ``copy_to_row``: the identity; backward sums the input's gradient over the row (each process's
   part of the columns contributed a part of it).
 - ``sum_over_row``: the sum of the row's partial products; backward the identity.
-- ``gather_columns``: the row's parts side by side on the last axis; backward this process's part.
-- ``slice_columns``: this process's part of the last axis; backward the row's parts side by side.
+- ``gather_columns``: the row's parts side by side on an axis (the last by default); backward this
+  process's part.
+- ``slice_columns``: this process's part of an axis; backward the row's parts side by side.
 
 Sums are in the row's process order (``sum_in_place``), so every process of a row gets the same bits.
 """
@@ -30,13 +31,13 @@ def _summed(tensor: torch.Tensor, row: Replica) -> torch.Tensor:
     return total
 
 
-def _gathered(tensor: torch.Tensor, row: Replica) -> torch.Tensor:
-    return torch.cat(all_gather_rows(tensor, row), dim=-1)
+def _gathered(tensor: torch.Tensor, row: Replica, axis: int) -> torch.Tensor:
+    return torch.cat(all_gather_rows(tensor.contiguous(), row), dim=axis)
 
 
-def _part(tensor: torch.Tensor, row: Replica) -> torch.Tensor:
-    width = tensor.shape[-1] // row.num_replicas
-    return tensor[..., row.rank * width : (row.rank + 1) * width].contiguous()
+def _part(tensor: torch.Tensor, row: Replica, axis: int) -> torch.Tensor:
+    width = tensor.shape[axis] // row.num_replicas
+    return tensor.narrow(axis, row.rank * width, width).contiguous()
 
 
 class _CopyToRow(torch.autograd.Function):
@@ -62,24 +63,24 @@ class _SumOverRow(torch.autograd.Function):
 
 class _GatherColumns(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, row: Replica) -> torch.Tensor:
-        ctx.row = row
-        return _gathered(tensor, row)
+    def forward(ctx: Any, tensor: torch.Tensor, row: Replica, axis: int) -> torch.Tensor:
+        ctx.row, ctx.axis = row, axis
+        return _gathered(tensor, row, axis)
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _part(grads[0], ctx.row), None
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _part(grads[0], ctx.row, ctx.axis), None, None
 
 
 class _SliceColumns(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, row: Replica) -> torch.Tensor:
-        ctx.row = row
-        return _part(tensor, row)
+    def forward(ctx: Any, tensor: torch.Tensor, row: Replica, axis: int) -> torch.Tensor:
+        ctx.row, ctx.axis = row, axis
+        return _part(tensor, row, axis)
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _gathered(grads[0].contiguous(), ctx.row), None
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _gathered(grads[0], ctx.row, ctx.axis), None, None
 
 
 def copy_to_row(tensor: torch.Tensor, row: Replica) -> torch.Tensor:
@@ -90,9 +91,9 @@ def sum_over_row(tensor: torch.Tensor, row: Replica) -> torch.Tensor:
     return _SumOverRow.apply(tensor, row)  # pyright: ignore[reportReturnType]
 
 
-def gather_columns(tensor: torch.Tensor, row: Replica) -> torch.Tensor:
-    return _GatherColumns.apply(tensor, row)  # pyright: ignore[reportReturnType]
+def gather_columns(tensor: torch.Tensor, row: Replica, axis: int = -1) -> torch.Tensor:
+    return _GatherColumns.apply(tensor, row, axis)  # pyright: ignore[reportReturnType]
 
 
-def slice_columns(tensor: torch.Tensor, row: Replica) -> torch.Tensor:
-    return _SliceColumns.apply(tensor, row)  # pyright: ignore[reportReturnType]
+def slice_columns(tensor: torch.Tensor, row: Replica, axis: int = -1) -> torch.Tensor:
+    return _SliceColumns.apply(tensor, row, axis)  # pyright: ignore[reportReturnType]

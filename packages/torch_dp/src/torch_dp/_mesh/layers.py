@@ -1,4 +1,4 @@
-"""Dense and Embedding layers split along a mesh row, for the length of one call (``split_layers``).
+"""Dense, EinsumDense and Embedding layers split along a mesh row, for the length of one call (``split_layers``).
 
 Each process of the row holds its part of a split layer's weight (and of its bias and optimizer
 slots): the variable's storage is its part and it says it has the part's shape (as ``shard=``'s
@@ -11,7 +11,9 @@ mesh's column of processes) sums parts alike. The layer's ``call`` is replaced b
 - rows (``("model", None)``): ``y = sum_over_row(slice_columns(x) @ kernel_part) [+ bias]``, one sum
   of the partial products forward, one all-gather of the input's gradient backward.
 
-The activation follows, on the whole output, as in ``Dense.call``. An Embedding's lookup is split the same
+An EinsumDense is split the same two ways, along the axis of its output (columns) or of its input (rows)
+that the split kernel dimension's letter names in its equation. The activation follows, on the whole
+output, as in ``Dense.call``. An Embedding's lookup is split the same
 two ways:
 
 - columns: ``y = gather_columns(take(embeddings_part, ids))``, the outputs gathered forward;
@@ -57,11 +59,8 @@ def split_layers(
             for variable, axis in held:
                 slots = [] if optimizer is None else slots_of(optimizer, [variable])[0]
                 undo += [_narrowed(v, axis, row) for v in (variable, *slots)]
-            call = (
-                _split_call(layer, split, row)
-                if isinstance(layer, keras.layers.Dense)
-                else _split_lookup(layer, split, row)
-            )
+            lookup = isinstance(layer, keras.layers.Embedding)
+            call = _split_lookup(layer, split, row) if lookup else _split_call(layer, split, row)
             own_call = internals.override(layer, "call", call)
             undo.append(lambda _, own_call=own_call: own_call())
         yield
@@ -95,19 +94,25 @@ def _narrowed(variable: keras.Variable, axis: int, row: Replica) -> Callable[[bo
     return whole_again
 
 
-def _split_call(layer: keras.layers.Dense, split: LayerSplit, row: Replica) -> Callable[..., Any]:
-    """``layer``'s ``call`` on its part (``Dense.call``'s steps, with the row's collectives around the matmul)."""
+def _split_call(layer: Any, split: LayerSplit, row: Replica) -> Callable[..., Any]:
+    """``layer``'s ``call`` on its part (``Dense.call``'s or ``EinsumDense.call``'s steps, with the row's
+    collectives around the product)."""
+
+    def product(x: Any) -> Any:
+        if isinstance(layer, keras.layers.EinsumDense):
+            return keras.ops.einsum(layer.equation, x, layer.kernel)
+        return keras.ops.matmul(x, layer.kernel)
 
     def call(inputs: Any, training: Any = None) -> Any:
         x: torch.Tensor = keras.ops.convert_to_tensor(inputs)  # pyright: ignore[reportAssignmentType]
         y: Any
-        if split.dimension == 1:
-            y = keras.ops.matmul(copy_to_row(x, row), layer.kernel)
+        if split.gathers:
+            y = product(copy_to_row(x, row))
             if split.bias_split:
                 y = keras.ops.add(y, layer.bias)
-            y = gather_columns(y, row)
+            y = gather_columns(y, row, split.axis)
         else:
-            y = sum_over_row(keras.ops.matmul(slice_columns(x, row), layer.kernel), row)  # pyright: ignore[reportArgumentType]
+            y = sum_over_row(product(slice_columns(x, row, split.axis)), row)
         if layer.bias is not None and not split.bias_split:
             y = keras.ops.add(y, layer.bias)
         return y if layer.activation is None else layer.activation(y)

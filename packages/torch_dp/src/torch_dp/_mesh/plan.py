@@ -2,17 +2,18 @@
 
 The mesh is a grid of processes with the axes ``("batch", "model")``: ``(R, C)`` is R rows of C
 processes, process ``row * C + column`` at (row, column). Each row is one data-parallel replica (all
-its processes read the same rows of each global batch); along a row the Dense and Embedding layers a
-rule splits hold a part of their weight each (``_mesh.layers``).
+its processes read the same rows of each global batch); along a row the Dense, EinsumDense and
+Embedding layers a rule splits hold a part of their weight each (``_mesh.layers``).
 
 The layout is jax-dp's (``jax_dp._mesh.layout``), so one layout serves both backends: a dict of
 ``{regular expression over a variable's .path: partition spec}``, the first rule that
 ``re.search``-es the path winning, or a ``keras.distribution.LayoutMap`` looked up as Keras looks
 it up. A spec has one entry per dimension (``None``: whole, ``"model"``: split over the row), fewer
 entries leaving the rest whole. This slice splits a Dense kernel by columns (``(None, "model")``,
-its bias with it or whole) or by rows (``("model", None)``, its bias whole), and an Embedding's
-embeddings by columns or by rows (the vocabulary); any other split is refused before anything starts,
-by ``plan_for``, in the caller.
+its bias with it or whole) or by rows (``("model", None)``, its bias whole), an EinsumDense kernel
+along a dimension its equation keeps in the output (outputs gathered) or sums over (inputs sliced),
+its bias whole, and an Embedding's embeddings by columns or by rows (the vocabulary); any other split
+is refused before anything starts, by ``plan_for``, in the caller.
 """
 
 from __future__ import annotations
@@ -141,12 +142,16 @@ class LayerSplit(NamedTuple):
     path in the caller (to name it): a Dense's kernel, an Embedding's embeddings. ``dimension`` 1 splits
     the weight's columns (each process computes its part of the outputs), 0 its rows (a Dense: its
     part of the inputs, partial products summed; an Embedding: its part of the vocabulary);
-    ``bias_split``: a Dense column split's bias split with its columns."""
+    ``bias_split``: a Dense column split's bias split with its columns. ``gathers``: the outputs are
+    gathered over the row along ``axis`` (else the inputs are sliced along ``axis``, an Embedding's
+    ids by vocabulary, and the partial outputs summed)."""
 
     layer: int
     weight: str
     dimension: int
     bias_split: bool
+    gathers: bool
+    axis: int = -1
 
 
 @dataclass(frozen=True)
@@ -187,18 +192,19 @@ def plan_for(model: keras.Model, mesh: Mesh, layout: Layout) -> MeshPlan:
 
 
 def splittable_layers(model: keras.Model) -> list[Any]:
-    """The model's layers of the kinds a rule may split (Dense, Embedding), in ``flatten_layers``' order."""
-    kinds = (keras.layers.Dense, keras.layers.Embedding)
+    """The model's layers of the kinds a rule may split (Dense, EinsumDense, Embedding), in ``flatten_layers``'
+    order."""
+    kinds = (keras.layers.Dense, keras.layers.EinsumDense, keras.layers.Embedding)
     return [layer for layer in internals.flatten_layers(model) if isinstance(layer, kinds)]
 
 
 def weight_of(layer: Any) -> keras.Variable:
-    """A Dense's kernel, an Embedding's embeddings."""
-    return layer.kernel if isinstance(layer, keras.layers.Dense) else layer.embeddings
+    """A Dense's or EinsumDense's kernel, an Embedding's embeddings."""
+    return layer.embeddings if isinstance(layer, keras.layers.Embedding) else layer.kernel
 
 
 def bias_of(layer: Any) -> keras.Variable | None:
-    return layer.bias if isinstance(layer, keras.layers.Dense) else None
+    return None if isinstance(layer, keras.layers.Embedding) else layer.bias
 
 
 def _splittable_variables(layer: Any) -> list[keras.Variable]:
@@ -251,8 +257,8 @@ def _refuse_owner(variable: keras.Variable, spec: Spec, mesh: Mesh, model: keras
         "no layer",
     )
     raise ValueError(
-        f"{_where(variable, spec, mesh)}, but torch-dp splits only the kernels and biases of Dense layers and the "
-        "embeddings of Embedding layers (without LoRA or quantization) so far, and this variable is a "
+        f"{_where(variable, spec, mesh)}, but torch-dp splits only the kernels and biases of Dense and EinsumDense "
+        "layers and the embeddings of Embedding layers (without LoRA or quantization) so far, and this variable is a "
         f"{owner}'s. Leave it whole (no rule, or a narrower pattern), or train the model with jax_dp, which "
         "splits any variable."
     )
@@ -260,15 +266,46 @@ def _refuse_owner(variable: keras.Variable, spec: Spec, mesh: Mesh, model: keras
 
 def _layer_split(index: int, layer: Any, weight: Spec | None, bias: Spec | None, mesh: Mesh) -> LayerSplit:
     """How ``layer`` splits: a Dense by columns (its bias split or whole) or by rows (its bias whole), an
-    Embedding by columns or rows."""
+    EinsumDense as its equation says (``_einsum_split``), an Embedding by columns or rows."""
     path = weight_of(layer).path
-    if weight is not None and (weight.index(MODEL_AXIS) == 1 or bias is None):
-        return LayerSplit(index, path, weight.index(MODEL_AXIS), bias is not None)
+    einsum = isinstance(layer, keras.layers.EinsumDense)
+    if weight is not None and einsum and bias is None:
+        return _einsum_split(index, layer, weight, mesh)
+    if weight is not None and not einsum and (weight.index(MODEL_AXIS) == 1 or bias is None):
+        dimension = weight.index(MODEL_AXIS)
+        return LayerSplit(index, path, dimension, bias is not None, gathers=dimension == 1)
     spec = weight or bias or ()
     variable = bias_of(layer) if weight is None else weight_of(layer)
     assert variable is not None
+    how = "whole" if weight is None else "split" if einsum else "split by rows"
     raise ValueError(
-        f"{_where(variable, spec, mesh)}, but a Dense layer's bias splits only with its kernel's columns: "
-        f"{layer.name!r}'s kernel is {'whole' if weight is None else 'split by rows'} and its bias split. Split "
-        "the kernel's columns too ((None, 'model')), or leave the bias whole."
+        f"{_where(variable, spec, mesh)}, but a bias splits only with a Dense kernel's columns: {layer.name!r}'s "
+        f"kernel is {how} and its bias split. Split a Dense kernel's columns too ((None, 'model')), or leave the "
+        "bias whole."
     )
+
+
+def _einsum_split(index: int, layer: Any, spec: Spec, mesh: Mesh) -> LayerSplit:
+    """An EinsumDense kernel split along a dimension its equation keeps in the output (each process computes
+    its part of the output, gathered along that axis) or sums over (each takes its part of the input)."""
+    inputs, rest = layer.equation.split(",")
+    kernel_letters, output = rest.split("->")
+    dimension = spec.index(MODEL_AXIS)
+    letter = kernel_letters[dimension]
+    if letter in output and letter not in inputs:
+        return LayerSplit(index, layer.kernel.path, dimension, False, gathers=True, axis=_axis(output, letter))
+    if letter in inputs and letter not in output:
+        return LayerSplit(index, layer.kernel.path, dimension, False, gathers=False, axis=_axis(inputs, letter))
+    raise ValueError(
+        f"{_where(layer.kernel, spec, mesh)}, but dimension {dimension} ({letter!r} in {layer.equation!r}) is "
+        "in both the input and the output, which torch-dp does not split. Split a dimension the equation "
+        "keeps in the output only, or one it sums over."
+    )
+
+
+def _axis(letters: str, letter: str) -> int:
+    """The axis of ``letter`` in an einsum operand's ``letters`` (counted from the end after an ``...``)."""
+    if "..." not in letters:
+        return letters.index(letter)
+    head, tail = letters.split("...")
+    return head.index(letter) if letter in head else tail.index(letter) - len(tail)
