@@ -44,6 +44,7 @@ Helpers, for what a backend does its own way:
   ``check_nonfinite_mode``, ``nonfinite_action``, ``nonfinite_loss_stopped``, ``skipped_message``;
 - tools: ``compare_replica_counts``, ``run_check_command``; ``mark_as_trainers`` (a distribution a
   trainer's ``scope()`` made, which calls may run under);
+- model parallel: ``LayoutRules`` (``layout=``'s rules, one meaning on every backend), ``spec_axes``;
 - ``internals``: every private Keras attribute, with its reason.
 """
 
@@ -119,6 +120,8 @@ from dp_core.keras._checkpoints import model_checkpoint as model_checkpoint
 from dp_core.keras._equivalence import compare_replica_counts as compare_replica_counts
 from dp_core.keras._inputs import FirstRows as FirstRows
 from dp_core.keras._inputs import validation_inputs as validation_inputs
+from dp_core.keras._layout import LayoutRules as LayoutRules
+from dp_core.keras._layout import spec_axes as spec_axes
 from dp_core.keras._learning_rate import KerasSchedule as KerasSchedule
 from dp_core.keras._losses import ReplicaRows as ReplicaRows
 from dp_core.keras._losses import (
@@ -151,6 +154,7 @@ __all__ = [
     "Inputs",
     "Job",
     "KerasSchedule",
+    "LayoutRules",
     "LearningRatePolicy",
     "MemoryEstimate",
     "OwnStepsCheck",
@@ -209,6 +213,7 @@ __all__ = [
     "runs_last_batch_whole",
     "seed_states_of",
     "skipped_message",
+    "spec_axes",
     "start_of",
     "verbosity",
 ]

@@ -29,8 +29,6 @@ values are those of the unsplit program: where an array lies never changes what 
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -41,6 +39,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dp_core import ShardMode
+from dp_core.keras import LayoutRules, spec_axes
 from jax_dp._mesh.mesh import BATCH_AXIS
 
 Spec = tuple[Any, ...]
@@ -50,77 +49,19 @@ SHARD_MIN_ELEMENTS = 2**14
 BatchNormalization's vectors and small kernels stay replicated."""
 
 
-class Layout:
-    """Parsed ``layout=`` rules; equal layouts compile the same steps (``_step.compile_cache``)."""
-
-    def __init__(self, rules: Any = None) -> None:
-        self._keras_map: keras.distribution.LayoutMap | None = None
-        if rules is None:
-            self.rules: tuple[tuple[str, Spec], ...] = ()
-        elif isinstance(rules, keras.distribution.LayoutMap):
-            self._keras_map = rules
-            self.rules = tuple((pattern, _spec_of(rules[pattern], pattern)) for pattern in rules)
-        elif isinstance(rules, Mapping):
-            self.rules = tuple((str(pattern), _spec_of(spec, pattern)) for pattern, spec in rules.items())
-            for pattern, _ in self.rules:
-                try:
-                    re.compile(pattern)
-                except re.error as error:
-                    raise ValueError(f"layout rule {pattern!r} is not a regular expression: {error}.") from None
-        else:
-            raise TypeError(
-                "layout must be a dict of {variable path regex: partition spec} (e.g. {'dense.*kernel': "
-                f"(None, 'model')}}) or a keras.distribution.LayoutMap, got {type(rules).__name__}."
-            )
-
-    def __bool__(self) -> bool:
-        return bool(self.rules)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Layout) and self.identity() == other.identity()
-
-    def __hash__(self) -> int:
-        return hash(self.identity())
-
-    def identity(self) -> tuple[Any, ...]:
-        return (self._keras_map is not None, self.rules)
-
-    def spec_for(self, path: str) -> Spec | None:
-        """The spec of the variable at ``path`` (None: replicated)."""
-        if self._keras_map is not None:
-            found = self._keras_map[path]
-            return None if found is None else tuple(found.axes)
-        for pattern, spec in self.rules:
-            if re.search(pattern, path):
-                return spec
-        return None
+class Layout(LayoutRules):
+    """Parsed ``layout=`` rules (``dp_core.keras.LayoutRules``); equal layouts compile the same steps
+    (``_step.compile_cache``)."""
 
     def check_axes(self, mesh: Mesh) -> None:
         """Every axis a rule names is one of the mesh's."""
-        for pattern, spec in self.rules:
-            for axis in _axes_of(spec):
-                if axis not in mesh.axis_names:
-                    raise ValueError(
-                        f"layout rule {pattern!r}: {spec} names the axis {axis!r}, but the mesh's axes are "
-                        f"{mesh.axis_names} (sizes {dict(mesh.shape)}). Use a 2-D mesh with axes ('batch', 'model'), "
-                        "e.g. jax.make_mesh((2, 2), ('batch', 'model')), and name only its axes."
-                    )
-
-
-def _spec_of(value: Any, pattern: str) -> Spec:
-    axes = getattr(value, "axes", value)  # a TensorLayout holds its spec in .axes
-    if isinstance(axes, str) or axes is None:
-        axes = (axes,)
-    if not isinstance(axes, (tuple, list, P)):
-        raise TypeError(
-            f"layout rule {pattern!r}: expected a partition spec (a tuple of None, axis names or tuples of "
-            f"axis names, one per dimension), got {value!r}."
-        )
-    return tuple(tuple(entry) if isinstance(entry, list) else entry for entry in axes)
-
-
-def _axes_of(spec: Spec) -> list[str]:
-    return [axis for entry in spec if entry is not None for axis in (entry if isinstance(entry, tuple) else (entry,))]
+        for pattern, spec, axis in self.named_axes():
+            if axis not in mesh.axis_names:
+                raise ValueError(
+                    f"layout rule {pattern!r}: {spec} names the axis {axis!r}, but the mesh's axes are "
+                    f"{mesh.axis_names} (sizes {dict(mesh.shape)}). Use a 2-D mesh with axes ('batch', 'model'), "
+                    "e.g. jax.make_mesh((2, 2), ('batch', 'model')), and name only its axes."
+                )
 
 
 class WeightShardings(NamedTuple):
@@ -207,7 +148,7 @@ def sharded_spec(spec: Spec, shape: tuple[int, ...], batch_size: int) -> Spec:
     >>> sharded_spec((None, "model"), (512, 64), 4)  # doctest: +SKIP
     ('batch', 'model')
     """
-    if batch_size == 1 or math.prod(shape) < SHARD_MIN_ELEMENTS or BATCH_AXIS in _axes_of(spec):
+    if batch_size == 1 or math.prod(shape) < SHARD_MIN_ELEMENTS or BATCH_AXIS in spec_axes(spec):
         return spec
     full = tuple(spec) + (None,) * (len(shape) - len(spec))
     whole = [d for d, entry in enumerate(full) if entry is None and shape[d] % batch_size == 0]

@@ -18,14 +18,12 @@ is refused before anything starts, by ``plan_for``, in the caller.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import keras
 
-from dp_core.keras import internals
+from dp_core.keras import LayoutRules, internals, spec_axes
 
 BATCH_AXIS = "batch"
 MODEL_AXIS = "model"
@@ -71,69 +69,23 @@ def mesh_of(mesh: Any) -> Mesh:
     return Mesh(int(sizes[0]), int(sizes[1]))
 
 
-class Layout:
-    """Parsed ``layout=`` rules (jax-dp's meaning): ``spec_for(path)`` is a variable's spec, None if no rule matches."""
-
-    def __init__(self, rules: Any = None) -> None:
-        self._keras_map: keras.distribution.LayoutMap | None = None
-        if rules is None:
-            self.rules: tuple[tuple[str, Spec], ...] = ()
-        elif isinstance(rules, keras.distribution.LayoutMap):
-            self._keras_map = rules
-            self.rules = tuple((pattern, _spec_of(rules[pattern], pattern)) for pattern in rules)
-        elif isinstance(rules, Mapping):
-            self.rules = tuple((str(pattern), _spec_of(spec, pattern)) for pattern, spec in rules.items())
-            for pattern, _ in self.rules:
-                try:
-                    re.compile(pattern)
-                except re.error as error:
-                    raise ValueError(f"layout rule {pattern!r} is not a regular expression: {error}.") from None
-        else:
-            raise TypeError(
-                "layout must be a dict of {variable path regex: partition spec} (e.g. {'dense.*kernel': "
-                f"(None, 'model')}}) or a keras.distribution.LayoutMap, got {type(rules).__name__}."
-            )
-
-    def spec_for(self, path: str) -> Spec | None:
-        if self._keras_map is not None:
-            found = self._keras_map[path]
-            return None if found is None else tuple(getattr(found, "axes", found))
-        for pattern, spec in self.rules:
-            if re.search(pattern, path):
-                return spec
-        return None
+class Layout(LayoutRules):
+    """Parsed ``layout=`` rules (``dp_core.keras.LayoutRules``, jax-dp's meaning)."""
 
     def check_axes(self, mesh: Mesh) -> None:
         """Every axis a rule names is the mesh's, and only ``"model"`` splits a variable here."""
-        for pattern, spec in self.rules:
-            for axis in _axes_of(spec):
-                if axis not in (BATCH_AXIS, MODEL_AXIS):
-                    raise ValueError(
-                        f"layout rule {pattern!r}: {spec} names the axis {axis!r}, but the mesh's axes are "
-                        f"('batch', 'model') (sizes {mesh.shape()}). Name only 'model' (or None for a whole dimension)."
-                    )
-                if axis == BATCH_AXIS:
-                    raise ValueError(
-                        f"layout rule {pattern!r}: {spec} splits a variable over 'batch', which torch-dp does not "
-                        "build: each row of its mesh holds every variable (split over 'model' only). Leave 'batch' "
-                        "out of the spec."
-                    )
-
-
-def _spec_of(value: Any, pattern: str) -> Spec:
-    axes = getattr(value, "axes", value)  # a TensorLayout holds its spec in .axes
-    if isinstance(axes, str) or axes is None:
-        axes = (axes,)
-    if not isinstance(axes, (tuple, list)):
-        raise TypeError(
-            f"layout rule {pattern!r}: expected a partition spec (a tuple of None, axis names or tuples of "
-            f"axis names, one per dimension), got {value!r}."
-        )
-    return tuple(tuple(entry) if isinstance(entry, list) else entry for entry in axes)
-
-
-def _axes_of(spec: Spec) -> list[str]:
-    return [axis for entry in spec if entry is not None for axis in (entry if isinstance(entry, tuple) else (entry,))]
+        for pattern, spec, axis in self.named_axes():
+            if axis not in (BATCH_AXIS, MODEL_AXIS):
+                raise ValueError(
+                    f"layout rule {pattern!r}: {spec} names the axis {axis!r}, but the mesh's axes are "
+                    f"('batch', 'model') (sizes {mesh.shape()}). Name only 'model' (or None for a whole dimension)."
+                )
+            if axis == BATCH_AXIS:
+                raise ValueError(
+                    f"layout rule {pattern!r}: {spec} splits a variable over 'batch', which torch-dp does not "
+                    "build: each row of its mesh holds every variable (split over 'model' only). Leave 'batch' "
+                    "out of the spec."
+                )
 
 
 class LayerSplit(NamedTuple):
@@ -228,7 +180,7 @@ def _padded(spec: Spec | None, variable: keras.Variable, mesh: Mesh) -> Spec:
             f"{_where(variable, spec, mesh)}, but the spec has {len(spec)} entries for a variable of "
             f"{rank} dimension(s). Give one entry per dimension (None keeps a dimension whole)."
         )
-    if any(isinstance(entry, tuple) for entry in spec) or _axes_of(spec).count(MODEL_AXIS) > 1:
+    if any(isinstance(entry, tuple) for entry in spec) or spec_axes(spec).count(MODEL_AXIS) > 1:
         raise ValueError(
             f"{_where(variable, spec, mesh)}, but torch-dp splits a variable over 'model' along one dimension "
             "only. Name 'model' once, alone, and leave the other dimensions None."
