@@ -151,13 +151,16 @@ def test_the_split_check_asks_the_compiled_loss_not_the_model_s_own_compute_loss
 
 
 class _NoisyAtInference(keras.layers.Layer):
-    """Dropout in inference too, from its own seed generator, and a row-dependent ``add_loss`` term."""
+    """Dropout in inference too, from its own seed generator, a row-dependent ``add_loss`` term, and a
+    count of its calls in a variable (as Keras's ``callback_test`` model counts them)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.seed_gen = keras.random.SeedGenerator(7)
+        self.calls = self.add_variable(shape=(), initializer="zeros", trainable=False)
 
     def call(self, inputs):
+        self.calls.assign(self.calls + 1)
         self.add_loss(ops.mean(ops.square(inputs)))
         return keras.random.dropout(inputs, 0.5, seed=self.seed_gen)
 
@@ -167,13 +170,14 @@ def test_the_checks_that_run_the_model_leave_its_seed_and_metric_states_as_they_
 
     model = dense(_NoisyAtInference(), metrics=[_squared_errors, "mae"])
     build_model(model, INPUTS)
-    before = [ops.convert_to_numpy(v).tolist() for v in (model.layers[1].seed_gen.state, *model.metrics_variables)]
+    noisy = model.layers[1]
+    before = [ops.convert_to_numpy(v).tolist() for v in (noisy.seed_gen.state, noisy.calls, *model.metrics_variables)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         check_batch_metrics(model, INPUTS)
         warn_terms_not_split(model, INPUTS, num_replicas=2, package="a_dp")
         check_losses_split(model, INPUTS)
-    after = [ops.convert_to_numpy(v).tolist() for v in (model.layers[1].seed_gen.state, *model.metrics_variables)]
+    after = [ops.convert_to_numpy(v).tolist() for v in (noisy.seed_gen.state, noisy.calls, *model.metrics_variables)]
     assert after == before and before[0] == [7, 0]
 
 

@@ -127,11 +127,14 @@ def check_losses_split(model: keras.Model, inputs: FirstRows) -> None:
 @contextlib.contextmanager
 def state_kept(model: keras.Model) -> Iterator[None]:
     """Within the block a check may run the model (in inference mode) and leave no trace: the metrics'
-    states and the random layers' seed states are put back after it (a layer that draws noise at
-    inference, MC dropout, advances its ``SeedGenerator``; ``model.fit``'s first step must draw what it would)."""
+    states, the random layers' seed states and the model's other non-trainable variables are put back
+    after it (a layer that draws noise at inference, MC dropout, advances its ``SeedGenerator``; a
+    ``call`` may count itself in a variable, as one of Keras's tests does: ``model.fit`` runs it no more)."""
     layers = _internals.flatten_layers(model, include_self=True)
     seeds = [generator.state for layer in layers for generator in _internals.seed_generators(layer)]
-    variables = [*model.metrics_variables, *seeds]
+    seen = {id(variable) for variable in [*model.metrics_variables, *seeds]}
+    others = [variable for variable in model.non_trainable_variables if id(variable) not in seen]
+    variables = [*model.metrics_variables, *seeds, *others]
     states = [ops.convert_to_numpy(variable) for variable in variables]
     try:
         yield
