@@ -204,19 +204,18 @@ def test_a_preemption_notice_stops_at_a_step_with_a_checkpoint_and_a_rerun_resum
             assert time.monotonic() < deadline, "no checkpoint of epoch 1, step 1 within 120 s"
             time.sleep(0.05)
         process.send_signal(notice)
-        signalled = time.monotonic()
-        _, stderr = process.communicate(timeout=60)
-        ended = time.monotonic() - signalled
+        _, stderr = process.communicate(timeout=60)  # a bound on a hang only: the steps say how soon it stopped
     finally:
         process.kill()
     assert process.returncode == 1, stderr[-3000:]
-    assert ended < 5, f"the run took {ended:.1f} s to stop"
     name = signal.Signals(notice).name
     match = re.search(rf"Preempted: Training was preempted \({name}\) and stopped at epoch (\d+), step (\d+)", stderr)
     assert match, stderr[-3000:]
     newest = dp_core.latest_checkpoint(checkpoints)
-    # the notice went once step 1 of epoch 1 was saved: the stop is at that boundary or a later one
-    assert (newest.epoch, newest.step) == (int(match.group(1)), int(match.group(2))) >= (1, 1)
+    # the notice went once step 1 of epoch 1 was saved: the stop is at that boundary or a few later (the test
+    # sees the checkpoint a poll after it lands), long before the run's end
+    stopped_at = (int(match.group(1)), int(match.group(2)))
+    assert (newest.epoch, newest.step) == stopped_at and (1, 1) <= stopped_at <= (2, 1), stopped_at
     assert f"A checkpoint of that step is at {checkpoints / newest.name}" in stderr
     assert not output.exists()
 
