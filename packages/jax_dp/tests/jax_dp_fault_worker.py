@@ -8,7 +8,8 @@ its rows from a map-style dataset. Once the checkpoint after step FAIL_AFTER_STE
 the next row that process FAILING_PROCESS reads fails: MODE "raise" raises, "caught" raises
 an error its script catches (then it tries to fit again), "kill" SIGKILLs the process,
 "sigterm" sends it SIGTERM once (a preemption notice), "none" never fails. TIMEOUT ("default" or seconds) goes to
-``jax_dp.initialize``.
+``jax_dp.initialize``. With JAX_DP_TEST_SLOW_WRITES_S=SECONDS, process 0's checkpoints after
+FAIL_AFTER_STEP each take that much longer to write.
 """
 
 from __future__ import annotations
@@ -62,6 +63,21 @@ class FailingRows:
         return self.x[index], self.y[index]
 
 
+def _slow_writes_after(step: int, seconds: float) -> None:
+    """Every checkpoint after ``step`` takes ``seconds`` longer to write (process 0's background writer), as on
+    a busy machine or a slow disk: the stop's checkpoint is still being written when the others end."""
+    from dp_core import _checkpoint_background
+
+    save = _checkpoint_background.save_checkpoint
+
+    def slowly(directory, checkpoint, **kwargs):
+        if checkpoint.step > step:
+            time.sleep(seconds)
+        return save(directory, checkpoint, **kwargs)
+
+    _checkpoint_background.save_checkpoint = slowly
+
+
 def main() -> None:
     port, process_id = int(sys.argv[1]), int(sys.argv[2])
     checkpoint_dir = None if sys.argv[3] == "none" else sys.argv[3]
@@ -70,6 +86,8 @@ def main() -> None:
 
     import jax_dp
 
+    if (slow := os.environ.get("JAX_DP_TEST_SLOW_WRITES_S")) and process_id == 0:
+        _slow_writes_after(fail_after_step, float(slow))
     options = {} if timeout == "default" else {"timeout": float(timeout)}
     jax_dp.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id, initialization_timeout=60, **options)
     rng = np.random.default_rng(0)

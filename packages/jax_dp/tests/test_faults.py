@@ -30,6 +30,7 @@ STEPS_PER_EPOCH = 64  # the worker's 2048 rows in global batches of 32
 STARTUP_S = 120  # imports, rendezvous and compilation of two processes on two busy cores
 KILL_TIMEOUT_S = 10  # jax_dp.initialize(timeout=...) for the SIGKILL tests
 SLACK_S = 5  # scheduling noise on a loaded machine
+WRITE_POLL_S = 0.5  # how often a process looks for another's failure (jax_dp._processes.group)
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(STARTUP_S + 120)]
 
@@ -50,7 +51,14 @@ class Run:
     """Two workers; one fails as told. ``failed_at`` and ``ended_at`` are ``time.time()`` values."""
 
     def __init__(
-        self, tmp_path: Path, *, failing_process: int, mode: str, timeout: str, checkpoints: bool = True
+        self,
+        tmp_path: Path,
+        *,
+        failing_process: int,
+        mode: str,
+        timeout: str,
+        checkpoints: bool = True,
+        environment: dict[str, str] | None = None,
     ) -> None:
         self.checkpoint_dir = tmp_path / "checkpoints"
         self.failing_process = failing_process
@@ -60,7 +68,7 @@ class Run:
             [port, str(process_id), directory, str(failing_process), mode, str(FAIL_AFTER_STEP), timeout]
             for process_id in range(2)
         ]
-        self.workers, self.log_paths = start_workers(WORKER, arguments, tmp_path)
+        self.workers, self.log_paths = start_workers(WORKER, arguments, tmp_path, [environment or {}] * 2)
         self.ended_at: list[float | None] = [None, None]
 
     def wait_for_both(self, deadline_s: float) -> None:
@@ -189,12 +197,15 @@ def test_an_error_the_script_catches_still_ends_the_run_fast(tmp_path, failing_p
 
 @pytest.mark.parametrize("failing_process", [1, 0])
 def test_sigterm_to_one_process_stops_both_at_one_step_with_a_checkpoint(tmp_path, failing_process):
-    run = Run(tmp_path, failing_process=failing_process, mode="sigterm", timeout="default")
+    # process 0's writes are slowed, so the stop's checkpoint is still being written when process 1 ends: its
+    # Preempted is no failure that ends process 0 (which lost that checkpoint under load before)
+    slow = {"JAX_DP_TEST_SLOW_WRITES_S": str(3 * WRITE_POLL_S)}
+    run = Run(tmp_path, failing_process=failing_process, mode="sigterm", timeout="default", environment=slow)
     try:
         run.wait_for_both(STARTUP_S + SLACK_S + 30)
     finally:
         run.kill_leftovers()
-    signalled_at, _ = run.failure()
+    run.failure()  # it did fail as told
     assert None not in run.ended_at, f"a worker hung:\n{run.log(0)[-3000:]}\n{run.log(1)[-3000:]}"
     stopped = set()
     for process_id in (0, 1):
@@ -203,12 +214,11 @@ def test_sigterm_to_one_process_stops_both_at_one_step_with_a_checkpoint(tmp_pat
         assert match, log[-3000:]
         stopped.add(int(match.group(1)))
         assert run.workers[process_id].returncode == 1, log[-3000:]
-        ended_at = run.ended_at[process_id]
-        assert ended_at is not None and ended_at - signalled_at <= SLACK_S, (process_id, ended_at - signalled_at)
     assert len(stopped) == 1, f"the processes stopped at different steps: {stopped}"
     newest = latest_checkpoint(run.checkpoint_dir)
     assert newest is not None and (newest.epoch, newest.step) == (0, stopped.pop())
-    assert FAIL_AFTER_STEP < newest.step < STEPS_PER_EPOCH
+    # soon after the notice (the slowed writes make time no measure here: the steps are), long before the end
+    assert FAIL_AFTER_STEP < newest.step <= FAIL_AFTER_STEP + 8 < STEPS_PER_EPOCH
 
 
 @pytest.mark.parametrize("failing_process", [1, 0])

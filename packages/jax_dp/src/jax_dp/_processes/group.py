@@ -279,7 +279,7 @@ def _end_together(client: Any, process_id: int, num_processes: int) -> None:
 
     def report_and_exit(kind: type[BaseException], error: BaseException, trace: TracebackType | None) -> None:
         previous_hook(kind, error, trace)
-        if _stopped_together_by_ctrl_c(error):  # every process stopped at one step: each ends as Python would
+        if _stopped_together(error):  # every process stopped at one step: each ends as Python would
             return
         try:
             record_failure(error)
@@ -319,9 +319,13 @@ def _end_together(client: Any, process_id: int, num_processes: int) -> None:
     atexit.register(stop_watching)
 
 
-def _stopped_together_by_ctrl_c(error: BaseException) -> bool:
-    """Whether ``error`` is a Trainer call's ``KeyboardInterrupt`` for a Ctrl-C that stopped every
-    process at one step (it is raised while handling that ``Preempted``), not a failure of this one."""
+def _stopped_together(error: BaseException) -> bool:
+    """Whether ``error``, left uncaught, is a stop every process made at one step, not a failure of this one:
+    a ``Preempted`` or ``NonFiniteLossError`` (each process raises its own; reporting it as a failure would
+    end process 0 while it still writes the stop's checkpoint), or the ``KeyboardInterrupt`` a Trainer call
+    raises for a Ctrl-C that stopped them all (raised while handling that ``Preempted``)."""
+    if isinstance(error, (Preempted, NonFiniteLossError)):
+        return True
     stop = error.__context__
     return isinstance(error, KeyboardInterrupt) and isinstance(stop, Preempted) and stop.signal_name == "SIGINT"
 
