@@ -132,7 +132,10 @@ def state_kept(model: keras.Model) -> Iterator[None]:
     ``call`` may count itself in a variable, as one of Keras's tests does: ``model.fit`` runs it no more)."""
     layers = _internals.flatten_layers(model, include_self=True)
     seeds = [generator.state for layer in layers for generator in _internals.seed_generators(layer)]
-    seen = {id(variable) for variable in [*model.metrics_variables, *seeds]}
+    # Keras's own layers change no variable at inference (BatchNormalization's statistics move in training
+    # only): theirs are not read, so a model built in a trainer's scope is not read whole for them
+    kept = [v for layer in layers if _keras_own_layer(layer) for v in layer.non_trainable_variables]
+    seen = {id(variable) for variable in [*model.metrics_variables, *seeds, *kept]}
     others = [variable for variable in model.non_trainable_variables if id(variable) not in seen]
     variables = [*model.metrics_variables, *seeds, *others]
     states = [ops.convert_to_numpy(variable) for variable in variables]
@@ -141,6 +144,11 @@ def state_kept(model: keras.Model) -> Iterator[None]:
     finally:
         for variable, state in zip(variables, states, strict=True):
             variable.assign(state)
+
+
+def _keras_own_layer(layer: keras.layers.Layer) -> bool:
+    """A layer class of Keras itself, not a model (a container of any layers)."""
+    return type(layer).__module__.startswith("keras.") and not isinstance(layer, keras.Model)
 
 
 def _share_of(loss: Any, *, rows: ReplicaRows) -> Callable[..., Any]:
