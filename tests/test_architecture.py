@@ -24,7 +24,16 @@ BACKENDS = ("torch_dp", "jax_dp")
 # A wing's floor: it may import the floors below its own (and its own wing's other modules).
 FACE = 7
 WINGS = {
-    "torch_dp": {"_processes": 6, "_loop": 5, "_scope": 4, "_mesh": 4, "_step": 3, "_data": 2, "_comm": 1, "_internals": 0},
+    "torch_dp": {
+        "_processes": 6,
+        "_loop": 5,
+        "_scope": 4,
+        "_mesh": 4,
+        "_step": 3,
+        "_data": 2,
+        "_comm": 1,
+        "_internals": 0,
+    },
     "jax_dp": {"_processes": 6, "_loop": 5, "_step": 3, "_data": 2, "_comm": 1, "_mesh": 1, "_internals": 0},
 }
 MAX_MODULE_LINES = 400
