@@ -13,6 +13,8 @@ import json
 import os
 import socket
 import stat
+import subprocess
+import sys
 import threading
 import time
 
@@ -307,6 +309,21 @@ def test_on_one_host_process_0_generates_the_secret_in_a_file_only_this_user_rea
     assert not path.exists()  # removed once every process joined (jax's coordinator has the port now)
 
 
+def test_a_new_secret_removes_those_killed_jobs_left_and_keeps_a_running_jobs():
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, alive = local.secret_path(free_port()), local.secret_path(free_port())
+    dead.write_text(json.dumps({"secret": "a killed job's", "pid": int(ended.stdout)}))
+    alive.write_text(json.dumps({"secret": "a running job's", "pid": os.getpid()}))
+    try:
+        _, path = local.create_secret(free_port())
+        path.unlink()
+        assert not dead.exists()
+        assert json.loads(alive.read_text())["secret"] == "a running job's"
+    finally:
+        for left in (dead, alive):
+            left.unlink(missing_ok=True)
+
+
 def test_with_a_generated_secret_a_place_claimed_twice_stops_the_job():
     # Two jobs of one user on one port share the generated secret: process 0 cannot tell whose
     # process 1 is whose, so it admits neither rather than train with the other job's.
@@ -332,6 +349,9 @@ def test_with_a_generated_secret_a_place_claimed_twice_stops_the_job():
 @pytest.mark.parametrize("generated", [False, True])
 def test_once_formed_a_single_host_job_keeps_its_port_and_refuses_latecomers(generated):
     port = free_port()
+    # A killed job of this user may have left its secret file for this port (nothing removes it
+    # then): it is not this job's, and would make the last check below read a file no one here wrote.
+    local.secret_path(port).unlink(missing_ok=True)
     address, secret = f"127.0.0.1:{port}", None if generated else SECRET
     admission = admit_with_one(address, secret)
     conflicts: list[str] = []

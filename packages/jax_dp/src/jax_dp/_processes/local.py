@@ -58,14 +58,29 @@ def secret_path(port: int) -> Path:
 
 def create_secret(port: int) -> tuple[bytes, Path]:
     """Process 0, holding ``port``: a new secret in a 0600 file for its joiners (any file there
-    is a dead job's, since the port is ours: it is replaced whole, never seen half-written)."""
+    is a dead job's, since the port is ours: it is replaced whole, never seen half-written). The
+    files killed jobs left for other ports (their process 0 no longer runs) are removed."""
     secret, path = secrets.token_hex(32).encode(), secret_path(port)
+    for left in path.parent.glob("jax-*.secret"):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            if not _running(int(json.loads(left.read_text())["pid"])):
+                left.unlink()
     draft = path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
     descriptor = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(descriptor, "w") as file:
         json.dump({"secret": secret.decode(), "pid": os.getpid()}, file)
     os.replace(draft, path)
     return secret, path
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # no signal sent: whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def read_secret(port: int) -> bytes | None:
