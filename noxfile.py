@@ -228,7 +228,8 @@ def tests_torch(session: nox.Session) -> None:
     _install_torch(session)
     session.install("-e", CORE, "-e", TORCH_DP, REPORT, *TEST_TOOLS)
     session.env["KERAS_BACKEND"] = "torch"
-    session.run("pytest", "packages/torch_dp/tests", *session.posargs)
+    selection = [] if session.posargs else ["-m", "not heavy"]
+    session.run("pytest", "packages/torch_dp/tests", *selection, *session.posargs)
     if not session.posargs:
         session.run("pytest", *HOSTS_LEAN["torch"])
 
@@ -247,10 +248,22 @@ def tests_jax(session: nox.Session) -> None:
     # filelock: the lock of the XLA compile cache the suite shares among its processes (conftest.py)
     session.install("-e", CORE, "-e", JAX_DP, REPORT, "filelock", *TEST_TOOLS)
     _jax_env(session)
-    selection = [] if session.posargs else ["-m", JAX_SPLIT[str(session.python)]]
+    selection = [] if session.posargs else ["-m", f"{JAX_SPLIT[str(session.python)]} and not heavy"]
     session.run("pytest", "packages/jax_dp/tests", *selection, *session.posargs)
     if not session.posargs and JAX_SPLIT[str(session.python)] == "multiprocess":  # with the 2-process runs
         session.run("pytest", *HOSTS_LEAN["jax"])
+
+
+@session(python="3.11", default=False)
+def heavy(session: nox.Session) -> None:
+    """The tests marked ``heavy``, left out of bare nox for its time budget: meshes of 4 processes, long fits.
+
+    Both packages, each under its backend (about 5 minutes on 2 cores). Run it before a release, and after
+    a change to what they test (``torch_dp/_mesh``, Ctrl-C across processes)."""
+    _install_everything(session, REPORT, "filelock", *TEST_TOOLS)
+    session.run("pytest", "packages/torch_dp/tests", "-m", "heavy", *session.posargs, env={"KERAS_BACKEND": "torch"})
+    _jax_env(session)
+    session.run("pytest", "packages/jax_dp/tests", "-m", "heavy", *session.posargs)
 
 
 def _keras_range() -> SpecifierSet:

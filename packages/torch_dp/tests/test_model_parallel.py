@@ -106,6 +106,7 @@ def test_a_one_by_two_mesh_is_model_fits():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.heavy  # 4 processes: about 45 s on 2 cores; the (1, 2) mesh above runs in bare nox
 @pytest.mark.timeout(600)
 def test_a_two_by_two_mesh_is_model_fits():
     """Two replicas of two processes each, the rules as a Keras ``LayoutMap`` (whose patterns match whole
