@@ -225,9 +225,13 @@ REFUSALS = {
     "steps_per_execution": (lambda: _fit(make=_steps_per_execution), r"steps_per_execution=2"),
     "a model's own train_step": (lambda: _fit(make=_own_step), r"a model's own train_step"),
     "a regularizer": (lambda: _fit(make=_regularized), r"a regularizer on the split layer 'd1'"),
-    "global_clipnorm": (
-        lambda: _fit(make=lambda: _compiled(mlp(), keras.optimizers.Adam(global_clipnorm=1.0))),
-        r"the optimizer Adam with these options",
+    "a LossScaleOptimizer": (
+        lambda: _fit(make=lambda: _compiled(mlp(), keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()))),
+        r"does not build a LossScaleOptimizer with split variables yet",
+    ),
+    "an optimizer that is not element-wise": (
+        lambda: _fit(make=lambda: _compiled(mlp(), keras.optimizers.Lamb())),
+        r"the optimizer Lamb with these options",
     ),
     "an unbuilt model": (lambda: _fit(make=_unbuilt), r"needs a built model"),
     "scope()": (lambda: torch_dp.Trainer(mesh=(1, 2)).scope(), r"does not build Trainer.scope\(\) yet"),

@@ -12,7 +12,7 @@ from dp_core import ShardMode
 from dp_core.keras import FitJob, Inputs, Job
 from torch_dp._mesh.plan import Layout, Mesh, MeshPlan, bias_of, mesh_of, plan_for, splittable_layers, weight_of
 from torch_dp._step.custom import STEPS, overrides
-from torch_dp._step.parts import splittable
+from torch_dp._step.parts import SPLITTABLE
 
 
 def refused(what: str, why: str, instead: str) -> ValueError:
@@ -113,13 +113,22 @@ def _check_optimizer(model: keras.Model, plan: MeshPlan) -> None:
         for v in (weight_of(layer), *([bias_of(layer)] if split.bias_split else []))
     ]
     optimizer = model.optimizer
-    inner: Any = getattr(optimizer, "inner_optimizer", optimizer)
-    if getattr(inner, "global_clipnorm", None) or not all(splittable(optimizer, variables)):
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         raise refused(
-            f"the optimizer {type(inner).__name__} with these options",
+            "a LossScaleOptimizer with split variables",
+            "its finite check reads each process's part of a split gradient, so the processes of a row could "
+            "decide differently whether to apply a step",
+            "Train without loss scaling (float32 or bfloat16), or leave every variable whole.",
+        )
+    # _step.parts.splittable less its clipnorm refusal: _mesh.clipping clips by whole gradients' norms
+    constrained = any(
+        getattr(v, "constraint", None) is not None or getattr(v, "overwrite_with_gradient", False) for v in variables
+    )
+    if not isinstance(optimizer, SPLITTABLE) or constrained:
+        raise refused(
+            f"the optimizer {type(optimizer).__name__} with these options",
             "a split variable's part is updated alone, which needs an element-wise update (SGD, Adam, AdamW, "
-            "RMSprop, ...) without clipnorm or global_clipnorm (their norms read the whole gradient), and variables "
-            "without a constraint",
+            "RMSprop, ...) and variables without a constraint",
             "Choose such an optimizer, or leave the variables it cannot update whole.",
         )
     for layer in layers:

@@ -38,6 +38,7 @@ from dp_core.keras import internals
 from torch_dp._comm.collectives import all_gather_rows
 from torch_dp._comm.replica import Replica
 from torch_dp._internals import with_keras_shape
+from torch_dp._mesh.clipping import clipped_over_row
 from torch_dp._mesh.collectives import copy_to_row, gather_columns, slice_columns, sum_over_row
 from torch_dp._mesh.plan import LayerSplit, MeshPlan, bias_of, splittable_layers, weight_of
 from torch_dp._step.owners import slots_of
@@ -48,14 +49,17 @@ def split_layers(
     model: keras.Model, plan: MeshPlan, row: Replica, *, optimizer: keras.optimizers.Optimizer | None
 ) -> Iterator[None]:
     """Within the block ``plan``'s layers are split along ``row`` (this process's place in its mesh row),
-    with ``optimizer``'s slots for their variables (None: a call that does not train)."""
+    with ``optimizer``'s slots for their variables (None: a call that does not train), which clips their
+    gradients by their whole norms (``_mesh.clipping``)."""
     layers = splittable_layers(model)
     undo: list[Callable[[bool], None]] = []
+    split_variables: list[keras.Variable] = []
     failed = False
     try:
         for split in plan.splits:
             layer = layers[split.layer]
             held = [(weight_of(layer), split.dimension), *([(bias_of(layer), 0)] if split.bias_split else [])]
+            split_variables += [variable for variable, _ in held]
             for variable, axis in held:
                 slots = [] if optimizer is None else slots_of(optimizer, [variable])[0]
                 undo += [_narrowed(v, axis, row) for v in (variable, *slots)]
@@ -63,7 +67,11 @@ def split_layers(
             call = _split_lookup(layer, split, row) if lookup else _split_call(layer, split, row)
             own_call = internals.override(layer, "call", call)
             undo.append(lambda _, own_call=own_call: own_call())
-        yield
+        if optimizer is None:
+            yield
+        else:
+            with clipped_over_row(optimizer, split_variables, row):
+                yield
     except BaseException:
         failed = True
         raise
