@@ -35,13 +35,23 @@ def stored_sizes(model: keras.Model) -> list[int]:
     return [internals.stored_value(v).numel() for v in model.trainable_weights]
 
 
-@pytest.mark.parametrize(("mode", "optimizer"), [("full", "adamw"), ("full", "global_clipnorm"), ("optimizer", "adam")])
-def test_a_scoped_model_is_made_by_parts_and_trains_as_model_fit(trainer, mode, optimizer):
+@pytest.mark.parametrize(
+    ("mode", "optimizer", "compiled_outside"),
+    [
+        ("full", "adamw", False),
+        ("full", "global_clipnorm", False),
+        ("optimizer", "adam", False),
+        ("full", "adam", True),
+    ],
+)
+def test_a_scoped_model_is_made_by_parts_and_trains_as_model_fit(trainer, mode, optimizer, compiled_outside):
     reference, expected = shard_test.keras_fit(optimizer)
     unsharded = shard_test.model(optimizer)  # the same seed: the values a scoped build must make
     trainer.shard = mode
     with trainer.scope():
         scoped = shard_test.model(optimizer)
+    if compiled_outside:  # its optimizer's step counter and learning rate hold values here, not in the workers
+        scoped.compile(optimizer=shard_test.OPTIMIZERS[optimizer](), loss=scoped.loss, metrics=["accuracy"])
     assert stored_sizes(scoped) == [0] * len(scoped.trainable_weights)  # nothing made, in this process either
     x, y = shard_test.data()
     history = trainer.fit(

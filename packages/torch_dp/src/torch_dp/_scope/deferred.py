@@ -127,4 +127,5 @@ def set_initial_value(variable: keras.Variable, value: Any) -> None:
 
 def made(variable: keras.Variable) -> None:
     """The variable holds its value (or its part) now."""
-    _entries[id(variable)].source = None
+    if (entry := _entries.get(id(variable))) is not None:  # None: made outside a scope, its value sent
+        entry.source = None

@@ -18,27 +18,17 @@ import torch.distributed as dist
 from torch_dp._comm.collectives import _entering, all_reduce_sum, broadcast_object
 from torch_dp._comm.replica import Replica
 from torch_dp._internals import set_stored_value
-from torch_dp._scope.deferred import in_creation_order, initial_value, made, stored_source
+from torch_dp._scope.deferred import in_creation_order, initial_value, is_deferred, made, stored_source
 from torch_dp._scope.loading import StoredValue
 from torch_dp._step.owners import Piece, rows_shape
 
 
 def materialize(variables: Sequence[keras.Variable], held: dict[int, list[Piece]], replica: Replica) -> None:
     """Every deferred one of ``variables`` (the same list on every replica) given its value or part."""
-    order = in_creation_order(variables)
-    primary_order: list[int] = broadcast_object(order, replica)
-    mine = float(sorted(order) != sorted(primary_order))
-    if replica.distributed:
-        (differing,) = all_reduce_sum([torch.tensor([mine], device=replica.device)], replica)
-        if differing.item():
-            raise RuntimeError(
-                f"torch_dp: the replicas rebuilt a model built in a trainer's scope with other variables awaiting "
-                f"their first value ({len(order)} here, {len(primary_order)} on rank 0). A model built in the scope "
-                "must build the same variables on every replica: give its layers a get_config() that rebuilds them."
-            )
+    primary_order: list[int] = broadcast_object(in_creation_order(variables), replica)
     # where rank 0's variables lie in a file, if they were loaded from one (the others' know nothing of it)
-    files: list[StoredValue | None] = [stored_source(variables[i]) if replica.is_primary else None for i in order]
-    files = broadcast_object(files, replica)
+    sources = [stored_source(variables[i]) for i in primary_order] if replica.is_primary else []
+    files: list[StoredValue | None] = broadcast_object(sources, replica)
     for index, file in zip(primary_order, files, strict=True):
         variable = variables[index]
         pieces = held.get(id(variable))
@@ -47,11 +37,41 @@ def materialize(variables: Sequence[keras.Variable], held: dict[int, list[Piece]
             made(variable)
             continue
         whole = initial_value(variable).to(replica.device) if replica.is_primary else None
-        if pieces is None:
-            _everywhere(variable, whole, replica)
-        else:
-            send_parts(variable, whole, pieces, replica)
-        made(variable)
+        _place(variable, whole, pieces, replica)
+    for index in _deferred_elsewhere(variables, primary_order, replica):
+        # made with a value in the caller (compiled outside the scope: the optimizer's step counter and
+        # learning rate), and deferred in the workers, which rebuild and compile in a scope: rank 0's value
+        whole = torch.as_tensor(variables[index].value).detach().clone() if replica.is_primary else None
+        _place(variables[index], whole, held.get(id(variables[index])), replica)
+
+
+def _place(
+    variable: keras.Variable, whole: torch.Tensor | None, pieces: Sequence[Piece] | None, replica: Replica
+) -> None:
+    if pieces is None:
+        _everywhere(variable, whole, replica)
+    else:
+        send_parts(variable, whole, pieces, replica)
+    made(variable)
+
+
+def _deferred_elsewhere(variables: Sequence[keras.Variable], primary_order: list[int], replica: Replica) -> list[int]:
+    """The indices, ascending, of the variables some other replica awaits a value for and rank 0 does not."""
+    if not replica.distributed:
+        return []
+    primary_count: int = broadcast_object(len(variables), replica)
+    flag = torch.tensor([float(len(variables) != primary_count)], device=replica.device)
+    (differing,) = all_reduce_sum([flag], replica)
+    if differing.item():
+        raise RuntimeError(
+            f"torch_dp: the replicas rebuilt a model built in a trainer's scope with other variables ({len(variables)} "
+            f"here, {primary_count} on rank 0). A model built in the scope must build the same variables on every "
+            "replica: give its layers a get_config() that rebuilds them."
+        )
+    awaited = torch.tensor([float(is_deferred(v)) for v in variables], dtype=torch.float64, device=replica.device)
+    (awaited,) = all_reduce_sum([awaited], replica)
+    primary = set(primary_order)
+    return [i for i, count in enumerate(awaited.tolist()) if count > 0 and i not in primary]
 
 
 def _read_own_part(
