@@ -6,6 +6,7 @@ is a standard Keras file that plain Keras loads on one device."""
 
 import gc
 import json
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -127,6 +128,35 @@ def test_load_weights_in_the_scope_and_save_give_standard_files(trainer, tmp_pat
     loaded = keras.saving.load_model(str(tmp_path / "scoped.keras"))
     for mine, theirs in zip(loaded.get_weights(), fresh.get_weights(), strict=True):
         np.testing.assert_array_equal(mine, theirs)
+
+
+def test_a_keras_archives_weights_are_read_by_parts_too(trainer, tmp_path, monkeypatch):
+    """``load_weights`` of a ``.keras`` archive in the scope: the caller keeps no value (each lies in a
+    temporary h5 file, written one variable at a time), each replica reads its own part from that file at
+    the first call, and the file is gone once read (before: the caller kept every value whole until then)."""
+    read = []
+    from_file = StoredValue.read
+    monkeypatch.setattr(StoredValue, "read", lambda self, rows: read.append(from_file(self, rows)) or read[-1])
+    monkeypatch.setattr(StoredValue, "__array__", lambda self, dtype=None, copy=None: from_file(self, None))
+    reference, _ = shard_test.keras_fit("adam")
+    reference.save(str(tmp_path / "trained.keras"))
+    trainer.shard = "full"
+    with trainer.scope():
+        scoped = shard_test.model("adam")
+        scoped.load_weights(str(tmp_path / "trained.keras"))
+    sources = [deferred._entries[id(v)].source for v in scoped.weights]
+    assert all(isinstance(source, StoredValue) and source.temporary for source in sources)
+    copy = Path(sources[0].filename)
+    del sources
+    x, _ = shard_test.data(37, seed=1)
+    np.testing.assert_allclose(
+        trainer.predict(scoped, x, global_batch_size=GLOBAL_BATCH_SIZE, verbose=0),
+        reference.predict(x, batch_size=GLOBAL_BATCH_SIZE, verbose=0),
+        atol=1e-6,
+    )
+    held_here = sum(internals.stored_value(v).numel() for v in scoped.weights)
+    assert 0 < sum(values.size for values in read) == held_here < sum(int(np.prod(v.shape)) for v in scoped.weights)
+    assert not copy.exists()
 
 
 def test_each_replica_holds_its_share_from_construction_on(tmp_path):

@@ -4,7 +4,8 @@ keeps its own part and sends every other replica its part (its rows, or the whol
 owner, or the whole to all). So no replica but rank 0 ever holds what it does not own, rank 0 holds
 one whole variable beyond its own parts at a time, and every value is bitwise an unsharded build's.
 A variable loaded from an h5 file in the scope (``_scope.loading``) is read by each of its holders,
-its own part only, from the file: nothing is sent, and no replica reads what it does not hold."""
+its own part only, from the file: nothing is sent, and no replica reads what it does not hold (a
+``.keras`` archive's weights from the caller's temporary copy, which lives until every replica read)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ def materialize(variables: Sequence[keras.Variable], held: dict[int, list[Piece]
             continue
         whole = initial_value(variable).to(replica.device) if replica.is_primary else None
         _place(variable, whole, pieces, replica)
+    if replica.distributed and any(file is not None and file.temporary for file in files):
+        all_reduce_sum([torch.zeros(1, device=replica.device)], replica)  # all read: rank 0 may drop the file
     for index in _deferred_elsewhere(variables, primary_order, replica):
         # made with a value in the caller (compiled outside the scope: the optimizer's step counter and
         # learning rate), and deferred in the workers, which rebuild and compile in a scope: rank 0's value
