@@ -216,8 +216,14 @@ REFUSALS = {
     "shard=": (lambda: torch_dp.Trainer(mesh=(1, 2), shard="full"), r"does not build shard='full' yet"),
     "num_replicas=": (lambda: torch_dp.Trainer(2, mesh=(1, 2)), r"the mesh says how many processes run \(2"),
     "a mesh of three axes": (lambda: torch_dp.Trainer(mesh=(1, 2, 2)), r"mesh= takes \(rows, columns\)"),
-    "callbacks": (lambda: _fit(callbacks=[keras.callbacks.History()]), r"does not build callbacks yet"),
-    "checkpoint_dir": (lambda: _fit(checkpoint_dir="unused"), r"does not build checkpoint_dir yet"),
+    "a callback at batch ends": (
+        lambda: _fit(callbacks=[keras.callbacks.LambdaCallback(on_batch_end=lambda batch, logs: None)]),
+        r"does not build LambdaCallback acting at on_batch_end yet",
+    ),
+    "checkpoint_every_steps": (
+        lambda: _fit(checkpoint_dir="unused", checkpoint_every_steps=2),
+        r"does not build checkpoint_every_steps yet",
+    ),
     "a generator": (
         lambda: torch_dp.Trainer(mesh=(1, 2), layout=LAYOUT).fit(mlp(), _batches(), steps_per_epoch=2, verbose=0),
         r"does not build batch-yielding inputs",

@@ -820,3 +820,8 @@ def layer_with_keras_trainer() -> Any:
     model = DenseWithKerasTrainer(3)
     model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "sparse_categorical_crossentropy", metrics=["accuracy"])
     return model
+
+
+def halving_hundredths(epoch: int, learning_rate: float) -> float:
+    """A LearningRateScheduler schedule for Adam: 0.01, 0.005, 0.0025, ..."""
+    return 0.01 * 0.5**epoch

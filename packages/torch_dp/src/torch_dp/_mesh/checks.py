@@ -9,7 +9,8 @@ from typing import Any, NamedTuple
 import keras
 
 from dp_core import ShardMode
-from dp_core.keras import FitJob, Inputs, Job
+from dp_core.keras import FitJob, Inputs, Job, internals
+from torch_dp._mesh.epochs import EPOCH_HOOKS, PASSIVE
 from torch_dp._mesh.plan import Layout, Mesh, MeshPlan, bias_of, mesh_of, plan_for, splittable_layers, weight_of
 from torch_dp._step.custom import STEPS, overrides
 from torch_dp._step.parts import SPLITTABLE
@@ -56,15 +57,8 @@ def plan_call(
     built in a trainer's scope)."""
     check_no_shard(shard)
     if isinstance(job, FitJob):
-        _check_fit(job)
-    callbacks = job.arguments.callbacks if isinstance(job, FitJob) else job.callbacks
-    if callbacks:
-        raise refused(
-            "callbacks",
-            "during a call the caller's model holds only its part of each split variable, which a callback would read",
-            "Call it without callbacks (fit's History comes back as usual), or train without mesh= where you "
-            "need them.",
-        )
+        _check_fit(model, job)
+    _check_callbacks(job)
     inputs = [job.inputs, job.validation] if isinstance(job, FitJob) else [job.inputs]
     if any(not isinstance(each, Inputs) for each in inputs if each is not None):
         raise refused(
@@ -92,15 +86,64 @@ def plan_call(
     return plan
 
 
-def _check_fit(job: FitJob[Any]) -> None:
-    if job.arguments.checkpoint_dir is not None:
+def _check_fit(model: keras.Model, job: FitJob[Any]) -> None:
+    if job.arguments.checkpoint_every_steps:
         raise refused(
-            "checkpoint_dir",
-            "a checkpoint of a fit on a mesh would need each split variable gathered whole when it is written",
-            "Fit without checkpoint_dir, or save the model after fit (it holds the whole trained state then).",
+            "checkpoint_every_steps",
+            "a fit on a mesh writes its checkpoints at epoch ends, where every split variable is whole",
+            "Leave checkpoint_every_steps out: a checkpoint is written at each epoch's end.",
         )
     if job.profile is not None:
         raise refused("profile=", "the scaling report times data parallel's phases", "Leave profile= out with a mesh.")
+    inner: Any = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+    if inner is not None and (inner.use_ema or inner.gradient_accumulation_steps):
+        raise refused(
+            "use_ema or gradient_accumulation_steps",
+            "a fit on a mesh runs each epoch as a fit of its own, and Keras ends a fit by putting the moving "
+            "averages in the weights (or the accumulators with it)",
+            "Compile the optimizer without them.",
+        )
+
+
+def _check_callbacks(job: Job) -> None:
+    """A fit's callbacks act at epoch and train hooks only (``_mesh.epochs``); evaluate's and predict's not at all.
+    History and the progress bar, which read the logs only, are everywhere."""
+    given = job.arguments.callbacks if isinstance(job, FitJob) else job.callbacks
+    allowed = EPOCH_HOOKS if isinstance(job, FitJob) else ()
+    for callback in given or []:
+        if isinstance(callback, PASSIVE):
+            continue
+        hooks = [hook for hook in _HOOKS if hook not in allowed and internals.overrides_hook(callback, hook)]
+        if isinstance(callback, keras.callbacks.ModelCheckpoint) and callback.save_freq == "epoch":
+            hooks = [hook for hook in hooks if "_batch_" not in hook]  # its batch hook returns at once
+        if isinstance(callback, keras.callbacks.BackupAndRestore):
+            hooks = ["its own checkpoints"]
+        if hooks:
+            raise refused(
+                f"{type(callback).__name__} acting at {', '.join(hooks)}",
+                "within an epoch (its batches, its validation) and in evaluate and predict each process holds its "
+                "part of each split variable, which a callback there would read, and its decisions would reach "
+                "only its own column of the mesh",
+                "Act at epoch ends (on_epoch_end: the model is whole there, as ModelCheckpoint and EarlyStopping "
+                "do), or train without mesh=; for BackupAndRestore pass checkpoint_dir= to fit.",
+            )
+
+
+_HOOKS = (
+    "on_train_batch_begin",
+    "on_train_batch_end",
+    "on_batch_begin",
+    "on_batch_end",
+    "on_test_begin",
+    "on_test_end",
+    "on_test_batch_begin",
+    "on_test_batch_end",
+    "on_predict_begin",
+    "on_predict_end",
+    "on_predict_batch_begin",
+    "on_predict_batch_end",
+    *EPOCH_HOOKS,
+)
 
 
 def _check_optimizer(model: keras.Model, plan: MeshPlan) -> None:

@@ -18,6 +18,7 @@ import keras
 
 from dp_core.keras import EvaluateJob, FitJob, Job, PredictJob, batch_terms
 from torch_dp._comm.replica import Replica
+from torch_dp._mesh.epochs import fit_by_epochs
 from torch_dp._mesh.groups import mesh_places
 from torch_dp._mesh.layers import split_layers
 from torch_dp._mesh.plan import MeshPlan
@@ -94,5 +95,11 @@ def run_on_mesh(
     if places.column.is_primary and not replica.is_primary:
         plain = _quiet(plain)
     optimizer = model.optimizer if trains else None
-    with split_layers(model, plan, places.row, optimizer=optimizer):
-        return run(model, plain, places.column, sync=False)
+
+    def run_split(job: Job) -> Any:
+        with split_layers(model, plan, places.row, optimizer=optimizer):
+            return run(model, job, places.column, sync=False)
+
+    if isinstance(plain, FitJob):  # whole between epochs: checkpoints and callbacks there (_mesh.epochs)
+        return fit_by_epochs(model, plain, replica, column=places.column, rows=plan.mesh.rows, run_epoch=run_split)
+    return run_split(plain)
