@@ -149,3 +149,42 @@ def test_epoch_callbacks_act_as_in_model_fit(mesh_trainer, tmp_path):
         assert_weights(saved, theirs.get_weights(), atol=1e-6)
     # the best weights restored are epoch 1's, not the last epoch's
     assert not np.allclose(model.get_weights()[0], saved.get_weights()[0])
+
+
+def _compiled_with(optimizer: keras.optimizers.Optimizer) -> keras.Model:
+    model = mlp()
+    model.compile(optimizer, "sparse_categorical_crossentropy")
+    return model
+
+
+REFUSALS = {
+    "BackupAndRestore": (
+        {"callbacks": [keras.callbacks.BackupAndRestore("unused")]},
+        mlp,
+        r"BackupAndRestore acting at its own checkpoints",
+    ),
+    "a callback at validation": (
+        {"callbacks": [keras.callbacks.LambdaCallback(on_test_end=lambda logs: None)]},
+        mlp,
+        r"LambdaCallback acting at on_test_end",
+    ),
+    "use_ema": ({}, lambda: _compiled_with(keras.optimizers.Adam(use_ema=True)), r"use_ema or gradient_accumulation"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_what_a_mesh_does_not_build_around_epochs_is_refused_before_anything_starts(case):
+    options, make, message = REFUSALS[case]
+    x, y = testing.data(20)
+    with pytest.raises(ValueError, match=message):
+        torch_dp.Trainer(mesh=(1, 2), layout=LAYOUT).fit(make(), x, y, global_batch_size=4, verbose=0, **options)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_checkpoint_written_inside_an_epoch_is_refused_on_a_mesh(mesh_trainer, tmp_path):
+    """Every process stops before its first step (the last test of the file: the error closes the trainer)."""
+    fit(torch_dp.Trainer(num_replicas=1), tmp_path, epochs=1, checkpoint_every_steps=2)
+    shutil.rmtree(list_checkpoints(tmp_path)[-1])  # the epoch end's: step 4's is the newest left
+    with pytest.raises(ValueError, match=r"written 4 step\(s\) into epoch 1 .* resumes at an epoch's end only"):
+        fit(mesh_trainer, tmp_path)
