@@ -74,21 +74,31 @@ def require_compiled(model: keras.Model) -> None:
 def compile_like(model: keras.Model, config: dict[str, Any]) -> None:
     """``model`` compiled with what another model's ``compile`` got (its ``get_compile_config()``).
 
+    A class with a ``compile_from_config`` of its own reads the config itself; otherwise the config's
+    objects are rebuilt and given to ``compile_with``."""
+    if type(model).compile_from_config is not keras.Model.compile_from_config:
+        model.compile_from_config(config)
+        return
+    compile_with(model, keras.saving.deserialize_keras_object(config))
+
+
+def compile_with(model: keras.Model, arguments: dict[str, Any]) -> None:
+    """``model`` compiled with ``arguments``, what another model's ``compile`` got (optimizer, loss,
+    metrics, ... as objects), its optimizer built over the weights when the model is built, as
+    ``compile_from_config`` builds it.
+
     Keras's ``compile_from_config`` compiles nothing for a class with a ``compile`` of its own (it
     warns): keras-hub's tasks, which compile themselves with their defaults when built, so a copy
     would train with their optimizer and loss, not the caller's. Their ``compile`` gets the caller's
     recorded arguments instead (Keras's own ``compile`` where it does not take them)."""
-    if type(model).compile is keras.Model.compile or type(model).compile_from_config is not (
-        keras.Model.compile_from_config
-    ):
-        model.compile_from_config(config)
-        return
-    arguments = keras.saving.deserialize_keras_object(config)
-    try:
+    if type(model).compile is keras.Model.compile:
         model.compile(**arguments)
-    except TypeError:  # a compile of another signature: Keras's own, as the caller's called it in the end
-        keras.Model.compile(model, **arguments)
-    if model.built:  # as compile_from_config does
+    else:
+        try:
+            model.compile(**arguments)
+        except TypeError:  # a compile of another signature: Keras's own, as the caller's called it in the end
+            keras.Model.compile(model, **arguments)
+    if model.built and getattr(model, "optimizer", None) is not None:
         model.optimizer.build(model.trainable_variables)
 
 
