@@ -15,7 +15,8 @@ The contract, what a backend calls on the way from the user's call to its step:
   backend's run, for backend authors (a ``SourceStandIn`` may replace a source where it is not read);
 - the inputs: ``Inputs`` (arrays and map-style datasets, read by row), ``BatchSource``
   (batch-yielding sources, each batch a global batch);
-- the model: ``build_model``, ``compile_like`` (a copy compiled as the caller's model was);
+- the model: ``build_model``, ``compile_like`` (a copy compiled as the caller's model was, from its
+  compile config), ``compile_with`` (from its compile arguments as objects);
 - the step's loss: ``replica_losses``, ``check_losses_split``; its random draws: ``global_batch_draws``
   (``GlobalRows``: a replica draws the global batch's noise and keeps its rows);
 - the epoch: ``callback_list``, ``needs_every_batch``, ``python_logs``; ``Throughput`` (a callback for users:
@@ -90,6 +91,7 @@ from dp_core.keras._losses import check_losses_split as check_losses_split
 from dp_core.keras._losses import replica_losses as replica_losses
 from dp_core.keras._model import build_model as build_model
 from dp_core.keras._model import compile_like as compile_like
+from dp_core.keras._model import compile_with as compile_with
 from dp_core.keras._random_rows import GlobalRows as GlobalRows
 from dp_core.keras._random_rows import global_batch_draws as global_batch_draws
 from dp_core.keras._restore import checkpoint_pairs as checkpoint_pairs
