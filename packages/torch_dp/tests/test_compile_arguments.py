@@ -74,3 +74,57 @@ def test_a_loss_that_cannot_travel_is_named_and_predict_does_without_it(two_repl
         assert "cannot pickle '_thread.lock' object" in message and "dataset" not in message
     predicted = two_replicas.predict(model, x, batch_size=32, verbose=0)
     np.testing.assert_allclose(predicted, model.predict(x, batch_size=32, verbose=0), rtol=1e-6, atol=1e-6)
+
+
+def objects_keras_cannot_rebuild() -> keras.Model:
+    """A model with a tuple of outputs (Keras's format gives back a list), compiled with what Keras's compile
+    config cannot rebuild: two loss closures of one factory (one name, two scales), each closing over a layer
+    of the model (a penalty on its kernel), and a metric class made here, whose ``__init__`` takes no name and
+    whose ``reset_state`` keeps its states (Keras's trainer_test.py has one)."""
+
+    class KeepsItsStates(keras.metrics.MeanSquaredError):
+        def __init__(self):
+            super().__init__(name="kept_mse")
+
+        def reset_state(self):
+            pass
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(4, activation="tanh", name="hidden")
+    features = hidden(inputs)
+    model = keras.Model(inputs, (keras.layers.Dense(2, name="a")(features), keras.layers.Dense(1, name="b")(features)))
+
+    def scaled(scale):
+        def loss(y_true, y_pred):
+            penalty = 0.01 * keras.ops.sum(keras.ops.square(hidden.kernel))
+            return scale * keras.ops.mean(keras.ops.square(y_true - y_pred), axis=-1) + penalty
+
+        return loss
+
+    model.compile(keras.optimizers.SGD(0.1), loss=(scaled(1.0), scaled(3.0)), metrics=([KeepsItsStates()], []))
+    return model
+
+
+def test_compile_objects_keras_cannot_rebuild_train_as_model_fit(two_replicas):
+    """What compile() got reaches the workers as itself: before, Keras's compile config refused the metric class
+    and could not tell the two ``loss`` closures apart. Both models are evaluated on plain Keras first: the
+    metric's states carry that over in Keras's History and in torch-dp's (rank 0's own; the workers' start at 0)."""
+    x, _ = testing.data()
+    y = (x[:, :2] * 0.5, x[:, 2:3] - x[:, 3:4])
+    reference, model = objects_keras_cannot_rebuild(), objects_keras_cannot_rebuild()
+    reference.evaluate(x, y, verbose=0)
+    model.evaluate(x, y, verbose=0)
+    want = reference.fit(x, y, **FIT).history
+    got = two_replicas.fit(model, x, y, **FIT).history
+    assert set(got) == set(want) and "a_kept_mse" in got
+    for name, values in want.items():
+        np.testing.assert_allclose(got[name], values, rtol=1e-5, atol=1e-6, err_msg=name)
+    for variable, wanted, trained in zip(reference.weights, reference.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_allclose(trained, wanted, rtol=1e-5, atol=1e-6, err_msg=variable.path)
+    evaluated = two_replicas.evaluate(model, x, y, batch_size=32, verbose=0)
+    np.testing.assert_allclose(evaluated, reference.evaluate(x, y, batch_size=32, verbose=0), rtol=1e-5)
+    predicted = two_replicas.predict(model, x, batch_size=32, verbose=0)
+    assert isinstance(predicted, tuple)
+    for mine, theirs in zip(predicted, reference.predict(x, batch_size=32, verbose=0), strict=True):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)

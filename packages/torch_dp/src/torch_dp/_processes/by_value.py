@@ -10,7 +10,8 @@ What Keras would have saved travels instead as each object's own attributes: a K
 lists and dicts get their items before their tracker. Tensors travel on the CPU and land where
 Keras puts a new tensor in the worker (its replica's device); the weights travel too, and are
 overwritten by rank 0's broadcast as a rebuilt model's are. The compiled state (optimizer,
-losses, metrics) stays behind: the worker compiles its copy from the compile config.
+losses, metrics) stays behind: the worker compiles its copy with compile()'s arguments, which travel
+by value too (``_processes.compile_arguments``, with the model's own objects as references).
 """
 
 from __future__ import annotations
@@ -36,6 +37,27 @@ def pickled_model(model: keras.Model) -> bytes:
 def unpickled_model(data: bytes) -> keras.Model:
     """The model ``pickled_model`` wrote, not compiled, its tensors on this process's Keras device."""
     return cast(keras.Model, pickle.loads(data))
+
+
+def pickled_with_references(obj: Any, references: dict[str, Any]) -> bytes:
+    """``obj`` by value as a model's objects go, but each object of ``references`` (found by identity)
+    stands as its key, to be the receiver's own (``unpickled_with_references``): a loss closing over the
+    model, a layer or a weight arrives closing over the worker's, not over a second copy."""
+    buffer = io.BytesIO()
+    _ReferencesPickler(buffer, {id(value): key for key, value in references.items()}).dump(obj)
+    return buffer.getvalue()
+
+
+def unpickled_with_references(data: bytes, references: dict[str, Any]) -> Any:
+    """What ``pickled_with_references`` wrote, each reference's key read as ``references[key]``."""
+    return _ReferencesUnpickler(io.BytesIO(data), references).load()
+
+
+def model_references(model: keras.Model) -> dict[str, Any]:
+    """``model``, its layers and its weights, each under a key its copy in a worker has too (same structure)."""
+    layers = {f"layer {index}": layer for index, layer in enumerate(internals.flatten_layers(model))}
+    weights = {f"weight {index}": weight for index, weight in enumerate(model.weights)}
+    return {"model": model, **layers, **weights}
 
 
 def unpicklable_attribute(model: keras.Model) -> str | None:
@@ -104,6 +126,24 @@ def _untracked(cls: type[Any]) -> Any:
     made = _bare(cls)
     made.__dict__["tracker"] = None
     return made
+
+
+class _ReferencesPickler(_ModelPickler):
+    def __init__(self, file: io.BytesIO, keys: dict[int, str]) -> None:
+        super().__init__(file, None)
+        self._keys = keys
+
+    def persistent_id(self, obj: Any) -> Any:
+        return self._keys.get(id(obj))
+
+
+class _ReferencesUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, references: dict[str, Any]) -> None:
+        super().__init__(file)
+        self._references = references
+
+    def persistent_load(self, pid: Any) -> Any:
+        return self._references[pid]
 
 
 class _LayersAsLeaves(_ModelPickler):

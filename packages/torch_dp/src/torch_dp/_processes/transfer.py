@@ -8,12 +8,10 @@ optimizer) is rank 0's, taken by broadcast (a model sent by value carries weight
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import io
 import json
 import os
-import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -23,12 +21,13 @@ import keras
 import torch
 
 from dp_core import ShardMode
-from dp_core.keras import BatchSource, EvaluateJob, FitJob, Inputs, Job, compile_like, internals
+from dp_core.keras import BatchSource, EvaluateJob, FitJob, Inputs, Job
 from torch_dp._data.loaders import LoaderOnReplicas, read_on_replicas
 from torch_dp._data.sources import Readable, SourceOnPrimary
 from torch_dp._loop.trainable import TrainableFlags, set_trainable, trainable_flags
 from torch_dp._processes.by_value import pickled_model, unpicklable_attribute, unpickled_model
-from torch_dp._processes.custom_objects import custom_objects, python_functions, sendable
+from torch_dp._processes.compile_arguments import CompileArguments
+from torch_dp._processes.custom_objects import custom_objects, lambda_functions, lambdas_by_name, uncompiled_config
 from torch_dp._processes.shared_arrays import open_shared
 from torch_dp._scope.deferred import deferring
 from torch_dp._scope.replicas import VariableJob
@@ -68,19 +67,19 @@ class ModelSource:
     """How a worker rebuilds the caller's model (its weights come after, by broadcast from
     rank 0): a ``.keras`` file plus the custom classes and functions its config names, the
     model's objects themselves (``pickled``) where Keras's format cannot rebuild it, or the
-    user's factory. All travel by value (cloudpickle), so classes and factories defined in
-    ``__main__`` or a notebook cell reach the workers."""
+    user's factory; and what it compiles it with (``compiled``: compile()'s arguments). All
+    travel by value (cloudpickle), so classes and factories defined in ``__main__`` or a
+    notebook cell reach the workers."""
 
     keras_file: str | None = None
     custom_objects: dict[str, Any] = field(default_factory=dict)
     factory: Callable[[], keras.Model] | None = None
-    compile_config: dict[str, Any] | None = None  # model.get_compile_config(): None when not compiled
+    compiled: CompileArguments | None = None  # None when not compiled
     loss_scaled: bool = False  # compiled under mixed_float16: its optimizer is a LossScaleOptimizer
     # built in a trainer's scope: the file holds no weights, the worker builds it deferred (``_scope``)
     scoped: bool = False
     mode: ShardMode | None = None
     recompile: bool = False  # the worker's model stays (a scoped one holds its parts): compile it again only
-    unsent: str | None = None  # why a compile() function could not travel (a stand-in went): fit and evaluate refused
     pickled: bytes | None = None  # the model by value (``_processes.by_value``), not compiled: no file could rebuild it
 
 
@@ -101,31 +100,23 @@ def ship_model(
         return ModelSource(factory=model_argument, scoped=scoped, mode=mode)
     path = os.path.join(directory, "model.json" if scoped else "model.keras")
     loss_scaled = isinstance(getattr(model, "optimizer", None), keras.optimizers.LossScaleOptimizer)
+    compiled = CompileArguments.of(model)
     try:
-        with _lambdas_by_name(model) as lambdas:
-            found = {**custom_objects(model), **python_functions(model), **lambdas}
-            objects, unsent = sendable(model, found, _pickled)  # a compile() function that cannot travel: a stand-in
+        with lambdas_by_name(model) as lambdas:
+            objects = {**custom_objects(model), **lambda_functions(model), **lambdas}
             if scoped:
                 with open(path, "w") as f:
-                    json.dump(keras.saving.serialize_keras_object(model), f)
+                    json.dump(uncompiled_config(model), f)
             else:
                 model.save(path)
-        compile_config = cast("dict[str, Any] | None", model.get_compile_config())
-        source = ModelSource(
-            path,
-            objects,
-            compile_config=compile_config,
-            loss_scaled=loss_scaled,
-            scoped=scoped,
-            mode=mode,
-            unsent=unsent,
-        )
+        source = ModelSource(path, objects, compiled=compiled, loss_scaled=loss_scaled, scoped=scoped, mode=mode)
         with deferring(mode) if scoped else contextlib.nullcontext():  # a scoped model's check makes nothing
             loaded = _loaded(source)
+        _check_outputs_kept(model, loaded)
     except Exception as error:
         if scoped:  # its parts are made on the replicas from its config: it cannot go by value
             raise _not_rebuilt(model, error) from error
-        source, loaded = _sent_by_value(model, error, loss_scaled=loss_scaled, mode=mode)
+        source, loaded = _sent_by_value(model, error, compiled, loss_scaled=loss_scaled, mode=mode)
     set_trainable(loaded, trainable_flags(model))  # a file that loses weights fails here, clearly
     try:
         with deferring(mode) if scoped else contextlib.nullcontext():
@@ -141,11 +132,10 @@ def ship_model(
 def recompiled(model: keras.Model, mode: ShardMode | None) -> ModelSource:
     """A scoped model compiled again since the workers built it: they compile theirs again, keeping its parts."""
     optimizer = getattr(model, "optimizer", None)
-    objects, unsent = sendable(model, {**custom_objects(model), **python_functions(model)}, _pickled)
+    compiled = CompileArguments.of(model)
     return ModelSource(
-        custom_objects=objects,
-        unsent=unsent,
-        compile_config=cast("dict[str, Any] | None", model.get_compile_config()),
+        custom_objects=custom_objects(model),
+        compiled=compiled,
         loss_scaled=isinstance(optimizer, keras.optimizers.LossScaleOptimizer),
         scoped=True,
         mode=mode,
@@ -154,20 +144,21 @@ def recompiled(model: keras.Model, mode: ShardMode | None) -> ModelSource:
 
 
 def _sent_by_value(
-    model: keras.Model, saving_error: Exception, *, loss_scaled: bool, mode: ShardMode | None
+    model: keras.Model,
+    saving_error: Exception,
+    compiled: CompileArguments | None,
+    *,
+    loss_scaled: bool,
+    mode: ShardMode | None,
 ) -> tuple[ModelSource, keras.Model]:
     """``model`` by value (``_processes.by_value``) where Keras's format cannot rebuild it, read back
     here as a worker reads it; else a ``TypeError`` naming both failures and the attribute at fault."""
-    compile_config = cast("dict[str, Any] | None", model.get_compile_config())
-    found = {**custom_objects(model, compile_config or {}), **python_functions(model)}
-    objects, unsent = sendable(model, found, _pickled)
     try:
         source = ModelSource(
-            custom_objects=objects,
-            compile_config=compile_config,
+            custom_objects={**custom_objects(model, model_config=False), **lambda_functions(model)},
+            compiled=compiled,
             loss_scaled=loss_scaled,
             mode=mode,
-            unsent=unsent,
             pickled=pickled_model(model),
         )
         return source, _loaded(source)
@@ -180,6 +171,19 @@ def _sent_by_value(
             "that builds and compiles the model instead (trainer.fit(make_model, ...)); it may be defined anywhere, "
             "a notebook cell included."
         ) from error
+
+
+def _check_outputs_kept(model: keras.Model, loaded: keras.Model) -> None:
+    """A ``ValueError`` where Keras's format changed the structure of the model's outputs (a tuple of
+    outputs comes back a list, a namedtuple a list): a loss given for that structure would not fit it."""
+    try:
+        mine = model.output
+    except (AttributeError, ValueError):  # a subclassed model never called on Keras inputs: no structure recorded
+        return
+    try:
+        keras.tree.assert_same_structure(mine, loaded.output)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"Keras's format gives the model's outputs another structure: {error}") from error
 
 
 def _last_line(error: Exception) -> str:
@@ -219,37 +223,6 @@ def _check_optimizer_rebuilt(model: keras.Model, loaded: keras.Model) -> None:
         "discriminator is). Pass a zero-argument function that builds, compiles and builds the optimizer as you "
         "do (trainer.fit(make_model, ...)); it may be defined anywhere, a notebook cell included."
     )
-
-
-@contextlib.contextmanager
-def _lambdas_by_name(model: keras.Model) -> Iterator[dict[str, Any]]:
-    """While ``model`` is saved, each ``Lambda`` layer's Python lambda stands under a name of its
-    own, and the returned custom objects map that name back to the lambda. Keras saves a lambda
-    as its bytecode, which a worker would run without the globals it names (``keras``, ``np``, a
-    constant of the notebook); by name, the lambda itself travels by value with the file."""
-    named: dict[str, Any] = {}
-    restore: list[tuple[keras.layers.Lambda, Any]] = []
-    try:
-        for index, layer in enumerate(internals.flatten_layers(model, include_self=True)):
-            function = getattr(layer, "function", None) if isinstance(layer, keras.layers.Lambda) else None
-            if isinstance(function, types.LambdaType) and function.__name__ == "<lambda>":
-                name = f"torch_dp_lambda_{index}"
-                named[name] = function
-                restore.append((layer, function))
-                layer.function = _stand_in(function, name)
-        yield named
-    finally:
-        for layer, function in restore:
-            layer.function = function
-
-
-def _stand_in(function: Callable[..., Any], name: str) -> Callable[..., Any]:
-    def stand_in(*args: Any, **kwargs: Any) -> Any:
-        return function(*args, **kwargs)
-
-    stand_in.__name__ = stand_in.__qualname__ = name
-    stand_in.__module__ = "builtins"  # Keras saves a function of no importable module by its name alone
-    return stand_in
 
 
 def receive_model(source: ModelSource, trainable: TrainableFlags, held: keras.Model | None = None) -> keras.Model:
@@ -304,17 +277,13 @@ def _loaded(source: ModelSource) -> keras.Model:
 
 
 def _compiled(model: keras.Model, source: ModelSource) -> None:
-    """``model`` compiled as the caller's was (as ``load_model`` compiles it from the file)."""
-    if source.compile_config is None:
+    """``model`` compiled as the caller's was, with its compile() arguments."""
+    if source.compiled is None:
         return
-    # a copy: Keras's deserializing pops from the config (a LossScaleOptimizer's inner_optimizer),
-    # and a model may be compiled from one source more than once
-    config = copy.deepcopy(source.compile_config)
-    if model.dtype_policy.name == "mixed_float16" and not source.loss_scaled:
-        # compile(auto_scale_loss=False), which the compile config does not record: no LossScaleOptimizer
-        config["auto_scale_loss"] = False
+    # compile(auto_scale_loss=False), which Keras does not record: no LossScaleOptimizer under mixed_float16
+    auto_scale_loss = model.dtype_policy.name != "mixed_float16" or source.loss_scaled
     with _policy_of(source), keras.saving.custom_object_scope(source.custom_objects):
-        compile_like(model, config)
+        source.compiled.compile(model, auto_scale_loss=auto_scale_loss)
 
 
 @dataclass(frozen=True)
@@ -352,7 +321,8 @@ def _pickled(obj: Any) -> bytes:
 
 def shippable(request: Request) -> bytes:
     """``request`` pickled for the workers; refused, saying why, where they could not run it."""
-    unsent = request.model.unsent if request.model is not None else None
+    compiled = request.model.compiled if request.model is not None else None
+    unsent = compiled.unsent if compiled is not None else None
     if unsent is not None and isinstance(request.job, FitJob | EvaluateJob):
         raise TypeError(unsent)
     try:
