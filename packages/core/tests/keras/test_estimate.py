@@ -87,5 +87,30 @@ def test_a_subclassed_model_says_its_activations_are_not_estimated():
 
 
 def test_an_unbuilt_model_without_x_is_refused_with_what_to_pass():
-    with pytest.raises(ValueError, match="estimate needs x \\(and y\\) to build model"):
-        estimate_memory(_model(), global_batch_size=8, num_replicas=2, shard=None, device="cpu", device_memory=None)
+    unbuilt = keras.Sequential([keras.layers.Dense(3)])  # no keras.Input: built at its first call
+    unbuilt.compile(optimizer="adam", loss="mse")
+    with pytest.raises(ValueError, match="estimate needs x \\(and y\\) to build model .* or build the model first"):
+        estimate_memory(unbuilt, global_batch_size=8, num_replicas=2, shard=None, device="cpu", device_memory=None)
+
+
+def test_a_built_model_needs_no_x_and_is_counted_as_with_it():
+    """``trainer.estimate(model, global_batch_size=...)``: a model made with keras.Input is built; its
+    optimizer is built here on its variables, as fit's first step builds it (Adam's slots counted)."""
+
+    def estimate(model: keras.Model, *data: np.ndarray):
+        return estimate_memory(
+            model, *data, global_batch_size=32, num_replicas=2, shard=None, device="cpu", device_memory=10**6
+        )
+
+    without_x = estimate(_model())
+    assert without_x == estimate(_model(), *_data())
+    assert without_x.for_shard(None).optimizer_state >= 2 * TRAINABLE
+
+
+def test_a_global_batch_that_does_not_divide_is_counted_padded_as_fit_pads_it():
+    """33 rows on 2 replicas: fit pads each step to 34, 17 rows a replica (refused before this)."""
+    estimate = estimate_memory(
+        _model(), *_data(), global_batch_size=33, num_replicas=2, shard=None, device="cpu", device_memory=None
+    )
+    assert estimate.per_replica_batch_size == 17
+    assert estimate.for_shard(None).activations == 17 * (5 + 8 + 8 + 8 + 3) * 4

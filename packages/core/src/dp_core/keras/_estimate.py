@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import keras
 import numpy as np
 
-from dp_core._batch import per_replica_batch_size
+from dp_core._batch import padded_batch_size
 from dp_core._options import SHARD_MODES, ShardMode
 from dp_core.keras._inputs import Inputs
 from dp_core.keras._model import build_model
@@ -102,17 +102,21 @@ def estimate_memory(
     device: str,
     device_memory: int | None,
 ) -> MemoryEstimate:
-    """``model`` built as ``fit`` builds it (from ``x``'s first rows where it is not built yet), then
-    counted per replica for every ``shard=`` mode. ``device_memory``: the bytes of one replica's
-    device (None on a CPU: this host's memory over its ``num_replicas`` replicas)."""
-    rows = per_replica_batch_size(global_batch_size, num_replicas)
+    """``model`` built as ``fit`` builds it (from ``x``'s first rows; without ``x``, a model built
+    already, its optimizer built on its variables as Keras builds it), then counted per replica for
+    every ``shard=`` mode. A global batch that does not divide is padded, as ``fit`` pads it.
+    ``device_memory``: the bytes of one replica's device (None on a CPU: this host's memory over its
+    ``num_replicas`` replicas)."""
+    rows = padded_batch_size(global_batch_size, num_replicas) // num_replicas
     if x is not None:
         build_model(model, Inputs(x, y))
-    elif not model.built or not model.optimizer.built:
+    elif not model.built:
         raise ValueError(
             f"estimate needs x (and y) to build model '{model.name}', which is not built yet: pass the arrays fit "
-            "would get (a few rows are enough)"
+            "would get (a few rows are enough), or build the model first (keras.Input, or model.build(shape))"
         )
+    elif not model.optimizer.built:  # what fit's first step does; fit then finds it built
+        model.optimizer.build(model.trainable_variables)
     trainable = _bytes(model.trainable_weights)
     frozen = _bytes(model.non_trainable_weights)
     slots = _bytes(model.optimizer.variables)
