@@ -139,30 +139,31 @@ def _one_epoch(job: FitJob[Any], epoch: int, one_epoch: OneEpoch) -> FitJob[Any]
 
 
 def _resumed(job: FitJob[Any], model: keras.Model, replica: Replica) -> Start:
-    """Where the fit starts: rank 0 restores ``job.resume_from`` (chosen and checked in the caller) into the
-    whole model and every process takes its state; a failure there stops every process."""
-    if job.resume_from is None:
-        return Start()
+    """Where the fit starts: rank 0 restores its ``job.resume_from`` (chosen and checked in the caller; under
+    torchrun only rank 0's caller chooses one) into the whole model and every process takes its state; a
+    failure there stops every process."""
     start, failure = Start(), None
-    if replica.is_primary:
+    if replica.is_primary and job.resume_from is not None:
         try:
             checkpoint = load_checkpoint(job.resume_from)
             restore_model(checkpoint, model, metrics=False)
             start = start_of(checkpoint)
         except Exception as error:  # every process must hear of it, or the others would wait for rank 0
             failure = error
-    epoch, step, told = broadcast_object((start.epoch, start.step, None if failure is None else repr(failure)), replica)
+    told = None if failure is None else repr(failure)
+    path, epoch, step, told = broadcast_object((job.resume_from, start.epoch, start.step, told), replica)
     if failure is not None:
         raise failure
     if told is not None:
-        raise RuntimeError(f"torch_dp: rank 0 could not resume from {job.resume_from!r} ({told}); every process stops.")
+        raise RuntimeError(f"torch_dp: rank 0 could not resume from {path!r} ({told}); every process stops.")
     if step:
         raise ValueError(
-            f"torch_dp: the checkpoint {job.resume_from!r} was written {step} step(s) into epoch {epoch + 1} (by "
+            f"torch_dp: the checkpoint {path!r} was written {step} step(s) into epoch {epoch + 1} (by "
             "checkpoint_every_steps or a preemption of a data-parallel fit), and a fit on a mesh resumes at an "
             "epoch's end only. Resume it without mesh= to that epoch's end first, or remove that checkpoint."
         )
-    same_state_as_primary(model, replica, optimizer=True)  # rank 0's restored weights and optimizer state
+    if path is not None:
+        same_state_as_primary(model, replica, optimizer=True)  # rank 0's restored weights and optimizer state
     return start if replica.is_primary else Start(epoch)
 
 

@@ -60,10 +60,11 @@ def _fields(job: Job) -> dict[str, Any]:
 
 
 def _quiet(job: Job) -> Job:
-    """``job`` with no progress bar: for a process that is rank 0 of its column but not the caller."""
+    """``job`` with no progress bar nor callbacks (History's, a ProgbarLogger's: under torchrun every process
+    has the caller's): for a process that is rank 0 of its column but not the caller."""
     if isinstance(job, FitJob):
         return dataclasses.replace(job, arguments=dataclasses.replace(job.arguments, verbose=0))
-    return dataclasses.replace(job, verbose=0)
+    return dataclasses.replace(job, verbose=0, callbacks=())
 
 
 def run_on_mesh(
