@@ -202,6 +202,7 @@ class _SleepAfterFirstEpoch(keras.callbacks.Callback):
 
 
 @pytest.mark.timeout(240)  # two pools start, and rank 0 sleeps 10 s in each
+@pytest.mark.heavy  # among bare nox's slowest (its budget): nox -s heavy, and the fault matrix
 def test_rank_0_alone_for_longer_than_the_rendezvous_timeout_is_bounded_by_the_collective_timeout():
     x, y = testing.data()
     reference = testing.dense_batchnorm_model()

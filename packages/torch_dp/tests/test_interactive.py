@@ -147,6 +147,7 @@ def test_a_worker_error_arrives_as_itself_and_the_next_call_starts_new_workers(t
     assert _workers() and _workers() != before
 
 
+@pytest.mark.heavy  # among bare nox's slowest (its budget): nox -s heavy, and the fault matrix
 def test_a_killed_worker_tears_the_pool_down_and_the_next_call_works():
     x, y = testing.data(96)
     model = testing.dense_batchnorm_model("sgd")
@@ -306,6 +307,7 @@ def test_a_caller_killed_while_its_replicas_start_leaves_no_process_and_no_file(
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.heavy  # among bare nox's slowest (its budget): nox -s heavy, and the fault matrix
 def test_two_pools_in_two_processes_at_once_both_train_correctly(tmp_path):
     tag = uuid.uuid4().hex
     scripts = [_run_script([os.path.join(HERE, "main_block_script.py"), "2"], tag, tmp_path) for _ in range(2)]

@@ -69,6 +69,7 @@ def test_each_of_two_replicas_holds_about_half_of_each_state(two_replicas, tmp_p
         two_replicas.shard = None
 
 
+@pytest.mark.heavy  # among bare nox's slowest (its budget): nox -s heavy
 def test_each_of_four_replicas_holds_about_a_quarter_of_each_state(tmp_path):
     with torch_dp.Trainer(num_replicas=4, timeout=120) as trainer:
         for mode in ("gradients", "full"):
@@ -88,6 +89,7 @@ THREE = [  # (mode, optimizer) on three replicas: test_shard.py's model, dense_i
 ]
 
 
+@pytest.mark.heavy  # among bare nox's slowest (its budget): nox -s heavy
 def test_three_replicas_split_rows_that_do_not_divide_and_fit_as_model_fit(tmp_path, monkeypatch):
     x, y = shard_test.data()
     fit = {"global_batch_size": 30, "shuffle": False, "verbose": 0}  # 99 rows: the last batch has 9

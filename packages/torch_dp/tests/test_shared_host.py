@@ -113,6 +113,7 @@ def _probe_rendezvous(folder: str, ports: list[int]):
     return found
 
 
+@pytest.mark.heavy  # among bare nox's slowest (its budget): nox -s heavy, and the fault matrix
 def test_another_user_reaches_nothing_of_the_pools_rendezvous_and_the_run_equals_keras(trainer):
     _fit_equals_keras(trainer, epochs=1)  # the pool is up, and kept
     pool = _pool()
