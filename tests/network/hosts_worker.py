@@ -1,6 +1,7 @@
 """One process of a multi-host test (not collected by pytest), run on a namespace host (``hosts.py``).
 
     python hosts_worker.py BACKEND [jax: COORDINATOR NUM_PROCESSES PROCESS_ID] [--epochs N] [--delay S]
+                          [--checkpoints [FOLDER]]
 
 BACKEND ``torch`` joins the group its launcher (torchrun, SLURM's variables) describes; ``jax`` calls
 ``jax_dp.initialize(COORDINATOR, NUM_PROCESSES, PROCESS_ID)``; ``keras`` is the reference: plain
@@ -65,7 +66,9 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--delay", type=float, default=0.0)
     parser.add_argument("--timeout", type=float, default=30.0)
-    parser.add_argument("--checkpoints", action="store_true", help="a checkpoint a step, in ./checkpoints")
+    parser.add_argument(
+        "--checkpoints", nargs="?", const="checkpoints", help="a checkpoint a step, in this folder (./checkpoints)"
+    )
     arguments = parser.parse_args()
     x, y = data()
     first = True
@@ -107,7 +110,7 @@ def fit(trainer, trained, x, y, arguments) -> None:
         shuffle=False,
         verbose=0,
         callbacks=[steps(arguments.delay)],
-        **({"checkpoint_dir": "checkpoints", "checkpoint_every_steps": 1} if arguments.checkpoints else {}),
+        **({"checkpoint_dir": arguments.checkpoints, "checkpoint_every_steps": 1} if arguments.checkpoints else {}),
     )
 
 
