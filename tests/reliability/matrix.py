@@ -61,6 +61,8 @@ CKPT_DIR = "packages/core/tests/test_checkpoint_dir.py"
 TORCH_HOSTS = "tests/network/test_hosts_torch.py"  # hosts as network namespaces on a bridge (tests/network/hosts.py)
 JAX_HOSTS = "tests/network/test_hosts_jax.py"
 JAX_HOSTS_RESTART = "tests/network/test_hosts_jax_restart.py"  # reliability only: not in bare nox's lean part
+SLURM_REQUEUE = "tests/network/test_hosts_slurm_requeue.py"  # reliability only: not in bare nox's lean part
+RAY = "tests/ray/test_ray_train.py"  # a local Ray cluster: nox -s ray runs it too
 
 CRAFTED = f"{DAMAGE}::test_crafted_newest_falls_back_to_the_previous_in_bounded_time_and_memory"
 FALLS_BACK = "`latest_checkpoint` falls back to the previous checkpoint with a warning naming the file and the problem, within 2 s and 8 MB"
@@ -198,6 +200,8 @@ ROWS: tuple[Row, ...] = (
     Row("Process 1's host of a 2-host job dies mid-`fit`: every process on it SIGKILLed (`timeout=10`)", "jax", "process 0 exits non-zero naming process 1 of 2 on host2 (before: gloo's bare 'connection reset' `ValueError`)", 25, f"{JAX_HOSTS}::test_a_killed_process_is_named_by_process_and_host"),
     Row("Each of 2 hosts resolves its own name to 127.0.1.1, the coordinator given by address", "jax", "each process stops right after joining, naming its host and the `/etc/hosts` line to change (before: a raw gloo error once `fit` ran)", 30, f"{JAX_HOSTS}::test_a_hostname_that_resolves_to_loopback_fails_at_once_saying_what_to_change"),
     Row("Host 2 of a 2-host `jax_dp` job (a checkpoint a step, process 0's folder on host 1) dies mid-`fit`; the restart loop of docs/multi-host.md runs the job again on the host left (1 process)", "jax", "process 0 ends naming process 1 of 2 on host2; the rerun resumes from process 0's newest checkpoint on 1 replica, trains only the steps after it, and ends within 1e-5 of `model.fit`", None, f"{JAX_HOSTS_RESTART}::test_a_job_that_loses_a_host_resumes_on_the_hosts_left_under_a_restart_loop"),
+    Row("Host 2 of a 2-task SLURM job (`#SBATCH --requeue`; SLURM's variables set by hand, a checkpoint a step in a folder every host sees) dies mid-`fit`; SLURM requeues the job on host 1 and host 3 (the same job id, `SLURM_RESTART_COUNT=1`)", "torch", "rank 0 on host1 ends naming rank 1 of 2 on host2; the requeued job forms on the port its job id gives, resumes from rank 0's newest checkpoint, trains only the steps after it, and ends bitwise equal to the job run uninterrupted on 2 tasks, within 1e-5 of `model.fit`", None, f"{SLURM_REQUEUE}::test_a_requeued_job_resumes_from_rank_0s_checkpoint_on_the_nodes_it_gets"),
+    Row("Ray Train with `FailureConfig(max_failures=1)`: the process of worker 1 of 2 is SIGKILLed mid-`fit` (a checkpoint a step)", "torch", "Ray runs the training function again on 2 new workers; `fit` resumes from rank 0's newest checkpoint, trains only the steps after it, and ends bitwise equal to the uninterrupted run, within 1e-5 of `model.fit`", None, f"{RAY}::test_a_worker_killed_mid_fit_is_restarted_by_ray_and_fit_resumes_from_its_checkpoint"),
     Row("A host on the network tries to reach a single-host, 2-process `jax_dp` run", "jax", "every process listens on loopback only; process 0 holds the port it was given, and jax's coordinator is on a Unix socket", None, f"{LISTENERS}::test_jax_dp_processes_listen_on_loopback_only"),
 )
 # fmt: on
@@ -208,6 +212,7 @@ GROUPS = {
     "network": ("tests/network/", "jax"),
     "torch": ("packages/torch_dp/tests/", "torch"),
     "jax": ("packages/jax_dp/tests/", "jax"),
+    "ray": ("tests/ray/", "torch"),  # needs ray[train] in the session
 }
 
 
