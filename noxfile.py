@@ -373,7 +373,8 @@ def parity(session: nox.Session, keras: str) -> None:
         session.run("python", "-m", "pip", "uninstall", "--yes", "keras-hub", "keras-hub-nightly")
         session.install("--pre", "--no-deps", "keras-hub-nightly")
     session.env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={JAX_HOST_DEVICES}"
-    session.run("pytest", "tests/parity", *session.posargs)
+    selection = [] if session.posargs else ["-m", "not heavy"]  # its heavy scenarios: -- -m heavy
+    session.run("pytest", "tests/parity", *selection, *session.posargs)
 
 
 def _install_keras_hub(session: nox.Session) -> None:

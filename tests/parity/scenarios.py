@@ -81,6 +81,7 @@ class Scenario:
     errors: dict[str, Expected] = field(default_factory=dict)  # per backend; there the Trainer alone runs
     cross_backend: bool = True  # torch_dp and jax_dp must agree too
     rounding_baseline: bool = False  # judged against model.fit on nudged inputs (results.rounding_differences)
+    heavy: bool = False  # over bare nox's time budget: its tests are marked heavy (parity -- -m heavy runs them)
 
     def compared_on(self, backend: str) -> bool:
         """Whether ``backend``'s Trainer is compared with Keras (and not expected to refuse)."""

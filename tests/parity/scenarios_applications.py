@@ -66,13 +66,15 @@ def mobilenet_v3_small_99_rows(run: Runner) -> Any:
 
 # torch only: on jax its three sides take 7 minutes on 2 shared CPU cores (Keras's own compile twice,
 # the Trainer's once), and its baseline is wide (the nudge moves model.fit's weights by 6e-2 to 8e-2):
-# MobileNetV3Small is the model that tests jax_dp.
+# MobileNetV3Small is the model that tests jax_dp. Heavy: its three sides on torch take minutes too, and
+# MobileNetV3Small above covers the same (deep BatchNormalization) in bare nox.
 @scenario(
     "model.mobilenet_v2",
     "feature.batch_normalization",
     rounding_baseline=True,
     backends=("torch",),
     cross_backend=False,
+    heavy=True,
 )
 def mobilenet_v2_99_rows(run: Runner) -> Any:
     """`keras.applications.MobileNetV2(alpha=0.35)` (52 BatchNormalization), SGD with momentum, 99 rows."""

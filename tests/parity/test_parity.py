@@ -138,7 +138,11 @@ def _raised(run: dict[str, Any]) -> str:
 
 
 def _compared(scenario: str, backend: str) -> Any:
-    return pytest.param(scenario, backend, id=f"{scenario}-{backend}")
+    return pytest.param(scenario, backend, id=f"{scenario}-{backend}", marks=_marks(scenario))
+
+
+def _marks(scenario: str) -> list[pytest.MarkDecorator]:
+    return [pytest.mark.heavy] if BY_NAME[scenario].heavy else []
 
 
 @pytest.mark.parametrize(
@@ -159,7 +163,12 @@ def test_trainer_gives_what_keras_gives(matrix, scenario, backend):
 
 
 @pytest.mark.parametrize(
-    "scenario", [s.name for s in SCENARIOS if s.cross_backend and all(s.compared_on(b) for b in BACKENDS)]
+    "scenario",
+    [
+        pytest.param(s.name, marks=_marks(s.name))
+        for s in SCENARIOS
+        if s.cross_backend and all(s.compared_on(b) for b in BACKENDS)
+    ],
 )
 def test_torch_dp_equals_jax_dp(matrix, scenario):
     runs = {backend: _side(matrix(backend), scenario, "trainer") for backend in BACKENDS}
