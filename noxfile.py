@@ -552,7 +552,7 @@ def reliability(session: nox.Session) -> None:
     Each group runs under its backend, and the page is written from their junit XML (about 20 minutes
     on 2 cores). A row whose test is not named yet stops it before the tests run;
     ``-- --without-pending`` leaves such rows off the page."""
-    _install_everything(session, *TEST_TOOLS)
+    _install_everything(session, "ray[train]", *TEST_TOOLS)  # ray: the Ray Train row (tests/ray)
     report = ("python", "tests/reliability/report.py", *session.posargs)
     session.run(*report, "--check-rows")
     results = session.create_tmp()
