@@ -95,6 +95,13 @@ def _check_fit(model: keras.Model, job: FitJob[Any]) -> None:
         )
     if job.profile is not None:
         raise refused("profile=", "the scaling report times data parallel's phases", "Leave profile= out with a mesh.")
+    if job.arguments.steps_per_epoch is not None:
+        raise refused(
+            f"steps_per_epoch={job.arguments.steps_per_epoch}",
+            "a fit on a mesh runs each epoch as a fit of its own, which starts reading the data afresh, where "
+            "model.fit's epochs read on across passes",
+            "Leave steps_per_epoch out (pass the rows an epoch should read), or train without mesh=.",
+        )
     inner: Any = getattr(model.optimizer, "inner_optimizer", model.optimizer)
     if inner is not None and (inner.use_ema or inner.gradient_accumulation_steps):
         raise refused(
