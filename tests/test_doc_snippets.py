@@ -8,9 +8,10 @@ those by that marker, and fails on any other block that does not run, so a new b
 its page says why not (docs/troubleshooting.md, "Code on these pages", tells readers the rule).
 
 The backend is the one the block chooses (``KERAS_BACKEND`` set in the block, or ``torch_dp`` /
-``jax_dp`` imported); a block that names neither runs on jax. Four forced CPU devices, as the jax
-pages say to set. About 1.5 minutes on 2 cores, in ``conformance(keras='newest')``, which installs
-both backends.
+``jax_dp`` imported); a block that names neither runs on jax. ``XLA_FLAGS`` is not set, as in a
+reader's fresh shell: on a CPU jax sees one device, so a block that needs several sets the flag
+itself before jax is imported. About 1.5 minutes on 2 cores, in ``conformance(keras='newest')``,
+which installs both backends.
 """
 
 from __future__ import annotations
@@ -93,8 +94,9 @@ def test_backend_follows_what_the_block_imports():
 @pytest.mark.parametrize("block", RUN, ids=lambda b: b.name)
 def test_the_block_runs_as_pasted(block, tmp_path):
     (tmp_path / "snippet.py").write_text(block.code)
+    # a reader's shell: no XLA_FLAGS (the test sessions set 4 CPU devices); one thread a process on 2 cores
     env = {key: value for key, value in os.environ.items() if key not in ("KERAS_BACKEND", "XLA_FLAGS")}
-    env.update(OMP_NUM_THREADS="1", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env.update(OMP_NUM_THREADS="1")
     if chosen := backend(block.code):
         env["KERAS_BACKEND"] = chosen
     done = subprocess.run(
