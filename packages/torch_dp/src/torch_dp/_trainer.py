@@ -119,7 +119,8 @@ class Trainer:
 
     ``shard="optimizer"``, ``"gradients"`` or ``"full"`` (ZeRO-1, 2, 3) splits the state, exactly (docs/sharding.md).
     ``mesh=(R, C), layout={regex: spec}`` (jax-dp's): R replicas of C processes, whose Dense, EinsumDense and
-    Embedding layers the rules split along each row, exactly too (docs/model-parallel.md); ``num_replicas`` is R.
+    Embedding layers the rules split along each row, exactly too, with ``clipnorm``/``global_clipnorm``,
+    checkpoints at epoch ends and epoch-level callbacks (docs/model-parallel.md); ``num_replicas`` is R.
 
     A model that overrides ``train_step``, ``test_step`` or ``predict_step`` runs its own step
     on every replica's rows, as ``model.fit`` would on one device: the gradients every optimizer
