@@ -1,4 +1,4 @@
-"""``python -m torch_dp.doctor``: run as a user would, in a process of its own."""
+"""``python -m torch_dp.doctor``: run as a user would, in a process of its own; ``report`` of other variables here."""
 
 import os
 import re
@@ -7,18 +7,29 @@ import sys
 
 import pytest
 
+import torch_dp.doctor
+
 TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "node01", "MASTER_PORT": "29500"}
 
 
-def doctor(**variables: str) -> dict[str, dict[str, str]]:
-    """The report's sections, each ``{name: value}``, after checking its frame."""
+def _environment(**variables: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in {"KERAS_BACKEND", *TORCHRUN} and not k.startswith("SLURM")}
+    return {**env, **variables}
+
+
+def doctor(**variables: str) -> dict[str, dict[str, str]]:
+    """``python -m torch_dp.doctor``'s sections, each ``{name: value}``, after checking its frame."""
     done = subprocess.run(
-        [sys.executable, "-m", "torch_dp.doctor"], env={**env, **variables}, capture_output=True, text=True, timeout=120
-    )
+        [sys.executable, "-m", "torch_dp.doctor"], env=_environment(**variables), capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.strip().splitlines()
-    assert lines[0] == "```text" and lines[-1] == "```", done.stdout
+    return sections_of(done.stdout)
+
+
+def sections_of(report: str) -> dict[str, dict[str, str]]:
+    lines = report.strip().splitlines()
+    assert lines[0] == "```text" and lines[-1] == "```", report
     assert re.fullmatch(r"torch_dp doctor \(Keras 3\.\S+ on torch\): paste this into a bug report", lines[1]), lines[1]
     sections: dict[str, dict[str, str]] = {}
     for line in lines[2:-1]:
@@ -56,9 +67,9 @@ def test_the_report_names_versions_devices_launcher_and_settings():
     assert trainer["Trainer()"] == expected
 
 
-@pytest.mark.timeout(300)
 def test_under_torchrun_the_report_names_this_process_s_place():
-    found = doctor(KERAS_BACKEND="torch", **TORCHRUN)
+    # in this process (the module run as a user runs it is the test above): the report of torchrun's variables
+    found = sections_of(torch_dp.doctor.report(_environment(KERAS_BACKEND="torch", **TORCHRUN)))
     assert found["settings"]["KERAS_BACKEND"] == "torch"
     assert found["launcher found"]["launcher"] == "torchrun: rank 1 of 2, meeting at node01:29500"
     expected = "torchrun: this process trains as rank 1 of 2 (local rank 1), meeting at node01:29500"
