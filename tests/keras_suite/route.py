@@ -8,8 +8,14 @@ of 2 replicas, made at the first call and kept for the session: ``batch_size`` b
 is replaced: the same run is plain Keras. Either way ``--keras-suite-results FILE`` records each test's
 outcome (`Outcome`), which the runner (``run.py``) compares.
 
-State held by this module: the patched methods and the session's Trainer (closed at the session's end);
-a call made while a Trainer call runs (the Trainer's own use of the model) goes to Keras's own method.
+Routed, a test's own ``unittest.TestCase``, which some of Keras's tests close over in a loss or a model
+class (``test_self.assertFalse(training)`` in ``compute_loss``), pickles as a new instance of its class
+for the same test (``_test_case_by_name``): pytest's holds its capture file, which cannot be sent to
+torch-dp's worker processes; the copy's assertions fail there as the test's would here.
+
+State held by this module: the patched methods (``TestCase.__reduce__`` among them) and the session's
+Trainer (closed at the session's end); a call made while a Trainer call runs (the Trainer's own use of
+the model) goes to Keras's own method.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import json
 import os
 import threading
 import traceback
+import unittest
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -132,6 +139,12 @@ def pytest_configure(config: pytest.Config) -> None:
     for method, keras_method in originals.items():
         setattr(keras_class, method, _routed(router, method, keras_method))
     config.stash[_ROUTER] = router
+    unittest.TestCase.__reduce__ = _test_case_by_name  # type: ignore[method-assign]
+
+
+def _test_case_by_name(case: unittest.TestCase) -> tuple[Any, ...]:
+    """A test case as its class and test's name (a new instance: no pytest capture, no outcome)."""
+    return type(case), (case._testMethodName,)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
