@@ -40,6 +40,7 @@ def test_the_fit_waits_for_every_step_on_cpu(data, monkeypatch):
     assert len(waited) == steps
 
 
+@pytest.mark.heavy  # among bare nox's slowest (its budget): nox -s heavy
 def test_a_wide_mlp_trains_on_two_cpu_devices_without_callbacks_to_the_end():
     script = textwrap.dedent(
         """

@@ -74,6 +74,7 @@ def _check_command(model, *options):
     return subprocess.run(command, cwd=HERE, env=environment, capture_output=True, text=True, timeout=240)
 
 
+@pytest.mark.heavy  # among bare nox's slowest (its budget): nox -s heavy
 def test_the_command_exits_0_when_equivalent_1_above_the_tolerance_and_2_on_bad_arguments():
     exact = _check_command("exact_model")
     assert exact.returncode == 0, exact.stderr

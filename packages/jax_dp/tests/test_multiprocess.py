@@ -118,7 +118,8 @@ def free_slurm_job() -> tuple[str, int]:
     raise AssertionError("no free port in 61440-65535")
 
 
-@pytest.mark.parametrize("launcher", ["srun", "torchrun"])
+# torchrun's variables: nox -s heavy (both launchers are read by one function, cluster_of)
+@pytest.mark.parametrize("launcher", ["srun", pytest.param("torchrun", marks=pytest.mark.heavy)])
 def test_processes_started_like_srun_or_torchrun_join_with_no_arguments(tmp_path, launcher, one_process_of_four):
     if launcher == "srun":
         job, port = free_slurm_job()
@@ -146,6 +147,7 @@ finally:
 """
 
 
+@pytest.mark.heavy  # among bare nox's slowest (its budget): nox -s heavy, and the fault matrix
 def test_a_latecomer_gets_a_clear_error_and_the_running_job_finishes_right(
     tmp_path, one_process_of_four, record_property
 ):
@@ -184,6 +186,7 @@ def test_a_latecomer_gets_a_clear_error_and_the_running_job_finishes_right(
     record_property("fault_seconds", took)
 
 
+@pytest.mark.heavy  # among bare nox's slowest (its budget): nox -s heavy, and the fault matrix
 def test_processes_given_different_job_ids_are_refused_at_start_up():
     port = free_port()
     code = (

@@ -147,6 +147,7 @@ def listening(port: int) -> bool:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.heavy  # among bare nox's slowest (its budget): nox -s heavy, and the fault matrix
 def test_strangers_neither_join_nor_stop_a_running_job_that_trains_right(tmp_path):
     # Before: a same-user process without the job's secret took process 1's place, and another
     # user's plain jax.distributed.initialize aborted both processes (SIGABRT, "different incarnation").
