@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 import torch_dp_testing as testing
 
+from torch_dp._processes.transfer import ship_model
+
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 FIT = dict(batch_size=32, epochs=2, shuffle=False, verbose=0)
@@ -128,3 +130,14 @@ def test_compile_objects_keras_cannot_rebuild_train_as_model_fit(two_replicas):
     assert isinstance(predicted, tuple)
     for mine, theirs in zip(predicted, reference.predict(x, batch_size=32, verbose=0), strict=True):
         np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_a_model_whose_outputs_keras_restructures_goes_by_value(tmp_path):
+    """Keras's format gives a tuple of outputs back as a list, which a loss structured for the tuple does not
+    fit (Keras's model_test struct losses: ``[whole, (first, second)]``): such a model travels by value."""
+    model = objects_keras_cannot_rebuild()
+    model.save(tmp_path / "round_trip.keras")
+    assert isinstance(model.output, tuple)
+    assert isinstance(keras.saving.load_model(tmp_path / "round_trip.keras", compile=False).output, list)
+    source = ship_model(model, model, str(tmp_path), trains=True)
+    assert source.pickled is not None and source.keras_file is None
