@@ -149,6 +149,9 @@ def _remove_virtualenv(session: nox.Session) -> None:
 # session that installs torch pins it first and constrains it afterwards.
 TORCH = "torch==2.13.0"
 TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3"]
+# The getting-started pages' TensorBoard path without tensorflow (test_first_day): torch's own writer
+# needs tensorboard, jax's page uses tensorboardX; tensorboard's reader checks both.
+TENSORBOARD = ["tensorboard>=2.16", "tensorboardX>=2.6"]
 REPORT = "matplotlib>=3.8"  # dp-core[report]: the scaling report's plot, which the tests check
 CORE = "packages/core"
 TORCH_DP = "packages/torch_dp"
@@ -226,7 +229,7 @@ HOSTS_LEAN = {
 def tests_torch(session: nox.Session) -> None:
     """torch-dp on the CPU wheel, 2-process gloo runs included, and two hosts in network namespaces."""
     _install_torch(session)
-    session.install("-e", CORE, "-e", TORCH_DP, REPORT, *TEST_TOOLS)
+    session.install("-e", CORE, "-e", TORCH_DP, REPORT, *TEST_TOOLS, *TENSORBOARD)
     session.env["KERAS_BACKEND"] = "torch"
     selection = [] if session.posargs else ["-m", "not heavy"]
     session.run("pytest", "packages/torch_dp/tests", *selection, *session.posargs)
@@ -246,7 +249,7 @@ def tests_jax(session: nox.Session) -> None:
     3.11 gets the jax the oldest interpreter gets, which conformance, parity and the notebooks also
     run; 3.13 the newest jax. With arguments (``-s tests_jax-3.13 -- -x``) the whole suite runs."""
     # filelock: the lock of the XLA compile cache the suite shares among its processes (conftest.py)
-    session.install("-e", CORE, "-e", JAX_DP, REPORT, "filelock", *TEST_TOOLS)
+    session.install("-e", CORE, "-e", JAX_DP, REPORT, "filelock", *TEST_TOOLS, *TENSORBOARD)
     _jax_env(session)
     selection = [] if session.posargs else ["-m", f"{JAX_SPLIT[str(session.python)]} and not heavy"]
     session.run("pytest", "packages/jax_dp/tests", *selection, *session.posargs)

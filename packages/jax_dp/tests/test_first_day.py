@@ -130,20 +130,48 @@ def _csv_rows(path) -> list[dict[str, float]]:
         return [{name: float(value) for name, value in row.items()} for row in csv.DictReader(opened)]
 
 
-def test_csv_logger_writes_model_fit_s_rows_once(data, trainer, tmp_path):
+def test_csv_logger_and_a_tensorboard_writer_write_model_fit_s_rows_once(data, trainer, tmp_path):
     """Keras's CSVLogger on 2 replicas: one writer (process 0), one row an epoch, each of model.fit's
-    columns with model.fit's value."""
+    columns with model.fit's value; and getting-started-jax.md's TensorBoard path (tensorboardX's
+    SummaryWriter in a callback, no tensorflow) writes those values as scalars."""
     x, y, x_val, y_val = data
     options = dict(epochs=3, shuffle=False, validation_data=(x_val, y_val), verbose=0)
     logger = keras.callbacks.CSVLogger(str(tmp_path / "mine.csv"))
-    trainer.fit(_regressor(), x, y, global_batch_size=32, callbacks=[logger], **options)
+    scalars = EpochScalars(str(tmp_path / "runs"))
+    trainer.fit(_regressor(), x, y, global_batch_size=32, callbacks=[logger, scalars], **options)
     _regressor().fit(x, y, batch_size=32, callbacks=[keras.callbacks.CSVLogger(str(tmp_path / "keras.csv"))], **options)
     mine, expected = _csv_rows(tmp_path / "mine.csv"), _csv_rows(tmp_path / "keras.csv")
     assert [row["epoch"] for row in mine] == [row["epoch"] for row in expected] == [0, 1, 2]
     assert list(mine[0]) == list(expected[0]) == ["epoch", "loss", "mae", "val_loss", "val_mae"]
     for got, want in zip(mine, expected, strict=True):
         np.testing.assert_allclose(list(got.values()), list(want.values()), rtol=1e-5, atol=1e-6)
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["keras.csv", "mine.csv"]
+    scalars.writer.close()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # tests_* install it
+
+    events = EventAccumulator(str(tmp_path / "runs"))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == sorted(name for name in mine[0] if name != "epoch")
+    for name in events.Tags()["scalars"]:
+        logged = events.Scalars(name)
+        assert [event.step for event in logged] == [0, 1, 2]
+        np.testing.assert_allclose([event.value for event in logged], [row[name] for row in mine], rtol=1e-6)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["keras.csv", "mine.csv", "runs"]
+
+
+class EpochScalars(keras.callbacks.Callback):
+    """The getting-started page's callback, as printed there: each epoch's logs as TensorBoard scalars."""
+
+    def __init__(self, log_dir):
+        # imported here: sessions that only collect this file lack it
+        from tensorboardX import SummaryWriter
+
+        super().__init__()
+        self.writer = SummaryWriter(log_dir)
+
+    def on_epoch_end(self, epoch, logs=None):
+        for name, value in (logs or {}).items():
+            self.writer.add_scalar(name, float(value), epoch)
+        self.writer.flush()
 
 
 def test_estimate_counts_a_replica_s_memory_before_anything_is_placed(data):

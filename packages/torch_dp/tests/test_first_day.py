@@ -122,13 +122,17 @@ def _csv_rows(path) -> list[dict[str, float]]:
         return [{name: float(value) for name, value in row.items()} for row in csv.DictReader(opened)]
 
 
-def test_csv_logger_writes_model_fit_s_rows_once(two_replicas, tmp_path):
+def test_csv_logger_and_a_tensorboard_writer_write_model_fit_s_rows_once(two_replicas, tmp_path):
     """Keras's CSVLogger on 2 replicas: one writer (the caller), one row an epoch, each of model.fit's
-    columns with model.fit's value."""
+    columns with model.fit's value; and getting-started-torch.md's TensorBoard path (torch's own
+    SummaryWriter in a callback, no tensorflow) writes those values as scalars."""
     x, y = testing.data()
     options = dict(epochs=3, shuffle=False, validation_data=testing.data(37, seed=1), verbose=0)
     logger = keras.callbacks.CSVLogger(str(tmp_path / "mine.csv"))
-    two_replicas.fit(testing.dense_batchnorm_model(), x, y, global_batch_size=32, callbacks=[logger], **options)
+    scalars = EpochScalars(str(tmp_path / "runs"))
+    two_replicas.fit(
+        testing.dense_batchnorm_model(), x, y, global_batch_size=32, callbacks=[logger, scalars], **options
+    )
     expected_logger = keras.callbacks.CSVLogger(str(tmp_path / "keras.csv"))
     testing.dense_batchnorm_model().fit(x, y, batch_size=32, callbacks=[expected_logger], **options)
     mine, expected = _csv_rows(tmp_path / "mine.csv"), _csv_rows(tmp_path / "keras.csv")
@@ -136,7 +140,33 @@ def test_csv_logger_writes_model_fit_s_rows_once(two_replicas, tmp_path):
     assert list(mine[0]) == list(expected[0]) == ["epoch", "accuracy", "loss", "val_accuracy", "val_loss"]
     for got, want in zip(mine, expected, strict=True):
         np.testing.assert_allclose(list(got.values()), list(want.values()), rtol=1e-5, atol=1e-6)
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["keras.csv", "mine.csv"]
+    scalars.writer.close()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # tests_* install it
+
+    events = EventAccumulator(str(tmp_path / "runs"))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == sorted(name for name in mine[0] if name != "epoch")
+    for name in events.Tags()["scalars"]:
+        logged = events.Scalars(name)
+        assert [event.step for event in logged] == [0, 1, 2]
+        np.testing.assert_allclose([event.value for event in logged], [row[name] for row in mine], rtol=1e-6)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["keras.csv", "mine.csv", "runs"]
+
+
+class EpochScalars(keras.callbacks.Callback):
+    """The getting-started page's callback, as printed there: each epoch's logs as TensorBoard scalars."""
+
+    def __init__(self, log_dir):
+        # imported here: sessions that only collect this file lack it
+        from torch.utils.tensorboard import SummaryWriter
+
+        super().__init__()
+        self.writer = SummaryWriter(log_dir)
+
+    def on_epoch_end(self, epoch, logs=None):
+        for name, value in (logs or {}).items():
+            self.writer.add_scalar(name, float(value), epoch)
+        self.writer.flush()
 
 
 def test_estimate_counts_a_replica_s_memory_before_any_replica_starts():
