@@ -327,6 +327,7 @@ def test_sigterm_stops_every_replica_at_a_step_with_a_checkpoint_and_a_rerun_res
         np.testing.assert_array_equal(mine, theirs)  # bitwise
 
 
+@pytest.mark.heavy  # SIGTERM's stop path runs in bare nox: nox -s heavy, and the fault matrix
 def test_sigusr1_to_a_worker_replica_stops_the_run_and_says_nothing_was_saved(tmp_path):
     output, tag, started = tmp_path / "weights.npz", uuid.uuid4().hex, tmp_path / "started"
     command = [sys.executable, SCRIPT, "-", str(output), "--slow", "0.4", "--started", str(started)]

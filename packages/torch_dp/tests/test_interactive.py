@@ -230,7 +230,15 @@ def test_classes_lambdas_and_factories_defined_under_the_main_guard(tmp_path):
     assert list(tmp_path.iterdir()) == []  # the shared arrays and model file are gone
 
 
-@pytest.mark.parametrize("how", ["caller-only", "terminal", "caller-killed"])
+# bare nox runs the terminal's case (SIGINT to the whole group); the other two: nox -s heavy, and the fault matrix
+@pytest.mark.parametrize(
+    "how",
+    [
+        pytest.param("caller-only", marks=pytest.mark.heavy),
+        "terminal",
+        pytest.param("caller-killed", marks=pytest.mark.heavy),
+    ],
+)
 def test_ctrl_c_or_a_killed_caller_leaves_no_process_and_no_file(tmp_path, how):
     """Jupyter interrupts the kernel alone; a terminal sends SIGINT to the whole process group; a
     caller SIGKILLed (or a kernel ended without running atexit) leaves the workers to clean up."""
