@@ -65,23 +65,11 @@ class CompileArguments:
         optimizer = keras.saving.deserialize_keras_object(copy.deepcopy(self.optimizer))
         references = {**model_references(model), **({} if optimizer is None else {OPTIMIZER: optimizer})}
         arguments = unpickled_with_references(self.by_value, references)
-        for metric in _metrics_in(arguments):
+        for metric in (leaf for leaf in _leaves(arguments) if isinstance(leaf, keras.metrics.Metric)):
             for variable in metric.variables:
                 variable.assign(keras.ops.zeros(variable.shape, variable.dtype))
         extra = {} if auto_scale_loss else {"auto_scale_loss": False}
         compile_with(model, {**arguments, OPTIMIZER: optimizer, **extra})
-
-
-def _metrics_in(node: Any) -> Iterator[keras.metrics.Metric]:
-    """The Keras metrics in ``node``'s dicts, lists and tuples."""
-    if isinstance(node, keras.metrics.Metric):
-        yield node
-    elif isinstance(node, dict):
-        for value in node.values():
-            yield from _metrics_in(value)
-    elif isinstance(node, list | tuple):
-        for value in node:
-            yield from _metrics_in(value)
 
 
 def unsent_message(given: dict[str, Any], references: dict[str, Any], error: Exception) -> str:
@@ -108,6 +96,7 @@ def unsent_message(given: dict[str, Any], references: dict[str, Any], error: Exc
 
 
 def _leaves(node: Any) -> Iterator[Any]:
+    """What ``node``'s dicts, lists and tuples hold, each in turn."""
     if isinstance(node, dict):
         for value in node.values():
             yield from _leaves(value)
