@@ -11,6 +11,7 @@ import keras
 from dp_core import ShardMode
 from dp_core.keras import FitJob, Inputs, Job, internals
 from torch_dp._mesh.epochs import EPOCH_HOOKS, PASSIVE
+from torch_dp._mesh.placement import refuse_placement
 from torch_dp._mesh.plan import Layout, Mesh, MeshPlan, bias_of, mesh_of, plan_for, splittable_layers, weight_of
 from torch_dp._step.custom import STEPS, overrides
 from torch_dp._step.parts import SPLITTABLE
@@ -29,6 +30,7 @@ class MeshLayout(NamedTuple):
 
 def checked_mesh(mesh: Any, layout: Any, num_replicas: int | None, shard: ShardMode | None) -> MeshLayout:
     """``Trainer(mesh=, layout=)``'s arguments, checked when the Trainer is made."""
+    refuse_placement(layout)  # before parsing: a device or column index is no partition spec
     checked, rules = mesh_of(mesh), Layout(layout)
     rules.check_axes(checked)
     if num_replicas is not None:
