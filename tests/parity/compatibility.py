@@ -46,6 +46,8 @@ TRAINER_ARGUMENTS = {
     "global_batch_size": "`global_batch_size=`, another name for `batch_size`",
     "seed": "`seed=`, the seed of the row order when `shuffle=True`",
     "model_factory": "a zero-argument function that returns the compiled model, in place of the model",
+    "mesh": "`mesh=` and `layout=`: model parallel on a `('batch', 'model')` mesh, one layout dict on both backends",
+    "placement": "a layout rule placing a whole layer on one mesh column (`model_to_gpu(layer, gpu_id=0)`)",
 }
 COMPILE_OPTIONS = {
     "steps_per_execution": "`model.compile(steps_per_execution=N)`: the batch hooks once every N steps",

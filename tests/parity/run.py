@@ -2,7 +2,8 @@
 
     KERAS_BACKEND=torch python tests/parity/run.py --output torch.json [--scenarios NAME ...] [--claims DIR]
 
-Per scenario: plain Keras on one device, then ``<backend>_dp.Trainer(num_replicas=2)``; with a
+Per scenario: plain Keras on one device, then ``<backend>_dp.Trainer(num_replicas=2)`` (a scenario with a
+``mesh``: a Trainer of its own on that mesh, with its layout, closed after it); with a
 rounding baseline, when the two differ beyond the scenario's tolerance, plain Keras once more on
 inputs times 1 +- ``results.NUDGE`` (``nudged``). A
 side that raises is recorded (type, message, traceback) and the next scenario runs; the
@@ -32,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the ``parity`` p
 import keras
 
 from parity.results import NUDGE, differences, encode
-from parity.runners import KerasRunner, Runner, TrainerRunner
+from parity.runners import KerasRunner, Runner, TrainerRunner, trainer_arguments
 from parity.scenarios import FP32, SCENARIOS, Scenario
 
 NUM_REPLICAS = 2
@@ -123,7 +124,7 @@ def main() -> None:
         "signatures": signatures(package.Trainer),
         "scenarios": {},
     }
-    trainers = Trainers(lambda: package.Trainer(num_replicas=NUM_REPLICAS))
+    trainers = Trainers(lambda: package.Trainer(**trainer_arguments(backend, NUM_REPLICAS, None, None)))
     wanted = set(args.scenarios) if args.scenarios is not None else {s.name for s in SCENARIOS}
     selected = [s for s in SCENARIOS if backend in s.backends and s.name in wanted]
     for scenario in selected:
@@ -131,14 +132,16 @@ def main() -> None:
             continue
         refused = backend in scenario.errors
         entry = {} if refused else {"keras": attempt(scenario, KerasRunner())}
+        own = _own_trainers(package, backend, scenario)
+        serving = own or trainers
         try:
-            entry["trainer"] = attempt(scenario, trainers.runner())
+            entry["trainer"] = attempt(scenario, serving.runner())
         except Exception as error:  # the Trainer itself could not start
             entry["trainer"] = {"error": described(error), "seconds": 0.0}
         if scenario.rounding_baseline and not refused and _beyond_tolerance(scenario, entry):
             entry["nudged"] = attempt(scenario, KerasRunner(nudge=NUDGE))
-        if "error" in entry["trainer"] and not refused:
-            trainers.discard()
+        if own is not None or ("error" in entry["trainer"] and not refused):
+            serving.discard()
         report["scenarios"][scenario.name] = entry
         _write(args.output, report)
         outcome = {side: "error" if "error" in run else "ok" for side, run in entry.items()}
@@ -146,6 +149,14 @@ def main() -> None:
         print(f"{backend}: {scenario.name}: {outcome} ({seconds:.1f} s)", flush=True)
     trainers.discard()
     _write(args.output, report)
+
+
+def _own_trainers(package: Any, backend: str, scenario: Scenario) -> Trainers | None:
+    """A scenario on a mesh gets a Trainer of its own (its processes, its layout); None: the shared one serves."""
+    if scenario.mesh is None:
+        return None
+    arguments = trainer_arguments(backend, NUM_REPLICAS, scenario.mesh, scenario.layout)
+    return Trainers(lambda: package.Trainer(**arguments))
 
 
 def _claimed(path: Path) -> bool:

@@ -48,6 +48,20 @@ class TrainerRunner:
         return self.trainer.predict(model, x, **arguments)
 
 
+def trainer_arguments(backend: str, num_replicas: int, mesh: tuple[int, int] | None, layout: Any) -> dict[str, Any]:
+    """``<backend>_dp.Trainer``'s arguments: ``num_replicas``, or a ``("batch", "model")`` mesh of shape
+    ``mesh`` with ``layout``, the same dict on both backends. jax-dp takes a ``jax.make_mesh`` over the
+    first ``rows * columns`` devices, torch-dp the shape itself (it starts that many processes)."""
+    if mesh is None:
+        return {"num_replicas": num_replicas}
+    if backend == "jax":
+        import jax
+
+        devices = jax.devices()[: mesh[0] * mesh[1]]
+        return {"mesh": jax.make_mesh(mesh, ("batch", "model"), devices=devices), "layout": layout}
+    return {"mesh": mesh, "layout": layout}
+
+
 class KerasRunner:
     """``model.fit``/``evaluate``/``predict`` on one device, on the Trainer's global batches."""
 

@@ -82,6 +82,10 @@ class Scenario:
     cross_backend: bool = True  # torch_dp and jax_dp must agree too
     rounding_baseline: bool = False  # judged against model.fit on nudged inputs (results.rounding_differences)
     heavy: bool = False  # over bare nox's time budget: its tests are marked heavy (parity -- -m heavy runs them)
+    # model parallel: the Trainer runs on a ("batch", "model") mesh of this shape with this layout, the same
+    # dict on both backends (runners.trainer_arguments); plain Keras ignores both
+    mesh: tuple[int, int] | None = None
+    layout: dict[str, Any] | None = None
 
     def compared_on(self, backend: str) -> bool:
         """Whether ``backend``'s Trainer is compared with Keras (and not expected to refuse)."""
@@ -769,6 +773,7 @@ from parity import (  # noqa: E402
     scenarios_callbacks,  # noqa: F401
     scenarios_executions,  # noqa: F401
     scenarios_inputs,  # noqa: F401
+    scenarios_mesh,  # noqa: F401
     scenarios_models,  # noqa: F401
 )
 
