@@ -32,6 +32,9 @@ FENCE = re.compile(r"^(?P<indent>[ \t]*)```python\n(?P<code>.*?)^(?P=indent)```"
 FRAGMENT = "<!-- fragment -->"
 # What a block prints, where its output is the point: checked on its last line.
 LAST_LINE = {"packages/torch_dp/README.md:1": r"\[\d+\.\d+, \d+\.\d+\] \(1000, 10\)"}
+# Blocks written for either backend (KERAS_BACKEND's default set in the block, the reader's shell choosing):
+# run as pasted, and again with KERAS_BACKEND=torch.
+EITHER_BACKEND = {"docs/model-parallel.md:1"}
 
 
 class Block(NamedTuple):
@@ -93,16 +96,28 @@ def test_backend_follows_what_the_block_imports():
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("block", RUN, ids=lambda b: b.name)
 def test_the_block_runs_as_pasted(block, tmp_path):
+    _run_as_pasted(block, tmp_path, shell_backend=None)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("block", [b for b in RUN if b.name in EITHER_BACKEND], ids=lambda b: b.name)
+def test_a_block_for_either_backend_runs_on_torch_too(block, tmp_path):
+    assert "KERAS_BACKEND" in block.code, f"{block.name} leaves the backend to the reader's shell"
+    _run_as_pasted(block, tmp_path, shell_backend="torch")
+
+
+def _run_as_pasted(block: Block, tmp_path: Path, shell_backend: str | None) -> None:
+    """``block`` in a fresh process, in a reader's shell (``KERAS_BACKEND=shell_backend`` where given)."""
     (tmp_path / "snippet.py").write_text(block.code)
     # a reader's shell: no XLA_FLAGS (the test sessions set 4 CPU devices); one thread a process on 2 cores
     env = {key: value for key, value in os.environ.items() if key not in ("KERAS_BACKEND", "XLA_FLAGS")}
     env.update(OMP_NUM_THREADS="1")
-    if chosen := backend(block.code):
+    if chosen := shell_backend or backend(block.code):
         env["KERAS_BACKEND"] = chosen
     done = subprocess.run(
         [sys.executable, "snippet.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
     )
-    where = f"{block.name}, the block at line {block.line}"
+    where = f"{block.name}, the block at line {block.line}, KERAS_BACKEND={chosen or 'as the block sets it'}"
     assert done.returncode == 0, f"{where} failed as pasted:\n{done.stderr[-4000:]}"
     if pattern := LAST_LINE.get(block.name):
         last = done.stdout.strip().splitlines()[-1]
