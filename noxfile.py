@@ -329,7 +329,9 @@ def conformance(session: nox.Session, keras: str) -> None:
         session.run("pytest", *groups, *session.posargs, env={"KERAS_BACKEND": "torch"})
     if keras in {"newest", "nightly"}:  # dp_core.keras under the newest Keras is tests_core_keras's
         # tests/ holds the docs' Python blocks run as pasted (test_doc_snippets.py, 1.3 minutes): both backends are here
-        skip = ["--ignore=tests/parity", "--ignore=tests/ray"]
+        # tests/network's hosts made of network namespaces: their lean part in tests_torch and tests_jax
+        # (HOSTS_LEAN), every one in reliability; its listeners' tests run here
+        skip = ["--ignore=tests/parity", "--ignore=tests/ray", "--ignore-glob=tests/network/test_hosts_*"]
         session.run("pytest", "tests", *skip, *session.posargs)
     if keras == "newest" and not session.posargs:  # Keras's own tests: bare nox runs the fastest passing ones
         for backend in KERAS_SUITE_BACKENDS:  # through each Trainer (nox -s keras_suite runs them all)
