@@ -12,7 +12,7 @@ A wide MLP (Input(1024) -> Dense(H, relu) "up" -> Dense(1024) "down", Adam), "up
   partial products summed; backward: the input gradients summed and gathered), as docs/model-parallel.md
   states them.
 
-    python benchmarks/model_parallel_memory_torch.py [--quick] [--output docs/benchmarks/model_parallel_torch.json]
+    python benchmarks/model_parallel_memory_torch.py [--quick | --hidden N] [--output FILE] [--no-page]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import resource
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 HEADING = "## Model parallel on torch: memory per process"
 FEATURES, BATCH, ROWS = 1024, 16, 64
@@ -33,12 +33,7 @@ LAYOUT = {"up/kernel": (None, "model"), "up/bias": ("model",), "down/kernel": ("
 RUNS = {"data parallel, 2 replicas": None, "(1, 2) mesh": (1, 2)}
 
 
-class Sizes(NamedTuple):
-    hidden: int  # "up"'s units: its kernel is FEATURES x hidden, "down"'s hidden x FEATURES
-
-
-def sizes(quick: bool) -> Sizes:
-    return Sizes(hidden=1024 if quick else 16384)
+HIDDEN, QUICK_HIDDEN = 16384, 1024  # "up"'s units: its kernel is FEATURES x hidden, "down"'s hidden x FEATURES
 
 
 # ---- in a child process ----------------------------------------------------------------------
@@ -65,7 +60,7 @@ def _trainer(mesh: tuple[int, int] | None) -> Any:
     return torch_dp.Trainer(num_replicas=2) if mesh is None else torch_dp.Trainer(mesh=mesh, layout=LAYOUT)
 
 
-def child_run(mesh: tuple[int, int] | None, quick: bool, cap: int | None) -> dict[str, Any]:
+def child_run(mesh: tuple[int, int] | None, hidden: int, cap: int | None) -> dict[str, Any]:
     """One fit of 4 steps; the largest process's peak ``VmData``, or (under ``cap``) whether it trained."""
     if cap is not None:
         resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))  # inherited by the processes the Trainer starts
@@ -76,7 +71,7 @@ def child_run(mesh: tuple[int, int] | None, quick: bool, cap: int | None) -> dic
         rng = np.random.default_rng(0)
         x, y = (rng.normal(size=(ROWS, FEATURES)).astype("float32") for _ in range(2))
         peak = PeakData()
-        model = _model(sizes(quick).hidden)
+        model = _model(hidden)
         with _trainer(mesh) as trainer:
             trainer.fit(model, x, y, global_batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
         data = peak.stop()
@@ -86,9 +81,9 @@ def child_run(mesh: tuple[int, int] | None, quick: bool, cap: int | None) -> dic
     return {"trained": True, "parameters": model.count_params(), "largest_process_peak_data_bytes": data}
 
 
-def _run_child(mesh: tuple[int, int] | None, quick: bool, cap: int | None = None) -> dict[str, Any]:
+def _run_child(mesh: tuple[int, int] | None, hidden: int, cap: int | None = None) -> dict[str, Any]:
     env = {**os.environ, "KERAS_BACKEND": "torch", "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, __file__, "--child", json.dumps({"mesh": mesh, "quick": quick, "cap": cap})]
+    command = [sys.executable, __file__, "--child", json.dumps({"mesh": mesh, "hidden": hidden, "cap": cap})]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parent)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode or not lines:
@@ -114,20 +109,20 @@ def moved_per_step(hidden: int) -> dict[str, int]:
     }
 
 
-def measure_all(quick: bool) -> dict[str, Any]:
-    peaks = {name: _run_child(mesh, quick) for name, mesh in RUNS.items()}
+def measure_all(hidden: int) -> dict[str, Any]:
+    peaks = {name: _run_child(mesh, hidden) for name, mesh in RUNS.items()}
     values = [run["largest_process_peak_data_bytes"] for run in peaks.values()]
     cap = (max(values) + min(values)) // 2
-    capped = {name: _run_child(mesh, quick, cap) for name, mesh in RUNS.items()}
+    capped = {name: _run_child(mesh, hidden, cap) for name, mesh in RUNS.items()}
     import keras
     import torch
 
     return {
-        "hidden": sizes(quick).hidden,
-        "kernel_bytes": FEATURES * sizes(quick).hidden * 4,
+        "hidden": hidden,
+        "kernel_bytes": FEATURES * hidden * 4,
         "peaks": peaks,
         "cap": {"rlimit_data_bytes": cap, "runs": capped},
-        "moved_per_step_bytes": moved_per_step(sizes(quick).hidden),
+        "moved_per_step_bytes": moved_per_step(hidden),
         "torch": torch.__version__,
         "keras": keras.__version__,
         "platform": f"{platform.machine()}, {os.cpu_count()} cores",
@@ -167,7 +162,8 @@ def page(results: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a small model: a smoke run, writes no page")
+    parser.add_argument("--quick", action="store_true", help=f"--hidden {QUICK_HIDDEN}: a smoke run")
+    parser.add_argument("--hidden", type=int, default=HIDDEN, help="'up''s units (not the default: writes no page)")
     parser.add_argument("--output", type=Path, default=Path("docs/benchmarks/model_parallel_torch.json"))
     parser.add_argument("--no-page", action="store_true", help="write the JSON only, not docs/benchmarks.md")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -175,14 +171,15 @@ def main() -> None:
     if args.child:
         options = json.loads(args.child)
         mesh = None if options["mesh"] is None else tuple(options["mesh"])
-        print(json.dumps(child_run(mesh, options["quick"], options["cap"])))
+        print(json.dumps(child_run(mesh, options["hidden"], options["cap"])))
         return
-    results = measure_all(args.quick)
+    hidden = QUICK_HIDDEN if args.quick else args.hidden
+    results = measure_all(hidden)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=2) + "\n")
     text = page(results)
     print(text)
-    if not args.no_page and not args.quick:
+    if not args.no_page and hidden == HIDDEN:
         from page_sections import write_section
 
         write_section(HEADING, text)
