@@ -487,7 +487,7 @@ def bench_features(session: nox.Session) -> None:
     """The benchmarks of what goes beyond a data-parallel ``fit``, each into its section of docs/benchmarks.md.
 
     Gradient accumulation, the scaling report's overhead, synchronized BatchNorm against torch's,
-    model-parallel memory per device, sharded state's (``shard=``) memory and speed on each backend, and
+    model-parallel memory per device (jax) and per process (torch), sharded state's (``shard=``) memory and speed on each backend, and
     torch-dp's ``"full"`` prefetch (about 45 minutes on 2 idle cores; ``-- --quick`` is a smoke run of
     each that writes nothing under docs/)."""
     _install_everything(session, "psutil>=5.9", "matplotlib>=3.8")
@@ -499,6 +499,9 @@ def bench_features(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_syncbn.py", "--output", syncbn, *(["--quick"] if quick else []))
     memory = ["--output", os.path.join(scratch, "model_parallel.json"), "--no-page"] if quick else []
     session.run("python", "benchmarks/model_parallel_memory.py", *memory, env={"KERAS_BACKEND": "jax"})
+    torch_memory = ["--quick", "--output", os.path.join(scratch, "model_parallel_torch.json"), "--no-page"]
+    torch_memory = torch_memory if quick else []  # torch's (1, 2) mesh against 2 data-parallel replicas
+    session.run("python", "benchmarks/model_parallel_memory_torch.py", *torch_memory, env={"KERAS_BACKEND": "torch"})
     # shard=: memory per replica, a model that fits only sharded, each mode's speed (--quick writes no page)
     for backend in ("torch", "jax"):
         output = ["--quick", "--output", os.path.join(scratch, f"sharding_{backend}.json")] if quick else []
