@@ -487,9 +487,9 @@ def bench_features(session: nox.Session) -> None:
     """The benchmarks of what goes beyond a data-parallel ``fit``, each into its section of docs/benchmarks.md.
 
     Gradient accumulation, the scaling report's overhead, synchronized BatchNorm against torch's,
-    model-parallel memory per device (jax) and per process (torch), sharded state's (``shard=``) memory and speed on each backend, and
-    torch-dp's ``"full"`` prefetch (about 45 minutes on 2 idle cores; ``-- --quick`` is a smoke run of
-    each that writes nothing under docs/)."""
+    model-parallel memory per device (jax) and per process (torch), sharded state's (``shard=``) memory
+    and speed on each backend, and torch-dp's ``"full"`` prefetch (about 45 minutes on 2 idle cores;
+    ``-- --quick`` is a smoke run of each that writes nothing under docs/)."""
     _install_everything(session, "psutil>=5.9", "matplotlib>=3.8")
     quick = "--quick" in session.posargs
     scratch = session.create_tmp()
