@@ -110,10 +110,13 @@ def train_loop_per_worker(config: dict) -> None:
 def local_ray():
     # two CPUs, no dashboard, every address on the loopback interface; in every worker Keras on torch,
     # gloo on the loopback interface and one thread per worker on a small host
+    # Ray's own folder outside the virtualenv: a nox session that made a temporary folder sets TMPDIR inside
+    # it (the reliability session does), where Ray's workers refuse to start and its driver then waits forever
     ray.init(
         num_cpus=2,
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
+        _temp_dir=f"/tmp/ray-keras-dp-{os.getuid()}",
         runtime_env={"env_vars": {"KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}},
     )
     # the workers unpickle the training function by value: this test module is not importable there
