@@ -38,7 +38,7 @@ def clipped_over_row(
         return
     split_ids = {id(v) for v in split}
     applying: list[bool] = []  # which of the gradients being applied are parts
-    own_apply = inner._backend_apply_gradients
+    own_apply = internals.backend_apply_gradients(inner)
 
     def apply_gradients(grads: list[Any], variables: list[keras.Variable]) -> Any:
         applying[:] = [id(v) in split_ids for v in variables]
