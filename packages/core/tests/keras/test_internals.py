@@ -343,16 +343,3 @@ def test_the_by_value_accessors_see_what_compile_made_and_what_pickles_through_k
     )
     assert not internals.pickles_through_saving([1, 2])
     assert internals.is_tracked_collection(model._layers) and not internals.is_tracked_collection([model.layers[0]])
-
-
-def test_backend_apply_gradients_is_the_optimizers_own_and_an_override_takes_its_place():
-    optimizer = keras.optimizers.SGD(0.1)
-    variable = keras.Variable(np.ones((2,), "float32"))
-    optimizer.build([variable])
-    own = internals.backend_apply_gradients(optimizer)
-    seen = []
-    undo = internals.override(optimizer, "_backend_apply_gradients", lambda g, v: seen.append(len(v)) or own(g, v))
-    optimizer.apply_gradients([(keras.ops.ones((2,)), variable)])
-    undo()
-    np.testing.assert_allclose(keras.ops.convert_to_numpy(variable), [0.9, 0.9])
-    assert seen == [1] and internals.backend_apply_gradients(optimizer) == own

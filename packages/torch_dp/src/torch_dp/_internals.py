@@ -180,3 +180,10 @@ def new_subgroups(group: dist.ProcessGroup | None, members: list[list[int]]) -> 
         if isinstance(formed, dist.ProcessGroup):  # not NON_GROUP_MEMBER
             distributed_c10d._world.pg_group_ranks[formed] = {rank: rank for rank in range(len(ranks))}
     return groups
+
+
+def backend_apply_gradients(optimizer: keras.optimizers.Optimizer) -> Callable[[list[Any], list[Any]], Any]:
+    """The optimizer's current ``_backend_apply_gradients(grads, variables)``: where Keras clips the
+    gradients (``_clip_gradients``) with the variables at hand, which a wrapper can note first."""
+    apply: Any = optimizer._backend_apply_gradients
+    return apply

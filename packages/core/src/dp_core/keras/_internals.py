@@ -233,13 +233,6 @@ def batch_norm_moments(layer: keras.layers.BatchNormalization) -> Callable[[Any,
     return moments
 
 
-def backend_apply_gradients(optimizer: keras.optimizers.Optimizer) -> Callable[[list[Any], list[Any]], Any]:
-    """The optimizer's current ``_backend_apply_gradients(grads, variables)``: where Keras clips the
-    gradients (``_clip_gradients``) with the variables at hand, which a wrapper can note first."""
-    apply: Any = optimizer._backend_apply_gradients
-    return apply
-
-
 def compiled_metric_parts(compile_metrics: Any) -> tuple[list[Any], list[Any], Callable[[Any], list[Any]]]:
     """The unweighted and weighted metric lists of a ``CompileMetrics`` and its per-output
     flattening: the padding mask must reach the unweighted metrics, which Keras gives no weight."""

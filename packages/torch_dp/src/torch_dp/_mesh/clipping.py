@@ -23,6 +23,7 @@ import torch
 from dp_core.keras import internals
 from torch_dp._comm.collectives import sum_in_place
 from torch_dp._comm.replica import Replica
+from torch_dp._internals import backend_apply_gradients
 
 
 @contextlib.contextmanager
@@ -38,7 +39,7 @@ def clipped_over_row(
         return
     split_ids = {id(v) for v in split}
     applying: list[bool] = []  # which of the gradients being applied are parts
-    own_apply = internals.backend_apply_gradients(inner)
+    own_apply = backend_apply_gradients(inner)
 
     def apply_gradients(grads: list[Any], variables: list[keras.Variable]) -> Any:
         applying[:] = [id(v) in split_ids for v in variables]
