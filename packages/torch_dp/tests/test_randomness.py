@@ -2,6 +2,7 @@
 replica draws the global batch's noise from rank 0's streams and keeps its rows, the 3-row last
 batch (padded on 2 replicas) included, under every ``shard=`` mode and with gradient accumulation."""
 
+import shutil
 import sys
 
 import cloudpickle
@@ -144,29 +145,42 @@ def test_predict_and_evaluate_draw_inference_noise_as_model_predict_and_evaluate
     assert seed_states(model) == seed_states(expected)
 
 
+@pytest.fixture(scope="module")
+def checkpointed(two_replicas, tmp_path_factory):
+    """Uninterrupted 2-epoch fits (seeded and unseeded random layers) that write a checkpoint every 2 steps:
+    the model, torch's generator state after the fit, and the checkpoint folder."""
+    x, y = testing.data()  # 4 steps an epoch: checkpoints after epoch 1's step 2 and at each epoch's end
+    runs = {}
+    for seeded in (True, False):
+        folder = tmp_path_factory.mktemp("checkpoints") / "run"
+        model = noisy_model(seeded=seeded)
+        two_replicas.fit(model, x, y, **FIT, checkpoint_dir=str(folder), checkpoint_every_steps=2)
+        runs[seeded] = model, torch.get_rng_state(), folder
+    return runs
+
+
+@pytest.mark.parametrize("place", ["step-000001-000000002", "step-000001-000000000"])
 @pytest.mark.parametrize("seeded", [True, False])
-def test_a_resumed_fit_with_random_layers_is_bitwise_the_uninterrupted_one(two_replicas, tmp_path, seeded):
-    """The seed generators' states are in the checkpoint (issue 43, item 16): the resumed epoch draws the
-    masks the uninterrupted run drew, not the stream's first ones again. (An unseeded Dropout's torch
-    generator is the caller's: set as the uninterrupted run left it, as a resumed process would not.)"""
+def test_a_resumed_fit_with_random_layers_is_bitwise_the_uninterrupted_one(
+    two_replicas, checkpointed, tmp_path, seeded, place
+):
+    """Random layers' seed states and torch's own generator (an unseeded Dropout's) are in the checkpoint
+    (issue 43, item 16): resumed in the middle of an epoch or at its start, by a process whose generator
+    holds anything, the fit draws the uninterrupted fit's masks, not the streams' first ones again."""
+    expected, torch_state, written = checkpointed[seeded]
+    folder = tmp_path / "run"
+    shutil.copytree(written, folder)
+    for later in sorted(p for p in folder.iterdir() if p.name.startswith("step-") and p.name > place):
+        shutil.rmtree(later)  # as if the fit had stopped right after writing ``place``
     x, y = testing.data()
-    expected = noisy_model(seeded=seeded)
-    keras.utils.set_random_seed(3)
-    two_replicas.fit(expected, x, y, **{**FIT, "epochs": 1})
-    torch_state = torch.get_rng_state()
-    two_replicas.fit(expected, x, y, **FIT, initial_epoch=1)
-    folder = str(tmp_path / "checkpoints")
-    interrupted = noisy_model(seeded=seeded)
-    keras.utils.set_random_seed(3)
-    two_replicas.fit(interrupted, x, y, **{**FIT, "epochs": 1}, checkpoint_dir=folder)
     resumed = noisy_model(seeded=seeded)
-    resumed.evaluate(x[:2], y[:2], verbose=0)  # built as the uninterrupted one: building draws once more
-    torch.set_rng_state(torch_state)
-    two_replicas.fit(resumed, x, y, **FIT, checkpoint_dir=folder)
+    torch.manual_seed(1234)  # another process's generator
+    two_replicas.fit(resumed, x, y, **FIT, checkpoint_dir=str(folder))
 
     for want, got in zip(expected.get_weights(), resumed.get_weights(), strict=True):
         np.testing.assert_array_equal(got, want)
     assert seed_states(resumed) == seed_states(expected)
+    assert torch.equal(torch.get_rng_state(), torch_state)  # the caller's generator ends where it did
 
 
 class NoisyOwnStep(keras.Model):

@@ -31,6 +31,8 @@ from dp_core._checkpoint_format import Checkpoint, CheckpointError
 from dp_core.keras._callbacks import verbosity
 from dp_core.keras._seed_states import SEED_STATES, seed_states_of
 
+RANDOM_STREAMS = "random_streams"  # the key in ``Checkpoint.extra``
+
 # keras.ops is typed for every backend at once; treat it as untyped here.
 ops: Any = keras.ops
 
@@ -44,6 +46,7 @@ class Start:
     step: int = 0
     metric_variables: list[np.ndarray] = field(default_factory=list)
     history: dict[str, list[Any]] = field(default_factory=dict)
+    random_streams: dict[str, str] = field(default_factory=dict)  # the backend's own generators (``model_checkpoint``)
 
 
 # Config entries that decide which variables a Keras optimizer has (beyond one per weight).
@@ -62,7 +65,13 @@ def start_of(checkpoint: Checkpoint) -> Start:
         name: [np.asarray(v) if isinstance(v, list) else v for v in values]  # vector metrics as arrays, as in History
         for name, values in saved.items()
     }
-    return Start(checkpoint.epoch, checkpoint.step, checkpoint.metric_variables, history)
+    streams = checkpoint.extra.get(RANDOM_STREAMS, {})
+    if not isinstance(streams, dict) or not all(isinstance(v, str) for v in streams.values()):
+        raise CheckpointError(
+            f"The checkpoint at epoch {checkpoint.epoch}, step {checkpoint.step} is damaged: its random streams are "
+            "not a {generator: hex state} mapping. Point checkpoint_dir at an empty directory to start over."
+        )
+    return Start(checkpoint.epoch, checkpoint.step, checkpoint.metric_variables, history, streams)
 
 
 def print_resume(
@@ -117,12 +126,15 @@ def model_checkpoint(
     optimizer_variables: list[Any] | None = None,
     read: Callable[[Any], Any] | None = None,
     seed_states: list[list[int]] | None = None,
+    random_streams: dict[str, str] | None = None,
 ) -> Checkpoint:
     """``model``'s weights, optimizer and metric state, its random layers' seed states and its History so
     far, as a Checkpoint.
 
     ``metric_variables`` overrides the model's own (a backend passes the sums over replicas);
-    ``seed_states`` the model's seed generator states (``seed_states_of``);
+    ``seed_states`` the model's seed generator states (``seed_states_of``); ``random_streams`` the
+    backend's own generators that random layers draw from too (torch's, which an unseeded ``Dropout``
+    draws from), each state as hex text, put back by the backend where the resumed fit reaches this place;
     ``optimizer_variables`` the compiled optimizer's (e.g. an optax state's leaves); ``read`` how each
     weight and optimizer variable becomes an array (a backend holding a variable by parts gives its
     parts, which ``save_checkpoint`` writes by parts).
@@ -134,6 +146,8 @@ def model_checkpoint(
         optimizer = optimizer_variables
     elif model.optimizer is not None:
         extra["optimizer"] = optimizer_record(model.optimizer)
+    if random_streams is not None:
+        extra[RANDOM_STREAMS] = random_streams
     metrics = model.metrics_variables if metric_variables is None else metric_variables
     history = model.history.history if model.history is not None else {}
     return Checkpoint(
@@ -197,11 +211,12 @@ class CheckpointWriter:
         optimizer_variables: list[Any] | None = None,
         read: Callable[[Any], Any] | None = None,
         staged: StagedParts | None = None,
+        random_streams: dict[str, str] | None = None,
     ) -> None:
         """``model`` (holding the trained weights) at ``step`` steps into ``epoch``, atomically: written
         before this returns, or in the background from a copy taken before it returns. ``read``: as
         ``model_checkpoint``'s; ``staged``: the folder the other processes wrote their parts into, and
-        their records (then written before this returns)."""
+        their records (then written before this returns); ``random_streams``: as ``model_checkpoint``'s."""
         checkpoint = model_checkpoint(
             model,
             epoch=epoch,
@@ -213,6 +228,7 @@ class CheckpointWriter:
             metric_variables=metric_variables,
             optimizer_variables=optimizer_variables,
             read=read,
+            random_streams=random_streams,
         )
         if staged is not None:
             commit_checkpoint(self.directory, staged.folder, checkpoint, staged.others)

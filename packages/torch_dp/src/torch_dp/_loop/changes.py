@@ -12,7 +12,7 @@ costs no collective of its own.
 
 Left out of both: the learning rates (they travel as rank 0's decisions, at every step where a
 callback may set them), the random layers' seed states (every replica draws from rank 0's streams
-and advances them alike: ``_loop.run.same_random_streams``) and gradient accumulators (each
+and advances them alike: ``_step.streams.same_random_streams``) and gradient accumulators (each
 replica's partial sums, ``_step.accumulation``).
 """
 

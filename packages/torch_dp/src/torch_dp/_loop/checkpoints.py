@@ -32,6 +32,7 @@ from torch_dp._scope.checkpoints import put_by_parts, save_by_parts
 from torch_dp._step.broadcast import same_state_as_primary
 from torch_dp._step.custom import optimizers_of
 from torch_dp._step.shards import REPLICATED, TrainingState
+from torch_dp._step.streams import random_streams
 
 if TYPE_CHECKING:
     from torch_dp._step.accumulation import Window
@@ -187,12 +188,15 @@ def save(
     if window is not None:
         window.settle(model, replica)
     metric_variables = summed_metric_states(model, replica)
+    streams = random_streams(replica)  # every replica's are rank 0's
     if state.held and replica.distributed:  # a scoped model: each replica writes its own parts
-        save_by_parts(writer, model, replica, epoch=epoch, step=step, metric_variables=metric_variables)
+        save_by_parts(
+            writer, model, replica, epoch=epoch, step=step, metric_variables=metric_variables, random_streams=streams
+        )
         return
     with state.on_primary_host():
         if replica.is_primary:
-            writer.write(model, epoch=epoch, step=step, metric_variables=metric_variables)
+            writer.write(model, epoch=epoch, step=step, metric_variables=metric_variables, random_streams=streams)
 
 
 def summed_metric_states(model: keras.Model, replica: Replica) -> list[np.ndarray]:

@@ -30,10 +30,11 @@ from torch_dp._loop.checkpoints import check_same_start, holding_checkpoint_dir,
 from torch_dp._loop.epochs import EpochSteps, KerasSteps, OwnSteps, share_decisions, train_epoch
 from torch_dp._loop.evaluate import evaluate_loop
 from torch_dp._loop.hooks import on_whole_state
-from torch_dp._loop.loader_draws import job_loader
+from torch_dp._loop.loader_draws import KerasLoader, NoDraws, job_loader
 from torch_dp._step.accumulation import Window, accumulation_window
 from torch_dp._step.custom import CustomSteps
 from torch_dp._step.shards import REPLICATED, TrainingState
+from torch_dp._step.streams import put_streams_back
 
 
 def fit_loop(
@@ -63,6 +64,7 @@ def fit_loop(
         callbacks = on_whole_state(listed, arguments.callbacks, state, replica)  # sharded: rank 0's hooks see it all
         logging = _batch_logging(job, replica)
         changes = Changes(model, replica, sharded=state.sharded_variables())
+        resumed = bool(start.epoch or start.step)  # from a checkpoint (an initial_epoch comes later)
         start = _begin(model, callbacks, start, arguments.initial_epoch, replica, changes)
         if replica.is_primary:  # rank 0's checkpoint, which every replica resumed from
             print_resume(job.resume_from, start, epochs=arguments.epochs, verbose=arguments.verbose, package="torch_dp")
@@ -79,7 +81,7 @@ def fit_loop(
                 break
             kind = _epoch_steps(model, job, replica, custom, window, logging, state)
             timed = timer if isinstance(kind, KerasSteps) else NO_STEP_TIMER  # a model's own step is not timed
-            loader.epoch_begins()
+            _reading_begins(loader, replica, start if resumed and epoch == start.epoch else None)
             epoch_logs = train_epoch(
                 model, job, epoch, replica, callbacks, kind,
                 first_step=first_step, checkpoints=checkpoints, notice=notice, timer=timed, changes=changes,
@@ -103,6 +105,17 @@ def fit_loop(
             model.optimizer.finalize_variable_values(model.trainable_weights)
         callbacks.on_train_end(logs=epoch_logs)
         return model.history
+
+
+def _reading_begins(loader: KerasLoader | NoDraws, replica: Replica, resumed: Start | None) -> None:
+    """The draws of Keras's loader as an epoch begins; in the epoch a fit ``resumed`` from a checkpoint,
+    torch's generator put back where the checkpoint left it: before those draws at an epoch's start,
+    after them in its middle (the uninterrupted fit drew them before writing it)."""
+    if resumed is not None and not resumed.step:
+        put_streams_back(resumed, replica)
+    loader.epoch_begins()
+    if resumed is not None and resumed.step:
+        put_streams_back(resumed, replica)
 
 
 class BatchLogging(NamedTuple):

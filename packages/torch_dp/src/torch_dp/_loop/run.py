@@ -48,6 +48,7 @@ from torch_dp._step.owners import Piece
 from torch_dp._step.placement import check_placement
 from torch_dp._step.profile import finish_report, step_timer, timing_batch_norm
 from torch_dp._step.shards import sharded
+from torch_dp._step.streams import same_random_streams
 
 
 def build(model: keras.Model, job: Job) -> None:
@@ -128,26 +129,6 @@ def _run_scoped(model: keras.Model, job: Job, replica: Replica, mode: ShardMode 
             return run_predict(model, job, replica)
     assert isinstance(job, FitJob)
     return run_fit(model, job, replica, held=list(layout.pieces) if layout.mode is not None else None)
-
-
-def same_random_streams(replica: Replica) -> None:
-    """Rank 0's torch generator states on every replica: its CPU generator's and its device's.
-
-    Every replica draws a step's noise for the whole global batch and keeps its rows
-    (``_step.steps``: ``dp_core.keras.global_batch_draws``), so every replica's streams must be rank 0's,
-    which are the caller's. A random layer's seed generator state is a model variable
-    (``same_state_as_primary`` copied it); an unseeded ``Dropout`` draws on torch's own generator
-    (Keras's fast path), copied here.
-    """
-    device = torch.device(replica.device)
-    cuda = device.type == "cuda"
-    states = None
-    if replica.is_primary:
-        states = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if cuda else None)
-    cpu_state, device_state = broadcast_object(states, replica)
-    torch.set_rng_state(cpu_state)
-    if cuda and device_state is not None:
-        torch.cuda.set_rng_state(device_state, device)
 
 
 def run_fit(

@@ -43,6 +43,7 @@ from dp_core.keras import (
 from torch_dp._comm.collectives import all_reduce_sum, broadcast_object
 from torch_dp._comm.replica import Replica
 from torch_dp._step.broadcast import same_state_as_primary
+from torch_dp._step.streams import put_streams_back, random_streams
 
 EPOCH_HOOKS = ("on_train_begin", "on_epoch_begin", "on_epoch_end", "on_train_end")
 PASSIVE = (keras.callbacks.History, keras.callbacks.ProgbarLogger)  # they read the logs only
@@ -95,6 +96,8 @@ def fit_by_epochs(
         if start.epoch:  # the History continues from the checkpoint's
             history.epoch, history.history = list(range(start.epoch)), dict(start.history)
         _decided(model, replica, "on_train_begin" in acting)
+        if start.epoch:  # torch's generator as the checkpoint's epoch end left it (``_step.streams``)
+            put_streams_back(start, replica)
         for epoch in range(max(start.epoch, arguments.initial_epoch), arguments.epochs):
             callbacks.on_epoch_begin(epoch)
             if _decided(model, replica, "on_epoch_begin" in acting):
@@ -106,7 +109,10 @@ def fit_by_epochs(
             if arguments.checkpoint_dir is not None:
                 metric_variables = all_reduce_sum([v.value for v in model.metrics_variables], column)
                 if writer is not None:
-                    writer.write(model, epoch=epoch + 1, step=0, metric_variables=metric_variables)
+                    streams = random_streams(replica)
+                    writer.write(
+                        model, epoch=epoch + 1, step=0, metric_variables=metric_variables, random_streams=streams
+                    )
             if _decided(model, replica, "on_epoch_end" in acting):  # a callback's stop, or a non-finite loss's
                 break
         callbacks.on_train_end(logs=logs)

@@ -54,9 +54,11 @@ def save_by_parts(
     epoch: int,
     step: int,
     metric_variables: list[Any],
+    random_streams: dict[str, str] | None = None,
 ) -> None:
     """A checkpoint at ``step`` of ``epoch``: rank 0 stages it, every other replica writes its parts there,
-    rank 0 writes its own, the variables every replica holds whole and the manifest, then commits it."""
+    rank 0 writes its own, the variables every replica holds whole and the manifest (with torch's
+    ``random_streams``: ``_step.streams``), then commits it."""
     held = held_variables(model)
     folder: str = broadcast_object(str(stage_checkpoint(writer.directory)) if replica.is_primary else None, replica)
     written: PartsWritten | None = None
@@ -77,7 +79,15 @@ def save_by_parts(
 
     others = [record for record in records if record is not None]
     staged = StagedParts(folder, others)
-    writer.write(model, epoch=epoch, step=step, metric_variables=metric_variables, read=read, staged=staged)
+    writer.write(
+        model,
+        epoch=epoch,
+        step=step,
+        metric_variables=metric_variables,
+        read=read,
+        staged=staged,
+        random_streams=random_streams,
+    )
 
 
 def put_by_parts(model: keras.Model, values: dict[int, Any], replica: Replica) -> None:
