@@ -825,3 +825,24 @@ def layer_with_keras_trainer() -> Any:
 def halving_hundredths(epoch: int, learning_rate: float) -> float:
     """A LearningRateScheduler schedule for Adam: 0.01, 0.005, 0.0025, ..."""
     return 0.01 * 0.5**epoch
+
+
+@keras.saving.register_keras_serializable(package="torch_dp_testing")
+class StorageRecordingDense(keras.layers.Dense):
+    """A Dense that, at every call in a worker replica (its symbolic builds and probes too, before a mesh
+    splits it), appends to ``record_dir/rank{r}.jsonl`` how many elements its kernel's storage holds there:
+    what a worker holds of it, read where it lies (empty ``record_dir``: nothing recorded)."""
+
+    def __init__(self, *args: Any, record_dir: str = "", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.record_dir = record_dir
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "record_dir": self.record_dir}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        rank = worker_rank()
+        if self.record_dir and rank is not None and self.built:
+            with open(os.path.join(self.record_dir, f"rank{rank}.jsonl"), "a") as file:
+                file.write(json.dumps({"layer": self.name, "elements": _stored(self.kernel).numel()}) + "\n")
+        return super().__call__(*args, **kwargs)

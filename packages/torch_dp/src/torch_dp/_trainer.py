@@ -47,7 +47,7 @@ from dp_core.keras import (
 from torch_dp._loop.checkpoints import require_checkpointable
 from torch_dp._loop.hooks import refuse_batch_hooks
 from torch_dp._loop.loader_draws import build_drawing, fit_loader
-from torch_dp._mesh.checks import checked_mesh, plan_call, refused
+from torch_dp._mesh.checks import checked_mesh, plan_call
 from torch_dp._mesh.run import on_mesh
 from torch_dp._processes.cluster import is_primary_process
 from torch_dp._processes.group import Timeouts, estimate_on_this_host
@@ -170,6 +170,7 @@ class Trainer:
         self.timeout = timeouts.rendezvous  # for code that reads it: 60 s by default, or what timeout= set
         self.log_every_steps = log_every_steps
         self._mesh = None if mesh is None else checked_mesh(mesh, layout, num_replicas, shard)
+        self._mesh_shape = None if self._mesh is None else (self._mesh.mesh.rows, self._mesh.mesh.columns)
         processes = num_replicas if self._mesh is None else self._mesh.mesh.num_processes
         self._launcher: Launcher = choose_launcher(processes, threads=threads_per_replica, timeouts=timeouts)
         self._one_call = OneCall("torch_dp.Trainer", concurrent_work=_CONCURRENT_WORK)
@@ -196,12 +197,10 @@ class Trainer:
     def scope(self) -> contextlib.AbstractContextManager[None]:
         """Build a model whose state does not fit one replica: ``with trainer.scope(): model = build()``.
         No variable holds a value until the model's first call; then each replica keeps only what ``shard=``
-        gives it, bitwise an unsharded build's values, and keeps it between calls (docs/sharding.md)."""
-        if self._mesh is not None:
-            raise refused(
-                "Trainer.scope()", "a mesh's split layers start from a model built whole", "Build it as usual."
-            )
-        return trainer_scope(self.shard, under_cluster=isinstance(self._launcher, ClusterProcess))
+        gives it, bitwise an unsharded build's values, and keeps it between calls (docs/sharding.md). On a
+        mesh each process keeps its parts of the variables the layout splits (docs/model-parallel.md)."""
+        under_cluster = isinstance(self._launcher, ClusterProcess)
+        return trainer_scope(self.shard, under_cluster=under_cluster, mesh=self._mesh_shape)
 
     def __enter__(self) -> Trainer:
         return self
@@ -262,7 +261,7 @@ class Trainer:
         )
         if checkpoint_dir is not None:
             require_checkpointable(keras_model)
-        if check_scoped_call(keras_model, self.shard, self.num_replicas):
+        if check_scoped_call(keras_model, self.shard, self.num_replicas, self._mesh_shape):
             refuse_batch_hooks(callbacks)  # rank 0 would gather the whole state at every batch
         arguments = fit_arguments(
             inputs, global_batch_size=global_batch_size, num_replicas=self.num_replicas, epochs=epochs,
@@ -299,7 +298,7 @@ class Trainer:
             model, x, y, sample_weight, batch_size=batch_size, global_batch_size=global_batch_size,
             step_names=("test_step",), steps=steps, checks=self._call_checks,
         )  # fmt: skip
-        check_scoped_call(keras_model, self.shard, self.num_replicas)
+        check_scoped_call(keras_model, self.shard, self.num_replicas, self._mesh_shape)
         job = EvaluateJob(
             inputs, global_batch_size, self.batch_norm, verbose, self.log_every_steps, list(callbacks or []), executions
         )
@@ -324,7 +323,7 @@ class Trainer:
             model, x, batch_size=batch_size, global_batch_size=global_batch_size, step_names=("predict_step",),
             compiled=False, steps=steps, checks=self._call_checks,
         )  # fmt: skip
-        check_scoped_call(keras_model, self.shard, self.num_replicas)
+        check_scoped_call(keras_model, self.shard, self.num_replicas, self._mesh_shape)
         job = PredictJob(inputs, global_batch_size, verbose, list(callbacks or []), executions=executions)
         return self._launcher.run(self._placed(job, keras_model), keras_model, model)
 

@@ -10,7 +10,7 @@ import keras
 
 from dp_core import ShardMode
 from dp_core.keras import FitJob, Inputs, Job, internals
-from torch_dp._mesh.epochs import EPOCH_HOOKS, PASSIVE
+from torch_dp._mesh.epochs import EPOCH_HOOKS, PASSIVE, acting_hooks
 from torch_dp._mesh.placement import refuse_placement
 from torch_dp._mesh.plan import Layout, Mesh, MeshPlan, bias_of, mesh_of, plan_for, splittable_layers, weight_of
 from torch_dp._step.custom import STEPS, overrides
@@ -76,12 +76,14 @@ def plan_call(
             "Compile with steps_per_execution=1.",
         )
     own = [step for step in STEPS if overrides(model, step)]
-    if own or scoped:
+    if own:
         raise refused(
-            f"a model's own {', '.join(own)}" if own else "a model built in a Trainer's scope()",
-            "the split layers are built for Keras's own steps on a model built whole",
-            "Use Keras's steps on a model built as usual, or train without mesh=.",
+            f"a model's own {', '.join(own)}",
+            "the split layers are built for Keras's own steps",
+            "Use Keras's steps, or train without mesh=.",
         )
+    if scoped and isinstance(job, FitJob):
+        _check_scoped_fit(job)
     plan = plan_for(model, mesh, layout)
     if isinstance(job, FitJob) and plan.splits:
         _check_optimizer(model, plan)
@@ -111,6 +113,29 @@ def _check_fit(model: keras.Model, job: FitJob[Any]) -> None:
             "a fit on a mesh runs each epoch as a fit of its own, and Keras ends a fit by putting the moving "
             "averages in the weights (or the accumulators with it)",
             "Compile the optimizer without them.",
+        )
+
+
+def _check_scoped_fit(job: FitJob[Any]) -> None:
+    """A model built in the trainer's scope stays split at epoch ends, where checkpoints and acting callbacks
+    would read (or the state broadcast after them would send) its split variables whole."""
+    why = (
+        "a model built in a mesh trainer's scope keeps each split variable in parts, one per process of a row, "
+        "at epoch ends too, where {} would need it whole on rank 0 (which is the point of the scope not to hold)"
+    )
+    if job.arguments.checkpoint_dir is not None:
+        raise refused(
+            "checkpoint_dir= for a model built in its scope()",
+            why.format("a checkpoint"),
+            "Fit without checkpoint_dir, or build the model outside the scope (whole on every process).",
+        )
+    acting = sorted(acting_hooks(job.arguments.callbacks))
+    if acting:
+        names = sorted({type(c).__name__ for c in job.arguments.callbacks or [] if not isinstance(c, PASSIVE)})
+        raise refused(
+            f"callbacks acting at {', '.join(acting)} ({', '.join(names)}) for a model built in its scope()",
+            why.format("a callback that reads or sets the model"),
+            "Leave those callbacks out (History and the progress bar stay), or build the model outside the scope.",
         )
 
 

@@ -22,7 +22,8 @@ two ways:
 
 Afterwards every part is
 gathered back (one all-gather per variable) and the layer's own ``call`` restored, so between
-calls every process holds the whole model, which is the caller's after a fit.
+calls every process holds the whole model, which is the caller's after a fit. A model built in the
+trainer's scope (``parts_held``) holds its parts already, before and after: only the shape Keras sees changes.
 """
 
 from __future__ import annotations
@@ -46,11 +47,17 @@ from torch_dp._step.owners import slots_of
 
 @contextlib.contextmanager
 def split_layers(
-    model: keras.Model, plan: MeshPlan, row: Replica, *, optimizer: keras.optimizers.Optimizer | None
+    model: keras.Model,
+    plan: MeshPlan,
+    row: Replica,
+    *,
+    optimizer: keras.optimizers.Optimizer | None,
+    parts_held: bool = False,
 ) -> Iterator[None]:
     """Within the block ``plan``'s layers are split along ``row`` (this process's place in its mesh row),
     with ``optimizer``'s slots for their variables (None: a call that does not train), which clips their
-    gradients by their whole norms (``_mesh.clipping``)."""
+    gradients by their whole norms (``_mesh.clipping``). ``parts_held``: the variables hold their parts already
+    (a model built in the scope), and keep them after."""
     layers = splittable_layers(model)
     undo: list[Callable[[bool], None]] = []
     split_variables: list[keras.Variable] = []
@@ -62,7 +69,8 @@ def split_layers(
             split_variables += [variable for variable, _ in held]
             for variable, axis in held:
                 slots = [] if optimizer is None else slots_of(optimizer, [variable])[0]
-                undo += [_narrowed(v, axis, row) for v in (variable, *slots)]
+                narrow = _part_shaped if parts_held else _narrowed
+                undo += [narrow(v, axis, row) for v in (variable, *slots)]
             lookup = isinstance(layer, keras.layers.Embedding)
             call = _split_lookup(layer, split, row) if lookup else _split_call(layer, split, row)
             own_call = internals.override(layer, "call", call)
@@ -100,6 +108,15 @@ def _narrowed(variable: keras.Variable, axis: int, row: Replica) -> Callable[[bo
         put_shape()
 
     return whole_again
+
+
+def _part_shaped(variable: keras.Variable, axis: int, row: Replica) -> Callable[[bool], None]:
+    """``variable``, whose storage holds this process's part already, saying it has the part's shape; returns
+    what puts its whole shape back (its part stays)."""
+    shape = [int(size) for size in variable.shape]
+    shape[axis] //= row.num_replicas
+    put_shape = with_keras_shape(variable, tuple(shape))
+    return lambda _: put_shape()
 
 
 def _split_call(layer: Any, split: LayerSplit, row: Replica) -> Callable[..., Any]:

@@ -10,18 +10,20 @@ replica, and its processes read the same rows, draw the same noise and compute t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import keras
 
-from dp_core.keras import EvaluateJob, FitJob, Job, PredictJob, batch_terms
+from dp_core.keras import EvaluateJob, FitJob, Job, PredictJob, adopt_batch_terms, batch_terms
+from torch_dp._comm.collectives import broadcast_object
 from torch_dp._comm.replica import Replica
 from torch_dp._mesh.epochs import fit_by_epochs
 from torch_dp._mesh.groups import mesh_places
 from torch_dp._mesh.layers import split_layers
-from torch_dp._mesh.plan import MeshPlan
+from torch_dp._mesh.plan import MeshPlan, bias_of, splittable_layers, weight_of
 from torch_dp._step.broadcast import check_same_variables, same_state_as_primary
 
 
@@ -67,6 +69,29 @@ def _quiet(job: Job) -> Job:
     return dataclasses.replace(job, verbose=0, callbacks=())
 
 
+class Scoping(Protocol):
+    """What a call on a mesh asks of a model built in a mesh trainer's scope (``_scope.replicas.ON_MESH``: this
+    wing does not import ``_scope``)."""
+
+    def scoped(self, model: keras.Model) -> bool: ...
+
+    def calling(self) -> contextlib.AbstractContextManager[None]: ...
+
+    def prepare(
+        self,
+        model: keras.Model,
+        replica: Replica,
+        build: Callable[[], None],
+        axes: tuple[tuple[int, int], ...],
+        *,
+        column: int,
+        columns: int,
+        rows: int,
+        trains: bool,
+        sync: bool,
+    ) -> None: ...
+
+
 def run_on_mesh(
     model: keras.Model,
     job: Job,
@@ -77,30 +102,77 @@ def run_on_mesh(
     build: Callable[[keras.Model, Job], None],
     same_streams: Callable[[Replica], None],
     run: Callable[..., Any],
+    scoping: Scoping | None = None,
 ) -> Any:
     """``job`` on this process of ``plan``'s mesh (``replica``: its place among all the mesh's processes).
 
     Every process first takes the caller's whole state and random streams (``build``, ``same_streams``:
-    ``_loop.run``'s), then ``run``s the plain job as its column's replica with its row's layers split."""
+    ``_loop.run``'s), then ``run``s the plain job as its column's replica with its row's layers split.
+    A model built in the trainer's scope (``scoping``) is made by parts instead, at its first call, and
+    keeps its parts between calls."""
+    scoped = scoping is not None and scoping.scoped(model)
+    with scoping.calling() if scoping is not None and scoped else contextlib.nullcontext():
+        return _run(model, job, replica, plan, sync=sync, build=build, same_streams=same_streams, run=run,
+                    scoping=scoping if scoped else None)  # fmt: skip
+
+
+def _run(
+    model: keras.Model,
+    job: Job,
+    replica: Replica,
+    plan: MeshPlan,
+    *,
+    sync: bool,
+    build: Callable[[keras.Model, Job], None],
+    same_streams: Callable[[Replica], None],
+    run: Callable[..., Any],
+    scoping: Scoping | None,
+) -> Any:
     places = mesh_places(replica, plan.mesh)
     plain = _PLAIN[type(job)](**_fields(job))
-    build(model, plain)
     trains = isinstance(job, FitJob)
-    if sync:  # the caller's model, whole, on every process of the mesh
-        check_same_variables(model, replica, optimizer=trains)
-        same_state_as_primary(model, replica, optimizer=trains)
+    if scoping is not None:  # its parts made at its first call, the rest whole
+        axes = split_axes(model, plan)
+        scoping.prepare(
+            model, replica, lambda: build(model, plain), axes, column=places.row.rank, columns=plan.mesh.columns,
+            rows=plan.mesh.rows, trains=trains, sync=sync and replica.distributed,
+        )  # fmt: skip
+    else:
+        build(model, plain)
+        if sync:  # the caller's model, whole, on every process of the mesh
+            check_same_variables(model, replica, optimizer=trains)
+            same_state_as_primary(model, replica, optimizer=trains)
     same_streams(replica)  # every process of a row draws the same dropout masks
-    # the loop's probe of the model's add_loss terms runs it on single rows, once per model (cached): here,
-    # whole, on every process, rather than split on the processes whose model has not run it yet
-    batch_terms(model, plain.inputs)
+    if scoping is not None:  # the caller probed the add_loss terms (its weights read whole, one at a time)
+        adopt_batch_terms(
+            model, broadcast_object(batch_terms(model, plain.inputs) if replica.is_primary else None, replica)
+        )
+    else:
+        # the loop's probe of the model's add_loss terms runs it on single rows, once per model (cached): here,
+        # whole, on every process, rather than split on the processes whose model has not run it yet
+        batch_terms(model, plain.inputs)
     if places.column.is_primary and not replica.is_primary:
         plain = _quiet(plain)
     optimizer = model.optimizer if trains else None
 
     def run_split(job: Job) -> Any:
-        with split_layers(model, plan, places.row, optimizer=optimizer):
+        with split_layers(model, plan, places.row, optimizer=optimizer, parts_held=scoping is not None):
             return run(model, job, places.column, sync=False)
 
     if isinstance(plain, FitJob):  # whole between epochs: checkpoints and callbacks there (_mesh.epochs)
         return fit_by_epochs(model, plain, replica, column=places.column, rows=plan.mesh.rows, run_epoch=run_split)
     return run_split(plain)
+
+
+def split_axes(model: keras.Model, plan: MeshPlan) -> tuple[tuple[int, int], ...]:
+    """The variables ``plan`` splits (by identity) with their split axes: each split layer's weight, and its
+    bias where it splits with the weight's columns."""
+    layers = splittable_layers(model)
+    axes: list[tuple[int, int]] = []
+    for split in plan.splits:
+        layer = layers[split.layer]
+        axes.append((id(weight_of(layer)), split.dimension))
+        bias = bias_of(layer)
+        if split.bias_split and bias is not None:
+            axes.append((id(bias), 0))
+    return tuple(axes)

@@ -34,11 +34,13 @@ from torch_dp._scope.loading import StoredValue
 class Entry:
     """A variable a scope created: the ``shard=`` mode of the trainer whose scope it was, its place
     in creation order, and its initial value's source until it has one (Keras's initializer, or a
-    value assigned before the first call: ``load_weights`` in the scope)."""
+    value assigned before the first call: ``load_weights`` in the scope); ``mesh``: the ``(rows,
+    columns)`` of a mesh trainer's scope (recorded in the caller, which checks calls against it)."""
 
     mode: ShardMode | None
     order: int
     source: Any | None
+    mesh: tuple[int, int] | None = None
 
 
 _entries: dict[int, Entry] = {}
@@ -51,13 +53,14 @@ def _forget(key: int) -> None:
 
 
 @contextlib.contextmanager
-def deferring(mode: ShardMode | None) -> Iterator[None]:
-    """Within the block every variable Keras creates from an initializer is deferred (scoped, under ``mode``)."""
+def deferring(mode: ShardMode | None, mesh: tuple[int, int] | None = None) -> Iterator[None]:
+    """Within the block every variable Keras creates from an initializer is deferred (scoped, under ``mode``,
+    on ``mesh`` for a mesh trainer's scope)."""
 
     global _depth
 
     def record(variable: keras.Variable, initializer: Any) -> None:
-        _entries[id(variable)] = Entry(mode, next(_created), initializer)
+        _entries[id(variable)] = Entry(mode, next(_created), initializer, mesh)
         weakref.finalize(variable, _forget, id(variable))
 
     _depth += 1
@@ -88,6 +91,11 @@ def scoped_mode(model: keras.Model) -> tuple[bool, ShardMode | None]:
         if entry is not None:
             return True, entry.mode
     return False, None
+
+
+def scoped_mesh(model: keras.Model) -> tuple[int, int] | None:
+    """The ``(rows, columns)`` of the mesh trainer in whose scope ``model`` was built (None: none, or no mesh)."""
+    return next((e.mesh for v in model.variables if (e := _entries.get(id(v))) is not None and e.mesh), None)
 
 
 def is_scoped(variable: keras.Variable) -> bool:

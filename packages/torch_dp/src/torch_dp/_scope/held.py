@@ -67,8 +67,11 @@ _scopes = 0  # scopes entered now: load_weights hands variables where their valu
 
 
 @contextlib.contextmanager
-def trainer_scope(mode: ShardMode | None, *, under_cluster: bool) -> Iterator[None]:
-    """``torch_dp.Trainer.scope()``: variables created inside are deferred under the trainer's ``mode``."""
+def trainer_scope(
+    mode: ShardMode | None, *, under_cluster: bool, mesh: tuple[int, int] | None = None
+) -> Iterator[None]:
+    """``torch_dp.Trainer.scope()``: variables created inside are deferred under the trainer's ``mode``
+    (and its ``mesh``'s ``(rows, columns)``, a mesh trainer's)."""
     global _installed
     if under_cluster:
         raise NotImplementedError(
@@ -83,7 +86,7 @@ def trainer_scope(mode: ShardMode | None, *, under_cluster: bool) -> Iterator[No
         _installed = True
     _scopes += 1
     try:
-        with deferring(mode):
+        with deferring(mode, mesh):
             yield
     finally:
         _scopes -= 1

@@ -3,31 +3,47 @@ for every later one: the trainable variables' pieces (``_step.owners.pieces_of``
 owner, or rows of dimension 0 on every replica), and which variables follow them. Under ``"full"`` the
 weights are held by pieces, under every ``shard=`` mode the optimizer slots are (each its variable's
 rows), and every other variable (statistics, seed states, metrics, a weight with a regularizer) is
-whole on every replica, as under ``shard=`` without a scope."""
+whole on every replica, as under ``shard=`` without a scope. A model built in a mesh trainer's scope holds
+the variables the mesh's layout splits by parts along each mesh row instead (``MeshParts``)."""
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import keras
 
 from dp_core import ShardMode
-from torch_dp._scope.deferred import scoped_mode
+from dp_core.keras import internals
+from torch_dp._scope.deferred import scoped_mesh, scoped_mode
 from torch_dp._step.gathered import shardable
 from torch_dp._step.owners import Piece, pieces_of, slots_of
 from torch_dp._step.parts import splittable
 
 
+class MeshParts(NamedTuple):
+    """How a model built in a mesh trainer's scope lies on this process: each variable of ``axes``
+    (identity, split axis: the layout's split weights and biases) split into ``columns`` equal parts
+    along its axis, this process holding part ``column`` (as every process of its mesh column does),
+    and so are those variables' optimizer slots; every other variable is whole on every process."""
+
+    column: int
+    columns: int
+    axes: tuple[tuple[int, int], ...]
+
+
 @dataclass(frozen=True)
 class Layout:
-    """A scoped model's pieces over its trainable variables (``trainable``: their identities, in order)."""
+    """A scoped model's pieces over its trainable variables (``trainable``: their identities, in order);
+    ``num_replicas`` counts the replicas (a mesh's rows), ``mesh``: a mesh scope's parts."""
 
     mode: ShardMode | None
     trainable: tuple[int, ...]
     pieces: tuple[Piece, ...]
     num_replicas: int
+    mesh: MeshParts | None = None
 
 
 _layouts: weakref.WeakKeyDictionary[keras.Model, Layout] = weakref.WeakKeyDictionary()
@@ -47,18 +63,47 @@ def layout_of(model: keras.Model, mode: ShardMode | None, num_replicas: int) -> 
     return found
 
 
+def mesh_layout_of(model: keras.Model, parts: MeshParts, num_replicas: int) -> Layout:
+    """A mesh scope's model's layout (``num_replicas``: the mesh's rows): the one it was given at its
+    first call, checked against ``parts`` (the call's plan) and its trainable variables now."""
+    variables = list(model.trainable_weights)
+    found = _layouts.get(model)
+    if found is None:
+        found = Layout(None, tuple(id(v) for v in variables), (), num_replicas, parts)
+        _layouts[model] = found
+    if found.mesh != parts:
+        raise ValueError(
+            f"'{model.name}' was built in the scope of a mesh trainer whose layout split other variables (or on "
+            "another mesh) than this call's, and its parts lie so. Call it with the trainer it was built under."
+        )
+    _check_same(model, found, None, num_replicas, variables)
+    return found
+
+
 def stored_layout(model: keras.Model) -> Layout:
     """The layout ``model`` was given at its first call."""
     return _layouts[model]
 
 
-def check_scoped_call(model: keras.Model, mode: ShardMode | None, num_replicas: int) -> bool:
+def check_scoped_call(
+    model: keras.Model, mode: ShardMode | None, num_replicas: int, mesh: tuple[int, int] | None = None
+) -> bool:
     """In the caller, before a call: a scoped model is called with the ``shard=`` it was built under and,
-    after its first call, on as many replicas (its parts lie so); any other model passes. Returns
-    whether ``model`` is a scoped one."""
+    after its first call, on as many replicas (its parts lie so), on the mesh it was built for (``mesh``:
+    the call's ``(rows, columns)``, None without one); any other model passes. Returns whether ``model``
+    is a scoped one."""
     scoped, built_under = scoped_mode(model)
     if not scoped:
         return False
+    if scoped_mesh(model) != mesh:
+        built = scoped_mesh(model)
+        raise ValueError(
+            f"'{model.name}' was built in the scope of a trainer with mesh={built}, and its state lies on that "
+            f"trainer's processes so; this call's trainer has mesh={mesh}. Call it with the trainer it was built "
+            "in the scope of, or build it again in this trainer's scope."
+        )
+    if mesh is not None:
+        _refuse_whole_saves(model)
     found = _layouts.get(model)
     expected = (built_under, found.num_replicas if found is not None else num_replicas)
     if (mode, num_replicas) != expected:
@@ -70,6 +115,30 @@ def check_scoped_call(model: keras.Model, mode: ShardMode | None, num_replicas: 
             "model built in the other trainer's scope."
         )
     return True
+
+
+_save_refused: weakref.WeakSet[keras.Model] = weakref.WeakSet()
+
+
+def _refuse_whole_saves(model: keras.Model) -> None:
+    """``model.save`` and ``save_weights`` of a mesh scope's model refused (on this object): they would gather
+    every split variable whole onto rank 0, which the scope is there not to do, and writing by parts is not
+    built for it yet."""
+    if model in _save_refused:
+        return
+    _save_refused.add(model)
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise ValueError(
+            f"'{model.name}' was built in the scope of a Trainer(mesh=...): each process holds its parts of the "
+            "variables the layout splits, and saving it would gather each of them whole in this process, which "
+            "torch-dp does not build yet (a mesh writes no checkpoint by parts so far). Build the model outside "
+            "the scope to save it (whole on every process between calls), or read the weights you need with "
+            "get_weights()."
+        )
+
+    for name in ("save", "save_weights"):
+        internals.override(model, name, refused)
 
 
 def _check_same(
@@ -93,7 +162,10 @@ def _check_same(
 
 def holdings(model: keras.Model, layout: Layout) -> dict[int, list[Piece]]:
     """Each variable held by pieces (by identity): the weights under ``"full"``, and the optimizer's
-    slots under every mode; a variable absent is whole on every replica."""
+    slots under every mode; a variable absent is whole on every replica. On a mesh: each variable held by
+    parts along the mesh's rows (``mesh_held``), with no pieces."""
+    if layout.mesh is not None:
+        return {key: [] for key in mesh_held(model, layout.mesh)}
     if layout.mode is None:
         return {}
     variables = list(model.trainable_weights)
@@ -110,3 +182,15 @@ def holdings(model: keras.Model, layout: Layout) -> dict[int, list[Piece]]:
         for slot in slots[index]:
             held[id(slot)] = pieces
     return held
+
+
+def mesh_held(model: keras.Model, parts: MeshParts) -> dict[int, int]:
+    """The split axis of every variable ``parts`` splits (by identity): its split weights and biases and,
+    once the optimizer is built, their slots."""
+    axes = dict(parts.axes)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and optimizer.built:
+        variables = [v for v in model.trainable_weights if id(v) in axes]
+        for variable, slots in zip(variables, slots_of(optimizer, variables), strict=True):
+            axes.update((id(slot), axes[id(variable)]) for slot in slots)
+    return axes

@@ -83,6 +83,14 @@ class StoredValue:
             values = np.asarray(dataset if rows is None else dataset[rows[0] : rows[1]])
         return values.view(ml_dtypes.bfloat16) if self.bfloat16 else values
 
+    def read_part(self, axis: int, start: int, stop: int) -> np.ndarray:
+        """The value's ``start:stop`` along ``axis`` only (read from the file as a slice): a mesh's part."""
+        index = (*([slice(None)] * axis), slice(start, stop))
+        with h5py.File(self.filename, "r") as file:
+            dataset: Any = file[self.name]
+            values = np.asarray(dataset[index])
+        return values.view(ml_dtypes.bfloat16) if self.bfloat16 else values
+
 
 def stored(dataset: Any, bfloat16: bool) -> StoredValue:
     """What ``load_weights`` assigns in a scope: where ``dataset``'s value lies (in a temporary file of

@@ -5,12 +5,13 @@ owner, or the whole to all). So no replica but rank 0 ever holds what it does no
 one whole variable beyond its own parts at a time, and every value is bitwise an unsharded build's.
 A variable loaded from an h5 file in the scope (``_scope.loading``) is read by each of its holders,
 its own part only, from the file: nothing is sent, and no replica reads what it does not hold (a
-``.keras`` archive's weights from the caller's temporary copy, which lives until every replica read)."""
+``.keras`` archive's weights from the caller's temporary copy, which lives until every replica read).
+Where each value goes is a ``Placing``'s: ``ByPieces`` for ``shard=``'s pieces, ``_scope.mesh_parts``'s on a mesh."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import keras
 import torch
@@ -24,7 +25,36 @@ from torch_dp._scope.loading import StoredValue
 from torch_dp._step.owners import Piece, rows_shape
 
 
-def materialize(variables: Sequence[keras.Variable], held: dict[int, list[Piece]], replica: Replica) -> None:
+class Placing(Protocol):
+    """Where a scoped model's first values go."""
+
+    def place(self, variable: keras.Variable, whole: torch.Tensor | None) -> None:
+        """Rank 0's ``whole`` value (None on the other processes) given to its holders, each its part."""
+        ...
+
+    def read(self, variable: keras.Variable, file: StoredValue) -> None:
+        """This process's part of ``variable``, read from ``file``."""
+        ...
+
+
+class ByPieces:
+    """``shard=``'s placing: the variables of ``held`` by their pieces, the others whole on every replica."""
+
+    def __init__(self, held: dict[int, list[Piece]], replica: Replica) -> None:
+        self.held, self.replica = held, replica
+
+    def place(self, variable: keras.Variable, whole: torch.Tensor | None) -> None:
+        pieces = self.held.get(id(variable))
+        if pieces is None:
+            everywhere(variable, whole, self.replica)
+        else:
+            send_parts(variable, whole, pieces, self.replica)
+
+    def read(self, variable: keras.Variable, file: StoredValue) -> None:
+        _read_own_part(variable, file, self.held.get(id(variable)), self.replica)
+
+
+def materialize(variables: Sequence[keras.Variable], placing: Placing, replica: Replica) -> None:
     """Every deferred one of ``variables`` (the same list on every replica) given its value or part."""
     primary_order: list[int] = broadcast_object(in_creation_order(variables), replica)
     # where rank 0's variables lie in a file, if they were loaded from one (the others' know nothing of it)
@@ -32,30 +62,21 @@ def materialize(variables: Sequence[keras.Variable], held: dict[int, list[Piece]
     files: list[StoredValue | None] = broadcast_object(sources, replica)
     for index, file in zip(primary_order, files, strict=True):
         variable = variables[index]
-        pieces = held.get(id(variable))
         if file is not None:
-            _read_own_part(variable, file, pieces, replica)
+            placing.read(variable, file)
             made(variable)
             continue
         whole = initial_value(variable).to(replica.device) if replica.is_primary else None
-        _place(variable, whole, pieces, replica)
+        placing.place(variable, whole)
+        made(variable)
     if replica.distributed and any(file is not None and file.temporary for file in files):
         all_reduce_sum([torch.zeros(1, device=replica.device)], replica)  # all read: rank 0 may drop the file
     for index in _deferred_elsewhere(variables, primary_order, replica):
         # made with a value in the caller (compiled outside the scope: the optimizer's step counter and
         # learning rate), and deferred in the workers, which rebuild and compile in a scope: rank 0's value
         whole = torch.as_tensor(variables[index].value).detach().clone() if replica.is_primary else None
-        _place(variables[index], whole, held.get(id(variables[index])), replica)
-
-
-def _place(
-    variable: keras.Variable, whole: torch.Tensor | None, pieces: Sequence[Piece] | None, replica: Replica
-) -> None:
-    if pieces is None:
-        _everywhere(variable, whole, replica)
-    else:
-        send_parts(variable, whole, pieces, replica)
-    made(variable)
+        placing.place(variables[index], whole)
+        made(variables[index])
 
 
 def _deferred_elsewhere(variables: Sequence[keras.Variable], primary_order: list[int], replica: Replica) -> list[int]:
@@ -83,21 +104,21 @@ def _read_own_part(
     """This replica's part of ``variable`` read from ``file``: all of it where every replica holds it whole,
     its rows where it holds some, nothing where another owns it."""
     if pieces is None:
-        set_stored_value(variable, _tensor(file.read(None), variable, replica))
+        set_stored_value(variable, tensor_of(file.read(None), variable, replica))
         return
     for piece in pieces:
         if piece.owner == replica.rank:
-            set_stored_value(variable, _tensor(file.read(piece.rows), variable, replica))
+            set_stored_value(variable, tensor_of(file.read(piece.rows), variable, replica))
 
 
-def _tensor(values: Any, variable: keras.Variable, replica: Replica) -> torch.Tensor:
+def tensor_of(values: Any, variable: keras.Variable, replica: Replica) -> torch.Tensor:
     """As ``initial_value`` converts a value: Keras's own conversion to the variable's dtype."""
     return torch.as_tensor(keras.ops.convert_to_tensor(values, variable.dtype)).to(replica.device)
 
 
-def _everywhere(variable: keras.Variable, whole: torch.Tensor | None, replica: Replica) -> None:
+def everywhere(variable: keras.Variable, whole: torch.Tensor | None, replica: Replica) -> None:
     if whole is None:
-        whole = torch.empty(tuple(variable.shape), dtype=_dtype(variable), device=replica.device)
+        whole = torch.empty(tuple(variable.shape), dtype=dtype_of(variable), device=replica.device)
     if replica.distributed:
         _entering()
         dist.broadcast(whole, src=0, group=replica.group)
@@ -118,11 +139,11 @@ def send_parts(variable: keras.Variable, whole: torch.Tensor | None, pieces: Seq
             _entering()
             dist.send(part.contiguous(), dst=piece.owner, group=replica.group)
         elif replica.rank == piece.owner:
-            mine = torch.empty(rows_shape(variable.shape, piece.rows), dtype=_dtype(variable), device=replica.device)
+            mine = torch.empty(rows_shape(variable.shape, piece.rows), dtype=dtype_of(variable), device=replica.device)
             _entering()
             dist.recv(mine, src=0, group=replica.group)
             set_stored_value(variable, mine)
 
 
-def _dtype(variable: keras.Variable) -> torch.dtype:
+def dtype_of(variable: keras.Variable) -> torch.dtype:
     return getattr(torch, keras.backend.standardize_dtype(variable.dtype))

@@ -1,6 +1,7 @@
 """A call on a scoped model, on each replica: its variables built deferred and made by the model's
-layout (``prepared``), its weights gathered layer by layer where the layout holds them by pieces
-(``weights_by_layer``), and one variable read or written for the caller between calls (``serve``)."""
+layout (``prepared``; on a mesh ``prepared_on_mesh``, which ``ON_MESH`` hands ``_mesh.run``), its weights
+gathered layer by layer where the layout holds them by pieces (``weights_by_layer``), and one variable
+read or written for the caller between calls (``serve``)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ from dp_core import ShardMode
 from dp_core.keras import internals
 from torch_dp._comm.collectives import _entering, broadcast_from_primary
 from torch_dp._comm.replica import Replica
-from torch_dp._scope.deferred import deferring
-from torch_dp._scope.layout import Layout, holdings, layout_of, stored_layout
-from torch_dp._scope.materialize import materialize, send_parts
+from torch_dp._scope.deferred import deferring, scoped_mode
+from torch_dp._scope.held import calling
+from torch_dp._scope.layout import Layout, MeshParts, holdings, layout_of, mesh_held, mesh_layout_of, stored_layout
+from torch_dp._scope.materialize import ByPieces, materialize, send_parts
+from torch_dp._scope.mesh_parts import ByMeshParts, serve_parts
 from torch_dp._step.gathered import JustInTime
 from torch_dp._step.owners import rows_shape
 
@@ -57,8 +60,52 @@ def prepared(
         if trains and optimizer is not None and not optimizer.built:
             optimizer.build(model.trainable_weights)
     layout = layout_of(model, mode, replica.num_replicas)
-    materialize(state_variables(model, optimizer=trains), holdings(model, layout), replica)
+    if layout.mesh is None:  # a mesh scope's are made for the whole mesh first (``_scope.mesh_parts``)
+        materialize(state_variables(model, optimizer=trains), ByPieces(holdings(model, layout), replica), replica)
     return layout
+
+
+def prepared_on_mesh(
+    model: keras.Model,
+    replica: Replica,
+    build: Callable[[], None],
+    axes: tuple[tuple[int, int], ...],
+    *,
+    column: int,
+    columns: int,
+    rows: int,
+    trains: bool,
+    sync: bool,
+) -> None:
+    """``prepared`` for a model built in a mesh trainer's scope, on ``replica`` (this process among all the
+    mesh's ``rows`` x ``columns``, at ``column``): the variables of ``axes`` (identity, split axis) and their
+    slots made as parts (``_scope.mesh_parts``), the others whole, and (``sync``) rank 0's values of the
+    whole ones on every process."""
+    parts = MeshParts(column, columns, axes)
+    with deferring(None):
+        build()
+        optimizer = getattr(model, "optimizer", None)
+        if trains and optimizer is not None and not optimizer.built:
+            optimizer.build(model.trainable_weights)
+    layout = mesh_layout_of(model, parts, rows)
+    placing = ByMeshParts(mesh_held(model, parts), parts, replica)
+    materialize(state_variables(model, optimizer=trains), placing, replica)
+    if sync:
+        sync_whole_ones(model, layout, replica, trains=trains)
+
+
+class OnMesh:
+    """What a call on a mesh (``_mesh.run``, which cannot import this wing) asks of a scoped model."""
+
+    @staticmethod
+    def scoped(model: keras.Model) -> bool:
+        return scoped_mode(model)[0]
+
+    calling = staticmethod(calling)
+    prepare = staticmethod(prepared_on_mesh)
+
+
+ON_MESH = OnMesh()
 
 
 def sync_whole_ones(model: keras.Model, layout: Layout, replica: Replica, *, trains: bool) -> None:
@@ -92,6 +139,13 @@ def serve(model: keras.Model, job: VariableJob, replica: Replica, value: Any = N
     given to its holders, each its part."""
     layout = stored_layout(model)
     variable = state_variables(model)[job.index]
+    if layout.mesh is not None:
+        axis = mesh_held(model, layout.mesh)[id(variable)]
+        whole = None
+        if job.write and replica.is_primary:
+            whole = torch.as_tensor(keras.ops.convert_to_tensor(value, variable.dtype)).to(replica.device)
+            whole = whole.reshape(tuple(variable.shape))
+        return serve_parts(variable, axis, layout.mesh, replica, whole, write=job.write)
     pieces = holdings(model, layout)[id(variable)]
     if job.write:
         whole = None
