@@ -39,7 +39,7 @@ from torch_dp._loop.loader_draws import build_drawing, job_loader
 from torch_dp._mesh.run import mesh_plan_of, run_on_mesh
 from torch_dp._scope.deferred import scoped_mode
 from torch_dp._scope.held import calling
-from torch_dp._scope.replicas import prepared, sync_whole_ones, weights_by_layer
+from torch_dp._scope.replicas import ON_MESH, prepared, sync_whole_ones, weights_by_layer
 from torch_dp._step.batchnorm import masked_batch_norm
 from torch_dp._step.broadcast import check_same_variables, same_state_as_primary
 from torch_dp._step.custom import custom_steps, overrides
@@ -88,8 +88,9 @@ def run_job(model: keras.Model, job: Job, replica: Replica, *, sync: bool = True
     state (a persistent worker whose model already equals rank 0's skips it)."""
     if (plan := mesh_plan_of(job)) is not None:  # each mesh row one replica, its Dense layers split (_mesh)
         return run_on_mesh(
-            model, job, replica, plan, sync=sync, build=build, same_streams=same_random_streams, run=run_job
-        )
+            model, job, replica, plan, sync=sync, build=build, same_streams=same_random_streams, run=run_job,
+            scoping=ON_MESH,
+        )  # fmt: skip
     scoped, mode = scoped_mode(model)
     if scoped:
         with calling():
