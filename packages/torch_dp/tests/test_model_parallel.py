@@ -240,7 +240,6 @@ REFUSALS = {
         r"the optimizer Lamb with these options",
     ),
     "an unbuilt model": (lambda: _fit(make=_unbuilt), r"needs a built model"),
-    "scope()": (lambda: torch_dp.Trainer(mesh=(1, 2)).scope(), r"does not build Trainer.scope\(\) yet"),
 }
 
 

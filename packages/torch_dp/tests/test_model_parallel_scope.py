@@ -1,0 +1,166 @@
+"""``Trainer(mesh=...).scope()`` (issue 46): a model built in a mesh trainer's scope is made at its first call
+as parts, each process holding only its part of every variable the layout splits (bitwise an unscoped build's
+values), keeps them between calls, and fits, evaluates and predicts as ``model.fit`` on one device; an h5 file
+loaded in the scope is read by parts; what the slice does not build is refused in the caller."""
+
+import json
+
+import keras
+import numpy as np
+import pytest
+import torch_dp_testing as testing
+
+import torch_dp
+from dp_core.keras import internals
+from torch_dp._scope import deferred
+from torch_dp._scope.loading import StoredValue
+from torch_dp._step.owners import slots_of
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+# "d1" by columns with its bias, "d2" by rows, "emb" by columns, "out" whole
+LAYOUT = {
+    "emb/embeddings": (None, "model"),
+    "d1/kernel": (None, "model"),
+    "d1/bias": ("model",),
+    "d2/kernel": ("model", None),
+}
+SPLIT = {"emb/embeddings": 12 * 6 // 2, "d1/kernel": 24 * 16 // 2, "d1/bias": 16 // 2, "d2/kernel": 16 * 8 // 2}
+GLOBAL_BATCH = 16  # 70 rows: four batches of 16, one of 6
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    with torch_dp.Trainer(mesh=(1, 2), layout=LAYOUT) as mesh_trainer:
+        yield mesh_trainer
+
+
+def mlp(record_dir: str = "") -> keras.Model:
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential(
+        [
+            keras.Input((4,), dtype="int32"),
+            keras.layers.Embedding(12, 6, name="emb"),
+            keras.layers.Flatten(),
+            testing.StorageRecordingDense(16, activation="relu", name="d1", record_dir=record_dir),
+            keras.layers.Dropout(0.25),  # every process of a row draws the same mask
+            testing.StorageRecordingDense(8, activation="tanh", name="d2", record_dir=record_dir),
+            keras.layers.Dense(3, activation="softmax", name="out"),
+        ]
+    )
+    model.compile(
+        keras.optimizers.AdamW(0.01, weight_decay=0.05), "sparse_categorical_crossentropy", metrics=["accuracy"]
+    )
+    return model
+
+
+def tokens(num_samples: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    x, y = testing.data(num_samples, seed)
+    return np.clip(np.floor((x[:, :4] + 3) * 2), 0, 11).astype("int32"), y
+
+
+def held_here(model: keras.Model) -> dict[str, int]:
+    """How many elements of each weight this process (the caller, rank 0) holds."""
+    return {v.path.removeprefix(f"{model.name}/"): internals.stored_value(v).numel() for v in model.weights}
+
+
+def whole_sizes(model: keras.Model) -> dict[str, int]:
+    return {v.path.removeprefix(f"{model.name}/"): int(np.prod(v.shape)) for v in model.weights}
+
+
+def assert_held_as_split(model: keras.Model) -> None:
+    """Rank 0 holds its part of each split weight and of its AdamW slots, every other weight whole."""
+    assert held_here(model) == {**whole_sizes(model), **SPLIT}
+    split = [v for v in model.trainable_weights if v.path.removeprefix(f"{model.name}/") in SPLIT]
+    slots = [[internals.stored_value(s).numel() for s in own] for own in slots_of(model.optimizer, split)]
+    assert slots == [[SPLIT[v.path.removeprefix(f"{model.name}/")]] * 2 for v in split]
+
+
+def test_a_scoped_model_is_made_by_parts_and_fits_as_model_fit(trainer, tmp_path):
+    x, y = tokens(70)
+    options = {"epochs": 2, "shuffle": False, "verbose": 0, "validation_data": tokens(21, seed=1)}
+    reference = mlp()
+    keras.utils.set_random_seed(5)
+    expected = reference.fit(x, y, batch_size=GLOBAL_BATCH, **options)
+    with trainer.scope():
+        model = mlp(str(tmp_path))
+    assert set(held_here(model).values()) == {0}  # nothing made yet, here either
+    keras.utils.set_random_seed(5)
+    history = trainer.fit(model, x, y, global_batch_size=GLOBAL_BATCH, **options)
+    assert_held_as_split(model)
+    # the worker (process (0, 1)) never held a split kernel whole: at each call of d1 or d2 there, nothing
+    # (its symbolic build, before the values are made) or its part
+    records = [json.loads(line) for line in (tmp_path / "rank1.jsonl").read_text().splitlines()]
+    seen = {(r["layer"], r["elements"]) for r in records}
+    assert seen == {("d1", 0), ("d1", SPLIT["d1/kernel"]), ("d2", 0), ("d2", SPLIT["d2/kernel"])}
+    assert set(history.history) == set(expected.history) >= {"loss", "val_accuracy"}
+    for name, values in expected.history.items():
+        np.testing.assert_allclose(history.history[name], values, rtol=1e-6, err_msg=name)
+    for mine, theirs in zip(model.get_weights(), reference.get_weights(), strict=True):  # gathered here only
+        np.testing.assert_allclose(mine, theirs, atol=1e-6)
+    for mine, theirs in zip(model.optimizer.variables, reference.optimizer.variables, strict=True):
+        np.testing.assert_allclose(np.asarray(mine), np.asarray(theirs), atol=1e-6, err_msg=mine.path)
+    np.testing.assert_allclose(
+        trainer.evaluate(model, x, y, global_batch_size=GLOBAL_BATCH, verbose=0),
+        reference.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0),
+        rtol=1e-6,
+    )
+    predicted = trainer.predict(model, x, global_batch_size=GLOBAL_BATCH, verbose=0)
+    np.testing.assert_allclose(predicted, reference.predict(x, batch_size=GLOBAL_BATCH, verbose=0), atol=1e-6)
+    assert_held_as_split(model)  # the reads above kept nothing, the calls split nothing further
+
+
+@pytest.mark.filterwarnings("ignore:Skipping variable loading for optimizer")  # the file's, unbuilt here
+def test_first_values_are_an_unscoped_builds_bitwise_and_an_h5_file_loads_by_parts(trainer, tmp_path):
+    unscoped = mlp()
+    with trainer.scope():
+        model = mlp()
+    x, _ = tokens(70)
+    trainer.predict(model, x, global_batch_size=GLOBAL_BATCH, verbose=0)  # the first call makes the parts
+    for mine, theirs in zip(model.get_weights(), unscoped.get_weights(), strict=True):
+        np.testing.assert_array_equal(mine, theirs)
+    # a file of other values (a trained model's), loaded in the scope before the first call: each process
+    # reads its own part of each split weight from the file, and predicts as the file loaded whole
+    trained = mlp()
+    trained.fit(*tokens(70, seed=3), batch_size=GLOBAL_BATCH, epochs=1, verbose=0)
+    path = str(tmp_path / "trained.weights.h5")
+    trained.save_weights(path)
+    loaded_whole = mlp()
+    loaded_whole.load_weights(path)
+    with trainer.scope():
+        model = mlp()
+        model.load_weights(path)
+    assert set(held_here(model).values()) == {0}  # where the values lie in the file, nothing read yet
+    assert all(isinstance(deferred._entries[id(v)].source, StoredValue) for v in model.weights)
+    np.testing.assert_allclose(
+        trainer.predict(model, x, global_batch_size=GLOBAL_BATCH, verbose=0),
+        loaded_whole.predict(x, batch_size=GLOBAL_BATCH, verbose=0),
+        atol=1e-6,
+    )
+    assert held_here(model) == {**whole_sizes(model), **SPLIT}
+    for mine, theirs in zip(model.get_weights(), loaded_whole.get_weights(), strict=True):
+        np.testing.assert_array_equal(mine, theirs)
+
+
+@pytest.mark.parametrize("case", ["checkpoint_dir", "an acting callback", "another trainer", "model.save"])
+def test_what_a_scoped_mesh_model_does_not_build_is_refused_before_any_process_starts(trainer, tmp_path, case):
+    with trainer.scope():
+        model = mlp()
+    x, y = tokens(20)
+    fit = {"global_batch_size": GLOBAL_BATCH, "verbose": 0}
+    if case == "checkpoint_dir":
+        with pytest.raises(ValueError, match=r"does not build checkpoint_dir= for a model built in its scope\(\)"):
+            trainer.fit(model, x, y, checkpoint_dir=str(tmp_path / "run"), **fit)
+    elif case == "an acting callback":
+        with pytest.raises(ValueError, match=r"callbacks acting at on_epoch_end, on_train_begin.*\(EarlyStopping\)"):
+            trainer.fit(model, x, y, callbacks=[keras.callbacks.EarlyStopping(patience=1)], **fit)
+    elif case == "another trainer":
+        other = torch_dp.Trainer(num_replicas=1)  # one replica: starts nothing
+        with pytest.raises(ValueError, match=r"mesh=\(1, 2\).*this call's trainer has mesh=None"):
+            other.predict(model, x, **fit)
+    else:
+        with pytest.raises(ValueError, match=r"checkpoint_dir= for a model"):  # a call's checks guard its saves
+            trainer.fit(model, x, y, checkpoint_dir=str(tmp_path / "run"), **fit)
+        with pytest.raises(ValueError, match=r"saving it would gather each of them whole"):
+            model.save(str(tmp_path / "model.keras"))
+    assert set(held_here(model).values()) == {0}  # nothing made: no process ran
