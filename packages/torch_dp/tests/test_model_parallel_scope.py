@@ -119,6 +119,9 @@ def test_first_values_are_an_unscoped_builds_bitwise_and_an_h5_file_loads_by_par
     trainer.predict(model, x, global_batch_size=GLOBAL_BATCH, verbose=0)  # the first call makes the parts
     for mine, theirs in zip(model.get_weights(), unscoped.get_weights(), strict=True):
         np.testing.assert_array_equal(mine, theirs)
+    other = torch_dp.Trainer(mesh=(1, 2), layout=LAYOUT)  # the same mesh, but not the processes holding the parts
+    with pytest.raises(ValueError, match=r"parts of its split variables are held by another trainer's processes"):
+        other.predict(model, x, global_batch_size=GLOBAL_BATCH, verbose=0)
     # a file of other values (a trained model's), loaded in the scope before the first call: each process
     # reads its own part of each split weight from the file, and predicts as the file loaded whole
     trained = mlp()

@@ -261,7 +261,7 @@ class Trainer:
         )
         if checkpoint_dir is not None:
             require_checkpointable(keras_model)
-        if check_scoped_call(keras_model, self.shard, self.num_replicas, self._mesh_shape):
+        if check_scoped_call(keras_model, self.shard, self.num_replicas, self._mesh_shape, self._launcher):
             refuse_batch_hooks(callbacks)  # rank 0 would gather the whole state at every batch
         arguments = fit_arguments(
             inputs, global_batch_size=global_batch_size, num_replicas=self.num_replicas, epochs=epochs,
@@ -298,7 +298,7 @@ class Trainer:
             model, x, y, sample_weight, batch_size=batch_size, global_batch_size=global_batch_size,
             step_names=("test_step",), steps=steps, checks=self._call_checks,
         )  # fmt: skip
-        check_scoped_call(keras_model, self.shard, self.num_replicas, self._mesh_shape)
+        check_scoped_call(keras_model, self.shard, self.num_replicas, self._mesh_shape, self._launcher)
         job = EvaluateJob(
             inputs, global_batch_size, self.batch_norm, verbose, self.log_every_steps, list(callbacks or []), executions
         )
@@ -323,7 +323,7 @@ class Trainer:
             model, x, batch_size=batch_size, global_batch_size=global_batch_size, step_names=("predict_step",),
             compiled=False, steps=steps, checks=self._call_checks,
         )  # fmt: skip
-        check_scoped_call(keras_model, self.shard, self.num_replicas, self._mesh_shape)
+        check_scoped_call(keras_model, self.shard, self.num_replicas, self._mesh_shape, self._launcher)
         job = PredictJob(inputs, global_batch_size, verbose, list(callbacks or []), executions=executions)
         return self._launcher.run(self._placed(job, keras_model), keras_model, model)
 

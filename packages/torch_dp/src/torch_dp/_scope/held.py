@@ -99,6 +99,11 @@ def hold(variables: Sequence[keras.Variable], holder: Holder) -> None:
         _holders[id(variable)] = holder
 
 
+def holder_of(variable: keras.Variable) -> Holder | None:
+    """What holds ``variable``'s parts between calls (a ``Lost`` once its replicas stopped), None if nothing."""
+    return _holders.get(id(variable))
+
+
 def release_all(holder: Holder) -> None:
     """The variables ``holder`` held are lost (its replicas stopped)."""
     lost = Lost()

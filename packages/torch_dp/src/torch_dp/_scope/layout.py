@@ -18,6 +18,7 @@ import keras
 from dp_core import ShardMode
 from dp_core.keras import internals
 from torch_dp._scope.deferred import scoped_mesh, scoped_mode
+from torch_dp._scope.held import Lost, holder_of
 from torch_dp._step.gathered import shardable
 from torch_dp._step.owners import Piece, pieces_of, slots_of
 from torch_dp._step.parts import splittable
@@ -86,12 +87,17 @@ def stored_layout(model: keras.Model) -> Layout:
 
 
 def check_scoped_call(
-    model: keras.Model, mode: ShardMode | None, num_replicas: int, mesh: tuple[int, int] | None = None
+    model: keras.Model,
+    mode: ShardMode | None,
+    num_replicas: int,
+    mesh: tuple[int, int] | None = None,
+    holder: object = None,
 ) -> bool:
     """In the caller, before a call: a scoped model is called with the ``shard=`` it was built under and,
     after its first call, on as many replicas (its parts lie so), on the mesh it was built for (``mesh``:
-    the call's ``(rows, columns)``, None without one); any other model passes. Returns whether ``model``
-    is a scoped one."""
+    the call's ``(rows, columns)``, None without one) and, on a mesh, by the trainer whose processes hold
+    its parts (``holder``: the call's launcher); any other model passes. Returns whether ``model`` is a
+    scoped one."""
     scoped, built_under = scoped_mode(model)
     if not scoped:
         return False
@@ -103,6 +109,7 @@ def check_scoped_call(
             "in the scope of, or build it again in this trainer's scope."
         )
     if mesh is not None:
+        _check_held_by(model, holder)
         _refuse_whole_saves(model)
     found = _layouts.get(model)
     expected = (built_under, found.num_replicas if found is not None else num_replicas)
@@ -115,6 +122,19 @@ def check_scoped_call(
             "model built in the other trainer's scope."
         )
     return True
+
+
+def _check_held_by(model: keras.Model, holder: object) -> None:
+    """A mesh scope's model is called by the trainer whose processes hold its parts: another trainer's
+    processes would start from this process's parts as if they were whole values."""
+    found = [h for v in model.weights if (h := holder_of(v)) is not None and h is not holder]
+    if found:
+        where = "were lost when they stopped" if isinstance(found[0], Lost) else "are held by another trainer's"
+        raise ValueError(
+            f"'{model.name}' was built in the scope of a Trainer(mesh=...), and the parts of its split variables "
+            f"{where} processes. Call it with the trainer it was built under (before closing that trainer), or "
+            "build it again in this trainer's scope."
+        )
 
 
 _save_refused: weakref.WeakSet[keras.Model] = weakref.WeakSet()
