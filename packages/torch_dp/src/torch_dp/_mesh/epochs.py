@@ -13,6 +13,9 @@ on whole variables, and what they decide reaches every process of the mesh.
   Hooks inside an epoch (batches, validation) would read split variables: refused in the caller
   (``_mesh.checks``), but History's and the progress bar's.
 
+A model built in the trainer's scope stays in parts between epochs too: it is given no checkpoint and no
+acting callback (refused in the caller), so nothing here reads or sends its split variables whole.
+
 Each epoch's fit runs with a callback that ends it at its epoch's end (``OneEpoch``), so its progress bar
 says "Epoch 3/5" as the whole fit's would. What a fit draws from torch's generator (Keras's loader starts
 an iteration at each epoch), its data order (by epoch) and its optimizer's step count go on from one

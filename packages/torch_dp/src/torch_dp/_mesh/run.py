@@ -5,7 +5,8 @@ A job on a mesh is one of ``dp_core.keras``'s jobs with the plan added (a subcla
 ``isinstance`` and ``dataclasses.replace`` that reads or copies a job keeps it, the way to the
 workers included). ``_loop.run.run_job`` hands it here, and gets the job without its plan back to run
 as plain data parallel over the process's mesh column, its split layers in place: each mesh row is one
-replica, and its processes read the same rows, draw the same noise and compute the same logs.
+replica, and its processes read the same rows, draw the same noise and compute the same logs. A model
+built in a mesh trainer's scope is made by parts at its first call and keeps them (``Scoping``).
 """
 
 from __future__ import annotations
@@ -110,10 +111,11 @@ def run_on_mesh(
     ``_loop.run``'s), then ``run``s the plain job as its column's replica with its row's layers split.
     A model built in the trainer's scope (``scoping``) is made by parts instead, at its first call, and
     keeps its parts between calls."""
-    scoped = scoping is not None and scoping.scoped(model)
-    with scoping.calling() if scoping is not None and scoped else contextlib.nullcontext():
+    if scoping is not None and not scoping.scoped(model):
+        scoping = None
+    with contextlib.nullcontext() if scoping is None else scoping.calling():  # its own parts read, not gathered
         return _run(model, job, replica, plan, sync=sync, build=build, same_streams=same_streams, run=run,
-                    scoping=scoping if scoped else None)  # fmt: skip
+                    scoping=scoping)  # fmt: skip
 
 
 def _run(
@@ -159,7 +161,8 @@ def _run(
         with split_layers(model, plan, places.row, optimizer=optimizer, parts_held=scoping is not None):
             return run(model, job, places.column, sync=False)
 
-    if isinstance(plain, FitJob):  # whole between epochs: checkpoints and callbacks there (_mesh.epochs)
+    # whole between epochs, checkpoints and callbacks there (_mesh.epochs); a scoped model stays in parts
+    if isinstance(plain, FitJob):
         return fit_by_epochs(model, plain, replica, column=places.column, rows=plan.mesh.rows, run_epoch=run_split)
     return run_split(plain)
 
