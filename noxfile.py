@@ -261,12 +261,16 @@ def tests_jax(session: nox.Session) -> None:
 def heavy(session: nox.Session) -> None:
     """The tests marked ``heavy``, left out of bare nox for its time budget: meshes of 4 processes, long fits.
 
-    Both packages, each under its backend (about 5 minutes on 2 cores). Run it before a release, and after
-    a change to what they test (``torch_dp/_mesh``, Ctrl-C across processes)."""
+    Among them the GPU check's CPU rehearsal of every part (bare nox rehearses one part of each kind).
+
+    Both packages, each under its backend, then tests/ (about 9 minutes on 2 cores). Run it before a release,
+    and after a change to what they test (``torch_dp/_mesh``, Ctrl-C across processes, benchmarks/gpu_check*)."""
     _install_everything(session, REPORT, "filelock", *TEST_TOOLS)
     session.run("pytest", "packages/torch_dp/tests", "-m", "heavy", *session.posargs, env={"KERAS_BACKEND": "torch"})
     _jax_env(session)
     session.run("pytest", "packages/jax_dp/tests", "-m", "heavy", *session.posargs)
+    skip = ["--ignore=tests/parity", "--ignore=tests/ray", "--ignore-glob=tests/network/test_hosts_*"]
+    session.run("pytest", "tests", *skip, "-m", "heavy", *session.posargs)
 
 
 def _keras_range() -> SpecifierSet:
@@ -332,7 +336,8 @@ def conformance(session: nox.Session, keras: str) -> None:
         # tests/network's hosts made of network namespaces: their lean part in tests_torch and tests_jax
         # (HOSTS_LEAN), every one in reliability; its listeners' tests run here
         skip = ["--ignore=tests/parity", "--ignore=tests/ray", "--ignore-glob=tests/network/test_hosts_*"]
-        session.run("pytest", "tests", *skip, *session.posargs)
+        selection = [] if session.posargs else ["-m", "not heavy"]  # the GPU check's every part: nox -s heavy
+        session.run("pytest", "tests", *skip, *selection, *session.posargs)
     if keras == "newest" and not session.posargs:  # Keras's own tests: bare nox runs the fastest passing ones
         for backend in KERAS_SUITE_BACKENDS:  # through each Trainer (nox -s keras_suite runs them all)
             session.run("python", "tests/keras_suite/run.py", "--subset", env={"KERAS_BACKEND": backend})

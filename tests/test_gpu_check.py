@@ -197,12 +197,36 @@ def _importable(*modules: str) -> bool:
 BACKENDS = {"torch": _importable("torch", "torch_dp"), "jax": _importable("jax", "jax_dp")}
 
 
+# Bare nox rehearses one part of each kind of run (a process of each backend against model.fit, several
+# replicas with sharded state and prefetch, each measurement); `nox -s heavy` rehearses every part.
+LEAN = {"torch_float32", "torch_2_replicas_full_prefetch", "jax_full", "torch_scaling", "jax_host"}
+
+
+def _lean_or_heavy(names):
+    return [pytest.param(name, marks=() if name in LEAN else pytest.mark.heavy) for name in names]
+
+
+def _parts_selected(session: pytest.Session) -> set[str]:
+    """The parts the selected rehearsal tests read (the ``name`` they are parametrized with)."""
+    needed = set()
+    for item in session.items:
+        callspec = getattr(item, "callspec", None)
+        if (
+            getattr(item, "module", None) is sys.modules[__name__]
+            and callspec is not None
+            and "name" in callspec.params
+        ):
+            needed.add(callspec.params["name"])
+    return needed or LEAN
+
+
 @pytest.fixture(scope="module")
-def rehearsal(tmp_path_factory):
-    """Every part of the check whose backend is installed here (both, in the conformance session),
-    on CPU: the report it wrote."""
+def rehearsal(request, tmp_path_factory):
+    """The parts of the check the selected tests read, whose backend is installed here (both, in the
+    conformance session), on CPU: the report it wrote."""
     out = tmp_path_factory.mktemp("gpu_check")
-    parts = [part.name for part in gpu_check.plan(cpu=True) if BACKENDS[part.run.backend]]
+    needed = _parts_selected(request.session)
+    parts = [part.name for part in gpu_check.plan(cpu=True) if BACKENDS[part.run.backend] and part.name in needed]
     if not parts:
         pytest.skip("neither torch_dp nor jax_dp is installed")
     command = [sys.executable, str(SCRIPT), "--cpu", "--out", str(out), "--only", *parts]
@@ -221,7 +245,7 @@ def _part(rehearsal, name):
 
 
 @pytest.mark.timeout(1500)
-@pytest.mark.parametrize("name", sorted(TRAINING_PARTS))
+@pytest.mark.parametrize("name", _lean_or_heavy(sorted(TRAINING_PARTS)))
 def test_rehearsal_each_training_part_matches_model_fit_with_numbers(rehearsal, name):
     part = _part(rehearsal, name)
     assert part.status == "passed", part.detail
@@ -232,9 +256,9 @@ def test_rehearsal_each_training_part_matches_model_fit_with_numbers(rehearsal, 
 
 
 @pytest.mark.timeout(1500)
-@pytest.mark.parametrize("backend", ["torch", "jax"])
-def test_rehearsal_scaling_report_gives_mfu_against_a_measured_peak(rehearsal, backend):
-    numbers = _part(rehearsal, f"{backend}_scaling").numbers
+@pytest.mark.parametrize("name", _lean_or_heavy(["torch_scaling", "jax_scaling"]))
+def test_rehearsal_scaling_report_gives_mfu_against_a_measured_peak(rehearsal, name):
+    numbers = _part(rehearsal, name).numbers
     assert 0 < numbers["mfu"] < 1 and numbers["peak_how"] == "measured"
     assert numbers["flops_per_step"] > 0 and numbers["samples_per_second"] > 0 and numbers["parameters"] > 0
     hub = importlib.util.find_spec("keras_hub") is not None
@@ -242,12 +266,12 @@ def test_rehearsal_scaling_report_gives_mfu_against_a_measured_peak(rehearsal, b
 
 
 @pytest.mark.timeout(1500)
-@pytest.mark.parametrize("backend", ["torch", "jax"])
-def test_rehearsal_host_time_per_step_of_each_trainer_and_model_fit(rehearsal, backend):
-    part = _part(rehearsal, f"{backend}_host")
+@pytest.mark.parametrize("name", _lean_or_heavy(["torch_host", "jax_host"]))
+def test_rehearsal_host_time_per_step_of_each_trainer_and_model_fit(rehearsal, name):
+    part = _part(rehearsal, name)
     assert part.status == "measured"
     assert part.numbers["fit_ms"] > 0 and math.isclose(part.numbers["trainer_ms"], part.step_ms)
-    assert ("bare_step_ms" in part.numbers) == (backend == "jax")
+    assert ("bare_step_ms" in part.numbers) == name.startswith("jax")
 
 
 @pytest.mark.timeout(1500)

@@ -222,6 +222,7 @@ def test_processes_given_different_job_ids_are_refused_at_start_up():
     assert "for processes [1] of 2; none came, and it refused: a process with job id 'job-b'" in process_0
 
 
+@pytest.mark.heavy  # among bare nox's slowest (its budget): nox -s heavy, and the fault matrix
 def test_every_process_resumes_from_process_0s_checkpoint_even_with_a_directory_of_its_own(tmp_path):
     # Per-host checkpoint directories: only process 0 writes, so process 1's stays empty. The
     # second run must still start every process at process 0's checkpoint (epoch 1), with its state.

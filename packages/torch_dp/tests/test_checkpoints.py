@@ -193,6 +193,7 @@ def test_another_architecture_seed_or_global_batch_is_a_clear_checkpoint_error(t
     assert json.loads((dp_core.list_checkpoints(tmp_path)[-1] / "state.json").read_text())["epoch"] == 1
 
 
+@pytest.mark.heavy  # among bare nox's slowest (its budget): nox -s heavy, and the fault matrix
 def test_torchrun_restarts_a_killed_replica_and_resumes_to_the_same_weights(uninterrupted, tmp_path):
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     marker, output = tmp_path / "killed_once", tmp_path / "weights.npz"
@@ -292,6 +293,7 @@ def _run_until(command, environment, ready, what):
     return process
 
 
+@pytest.mark.heavy  # among bare nox's slowest (its budget): nox -s heavy, and the fault matrix
 def test_sigterm_stops_every_replica_at_a_step_with_a_checkpoint_and_a_rerun_resumes_bitwise(uninterrupted, tmp_path):
     checkpoints, output, tag = tmp_path / "checkpoints", tmp_path / "weights.npz", uuid.uuid4().hex
     command = [sys.executable, SCRIPT, str(checkpoints), str(output), "--slow", "0.4"]

@@ -167,6 +167,7 @@ def test_a_stopped_replica_is_named_within_the_collective_timeout_and_no_process
     assert testing.processes_tagged(tag) == []  # the stopped replica was killed, not left stopped
 
 
+@pytest.mark.heavy  # among bare nox's slowest (its budget): nox -s heavy, and the fault matrix
 def test_a_stuck_replica_is_named_by_the_collectives_it_entered(monkeypatch):
     """Not stopped, but silent (here an endless sleep in its forward pass): the others entered
     more collectives than it did, and the caller's error names it."""
@@ -290,6 +291,7 @@ class _ForeignJoinAtFirstStep(keras.callbacks.Callback):
                 self.outcomes.append((process.returncode, output[-2000:], time.monotonic() - started))
 
 
+@pytest.mark.heavy  # among bare nox's slowest (its budget): nox -s heavy, and the fault matrix
 def test_a_foreign_process_cannot_join_the_pool_and_the_run_is_undisturbed(record_property):
     x, y = testing.data()
     reference = testing.dense_batchnorm_model()
