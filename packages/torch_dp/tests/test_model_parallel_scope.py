@@ -1,7 +1,8 @@
 """``Trainer(mesh=...).scope()`` (issue 46): a model built in a mesh trainer's scope is made at its first call
 as parts, each process holding only its part of every variable the layout splits (bitwise an unscoped build's
 values), keeps them between calls, and fits, evaluates and predicts as ``model.fit`` on one device; an h5 file
-loaded in the scope is read by parts; what the slice does not build is refused in the caller."""
+loaded in the scope is read by parts; checkpoints are written and resumed by parts; what the slice does not
+build is refused in the caller."""
 
 import json
 
@@ -11,6 +12,7 @@ import pytest
 import torch_dp_testing as testing
 
 import torch_dp
+from dp_core import load_checkpoint
 from dp_core.keras import internals
 from torch_dp._scope import deferred
 from torch_dp._scope.loading import StoredValue
@@ -145,16 +147,13 @@ def test_first_values_are_an_unscoped_builds_bitwise_and_an_h5_file_loads_by_par
         np.testing.assert_array_equal(mine, theirs)
 
 
-@pytest.mark.parametrize("case", ["checkpoint_dir", "an acting callback", "another trainer", "model.save"])
+@pytest.mark.parametrize("case", ["an acting callback", "another trainer", "model.save"])
 def test_what_a_scoped_mesh_model_does_not_build_is_refused_before_any_process_starts(trainer, tmp_path, case):
     with trainer.scope():
         model = mlp()
     x, y = tokens(20)
     fit = {"global_batch_size": GLOBAL_BATCH, "verbose": 0}
-    if case == "checkpoint_dir":
-        with pytest.raises(ValueError, match=r"does not build checkpoint_dir= for a model built in its scope\(\)"):
-            trainer.fit(model, x, y, checkpoint_dir=str(tmp_path / "run"), **fit)
-    elif case == "an acting callback":
+    if case == "an acting callback":
         with pytest.raises(ValueError, match=r"callbacks acting at on_epoch_end, on_train_begin.*\(EarlyStopping\)"):
             trainer.fit(model, x, y, callbacks=[keras.callbacks.EarlyStopping(patience=1)], **fit)
     elif case == "another trainer":
@@ -162,8 +161,41 @@ def test_what_a_scoped_mesh_model_does_not_build_is_refused_before_any_process_s
         with pytest.raises(ValueError, match=r"mesh=\(1, 2\).*this call's trainer has mesh=None"):
             other.predict(model, x, **fit)
     else:
-        with pytest.raises(ValueError, match=r"checkpoint_dir= for a model"):  # a call's checks guard its saves
-            trainer.fit(model, x, y, checkpoint_dir=str(tmp_path / "run"), **fit)
+        with pytest.raises(ValueError, match=r"callbacks acting"):  # a call's first checks guard its saves
+            trainer.fit(model, x, y, callbacks=[keras.callbacks.EarlyStopping(patience=1)], **fit)
         with pytest.raises(ValueError, match=r"saving it would gather each of them whole"):
             model.save(str(tmp_path / "model.keras"))
     assert set(held_here(model).values()) == {0}  # nothing made: no process ran
+
+
+def test_checkpoints_are_written_by_parts_and_resume_bitwise(trainer, tmp_path):
+    """Each process of the mesh's row writes its own parts (format version 2, one parts file each), the file is a
+    standard checkpoint (loaded whole: the model's weights), and a fit resumed from its first epoch's ends where an
+    uninterrupted one does, bitwise."""
+    x, y = tokens(70)
+    options = {"global_batch_size": GLOBAL_BATCH, "shuffle": False, "verbose": 0}
+    with trainer.scope():
+        straight = mlp()
+    keras.utils.set_random_seed(5)
+    trainer.fit(straight, x, y, epochs=2, **options)
+    with trainer.scope():
+        first = mlp()
+    folder = str(tmp_path / "checkpoints")
+    keras.utils.set_random_seed(5)
+    trainer.fit(first, x, y, epochs=1, checkpoint_dir=folder, **options)
+    (written,) = sorted((tmp_path / "checkpoints").glob("step-*"))
+    manifest = json.loads((written / "manifest.json").read_text())
+    assert manifest["format_version"] == 2 and sorted(manifest["files"]) == ["parts-0.npz", "parts-1.npz", "state.json"]
+    for mine, stored in zip(first.get_weights(), load_checkpoint(str(written)).weights, strict=True):
+        np.testing.assert_array_equal(mine, stored)
+    assert_held_as_split(first)
+    with trainer.scope():
+        resumed = mlp()
+    keras.utils.set_random_seed(99)  # other Dropout masks, but for the checkpoint's generator state put back
+    history = trainer.fit(resumed, x, y, epochs=2, checkpoint_dir=folder, **options)
+    assert history.epoch == [0, 1]
+    assert_held_as_split(resumed)
+    for mine, theirs in zip(resumed.get_weights(), straight.get_weights(), strict=True):
+        np.testing.assert_array_equal(mine, theirs)
+    for mine, theirs in zip(resumed.optimizer.variables, straight.optimizer.variables, strict=True):
+        np.testing.assert_array_equal(np.asarray(mine), np.asarray(theirs))

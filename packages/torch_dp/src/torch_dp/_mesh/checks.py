@@ -117,25 +117,18 @@ def _check_fit(model: keras.Model, job: FitJob[Any]) -> None:
 
 
 def _check_scoped_fit(job: FitJob[Any]) -> None:
-    """A model built in the trainer's scope stays split at epoch ends, where checkpoints and acting callbacks
-    would read (or the state broadcast after them would send) its split variables whole."""
-    why = (
-        "a model built in a mesh trainer's scope keeps each split variable in parts, one per process of a row, "
-        "at epoch ends too, where {} would need it whole on rank 0 (which is the point of the scope not to hold)"
-    )
-    if job.arguments.checkpoint_dir is not None:
-        raise refused(
-            "checkpoint_dir= for a model built in its scope()",
-            why.format("a checkpoint"),
-            "Fit without checkpoint_dir, or build the model outside the scope (whole on every process).",
-        )
+    """A model built in the trainer's scope stays split at epoch ends, where an acting callback would read its
+    split variables (or the state broadcast after it would send them) whole."""
     acting = sorted(acting_hooks(job.arguments.callbacks))
     if acting:
         names = sorted({type(c).__name__ for c in job.arguments.callbacks or [] if not isinstance(c, PASSIVE)})
         raise refused(
             f"callbacks acting at {', '.join(acting)} ({', '.join(names)}) for a model built in its scope()",
-            why.format("a callback that reads or sets the model"),
-            "Leave those callbacks out (History and the progress bar stay), or build the model outside the scope.",
+            "a model built in a mesh trainer's scope keeps each split variable in parts, one per process of a row, "
+            "at epoch ends too, where such a callback would need it whole on rank 0 (which is the point of the "
+            "scope not to hold)",
+            "Leave those callbacks out (History and the progress bar stay; checkpoint_dir= writes checkpoints by "
+            "parts), or build the model outside the scope.",
         )
 
 

@@ -13,8 +13,10 @@ on whole variables, and what they decide reaches every process of the mesh.
   Hooks inside an epoch (batches, validation) would read split variables: refused in the caller
   (``_mesh.checks``), but History's and the progress bar's.
 
-A model built in the trainer's scope stays in parts between epochs too: it is given no checkpoint and no
-acting callback (refused in the caller), so nothing here reads or sends its split variables whole.
+A model built in the trainer's scope stays in parts between epochs too: its checkpoints are written by parts
+(each process of the mesh's first row its own parts, rank 0 the rest: ``Scoping.save``) and restored by parts
+(``Scoping.put``), and it is given no acting callback (refused in the caller), so nothing here reads or sends
+its split variables whole.
 
 Each epoch's fit runs with a callback that ends it at its epoch's end (``OneEpoch``), so its progress bar
 says "Epoch 3/5" as the whole fit's would. What a fit draws from torch's generator (Keras's loader starts
@@ -38,6 +40,7 @@ from dp_core.keras import (
     FitJob,
     Start,
     callback_list,
+    checkpoint_pairs,
     checkpoints_finished,
     internals,
     restore_model,
@@ -45,6 +48,7 @@ from dp_core.keras import (
 )
 from torch_dp._comm.collectives import all_reduce_sum, broadcast_object
 from torch_dp._comm.replica import Replica
+from torch_dp._mesh.scoping import Scoping
 from torch_dp._step.broadcast import same_state_as_primary
 from torch_dp._step.streams import put_streams_back, random_streams
 
@@ -72,12 +76,14 @@ def fit_by_epochs(
     column: Replica,
     rows: int,
     run_epoch: Callable[[FitJob[Any]], Any],
+    scoping: Scoping | None = None,
 ) -> keras.callbacks.History:
     """``job`` on ``model``, whole on this process (``replica``: its place among the mesh's processes,
     ``column``: among its column's, ``rows``: the mesh's rows), one epoch at a time: ``run_epoch`` runs
-    a fit of one epoch on the split layers. Returns the whole fit's History (rank 0's is the caller's)."""
+    a fit of one epoch on the split layers. Returns the whole fit's History (rank 0's is the caller's).
+    ``scoping``: the model was built in the trainer's scope, and its checkpoints are written and read by parts."""
     arguments = job.arguments
-    start = _resumed(job, model, replica)
+    start = _resumed(job, model, replica, scoping)
     writer = None
     if arguments.checkpoint_dir is not None and replica.is_primary:
         policy = None if job.lr_policy is None else job.lr_policy.config()
@@ -111,8 +117,13 @@ def fit_by_epochs(
             callbacks.on_epoch_end(epoch, logs)
             if arguments.checkpoint_dir is not None:
                 metric_variables = all_reduce_sum([v.value for v in model.metrics_variables], column)
-                if writer is not None:
-                    streams = random_streams(replica)
+                streams = random_streams(replica)
+                if scoping is not None:  # every process writes its own parts, rank 0 the rest
+                    scoping.save(
+                        writer, model, replica, epoch=epoch + 1, step=0, metric_variables=metric_variables,
+                        random_streams=streams,
+                    )  # fmt: skip
+                elif writer is not None:
                     writer.write(
                         model, epoch=epoch + 1, step=0, metric_variables=metric_variables, random_streams=streams
                     )
@@ -147,15 +158,19 @@ def _one_epoch(job: FitJob[Any], epoch: int, one_epoch: OneEpoch) -> FitJob[Any]
     return dataclasses.replace(job, arguments=arguments, resume_from=None)
 
 
-def _resumed(job: FitJob[Any], model: keras.Model, replica: Replica) -> Start:
+def _resumed(job: FitJob[Any], model: keras.Model, replica: Replica, scoping: Scoping | None) -> Start:
     """Where the fit starts: rank 0 restores its ``job.resume_from`` (chosen and checked in the caller; under
     torchrun only rank 0's caller chooses one) into the whole model and every process takes its state; a
-    failure there stops every process."""
-    start, failure = Start(), None
+    failure there stops every process. A scoped model's (``scoping``): rank 0 reads one array at a time and
+    every process takes its part."""
+    start, failure, values = Start(), None, {}
     if replica.is_primary and job.resume_from is not None:
         try:
-            checkpoint = load_checkpoint(job.resume_from)
-            restore_model(checkpoint, model, metrics=False)
+            checkpoint = load_checkpoint(job.resume_from, lazily=scoping is not None)
+            if scoping is None:
+                restore_model(checkpoint, model, metrics=False)
+            else:  # each array read when its turn comes
+                values = {id(v): value for v, value in checkpoint_pairs(checkpoint, model, metrics=False)}
             start = start_of(checkpoint)
         except Exception as error:  # every process must hear of it, or the others would wait for rank 0
             failure = error
@@ -171,7 +186,9 @@ def _resumed(job: FitJob[Any], model: keras.Model, replica: Replica) -> Start:
             "checkpoint_every_steps or a preemption of a data-parallel fit), and a fit on a mesh resumes at an "
             "epoch's end only. Resume it without mesh= to that epoch's end first, or remove that checkpoint."
         )
-    if path is not None:
+    if path is not None and scoping is not None:
+        scoping.put(model, values, replica)
+    elif path is not None:
         same_state_as_primary(model, replica, optimizer=True)  # rank 0's restored weights and optimizer state
     return start if replica.is_primary else Start(epoch)
 

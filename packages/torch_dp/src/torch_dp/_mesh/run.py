@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import keras
 
@@ -25,6 +25,7 @@ from torch_dp._mesh.epochs import fit_by_epochs
 from torch_dp._mesh.groups import mesh_places
 from torch_dp._mesh.layers import split_layers
 from torch_dp._mesh.plan import MeshPlan, bias_of, splittable_layers, weight_of
+from torch_dp._mesh.scoping import Scoping
 from torch_dp._step.broadcast import check_same_variables, same_state_as_primary
 
 
@@ -68,29 +69,6 @@ def _quiet(job: Job) -> Job:
     if isinstance(job, FitJob):
         return dataclasses.replace(job, arguments=dataclasses.replace(job.arguments, verbose=0))
     return dataclasses.replace(job, verbose=0, callbacks=())
-
-
-class Scoping(Protocol):
-    """What a call on a mesh asks of a model built in a mesh trainer's scope (``_scope.replicas.ON_MESH``: this
-    wing does not import ``_scope``)."""
-
-    def scoped(self, model: keras.Model) -> bool: ...
-
-    def calling(self) -> contextlib.AbstractContextManager[None]: ...
-
-    def prepare(
-        self,
-        model: keras.Model,
-        replica: Replica,
-        build: Callable[[], None],
-        axes: tuple[tuple[int, int], ...],
-        *,
-        column: int,
-        columns: int,
-        rows: int,
-        trains: bool,
-        sync: bool,
-    ) -> None: ...
 
 
 def run_on_mesh(
@@ -163,7 +141,9 @@ def _run(
 
     # whole between epochs, checkpoints and callbacks there (_mesh.epochs); a scoped model stays in parts
     if isinstance(plain, FitJob):
-        return fit_by_epochs(model, plain, replica, column=places.column, rows=plan.mesh.rows, run_epoch=run_split)
+        return fit_by_epochs(
+            model, plain, replica, column=places.column, rows=plan.mesh.rows, run_epoch=run_split, scoping=scoping
+        )
     return run_split(plain)
 
 

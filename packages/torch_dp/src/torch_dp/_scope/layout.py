@@ -142,8 +142,8 @@ _save_refused: weakref.WeakSet[keras.Model] = weakref.WeakSet()
 
 def _refuse_whole_saves(model: keras.Model) -> None:
     """``model.save`` and ``save_weights`` of a mesh scope's model refused (on this object): they would gather
-    every split variable whole onto rank 0, which the scope is there not to do, and writing by parts is not
-    built for it yet."""
+    every split variable whole onto rank 0, which the scope is there not to do (``fit``'s checkpoints are
+    written by parts instead)."""
     if model in _save_refused:
         return
     _save_refused.add(model)
@@ -152,9 +152,8 @@ def _refuse_whole_saves(model: keras.Model) -> None:
         raise ValueError(
             f"'{model.name}' was built in the scope of a Trainer(mesh=...): each process holds its parts of the "
             "variables the layout splits, and saving it would gather each of them whole in this process, which "
-            "torch-dp does not build yet (a mesh writes no checkpoint by parts so far). Build the model outside "
-            "the scope to save it (whole on every process between calls), or read the weights you need with "
-            "get_weights()."
+            "the scope is there to avoid. Pass checkpoint_dir= to fit (its checkpoints are written by parts), "
+            "or build the model outside the scope to save it (whole on every process between calls)."
         )
 
     for name in ("save", "save_weights"):

@@ -18,6 +18,7 @@ from dp_core import ShardMode
 from dp_core.keras import internals
 from torch_dp._comm.collectives import _entering, broadcast_from_primary
 from torch_dp._comm.replica import Replica
+from torch_dp._scope.checkpoints import put_by_parts, save_by_parts
 from torch_dp._scope.deferred import deferring, scoped_mode
 from torch_dp._scope.held import calling
 from torch_dp._scope.layout import Layout, MeshParts, holdings, layout_of, mesh_held, mesh_layout_of, stored_layout
@@ -103,6 +104,8 @@ class OnMesh:
 
     calling = staticmethod(calling)
     prepare = staticmethod(prepared_on_mesh)
+    save = staticmethod(save_by_parts)
+    put = staticmethod(put_by_parts)
 
 
 ON_MESH = OnMesh()
