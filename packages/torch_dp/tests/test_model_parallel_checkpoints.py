@@ -1,8 +1,9 @@
 """Model parallel on torch: checkpoints and callbacks on a mesh (``_mesh.epochs``). A fit on a (1, 2) mesh
 writes data parallel's checkpoints at epoch ends; one resumes bitwise on the same mesh, and within fp32
 noise on plain data parallel, and a data-parallel one on the mesh; epoch-level callbacks (EarlyStopping
-restoring its best weights, ModelCheckpoint, LearningRateScheduler) act as in ``model.fit``. The (2, 2)
-mesh and two data-parallel replicas resume the same checkpoint in the heavy session."""
+restoring its best weights, ModelCheckpoint, LearningRateScheduler) act as in ``model.fit``; a preemption
+notice to one process stops every process at one step. The (2, 2) mesh and two data-parallel replicas
+resume the same checkpoint in the heavy session."""
 
 import pathlib
 import shutil
@@ -13,7 +14,7 @@ import pytest
 import torch_dp_testing as testing
 
 import torch_dp
-from dp_core import latest_checkpoint, list_checkpoints
+from dp_core import Preempted, latest_checkpoint, list_checkpoints
 
 LAYOUT = {"d1/kernel": (None, "model"), "d1/bias": ("model",), "d2/kernel": ("model", None)}
 GLOBAL_BATCH = 16
@@ -190,3 +191,31 @@ def test_a_checkpoint_written_inside_an_epoch_is_refused_on_a_mesh(mesh_trainer,
     shutil.rmtree(list_checkpoints(tmp_path)[-1])  # the epoch end's: step 4's is the newest left
     with pytest.raises(ValueError, match=r"written 4 step\(s\) into epoch 1 .* resumes at an epoch's end only"):
         fit(mesh_trainer, tmp_path)
+
+
+def test_a_preemption_notice_to_one_process_stops_every_process_of_the_mesh_at_one_step(mesh_trainer):
+    """SIGUSR1 to the mesh's second process (column 1) during step 2's forward pass: its row partner (the
+    caller, column 0) learns it with the next step's row all-reduce, so both stop before step 3 (else the
+    caller would wait for it in that step's collectives until collective_timeout)."""
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.Dense(16, activation="relu", name="d1"),
+            testing.FailInStep(rank=1, call_index=3, how="notice"),
+            keras.layers.Dense(8, activation="tanh", name="d2"),
+            keras.layers.Dense(3, activation="softmax", name="out"),
+        ]
+    )
+    model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy")
+    x, y = testing.data(70)
+    with pytest.raises(Preempted) as raised:
+        mesh_trainer.fit(model, x, y, global_batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    assert (raised.value.epoch, raised.value.step) == (0, 3)
+    assert raised.value.signal_name == "a notice to another replica"
+    assert mlp_trains(mesh_trainer)  # the mesh's processes are still there, in step
+
+
+def mlp_trains(trainer) -> bool:
+    _, history = fit(trainer, None, epochs=1)
+    return bool(np.isfinite(history["loss"]).all())

@@ -134,8 +134,8 @@ class KillOnceAt(keras.callbacks.Callback):
 
 class FailInStep(keras.layers.Layer):
     """Identity, except that on replica ``rank`` its ``call_index``-th training call raises,
-    SIGKILLs the process or hangs (an hour's sleep): a fault in the middle of a step (inside
-    the forward pass)."""
+    SIGKILLs the process, hangs (an hour's sleep) or gets a preemption notice (``how="notice"``:
+    SIGUSR1 to itself): a fault in the middle of a step (inside the forward pass)."""
 
     def __init__(self, rank: int, call_index: int, how: str, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -149,6 +149,9 @@ class FailInStep(keras.layers.Layer):
                     os.kill(os.getpid(), signal.SIGKILL)
                 if self.how == "hang":
                     time.sleep(3600)
+                if self.how == "notice":
+                    os.kill(os.getpid(), signal.SIGUSR1)
+                    return x
                 raise RuntimeError(f"boom on purpose in training call {self.calls}")
         return x
 

@@ -19,6 +19,9 @@ class Replica:
     # holds (``_internals.hide_default_group``); None: torch's default group (the user's own under
     # torchrun, or a test's), as a collective given ``group=None`` takes it
     group: dist.ProcessGroup | None = field(default=None, compare=False, repr=False)
+    # on a mesh, the processes that hold the other parts of this replica's split layers (its row), which
+    # must stop at the same step as it; None off a mesh
+    partners: Replica | None = field(default=None, compare=False, repr=False)
 
     @property
     def is_primary(self) -> bool:

@@ -47,9 +47,8 @@ def mesh_places(replica: Replica, mesh: Mesh) -> MeshPlaces:
     rows, columns = mesh.row_ranks(), mesh.column_ranks()
     groups = new_subgroups(replica.group, [*rows, *columns])
     row_index, column_index = divmod(replica.rank, mesh.columns)
-    places = MeshPlaces(
-        column=Replica(row_index, mesh.rows, replica.device, groups[len(rows) + column_index]),
-        row=Replica(column_index, mesh.columns, replica.device, groups[row_index]),
-    )
+    row = Replica(column_index, mesh.columns, replica.device, groups[row_index])
+    column = Replica(row_index, mesh.rows, replica.device, groups[len(rows) + column_index], partners=row)
+    places = MeshPlaces(column=column, row=row)
     _formed = _Formed(replica.group, mesh, places)
     return places

@@ -160,6 +160,17 @@ class Trained(NamedTuple):
     changed: bool = False  # rank 0's callbacks changed its state: every replica left the step out
 
 
+def notice_in_row(preempt: bool, replica: Replica) -> bool:
+    """``preempt`` (this process got a preemption notice), or on a mesh any of its row's processes' (they
+    hold the other parts of the replica's layers: every process of the mesh must stop at the same step,
+    which the step's all-reduce over the column then tells every row). Every process of a row calls it at
+    every step."""
+    row = replica.partners
+    if row is None or not row.distributed:
+        return preempt
+    return bool(all_reduce_sum([flag(preempt, row)], row)[0].item())
+
+
 def train_step(
     model: keras.Model,
     batch: Batch,
@@ -210,9 +221,8 @@ def train_step(
     decisions = decisions_on_device(rate, replica, stop=stop, changed=changed) if decided else None
     loss = forward_loss(model, batch, replica)
     layout = ReductionLayout.of(model, logs=shared, decisions=decided)  # once the metrics are built
-    extras = layout.pack(
-        torch.as_tensor(loss).detach().reshape(1).to(torch.float32), flag(preempt, replica), model, decisions
-    )
+    loss_value = torch.as_tensor(loss).detach().reshape(1).to(torch.float32)
+    extras = layout.pack(loss_value, flag(notice_in_row(preempt, replica), replica), model, decisions)
     trainable, local = backward(model, loss, replica, buckets=buckets, extras=extras)
     timer.lap("forward_backward", sync=True)
     summed_gradients, summed = _summed(trainable, local, extras, replica, buckets, timer)
