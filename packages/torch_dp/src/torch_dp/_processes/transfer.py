@@ -28,6 +28,7 @@ from torch_dp._loop.trainable import TrainableFlags, set_trainable, trainable_fl
 from torch_dp._processes.by_value import pickled_model, unpicklable_attribute, unpickled_model
 from torch_dp._processes.compile_arguments import CompileArguments
 from torch_dp._processes.custom_objects import custom_objects, lambda_functions, lambdas_by_name, uncompiled_config
+from torch_dp._processes.out_of_memory import ran_out_of_memory, rebuild_out_of_memory
 from torch_dp._processes.shared_arrays import open_shared
 from torch_dp._scope.deferred import deferring
 from torch_dp._scope.replicas import VariableJob
@@ -114,6 +115,8 @@ def ship_model(
             loaded = _loaded(source)
         _check_outputs_kept(model, loaded)
     except Exception as error:
+        if ran_out_of_memory(error):  # not the model's format: this process's memory
+            raise rebuild_out_of_memory(model.name, error) from error
         if scoped:  # its parts are made on the replicas from its config: it cannot go by value
             raise _not_rebuilt(model, error) from error
         source, loaded = _sent_by_value(model, error, compiled, loss_scaled=loss_scaled, mode=mode)
@@ -163,6 +166,8 @@ def _sent_by_value(
         )
         return source, _loaded(source)
     except Exception as error:
+        if ran_out_of_memory(error):
+            raise rebuild_out_of_memory(model.name, error) from error
         where = unpicklable_attribute(model)
         raise TypeError(
             f"torch_dp rebuilds the model in its worker processes. Keras's format cannot rebuild '{model.name}' "
