@@ -1,7 +1,8 @@
 """Model parallel on torch: memory per process and what a step moves, a (1, 2) mesh against data parallel.
 
 A wide MLP (Input(1024) -> Dense(H, relu) "up" -> Dense(1024) "down", Adam), "up" split by columns and
-"down" by rows on a (1, 2) mesh (Megatron's MLP), against ``Trainer(num_replicas=2)``:
+"down" by rows on a (1, 2) mesh (Megatron's MLP), built as usual and in ``trainer.scope()`` (each process
+makes only its parts), against ``Trainer(num_replicas=2)``:
 
 - **Memory**: the largest process's ``VmData`` (what ``RLIMIT_DATA`` limits), sampled every 20 ms through one
   ``fit`` (``sharding_memory_torch.PeakData``), each run in a process of its own.
@@ -25,12 +26,23 @@ import resource
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 HEADING = "## Model parallel on torch: memory per process"
 FEATURES, BATCH, ROWS = 1024, 16, 64
 LAYOUT = {"up/kernel": (None, "model"), "up/bias": ("model",), "down/kernel": ("model", None)}
-RUNS = {"data parallel, 2 replicas": None, "(1, 2) mesh": (1, 2)}
+
+
+class Setup(NamedTuple):
+    mesh: tuple[int, int] | None  # None: data parallel
+    scoped: bool = False  # built in ``trainer.scope()``
+
+
+RUNS = {
+    "data parallel, 2 replicas": Setup(None),
+    "(1, 2) mesh": Setup((1, 2)),
+    "(1, 2) mesh, built in scope()": Setup((1, 2), scoped=True),
+}
 
 
 HIDDEN, QUICK_HIDDEN = 16384, 1024  # "up"'s units: its kernel is FEATURES x hidden, "down"'s hidden x FEATURES
@@ -60,7 +72,7 @@ def _trainer(mesh: tuple[int, int] | None) -> Any:
     return torch_dp.Trainer(num_replicas=2) if mesh is None else torch_dp.Trainer(mesh=mesh, layout=LAYOUT)
 
 
-def child_run(mesh: tuple[int, int] | None, hidden: int, cap: int | None) -> dict[str, Any]:
+def child_run(setup: Setup, hidden: int, cap: int | None) -> dict[str, Any]:
     """One fit of 4 steps; the largest process's peak ``VmData``, or (under ``cap``) whether it trained."""
     if cap is not None:
         resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))  # inherited by the processes the Trainer starts
@@ -71,23 +83,29 @@ def child_run(mesh: tuple[int, int] | None, hidden: int, cap: int | None) -> dic
         rng = np.random.default_rng(0)
         x, y = (rng.normal(size=(ROWS, FEATURES)).astype("float32") for _ in range(2))
         peak = PeakData()
-        model = _model(hidden)
-        with _trainer(mesh) as trainer:
+        with _trainer(setup.mesh) as trainer:
+            if setup.scoped:
+                with trainer.scope():
+                    model = _model(hidden)
+            else:
+                model = _model(hidden)
             trainer.fit(model, x, y, global_batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+            parameters = model.count_params()
         data = peak.stop()
     except Exception as error:  # what a user would see: the allocation that failed, in some process
         text = f"{type(error).__name__}: {error}".splitlines()
         return {"trained": False, "error": " ".join(text[:2])[:300]}
-    return {"trained": True, "parameters": model.count_params(), "largest_process_peak_data_bytes": data}
+    return {"trained": True, "parameters": parameters, "largest_process_peak_data_bytes": data}
 
 
-def _run_child(mesh: tuple[int, int] | None, hidden: int, cap: int | None = None) -> dict[str, Any]:
+def _run_child(setup: Setup, hidden: int, cap: int | None = None) -> dict[str, Any]:
     env = {**os.environ, "KERAS_BACKEND": "torch", "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, __file__, "--child", json.dumps({"mesh": mesh, "hidden": hidden, "cap": cap})]
+    options = {"mesh": setup.mesh, "scoped": setup.scoped, "hidden": hidden, "cap": cap}
+    command = [sys.executable, __file__, "--child", json.dumps(options)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parent)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode or not lines:
-        raise RuntimeError(f"child {mesh} failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+        raise RuntimeError(f"child {setup} failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
     return json.loads(lines[-1])
 
 
@@ -103,17 +121,19 @@ def moved_per_step(hidden: int) -> dict[str, int]:
     backward, "down"'s input gradient gathered ("up"'s input is the data, whose gradient no one asks for)."""
     parameters = FEATURES * hidden + hidden + hidden * FEATURES + FEATURES
     outputs_of_up, outputs_of_down = BATCH * hidden * 4, BATCH * FEATURES * 4
+    on_mesh = outputs_of_up // 2 + outputs_of_down + outputs_of_up // 2
     return {
         "data parallel, 2 replicas": parameters * 4,
-        "(1, 2) mesh": outputs_of_up // 2 + outputs_of_down + outputs_of_up // 2,
+        "(1, 2) mesh": on_mesh,
+        "(1, 2) mesh, built in scope()": on_mesh,
     }
 
 
 def measure_all(hidden: int) -> dict[str, Any]:
-    peaks = {name: _run_child(mesh, hidden) for name, mesh in RUNS.items()}
+    peaks = {name: _run_child(setup, hidden) for name, setup in RUNS.items()}
     values = [run["largest_process_peak_data_bytes"] for run in peaks.values()]
     cap = (max(values) + min(values)) // 2
-    capped = {name: _run_child(mesh, hidden, cap) for name, mesh in RUNS.items()}
+    capped = {name: _run_child(setup, hidden, cap) for name, setup in RUNS.items()}
     import keras
     import torch
 
@@ -153,7 +173,9 @@ def page(results: dict[str, Any]) -> str:
         rows.append(f"| {name} | {_mib(run['largest_process_peak_data_bytes'])} | {outcome} | {_mib(sent)} |")
     rows += [
         "",
-        f"The cap: `RLIMIT_DATA` = {_mib(cap['rlimit_data_bytes'])} on every process, halfway between the peaks.",
+        f"The cap: `RLIMIT_DATA` = {_mib(cap['rlimit_data_bytes'])} on every process, halfway between the highest "
+        "and the lowest peak. Built as usual, every process of the mesh builds the whole model first; built in the "
+        "scope, each makes only its parts (rank 0 runs one initializer whole at a time).",
         f"torch {results['torch']}, keras {results['keras']}, {results['platform']}.",
         "",
     ]
@@ -170,8 +192,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         options = json.loads(args.child)
-        mesh = None if options["mesh"] is None else tuple(options["mesh"])
-        print(json.dumps(child_run(mesh, options["hidden"], options["cap"])))
+        setup = Setup(None if options["mesh"] is None else tuple(options["mesh"]), options["scoped"])
+        print(json.dumps(child_run(setup, options["hidden"], options["cap"])))
         return
     hidden = QUICK_HIDDEN if args.quick else args.hidden
     results = measure_all(hidden)
