@@ -263,7 +263,7 @@ def heavy(session: nox.Session) -> None:
 
     Among them the GPU check's CPU rehearsal of every part (bare nox rehearses one part of each kind).
 
-    Both packages, each under its backend, then tests/ (about 9 minutes on 2 cores). Run it before a release,
+    Both packages, each under its backend, then tests/ (about 7 minutes on 2 cores). Run it before a release,
     and after a change to what they test (``torch_dp/_mesh``, Ctrl-C across processes, benchmarks/gpu_check*)."""
     _install_everything(session, REPORT, "filelock", *TEST_TOOLS)
     session.run("pytest", "packages/torch_dp/tests", "-m", "heavy", *session.posargs, env={"KERAS_BACKEND": "torch"})

@@ -24,6 +24,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax_dp_helpers import GLOBAL_BATCH, NUM_SAMPLES, Run, assert_same_run, keras_run
+from keras.src.saving import saving_lib
 
 import jax_dp
 from jax_dp._mesh import layout as _layout
@@ -191,6 +192,8 @@ def test_the_saved_files_load_in_plain_keras_and_load_weights_places_each_part(i
     with trainer.scope():
         model = build()
     trainer.fit(model, x, y, global_batch_size=GLOBAL_BATCH, epochs=1, seed=SEED, verbose=0)
+    # Keras builds a .keras file's weights in memory when it judges there is room; never for a scoped model
+    assert not saving_lib.is_memory_sufficient(model) and saving_lib.is_memory_sufficient(build())
     model.save(tmp_path / "model.keras")
     model.save_weights(tmp_path / "model.weights.h5")
     trained = [np.asarray(v) for v in model.weights]

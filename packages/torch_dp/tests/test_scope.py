@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import test_shard as shard_test
 import torch_dp_testing as testing
+from keras.src.saving import saving_lib
 
 import torch_dp
 from dp_core.keras import internals
@@ -124,6 +125,8 @@ def test_load_weights_in_the_scope_and_save_give_standard_files(trainer, tmp_pat
         fresh.predict(x, batch_size=GLOBAL_BATCH_SIZE, verbose=0),
         atol=1e-6,
     )
+    # Keras builds a .keras file's weights in memory when it judges there is room; never for a scoped model
+    assert not saving_lib.is_memory_sufficient(scoped) and saving_lib.is_memory_sufficient(fresh)
     scoped.save(str(tmp_path / "scoped.keras"))
     loaded = keras.saving.load_model(str(tmp_path / "scoped.keras"))
     for mine, theirs in zip(loaded.get_weights(), fresh.get_weights(), strict=True):

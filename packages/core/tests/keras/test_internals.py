@@ -2,6 +2,7 @@
 when a Keras release moves one (the keras_versions sessions run this on the oldest and newest)."""
 
 import inspect
+import tracemalloc
 
 import keras
 import numpy as np
@@ -292,6 +293,7 @@ def test_the_loading_hook_hands_load_weights_the_stored_dataset_while_active(tmp
     from keras.src.saving import saving_lib
 
     monkeypatch.setattr(saving_lib.H5IOStore, "__getitem__", saving_lib.H5IOStore.__getitem__)  # put back after
+    monkeypatch.setattr(saving_lib, "is_memory_sufficient", saving_lib.is_memory_sufficient)
     source = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     source.save_weights(str(tmp_path / "source.weights.h5"))
     seen: list[tuple[tuple[int, ...], bool]] = []
@@ -301,7 +303,7 @@ def test_the_loading_hook_hands_load_weights_the_stored_dataset_while_active(tmp
         seen.append((tuple(dataset.shape), bfloat16))
         return np.asarray(dataset)
 
-    internals.install_keras_loading_hook(lambda: active[0], stored)
+    internals.install_keras_file_hooks(lambda: active[0], stored, lambda model: False)
     target = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     target.load_weights(str(tmp_path / "source.weights.h5"))
     assert seen == []  # not active: Keras's own reading
@@ -309,6 +311,31 @@ def test_the_loading_hook_hands_load_weights_the_stored_dataset_while_active(tmp
     target.load_weights(str(tmp_path / "source.weights.h5"))
     assert seen == [((3, 2), False), ((2,), False)]
     for mine, theirs in zip(target.get_weights(), source.get_weights(), strict=True):
+        np.testing.assert_array_equal(mine, theirs)
+
+
+def test_the_saving_hook_writes_a_model_held_by_parts_through_a_file_not_memory(tmp_path, monkeypatch):
+    from keras.src.saving import saving_lib
+
+    monkeypatch.setattr(saving_lib.H5IOStore, "__getitem__", saving_lib.H5IOStore.__getitem__)  # put back after
+    monkeypatch.setattr(saving_lib, "is_memory_sufficient", saving_lib.is_memory_sufficient)
+
+    def build():  # eight kernels of 256 KiB: 2 MiB of weights, none larger than an eighth
+        return keras.Sequential([keras.Input((256,)), *(keras.layers.Dense(256, use_bias=False) for _ in range(8))])
+
+    whole, by_parts = build(), build()
+    internals.install_keras_file_hooks(lambda: False, lambda dataset, bfloat16: dataset, lambda m: m is by_parts)
+    weights = 8 * 256 * 256 * 4
+    peaks = {}
+    for name, model in (("whole", whole), ("by_parts", by_parts)):
+        tracemalloc.start()
+        model.save(str(tmp_path / f"{name}.keras"))
+        peaks[name] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peaks["whole"] > weights  # Keras's own choice on a machine with room: the weights file in memory
+    assert peaks["by_parts"] < weights / 2, peaks  # a variable or two at a time, through a file on disk
+    loaded = keras.models.load_model(str(tmp_path / "by_parts.keras"))
+    for mine, theirs in zip(loaded.get_weights(), by_parts.get_weights(), strict=True):
         np.testing.assert_array_equal(mine, theirs)
 
 

@@ -77,7 +77,7 @@ def install_keras_variable_hooks(
     - ``JaxVariable._convert_to_tensor``: ``assign(numpy)`` (``load_weights``) makes the whole value on
       the default device before splitting it; a placed variable's host value goes straight to its
       sharding, each device receiving its part, and a value read by parts (``stored_values``, which
-      ``dp_core.keras.internals.install_keras_loading_hook`` makes ``load_weights`` assign in a trainer's
+      ``dp_core.keras.internals.install_keras_file_hooks`` makes ``load_weights`` assign in a trainer's
       scope) is read
       part by part into it (any other variable reads it whole);
     - ``JaxVariable.__array__`` (``np.array(variable)``, how Keras's saving reads each variable): jax

@@ -1,9 +1,8 @@
 """Every private Keras attribute keras-dp touches, each with the reason, in one place.
 
-Keras has no public API for these. When a Keras release moves one, this module (and the
-``keras_versions`` nox sessions, which run the cross-backend suite on the oldest and the
-newest Keras allowed) is where it shows; nothing else in keras-dp reads a ``_`` attribute
-of a Keras object.
+Keras has no public API for these. When a Keras release moves one, this module (and nox's ``conformance``
+sessions, which run the cross-backend suite on the oldest and the newest Keras allowed) is where it shows;
+nothing else in keras-dp reads a ``_`` attribute of a Keras object.
 """
 
 from __future__ import annotations
@@ -128,21 +127,20 @@ def flatten_layers(model: keras.Model, *, include_self: bool = False) -> list[ke
 
 
 def stored_value(variable: keras.Variable) -> Any:
-    """The tensor a variable holds (``_value``), without ``value``'s checks for a stateless scope
-    and autocasting: fifty times cheaper, for what a trainer reads of every variable at every step."""
+    """The tensor a variable holds (``_value``), without ``value``'s checks for a stateless scope and
+    autocasting: fifty times cheaper, for what a trainer reads of every variable at every step."""
     return variable._value
 
 
 def state_sync_name(model: keras.Model) -> str:
-    """The method Keras's ``Callback.model`` calls to put a stateless trainer's state into the model
-    before a callback reads it: ``state_sync`` from Keras 3.16 (for every backend that has it),
-    ``jax_state_sync`` before."""
+    """What Keras's ``Callback.model`` calls to put a stateless trainer's state into the model before a
+    callback reads it: ``state_sync`` from Keras 3.16 (every backend that has it), ``jax_state_sync`` before."""
     return "state_sync" if hasattr(type(model), "state_sync") else "jax_state_sync"
 
 
 def variable_layout(variable: keras.Variable) -> Any:
-    """The layout a Keras distribution gave ``variable`` (on jax a ``NamedSharding``; None without one):
-    Keras keeps it on the variable and places every value assigned there."""
+    """The layout a Keras distribution gave ``variable`` (on jax a ``NamedSharding``; None without one): Keras
+    keeps it on the variable and places every value assigned there."""
     return getattr(variable, "_layout", None)
 
 
@@ -377,17 +375,18 @@ def count_steps_from(progbar: keras.utils.Progbar, first_step: int) -> None:
     progbar._estimate_step_duration = lambda current, now: estimate(max(0, current - first_step), now)
 
 
-def install_keras_loading_hook(active: Callable[[], bool], stored: Callable[[Any, bool], Any]) -> None:
-    """``keras.src.saving.saving_lib.H5IOStore.__getitem__`` (how ``load_weights``, a ``.keras``
-    file's weights and keras-hub's ``from_preset`` read a variable) returns the whole dataset as a numpy
-    array; while ``active()`` it returns ``stored(dataset, bfloat16)`` instead (a trainer's value read
-    by parts, which the variable's ``assign`` then reads as its backend's hooks say). Keras has no public
-    hook between the file and the variable. ``ShardedH5IOStore`` (a ``.weights.json`` of several files)
-    is left as it is: it closes a file right after reading from it. Call it once per process."""
+def install_keras_file_hooks(
+    active: Callable[[], bool], stored: Callable[[Any, bool], Any], by_parts: Callable[[Any], bool]
+) -> None:
+    """No public hook joins Keras's weights files and the variables. While ``active()``, ``saving_lib.H5IOStore``'s
+    ``__getitem__`` (``load_weights``, ``.keras`` files, keras-hub's ``from_preset``) returns ``stored(dataset,
+    bfloat16)``, a trainer's value read by parts (``ShardedH5IOStore`` closes each file at once: left as it is). For
+    a model held by parts (``by_parts(model)``) ``saving_lib.is_memory_sufficient`` says no, so a ``.keras`` file's
+    weights go through a temporary file beside it, never whole in memory. Call it once per process."""
     from keras.src.saving import saving_lib
 
     store_class: Any = saving_lib.H5IOStore
-    keras_getitem = store_class.__getitem__
+    keras_getitem, keras_judgement = store_class.__getitem__, saving_lib.is_memory_sufficient
 
     def getitem(store: Any, key: str) -> Any:
         if type(store) is not store_class or not active():
@@ -398,3 +397,4 @@ def install_keras_loading_hook(active: Callable[[], bool], stored: Callable[[Any
         return stored(dataset, bfloat16)
 
     store_class.__getitem__ = getitem
+    saving_lib.is_memory_sufficient = lambda model: not by_parts(model) and keras_judgement(model)

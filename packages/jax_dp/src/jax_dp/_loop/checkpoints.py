@@ -6,8 +6,9 @@ Weights are stored in ``model.get_weights()`` order, optimizer state as the opti
 metric states as their sums over replicas, so a run resumes with the same data order and
 logs on any replica count. Only process 0 writes (but for a model built in a trainer's scope across
 processes: each writes its own parts into one checkpoint in a folder they all see), and only
-process 0 chooses where to resume: the other processes take its checkpoint from it, so a per-host
-directory, or a shared one seen through a stale cache, cannot make them start at different steps.
+process 0 chooses where to resume: the other processes take its checkpoint from it (a scoped model's
+by name, each reading it from the folder they share), so a per-host directory, or a shared one seen
+through a stale cache, cannot make them start at different steps.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dp_core import (
     check_checkpoint_dir,
     claim_checkpoint_dir,
     commit_checkpoint,
+    load_checkpoint,
     save_checkpoint,
     stage_checkpoint,
     write_process_parts,
@@ -141,14 +143,15 @@ def resume(
     shuffle: bool | str,
 ) -> Start:
     """Where the fit starts: the newest valid checkpoint's place, with weights and optimizer
-    state already restored, or the beginning when there is none."""
-    checkpoint = None
+    state already restored, or the beginning when there is none. A scoped model's arrays are read one
+    at a time as they are put on the devices, never the whole state on a host."""
+    lazily, checkpoint = scoped(model), None
     if is_primary():
         checkpoint = resumable_checkpoint(
-            checkpoint_dir, model, seed=seed, global_batch_size=global_batch_size, shuffle=shuffle
+            checkpoint_dir, model, seed=seed, global_batch_size=global_batch_size, shuffle=shuffle, lazily=lazily
         )
     if jax.process_count() > 1:
-        checkpoint = _from_process_0(checkpoint)
+        checkpoint = _read_as_process_0(checkpoint_dir, checkpoint) if lazily else _from_process_0(checkpoint)
     if checkpoint is None:
         return Start()
     optimizer.restore(checkpoint, model)
@@ -156,6 +159,15 @@ def resume(
 
 
 _ARRAYS = ("weights", "optimizer_variables", "metric_variables")
+
+
+def _read_as_process_0(checkpoint_dir: str, checkpoint: Checkpoint | None) -> Checkpoint | None:
+    """Process 0's choice, by name, read lazily by each process from the folder they all see
+    (``_check_shared``): a scoped model's state is not sent whole from process 0's host."""
+    name = json.loads(text_from_primary("jax_dp/resume-name", json.dumps(checkpoint and checkpoint.name)))
+    if name is None or is_primary():
+        return checkpoint
+    return load_checkpoint(os.path.join(checkpoint_dir, name), lazily=True)
 
 
 def _from_process_0(checkpoint: Checkpoint | None) -> Checkpoint | None:

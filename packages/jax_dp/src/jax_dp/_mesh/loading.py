@@ -3,7 +3,7 @@ file, never the whole variable.
 
 Keras reads a ``.weights.h5`` (also the one inside a ``.keras`` file, and a keras-hub preset's) as
 ``store[key]``, a whole numpy array, then ``variable.assign(value)``. Inside a trainer's scope the
-store answers a ``StoredArray`` instead (``dp_core.keras.internals.install_keras_loading_hook``): the h5py
+store answers a ``StoredArray`` instead (``dp_core.keras.internals.install_keras_file_hooks``): the h5py
 dataset, read a part at a time. Assigned to a variable on a trainer's mesh, each distinct part its
 sharding gives this process's devices is read once (``h5py``'s ``dataset[index]``) and put on the
 devices that hold it (``placed_value``); anything else that asks for the array (a variable placed by

@@ -174,6 +174,10 @@ def _is_stored(value: Any) -> bool:
 _STORED_VALUES = _internals.StoredValues(_in_a_trainer_scope, _stored, _is_stored, placed_value)
 
 
+def _placed_by_a_trainer(model: keras.Model) -> bool:
+    return any(trainer_placed(variable) is not None for variable in model.weights)
+
+
 def install_keras_hooks() -> None:
     """Puts the hooks of Keras's jax backend and of its weights files in place, once (see the
     module's docstring; ``load_weights`` in a scope: ``jax_dp._mesh.loading``)."""
@@ -181,4 +185,4 @@ def install_keras_hooks() -> None:
     if not _hooks_installed:
         _hooks_installed = True
         _internals.install_keras_variable_hooks(trainer_placed, _on_trainer_mesh, _slot_sharding, _STORED_VALUES)
-        keras_internals.install_keras_loading_hook(_STORED_VALUES.active, _STORED_VALUES.stored)
+        keras_internals.install_keras_file_hooks(_STORED_VALUES.active, _STORED_VALUES.stored, _placed_by_a_trainer)

@@ -25,7 +25,7 @@ import torch
 from dp_core import ShardMode
 from dp_core.keras import internals
 from torch_dp._internals import guard_variable_access
-from torch_dp._scope.deferred import building, deferring, initial_value, is_deferred, set_initial_value
+from torch_dp._scope.deferred import building, deferring, initial_value, is_deferred, scoped_mode, set_initial_value
 from torch_dp._scope.loading import StoredValue, stored
 
 
@@ -82,7 +82,7 @@ def trainer_scope(
     global _scopes
     if not _installed:
         guard_variable_access(_read, _write, _keep)
-        internals.install_keras_loading_hook(lambda: _scopes > 0, stored)
+        internals.install_keras_file_hooks(lambda: _scopes > 0, stored, lambda model: scoped_mode(model)[0])
         _installed = True
     _scopes += 1
     try:
