@@ -204,3 +204,40 @@ def test_a_short_last_batch_whole_is_every_row_of_it_on_every_replica_unpadded(r
     order = dp_core.epoch_order(99, seed=5, epoch=1, shuffle=True)
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(last.y), order[96:])  # model.fit's last batch, in order
     assert padded[-1].mask is not None and not padded[-1].whole
+
+
+@pytest.mark.parametrize(
+    ("x_dtype", "y_dtype", "read_only", "indexed_as_tensors"),
+    [
+        ("float32", "int64", False, True),  # what Keras hands a step unchanged: indexed as tensors
+        ("float32", "bool", False, True),
+        ("float64", "int64", False, False),  # read in floatx
+        ("float32", "uint32", False, False),  # Keras's torch conversion makes it int64
+        ("float32", "int64", True, False),  # read-only: torch would not share its memory
+    ],
+)
+def test_arrays_keras_keeps_are_indexed_as_tensors_and_give_the_batches_keras_reads(
+    monkeypatch, x_dtype, y_dtype, read_only, indexed_as_tensors
+):
+    """A CPU replica's rows: arrays Keras would hand a step unchanged are read as tensors that share their
+    memory (no conversion per batch, as Keras's own torch adapter converts its arrays once); every batch
+    equals, dtype and values, what Keras's conversion of ``Inputs.rows`` gives."""
+    x = np.arange(99 * 3).reshape(99, 3).astype(x_dtype)
+    y = (np.arange(99) % 2).astype(y_dtype)
+    if read_only:
+        x.flags.writeable = False
+    inputs, replica = Inputs(x, y), Replica(1, 2)
+    order = EpochOrder(32, shuffle=True, seed=5, epoch=1)
+    converted = []
+    monkeypatch.setattr(_batches, "_host_tensors", lambda s, **_: converted.append(s) or s)  # never on a CPU replica
+    got = list(replica_batches(inputs, replica, order))
+    assert converted == [] and len(got) == 4
+    assert inputs.rows_as_stored() == (indexed_as_tensors or read_only)  # read-only: kept, not shared
+    shard = order.shard(99, num_shards=2, shard_index=1)
+    for step, batch in enumerate(got):
+        want_x, want_y, _ = inputs.rows(shard.indices[step * 16 : (step + 1) * 16])
+        for leaf, want in ((batch.x, want_x), (batch.y, want_y)):
+            expected = keras.ops.convert_to_tensor(want)
+            assert leaf.dtype == expected.dtype and torch.equal(leaf, expected)
+    tensors_read = _batches._row_reader(inputs) != inputs.rows
+    assert tensors_read == indexed_as_tensors

@@ -85,6 +85,25 @@ class Inputs:
             x, y, sample_weight = (take_rows(part, indices) for part in (self.x, self.y, self.sample_weight))
         return as_keras_reads(x, y, sample_weight, class_weight=self.class_weight)
 
+    def rows_as_stored(self) -> bool:
+        """Whether ``rows`` gives each array's rows as they are stored: plain numpy arrays of a bool,
+        integer or float dtype that Keras's adapters keep (floats already in ``floatx``), no ``class_weight``,
+        sample weights as Keras reads them. Then a backend may index the arrays itself, as tensors.
+
+        >>> Inputs(np.zeros((4, 2), np.float32), np.arange(4)).rows_as_stored()
+        True
+        >>> Inputs(np.zeros((4, 2)), np.arange(4)).rows_as_stored()  # float64: read in floatx
+        False
+        """
+        if self.is_dataset or self.class_weight is not None:
+            return False
+        leaves = self.array_leaves()
+        kept = all(type(leaf) is np.ndarray and (leaf.dtype.kind in "bif" or leaf.dtype == np.uint8) for leaf in leaves)
+        if not kept or self.num_samples == 0:
+            return False
+        read = flatten(self.rows(np.arange(1)))
+        return len(read) == len(leaves) and all(r.dtype == leaf.dtype for r, leaf in zip(read, leaves, strict=True))
+
     def first_rows(self, count: int = 2) -> tuple[Any, Any, Any]:
         """The first ``count`` rows (fewer if there are fewer), to build a model from their shapes."""
         return self.rows(np.arange(min(count, self.num_samples)))

@@ -9,7 +9,8 @@ while the step before computes, then copied to the replica's device without bloc
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -101,7 +102,9 @@ def replica_batches(
     this_epoch = order.rows(inputs.num_samples)
     num_samples = len(this_epoch)
     rows = padded // replica.num_replicas
-    pin = prefetch and pins_memory(replica.device)
+    # a batch read ahead is converted in the reading thread (pinned for a GPU); else once, when placed
+    host = functools.partial(_host_tensors, pin=pins_memory(replica.device)) if prefetch else _as_read
+    read_rows = _row_reader(inputs)
 
     def read() -> Iterator[Batch]:
         for step in range(first_step, num_steps(num_samples, global_batch_size)):
@@ -109,9 +112,11 @@ def replica_batches(
             global_real_rows = min(global_batch_size, num_samples - step * global_batch_size)
             if whole_last and global_real_rows < padded:
                 indices = this_epoch[step * global_batch_size : (step + 1) * global_batch_size]
-                yield _batch(inputs, indices, np.ones(len(indices)), len(indices), len(indices), pin=pin, whole=True)
+                yield _batch(
+                    read_rows, indices, np.ones(len(indices)), len(indices), len(indices), host=host, whole=True
+                )
                 continue
-            yield _batch(inputs, shard.indices[part], shard.mask[part], global_real_rows, padded, pin=pin)
+            yield _batch(read_rows, shard.indices[part], shard.mask[part], global_real_rows, padded, host=host)
 
     for batch in prefetched(read()) if prefetch else read():
         yield _placed(batch, replica.device)
@@ -142,26 +147,48 @@ def _source_batches(
         yield Batch(x, y, sample_weight, mask_tensor, int(mask.sum()), len(mask), real, padded)
 
 
+def _row_reader(inputs: Inputs) -> Callable[[np.ndarray], Any]:
+    """How a batch's rows are read: arrays that Keras would hand a step unchanged are indexed as CPU
+    tensors sharing their memory (made once, as Keras's torch adapter converts its arrays once: no
+    conversion per batch), anything else through ``Inputs.rows``."""
+    arrays = (inputs.x, inputs.y, inputs.sample_weight)
+    if not inputs.rows_as_stored() or not all(a.flags.writeable for a in inputs.array_leaves()):
+        return inputs.rows  # torch refuses to share a read-only array's memory without a copy
+    tensors = map_structure(torch.from_numpy, arrays)
+
+    def read(indices: np.ndarray) -> Any:
+        rows = torch.from_numpy(indices)
+        return map_structure(lambda tensor: tensor[rows], tensors)
+
+    return read
+
+
 def _batch(
-    inputs: Inputs,
+    read_rows: Callable[[np.ndarray], Any],
     indices: np.ndarray,
     mask: np.ndarray,
     global_real_rows: int,
     global_batch_size: int,
     *,
-    pin: bool,
+    host: Callable[[Any], Any],
     whole: bool = False,
 ) -> Batch:
-    """The rows at ``indices`` as host tensors (pinned when ``pin``); ``_placed`` moves them."""
-    x, y, sample_weight = _host_tensors(inputs.rows(indices), pin=pin)
+    """The rows at ``indices`` as ``host`` gives them (host tensors, or numpy); ``_placed`` puts them on the
+    replica's device."""
+    x, y, sample_weight = host(read_rows(indices))
     real_rows = int(mask.sum())
     mask_tensor = None
     if global_real_rows < global_batch_size:
-        mask_tensor = _host_tensors(mask.astype(keras.backend.floatx()), pin=pin)
+        mask_tensor = host(mask.astype(keras.backend.floatx()))
     return Batch(x, y, sample_weight, mask_tensor, real_rows, len(mask), global_real_rows, global_batch_size, whole)
 
 
-def _host_tensors(structure: Any, *, pin: bool) -> Any:
+def _as_read(structure: Any) -> Any:
+    """Rows left as read (numpy, or tensors of the arrays): converted once, on the replica's device (``_placed``)."""
+    return structure
+
+
+def _host_tensors(structure: Any, *, pin: bool = False) -> Any:
     """``structure``'s arrays as CPU tensors, converted as Keras converts them (dtypes included),
     copied into pinned memory when ``pin``. Keras's device is per thread: this one's is the CPU."""
     with keras.device("cpu"):
