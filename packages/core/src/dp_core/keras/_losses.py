@@ -75,7 +75,11 @@ class ReplicaRows:
 def replica_losses(model: keras.Model, rows: ReplicaRows) -> Iterator[None]:
     """Within the block (the forward pass and ``compute_loss``), ``model``'s compiled losses and
     activity regularizers give ``rows.num_replicas`` times this replica's share of the
-    single-device loss of the global batch."""
+    single-device loss of the global batch. The whole global batch, every row real, is left to Keras's
+    own reduction, which is then the single-device one (one replica's full batch)."""
+    if rows.whole_batch:
+        yield
+        return
     restores: list[Callable[[], None]] = []
     try:
         compile_loss = _internals.compile_loss(model)

@@ -9,6 +9,7 @@ way, and every replica reads the few values that decide a step on the host at on
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -100,13 +101,13 @@ class ReductionLayout:
         return list(summed[1 : 1 + self.metric_states])
 
     def read(self, summed: Sequence[torch.Tensor]) -> Agreed:
-        """The control pair and the decisions, summed, read on the host at once."""
-        first, preempted = summed[0][:1], summed[0][1:]
-        nonfinite = first if self.counts_nonfinite else (~torch.isfinite(first)).to(torch.float32)
-        values = [nonfinite, preempted, *([summed[1 + self.metric_states]] if self.decisions else [])]
-        anyone_nonfinite, anyone_preempted, *decided = torch.cat(values).tolist()
+        """The control pair and the decisions, summed, read on the host at once (one small copy; the
+        rest in Python: a step's host time on a small model is mostly such calls)."""
+        values = torch.cat([summed[0], summed[1 + self.metric_states]]) if self.decisions else summed[0]
+        first, anyone_preempted, *decided = values.tolist()
+        nonfinite = first > 0 if self.counts_nonfinite else not math.isfinite(first)
         decisions = Decisions(*decided) if self.decisions else None
-        return Agreed(bool(anyone_nonfinite), bool(anyone_preempted), decisions)
+        return Agreed(nonfinite, bool(anyone_preempted), decisions)
 
 
 def all_reduce_after(

@@ -16,6 +16,7 @@ model in DDP: Keras variables are not registered the way DDP's reducer expects o
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -209,10 +210,9 @@ def train_step(
     the callbacks) such a step is applied, as ``model.fit`` applies it, and the callback stops
     training at its batch end.
 
-    ``timer`` (``Trainer(profile=...)``; else one that records nothing) gets laps for forward+backward,
-    the all-reduce and the optimizer. With ``buckets`` (large gradients, ``_step.buckets``) the
-    gradients are summed in buckets started during backward, the other values riding in the last.
-    ``state`` applies the update: on every replica, or each on its own variables (``_step.shards``).
+    ``timer`` (``Trainer(profile=...)``) gets laps for forward+backward, the all-reduce and the optimizer.
+    With ``buckets`` (large gradients, ``_step.buckets``) the gradients are summed in buckets started during
+    backward, the other values riding in the last. ``state`` applies the update (``_step.shards``).
     """
     before = _state_to_undo(model)
     shared = sum_metrics and replica.distributed  # one replica: its own states are the global ones
@@ -222,11 +222,13 @@ def train_step(
     loss = forward_loss(model, batch, replica)
     layout = ReductionLayout.of(model, logs=shared, decisions=decided)  # once the metrics are built
     loss_value = torch.as_tensor(loss).detach().reshape(1).to(torch.float32)
-    extras = layout.pack(loss_value, flag(notice_in_row(preempt, replica), replica), model, decisions)
+    preempted = notice_in_row(preempt, replica)
+    alone = not replica.distributed and buckets is None  # nothing to sum with: the values are read as they are
+    extras = [] if alone else layout.pack(loss_value, flag(preempted, replica), model, decisions)
     trainable, local = backward(model, loss, replica, buckets=buckets, extras=extras)
     timer.lap("forward_backward", sync=True)
     summed_gradients, summed = _summed(trainable, local, extras, replica, buckets, timer)
-    agreed = layout.read(summed)
+    agreed = Agreed(not math.isfinite(loss_value.item()), preempted, None) if alone else layout.read(summed)
     timer.lap("all_reduce")  # the host read waited for the all-reduce, and so for the slowest replica
     ended = act_on_agreed(model, before, replica, rate, agreed)
     if ended is not None:
@@ -301,7 +303,8 @@ def backward(
         # every replica's is the batch's own) and sum the gradients: every row's gradient then has
         # Keras's own magnitude, so float16 loss scaling overflows exactly where model.fit's does.
         with contextlib.nullcontext() if buckets is None else buckets.reducing(trainable, extras or [], replica.group):
-            model.optimizer.scale_loss(loss / replica.num_replicas).backward()
+            share = loss if replica.num_replicas == 1 else loss / replica.num_replicas  # no node for a division by 1
+            model.optimizer.scale_loss(share).backward()
     return LocalGradients(trainable, [v.value.grad for v in trainable])
 
 
