@@ -219,8 +219,29 @@ def section(document: dict[str, Any], source: str) -> str:
         "",
         f"Usable cores of 2 before each backend's runs (`benchmarks/machine.py`): {cores}.",
         *_below_one(document),
+        *_keras_slower_grouped(document),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _keras_slower_grouped(document: dict[str, Any]) -> list[str]:
+    """A line on each setting where ``model.fit`` itself is over twice as slow per step grouped as at N = 1:
+    the ratio there is Keras's loop's, not the Trainer's gain."""
+    lines = []
+    for backend in BACKENDS:
+        results = document.get(backend, {}).get("results", {})
+        for key, measured in results.items():
+            name, size = key.split("/")
+            alone, grouped = results[f"{name}/1"]["ms_per_step"], measured["ms_per_step"]
+            if size == "1" or grouped["keras"] < 2 * alone["keras"]:
+                continue
+            lines.append(
+                f"- model.fit slower grouped: {backend}, {MODELS[name]}, N={size}: model.fit's time per step goes "
+                f"from {alone['keras']:.3f} ms at N=1 to {grouped['keras']:.3f} (Keras's own loop, measured as it "
+                f"is; the Trainer's from {alone['trainer']:.3f} to {grouped['trainer']:.3f}), so its "
+                f"{measured['median_ratio']:.2f}x is not the Trainer's gain."
+            )
+    return ["", *lines] if lines else []
 
 
 def _below_one(document: dict[str, Any]) -> list[str]:
