@@ -23,7 +23,9 @@ virtual environment with keras-hub and torch-dp (``.nox/parity``):
 
     KERAS_BACKEND=torch .nox/parity/bin/python benchmarks/scope_memory_torch.py [--quick]
 
-Writes docs/benchmarks/scope_memory_torch.json (``--out``) and prints a markdown table.
+Writes docs/benchmarks/scope_memory_torch.json (``--out``) and prints a markdown table. With
+``TORCH_DP_PREFETCH=1`` in the environment the gathers are prefetched (give another ``--out``), which the
+file records.
 """
 
 from __future__ import annotations
@@ -286,6 +288,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="scope_memory_torch-") as folder:
         work = Path(folder)
         result: dict[str, Any] = {"config": FULL_OR_QUICK, "rows": ROWS, "global_batch_size": BATCH, "epochs": EPOCHS}
+        result["prefetch"] = os.environ.get("TORCH_DP_PREFETCH") == "1"  # the gathers' (docs/sharding.md)
         result["preset"] = in_fresh_process("preset", work, arguments.quick)
         parameters = result["preset"]["parameters"]
         for name in PHASES:
