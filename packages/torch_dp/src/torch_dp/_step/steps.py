@@ -228,7 +228,7 @@ def train_step(
     trainable, local = backward(model, loss, replica, buckets=buckets, extras=extras)
     timer.lap("forward_backward", sync=True)
     summed_gradients, summed = _summed(trainable, local, extras, replica, buckets, timer)
-    agreed = Agreed(not math.isfinite(loss_value.item()), preempted, None) if alone else layout.read(summed)
+    agreed = Agreed(not math.isfinite(loss_value.tolist()[0]), preempted, None) if alone else layout.read(summed)
     timer.lap("all_reduce")  # the host read waited for the all-reduce, and so for the slowest replica
     ended = act_on_agreed(model, before, replica, rate, agreed)
     if ended is not None:
