@@ -82,7 +82,8 @@ def test_each_batchnorm_layers_collectives_are_timed_on_two_replicas(profiled):
         {"layer": layer.layer, "forward_seconds": layer.forward_seconds, "backward_seconds": layer.backward_seconds}
     ]
     share = layer.seconds / report.step_seconds
-    assert dp_core.scaling_summary(report).endswith(f", BatchNorm statistics {share:.0%} (1 layer)")
+    # the clause follows the step's parts; a speedup past 2 on a busy machine adds a diagnosis after it
+    assert f", BatchNorm statistics {share:.0%} (1 layer)" in dp_core.scaling_summary(report)
 
 
 def test_folder_holds_both_counts_and_a_png(profiled):
