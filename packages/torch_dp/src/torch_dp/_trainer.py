@@ -47,7 +47,7 @@ from dp_core.keras import (
 from torch_dp._loop.checkpoints import require_checkpointable
 from torch_dp._loop.hooks import refuse_batch_hooks
 from torch_dp._loop.loader_draws import build_drawing, fit_loader
-from torch_dp._mesh.checks import checked_mesh, plan_call
+from torch_dp._mesh.checks import checked_mesh, plan_call, refused_estimate
 from torch_dp._mesh.run import on_mesh
 from torch_dp._processes.cluster import is_primary_process
 from torch_dp._processes.group import Timeouts, estimate_on_this_host
@@ -331,7 +331,7 @@ class Trainer:
         """One replica's memory to train ``model`` under every ``shard=`` mode, next to its device's, before
         training (``print`` it for a table); built here as ``fit`` builds it, starting no replica."""
         if self._mesh is not None:
-            raise ValueError("Trainer(mesh=...).estimate is not built yet: it estimates data parallel's replicas.")
+            raise refused_estimate()
         return estimate_on_this_host(model, x, y, global_batch_size, self.num_replicas, self.shard)
 
     def _fit_job(

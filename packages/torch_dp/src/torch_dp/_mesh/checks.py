@@ -52,6 +52,16 @@ def check_no_shard(shard: ShardMode | None) -> None:
         )
 
 
+def refused_estimate() -> ValueError:
+    return refused(
+        "estimate",
+        "it estimates data parallel's replicas, each holding the whole model, where a mesh process holds its part "
+        "of each split variable and of its optimizer slots",
+        "Call estimate on a Trainer without mesh= for data parallel's numbers; docs/model-parallel.md (Memory) says "
+        "what a mesh process holds.",
+    )
+
+
 def plan_call(
     model: keras.Model, mesh: Mesh, layout: Layout, job: Job, *, shard: ShardMode | None, scoped: bool
 ) -> MeshPlan:
