@@ -2,9 +2,10 @@
 as parts, each process holding only its part of every variable the layout splits (bitwise an unscoped build's
 values), keeps them between calls, and fits, evaluates and predicts as ``model.fit`` on one device; an h5 file
 loaded in the scope is read by parts; checkpoints are written and resumed by parts; what the slice does not
-build is refused in the caller."""
+build is refused in the caller; before its first call it saves its first values. The (2, 2) mesh: heavy."""
 
 import json
+import shutil
 
 import keras
 import numpy as np
@@ -37,8 +38,8 @@ def trainer():
         yield mesh_trainer
 
 
-def mlp(record_dir: str = "") -> keras.Model:
-    keras.utils.set_random_seed(1)
+def mlp(record_dir: str = "", seed: int = 1) -> keras.Model:
+    keras.utils.set_random_seed(seed)
     model = keras.Sequential(
         [
             keras.Input((4,), dtype="int32"),
@@ -168,6 +169,29 @@ def test_what_a_scoped_mesh_model_does_not_build_is_refused_before_any_process_s
     assert set(held_here(model).values()) == {0}  # nothing made: no process ran
 
 
+def test_before_its_first_call_a_scoped_model_saves_its_first_values_and_keeps_none(trainer, tmp_path):
+    """No process holds a value yet: ``model.save`` and ``save_weights`` make each variable whole in the caller, one
+    at a time, as rank 0 makes it at the first call, write it and keep nothing; the first call then makes the same
+    values by parts, and from then on saving is refused (it would gather the parts whole)."""
+    unscoped = mlp()
+    with trainer.scope():
+        model = mlp()
+    model.save(str(tmp_path / "first.keras"))
+    model.save_weights(str(tmp_path / "first.weights.h5"))
+    assert set(held_here(model).values()) == {0}
+    for path in ("first.keras", "first.weights.h5"):
+        loaded = mlp(seed=2)  # other first values: the file's must replace them
+        loaded.load_weights(str(tmp_path / path))
+        for mine, theirs in zip(loaded.get_weights(), unscoped.get_weights(), strict=True):
+            np.testing.assert_array_equal(mine, theirs, err_msg=path)
+    trainer.predict(model, tokens(20)[0], global_batch_size=GLOBAL_BATCH, verbose=0)
+    assert held_here(model) == {**whole_sizes(model), **SPLIT}
+    for mine, theirs in zip(model.get_weights(), unscoped.get_weights(), strict=True):
+        np.testing.assert_array_equal(mine, theirs)
+    with pytest.raises(ValueError, match=r"saving it would gather each of them whole"):
+        model.save_weights(str(tmp_path / "after.weights.h5"))
+
+
 def test_checkpoints_are_written_by_parts_and_resume_bitwise(trainer, tmp_path):
     """Each process of the mesh's row writes its own parts (format version 2, one parts file each), the file is a
     standard checkpoint (loaded whole: the model's weights), and a fit resumed from its first epoch's ends where an
@@ -199,3 +223,52 @@ def test_checkpoints_are_written_by_parts_and_resume_bitwise(trainer, tmp_path):
         np.testing.assert_array_equal(mine, theirs)
     for mine, theirs in zip(resumed.optimizer.variables, straight.optimizer.variables, strict=True):
         np.testing.assert_array_equal(np.asarray(mine), np.asarray(theirs))
+
+
+@pytest.mark.heavy  # 4 processes and five epochs: about 46 s on 2 cores; the (1, 2) mesh above is in bare nox
+@pytest.mark.timeout(600)
+def test_a_two_by_two_mesh_scope_fits_as_model_fit_and_its_checkpoints_resume(tmp_path):
+    """Two replicas of two processes, the model built in the scope: a fit as ``model.fit``'s (History and
+    weights within 1e-6), rank 0 holding its parts; a checkpoint written by the first row's processes only
+    (parts-0, parts-1: the second row holds the same parts), resumed bitwise by a scoped model and within 1e-6 by
+    one built outside the scope."""
+    x, y = tokens(70)
+    options = {"global_batch_size": GLOBAL_BATCH, "shuffle": False, "verbose": 0}
+    reference = mlp()
+    keras.utils.set_random_seed(5)
+    expected = reference.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    folder = tmp_path / "checkpoints"
+    with torch_dp.Trainer(mesh=(2, 2), layout=LAYOUT) as trainer:
+        with trainer.scope():
+            straight = mlp()
+        keras.utils.set_random_seed(5)
+        history = trainer.fit(straight, x, y, epochs=2, **options)
+        assert_held_as_split(straight)
+        for name, values in expected.history.items():
+            np.testing.assert_allclose(history.history[name], values, rtol=1e-6, err_msg=name)
+        for mine, theirs in zip(straight.get_weights(), reference.get_weights(), strict=True):
+            np.testing.assert_allclose(mine, theirs, atol=1e-6)
+
+        with trainer.scope():
+            first = mlp()
+        keras.utils.set_random_seed(5)
+        trainer.fit(first, x, y, epochs=1, checkpoint_dir=str(folder), **options)
+        (written,) = sorted(folder.glob("step-*"))
+        manifest = json.loads((written / "manifest.json").read_text())
+        assert sorted(manifest["files"]) == ["parts-0.npz", "parts-1.npz", "state.json"]
+        shutil.copytree(folder, tmp_path / "for_a_whole_model")
+
+        with trainer.scope():
+            resumed = mlp()
+        keras.utils.set_random_seed(99)  # the checkpoint's generator state is put back
+        trainer.fit(resumed, x, y, epochs=2, checkpoint_dir=str(folder), **options)
+        for mine, theirs in zip(resumed.get_weights(), straight.get_weights(), strict=True):
+            np.testing.assert_array_equal(mine, theirs)
+        for mine, theirs in zip(resumed.optimizer.variables, straight.optimizer.variables, strict=True):
+            np.testing.assert_array_equal(np.asarray(mine), np.asarray(theirs))
+
+        whole = mlp()  # built outside the scope: whole on every process between epochs
+        keras.utils.set_random_seed(99)
+        trainer.fit(whole, x, y, epochs=2, checkpoint_dir=str(tmp_path / "for_a_whole_model"), **options)
+        for mine, theirs in zip(whole.get_weights(), straight.get_weights(), strict=True):
+            np.testing.assert_allclose(mine, theirs, atol=1e-6)
