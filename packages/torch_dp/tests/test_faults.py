@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import uuid
 import warnings
 
@@ -24,6 +25,7 @@ import dp_core
 import torch_dp
 import torch_dp._processes.group
 import torch_dp._processes.pool
+from torch_dp._processes.failures import blame, raised
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -225,6 +227,27 @@ def test_rank_0_alone_for_longer_than_the_rendezvous_timeout_is_bounded_by_the_c
         with pytest.raises(torch_dp.WorkerError, match=r"replica 1 of 2 waited more than collective_timeout=3 s"):
             trainer.fit(model, x, y, global_batch_size=32, epochs=2, verbose=0, callbacks=[_SleepAfterFirstEpoch(10)])
         assert time.monotonic() - started < 10 + 15
+
+
+def _quiet_worker() -> types.SimpleNamespace:
+    """A worker as ``blame`` reads one: running, not stopped, nothing sent."""
+    process = types.SimpleNamespace(pid=None, exitcode=None)
+    return types.SimpleNamespace(process=process, connection=types.SimpleNamespace(poll=lambda timeout: False))
+
+
+def test_rank_0_s_own_error_is_raised_even_when_a_replica_is_a_collective_behind():
+    """A callback's plain RuntimeError on rank 0 (``TerminateOnNaN(raise_error=True)``: "NaN or Inf found
+    ... batch 1") reaches the caller as it is, though rank 1 has not yet entered a broadcast rank 0 sent
+    (gloo's root does not wait for it); only a timeout blames the replica that entered the fewest."""
+    workers, entered = [_quiet_worker()], [12, 11]
+    own = RuntimeError("NaN or Inf found in input tensor: loss at batch 1")
+    failure = blame(own, workers, entered, 2, 60.0)
+    assert failure is None
+    assert raised(own, failure, 2, 60.0) is own
+    timeout = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 60000ms for recv operation")
+    failure = blame(timeout, workers, entered, 2, 60.0)
+    assert "replica 1 of 2 (pid None) stopped responding: it entered 11 collectives" in str(failure)
+    assert raised(timeout, failure, 2, 60.0) is failure
 
 
 def test_timeouts_are_checked_and_timeout_alone_sets_both():

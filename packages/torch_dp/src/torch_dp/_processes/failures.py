@@ -5,8 +5,8 @@ When a call fails, rank 0 usually sees only a collective that broke or timed out
 a worker's. The blame order (``blame``): a stopped worker first (the others' collectives timed out
 waiting for it, and the first of them to report would otherwise be blamed), then the first failure
 a worker reported (or a worker that ended without one), then, when that is only a timeout or no
-one reported, the worker that entered the fewest collectives (it fell silent). ``raised`` turns
-that into the exception the caller sees.
+one reported and rank 0 itself timed out, the worker that entered the fewest collectives (it fell
+silent). ``raised`` turns that into the exception the caller sees.
 """
 
 from __future__ import annotations
@@ -223,7 +223,10 @@ def blame(
     failure = stopped_worker(workers, num_replicas, collective_timeout) or reported_failure(
         workers, num_replicas, wait_s=2.0 if isinstance(error, RuntimeError) else 0.0
     )
-    if failure is None or _timed_out(failure):  # a complaint about someone else: who fell behind?
+    # Who fell behind explains a wait that timed out, nothing else: rank 0's own error (a callback's
+    # RuntimeError) can come while a replica is one broadcast behind (gloo's root sends and goes on),
+    # and that replica is not its cause.
+    if _timed_out(failure) or (failure is None and timed_out("\n".join(str(cause) for cause in _chain(error)))):
         failure = silent_worker(workers, entered, num_replicas, collective_timeout) or failure
     return failure
 
@@ -242,7 +245,7 @@ def raised(
     return error
 
 
-def _timed_out(failure: BaseException) -> bool:
+def _timed_out(failure: BaseException | None) -> bool:
     return isinstance(failure, WorkerError) and timed_out(f"{failure}\n{failure.worker_traceback}")
 
 
