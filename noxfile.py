@@ -328,6 +328,10 @@ def conformance(session: nox.Session, keras: str) -> None:
         session.run("pytest", f"{TORCH_DP}/tests/test_keras_sees_no_group.py", *session.posargs, env=torch_env)
         torchrun = [f"{TORCH_DP}/tests/test_two_replicas.py", "-k", "users_own_default_group"]
         session.run("pytest", *torchrun, *session.posargs, env=torch_env)
+        # model parallel on torch (issue 46: Keras 3.10 to 3.16): the (1, 2) mesh's fit against model.fit and the
+        # refusals (about 40 s); the rest of the mesh tests run under the newest in tests_torch
+        mesh = [f"{TORCH_DP}/tests/test_model_parallel.py", "-m", "not heavy"]
+        session.run("pytest", *mesh, *session.posargs, env=torch_env)
     if keras == "nightly":  # torch-dp against Keras's own torch loop with steps_per_execution (3.16 on)
         groups = [f"{TORCH_DP}/tests/test_steps_per_execution.py", "-k", "keras_316"]
         session.run("pytest", *groups, *session.posargs, env={"KERAS_BACKEND": "torch"})
