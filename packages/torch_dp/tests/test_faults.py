@@ -84,6 +84,26 @@ def test_a_nonfinite_loss_stops_training_naming_epoch_and_step(tmp_path):
         np.testing.assert_array_equal(mine, saved)
 
 
+def test_a_step_left_out_late_in_an_epoch_puts_back_what_its_forward_pass_changed():
+    """The skipped step is the third of four, after steps that moved BatchNorm's statistics and the metrics: the
+    fit equals ``model.fit`` on the data without that batch, in weights (moving statistics among them) and History."""
+    x, y = testing.data()
+    x[70] = np.nan  # global batch 2 of 4 in every epoch (shuffle=False)
+    kept = np.r_[0:64, 96 : len(x)]  # the same batches, but that one
+    expected = testing.dense_batchnorm_model("adam")
+    expected_history = expected.fit(x[kept], y[kept], batch_size=32, epochs=2, shuffle=False, verbose=0)
+    model = testing.dense_batchnorm_model("adam")
+    with pytest.warns(RuntimeWarning, match=r"epoch 1, step 2 .*skipped"):
+        history = torch_dp.Trainer(num_replicas=1, on_nonfinite_loss="skip").fit(
+            model, x, y, global_batch_size=32, epochs=2, shuffle=False, verbose=0
+        )
+    for mine, theirs in zip(model.get_weights(), expected.get_weights(), strict=True):
+        np.testing.assert_allclose(mine, theirs, atol=1e-6)
+    assert history.history.keys() == expected_history.history.keys()
+    for key, values in expected_history.history.items():
+        np.testing.assert_allclose(history.history[key], values, rtol=1e-6)
+
+
 def _skip_nan_rows(num_replicas, **options):
     x, y = testing.data()
     x[60] = np.nan  # in global batch 1, in replica 1's half of it when there are 2

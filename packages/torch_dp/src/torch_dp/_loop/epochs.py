@@ -3,11 +3,10 @@ step and a model's own ``train_step``, so the order of hooks, rank 0's decisions
 checkpoints is written once. Callbacks and the progress bar run on rank 0 only; every decision
 rank 0 makes (stop, learning rate) reaches all replicas at the point Keras would act on it.
 
-The two kinds of step differ in where those decisions travel (``EpochSteps.decisions``): Keras's
-step carries them on its gradients' all-reduce when a callback acts at every batch (else a stop at
-a batch end waits for the epoch's end); a model's own ``train_step`` (``_step.custom``) runs on
-``even_batches`` (unpadded rows), and its decisions travel in a small broadcast before each step,
-since the user's step owns the gradients' all-reduce.
+The two kinds of step differ in where those decisions travel (``EpochSteps.decisions``): Keras's step carries
+them on its gradients' all-reduce when a callback acts at every batch (else a stop at a batch end waits for the
+epoch's end); a model's own ``train_step`` (``_step.custom``) runs on ``even_batches`` (unpadded rows), and its
+decisions travel in a small broadcast before each step, since the user's step owns the gradients' all-reduce.
 
 With ``steps_per_execution=N`` all of that happens at a group's boundaries only (``_loop.groups``).
 """
@@ -36,13 +35,13 @@ from torch_dp._step.custom import CustomSteps, optimizers_of
 from torch_dp._step.metrics import global_logs, logs_of
 from torch_dp._step.shards import REPLICATED, TrainingState
 from torch_dp._step.steps import Trained, train_step
+from torch_dp._step.undo import StepUndo
 
 
 @dataclass(frozen=True)
 class SharedDecisions:
-    """Rank 0's decisions as ``share_decisions`` broadcasts them outside a step (one float each, in
-    field order): its stop, whether its callbacks changed its state, and each variable learning rate
-    of the model's optimizers (``optimizers_of`` order)."""
+    """Rank 0's decisions as ``share_decisions`` broadcasts them outside a step (one float each, in field order):
+    its stop, whether its callbacks changed its state, each variable learning rate of the model's optimizers."""
 
     stop: bool
     changed: bool
@@ -117,15 +116,15 @@ class EpochSteps(Protocol):
         changed: bool = False,
         place: InGroup = ALONE,
     ) -> Trained:
-        """One step on every replica; ``preempt``: this replica got a notice (anyone's stops all);
-        ``changed``: rank 0's callbacks changed its state (with the step's decisions: every replica
-        leaves the step out, for it to be taken again on rank 0's state). ``place``: where the step
-        lies in its group (decisions travel with a group's first step, logs with its last)."""
+        """One step on every replica; ``preempt``: this replica got a notice (anyone's stops all); ``changed``:
+        rank 0's callbacks changed its state (with the step's decisions: every replica leaves the step out, for it
+        to be taken again on rank 0's state). ``place``: where the step lies in its group (decisions travel with a
+        group's first step, logs with its last)."""
         ...
 
     def logs(self, trained: Trained, due: bool, logs: dict[str, Any]) -> dict[str, Any]:
-        """The logs the batch-end hook gets after ``trained``: read again when ``due`` (the same
-        steps on every replica), else ``logs``, the last ones."""
+        """The logs the batch-end hook gets after ``trained``: read again when ``due`` (the same steps on every
+        replica), else ``logs``, the last ones."""
         ...
 
     def epoch_logs(self) -> dict[str, Any]: ...
@@ -133,12 +132,11 @@ class EpochSteps(Protocol):
 
 @dataclass
 class KerasSteps:
-    """Keras's own train step (``_step.steps.train_step``, or a gradient accumulation ``window``'s), on
-    padded batches. With ``decide_each_step`` (callbacks act at every batch) every step sums the
-    metric states and rank 0's decisions with the gradients; else logs are synced at the epoch's
-    first step and every ``log_every`` steps (0: never), as ``_loop.groups.logs_due_at`` says. Without
-    ``batch_hooks`` (no callback acts at a batch, no progress bar) none is called: Keras would hand
-    each step's ``on_train_batch_end`` to a thread of its own for nothing."""
+    """Keras's own train step (``_step.steps.train_step``, or a gradient accumulation ``window``'s), on padded
+    batches. With ``decide_each_step`` (callbacks act at every batch) every step sums the metric states and rank
+    0's decisions with the gradients; else logs are synced at the epoch's first step and every ``log_every`` steps
+    (0: never), as ``_loop.groups.logs_due_at`` says. Without ``batch_hooks`` (no callback acts at a batch, no
+    progress bar) none is called: Keras would hand each step's ``on_train_batch_end`` to a thread for nothing."""
 
     model: keras.Model
     replica: Replica
@@ -153,6 +151,7 @@ class KerasSteps:
         self.decisions = WITH_THE_STEP if self.decide_each_step else AT_THE_EPOCH_END
         # large gradients (or sharded ones): summed in buckets during backward (a window sums its own)
         self.buckets = self.state.buckets(self.model, self.replica) if self.window is None else None
+        self.undo: StepUndo | None = None  # listed after the epoch's first step, which builds what it builds
 
     def batches(self, job: FitJob, epoch: int, first_step: int) -> Iterator[Batch]:
         order = job.arguments.epoch_order(epoch)
@@ -175,20 +174,13 @@ class KerasSteps:
         model, replica = self.model, self.replica
         sum_metrics, decide = self.decide_each_step and (place.first or place.last), place.first
         if self.window is None:
-            return train_step(
-                model,
-                batch,
-                replica,
-                sum_metrics=sum_metrics,
-                stop=stop,
-                changed=changed,
-                preempt=preempt,
-                timer=timer,
-                buckets=self.buckets,
-                apply_nonfinite=self.apply_nonfinite,
-                state=self.state,
-                decide=decide,
-            )
+            trained = train_step(
+                model, batch, replica, sum_metrics=sum_metrics, stop=stop, changed=changed, preempt=preempt,
+                timer=timer, buckets=self.buckets, apply_nonfinite=self.apply_nonfinite, state=self.state,
+                decide=decide, undo=self.undo,
+            )  # fmt: skip
+            self.undo = self.undo or StepUndo.of(model)
+            return trained
         return self.window.train_step(
             model,
             batch,
@@ -216,9 +208,9 @@ class KerasSteps:
 
 @dataclass
 class OwnSteps:
-    """The model's own ``train_step`` (``_step.custom``), on ``even_batches``; the epoch's logs come from
-    what its last step returned, as in Keras. Rank 0's decisions (stop, learning rates) are
-    broadcast before every step, after ``on_train_batch_begin``, where a callback may set them."""
+    """The model's own ``train_step`` (``_step.custom``), on ``even_batches``; the epoch's logs come from what its
+    last step returned, as in Keras. Rank 0's decisions (stop, learning rates) are broadcast before every step,
+    after ``on_train_batch_begin``, where a callback may set them."""
 
     model: keras.Model
     replica: Replica
@@ -274,19 +266,19 @@ def train_epoch(
     timer: StepTimer | NoStepTimer = NO_STEP_TIMER,
     changes: Changes | None = None,
 ) -> dict[str, Any]:
-    """One epoch of ``kind``'s steps from ``first_step``, checkpoints written as asked; returns the
-    epoch's logs. The one order of every epoch (``kind`` says where rank 0's decisions travel), in
-    groups of ``steps_per_execution`` steps (``_loop.groups``; one step each by default):
+    """One epoch of ``kind``'s steps from ``first_step``, checkpoints written as asked; returns the epoch's logs.
+    The one order of every epoch (``kind`` says where rank 0's decisions travel), in groups of
+    ``steps_per_execution`` steps (``_loop.groups``; one step each by default):
 
-    rank 0's stop from the last group's end acted on (no hook for a step not taken) ->
-    ``on_train_batch_begin`` -> rank 0's decisions, when they travel before the step -> the group's
-    first step, which carries this replica's preemption notice (any replica's stops all at this
-    boundary: a checkpoint, then ``Preempted``) -> a stop that rode on it, a non-finite loss -> the
-    group's other steps -> the logs -> ``on_train_batch_end`` -> a checkpoint when one of its steps was due.
+    rank 0's stop from the last group's end acted on (no hook for a step not taken) -> ``on_train_batch_begin``
+    -> rank 0's decisions, when they travel before the step -> the group's first step, which carries this
+    replica's preemption notice (any replica's stops all at this boundary: a checkpoint, then ``Preempted``) -> a
+    stop that rode on it, a non-finite loss -> the group's other steps -> the logs -> ``on_train_batch_end`` -> a
+    checkpoint when one of its steps was due.
 
-    What rank 0's batch hooks change in its state (``changes``) travels with its decisions: before the
-    step, or with it, which every replica then takes again on rank 0's state (without batch hooks that
-    act, nothing changes during the epoch: the state is marked shared at its end)."""
+    What rank 0's batch hooks change in its state (``changes``) travels with its decisions: before the step, or
+    with it, which every replica then takes again on rank 0's state (without batch hooks that act, nothing
+    changes during the epoch: the state is marked shared at its end)."""
     model.train()
     steps = job.arguments.steps_in(epoch)
     executions = job.arguments.executions

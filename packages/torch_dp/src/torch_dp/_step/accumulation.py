@@ -61,7 +61,8 @@ from torch_dp._step.reduction import (
     flag,
     learning_rate_variable,
 )
-from torch_dp._step.steps import Trained, _state_to_undo, act_on_agreed, backward, forward_loss
+from torch_dp._step.steps import Trained, act_on_agreed, backward, forward_loss
+from torch_dp._step.undo import NOTHING, StepUndo
 
 Saved = list[tuple[keras.Variable, torch.Tensor]]
 
@@ -145,7 +146,7 @@ class Window:
         self._begin(model, epoch, step)
         last = (self.applied + 1) % self.steps == 0
         exchange = last or sum_metrics  # something must travel: the gradients, or every batch's logs
-        before = _state_to_undo(model) if exchange else []
+        before = StepUndo.of(model) if exchange else NOTHING
         loss = forward_loss(model, batch, replica)
         trainable, local = backward(model, loss, replica)
         timer.lap("forward_backward", sync=True)

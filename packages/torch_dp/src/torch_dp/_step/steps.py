@@ -39,6 +39,7 @@ from torch_dp._step.reduction import (
     learning_rate_variable,
 )
 from torch_dp._step.shards import REPLICATED, TrainingState
+from torch_dp._step.undo import StepUndo
 
 
 def _forward(model: keras.Model, x: Any, training: bool) -> Any:
@@ -186,12 +187,12 @@ def train_step(
     apply_nonfinite: bool = False,
     state: TrainingState = REPLICATED,
     decide: bool = True,
+    undo: StepUndo | None = None,
 ) -> Trained:
     """Forward, exact global-batch gradient, Keras optimizer update, metric update.
 
-    Nothing changes (weights, optimizer, BatchNorm statistics, metrics) when the loss of
-    any replica is not finite: every replica learns it from the same all-reduce as the
-    gradients, so all of them skip the update together.
+    Nothing changes (weights, optimizer, BatchNorm statistics, metrics) when the loss of any replica is not
+    finite: every replica learns it from the same all-reduce as the gradients, so all skip the update together.
 
     With ``sum_metrics`` (callbacks act at every batch) that one all-reduce also carries the
     metric states (metrics read only this step's predictions, so they are updated before it)
@@ -210,11 +211,11 @@ def train_step(
     the callbacks) such a step is applied, as ``model.fit`` applies it, and the callback stops
     training at its batch end.
 
-    ``timer`` (``Trainer(profile=...)``) gets laps for forward+backward, the all-reduce and the optimizer.
-    With ``buckets`` (large gradients, ``_step.buckets``) the gradients are summed in buckets started during
-    backward, the other values riding in the last. ``state`` applies the update (``_step.shards``).
-    """
-    before = _state_to_undo(model)
+    ``timer`` (``Trainer(profile=...)``) gets laps for forward+backward, the all-reduce and the optimizer. With
+    ``buckets`` (large gradients, ``_step.buckets``) the gradients are summed in buckets started during backward,
+    the other values riding in the last. ``state`` applies the update (``_step.shards``); ``undo`` (a
+    ``StepUndo.of(model)`` kept between steps) copies what a step left out puts back."""
+    before = StepUndo.of(model) if undo is None else undo.take()
     shared = sum_metrics and replica.distributed  # one replica: its own states are the global ones
     rate = learning_rate_variable(model)
     decided = shared and decide
@@ -234,7 +235,7 @@ def train_step(
     if ended is not None:
         return ended
     if agreed.nonfinite and not apply_nonfinite:  # ``apply_nonfinite``: as model.fit, for a TerminateOnNaN to stop
-        _undo(model, before)
+        before.put_back(model)
         return Trained(False)
     state.apply(model, trainable, local, summed_gradients, timer)
     timer.lap("optimizer", sync=True)
@@ -310,7 +311,7 @@ def backward(
 
 def act_on_agreed(
     model: keras.Model,
-    before: list[tuple[keras.Variable, torch.Tensor]],
+    before: StepUndo,
     replica: Replica,
     rate: keras.Variable | None,
     agreed: Agreed,
@@ -318,32 +319,20 @@ def act_on_agreed(
     """What every replica does with a step's ``Agreed`` values: a preemption notice or rank 0's stop
     or change undoes the step (the ``Trained`` to return); otherwise rank 0's learning rate is taken, None."""
     if agreed.preempted:
-        _undo(model, before)
+        before.put_back(model)
         return Trained(False, preempted=True)
     decisions = agreed.decisions
     if decisions is None:
         return None
     if decisions.stop:
-        _undo(model, before)
+        before.put_back(model)
         return Trained(False, stopped=True)
     if decisions.changed:
-        _undo(model, before)
+        before.put_back(model)
         return Trained(False, changed=True)
     if rate is not None and not replica.is_primary:
         rate.assign(decisions.learning_rate)
     return None
-
-
-def _state_to_undo(model: keras.Model) -> list[tuple[keras.Variable, torch.Tensor]]:
-    """What a forward pass changes besides weights: BatchNorm statistics and metric states."""
-    variables = [*model.non_trainable_variables, *model.metrics_variables]
-    return [(v, v.value.detach().clone()) for v in variables]
-
-
-def _undo(model: keras.Model, before: list[tuple[keras.Variable, torch.Tensor]]) -> None:
-    model.zero_grad()
-    for variable, value in before:
-        variable.assign(value)
 
 
 def test_step(model: keras.Model, batch: Batch, replica: Replica) -> None:
