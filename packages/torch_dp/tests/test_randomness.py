@@ -59,9 +59,9 @@ def assert_same_fit(expected: tuple[keras.Model, dict], actual: tuple[keras.Mode
 FIT = dict(batch_size=32, epochs=2, shuffle=False, verbose=0)
 
 
-def keras_fit(accumulate: int = 1) -> tuple[keras.Model, dict]:
+def keras_fit(accumulate: int = 1, *, seeded: bool = True) -> tuple[keras.Model, dict]:
     x, y = testing.data()  # 99 rows: a 3-row last batch, all of it on rank 0 (rank 1 holds padding)
-    model = noisy_model(accumulate)
+    model = noisy_model(accumulate, seeded=seeded)
     return model, model.fit(x, y, **FIT).history
 
 
@@ -73,13 +73,16 @@ def test_dropout_and_gaussian_noise_draw_what_model_fit_draws(two_replicas, accu
     assert_same_fit(keras_fit(accumulate), (model, history.history))
 
 
-@pytest.mark.parametrize("shard", ["optimizer", "gradients", "full"])
-def test_random_layers_draw_what_model_fit_draws_under_sharded_state(shard):
+@pytest.mark.parametrize(
+    ("shard", "seeded"), [("optimizer", True), ("gradients", True), ("full", True), ("full", False)]
+)
+def test_random_layers_draw_what_model_fit_draws_under_sharded_state(shard, seeded):
+    """``seeded=False``: the unseeded Dropout draws from torch's generator, as model.fit's does."""
     x, y = testing.data()
-    model = noisy_model()
+    model = noisy_model(seeded=seeded)
     with torch_dp.Trainer(num_replicas=2, shard=shard, timeout=60) as trainer:
         history = trainer.fit(model, x, y, **FIT)
-    assert_same_fit(keras_fit(), (model, history.history))
+    assert_same_fit(keras_fit(seeded=seeded), (model, history.history))
 
 
 def test_an_unseeded_dropout_draws_from_rank_0_s_torch_generator(two_replicas):
