@@ -176,10 +176,9 @@ def _batch(
     """The rows at ``indices`` as ``host`` gives them (host tensors, or numpy); ``_placed`` puts them on the
     replica's device."""
     x, y, sample_weight = host(read_rows(indices))
-    real_rows = int(mask.sum())
-    mask_tensor = None
+    real_rows, mask_tensor = len(mask), None  # a full global batch is real throughout
     if global_real_rows < global_batch_size:
-        mask_tensor = host(mask.astype(keras.backend.floatx()))
+        real_rows, mask_tensor = int(mask.sum()), host(mask.astype(keras.backend.floatx()))
     return Batch(x, y, sample_weight, mask_tensor, real_rows, len(mask), global_real_rows, global_batch_size, whole)
 
 
