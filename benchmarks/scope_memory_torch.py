@@ -68,6 +68,7 @@ class Caps:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.groups = [CGROUPS / f"keras-dp-scope-{os.getpid()}-{rank}" for rank in range(NUM_REPLICAS)]
+        _remove_left_behind()
 
     def enter(self, rank: int, pid: int) -> None:
         group = self.groups[rank]
@@ -102,6 +103,15 @@ class Caps:
                         parent.write_text(pid)
                 with contextlib.suppress(OSError):
                     group.rmdir()
+
+
+def _remove_left_behind() -> None:
+    """The empty groups of earlier runs whose process is gone (a run killed before ``remove``)."""
+    for group in CGROUPS.glob("keras-dp-scope-*-*"):
+        pid = int(group.name.split("-")[3])
+        if not Path(f"/proc/{pid}").exists() and not (group / "cgroup.procs").read_text().split():
+            with contextlib.suppress(OSError):
+                group.rmdir()
 
 
 def worker_pids() -> list[int]:
