@@ -74,7 +74,8 @@ def _compute_loss(model: keras.Model, batch: Batch, y_pred: Any, *, training: bo
     )
     tracker = internals.loss_tracker(model)
     assert tracker is not None  # every compiled model has one
-    tracker.update_state(loss, sample_weight=batch.rows)
+    # detached, as Keras 3.16's step: the tracker's arithmetic joins no graph (the same value)
+    tracker.update_state(loss.detach() if isinstance(loss, torch.Tensor) else loss, sample_weight=batch.rows)
     return loss
 
 
