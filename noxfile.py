@@ -345,6 +345,9 @@ def conformance(session: nox.Session, keras: str) -> None:
             skip.append("--ignore=tests/test_conformance.py")
         selection = [] if session.posargs else ["-m", "not heavy"]  # the GPU check's every part: nox -s heavy
         session.run("pytest", "tests", *skip, *selection, *session.posargs)
+        if not session.posargs:  # jax-dp reading a torch DataLoader (issue 43, item 10): tests_jax has no torch
+            beside_torch = [f"{JAX_DP}/tests/test_keras_surface.py", "-k", "dataloader_over_an_iterable_dataset"]
+            session.run("pytest", *beside_torch, env={"KERAS_BACKEND": "jax"})
     if keras == "newest" and not session.posargs:  # Keras's own tests: bare nox runs the fastest passing ones
         for backend in KERAS_SUITE_BACKENDS:  # through each Trainer (nox -s keras_suite runs them all)
             session.run("python", "tests/keras_suite/run.py", "--subset", env={"KERAS_BACKEND": backend})
