@@ -147,6 +147,9 @@ KNOWN_GAPS = (
     " epoch, 7e-5 apart after the second (keras-hub's LoRA backbones are exact).",
     "`check_equivalence` on a compiled model with LoRA enabled: `keras.models.clone_model` rebuilds it"
     " without the LoRA weights; pass a model factory instead.",
+    "torch_dp runs Keras's train step eagerly, on a data-parallel trainer and on a mesh: `compile(jit_compile=True)`"
+    " (Keras's `torch.compile` of its step, off by default on torch) is not applied; the results are those of"
+    " `model.fit`'s eager step.",
 )
 
 
