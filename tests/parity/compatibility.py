@@ -149,7 +149,8 @@ KNOWN_GAPS = (
     " without the LoRA weights; pass a model factory instead.",
     "torch_dp runs Keras's train step eagerly, on a data-parallel trainer and on a mesh: `compile(jit_compile=True)`"
     " (Keras's `torch.compile` of its step, off by default on torch) is not applied; the results are those of"
-    " `model.fit`'s eager step.",
+    " `model.fit`'s eager step. jax_dp compiles the step with `jax.jit` whatever `run_eagerly` and `jit_compile`"
+    " say. Each trainer says so in a warning before training.",
 )
 
 

@@ -301,3 +301,19 @@ def test_a_layer_with_keras_s_trainer_mixed_in_trains_evaluates_and_predicts_as_
     evaluation = trainer.evaluate(model, x, y, batch_size=32, return_dict=True, verbose=0)
     assert_history_close(expected.evaluate(x, y, batch_size=32, return_dict=True, verbose=0), evaluation)
     np.testing.assert_allclose(trainer.predict(model, x, verbose=0), expected.predict(x, verbose=0), atol=1e-6)
+
+
+def test_run_eagerly_is_said_not_applied_and_the_fit_is_model_fits():
+    """``compile(run_eagerly=True)`` asks Keras to run its step without ``jax.jit``: the trainer compiles it
+    anyway, says so before training, and gives what ``model.fit``'s eager run gives."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(70, 5)).astype("float32"), rng.normal(size=(70, 1)).astype("float32")
+    expected = dense_bn_model()
+    expected.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"], run_eagerly=True)
+    expected_history = expected.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    model = dense_bn_model()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"], run_eagerly=True)
+    with pytest.warns(UserWarning, match=r"jax_dp: model\.run_eagerly=True is not applied: jax_dp compiles"):
+        history = jax_dp.Trainer(2).fit(model, x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    assert_history_close(expected_history.history, history.history)
+    assert_weights_close(expected, model)

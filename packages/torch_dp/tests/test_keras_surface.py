@@ -170,6 +170,25 @@ def test_a_model_trained_only_by_add_loss_compiled_without_a_loss_trains_as_in_k
     assert_logs_close(expected_evaluation, evaluation)
 
 
+def test_jit_compile_true_is_said_not_applied_and_the_fit_is_model_fits_eager_one(trainer):
+    """``compile(jit_compile=True)`` asks Keras to ``torch.compile`` its step: the trainer runs Keras's step
+    eagerly on every replica, says so before training, and gives what ``model.fit``'s eager step gives."""
+    x, y = testing.data()
+    expected = testing.dense_batchnorm_model()  # compiled as on torch by default: eager
+    expected_history = expected.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    model = testing.dense_batchnorm_model()
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+        loss="sparse_categorical_crossentropy",
+        metrics=["accuracy"],
+        jit_compile=True,
+    )
+    with pytest.warns(UserWarning, match=r"torch_dp: model\.jit_compile=True is not applied: torch_dp runs"):
+        history = trainer.fit(model, x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    assert_logs_close(expected_history.history, history.history)
+    assert_weights_close(expected, model)
+
+
 def test_a_scipy_sparse_x_trains_as_in_keras(trainer):
     """Keras's torch adapter densifies each batch; the workers get the matrix itself (it pickles)."""
     scipy_sparse = pytest.importorskip("scipy.sparse")

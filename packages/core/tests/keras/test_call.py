@@ -324,3 +324,21 @@ def test_a_layer_is_not_called_as_a_factory_and_a_layer_with_keras_s_trainer_is_
         call(own)
     with pytest.raises(TypeError, match=r"must be a keras.Model .*got Dense \(a Keras layer without Keras.s trainer"):
         call(keras.layers.Dense(1), compiled=False, step_names=("predict_step",))
+
+
+# what this backend's trainer does not take: torch's runs Keras's step eagerly, jax's compiles it
+NOT_TAKEN = {
+    "torch": [({"jit_compile": True}, "jit_compile=True")],
+    "jax": [({"run_eagerly": True}, "run_eagerly=True"), ({"jit_compile": False}, "jit_compile=False")],
+}
+
+
+@pytest.mark.parametrize(("options", "asked"), NOT_TAKEN[keras.backend.backend()])
+def test_a_way_of_running_the_step_the_trainer_does_not_take_is_said(options, asked):
+    with pytest.warns(UserWarning, match=rf"a_dp: model\.{asked} is not applied: a_dp (runs|compiles) Keras's"):
+        call(compiled_model(**options))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        call(compiled_model())  # compile()'s default on this backend is what the trainer does
+        call(compiled_model(**options), step_names=("predict_step",), compiled=False)  # no Keras step: not said
+    assert not [w for w in seen if "is not applied" in str(w.message)], [str(w.message) for w in seen]

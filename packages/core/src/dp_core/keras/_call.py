@@ -24,6 +24,7 @@ from dp_core.keras._limits import leading_batches, limited_steps
 from dp_core.keras._model import (
     is_factory,
     is_trainable_model,
+    note_step_compilation,
     overrides,
     require_backend,
     require_keras_steps,
@@ -111,7 +112,8 @@ def checked_call(
     4. the steps of ``step_names`` the model overrides (``CallChecks.own_steps``);
     5. a ``keras.Model`` (``resolve_model``), compiled when ``compiled`` (not for ``predict``) and
        a Keras step of ``step_names`` runs (with ``loss=`` or without: ``add_loss`` terms, as Keras);
-       no Keras distribution set (``require_no_keras_distribution``);
+       no Keras distribution set (``require_no_keras_distribution``); a warning when the model is compiled
+       to run its step in a way the trainer does not take (``note_step_compilation``);
     6. the inputs (``checked_inputs``): a batch source (``steps`` its batches per epoch, each a
        global batch: its ``global_batch_size`` is returned), or arrays that take no ``steps``
        (named ``steps_name``) but ``steps_per_epoch``, of any global batch (padded up to a
@@ -136,6 +138,7 @@ def checked_call(
     keras_step_runs = compiled and len(own) < len(step_names)
     keras_model = resolve_model(model, compiled=keras_step_runs)  # not a model: a TypeError
     require_no_keras_distribution(keras_model, checks.package)
+    note_step_compilation(keras_model, checks.backend, checks.package, step_runs=keras_step_runs)
     executions = Executions.of(keras_model)
     inputs = checked_inputs(
         x,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import keras
@@ -132,3 +133,26 @@ def build_model(model: keras.Model, inputs: FirstRows, *, rows: int = 2, for_pre
             model(x)
         return
     _internals.symbolic_build(model, (x, y, sample_weight))
+
+
+def note_step_compilation(model: keras.Model, backend: str, package: str, *, step_runs: bool = True) -> None:
+    """A warning when the model is compiled to run its step in a way the trainer does not: torch's trainer runs
+    Keras's step eagerly on every replica (``jit_compile=True``, Keras's ``torch.compile`` of its step, is not
+    applied), jax's compiles it with ``jax.jit`` (``run_eagerly=True``, or ``jit_compile=False``, which Keras's
+    ``"auto"`` also gives a model with a layer that does not support jit, are not applied). The results are the
+    same up to the kernels' rounding; Python's filter says it once. Nothing when no Keras step runs (``step_runs``)."""
+    if not step_runs:
+        return
+    if backend == "torch" and getattr(model, "jit_compile", None) is True:
+        asked, done = "model.jit_compile=True", "runs Keras's train step eagerly on every replica"
+    elif backend == "jax" and (getattr(model, "run_eagerly", False) or getattr(model, "jit_compile", None) is False):
+        asked = "model.run_eagerly=True" if model.run_eagerly else "model.jit_compile=False"
+        done = "compiles Keras's train step with jax.jit on every device"
+    else:
+        return
+    warnings.warn(
+        f"{package}: {asked} is not applied: {package} {done}, as it does for every model (the results are the "
+        "same up to the kernels' rounding). To run the step as asked, use model.fit on one device.",
+        UserWarning,
+        stacklevel=4,
+    )
