@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -162,6 +163,39 @@ def _prefetch_rows() -> dict[str, tuple[str, Callable[[dict[str, Any]], Any], st
     return rows
 
 
+def _malloc_rows() -> dict[str, tuple[str, Callable[[dict[str, Any]], Any], str]]:
+    """docs/troubleshooting.md's glibc numbers: each backend's convnet at N=1 under glibc's defaults and
+    with the settings every other run held (bench_steps_per_execution.py), both sides' runs together."""
+
+    def pooled(part: dict[str, Any], key: str) -> list[float]:
+        values = part["rounds_ms_per_step"] if key == "ms" else part["faults_per_step"]
+        return [*values["keras"], *values["trainer"]]
+
+    def defaults(r: dict[str, Any], backend: str) -> dict[str, Any]:
+        return r[backend]["glibc_defaults"]
+
+    def held(r: dict[str, Any], backend: str) -> dict[str, Any]:
+        return r[backend]["results"][defaults(r, backend)["setting"]]
+
+    file, rows = "steps_per_execution.json", {}
+    for b in ("torch", "jax"):
+        rows |= {
+            f"malloc-{b}-defaults-faults": (
+                file,
+                lambda r, b=b: statistics.median(pooled(defaults(r, b), "faults")),
+                "{:,.0f}",
+            ),
+            f"malloc-{b}-defaults-ms": (
+                file,
+                lambda r, b=b: statistics.median(pooled(defaults(r, b), "ms")),
+                "{:.1f} ms",
+            ),
+            f"malloc-{b}-held-faults": (file, lambda r, b=b: max(pooled(held(r, b), "faults")), "{:.1f}"),
+            f"malloc-{b}-held-ms": (file, lambda r, b=b: statistics.median(pooled(held(r, b), "ms")), "{:.1f} ms"),
+        }
+    return rows
+
+
 # name: (JSON file under docs/benchmarks, the value, how it is written)
 NUMBERS: dict[str, tuple[str, Callable[[dict[str, Any]], Any], str]] = {
     "torch-vs-ddp-loop": ("torch.json", lambda r: r["median_ratio_vs_ddp_loop"], "{:.2f}x"),
@@ -198,6 +232,7 @@ NUMBERS: dict[str, tuple[str, Callable[[dict[str, Any]], Any], str]] = {
     **_scope_memory_rows(),
     **_scope_memory_torch_rows(),
     **_prefetch_rows(),
+    **_malloc_rows(),
 }
 
 
