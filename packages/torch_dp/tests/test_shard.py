@@ -13,6 +13,7 @@ import torch_dp_testing as testing
 import torch_dp
 from dp_core.keras import internals
 from torch_dp._comm import collectives
+from torch_dp._step.buckets import summed_in_rank_order
 from torch_dp._step.owners import Piece, owners_of, pieces_of, slots_of
 from torch_dp._step.parts import splittable
 from torch_dp._step.shards import Sharded
@@ -357,6 +358,22 @@ def test_owners_are_runs_in_backward_order_balanced_by_bytes():
     assert owners_of(variables, 2) == [1, 1, 1, 1, 0, 0]
     assert owners_of(variables, 3) == [2, 2, 2, 1, 0, 0]  # thirds end at 168 and 336: 1 at 302.5, 100 at 353
     assert owners_of(variables, 1) == [0] * 6
+
+
+def test_an_owner_sums_its_buckets_in_rank_order_in_place():
+    """The owner of a bucket adds every replica's copy into the first, in rank order: the same sum a stack of
+    the copies gave on up to 4 replicas (bitwise), with no other bucket made (the stack and its sum held
+    five more buckets at once on 4 replicas, the owner's peak in a sharded step)."""
+    generator = torch.Generator().manual_seed(0)
+    for replicas in (2, 3, 4):
+        copies = [torch.randn(100_003, generator=generator) * 10.0**k for k in range(replicas)]
+        stacked = torch.stack(copies).sum(0)
+        first = copies[0].data_ptr()
+        total = summed_in_rank_order(copies)
+        assert total.data_ptr() == first
+        assert torch.equal(total, stacked)
+    a, b, c, d, e = (torch.tensor([value]) for value in (1e8, 1.0, -1e8, 1.0, 0.5))
+    assert summed_in_rank_order([a, b, c, d, e]).item() == 1.5  # ((((1e8 + 1) - 1e8) + 1) + 0.5): rank order
 
 
 def test_the_start_state_travels_in_chunks():

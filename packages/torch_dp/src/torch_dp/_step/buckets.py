@@ -221,10 +221,18 @@ class GradientBuckets:
         if destination is not None and destination != self.rank:
             self._launched[b] = (None, [], [])
             return
-        if others:
-            copies = [*others[: self.rank], flat, *others[self.rank :]]
-            flat = torch.stack(copies).sum(0) if len(copies) > 2 else copies[0] + copies[1]
+        if others and flat is not None:
+            flat = summed_in_rank_order([*others[: self.rank], flat, *others[self.rank :]])
         self._launched[b] = (flat, [], [])
+
+
+def summed_in_rank_order(copies: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Every replica's copy of one bucket, in rank order, added into the first in place: the same sum on any
+    owner, with no other bucket made (a stack of the copies and its sum held N + 1 buckets more at once)."""
+    total = copies[0]
+    for copy in copies[1:]:
+        total.add_(copy)
+    return total
 
 
 def _numel(shape: Sequence[int]) -> int:
