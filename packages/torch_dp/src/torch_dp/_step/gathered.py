@@ -20,9 +20,9 @@ the calls', as FSDP2 records it: backward takes the layer each call followed (kn
 the layer that followed it in an earlier pass (so the first pass prefetches in backward only). The
 model's layer order is no guide: keras-hub's GPT-2 lists its layers nearly in reverse of their calls,
 and prefetching by it gathered, in each forward, a layer already called, whose weights were then held
-until its backward, all of them by the forward's end. (With the calls' order the 126 M GPT-2 can train at
-the peaks it has without prefetch, but in some runs rank 0 goes higher with it, resumed or not, not
-explained: docs/sharding.md.) A layer already called in this pass is not prefetched in forward, nor one whose
+until its backward, all of them by the forward's end. (With the calls' order the 126 M GPT-2 trains at
+the peaks it has without prefetch; rank 0's excess in some runs' resumed job comes without prefetch
+too: docs/sharding.md.) A layer already called in this pass is not prefetched in forward, nor one whose
 backward ended; a guess that still misses (a layer called at two places) holds one layer until it is
 called or the step ends. Every replica guesses alike, so the broadcasts match. ``most_held`` is the
 most bytes of other replicas' weights held at once. Off by default: on CPU it cut the waits but bought
