@@ -547,8 +547,8 @@ def bench_steps_per_execution(session: nox.Session) -> None:
     """A one-replica Trainer against model.fit with steps_per_execution 1, 8 and 32, into docs/benchmarks.md.
 
     Both backends under ``keras-nightly`` (Keras 3.16 runs N > 1 in torch's ``model.fit`` too), the
-    small model and the guide's convnet, interleaved rounds (about 10 minutes on 2 cores; ``-- --quick``
-    is a smoke run that writes nothing under docs/)."""
+    small model and the guide's convnet, interleaved rounds in fresh processes (about 18 minutes on 2
+    cores; ``-- --quick`` is a smoke run that writes nothing under docs/)."""
     _install_everything(session)
     _install_keras_nightly(session)
     quick = "--quick" in session.posargs
