@@ -233,10 +233,15 @@ def with_penalty(layer=_Penalty):
     return model
 
 
-def test_an_added_loss_that_is_not_a_mean_over_rows_is_warned_of_where_the_backend_splits_batch_terms():
+# Seeds 6 and 82 draw a Dense whose two halves of the first 4 rows give alike roots: a probe of
+# halves found the root's value on 4 rows within float32's tolerance of their mean and did not warn.
+@pytest.mark.parametrize("seed", [0, 6, 82])
+def test_an_added_loss_that_is_not_a_mean_over_rows_is_warned_of_where_the_backend_splits_batch_terms(seed):
+    keras.utils.set_random_seed(seed)
     x = np.random.default_rng(0).normal(size=(10, 3)).astype("float32")
     y = np.zeros((10, 2), "float32")
-    with pytest.warns(UserWarning, match=r"The add_loss term of layer 'root_penalty' is not a mean over the batch"):
+    not_a_mean = r"The add_loss term of layer 'root_penalty(_\d+)?' is not a mean over the batch"
+    with pytest.warns(UserWarning, match=not_a_mean):
         call(with_penalty(RootPenalty), x, y, splits_batch_terms=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
