@@ -170,4 +170,9 @@ def waits_for_each_step(mesh: Mesh) -> bool:
     error before jax's own report of which process failed."""
     devices = list(mesh.devices.flat)
     one_process = jax.process_count() == 1
-    return one_process and len(devices) > 1 and all(device.platform == "cpu" for device in devices)
+    return one_process and len(devices) > 1 and on_cpu(mesh)
+
+
+def on_cpu(mesh: Mesh) -> bool:
+    """Whether every device of ``mesh`` is a CPU."""
+    return all(device.platform == "cpu" for device in mesh.devices.flat)

@@ -125,7 +125,7 @@ def make_custom_train_step(
             good = good & (state.counts.skipped == 0)
         if apply_nonfinite:
             good = jnp.ones((), dtype=bool)
-        state = step_taken(good, TrainState(trainable, non_trainable, optimizer, metrics, state.counts), state)
+        state = step_taken(good, TrainState(trainable, non_trainable, optimizer, metrics, state.counts), state, mesh)
         return state, report_of(logs, state.counts.skipped)
 
     return jax.jit(train_step, donate_argnums=0, out_shardings=replicated(mesh))

@@ -239,7 +239,7 @@ def train_step_of(
         (loss, y_pred, non_trainable, increments), (trainable, optimizer_state, accumulated) = forward, updated
         metrics = update_metrics(state.metrics, increments, loss, batch, y_pred)
         new = TrainState(trainable, non_trainable, optimizer_state, metrics, state.counts, accumulated)
-        return step_taken(applied(loss, state), new, state)
+        return step_taken(applied(loss, state), new, state, mesh)
 
     def gradient_update(model: keras.Model, state: TrainState, batch: Batch) -> Any:
         if accumulates(optimizer):  # gradients summed per replica, all-reduced once per window
