@@ -174,6 +174,9 @@ def test_a_busy_coordinator_port_is_a_clear_error():
     assert time.monotonic() - started < 60  # at once, not after initialization_timeout of waiting for peers
 
 
+# every_jax: on jax 0.12 the process that calls fit from its try (another line of the script) waited
+# forever with the other in their first collective, until programs lost their source lines (group.py)
+@pytest.mark.every_jax
 @pytest.mark.parametrize("failing_process", [1, 0])
 def test_an_error_the_script_catches_still_ends_the_run_fast(tmp_path, failing_process):
     survivor = 1 - failing_process

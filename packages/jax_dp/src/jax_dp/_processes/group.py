@@ -113,8 +113,12 @@ class Coordinator(NamedTuple):
 
 def _start(cluster: Cluster, coordinator: Coordinator, initialization_timeout: int, options: dict[str, Any]) -> None:
     """``jax.distributed.initialize`` with gloo for CPU collectives (without it cross-process CPU
-    collectives fail; harmless on accelerators). A port taken since the handshake is a clear error."""
+    collectives fail; harmless on accelerators), and programs without source lines: on jax 0.12
+    two processes whose programs differ only in the lines they were traced from (a fit called from
+    another line of the script on one process, as in a ``try``) wait forever in their first
+    collective (jax 0.10 runs them). A port taken since the handshake is a clear error."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_traceback_in_locations_limit", 0)
     try:
         jax.distributed.initialize(
             coordinator_address=coordinator.address,
