@@ -4,6 +4,8 @@ holding only its own variables' optimizer slots (and, sharding gradients, their 
 everything, their weights) during the fit, callbacks that see and change the whole state, and
 checkpoints that resume in another mode and on another replica count."""
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -167,11 +169,14 @@ def test_sharded_fit_is_model_fit(trainer, monkeypatch, mode, optimizer):
 
 class Halving(keras.callbacks.Callback):
     """At the second epoch's start, halves the embedding (rank 1's variable): the change must reach
-    its owner. At each epoch end, notes every weight's and optimizer variable's sum as it sees them."""
+    its owner. At each epoch end, notes every weight's and optimizer variable's sum as it sees them,
+    and calls the model."""
 
     def __init__(self) -> None:
         super().__init__()
         self.seen: list[list[float]] = []
+        self.held: list[int] = []  # the elements rank 0 holds of them at each epoch end, before reading
+        self.outputs: list[np.ndarray] = []  # the model called on 4 rows at each epoch end
 
     def on_epoch_begin(self, epoch, logs=None):
         if epoch == 1:
@@ -180,14 +185,19 @@ class Halving(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         variables = [*self.model.weights, *self.model.optimizer.variables]
+        self.held.append(sum(internals.stored_value(v).numel() for v in variables))
         self.seen.append([float(np.sum(_numpy(v))) for v in variables])
+        self.outputs.append(keras.ops.convert_to_numpy(self.model(data(4, seed=2)[0], training=False)))
 
 
-@pytest.mark.parametrize("mode", ["optimizer", "full"])
-def test_callbacks_see_and_change_the_whole_state(trainer, tmp_path, mode):
+@pytest.mark.parametrize(
+    ("mode", "scoped"), [("optimizer", False), ("full", False), ("optimizer", True), ("full", True)]
+)
+def test_callbacks_see_and_change_the_whole_state(trainer, tmp_path, mode, scoped):
     """Rank 0's callbacks read and write the whole state, as under ``model.fit``: ``SwapEMAWeights``
     validates on the moving averages, ``ModelCheckpoint`` saves every slot, a callback's change to
-    another replica's variable is trained on."""
+    another replica's variable is trained on. A model built in the scope gets the same, each variable
+    served to rank 0 in turn: it never holds more there than its own parts (as between calls)."""
     x, y = data()
     validation = data(37, seed=1)
 
@@ -205,14 +215,21 @@ def test_callbacks_see_and_change_the_whole_state(trainer, tmp_path, mode):
         validation_data=validation, callbacks=expected_callbacks,
     )  # fmt: skip
     trainer.shard = mode
-    trained, given = model("ema"), callbacks(tmp_path / "mine")
+    with trainer.scope() if scoped else contextlib.nullcontext():
+        trained = model("ema")
+    given = callbacks(tmp_path / "mine")
     (tmp_path / "mine").mkdir()
     history = trainer.fit(
         trained, x, y, global_batch_size=GLOBAL_BATCH_SIZE, epochs=EPOCHS, shuffle=False, verbose=0,
         validation_data=validation, callbacks=given,
     )  # fmt: skip
+    whole = sum(int(np.prod(v.shape)) for v in [*trained.weights, *trained.optimizer.variables])
+    own = sum(internals.stored_value(v).numel() for v in [*trained.weights, *trained.optimizer.variables])
+    assert given[0].held == ([own] * EPOCHS if scoped else [whole] * EPOCHS), (given[0].held, own, whole)
+    assert own < whole if scoped else own == whole
     assert_like_keras(trainer, trained, history, reference, expected)
     np.testing.assert_allclose(given[0].seen, expected_callbacks[0].seen, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(given[0].outputs, expected_callbacks[0].outputs, rtol=1e-5, atol=1e-5)
     for epoch in (1, 2):
         mine = keras.saving.load_model(tmp_path / "mine" / f"epoch{epoch}.keras")
         theirs = keras.saving.load_model(tmp_path / "keras" / f"epoch{epoch}.keras")

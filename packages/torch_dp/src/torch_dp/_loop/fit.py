@@ -61,7 +61,9 @@ def fit_loop(
             arguments.callbacks, model, is_primary=replica.is_primary, verbose=arguments.verbose,
             epochs=arguments.epochs, steps=arguments.steps_shown, global_batch_size=arguments.global_batch_size,
         )  # fmt: skip
-        callbacks = on_whole_state(listed, arguments.callbacks, state, replica)  # sharded: rank 0's hooks see it all
+        callbacks = on_whole_state(
+            listed, arguments.callbacks, model, state, replica
+        )  # sharded: rank 0's hooks see all
         logging = _batch_logging(job, replica)
         changes = Changes(model, replica, sharded=state.sharded_variables())
         resumed = bool(start.epoch or start.step)  # from a checkpoint (an initial_epoch comes later)
@@ -102,7 +104,7 @@ def fit_loop(
             window.settle(model, replica)
         state.gather()  # every replica's optimizer whole again, for the moving averages' swap and the caller
         if arguments.epochs > start.epoch:
-            model.optimizer.finalize_variable_values(model.trainable_weights)
+            state.finalize_variable_values(model)
         callbacks.on_train_end(logs=epoch_logs)
         return model.history
 

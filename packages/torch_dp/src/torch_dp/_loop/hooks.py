@@ -4,8 +4,10 @@ A sharded fit leaves each replica only its own optimizer slots (and with ``"full
 weights), but a callback may read or write any of them: ``ModelCheckpoint`` saves the model and its
 optimizer, ``SwapEMAWeights`` swaps the weights with their moving averages, ``EarlyStopping`` keeps
 the best weights. So at each hook a callback acts at, rank 0 gathers the whole state first, and
-what the callback changed in it reaches the owners after (``_step.shards``). Hooks no callback acts
-at (the progress bar's and History's, or none overridden) cost nothing.
+what the callback changed in it reaches the owners after (``_step.shards``); for a model built in the
+scope, whose state may not fit one replica, it reads and writes each variable through its holders
+instead, one at a time (``_scope.served``). Hooks no callback acts at (the progress bar's and
+History's, or none overridden) cost nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import keras
 from dp_core.keras import internals
 from torch_dp._comm.collectives import broadcast_floats
 from torch_dp._comm.replica import Replica
+from torch_dp._scope.served import served_hook
 from torch_dp._step.shards import TrainingState
 
 HOOKS = (
@@ -39,12 +42,14 @@ _PASSIVE = (keras.callbacks.ProgbarLogger, keras.callbacks.History)  # they read
 def on_whole_state(
     callbacks: keras.callbacks.CallbackList,
     given: Sequence[keras.callbacks.Callback] | None,
+    model: keras.Model,
     state: TrainingState,
     replica: Replica,
 ) -> keras.callbacks.CallbackList:
     """``callbacks`` (rank 0's list, made from the ``given`` ones) with each hook some callback acts
-    at run on the whole state, when ``state`` is sharded. Every replica calls it (rank 0's choice of
-    hooks is shared: one small broadcast)."""
+    at run on the whole state of ``model``, when ``state`` is sharded (served variable by variable,
+    when held by a scope). Every replica calls it (rank 0's choice of hooks is shared: one small
+    broadcast)."""
     if state.mode is None:
         return callbacks
     acting = [
@@ -55,7 +60,7 @@ def on_whole_state(
     if not hooks:
         return callbacks
     internals.dispatch_batch_hooks_inline(callbacks)  # a hook on Keras's thread would run after the state is freed
-    return cast(keras.callbacks.CallbackList, _OnWholeState(callbacks, state, hooks))
+    return cast(keras.callbacks.CallbackList, _OnWholeState(callbacks, hooks, model, state, replica))
 
 
 BATCH_HOOKS = tuple(hook for hook in HOOKS if "_batch_" in hook)
@@ -84,8 +89,16 @@ def _saves_at_epoch_ends_only(callback: keras.callbacks.Callback) -> bool:
 class _OnWholeState:
     """A ``CallbackList`` whose ``hooks`` run with rank 0 holding the whole state."""
 
-    def __init__(self, callbacks: keras.callbacks.CallbackList, state: TrainingState, hooks: set[str]) -> None:
-        self._callbacks, self._state, self._hooks = callbacks, state, hooks
+    def __init__(
+        self,
+        callbacks: keras.callbacks.CallbackList,
+        hooks: set[str],
+        model: keras.Model,
+        state: TrainingState,
+        replica: Replica,
+    ) -> None:
+        self._callbacks, self._hooks = callbacks, hooks
+        self._model, self._state, self._replica = model, state, replica
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self._callbacks, name)
@@ -94,6 +107,9 @@ class _OnWholeState:
 
         @functools.wraps(method)
         def on_whole_state(*args: Any, **kwargs: Any) -> Any:
+            if self._state.held:
+                with self._state.layers_paused(), served_hook(self._model, self._replica):
+                    return method(*args, **kwargs)
             with self._state.whole_on_primary(changes_kept=True):
                 return method(*args, **kwargs)
 

@@ -5,7 +5,9 @@ Between calls each replica holds its own parts of a scoped model (``_scope.layou
 it from the replicas that hold it, one variable at a time, into a copy that is not kept; assigning one
 (``assign``, ``load_weights``) sends each replica its part. A variable still awaiting its first value
 reads its initializer's value and is assigned by changing that value. Within a call (``calling``) and
-in a worker replica, variables read and write their own storage, as every trainer step expects.
+in a worker replica, variables read and write their own storage, as every trainer step expects;
+but in rank 0's callbacks during a scoped fit (``served_by``) the variables held by parts are read and
+written through the other replicas again, one at a time (``_scope.served``).
 
 Process-global state: ``_holders`` (the holder of each variable held by parts, by identity: the
 replica pool that holds the model) and the count of calls running in this process. Keras's variable
@@ -64,6 +66,7 @@ _holders: dict[int, Holder] = {}
 _calls = 0
 _installed = False
 _scopes = 0  # scopes entered now: load_weights hands variables where their values lie (``_scope.loading``)
+_served: tuple[Holder, frozenset[int]] | None = None  # rank 0 in a scoped fit's hook: who serves which variables
 
 
 @contextlib.contextmanager
@@ -123,6 +126,35 @@ def calling() -> Iterator[None]:
         _calls -= 1
 
 
+@contextlib.contextmanager
+def served_by(holder: Holder, variables: Sequence[keras.Variable]) -> Iterator[None]:
+    """Within the block (rank 0's hook in a fit) ``variables`` are read and written through ``holder``,
+    as between calls, though a call runs; the others read their storage, as in the call."""
+    global _served
+    before, _served = _served, (holder, frozenset(id(v) for v in variables))
+    try:
+        yield
+    finally:
+        _served = before
+
+
+@contextlib.contextmanager
+def storage_only() -> Iterator[None]:
+    """Within the block no variable is served (the holder's own work on the storage)."""
+    global _served
+    before, _served = _served, None
+    try:
+        yield
+    finally:
+        _served = before
+
+
+def _server(variable: keras.Variable) -> Holder | None:
+    if _served is not None and id(variable) in _served[1]:
+        return _served[0]
+    return None
+
+
 def serve_only() -> None:
     """This process is a worker replica: it reads its storage always (the caller reads for the user)."""
     global _calls
@@ -130,6 +162,9 @@ def serve_only() -> None:
 
 
 def _read(variable: keras.Variable) -> torch.Tensor | None:
+    server = _server(variable)
+    if server is not None:
+        return server.read_variable(variable)
     if _calls or not _installed or building():  # Keras's own reads while it builds take the storage
         return None
     holder = _holders.get(id(variable))
@@ -146,6 +181,10 @@ def _keep(variable: keras.Variable, value: Any) -> bool:
 
 
 def _write(variable: keras.Variable, value: Any) -> bool:
+    server = _server(variable)
+    if server is not None:
+        server.write_variable(variable, value)
+        return True
     if _calls:
         return False
     holder = _holders.get(id(variable))

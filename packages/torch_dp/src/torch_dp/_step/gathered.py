@@ -40,9 +40,10 @@ original tensor.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, final
 
@@ -115,6 +116,15 @@ class JustInTime:
         self.paused = False  # rank 0 holds every weight (a callback runs on it alone): no gathers
         self.seconds = 0.0  # spent gathering since the last ``take_seconds`` (the scaling report's)
         self.ahead = 0.0  # the gathers' time in flight before their layer needed them, since then
+
+    @contextlib.contextmanager
+    def pausing(self) -> Iterator[None]:
+        """Within the block no layer gathers (rank 0 runs a callback alone, reading what it is served)."""
+        self.paused = True
+        try:
+            yield
+        finally:
+            self.paused = False
 
     def install(self) -> None:
         """Each layer's ``call`` shadowed; each weight freed once its gradient is accumulated; whether to

@@ -172,6 +172,21 @@ def share_updated(by_owner: ByOwner, replica: Replica) -> None:
                 _assign(held, piece)
 
 
+def averages_into_weights(
+    mine: Sequence[Held], averages: Sequence[keras.Variable], whole_by_owner: ByOwner, replica: Replica
+) -> None:
+    """``use_ema``'s end of a fit on pieces that stay with their owners: each of this replica's weights
+    (or rows, ``mine``) made its moving average (``averages``, holding the same rows), then the weights
+    every replica holds whole made their owners' (``share_updated``)."""
+    with torch.no_grad():
+        for held, average in zip(mine, averages, strict=True):
+            value = internals.stored_value(average).detach()
+            weight = internals.stored_value(held.variable)
+            rows = held.rows or (0, weight.shape[0])
+            (weight if weight.shape == value.shape else weight[rows[0] : rows[1]]).copy_(value)
+        share_updated(whole_by_owner, replica)
+
+
 def _rows_of(held: Held) -> torch.Tensor:
     """The holding's values in a variable held whole here."""
     value = internals.stored_value(held.variable).detach()

@@ -21,7 +21,8 @@ their rows) and alone updates it, with Keras's own ``apply`` on the variable sta
   updated weights stay with their owners.
 
 Callbacks run on rank 0: at the hooks a callback acts at, rank 0 holds the whole state for it, and
-what it changed there reaches the owners (``_loop.hooks``).
+what it changed there reaches the owners (``_loop.hooks``); a scoped model's are served to it one
+variable at a time instead (``_scope.served``).
 
 Exact: Keras updates a variable from that variable, its gradient and its slots only, but for a
 loss scale's finite check, ``global_clipnorm``'s norm and ``use_ema``'s moving averages, which
@@ -50,6 +51,7 @@ from torch_dp._step.buckets import GradientBuckets, gradient_buckets
 from torch_dp._step.every_gradient import count_step, over_every_gradient
 from torch_dp._step.gathered import JustInTime
 from torch_dp._step.moves import (
+    averages_into_weights,
     back_to_owners,
     onto_everyone,
     onto_host_of_primary,
@@ -103,8 +105,18 @@ class TrainingState(Protocol):
         whole hold a host copy, put together one variable at a time."""
         ...
 
+    def layers_paused(self) -> contextlib.AbstractContextManager[None]:
+        """Within the block no layer gathers its weights around its call (rank 0 alone runs a callback,
+        its layers reading each weight as the callback's hook serves it)."""
+        ...
+
     def gather(self) -> None:
         """Every replica holds every variable again (the end of the fit)."""
+        ...
+
+    def finalize_variable_values(self, model: keras.Model) -> None:
+        """Keras's ``optimizer.finalize_variable_values`` at the fit's end (``use_ema``: each weight made its
+        moving average), on the state as it lies after ``gather``."""
         ...
 
     def sharded_variables(self) -> list[keras.Variable]:
@@ -143,8 +155,14 @@ class Replicated:
     def on_primary_host(self) -> Iterator[None]:
         yield
 
+    def layers_paused(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
     def gather(self) -> None:
         pass
+
+    def finalize_variable_values(self, model: keras.Model) -> None:
+        model.optimizer.finalize_variable_values(model.trainable_weights)
 
     def sharded_variables(self) -> list[keras.Variable]:
         return []
@@ -285,6 +303,9 @@ class Sharded:
         finally:
             put_back(originals)
 
+    def layers_paused(self) -> contextlib.AbstractContextManager[None]:
+        return self.weights.pausing() if self.weights is not None else contextlib.nullcontext()
+
     def gather(self) -> None:
         """Each owner's variables broadcast to every replica: the whole state everywhere."""
         if self._whole:
@@ -294,6 +315,17 @@ class Sharded:
         if not self.held:  # a scoped model's parts stay with their holders
             onto_everyone(self.by_owner, self.replica)
         self._whole = True
+
+    def finalize_variable_values(self, model: keras.Model) -> None:
+        """A scoped model's pieces stay with their owners: each puts its averages' rows in its weights
+        (``_step.moves.averages_into_weights``)."""
+        averages = internals.moving_averages(model.optimizer)
+        if not self.held or not averages:
+            model.optimizer.finalize_variable_values(model.trainable_weights)
+            return
+        average_of = {id(v): a for v, a in zip(internals.trained_variables(model.optimizer), averages, strict=True)}
+        mine = [Held(self.variables[p.variable], p.rows) for p in self.mine]
+        averages_into_weights(mine, [average_of[id(held.variable)] for held in mine], self.whole_by_owner, self.replica)
 
     def fill_locally(self) -> None:
         """Freed variables back at their shapes, as zeros, with no collective (a failed fit's end)."""
