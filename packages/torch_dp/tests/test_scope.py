@@ -204,8 +204,13 @@ def test_a_scoped_model_refuses_another_mode_and_says_its_state_is_gone_after_cl
             trainer.evaluate(model, x, y, global_batch_size=GLOBAL_BATCH_SIZE, verbose=0)
         trainer.shard = "full"
         assert np.isfinite(trainer.evaluate(model, x, y, global_batch_size=GLOBAL_BATCH_SIZE, verbose=0)[0])
+        variables = [*model.weights, *model.optimizer.variables]
+        held_here = [v for v in variables if held.holder_of(v) is not None]
+        assert sum(internals.stored_value(v).numel() for v in held_here) > 0  # rank 0's parts
     with pytest.raises(RuntimeError, match=r"the model's state is gone"):
         model.get_weights()
+    # freed at close, not when Python collects the model (a cycle, which may outlive the user's last use)
+    assert [internals.stored_value(v).numel() for v in held_here] == [0] * len(held_here)
 
 
 def test_a_scoped_models_checkpoints_are_written_by_parts_and_resume_bitwise(trainer, tmp_path):

@@ -29,6 +29,7 @@ from dp_core.keras import internals
 from torch_dp._internals import guard_variable_access
 from torch_dp._scope.deferred import building, deferring, initial_value, is_deferred, scoped_mode, set_initial_value
 from torch_dp._scope.loading import StoredValue, stored
+from torch_dp._step.owners import release
 
 
 class Holder(Protocol):
@@ -63,6 +64,7 @@ def _lost(variable: keras.Variable) -> str:
 
 
 _holders: dict[int, Holder] = {}
+_held: weakref.WeakValueDictionary[int, keras.Variable] = weakref.WeakValueDictionary()  # those variables
 _calls = 0
 _installed = False
 _scopes = 0  # scopes entered now: load_weights hands variables where their values lie (``_scope.loading``)
@@ -100,6 +102,7 @@ def hold(variables: Sequence[keras.Variable], holder: Holder) -> None:
         if id(variable) not in _holders:  # forgotten with the variable: another one may get its identity
             weakref.finalize(variable, _holders.pop, id(variable), None)
         _holders[id(variable)] = holder
+        _held[id(variable)] = variable
 
 
 def holder_of(variable: keras.Variable) -> Holder | None:
@@ -108,11 +111,17 @@ def holder_of(variable: keras.Variable) -> Holder | None:
 
 
 def release_all(holder: Holder) -> None:
-    """The variables ``holder`` held are lost (its replicas stopped)."""
+    """The variables ``holder`` held are lost (its replicas stopped), and this process's parts of them
+    freed now: a model is a reference cycle, which Python may free long after the user let it go (a
+    collection that runs a finalizer frees nothing until the next), and rank 0's parts would stay
+    meanwhile, beside the next model's."""
     lost = Lost()
     for key, found in list(_holders.items()):
         if found is holder:
             _holders[key] = lost
+            variable = _held.get(key)
+            if variable is not None:
+                release(variable)
 
 
 @contextlib.contextmanager
