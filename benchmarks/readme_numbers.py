@@ -120,7 +120,8 @@ TORCH_SCOPE_PHASES = (  # scope_memory_torch.py's phases, as the page names them
 
 
 def _scope_memory_torch_rows() -> dict[str, tuple[str, Callable[[dict[str, Any]], Any], str]]:
-    """docs/sharding.md's torch-dp scope numbers: the state, the cap, each phase's highest replica peak."""
+    """docs/sharding.md's torch-dp scope numbers: the state, the cap, each replica's peak in each phase
+    and the highest cgroup count."""
     file = "scope_memory_torch.json"
     rows: dict[str, tuple[str, Callable[[dict[str, Any]], Any], str]] = {
         "scope-torch-parameters": (file, lambda r: r["preset"]["parameters"], "{:,}"),
@@ -131,10 +132,15 @@ def _scope_memory_torch_rows() -> dict[str, tuple[str, Callable[[dict[str, Any]]
     }
     rows["scope-torch-unsharded-vs-model-fit"] = (file, lambda r: r["unsharded_vs_reference"]["max_abs"], "{:.1e}")
     for index, name in enumerate(TORCH_SCOPE_PHASES):
-        for kind in ("anonymous", "cgroup"):
-            rows[f"scope-torch-{kind}-{index + 1}"] = (
+        rows[f"scope-torch-cgroup-{index + 1}"] = (
+            file,
+            lambda r, name=name: max(r["scoped"]["peaks"][name]["cgroup"]) / 1e6,
+            "{:.0f}",
+        )
+        for rank in range(4):  # each replica's own peak
+            rows[f"scope-torch-anonymous-{index + 1}-{rank}"] = (
                 file,
-                lambda r, name=name, kind=kind: max(r["scoped"]["peaks"][name][kind]) / 1e6,
+                lambda r, name=name, rank=rank: r["scoped"]["peaks"][name]["anonymous"][rank] / 1e6,
                 "{:.0f}",
             )
     return rows
