@@ -4,6 +4,7 @@ and trains, evaluates and predicts as single-device ``model.fit`` does (an uneve
 reading a variable in the caller gathers it, assigning one sends each replica its part, and a saved file
 is a standard Keras file that plain Keras loads on one device."""
 
+import functools
 import gc
 import json
 from pathlib import Path
@@ -70,6 +71,21 @@ def test_a_scoped_model_is_made_by_parts_and_trains_as_model_fit(trainer, mode, 
     shard_test.assert_like_keras(trainer, scoped, history, reference, expected)
     assert stored_sizes(scoped) == ([0, 9 * 16, 0, 0, 48, 3] if mode == "full" else sizes)  # reads kept nothing
     del unsharded
+
+
+def test_a_model_factory_passed_to_fit_under_full_is_built_in_the_scope(trainer):
+    """``trainer.fit(factory)`` under ``shard="full"`` builds as ``with trainer.scope(): factory()``: the
+    History's model holds rank 0's parts only, and trained as ``model.fit``."""
+    reference, expected = shard_test.keras_fit("adam")
+    trainer.shard = "full"
+    x, y = shard_test.data()
+    history = trainer.fit(
+        functools.partial(shard_test.model, "adam"), x, y, global_batch_size=GLOBAL_BATCH_SIZE,
+        epochs=shard_test.EPOCHS, shuffle=False, verbose=0,
+    )  # fmt: skip
+    assert deferred.scoped_mode(history.model) == (True, "full")
+    assert stored_sizes(history.model) == [0, 9 * 16, 0, 0, 48, 3]  # test_shard's pieces of rank 0
+    shard_test.assert_like_keras(trainer, history.model, history, reference, expected)
 
 
 def test_initial_values_are_an_unsharded_builds_bitwise_before_and_after_the_first_call(trainer):

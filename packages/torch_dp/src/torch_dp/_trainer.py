@@ -53,7 +53,7 @@ from torch_dp._processes.cluster import is_primary_process
 from torch_dp._processes.group import Timeouts, estimate_on_this_host
 from torch_dp._processes.launchers import ClusterProcess, Launcher, choose_launcher
 from torch_dp._scope.deferred import deferring_if_scoped, scoped_mode
-from torch_dp._scope.held import trainer_scope
+from torch_dp._scope.held import built_in_scope, trainer_scope
 from torch_dp._scope.layout import check_scoped_call
 from torch_dp._step.custom import check_custom_steps
 
@@ -238,7 +238,8 @@ class Trainer:
         checkpoint_every_steps: int | None = None,
         checkpoint_in_background: bool = True,
     ) -> keras.callbacks.History:
-        """Train ``model`` like ``model.fit``; returns a History whose ``.model`` is the trained model.
+        """Train ``model`` like ``model.fit``; returns a History whose ``.model`` is the trained model. Under
+        ``shard="full"`` a model factory's model is built in ``scope()``: it stays held by parts after the fit.
 
         With ``checkpoint_dir``, rank 0 writes a dp-core checkpoint there at every epoch end
         and every ``checkpoint_every_steps`` steps, and a directory that already holds one
@@ -247,7 +248,7 @@ class Trainer:
         ``checkpoint_in_background=False`` waits for each write.
         """
         keras_model, inputs, global_batch_size, executions = checked_call(
-            model,
+            built_in_scope(model, self.shard, under_cluster=isinstance(self._launcher, ClusterProcess)),
             x,
             y,
             sample_weight,

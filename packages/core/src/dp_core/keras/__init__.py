@@ -35,7 +35,7 @@ The contract, what a backend calls on the way from the user's call to its step:
 Helpers, for what a backend does its own way:
 
 - the checks ``checked_call`` is made of: ``global_batch_size_of``, ``checked_model_and_inputs``,
-  ``resolve_model``, ``require_backend``, ``require_compiled``, ``overrides``;
+  ``resolve_model`` (``is_factory``: what it calls), ``require_backend``, ``require_compiled``, ``overrides``;
 - inputs: ``validation_inputs``, ``FirstRows``, ``batch_source``, ``is_batch_source``,
   ``replica_part``, ``replica_positions``, ``batch_rows``, ``padded_batch_size``, ``flatten``, ``map_structure``;
 - losses and the learning rate: ``ReplicaRows``, ``activity_regularizer_divides_by_batch_size``,
@@ -129,6 +129,7 @@ from dp_core.keras._losses import ReplicaRows as ReplicaRows
 from dp_core.keras._losses import (
     activity_regularizer_divides_by_batch_size as activity_regularizer_divides_by_batch_size,
 )
+from dp_core.keras._model import is_factory as is_factory
 from dp_core.keras._model import overrides as overrides
 from dp_core.keras._model import require_backend as require_backend
 from dp_core.keras._model import require_compiled as require_compiled
@@ -191,6 +192,7 @@ __all__ = [
     "global_batch_size_of",
     "internals",
     "is_batch_source",
+    "is_factory",
     "learning_rate_policy_installed",
     "map_structure",
     "mark_as_trainers",

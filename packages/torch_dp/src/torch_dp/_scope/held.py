@@ -25,7 +25,7 @@ import keras
 import torch
 
 from dp_core import ShardMode
-from dp_core.keras import internals
+from dp_core.keras import internals, is_factory
 from torch_dp._internals import guard_variable_access
 from torch_dp._scope.deferred import building, deferring, initial_value, is_deferred, scoped_mode, set_initial_value
 from torch_dp._scope.loading import StoredValue, stored
@@ -95,6 +95,16 @@ def trainer_scope(
             yield
     finally:
         _scopes -= 1
+
+
+def built_in_scope(model: Any, mode: ShardMode | None, *, under_cluster: bool) -> Any:
+    """What ``fit`` trains for ``model``: under ``shard="full"`` with spawned replicas, the model of a
+    zero-argument factory built in the trainer's scope (as ``with trainer.scope(): model = factory()``,
+    and as jax-dp's ``fit`` does); a model, or a factory under another mode or torchrun, as it is."""
+    if mode != "full" or under_cluster or not is_factory(model):
+        return model
+    with trainer_scope(mode, under_cluster=False):
+        return model()
 
 
 def hold(variables: Sequence[keras.Variable], holder: Holder) -> None:
