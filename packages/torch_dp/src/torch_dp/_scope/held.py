@@ -122,9 +122,9 @@ def holder_of(variable: keras.Variable) -> Holder | None:
 
 def release_all(holder: Holder) -> None:
     """The variables ``holder`` held are lost (its replicas stopped), and this process's parts of them
-    freed now: a model is a reference cycle, which Python may free long after the user let it go (a
-    collection that runs a finalizer frees nothing until the next), and rank 0's parts would stay
-    meanwhile, beside the next model's."""
+    freed now: a model is a reference cycle, which Python may free long after the user let it go (one
+    was seen alive after ``del`` and a ``gc.collect()``, freed by the next ones), and rank 0's parts
+    would stay meanwhile, beside the next model's."""
     lost = Lost()
     for key, found in list(_holders.items()):
         if found is holder:
