@@ -5,6 +5,7 @@ layers and plain Python functions.
 from __future__ import annotations
 
 import contextlib
+import functools
 import tempfile
 from collections.abc import Iterator
 from typing import Any
@@ -98,6 +99,17 @@ def gpt2_sharded_weights(run: Runner) -> Any:
     model = hub_models.gpt2_lm("gpt2_sharded_weights")
     with sharded(run, "full"):
         history = _fit(run, model, x, y)
+        return outcome(run, history, x, y)
+
+
+@scenario("model.gpt2", "feature.shard_full", "trainer.model_factory")
+def gpt2_factory_sharded_from_construction(run: Runner) -> Any:
+    """The GPT-2 LM given to `fit` as a factory under `shard="full"`: each Trainer builds it in its scope.
+
+    Created by parts, never whole on a replica, and held so after the fit; the factory sets its weights."""
+    x, y, _ = hub_models.next_tokens("gpt2_factory_sharded_from_construction")
+    with sharded(run, "full"):
+        history = _fit(run, functools.partial(hub_models.gpt2_lm, "gpt2_factory_sharded_from_construction"), x, y)
         return outcome(run, history, x, y)
 
 

@@ -93,11 +93,13 @@ def test_initial_values_are_an_unsharded_builds_bitwise_before_and_after_the_fir
     trainer.shard = "full"
     with trainer.scope():
         scoped = shard_test.model("adam")
+        inside = scoped.get_weights()  # read inside the block too (a factory that sets weights reads them)
     before = scoped.get_weights()  # each read runs that variable's initializer here, and keeps nothing
     x, y = shard_test.data()
     trainer.evaluate(scoped, x, y, global_batch_size=GLOBAL_BATCH_SIZE, verbose=0)  # the first call makes the parts
     after = scoped.get_weights()  # gathered from both replicas
-    for expected, first, made in zip(unsharded.get_weights(), before, after, strict=True):
+    for expected, first, made, read_inside in zip(unsharded.get_weights(), before, after, inside, strict=True):
+        np.testing.assert_array_equal(read_inside, expected)
         np.testing.assert_array_equal(first, expected)
         np.testing.assert_array_equal(made, expected)
 

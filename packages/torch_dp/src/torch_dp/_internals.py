@@ -131,6 +131,7 @@ def guard_variable_access(
     read: Callable[[keras.Variable], torch.Tensor | None],
     write: Callable[[keras.Variable, Any], bool],
     keep: Callable[[keras.Variable, Any], bool],
+    registering: Callable[[], contextlib.AbstractContextManager[None]],
 ) -> None:
     """Every later read of a ``keras.Variable``'s ``value`` asks ``read(variable)`` first (a tensor: the
     value to use; None: Keras's own), and every ``assign`` asks ``write(variable, value)`` (True: done).
@@ -139,7 +140,8 @@ def guard_variable_access(
     ``assign`` and ``load_weights`` end in) are the two places every access passes; Keras has no
     public hook. ``_convert_to_tensor`` (what ``assign`` converts a value with first) leaves a value as it
     is where ``keep(variable, value)`` (a value still in its file, for a variable that reads it later).
-    Installed once per process (``_scope.held``)."""
+    Within ``registering()`` (Keras's torch layers registering each variable's storage as a parameter)
+    ``read`` must answer None. Installed once per process (``_scope.held``)."""
     variable_class: Any = keras.Variable
     keras_value = variable_class.value
     keras_assign = variable_class._direct_assign
@@ -159,6 +161,18 @@ def guard_variable_access(
     variable_class.value = property(value)
     variable_class._direct_assign = direct_assign
     variable_class._convert_to_tensor = convert_to_tensor
+    # Keras's torch layers register each variable's storage as their torch parameter by reading its
+    # ``value``: those reads run within ``registering()`` (the storage, never a value read for the user)
+    from keras.src.backend.torch.layer import TorchLayer
+
+    for name in ("_track_variables", "_post_track_variable"):
+        original = getattr(TorchLayer, name)
+
+        def registered(layer: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            with registering():
+                return _original(layer, *args, **kwargs)
+
+        setattr(TorchLayer, name, registered)
 
 
 def set_stored_value(variable: keras.Variable, value: torch.Tensor) -> None:

@@ -31,6 +31,7 @@ from torch_dp._processes.custom_objects import custom_objects, lambda_functions,
 from torch_dp._processes.out_of_memory import ran_out_of_memory, rebuild_out_of_memory
 from torch_dp._processes.shared_arrays import open_shared
 from torch_dp._scope.deferred import deferring
+from torch_dp._scope.held import install
 from torch_dp._scope.replicas import VariableJob
 
 
@@ -233,6 +234,8 @@ def _check_optimizer_rebuilt(model: keras.Model, loaded: keras.Model) -> None:
 def receive_model(source: ModelSource, trainable: TrainableFlags, held: keras.Model | None = None) -> keras.Model:
     """The worker's copy of the caller's model (its weights are rank 0's broadcast, later; a scoped
     one's are made by parts at the call). A ``recompile`` compiles the ``held`` one again."""
+    if source.scoped:
+        install()  # its build may read and set its variables' first values (a factory's set_weights)
     with deferring(source.mode) if source.scoped else contextlib.nullcontext():
         if source.recompile:
             assert held is not None, "a recompile follows the model's first call"

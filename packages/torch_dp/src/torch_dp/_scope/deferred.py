@@ -72,8 +72,8 @@ def deferring(mode: ShardMode | None, mesh: tuple[int, int] | None = None) -> It
 
 
 def building() -> bool:
-    """Whether a ``deferring`` block runs now: Keras builds layers, and reads each variable's own
-    storage (torch's ``Layer._track_variables`` registers it as the layer's parameter)."""
+    """Whether a ``deferring`` block runs now: a model is being built, in the caller's scope or on a
+    replica, and its variables read and set their first values (``_scope.held``)."""
     return _depth > 0
 
 

@@ -10,8 +10,10 @@ but in rank 0's callbacks during a scoped fit (``served_by``) the variables held
 written through the other replicas again, one at a time (``_scope.served``).
 
 Process-global state: ``_holders`` (the holder of each variable held by parts, by identity: the
-replica pool that holds the model) and the count of calls running in this process. Keras's variable
-class is hooked once, at the first scope (``_internals.guard_variable_access``).
+replica pool that holds the model), ``_held`` (those variables, weakly: what ``release_all`` frees),
+``_served`` (set only within a hook of rank 0's, for that hook's variables) and the count of calls
+running in this process. Keras's variable class is hooked once, at the first scope
+(``_internals.guard_variable_access``).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ _held: weakref.WeakValueDictionary[int, keras.Variable] = weakref.WeakValueDicti
 _calls = 0
 _installed = False
 _scopes = 0  # scopes entered now: load_weights hands variables where their values lie (``_scope.loading``)
+_registrations = 0  # Keras's torch layers registering variables' storage as parameters now
 _served: tuple[Holder, frozenset[int]] | None = None  # rank 0 in a scoped fit's hook: who serves which variables
 
 
@@ -77,7 +80,6 @@ def trainer_scope(
 ) -> Iterator[None]:
     """``torch_dp.Trainer.scope()``: variables created inside are deferred under the trainer's ``mode``
     (and its ``mesh``'s ``(rows, columns)``, a mesh trainer's)."""
-    global _installed
     if under_cluster:
         raise NotImplementedError(
             "torch_dp.Trainer.scope() runs with spawned replicas (Trainer(num_replicas=N) in one process); under "
@@ -85,16 +87,23 @@ def trainer_scope(
             "Build the model outside the scope there (shard='full' splits its training state)."
         )
     global _scopes
-    if not _installed:
-        guard_variable_access(_read, _write, _keep)
-        internals.install_keras_file_hooks(lambda: _scopes > 0, stored, lambda model: scoped_mode(model)[0])
-        _installed = True
+    install()
     _scopes += 1
     try:
         with deferring(mode, mesh):
             yield
     finally:
         _scopes -= 1
+
+
+def install() -> None:
+    """Keras's variables and files hooked, once per process: at the caller's first scope, and in a worker
+    replica that builds a scoped model (whose build reads and sets first values, ``_read``)."""
+    global _installed
+    if not _installed:
+        guard_variable_access(_read, _write, _keep, _registering)
+        internals.install_keras_file_hooks(lambda: _scopes > 0, stored, lambda model: scoped_mode(model)[0])
+        _installed = True
 
 
 def built_in_scope(model: Any, mode: ShardMode | None, *, under_cluster: bool) -> Any:
@@ -174,6 +183,16 @@ def _server(variable: keras.Variable) -> Holder | None:
     return None
 
 
+@contextlib.contextmanager
+def _registering() -> Iterator[None]:
+    global _registrations
+    _registrations += 1
+    try:
+        yield
+    finally:
+        _registrations -= 1
+
+
 def serve_only() -> None:
     """This process is a worker replica: it reads its storage always (the caller reads for the user)."""
     global _calls
@@ -184,7 +203,11 @@ def _read(variable: keras.Variable) -> torch.Tensor | None:
     server = _server(variable)
     if server is not None:
         return server.read_variable(variable)
-    if _calls or not _installed or building():  # Keras's own reads while it builds take the storage
+    if not _installed or _registrations:  # Keras registering the storage as a parameter takes it
+        return None
+    if building() and is_deferred(variable):  # a model being built reads its values: in any process
+        return initial_value(variable)
+    if _calls:
         return None
     holder = _holders.get(id(variable))
     if holder is not None:
@@ -204,7 +227,7 @@ def _write(variable: keras.Variable, value: Any) -> bool:
     if server is not None:
         server.write_variable(variable, value)
         return True
-    if _calls:
+    if _calls and not (building() and is_deferred(variable)):  # a model being built sets its values anywhere
         return False
     holder = _holders.get(id(variable))
     if holder is not None:
