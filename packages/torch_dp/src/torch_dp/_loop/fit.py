@@ -61,9 +61,8 @@ def fit_loop(
             arguments.callbacks, model, is_primary=replica.is_primary, verbose=arguments.verbose,
             epochs=arguments.epochs, steps=arguments.steps_shown, global_batch_size=arguments.global_batch_size,
         )  # fmt: skip
-        callbacks = on_whole_state(
-            listed, arguments.callbacks, model, state, replica
-        )  # sharded: rank 0's hooks see all
+        # sharded: rank 0's hooks see the whole state (a scoped model's served variable by variable)
+        callbacks = on_whole_state(listed, arguments.callbacks, model, state, replica)
         logging = _batch_logging(job, replica)
         changes = Changes(model, replica, sharded=state.sharded_variables())
         resumed = bool(start.epoch or start.step)  # from a checkpoint (an initial_epoch comes later)

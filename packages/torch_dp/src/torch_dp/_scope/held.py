@@ -12,8 +12,8 @@ written through the other replicas again, one at a time (``_scope.served``).
 Process-global state: ``_holders`` (the holder of each variable held by parts, by identity: the
 replica pool that holds the model), ``_held`` (those variables, weakly: what ``release_all`` frees),
 ``_served`` (set only within a hook of rank 0's, for that hook's variables), ``_registrations`` (Keras
-registering storage as torch parameters now) and the count of calls running in this process. Keras's variable class is hooked once, at the first scope
-(``_internals.guard_variable_access``).
+registering storage as torch parameters now) and the count of calls running in this process. Keras's
+variable class is hooked once, at the first scope or a worker's first scoped model (``install``).
 """
 
 from __future__ import annotations
